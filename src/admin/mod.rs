@@ -1,0 +1,6 @@
+//! Administration: the REST API the daemon serves, the CLI client that talks
+//! to it, and the metrics both expose.
+
+pub mod api;
+pub mod cli;
+pub mod metrics;

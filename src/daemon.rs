@@ -1,0 +1,122 @@
+//! `strata serve`: opens the data directory, starts the frontends and the
+//! REST API, and shuts down cleanly on SIGTERM or SIGINT.
+
+use std::io::Write;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+
+use crate::frontend::nbd;
+use crate::volume::manager::VolumeManager;
+
+#[derive(Debug, Clone, clap::Args)]
+pub struct ServeArgs {
+    /// Directory holding the pool; created with a default pool and a 10 GiB
+    /// volume `default/vol0` on first start, reused afterwards.
+    #[arg(long, default_value = "./strata-data")]
+    pub data_dir: PathBuf,
+    /// Address for NBD clients (port 0 picks a free port).
+    #[arg(long, default_value = "127.0.0.1:10809")]
+    pub nbd: SocketAddr,
+    /// Address for iSCSI initiators (accepted; the iSCSI target is not built yet).
+    #[arg(long, default_value = "127.0.0.1:3260")]
+    pub iscsi: SocketAddr,
+    /// Address of the REST API and /metrics.
+    #[arg(long, default_value = "127.0.0.1:9860")]
+    pub api: SocketAddr,
+}
+
+/// Sender side of the shutdown signal every listener watches.
+pub type Shutdown = watch::Receiver<bool>;
+
+pub fn run(args: ServeArgs) -> ExitCode {
+    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(runtime) => runtime,
+        Err(e) => {
+            eprintln!("strata: error: cannot start the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(serve(args)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(message) => {
+            eprintln!("strata: error: {message}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn bind(what: &str, address: SocketAddr) -> Result<TcpListener, String> {
+    TcpListener::bind(address)
+        .await
+        .map_err(|e| format!("cannot listen for {what} on {address}: {e}"))
+}
+
+async fn serve(args: ServeArgs) -> Result<(), String> {
+    let manager = Arc::new(VolumeManager::open(&args.data_dir).map_err(|e| e.to_string())?);
+    let nbd_listener = bind("NBD", args.nbd).await?;
+    let api_listener = bind("the REST API", args.api).await?;
+    let nbd_address = nbd_listener.local_addr().map_err(|e| e.to_string())?;
+    let api_address = api_listener.local_addr().map_err(|e| e.to_string())?;
+
+    let volumes = manager.volumes();
+    let names: Vec<&str> = volumes.iter().map(|v| v.full_name()).collect();
+    {
+        // Tests and scripts read these lines to find the ports; keep their shape.
+        let mut out = std::io::stdout().lock();
+        let _ = writeln!(
+            out,
+            "strata {}: data in {} ({} volume(s): {})",
+            env!("CARGO_PKG_VERSION"),
+            args.data_dir.display(),
+            names.len(),
+            names.join(", ")
+        );
+        let _ = writeln!(out, "strata: nbd listening on {nbd_address}");
+        let _ = writeln!(out, "strata: api listening on http://{api_address}");
+        let _ = writeln!(
+            out,
+            "strata: iscsi not served yet (the iSCSI target is a later release); --iscsi {} ignored",
+            args.iscsi
+        );
+        let _ = out.flush();
+    }
+
+    let (stop_sender, stop) = watch::channel(false);
+    let nbd_task = tokio::spawn(nbd::server::serve(nbd_listener, manager.clone(), stop.clone()));
+    let router = crate::admin::api::router(manager.clone());
+    let mut api_stop = stop.clone();
+    let api_task = tokio::spawn(async move {
+        let result = axum::serve(api_listener, router)
+            .with_graceful_shutdown(async move {
+                let _ = api_stop.wait_for(|stopped| *stopped).await;
+            })
+            .await;
+        if let Err(e) = result {
+            tracing::error!("REST API stopped: {e}");
+        }
+    });
+
+    let signal = wait_for_signal().await?;
+    tracing::info!("{signal} received, shutting down");
+    let _ = stop_sender.send(true);
+    let _ = nbd_task.await;
+    let _ = api_task.await;
+    manager.flush_all().await;
+    println!("strata: stopped ({signal}); all acknowledged writes flushed");
+    Ok(())
+}
+
+async fn wait_for_signal() -> Result<&'static str, String> {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut terminate = signal(SignalKind::terminate()).map_err(|e| e.to_string())?;
+    let mut interrupt = signal(SignalKind::interrupt()).map_err(|e| e.to_string())?;
+    Ok(tokio::select! {
+        _ = terminate.recv() => "SIGTERM",
+        _ = interrupt.recv() => "SIGINT",
+    })
+}

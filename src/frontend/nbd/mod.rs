@@ -1,0 +1,4 @@
+//! The NBD server (fixed newstyle handshake, structured replies, base:allocation).
+
+pub mod proto;
+pub mod server;

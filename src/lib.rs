@@ -1,0 +1,9 @@
+//! strata: a storage server that serves thin block volumes over NBD (and,
+//! later, iSCSI and NFSv3). See ARCHITECTURE.md for the layers.
+
+pub mod admin;
+pub mod daemon;
+pub mod frontend;
+pub mod meta;
+pub mod units;
+pub mod volume;

@@ -1,0 +1,108 @@
+//! The catalog: which pools and volumes exist and their properties.
+//!
+//! Stored as one JSON document, `catalog.json` in the data directory, replaced
+//! atomically (write a temporary file, fsync it, rename it over the old one,
+//! fsync the directory) so a crash leaves either the old or the new catalog,
+//! never a mix. Admin operations are rare; the data path never reads it.
+
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::fs::{self, File};
+use std::io::Write;
+use std::path::Path;
+
+use crate::volume::props::StoredProps;
+
+pub const CATALOG_FILE: &str = "catalog.json";
+pub const CATALOG_FORMAT: u32 = 1;
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Catalog {
+    /// Layout version; a newer one is refused rather than misread.
+    pub format: u32,
+    pub pools: BTreeMap<String, PoolRecord>,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PoolRecord {
+    pub created_unix: u64,
+    pub volumes: BTreeMap<String, VolumeRecord>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VolumeRecord {
+    /// Names the backing file, so a deleted and re-created volume never
+    /// reuses the old one's data.
+    pub guid: String,
+    pub created_unix: u64,
+    pub props: StoredProps,
+}
+
+impl Catalog {
+    pub fn empty() -> Self {
+        Catalog {
+            format: CATALOG_FORMAT,
+            pools: BTreeMap::new(),
+        }
+    }
+
+    /// Loads the catalog; `Ok(None)` when the directory has none yet.
+    pub fn load(dir: &Path) -> Result<Option<Catalog>, String> {
+        let path = dir.join(CATALOG_FILE);
+        let text = match fs::read_to_string(&path) {
+            Ok(text) => text,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(format!("cannot read {}: {e}", path.display())),
+        };
+        let catalog: Catalog =
+            serde_json::from_str(&text).map_err(|e| format!("{} is damaged: {e}", path.display()))?;
+        if catalog.format != CATALOG_FORMAT {
+            return Err(format!(
+                "{} has format {}, this strata understands format {CATALOG_FORMAT}",
+                path.display(),
+                catalog.format
+            ));
+        }
+        Ok(Some(catalog))
+    }
+
+    /// Replaces the catalog on disk atomically and durably.
+    pub fn save(&self, dir: &Path) -> std::io::Result<()> {
+        let path = dir.join(CATALOG_FILE);
+        let temporary = dir.join(format!("{CATALOG_FILE}.tmp"));
+        let mut text = serde_json::to_vec_pretty(self).map_err(std::io::Error::other)?;
+        text.push(b'\n');
+        {
+            let mut file = File::create(&temporary)?;
+            file.write_all(&text)?;
+            file.sync_all()?;
+        }
+        fs::rename(&temporary, &path)?;
+        sync_dir(dir)
+    }
+}
+
+/// Makes a directory's entries (created, renamed, removed files) durable.
+pub fn sync_dir(dir: &Path) -> std::io::Result<()> {
+    File::open(dir)?.sync_all()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn round_trip_and_version_check() {
+        let dir = tempfile::tempdir().unwrap();
+        assert_eq!(Catalog::load(dir.path()).unwrap(), None);
+        let mut catalog = Catalog::empty();
+        catalog.pools.insert("default".into(), PoolRecord::default());
+        catalog.save(dir.path()).unwrap();
+        assert_eq!(Catalog::load(dir.path()).unwrap(), Some(catalog.clone()));
+        catalog.format = 99;
+        catalog.save(dir.path()).unwrap();
+        assert!(Catalog::load(dir.path()).unwrap_err().contains("format 99"));
+        fs::write(dir.path().join(CATALOG_FILE), "{ not json").unwrap();
+        assert!(Catalog::load(dir.path()).unwrap_err().contains("damaged"));
+    }
+}

@@ -1,0 +1,4 @@
+//! Metadata: the catalog of pools and volumes (later also the block map and
+//! allocation state of the storage engine).
+
+pub mod catalog;

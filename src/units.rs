@@ -1,0 +1,120 @@
+//! Human sizes: parsing `10G`-style arguments and printing byte counts.
+//!
+//! Suffixes are binary (K = 1024), as in ZFS and qemu-img: `10G` is 10 GiB.
+
+/// Parses a size such as `4096`, `512K`, `10G`, `1.5T`, `64MiB`.
+///
+/// Returns a one-line message naming the bad input on failure.
+pub fn parse_size(text: &str) -> Result<u64, String> {
+    let trimmed = text.trim();
+    let err = || format!("invalid size '{text}': expected a number with an optional K, M, G, T or P suffix (e.g. 10G)");
+    if trimmed.is_empty() {
+        return Err(err());
+    }
+    let split = trimmed
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(trimmed.len());
+    let (number, suffix) = trimmed.split_at(split);
+    let shift = match suffix.to_ascii_uppercase().as_str() {
+        "" | "B" => 0,
+        "K" | "KB" | "KIB" => 10,
+        "M" | "MB" | "MIB" => 20,
+        "G" | "GB" | "GIB" => 30,
+        "T" | "TB" | "TIB" => 40,
+        "P" | "PB" | "PIB" => 50,
+        _ => return Err(err()),
+    };
+    if number.is_empty() || number.matches('.').count() > 1 {
+        return Err(err());
+    }
+    let (whole, frac) = number.split_once('.').unwrap_or((number, ""));
+    let whole: u64 = if whole.is_empty() {
+        0
+    } else {
+        whole.parse().map_err(|_| err())?
+    };
+    let unit = 1u64 << shift;
+    let mut bytes = whole
+        .checked_mul(unit)
+        .ok_or_else(|| format!("invalid size '{text}': too large"))?;
+    if !frac.is_empty() {
+        // Exact decimal fraction of the unit; a fraction that does not come out
+        // to whole bytes is refused rather than silently rounded.
+        let digits = frac.len() as u32;
+        if digits > 18 {
+            return Err(err());
+        }
+        let numerator: u128 = frac.parse().map_err(|_| err())?;
+        let denominator = 10u128.pow(digits);
+        let scaled = numerator * unit as u128;
+        if scaled % denominator != 0 {
+            return Err(format!("invalid size '{text}': not a whole number of bytes"));
+        }
+        bytes = bytes
+            .checked_add((scaled / denominator) as u64)
+            .ok_or_else(|| format!("invalid size '{text}': too large"))?;
+    }
+    Ok(bytes)
+}
+
+/// Formats a byte count the way `zfs list` does: `10G`, `1.50G`, `512K`, `0B`.
+pub fn format_size(bytes: u64) -> String {
+    const SUFFIXES: [&str; 6] = ["B", "K", "M", "G", "T", "P"];
+    let mut index = 0;
+    let mut value = bytes as f64;
+    while value >= 1024.0 && index + 1 < SUFFIXES.len() {
+        value /= 1024.0;
+        index += 1;
+    }
+    if index == 0 {
+        format!("{bytes}B")
+    } else if value.fract() == 0.0 {
+        format!("{}{}", value as u64, SUFFIXES[index])
+    } else if value < 10.0 {
+        format!("{value:.2}{}", SUFFIXES[index])
+    } else if value < 100.0 {
+        format!("{value:.1}{}", SUFFIXES[index])
+    } else {
+        format!("{value:.0}{}", SUFFIXES[index])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_suffixes() {
+        assert_eq!(parse_size("4096"), Ok(4096));
+        assert_eq!(parse_size("512K"), Ok(512 << 10));
+        assert_eq!(parse_size("10G"), Ok(10 << 30));
+        assert_eq!(parse_size("10g"), Ok(10 << 30));
+        assert_eq!(parse_size("64MiB"), Ok(64 << 20));
+        assert_eq!(parse_size("1.5T"), Ok(3 << 39));
+        assert_eq!(parse_size(" 2M "), Ok(2 << 20));
+    }
+
+    #[test]
+    fn refuses_garbage() {
+        for bad in [
+            "",
+            "G",
+            "10X",
+            "1.2.3G",
+            "-5G",
+            "0.1",
+            "99999999999999999999",
+            "16777216T",
+        ] {
+            assert!(parse_size(bad).is_err(), "{bad} should be refused");
+        }
+    }
+
+    #[test]
+    fn formats_like_zfs() {
+        assert_eq!(format_size(0), "0B");
+        assert_eq!(format_size(10 << 30), "10G");
+        assert_eq!(format_size(3 << 29), "1.50G");
+        assert_eq!(format_size(1000), "1000B");
+    }
+}
