@@ -1,8 +1,543 @@
-use crate::daemon::Shutdown;
-use crate::volume::manager::VolumeManager;
-use std::sync::Arc;
-use tokio::net::TcpListener;
+//! The NBD server: accepts connections, runs the fixed newstyle handshake,
+//! then serves requests pipelined.
+//!
+//! Per connection there is one reader task and one writer task. The reader
+//! parses request headers (and write payloads) and spawns one task per
+//! request, so many requests are in flight and complete in any order. Each
+//! finished request queues its reply to the writer, which sends every reply
+//! that is ready in one `writev` (temporal merge). A byte budget per
+//! connection bounds the memory one client can pin; nothing is shared
+//! between connections except the volume itself.
 
-pub async fn serve(_listener: TcpListener, _manager: Arc<VolumeManager>, mut stop: Shutdown) {
-    let _ = stop.wait_for(|s| *s).await;
+use std::io::IoSlice;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
+
+use super::proto::{self, cflag, chunk, cmd, info, opt, rep, ClientOption, Negotiated, Request};
+use crate::admin::metrics::{Op, Protocol};
+use crate::daemon::Shutdown;
+use crate::volume::manager::{VolumeManager, DEFAULT_POOL, DEFAULT_VOLUME};
+use crate::volume::{full_name, BlockError, IoBuf, Volume, ZeroFlags, MAX_REQUEST_BYTES};
+
+/// A client must finish the handshake within this time.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(30);
+/// Options one connection may send before it is considered abusive.
+const MAX_OPTIONS_PER_CONNECTION: usize = 1024;
+/// Connections served at once; more are closed at accept.
+const MAX_CONNECTIONS: usize = 1024;
+/// Bytes of request and reply payload one connection may have in flight.
+const IN_FLIGHT_BUDGET_BYTES: usize = 128 << 20;
+/// The budget is counted in units of this many bytes (each request takes at least one).
+const BUDGET_UNIT_BYTES: usize = 4096;
+/// Replies merged into one `writev` at most.
+const MAX_REPLIES_PER_SEND: usize = 64;
+/// Room in front of read data for a structured chunk header and its offset.
+const READ_HEADROOM: usize = proto::CHUNK_HEADER_BYTES + 8;
+
+#[derive(Debug, thiserror::Error)]
+enum ConnectionError {
+    #[error("{0}")]
+    Io(#[from] std::io::Error),
+    #[error("handshake: {0}")]
+    Handshake(#[from] proto::HandshakeError),
+    #[error("{0}")]
+    Request(#[from] proto::BadRequestMagic),
+    #[error("handshake not finished within {0:?}")]
+    HandshakeTimeout(Duration),
+    #[error("option of {0} bytes refused")]
+    OptionTooLarge(u32),
+    #[error("more than {MAX_OPTIONS_PER_CONNECTION} options")]
+    TooManyOptions,
+    #[error("unknown export '{0}' requested with NBD_OPT_EXPORT_NAME")]
+    UnknownExport(String),
+    #[error("write payload of {0} bytes exceeds the {MAX_REQUEST_BYTES}-byte maximum")]
+    PayloadTooLarge(u32),
+}
+
+/// Accepts NBD clients until `stop` turns true.
+pub async fn serve(listener: TcpListener, manager: Arc<VolumeManager>, mut stop: Shutdown) {
+    let slots = Arc::new(Semaphore::new(MAX_CONNECTIONS));
+    loop {
+        let accepted = tokio::select! {
+            _ = stop.wait_for(|stopped| *stopped) => break,
+            accepted = listener.accept() => accepted,
+        };
+        let (stream, peer) = match accepted {
+            Ok(connection) => connection,
+            Err(e) => {
+                // Typically EMFILE; back off instead of spinning.
+                tracing::warn!("nbd: accept failed: {e}");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        let Ok(slot) = slots.clone().try_acquire_owned() else {
+            tracing::warn!("nbd: refusing {peer}: {MAX_CONNECTIONS} connections already open");
+            continue;
+        };
+        let manager = manager.clone();
+        let stop = stop.clone();
+        tokio::spawn(async move {
+            let _slot = slot;
+            match handle_connection(stream, &manager, stop).await {
+                Ok(()) => tracing::debug!("nbd: {peer} disconnected"),
+                Err(e) => tracing::info!("nbd: {peer} closed: {e}"),
+            }
+        });
+    }
+}
+
+async fn handle_connection(stream: TcpStream, manager: &VolumeManager, stop: Shutdown) -> Result<(), ConnectionError> {
+    stream.set_nodelay(true)?;
+    let (read_half, mut writer) = stream.into_split();
+    let mut reader = BufReader::with_capacity(256 << 10, read_half);
+    let mut greeting = Vec::with_capacity(18);
+    greeting.extend_from_slice(&proto::NBD_MAGIC.to_be_bytes());
+    greeting.extend_from_slice(&proto::IHAVEOPT.to_be_bytes());
+    greeting.extend_from_slice(&(proto::FLAG_FIXED_NEWSTYLE | proto::FLAG_NO_ZEROES).to_be_bytes());
+    writer.write_all(&greeting).await?;
+    let agreed = tokio::time::timeout(HANDSHAKE_TIMEOUT, negotiate(&mut reader, &mut writer, manager))
+        .await
+        .map_err(|_| ConnectionError::HandshakeTimeout(HANDSHAKE_TIMEOUT))??;
+    match agreed {
+        Some((volume, negotiated)) => transmission(reader, writer, volume, negotiated, stop).await,
+        None => Ok(()),
+    }
+}
+
+/// The volume an export name means; the empty name is `default/vol0`.
+fn lookup_export(manager: &VolumeManager, name: &str) -> Option<Arc<Volume>> {
+    if name.is_empty() {
+        manager.lookup(&full_name(DEFAULT_POOL, DEFAULT_VOLUME))
+    } else {
+        manager.lookup(name)
+    }
+}
+
+/// Runs option haggling. Returns the chosen volume, or `None` when the
+/// client aborted.
+async fn negotiate(
+    reader: &mut BufReader<OwnedReadHalf>,
+    writer: &mut OwnedWriteHalf,
+    manager: &VolumeManager,
+) -> Result<Option<(Arc<Volume>, Negotiated)>, ConnectionError> {
+    let mut flags = [0u8; 4];
+    reader.read_exact(&mut flags).await?;
+    let client_flags = proto::parse_client_flags(flags)?;
+    let no_zeroes = client_flags & proto::CLIENT_FLAG_NO_ZEROES != 0;
+    let mut negotiated = Negotiated::default();
+    // The export the selected meta context belongs to.
+    let mut meta_export: Option<String> = None;
+
+    for _ in 0..MAX_OPTIONS_PER_CONNECTION {
+        let mut header = [0u8; proto::OPTION_HEADER_BYTES];
+        reader.read_exact(&mut header).await?;
+        let header = proto::parse_option_header(&header)?;
+        if header.length > proto::MAX_OPTION_BYTES {
+            // Reading (or skipping) gigabytes of option data would let one
+            // client tie us up; refuse and hang up.
+            let message = format!("option longer than {} bytes", proto::MAX_OPTION_BYTES);
+            writer
+                .write_all(&proto::option_reply(
+                    header.option,
+                    rep::ERR_TOO_BIG,
+                    message.as_bytes(),
+                ))
+                .await?;
+            return Err(ConnectionError::OptionTooLarge(header.length));
+        }
+        let mut data = vec![0u8; header.length as usize];
+        reader.read_exact(&mut data).await?;
+        let reply = |kind: u32, data: &[u8]| proto::option_reply(header.option, kind, data);
+        let option = match proto::parse_option(header.option, &data) {
+            Ok(option) => option,
+            Err(e) => {
+                writer.write_all(&reply(e.reply, e.message.as_bytes())).await?;
+                continue;
+            }
+        };
+        match option {
+            ClientOption::ExportName(name) => {
+                let Some(volume) = lookup_export(manager, &name) else {
+                    // The protocol gives no way to refuse EXPORT_NAME but to close.
+                    return Err(ConnectionError::UnknownExport(name));
+                };
+                negotiated.base_allocation &= meta_export.as_deref() == Some(volume.full_name());
+                let caps = volume.capabilities();
+                let mut out = Vec::with_capacity(10 + 124);
+                out.extend_from_slice(&volume.size_bytes().to_be_bytes());
+                out.extend_from_slice(&proto::transmission_flags(&caps, negotiated.structured_replies).to_be_bytes());
+                if !no_zeroes {
+                    out.extend_from_slice(&[0u8; 124]);
+                }
+                writer.write_all(&out).await?;
+                return Ok(Some((volume, negotiated)));
+            }
+            ClientOption::Abort => {
+                // The client may already have closed; a failed send is fine.
+                let _ = writer.write_all(&reply(rep::ACK, &[])).await;
+                return Ok(None);
+            }
+            ClientOption::List => {
+                let mut out = Vec::new();
+                for volume in manager.volumes() {
+                    let name = volume.full_name().as_bytes();
+                    let mut entry = (name.len() as u32).to_be_bytes().to_vec();
+                    entry.extend_from_slice(name);
+                    out.extend_from_slice(&reply(rep::SERVER, &entry));
+                }
+                out.extend_from_slice(&reply(rep::ACK, &[]));
+                writer.write_all(&out).await?;
+            }
+            ClientOption::StructuredReply => {
+                negotiated.structured_replies = true;
+                writer.write_all(&reply(rep::ACK, &[])).await?;
+            }
+            ClientOption::StartTls => {
+                writer
+                    .write_all(&reply(rep::ERR_UNSUP, b"TLS is not supported by this server yet"))
+                    .await?;
+            }
+            ClientOption::Info { export, requests } | ClientOption::Go { export, requests } => {
+                let Some(volume) = lookup_export(manager, &export) else {
+                    let message = format!("no export named '{export}'");
+                    writer.write_all(&reply(rep::ERR_UNKNOWN, message.as_bytes())).await?;
+                    continue;
+                };
+                let caps = volume.capabilities();
+                let flags = proto::transmission_flags(&caps, negotiated.structured_replies);
+                let mut out = reply(rep::INFO, &proto::info_export(volume.size_bytes(), flags));
+                if requests.contains(&info::NAME) {
+                    out.extend_from_slice(&reply(rep::INFO, &proto::info_string(info::NAME, volume.full_name())));
+                }
+                if requests.contains(&info::DESCRIPTION) {
+                    let description = format!("strata volume {}", volume.full_name());
+                    out.extend_from_slice(&reply(rep::INFO, &proto::info_string(info::DESCRIPTION, &description)));
+                }
+                // Always sent: the protocol allows it unrequested, and clients
+                // that honour it never send misaligned requests.
+                out.extend_from_slice(&reply(rep::INFO, &proto::info_block_size(&caps)));
+                out.extend_from_slice(&reply(rep::ACK, &[]));
+                writer.write_all(&out).await?;
+                if header.option == opt::GO {
+                    negotiated.base_allocation &= meta_export.as_deref() == Some(volume.full_name());
+                    return Ok(Some((volume, negotiated)));
+                }
+            }
+            ClientOption::ListMetaContext { export, queries } | ClientOption::SetMetaContext { export, queries } => {
+                let setting = header.option == opt::SET_META_CONTEXT;
+                if setting && !negotiated.structured_replies {
+                    let message = b"NBD_OPT_STRUCTURED_REPLY must be negotiated first";
+                    writer.write_all(&reply(rep::ERR_INVALID, message)).await?;
+                    continue;
+                }
+                let Some(volume) = lookup_export(manager, &export) else {
+                    let message = format!("no export named '{export}'");
+                    writer.write_all(&reply(rep::ERR_UNKNOWN, message.as_bytes())).await?;
+                    continue;
+                };
+                let contexts = proto::match_meta_contexts(&queries, !setting);
+                if setting {
+                    negotiated.base_allocation = !contexts.is_empty();
+                    meta_export = Some(volume.full_name().to_string());
+                }
+                let mut out = Vec::new();
+                for (id, name) in contexts {
+                    let mut data = id.to_be_bytes().to_vec();
+                    data.extend_from_slice(name.as_bytes());
+                    out.extend_from_slice(&reply(rep::META_CONTEXT, &data));
+                }
+                out.extend_from_slice(&reply(rep::ACK, &[]));
+                writer.write_all(&out).await?;
+            }
+            ClientOption::Unsupported(code) => {
+                let message = format!("option {code} is not supported");
+                writer.write_all(&reply(rep::ERR_UNSUP, message.as_bytes())).await?;
+            }
+        }
+    }
+    Err(ConnectionError::TooManyOptions)
+}
+
+/// A reply ready to send. The budget permit is released once it is written.
+struct Reply {
+    bytes: Vec<u8>,
+    start: usize,
+    _permit: OwnedSemaphorePermit,
+}
+
+async fn transmission(
+    mut reader: BufReader<OwnedReadHalf>,
+    writer: OwnedWriteHalf,
+    volume: Arc<Volume>,
+    negotiated: Negotiated,
+    mut stop: Shutdown,
+) -> Result<(), ConnectionError> {
+    let _handle = volume.open_handle();
+    let (replies, queue) = mpsc::unbounded_channel::<Reply>();
+    let writer_task = tokio::spawn(send_replies(writer, queue));
+    let budget = Arc::new(Semaphore::new(IN_FLIGHT_BUDGET_BYTES / BUDGET_UNIT_BYTES));
+
+    let result = loop {
+        let mut header = [0u8; proto::REQUEST_BYTES];
+        let read = tokio::select! {
+            read = reader.read_exact(&mut header) => read,
+            _ = stop.wait_for(|stopped| *stopped) => break Ok(()),
+        };
+        match read {
+            Ok(_) => {}
+            // A client may close without NBD_CMD_DISC.
+            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => break Ok(()),
+            Err(e) => break Err(e.into()),
+        }
+        let received = Instant::now();
+        let request = match proto::parse_request(&header) {
+            Ok(request) => request,
+            Err(e) => break Err(e.into()),
+        };
+        if request.kind == cmd::DISC {
+            break Ok(());
+        }
+        let payload_bytes = if request.kind == cmd::WRITE { request.length } else { 0 };
+        if payload_bytes > MAX_REQUEST_BYTES {
+            // We cannot stay in step without reading the payload; a payload
+            // this size is treated as an attack and the connection dropped.
+            break Err(ConnectionError::PayloadTooLarge(payload_bytes));
+        }
+        let data_bytes = match request.kind {
+            cmd::READ | cmd::WRITE => (request.length.min(MAX_REQUEST_BYTES)) as usize,
+            _ => 0,
+        };
+        let units = (data_bytes / BUDGET_UNIT_BYTES + 1) as u32;
+        let Ok(permit) = budget.clone().acquire_many_owned(units).await else {
+            break Ok(());
+        };
+        let payload = if payload_bytes > 0 {
+            let mut data = vec![0u8; payload_bytes as usize];
+            if let Err(e) = reader.read_exact(&mut data).await {
+                break Err(e.into());
+            }
+            Some(data)
+        } else {
+            None
+        };
+        if let Err(errno) = proto::check_request(&request, &negotiated) {
+            let bytes = error_reply(&request, &negotiated, errno, "invalid request type or flags");
+            let _ = replies.send(Reply {
+                bytes,
+                start: 0,
+                _permit: permit,
+            });
+            continue;
+        }
+        let volume = volume.clone();
+        let replies = replies.clone();
+        tokio::spawn(async move {
+            let (bytes, start) = execute(&volume, request, payload, negotiated, received).await;
+            let _ = replies.send(Reply {
+                bytes,
+                start,
+                _permit: permit,
+            });
+        });
+    };
+    // Outstanding requests finish and their replies are sent before the
+    // connection closes: the writer ends once every sender is gone.
+    drop(replies);
+    let _ = writer_task.await;
+    result
+}
+
+fn op_of(kind: u16) -> Op {
+    match kind {
+        cmd::READ => Op::Read,
+        cmd::WRITE => Op::Write,
+        cmd::FLUSH => Op::Flush,
+        cmd::TRIM => Op::Trim,
+        cmd::WRITE_ZEROES => Op::WriteZeroes,
+        cmd::CACHE => Op::Cache,
+        _ => Op::BlockStatus,
+    }
+}
+
+/// An error reply: structured (with a message) when negotiated, else simple.
+fn error_reply(request: &Request, negotiated: &Negotiated, errno: u32, message: &str) -> Vec<u8> {
+    if negotiated.structured_replies {
+        proto::error_chunk(request.cookie, errno, message)
+    } else {
+        proto::simple_reply(errno, request.cookie)
+    }
+}
+
+fn log_error(volume: &Volume, request: &Request, error: &BlockError) {
+    match error {
+        BlockError::Io(_) | BlockError::Checksum { .. } => tracing::warn!(
+            "nbd: {} {} at {} (+{}) failed: {error}",
+            volume.full_name(),
+            op_of(request.kind).as_str(),
+            request.offset,
+            request.length
+        ),
+        _ => tracing::debug!("nbd: {}: {error}", volume.full_name()),
+    }
+}
+
+/// Runs one request and builds its reply: (bytes, offset where the reply starts).
+async fn execute(
+    volume: &Volume,
+    request: Request,
+    payload: Option<Vec<u8>>,
+    negotiated: Negotiated,
+    received: Instant,
+) -> (Vec<u8>, usize) {
+    let fua = request.flags & cflag::FUA != 0;
+    let offset = request.offset;
+    let length = request.length as u64;
+    let op = op_of(request.kind);
+    let result = match request.kind {
+        cmd::READ => {
+            let (bytes, start, ok) = read_reply(volume, &request, &negotiated).await;
+            volume.stats().record(Protocol::Nbd, op, length, received.elapsed(), ok);
+            return (bytes, start);
+        }
+        cmd::WRITE => {
+            let data = IoBuf::from_vec(payload.unwrap_or_default());
+            volume.write(offset, data, fua).await.map(|()| None)
+        }
+        cmd::FLUSH => volume.flush().await.map(|()| None),
+        cmd::TRIM => volume.trim(offset, length, fua).await.map(|()| None),
+        cmd::WRITE_ZEROES => {
+            let flags = ZeroFlags {
+                may_trim: request.flags & cflag::NO_HOLE == 0,
+                fast_only: request.flags & cflag::FAST_ZERO != 0,
+                fua,
+            };
+            volume.write_zeroes(offset, length, flags).await.map(|()| None)
+        }
+        cmd::CACHE => volume.cache(offset, length).await.map(|()| None),
+        _ => volume.block_status(offset, length).await.map(|extents| {
+            let req_one = request.flags & cflag::REQ_ONE != 0;
+            Some(proto::block_status_chunk(
+                request.cookie,
+                &extents,
+                request.length,
+                req_one,
+            ))
+        }),
+    };
+    let bytes_moved = if matches!(request.kind, cmd::WRITE | cmd::TRIM | cmd::WRITE_ZEROES) {
+        length
+    } else {
+        0
+    };
+    volume
+        .stats()
+        .record(Protocol::Nbd, op, bytes_moved, received.elapsed(), result.is_ok());
+    let bytes = match result {
+        Ok(Some(chunk)) => chunk,
+        Ok(None) => proto::simple_reply(0, request.cookie),
+        Err(e) => {
+            log_error(volume, &request, &e);
+            error_reply(
+                &request,
+                &negotiated,
+                proto::errno_for(&e, request.kind),
+                &e.to_string(),
+            )
+        }
+    };
+    (bytes, 0)
+}
+
+/// Reads and builds the reply. Without structured replies: a simple reply
+/// followed by the data. With them: one data chunk, or (unless the client set
+/// DF) hole chunks for 4 KiB runs of zeros and data chunks between.
+async fn read_reply(volume: &Volume, request: &Request, negotiated: &Negotiated) -> (Vec<u8>, usize, bool) {
+    if let Err(e) = volume.check_range(request.offset, request.length as u64, true) {
+        log_error(volume, request, &e);
+        let errno = proto::errno_for(&e, request.kind);
+        return (error_reply(request, negotiated, errno, &e.to_string()), 0, false);
+    }
+    let buf = IoBuf::with_headroom(READ_HEADROOM, request.length as usize);
+    let (mut buf, result) = volume.read(request.offset, buf).await;
+    if let Err(e) = result {
+        log_error(volume, request, &e);
+        let errno = proto::errno_for(&e, request.kind);
+        return (error_reply(request, negotiated, errno, &e.to_string()), 0, false);
+    }
+    if !negotiated.structured_replies {
+        let start = READ_HEADROOM - proto::SIMPLE_REPLY_BYTES;
+        proto::put_simple_reply(&mut buf.headroom_mut()[start..], 0, request.cookie);
+        return (buf.into_vec(), start, true);
+    }
+    let runs = if request.flags & cflag::DF != 0 {
+        Vec::new()
+    } else {
+        proto::zero_runs(buf.payload())
+    };
+    if runs.iter().all(|run| !run.0) {
+        // All data: send the buffer as one chunk, header written in place.
+        let chunk_length = (8 + request.length as usize) as u32;
+        let head = buf.headroom_mut();
+        proto::put_chunk_header(head, chunk::FLAG_DONE, chunk::OFFSET_DATA, request.cookie, chunk_length);
+        head[proto::CHUNK_HEADER_BYTES..].copy_from_slice(&request.offset.to_be_bytes());
+        return (buf.into_vec(), 0, true);
+    }
+    let data = buf.payload();
+    let mut out = Vec::with_capacity(data.len() + runs.len() * READ_HEADROOM);
+    for (index, &(zero, start, end)) in runs.iter().enumerate() {
+        let flags = if index + 1 == runs.len() { chunk::FLAG_DONE } else { 0 };
+        let chunk_offset = (request.offset + start as u64).to_be_bytes();
+        if zero {
+            let mut payload = chunk_offset.to_vec();
+            payload.extend_from_slice(&((end - start) as u32).to_be_bytes());
+            proto::push_chunk(&mut out, flags, chunk::OFFSET_HOLE, request.cookie, &payload);
+        } else {
+            let mut payload = Vec::with_capacity(8 + end - start);
+            payload.extend_from_slice(&chunk_offset);
+            payload.extend_from_slice(&data[start..end]);
+            proto::push_chunk(&mut out, flags, chunk::OFFSET_DATA, request.cookie, &payload);
+        }
+    }
+    (out, 0, true)
+}
+
+/// Sends replies as they complete, merging all that are ready into one writev.
+async fn send_replies(mut writer: OwnedWriteHalf, mut queue: mpsc::UnboundedReceiver<Reply>) {
+    let mut batch: Vec<Reply> = Vec::with_capacity(MAX_REPLIES_PER_SEND);
+    while let Some(first) = queue.recv().await {
+        batch.push(first);
+        while batch.len() < MAX_REPLIES_PER_SEND {
+            match queue.try_recv() {
+                Ok(reply) => batch.push(reply),
+                Err(_) => break,
+            }
+        }
+        let mut slices: Vec<IoSlice<'_>> = batch.iter().map(|r| IoSlice::new(&r.bytes[r.start..])).collect();
+        let sent = write_all_vectored(&mut writer, &mut slices).await;
+        drop(slices);
+        batch.clear();
+        if let Err(e) = sent {
+            tracing::debug!("nbd: sending replies failed: {e}");
+            return;
+        }
+    }
+    let _ = writer.shutdown().await;
+}
+
+async fn write_all_vectored(writer: &mut OwnedWriteHalf, slices: &mut [IoSlice<'_>]) -> std::io::Result<()> {
+    let mut remaining = slices;
+    while !remaining.is_empty() {
+        let written = writer.write_vectored(remaining).await?;
+        if written == 0 {
+            return Err(std::io::ErrorKind::WriteZero.into());
+        }
+        IoSlice::advance_slices(&mut remaining, written);
+    }
+    Ok(())
 }
