@@ -1,0 +1,178 @@
+//! Helpers shared by the integration tests: start the real `strata` binary on
+//! ephemeral loopback ports, stop it by PID, and run external clients.
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Output, Stdio};
+use std::sync::mpsc;
+use std::time::Duration;
+
+pub struct Server {
+    child: Child,
+    /// `127.0.0.1:PORT` of the NBD listener.
+    pub nbd: String,
+    /// `127.0.0.1:PORT` of the REST API.
+    pub api: String,
+    pub data_dir: PathBuf,
+}
+
+impl Server {
+    /// Starts `strata serve` on `data_dir` with every listener on port 0 and
+    /// waits until it prints where it listens.
+    pub fn start(data_dir: &Path) -> Server {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_strata"))
+            .arg("serve")
+            .arg("--data-dir")
+            .arg(data_dir)
+            .args(["--nbd", "127.0.0.1:0", "--api", "127.0.0.1:0", "--iscsi", "127.0.0.1:0"])
+            .env("STRATA_LOG", "warn")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("start strata serve");
+        let stdout = child.stdout.take().expect("stdout");
+        let (lines, received) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines() {
+                let Ok(line) = line else { break };
+                if lines.send(line).is_err() {
+                    // Keep draining so the server never blocks on a full pipe.
+                    continue;
+                }
+            }
+        });
+        let mut nbd = None;
+        let mut api = None;
+        while nbd.is_none() || api.is_none() {
+            let line = received.recv_timeout(Duration::from_secs(30)).unwrap_or_else(|_| {
+                panic!(
+                    "strata serve did not report its addresses (exit: {:?})",
+                    child.try_wait()
+                )
+            });
+            if let Some(address) = line.strip_prefix("strata: nbd listening on ") {
+                nbd = Some(address.trim().to_string());
+            }
+            if let Some(address) = line.strip_prefix("strata: api listening on http://") {
+                api = Some(address.trim().to_string());
+            }
+        }
+        Server {
+            child,
+            nbd: nbd.unwrap(),
+            api: api.unwrap(),
+            data_dir: data_dir.to_path_buf(),
+        }
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// `nbd://127.0.0.1:PORT/EXPORT`.
+    pub fn uri(&self, export: &str) -> String {
+        format!("nbd://{}/{export}", self.nbd)
+    }
+
+    /// Creates a volume through the REST API (`size` like "64M").
+    pub fn create_volume(&self, name: &str, size: &str) {
+        let body = format!("{{\"name\":\"{name}\",\"size\":\"{size}\"}}");
+        let response = http(&self.api, "POST", "/v1/volumes", &body);
+        assert!(response.starts_with("HTTP/1.1 201"), "creating {name}: {response}");
+    }
+
+    /// SIGTERM, then wait for the exit status.
+    pub fn stop(&mut self) -> ExitStatus {
+        // SAFETY: kill(2) on our own child's pid with a valid signal number.
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        self.wait(Duration::from_secs(30))
+    }
+
+    /// SIGKILL (a crash), then reap.
+    pub fn kill9(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    fn wait(&mut self, limit: Duration) -> ExitStatus {
+        let deadline = std::time::Instant::now() + limit;
+        loop {
+            if let Some(status) = self.child.try_wait().expect("wait") {
+                return status;
+            }
+            if std::time::Instant::now() > deadline {
+                self.kill9();
+                panic!("strata did not exit within {limit:?} of SIGTERM");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            self.kill9();
+        }
+    }
+}
+
+/// Panics (never skips) when an external client the tests rely on is missing.
+pub fn require_tool(name: &str) {
+    let found = std::env::var_os("PATH")
+        .map(|paths| std::env::split_paths(&paths).any(|dir| dir.join(name).is_file()))
+        .unwrap_or(false);
+    assert!(
+        found,
+        "required test tool '{name}' is not installed; run scripts/test (it installs fio qemu-utils libnbd-bin nbdkit ...)"
+    );
+}
+
+/// Runs a command, panicking with its output unless it succeeds.
+pub fn run(command: &mut Command) -> Output {
+    let output = command
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {command:?}: {e}"));
+    assert!(
+        output.status.success(),
+        "{command:?} failed with {}\nstdout:\n{}\nstderr:\n{}",
+        output.status,
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    output
+}
+
+pub fn stdout_of(command: &mut Command) -> String {
+    String::from_utf8_lossy(&run(command).stdout).into_owned()
+}
+
+/// Deterministic pseudo-random bytes (xorshift), so failures reproduce.
+pub fn pseudo_random(seed: u64, length: usize) -> Vec<u8> {
+    let mut state = seed | 1;
+    let mut out = Vec::with_capacity(length + 8);
+    while out.len() < length {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        out.extend_from_slice(&state.to_le_bytes());
+    }
+    out.truncate(length);
+    out
+}
+
+/// A minimal HTTP/1.1 request; returns the whole response (status line first).
+pub fn http(address: &str, method: &str, path: &str, body: &str) -> String {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect(address).expect("connect to the API");
+    write!(
+        stream,
+        "{method} {path} HTTP/1.1\r\nHost: {address}\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut response = String::new();
+    stream.read_to_string(&mut response).unwrap();
+    response
+}
