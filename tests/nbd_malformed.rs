@@ -1,0 +1,362 @@
+//! Bad input over NBD: malformed handshakes and requests get the protocol's
+//! error or a closed connection, never a crash, a hang, or harm to others.
+
+mod common;
+
+use common::{require_tool, run, Server};
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+const IHAVEOPT: u64 = 0x4948_4156_454f_5054;
+const REQUEST_MAGIC: u32 = 0x2560_9513;
+const ERR_UNSUP: u32 = (1 << 31) + 1;
+const ERR_INVALID: u32 = (1 << 31) + 3;
+const ERR_UNKNOWN: u32 = (1 << 31) + 6;
+const ERR_TOO_BIG: u32 = (1 << 31) + 9;
+const EINVAL: u32 = 22;
+const ENOSPC: u32 = 28;
+
+struct Raw {
+    stream: TcpStream,
+}
+
+impl Raw {
+    fn connect(address: &str) -> Raw {
+        let mut stream = TcpStream::connect(address).unwrap();
+        stream.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let mut greeting = [0u8; 18];
+        stream.read_exact(&mut greeting).unwrap();
+        assert_eq!(&greeting[0..8], b"NBDMAGIC");
+        assert_eq!(u64::from_be_bytes(greeting[8..16].try_into().unwrap()), IHAVEOPT);
+        Raw { stream }
+    }
+
+    /// Connects and sends the fixed-newstyle, no-zeroes client flags.
+    fn start(address: &str) -> Raw {
+        let mut raw = Raw::connect(address);
+        raw.send(&3u32.to_be_bytes());
+        raw
+    }
+
+    fn send(&mut self, bytes: &[u8]) {
+        self.stream.write_all(bytes).unwrap();
+    }
+
+    fn read(&mut self, count: usize) -> Vec<u8> {
+        let mut bytes = vec![0u8; count];
+        self.stream.read_exact(&mut bytes).unwrap();
+        bytes
+    }
+
+    fn u32(&mut self) -> u32 {
+        u32::from_be_bytes(self.read(4).try_into().unwrap())
+    }
+
+    fn option(&mut self, option: u32, data: &[u8]) {
+        let mut out = IHAVEOPT.to_be_bytes().to_vec();
+        out.extend_from_slice(&option.to_be_bytes());
+        out.extend_from_slice(&(data.len() as u32).to_be_bytes());
+        out.extend_from_slice(data);
+        self.send(&out);
+    }
+
+    /// Reads one option reply: (reply type, data).
+    fn option_reply(&mut self) -> (u32, Vec<u8>) {
+        let header = self.read(20);
+        assert_eq!(
+            u64::from_be_bytes(header[0..8].try_into().unwrap()),
+            0x0003_e889_0455_65a9
+        );
+        let kind = u32::from_be_bytes(header[12..16].try_into().unwrap());
+        let length = u32::from_be_bytes(header[16..20].try_into().unwrap());
+        (kind, self.read(length as usize))
+    }
+
+    /// True when the server has closed the connection (EOF or reset).
+    fn is_closed(&mut self) -> bool {
+        let mut byte = [0u8; 1];
+        loop {
+            match self.stream.read(&mut byte) {
+                Ok(0) => return true,
+                Ok(_) => continue,
+                Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => return true,
+                Err(_) => return false,
+            }
+        }
+    }
+
+    /// NBD_OPT_GO on `name`; optionally structured replies and base:allocation first.
+    fn go(address: &str, name: &str, structured: bool) -> Raw {
+        let mut raw = Raw::start(address);
+        if structured {
+            raw.option(8, &[]);
+            assert_eq!(raw.option_reply().0, 1);
+            let mut data = name_payload(name);
+            data.extend_from_slice(&1u32.to_be_bytes());
+            data.extend_from_slice(&15u32.to_be_bytes());
+            data.extend_from_slice(b"base:allocation");
+            raw.option(10, &data);
+            assert_eq!(raw.option_reply().0, 4);
+            assert_eq!(raw.option_reply().0, 1);
+        }
+        let mut data = name_payload(name);
+        data.extend_from_slice(&0u16.to_be_bytes());
+        raw.option(7, &data);
+        loop {
+            let (kind, _) = raw.option_reply();
+            match kind {
+                3 => continue,
+                1 => break,
+                other => panic!("GO failed with {other:#x}"),
+            }
+        }
+        raw
+    }
+
+    fn request(&mut self, flags: u16, kind: u16, cookie: u64, offset: u64, length: u32, payload: &[u8]) {
+        let mut out = REQUEST_MAGIC.to_be_bytes().to_vec();
+        out.extend_from_slice(&flags.to_be_bytes());
+        out.extend_from_slice(&kind.to_be_bytes());
+        out.extend_from_slice(&cookie.to_be_bytes());
+        out.extend_from_slice(&offset.to_be_bytes());
+        out.extend_from_slice(&length.to_be_bytes());
+        out.extend_from_slice(payload);
+        self.send(&out);
+    }
+
+    /// Reads a simple reply: (error, cookie).
+    fn simple_reply(&mut self) -> (u32, u64) {
+        let header = self.read(16);
+        assert_eq!(u32::from_be_bytes(header[0..4].try_into().unwrap()), 0x6744_6698);
+        (
+            u32::from_be_bytes(header[4..8].try_into().unwrap()),
+            u64::from_be_bytes(header[8..16].try_into().unwrap()),
+        )
+    }
+
+    /// Reads one structured chunk: (flags, type, cookie, payload).
+    fn chunk(&mut self) -> (u16, u16, u64, Vec<u8>) {
+        let header = self.read(20);
+        assert_eq!(u32::from_be_bytes(header[0..4].try_into().unwrap()), 0x668e_33ef);
+        let flags = u16::from_be_bytes(header[4..6].try_into().unwrap());
+        let kind = u16::from_be_bytes(header[6..8].try_into().unwrap());
+        let cookie = u64::from_be_bytes(header[8..16].try_into().unwrap());
+        let length = u32::from_be_bytes(header[16..20].try_into().unwrap());
+        (flags, kind, cookie, self.read(length as usize))
+    }
+}
+
+fn name_payload(name: &str) -> Vec<u8> {
+    let mut data = (name.len() as u32).to_be_bytes().to_vec();
+    data.extend_from_slice(name.as_bytes());
+    data
+}
+
+#[test]
+fn malformed_handshakes_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(dir.path());
+    let address = server.nbd.as_str();
+
+    // Unknown client flags: the server hangs up.
+    let mut raw = Raw::connect(address);
+    raw.send(&0xffu32.to_be_bytes());
+    assert!(raw.is_closed());
+
+    // A 4 GiB option length is refused at once, without reading it.
+    let mut raw = Raw::start(address);
+    let started = Instant::now();
+    let mut header = IHAVEOPT.to_be_bytes().to_vec();
+    header.extend_from_slice(&7u32.to_be_bytes());
+    header.extend_from_slice(&u32::MAX.to_be_bytes());
+    raw.send(&header);
+    assert_eq!(raw.option_reply().0, ERR_TOO_BIG);
+    assert!(raw.is_closed());
+    assert!(started.elapsed() < Duration::from_secs(5));
+
+    // A 5000-byte export name gets ERR_TOO_BIG; the connection stays usable.
+    let mut raw = Raw::start(address);
+    let mut data = name_payload(&"x".repeat(5000));
+    data.extend_from_slice(&0u16.to_be_bytes());
+    raw.option(7, &data);
+    assert_eq!(raw.option_reply().0, ERR_TOO_BIG);
+    // Unknown option, unknown export, truncated GO, LIST with data.
+    raw.option(99, b"whatever");
+    assert_eq!(raw.option_reply().0, ERR_UNSUP);
+    let mut data = name_payload("default/nope");
+    data.extend_from_slice(&0u16.to_be_bytes());
+    raw.option(7, &data);
+    assert_eq!(raw.option_reply().0, ERR_UNKNOWN);
+    raw.option(7, &[0, 0, 0, 200, b'a']);
+    assert_eq!(raw.option_reply().0, ERR_INVALID);
+    raw.option(3, b"junk");
+    assert_eq!(raw.option_reply().0, ERR_INVALID);
+    // SET_META_CONTEXT needs structured replies first.
+    let mut data = name_payload("default/vol0");
+    data.extend_from_slice(&0u32.to_be_bytes());
+    raw.option(10, &data);
+    assert_eq!(raw.option_reply().0, ERR_INVALID);
+    // Invalid UTF-8 in a name.
+    let mut data = vec![0, 0, 0, 2, 0xff, 0xfe];
+    data.extend_from_slice(&0u16.to_be_bytes());
+    raw.option(6, &data);
+    assert_eq!(raw.option_reply().0, ERR_INVALID);
+    // After all that, LIST still answers.
+    raw.option(3, &[]);
+    let (kind, data) = raw.option_reply();
+    assert_eq!(kind, 2);
+    assert_eq!(&data[4..], b"default/vol0");
+    assert_eq!(raw.option_reply().0, 1);
+    // ABORT is acknowledged, then the connection closes.
+    raw.option(2, &[]);
+    assert_eq!(raw.option_reply().0, 1);
+    assert!(raw.is_closed());
+
+    // A transmission request before the handshake ended closes the connection.
+    let mut raw = Raw::start(address);
+    raw.request(0, 0, 1, 0, 4096, &[]);
+    assert!(raw.is_closed());
+
+    // NBD_OPT_EXPORT_NAME of an unknown export: the only answer is a hang-up.
+    let mut raw = Raw::start(address);
+    raw.option(1, b"default/missing");
+    assert!(raw.is_closed());
+}
+
+#[test]
+fn malformed_requests_get_errors_and_the_stream_stays_in_step() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(dir.path());
+    let size = 10u64 << 30;
+    let mut raw = Raw::go(&server.nbd, "default/vol0", false);
+
+    let cases: [(u16, u16, u64, u32, u32); 8] = [
+        (0, 0, size, 4096, EINVAL),       // read past the end
+        (0, 0, size - 512, 4096, EINVAL), // read straddling the end
+        (0, 0, 1, 4096, EINVAL),          // misaligned offset
+        (0, 0, 0, 100, EINVAL),           // misaligned length
+        (0, 0, 0, 64 << 20, EINVAL),      // larger than the maximum: refused, not allocated
+        (0, 42, 0, 4096, EINVAL),         // unknown command
+        (1 << 1, 0, 0, 4096, EINVAL),     // NO_HOLE on a read
+        (0, 7, 0, 4096, EINVAL),          // BLOCK_STATUS without a meta context
+    ];
+    for (cookie, &(flags, kind, offset, length, expected)) in cases.iter().enumerate() {
+        raw.request(flags, kind, cookie as u64, offset, length, &[]);
+        assert_eq!(raw.simple_reply(), (expected, cookie as u64), "case {cookie}");
+    }
+    raw.request(0, 3, 100, 0, 8, &[]);
+    assert_eq!(raw.simple_reply(), (EINVAL, 100), "flush with a length");
+    // A write past the end: ENOSPC, and its payload is consumed so the next
+    // request is still understood.
+    raw.request(0, 1, 101, size, 4096, &[0xaa; 4096]);
+    assert_eq!(raw.simple_reply(), (ENOSPC, 101));
+    raw.request(1, 1, 102, 8192, 4096, &[0xbb; 4096]);
+    assert_eq!(raw.simple_reply(), (0, 102));
+    raw.request(0, 0, 103, 8192, 4096, &[]);
+    assert_eq!(raw.simple_reply(), (0, 103));
+    assert_eq!(raw.read(4096), vec![0xbb; 4096]);
+    // A bad magic means the stream is out of step: the server hangs up.
+    raw.send(&[0u8; 28]);
+    assert!(raw.is_closed());
+
+    // A write payload beyond the 32 MiB maximum is treated as an attack.
+    let mut raw = Raw::go(&server.nbd, "default/vol0", false);
+    raw.request(0, 1, 1, 0, u32::MAX, &[]);
+    assert!(raw.is_closed());
+}
+
+#[test]
+fn structured_replies_holes_errors_and_block_status() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(dir.path());
+    let mut raw = Raw::go(&server.nbd, "default/vol0", true);
+    raw.request(0, 1, 1, 4096, 4096, &[0xcc; 4096]);
+    assert_eq!(raw.simple_reply(), (0, 1));
+
+    // Read 12 KiB: hole, data, hole -> three chunks, the last one DONE.
+    raw.request(0, 0, 2, 0, 12288, &[]);
+    let mut seen = Vec::new();
+    loop {
+        let (flags, kind, cookie, payload) = raw.chunk();
+        assert_eq!(cookie, 2);
+        let offset = u64::from_be_bytes(payload[0..8].try_into().unwrap());
+        match kind {
+            1 => {
+                assert!(payload[8..].iter().all(|&b| b == 0xcc));
+                seen.push(("data", offset, payload.len() as u64 - 8));
+            }
+            2 => seen.push((
+                "hole",
+                offset,
+                u32::from_be_bytes(payload[8..12].try_into().unwrap()) as u64,
+            )),
+            other => panic!("unexpected chunk type {other}"),
+        }
+        if flags & 1 != 0 {
+            break;
+        }
+    }
+    assert_eq!(
+        seen,
+        vec![("hole", 0, 4096), ("data", 4096, 4096), ("hole", 8192, 4096)]
+    );
+
+    // With DF: exactly one data chunk.
+    raw.request(1 << 2, 0, 3, 0, 8192, &[]);
+    let (flags, kind, _, payload) = raw.chunk();
+    assert_eq!((flags & 1, kind, payload.len()), (1, 1, 8 + 8192));
+
+    // Errors come as error chunks with a message.
+    raw.request(0, 0, 4, 11 << 30, 4096, &[]);
+    let (flags, kind, cookie, payload) = raw.chunk();
+    assert_eq!((flags & 1, kind, cookie), (1, (1 << 15) + 1, 4));
+    assert_eq!(u32::from_be_bytes(payload[0..4].try_into().unwrap()), EINVAL);
+    let message_length = u16::from_be_bytes(payload[4..6].try_into().unwrap()) as usize;
+    assert!(String::from_utf8_lossy(&payload[6..6 + message_length]).contains("beyond the end"));
+
+    // BLOCK_STATUS over 16 KiB: hole 4K, data 4K, hole 8K.
+    raw.request(0, 7, 5, 0, 16384, &[]);
+    let (flags, kind, _, payload) = raw.chunk();
+    assert_eq!((flags & 1, kind), (1, 5));
+    let words: Vec<u32> = payload
+        .chunks(4)
+        .map(|w| u32::from_be_bytes(w.try_into().unwrap()))
+        .collect();
+    assert_eq!(words, vec![1, 4096, 3, 4096, 0, 8192, 3]);
+    // REQ_ONE: a single descriptor.
+    raw.request(1 << 3, 7, 6, 0, 16384, &[]);
+    let (_, _, _, payload) = raw.chunk();
+    assert_eq!(payload.len(), 12);
+}
+
+#[test]
+fn bad_clients_do_not_block_others() {
+    require_tool("qemu-io");
+    let dir = tempfile::tempdir().unwrap();
+    let mut server = Server::start(dir.path());
+    // Clients that stall mid-handshake, mid-request, or never read replies.
+    let mut stalled: Vec<TcpStream> = (0..50).map(|_| TcpStream::connect(&server.nbd).unwrap()).collect();
+    let mut half = Raw::go(&server.nbd, "default/vol0", false);
+    half.send(&REQUEST_MAGIC.to_be_bytes());
+    let mut greedy = Raw::go(&server.nbd, "default/vol0", false);
+    for cookie in 0..2000u64 {
+        greedy.request(0, 0, cookie, 0, 64 << 10, &[]);
+    }
+    let started = Instant::now();
+    run(Command::new("qemu-io")
+        .args(["-f", "raw", "-c", "write -P 0x42 0 1M", "-c", "read -P 0x42 0 1M"])
+        .arg(server.uri("default/vol0")));
+    assert!(
+        started.elapsed() < Duration::from_secs(20),
+        "a good client was slowed by bad ones"
+    );
+    stalled.clear();
+    // Shutdown is prompt even with idle and stalled clients connected.
+    let stopping = Instant::now();
+    assert!(server.stop().success());
+    assert!(stopping.elapsed() < Duration::from_secs(10));
+    drop(half);
+    drop(greedy);
+}
