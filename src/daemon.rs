@@ -34,6 +34,7 @@ pub struct ServeArgs {
 pub type Shutdown = watch::Receiver<bool>;
 
 pub fn run(args: ServeArgs) -> ExitCode {
+    tune_allocator();
     let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(runtime) => runtime,
         Err(e) => {
@@ -47,6 +48,19 @@ pub fn run(args: ServeArgs) -> ExitCode {
             eprintln!("strata: error: {message}");
             ExitCode::FAILURE
         }
+    }
+}
+
+/// Request payloads of up to 32 MiB are allocated and freed at line rate.
+/// glibc would serve each large one with a fresh `mmap` (and page faults on
+/// every touch) and give it back with `munmap`; keep them in the heap instead.
+fn tune_allocator() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: mallopt only adjusts allocator tunables; it is called before any
+    // other thread exists.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 32 << 20);
+        libc::mallopt(libc::M_TRIM_THRESHOLD, 256 << 20);
     }
 }
 
@@ -107,7 +121,8 @@ async fn serve(args: ServeArgs) -> Result<(), String> {
     let _ = nbd_task.await;
     let _ = api_task.await;
     manager.flush_all().await;
-    println!("strata: stopped ({signal}); all acknowledged writes flushed");
+    // stdout may be closed by now (a supervisor that stopped reading); never panic on it.
+    let _ = writeln!(std::io::stdout(), "strata: stopped ({signal}); all acknowledged writes flushed");
     Ok(())
 }
 

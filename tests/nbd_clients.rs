@@ -233,6 +233,7 @@ fn fio_random_writes_verify_at_qd32_over_four_connections() {
             "--do_verify=1",
         ])
         .args(["--verify_fatal=1", "--group_reporting", "--output-format=json"])
+        .current_dir(dir.path())
         .arg(format!("--uri={uri}")));
     // fio's nbd engine prints a line before the JSON document.
     let text = String::from_utf8_lossy(&output.stdout);

@@ -50,10 +50,6 @@ impl Raw {
         bytes
     }
 
-    fn u32(&mut self) -> u32 {
-        u32::from_be_bytes(self.read(4).try_into().unwrap())
-    }
-
     fn option(&mut self, option: u32, data: &[u8]) {
         let mut out = IHAVEOPT.to_be_bytes().to_vec();
         out.extend_from_slice(&option.to_be_bytes());

@@ -1,18 +1,337 @@
-//! The REST API (placeholder: only /metrics until the admin API lands).
+//! The REST API: JSON over HTTP, served by `strata serve` next to `/metrics`.
+//! Every other `strata` subcommand is a client of it (see `admin::cli`).
+//!
+//! Errors are always `{"error": "<one line>"}` with a status that says what
+//! kind of failure it was: 400 invalid request (bad JSON, bad value, unknown
+//! property), 404 no such pool/volume/endpoint, 409 name taken or volume busy,
+//! 500 internal. The endpoint list is in docs/CLI.md and at `GET /v1`.
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use axum::routing::get;
-use axum::Router;
+use axum::extract::rejection::{JsonRejection, PathRejection, QueryRejection};
+use axum::extract::{Path, Query, State};
+use axum::http::{header, Method, StatusCode, Uri};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde::Deserialize;
+use serde_json::{json, Value};
 
-use crate::volume::manager::VolumeManager;
+use crate::units::parse_size;
+use crate::volume::manager::{AdminError, PoolStatus, VolumeInfo, VolumeManager};
+
+/// Content type of the Prometheus text exposition format.
+pub const METRICS_CONTENT_TYPE: &str = "text/plain; version=0.0.4";
+
+/// Every endpoint, as listed by `GET /` and `GET /v1`.
+pub const ENDPOINTS: [&str; 10] = [
+    "GET /metrics",
+    "GET /v1/pools",
+    "GET /v1/pools/{pool}",
+    "GET /v1/volumes[?pool=POOL]",
+    "POST /v1/volumes",
+    "GET /v1/volumes/{pool}/{name}",
+    "PATCH /v1/volumes/{pool}/{name}",
+    "POST /v1/volumes/{pool}/{name}/resize",
+    "DELETE /v1/volumes/{pool}/{name}",
+    "GET /v1",
+];
+
+type Manager = Arc<VolumeManager>;
+
+/// An error answer: a status and a one-line message.
+#[derive(Debug)]
+pub struct ApiError {
+    status: StatusCode,
+    message: String,
+}
+
+impl ApiError {
+    fn new(status: StatusCode, message: impl Into<String>) -> Self {
+        ApiError {
+            status,
+            message: one_line(&message.into()),
+        }
+    }
+
+    fn invalid(message: impl Into<String>) -> Self {
+        ApiError::new(StatusCode::BAD_REQUEST, message)
+    }
+}
+
+/// Messages go on one line so the CLI can print them as they are.
+fn one_line(text: &str) -> String {
+    text.trim().lines().map(str::trim).collect::<Vec<_>>().join("; ")
+}
+
+impl From<AdminError> for ApiError {
+    fn from(error: AdminError) -> Self {
+        let status = match &error {
+            AdminError::NotFound(_) => StatusCode::NOT_FOUND,
+            AdminError::AlreadyExists(_) | AdminError::Busy(_) => StatusCode::CONFLICT,
+            AdminError::Invalid(_) => StatusCode::BAD_REQUEST,
+            AdminError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
+        };
+        ApiError::new(status, error.to_string())
+    }
+}
+
+impl From<JsonRejection> for ApiError {
+    fn from(rejection: JsonRejection) -> Self {
+        let status = match &rejection {
+            // Not malformed, just not labelled: keep the honest status (it also
+            // keeps plain HTML forms from other origins out).
+            JsonRejection::MissingJsonContentType(_) => StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            JsonRejection::BytesRejection(_) => rejection.status(),
+            _ => StatusCode::BAD_REQUEST,
+        };
+        let message = match &rejection {
+            JsonRejection::MissingJsonContentType(_) => {
+                "expected a JSON body with 'Content-Type: application/json'".to_string()
+            }
+            _ => format!("invalid JSON body: {}", rejection.body_text()),
+        };
+        ApiError::new(status, message)
+    }
+}
+
+impl From<PathRejection> for ApiError {
+    fn from(rejection: PathRejection) -> Self {
+        ApiError::new(rejection.status(), format!("invalid path: {}", rejection.body_text()))
+    }
+}
+
+impl From<QueryRejection> for ApiError {
+    fn from(rejection: QueryRejection) -> Self {
+        ApiError::new(rejection.status(), format!("invalid query: {}", rejection.body_text()))
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        (self.status, Json(json!({ "error": self.message }))).into_response()
+    }
+}
+
+type ApiResult<T> = Result<T, ApiError>;
+
+/// Runs a manager call on the blocking pool: admin operations take a std
+/// mutex and fsync files, which must not stall the runtime's workers.
+async fn blocking<T, F>(manager: &Manager, call: F) -> ApiResult<T>
+where
+    T: Send + 'static,
+    F: FnOnce(&VolumeManager) -> Result<T, AdminError> + Send + 'static,
+{
+    let manager = manager.clone();
+    tokio::task::spawn_blocking(move || call(&manager))
+        .await
+        .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, format!("internal error: {e}")))?
+        .map_err(ApiError::from)
+}
+
+/// A size given as a byte count (`10737418240`) or a string (`"10G"`).
+fn size_from_json(value: &Value) -> ApiResult<u64> {
+    match value {
+        Value::Number(n) => n
+            .as_u64()
+            .ok_or_else(|| ApiError::invalid(format!("invalid size {n}: expected a whole number of bytes"))),
+        Value::String(s) => parse_size(s).map_err(ApiError::invalid),
+        other => Err(ApiError::invalid(format!(
+            "invalid size {other}: expected a byte count or a string such as \"10G\""
+        ))),
+    }
+}
+
+/// `{"sync": "always", "volblocksize": 65536, "wce": false}` as `(key, value)`
+/// pairs in the spelling the manager validates.
+fn properties_from_json(properties: &BTreeMap<String, Value>) -> ApiResult<Vec<(String, String)>> {
+    properties
+        .iter()
+        .map(|(key, value)| {
+            let text = match value {
+                Value::String(s) => s.clone(),
+                Value::Number(n) => n.to_string(),
+                Value::Bool(true) => "on".to_string(),
+                Value::Bool(false) => "off".to_string(),
+                other => {
+                    return Err(ApiError::invalid(format!(
+                        "bad value {other} for property '{key}': expected a string"
+                    )))
+                }
+            };
+            Ok((key.clone(), text))
+        })
+        .collect()
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct CreateRequest {
+    name: String,
+    size: Option<Value>,
+    #[serde(default)]
+    properties: BTreeMap<String, Value>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SetRequest {
+    #[serde(default)]
+    properties: BTreeMap<String, Value>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ResizeRequest {
+    size: Value,
+}
+
+#[derive(Debug, Deserialize)]
+struct ListQuery {
+    pool: Option<String>,
+}
+
+fn full_name(pool: &str, name: &str) -> String {
+    format!("{pool}/{name}")
+}
+
+async fn index() -> Json<Value> {
+    Json(json!({
+        "name": "strata",
+        "version": env!("CARGO_PKG_VERSION"),
+        "endpoints": ENDPOINTS,
+    }))
+}
+
+async fn metrics(State(manager): State<Manager>) -> Response {
+    let body = super::metrics::render(&manager.volumes());
+    ([(header::CONTENT_TYPE, METRICS_CONTENT_TYPE)], body).into_response()
+}
+
+async fn list_pools(State(manager): State<Manager>) -> ApiResult<Json<Vec<PoolStatus>>> {
+    blocking(&manager, |m| Ok(m.pool_status())).await.map(Json)
+}
+
+async fn get_pool(State(manager): State<Manager>, Path(pool): Path<String>) -> ApiResult<Json<PoolStatus>> {
+    blocking(&manager, move |m| {
+        m.pool_status()
+            .into_iter()
+            .find(|p| p.name == pool)
+            .ok_or_else(|| AdminError::NotFound(format!("pool '{pool}' does not exist")))
+    })
+    .await
+    .map(Json)
+}
+
+async fn list_volumes(
+    State(manager): State<Manager>,
+    query: Result<Query<ListQuery>, QueryRejection>,
+) -> ApiResult<Json<Vec<VolumeInfo>>> {
+    let Query(query) = query?;
+    blocking(&manager, move |m| {
+        let Some(pool) = query.pool else {
+            return Ok(m.list());
+        };
+        if !m.pool_status().iter().any(|p| p.name == pool) {
+            return Err(AdminError::NotFound(format!("pool '{pool}' does not exist")));
+        }
+        Ok(m.list().into_iter().filter(|v| v.pool == pool).collect())
+    })
+    .await
+    .map(Json)
+}
+
+async fn create_volume(
+    State(manager): State<Manager>,
+    body: Result<Json<CreateRequest>, JsonRejection>,
+) -> ApiResult<(StatusCode, Json<VolumeInfo>)> {
+    let Json(request) = body?;
+    let properties = properties_from_json(&request.properties)?;
+    let size = match &request.size {
+        Some(size) => size_from_json(size)?,
+        // `properties.volsize` alone is enough; the manager applies it.
+        None if request.properties.contains_key("volsize") => 0,
+        None => return Err(ApiError::invalid("missing 'size': give the volume size, e.g. \"10G\"")),
+    };
+    let name = request.name;
+    let info = blocking(&manager, move |m| m.create(&name, size, &properties)).await?;
+    Ok((StatusCode::CREATED, Json(info)))
+}
+
+async fn get_volume(
+    State(manager): State<Manager>,
+    path: Result<Path<(String, String)>, PathRejection>,
+) -> ApiResult<Json<VolumeInfo>> {
+    let Path((pool, name)) = path?;
+    blocking(&manager, move |m| m.info(&full_name(&pool, &name)))
+        .await
+        .map(Json)
+}
+
+async fn set_volume(
+    State(manager): State<Manager>,
+    path: Result<Path<(String, String)>, PathRejection>,
+    body: Result<Json<SetRequest>, JsonRejection>,
+) -> ApiResult<Json<VolumeInfo>> {
+    let Path((pool, name)) = path?;
+    let Json(request) = body?;
+    let properties = properties_from_json(&request.properties)?;
+    blocking(&manager, move |m| m.set(&full_name(&pool, &name), &properties))
+        .await
+        .map(Json)
+}
+
+async fn resize_volume(
+    State(manager): State<Manager>,
+    path: Result<Path<(String, String)>, PathRejection>,
+    body: Result<Json<ResizeRequest>, JsonRejection>,
+) -> ApiResult<Json<VolumeInfo>> {
+    let Path((pool, name)) = path?;
+    let Json(request) = body?;
+    let size = size_from_json(&request.size)?;
+    blocking(&manager, move |m| m.resize(&full_name(&pool, &name), size))
+        .await
+        .map(Json)
+}
+
+async fn delete_volume(
+    State(manager): State<Manager>,
+    path: Result<Path<(String, String)>, PathRejection>,
+) -> ApiResult<StatusCode> {
+    let Path((pool, name)) = path?;
+    blocking(&manager, move |m| m.delete(&full_name(&pool, &name))).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+async fn no_such_endpoint(method: Method, uri: Uri) -> ApiError {
+    ApiError::new(
+        StatusCode::NOT_FOUND,
+        format!("no such endpoint: {method} {}; see GET /v1", uri.path()),
+    )
+}
+
+async fn method_not_allowed(method: Method, uri: Uri) -> ApiError {
+    ApiError::new(
+        StatusCode::METHOD_NOT_ALLOWED,
+        format!("method {method} is not allowed on {}; see GET /v1", uri.path()),
+    )
+}
 
 pub fn router(manager: Arc<VolumeManager>) -> Router {
-    Router::new().route(
-        "/metrics",
-        get(move || {
-            let manager = manager.clone();
-            async move { super::metrics::render(&manager.volumes()) }
-        }),
-    )
+    Router::new()
+        .route("/", get(index))
+        .route("/v1", get(index))
+        .route("/metrics", get(metrics))
+        .route("/v1/pools", get(list_pools))
+        .route("/v1/pools/:pool", get(get_pool))
+        .route("/v1/volumes", get(list_volumes).post(create_volume))
+        .route(
+            "/v1/volumes/:pool/:name",
+            get(get_volume).patch(set_volume).delete(delete_volume),
+        )
+        .route("/v1/volumes/:pool/:name/resize", post(resize_volume))
+        .fallback(no_such_endpoint)
+        .method_not_allowed_fallback(method_not_allowed)
+        .with_state(manager)
 }

@@ -1,14 +1,636 @@
-//! The CLI client (placeholder until the admin API lands).
+//! The CLI client: every `strata` subcommand except `serve` talks to the
+//! daemon's REST API (`admin::api`). The contract is in docs/CLI.md.
+//!
+//! Output is an aligned table for people, or the API's JSON (pretty printed)
+//! with `--json` / `-o json`. Any failure is one line on stderr,
+//! `strata: error: <message>`, and exit status 1.
 
+use std::io::{Read, Write};
 use std::process::ExitCode;
+use std::time::Duration;
+
+use serde::de::DeserializeOwned;
+use serde_json::{json, Value};
+
+use crate::units::{format_size, parse_size};
+use crate::volume::manager::{split_volume_name, validate_component, PoolStatus, VolumeInfo};
+use crate::volume::props::{split_assignment, PropError, PropertyRow};
+
+pub const DEFAULT_API: &str = "127.0.0.1:9860";
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Options every admin subcommand accepts (anywhere after `volume`/`pool`).
+#[derive(Debug, Clone, clap::Args)]
+pub struct ClientOptions {
+    /// Address of the daemon's REST API: HOST:PORT or http://HOST:PORT.
+    #[arg(long, global = true, env = "STRATA_API", default_value = DEFAULT_API, value_name = "ADDR")]
+    pub api: String,
+    /// Print the API's JSON instead of a table (same as `-o json`).
+    #[arg(long, global = true)]
+    pub json: bool,
+    /// `json` for JSON output; with `volume create`, PROPERTY=VALUE sets a
+    /// property (repeatable).
+    #[arg(short = 'o', global = true, value_name = "json|PROPERTY=VALUE")]
+    pub options: Vec<String>,
+}
 
 #[derive(Debug, clap::Subcommand)]
 pub enum AdminCommand {
-    /// Show pools.
-    Pool,
+    /// Create, list, inspect, change, resize and delete volumes.
+    Volume(VolumeArgs),
+    /// Show pool capacity, usage and errors.
+    Pool(PoolArgs),
 }
 
-pub fn run(_command: AdminCommand) -> ExitCode {
-    eprintln!("strata: error: not implemented yet");
-    ExitCode::FAILURE
+#[derive(Debug, clap::Args)]
+pub struct VolumeArgs {
+    #[command(flatten)]
+    pub client: ClientOptions,
+    #[command(subcommand)]
+    pub command: VolumeCommand,
+}
+
+#[derive(Debug, clap::Subcommand)]
+pub enum VolumeCommand {
+    /// Create a thin volume (`-o PROPERTY=VALUE` sets properties).
+    Create {
+        /// POOL/NAME of the new volume.
+        name: String,
+        /// Size, e.g. 10G (binary suffixes K, M, G, T, P).
+        #[arg(long, short = 's')]
+        size: String,
+    },
+    /// List volumes (all, or those of the given pools and volumes).
+    #[command(visible_alias = "ls")]
+    List {
+        /// POOL or POOL/NAME to show.
+        names: Vec<String>,
+    },
+    /// Show a volume's properties: NAME PROPERTY VALUE SOURCE.
+    Get {
+        /// POOL/NAME of the volume.
+        name: String,
+        /// Properties to show (default: all).
+        properties: Vec<String>,
+    },
+    /// Set properties; they take effect at once.
+    Set {
+        /// POOL/NAME of the volume.
+        name: String,
+        /// PROPERTY=VALUE assignments.
+        #[arg(required = true, value_name = "PROPERTY=VALUE")]
+        assignments: Vec<String>,
+    },
+    /// Grow a volume (shrinking is refused).
+    Resize {
+        /// POOL/NAME of the volume.
+        name: String,
+        /// New size, e.g. 20G (or use --size).
+        #[arg(value_name = "SIZE", required_unless_present = "size", conflicts_with = "size")]
+        new_size: Option<String>,
+        /// New size, e.g. 20G.
+        #[arg(long, short = 's')]
+        size: Option<String>,
+    },
+    /// Destroy a volume and its data (refused while clients are connected).
+    #[command(visible_alias = "destroy")]
+    Delete {
+        /// POOL/NAME of the volume.
+        name: String,
+    },
+}
+
+#[derive(Debug, clap::Args)]
+pub struct PoolArgs {
+    #[command(flatten)]
+    pub client: ClientOptions,
+    #[command(subcommand)]
+    pub command: PoolCommand,
+}
+
+#[derive(Debug, clap::Subcommand)]
+pub enum PoolCommand {
+    /// Show capacity, usage and errors of all pools or one.
+    Status {
+        /// Pool to show (default: all).
+        pool: Option<String>,
+    },
+}
+
+/// A failure, reported as one line.
+#[derive(Debug)]
+struct CliError(String);
+
+impl<T: std::fmt::Display> From<T> for CliError {
+    fn from(message: T) -> Self {
+        CliError(message.to_string())
+    }
+}
+
+type CliResult<T> = Result<T, CliError>;
+
+pub fn run(command: AdminCommand) -> ExitCode {
+    let result = match command {
+        AdminCommand::Volume(args) => run_volume(args),
+        AdminCommand::Pool(args) => run_pool(args),
+    };
+    match result {
+        Ok(output) => {
+            // A closed stdout (`| head`) is not worth a panic or an error.
+            let mut stdout = std::io::stdout().lock();
+            let _ = stdout.write_all(output.as_bytes());
+            let _ = stdout.flush();
+            ExitCode::SUCCESS
+        }
+        Err(CliError(message)) => {
+            let line: Vec<&str> = message.trim().lines().map(str::trim).collect();
+            eprintln!("strata: error: {}", line.join("; "));
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// The parsed `--json` / `-o` options.
+struct Output {
+    json: bool,
+    properties: Vec<(String, String)>,
+}
+
+fn parse_options(client: &ClientOptions, properties_allowed: bool) -> CliResult<Output> {
+    let mut output = Output {
+        json: client.json,
+        properties: Vec::new(),
+    };
+    for option in &client.options {
+        if option == "json" {
+            output.json = true;
+        } else if option.contains('=') {
+            if !properties_allowed {
+                return Err(CliError(format!(
+                    "-o {option}: setting properties with -o is only valid with 'volume create'; use 'strata volume set POOL/NAME {option}'"
+                )));
+            }
+            output.properties.push(split_assignment(option)?);
+        } else {
+            return Err(CliError(format!(
+                "invalid -o value '{option}': expected 'json' or PROPERTY=VALUE"
+            )));
+        }
+    }
+    Ok(output)
+}
+
+fn run_volume(args: VolumeArgs) -> CliResult<String> {
+    let creating = matches!(args.command, VolumeCommand::Create { .. });
+    let output = parse_options(&args.client, creating)?;
+    // Everything that can be checked here is checked before the daemon is asked.
+    match args.command {
+        VolumeCommand::Create { name, size } => {
+            split_volume_name(&name)?;
+            let size = parse_size(&size)?;
+            if let Some((_, volsize)) = output.properties.iter().find(|(k, _)| k == "volsize") {
+                parse_size(volsize)?;
+            }
+            let properties: serde_json::Map<String, Value> = output
+                .properties
+                .iter()
+                .map(|(k, v)| (k.clone(), Value::String(v.clone())))
+                .collect();
+            let client = Client::new(&args.client.api)?;
+            let body = json!({ "name": name, "size": size, "properties": properties });
+            let info: VolumeInfo = client.send("POST", "/v1/volumes", Some(body))?;
+            Ok(if output.json { pretty(&info) } else { String::new() })
+        }
+        VolumeCommand::List { names } => {
+            for name in &names {
+                if name.contains('/') {
+                    split_volume_name(name)?;
+                } else {
+                    validate_component("pool", name)?;
+                }
+            }
+            let client = Client::new(&args.client.api)?;
+            let volumes: Vec<VolumeInfo> = if names.is_empty() {
+                client.get("/v1/volumes")?
+            } else {
+                let mut all: Vec<VolumeInfo> = Vec::new();
+                for name in &names {
+                    let found: Vec<VolumeInfo> = if name.contains('/') {
+                        vec![client.get(&volume_path(name))?]
+                    } else {
+                        client.get(&format!("/v1/volumes?pool={name}"))?
+                    };
+                    for info in found {
+                        if !all.iter().any(|v| v.name == info.name) {
+                            all.push(info);
+                        }
+                    }
+                }
+                all
+            };
+            Ok(if output.json {
+                pretty(&volumes)
+            } else {
+                volume_table(&volumes)
+            })
+        }
+        VolumeCommand::Get { name, properties } => {
+            split_volume_name(&name)?;
+            let client = Client::new(&args.client.api)?;
+            let mut info: VolumeInfo = client.get(&volume_path(&name))?;
+            let all = properties.is_empty() || properties.iter().any(|p| p == "all");
+            if !all {
+                let mut rows = Vec::new();
+                for wanted in &properties {
+                    let row = info
+                        .properties
+                        .iter()
+                        .find(|r| &r.property == wanted)
+                        .ok_or_else(|| PropError::Unknown(wanted.clone()))?;
+                    rows.push(row.clone());
+                }
+                info.properties = rows;
+            }
+            Ok(if output.json {
+                pretty(&info)
+            } else {
+                property_table(&info.name, &info.properties)
+            })
+        }
+        VolumeCommand::Set { name, assignments } => {
+            split_volume_name(&name)?;
+            let mut properties = serde_json::Map::new();
+            for assignment in &assignments {
+                let (key, value) = split_assignment(assignment)?;
+                if key == "volsize" {
+                    parse_size(&value)?;
+                }
+                properties.insert(key, Value::String(value));
+            }
+            let client = Client::new(&args.client.api)?;
+            let info: VolumeInfo =
+                client.send("PATCH", &volume_path(&name), Some(json!({ "properties": properties })))?;
+            Ok(if output.json { pretty(&info) } else { String::new() })
+        }
+        VolumeCommand::Resize { name, new_size, size } => {
+            split_volume_name(&name)?;
+            let size = new_size
+                .or(size)
+                .ok_or_else(|| CliError("missing size: strata volume resize POOL/NAME --size 20G".into()))?;
+            let size = parse_size(&size)?;
+            let client = Client::new(&args.client.api)?;
+            let path = format!("{}/resize", volume_path(&name));
+            let info: VolumeInfo = client.send("POST", &path, Some(json!({ "size": size })))?;
+            Ok(if output.json { pretty(&info) } else { String::new() })
+        }
+        VolumeCommand::Delete { name } => {
+            split_volume_name(&name)?;
+            let client = Client::new(&args.client.api)?;
+            client.send_empty("DELETE", &volume_path(&name))?;
+            Ok(String::new())
+        }
+    }
+}
+
+fn run_pool(args: PoolArgs) -> CliResult<String> {
+    let output = parse_options(&args.client, false)?;
+    match args.command {
+        PoolCommand::Status { pool } => {
+            if let Some(pool) = &pool {
+                validate_component("pool", pool)?;
+            }
+            let client = Client::new(&args.client.api)?;
+            let pools: Vec<PoolStatus> = match &pool {
+                Some(pool) => vec![client.get(&format!("/v1/pools/{pool}"))?],
+                None => client.get("/v1/pools")?,
+            };
+            Ok(match (output.json, pool.is_some()) {
+                // One pool asked for: that pool's object, as the API answers.
+                (true, true) => pretty(&pools[0]),
+                (true, false) => pretty(&pools),
+                (false, _) => pool_table(&pools),
+            })
+        }
+    }
+}
+
+/// `/v1/volumes/POOL/NAME` for an already validated `POOL/NAME` (the name
+/// characters need no escaping).
+fn volume_path(name: &str) -> String {
+    format!("/v1/volumes/{name}")
+}
+
+/// JSON output: the API's objects, pretty printed, fields in API order.
+fn pretty<T: serde::Serialize>(value: &T) -> String {
+    let mut text = serde_json::to_string_pretty(value).unwrap_or_else(|e| format!("{{\"error\": \"{e}\"}}"));
+    text.push('\n');
+    text
+}
+
+// ---------------------------------------------------------------------------
+// Tables
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Align {
+    Left,
+    Right,
+}
+
+/// Columns separated by two spaces, padded to the widest cell; the last
+/// column is not padded, so lines carry no trailing blanks.
+fn table(headers: &[(&str, Align)], rows: &[Vec<String>]) -> String {
+    let mut widths: Vec<usize> = headers.iter().map(|(h, _)| h.len()).collect();
+    for row in rows {
+        for (width, cell) in widths.iter_mut().zip(row) {
+            *width = (*width).max(cell.chars().count());
+        }
+    }
+    let mut out = String::new();
+    let header_row: Vec<String> = headers.iter().map(|(h, _)| h.to_string()).collect();
+    for row in std::iter::once(&header_row).chain(rows) {
+        let last = row.len().saturating_sub(1);
+        let mut line = String::new();
+        for (index, cell) in row.iter().enumerate() {
+            if index > 0 {
+                line.push_str("  ");
+            }
+            let pad = widths[index].saturating_sub(cell.chars().count());
+            match headers[index].1 {
+                Align::Right => {
+                    line.push_str(&" ".repeat(pad));
+                    line.push_str(cell);
+                }
+                Align::Left => {
+                    line.push_str(cell);
+                    if index != last {
+                        line.push_str(&" ".repeat(pad));
+                    }
+                }
+            }
+        }
+        out.push_str(&line);
+        out.push('\n');
+    }
+    out
+}
+
+fn property_value(info: &VolumeInfo, property: &str) -> String {
+    info.properties
+        .iter()
+        .find(|r| r.property == property)
+        .map(|r| r.value.clone())
+        .unwrap_or_else(|| "-".to_string())
+}
+
+fn volume_table(volumes: &[VolumeInfo]) -> String {
+    use Align::*;
+    let headers = [
+        ("NAME", Left),
+        ("VOLSIZE", Right),
+        ("USED", Right),
+        ("VOLBLOCKSIZE", Right),
+        ("SYNC", Left),
+        ("LOGBIAS", Left),
+        ("WCE", Left),
+        ("CONNECTIONS", Right),
+    ];
+    let rows: Vec<Vec<String>> = volumes
+        .iter()
+        .map(|v| {
+            vec![
+                v.name.clone(),
+                format_size(v.volsize),
+                format_size(v.used_bytes),
+                format_size(v.volblocksize as u64),
+                property_value(v, "sync"),
+                property_value(v, "logbias"),
+                property_value(v, "wce"),
+                v.connections.to_string(),
+            ]
+        })
+        .collect();
+    table(&headers, &rows)
+}
+
+fn property_table(name: &str, properties: &[PropertyRow]) -> String {
+    use Align::*;
+    let headers = [("NAME", Left), ("PROPERTY", Left), ("VALUE", Left), ("SOURCE", Left)];
+    let rows: Vec<Vec<String>> = properties
+        .iter()
+        .map(|r| vec![name.to_string(), r.property.clone(), r.value.clone(), r.source.clone()])
+        .collect();
+    table(&headers, &rows)
+}
+
+fn pool_table(pools: &[PoolStatus]) -> String {
+    use Align::*;
+    let headers = [
+        ("NAME", Left),
+        ("VOLUMES", Right),
+        ("PROVISIONED", Right),
+        ("USED", Right),
+        ("AVAIL", Right),
+        ("READ_ERRORS", Right),
+        ("WRITE_ERRORS", Right),
+        ("BACKING", Left),
+        ("PATH", Left),
+    ];
+    let rows: Vec<Vec<String>> = pools
+        .iter()
+        .map(|p| {
+            vec![
+                p.name.clone(),
+                p.volumes.to_string(),
+                format_size(p.provisioned_bytes),
+                format_size(p.used_bytes),
+                format_size(p.available_bytes),
+                p.read_errors.to_string(),
+                p.write_errors.to_string(),
+                p.backing.clone(),
+                p.path.clone(),
+            ]
+        })
+        .collect();
+    table(&headers, &rows)
+}
+
+// ---------------------------------------------------------------------------
+// HTTP
+
+/// Turns `--api` into `host:port` (what messages show) and a base URL.
+fn parse_api_address(text: &str) -> CliResult<(String, String)> {
+    let trimmed = text.trim();
+    let rest = if let Some(rest) = trimmed.strip_prefix("http://") {
+        rest
+    } else if trimmed.starts_with("https://") {
+        return Err(CliError(format!(
+            "invalid --api '{text}': https is not supported; use HOST:PORT or http://HOST:PORT"
+        )));
+    } else if trimmed.contains("://") {
+        return Err(CliError(format!(
+            "invalid --api '{text}': use HOST:PORT or http://HOST:PORT"
+        )));
+    } else {
+        trimmed
+    };
+    let authority = rest.strip_suffix('/').unwrap_or(rest);
+    let valid = !authority.is_empty()
+        && !authority.contains(['/', '?', '#', '@'])
+        && !authority.chars().any(char::is_whitespace);
+    if !valid {
+        return Err(CliError(format!(
+            "invalid --api '{text}': use HOST:PORT or http://HOST:PORT"
+        )));
+    }
+    // A bare host (or [v6 address]) gets the default port.
+    let has_port = match authority.rfind(':') {
+        Some(colon) => !authority[colon..].contains(']'),
+        None => false,
+    };
+    let address = if has_port {
+        let port = &authority[authority.rfind(':').unwrap_or(0) + 1..];
+        if port.parse::<u16>().is_err() {
+            return Err(CliError(format!("invalid --api '{text}': bad port '{port}'")));
+        }
+        authority.to_string()
+    } else {
+        format!("{authority}:9860")
+    };
+    let base = format!("http://{address}");
+    Ok((address, base))
+}
+
+struct Client {
+    address: String,
+    base: String,
+    agent: ureq::Agent,
+}
+
+impl Client {
+    fn new(api: &str) -> CliResult<Self> {
+        let (address, base) = parse_api_address(api)?;
+        let agent = ureq::AgentBuilder::new()
+            .timeout_connect(CONNECT_TIMEOUT)
+            .timeout(REQUEST_TIMEOUT)
+            .redirects(0)
+            .build();
+        Ok(Client { address, base, agent })
+    }
+
+    fn get<T: DeserializeOwned>(&self, path: &str) -> CliResult<T> {
+        self.send("GET", path, None)
+    }
+
+    fn send<T: DeserializeOwned>(&self, method: &str, path: &str, body: Option<Value>) -> CliResult<T> {
+        let text = self.call(method, path, body)?;
+        serde_json::from_str(&text).map_err(|e| {
+            CliError(format!(
+                "unexpected answer from {} ({method} {path}): not the JSON expected ({e}); is it a strata daemon?",
+                self.base
+            ))
+        })
+    }
+
+    fn send_empty(&self, method: &str, path: &str) -> CliResult<()> {
+        self.call(method, path, None).map(drop)
+    }
+
+    /// One request; the body of a 2xx answer, or an error carrying the
+    /// daemon's own message.
+    fn call(&self, method: &str, path: &str, body: Option<Value>) -> CliResult<String> {
+        let request = self
+            .agent
+            .request(method, &format!("{}{path}", self.base))
+            .set("Accept", "application/json");
+        let result = match body {
+            Some(body) => request.send_json(body),
+            None => request.call(),
+        };
+        match result {
+            Ok(response) => {
+                // Not `into_string`: it stops at 10 MB, a long volume list need not.
+                let mut text = String::new();
+                response
+                    .into_reader()
+                    .read_to_string(&mut text)
+                    .map_err(|e| CliError(format!("cannot read the answer from {}: {e}", self.base)))?;
+                Ok(text)
+            }
+            Err(ureq::Error::Status(status, response)) => {
+                let text = response.into_string().unwrap_or_default();
+                let message = serde_json::from_str::<Value>(&text)
+                    .ok()
+                    .and_then(|v| v.get("error").and_then(Value::as_str).map(str::to_string));
+                Err(CliError(message.unwrap_or_else(|| {
+                    let first = text.lines().next().unwrap_or("").trim();
+                    format!(
+                        "{} answered HTTP {status} to {method} {path}{}{first}; is it a strata daemon?",
+                        self.base,
+                        if first.is_empty() { "" } else { ": " }
+                    )
+                })))
+            }
+            Err(ureq::Error::Transport(transport)) => Err(CliError(self.transport_message(&transport))),
+        }
+    }
+
+    fn transport_message(&self, transport: &ureq::Transport) -> String {
+        let io_kind = std::error::Error::source(transport)
+            .and_then(|s| s.downcast_ref::<std::io::Error>())
+            .map(|e| e.kind());
+        let reason = match (transport.kind(), io_kind) {
+            (_, Some(std::io::ErrorKind::ConnectionRefused)) => "connection refused".to_string(),
+            (_, Some(std::io::ErrorKind::TimedOut | std::io::ErrorKind::WouldBlock)) => "timed out".to_string(),
+            (ureq::ErrorKind::Dns, _) => "cannot resolve the host name".to_string(),
+            _ => {
+                let detail = std::error::Error::source(transport)
+                    .map(|s| s.to_string())
+                    .or_else(|| transport.message().map(str::to_string))
+                    .unwrap_or_else(|| transport.kind().to_string());
+                // "Connection reset by peer (os error 104)" -> "connection reset by peer"
+                let detail = detail.split(" (os error").next().unwrap_or(&detail).trim().to_string();
+                let mut chars = detail.chars();
+                match chars.next() {
+                    Some(first) => first.to_lowercase().chain(chars).collect(),
+                    None => "unknown error".to_string(),
+                }
+            }
+        };
+        match (transport.kind(), io_kind) {
+            (ureq::ErrorKind::ConnectionFailed | ureq::ErrorKind::Dns, _)
+            | (_, Some(std::io::ErrorKind::ConnectionRefused)) => format!(
+                "cannot reach the strata daemon at {} ({reason}); is 'strata serve' running? set --api or STRATA_API",
+                self.address
+            ),
+            _ => format!("request to the strata daemon at {} failed ({reason})", self.address),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn api_addresses() {
+        let ok = |text: &str| parse_api_address(text).map(|(a, _)| a).ok();
+        assert_eq!(ok("127.0.0.1:9860").as_deref(), Some("127.0.0.1:9860"));
+        assert_eq!(ok("http://127.0.0.1:1234/").as_deref(), Some("127.0.0.1:1234"));
+        assert_eq!(ok("localhost").as_deref(), Some("localhost:9860"));
+        assert_eq!(ok("[::1]").as_deref(), Some("[::1]:9860"));
+        assert_eq!(ok("[::1]:80").as_deref(), Some("[::1]:80"));
+        for bad in ["", "https://x:1", "ftp://x", "x:port", "x:1/path", "http://"] {
+            assert!(parse_api_address(bad).is_err(), "{bad} should be refused");
+        }
+    }
+
+    #[test]
+    fn tables_align() {
+        let text = table(
+            &[("A", Align::Left), ("BB", Align::Right), ("C", Align::Left)],
+            &[vec!["xyz".into(), "1".into(), "p".into()]],
+        );
+        assert_eq!(text, "A    BB  C\nxyz   1  p\n");
+    }
 }

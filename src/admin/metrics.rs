@@ -156,7 +156,8 @@ pub fn render(volumes: &[Arc<Volume>]) -> String {
             }
         }
     }
-    let counters: [(&str, &str, fn(&OpStats) -> u64); 3] = [
+    type Counter = (&'static str, &'static str, fn(&OpStats) -> u64);
+    let counters: [Counter; 3] = [
         (
             "strata_volume_operations_total",
             "Requests completed, by volume, protocol and operation.",

@@ -15,7 +15,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use super::file::FileBacking;
 use super::props::{canonical_value, PropError, PropertyRow, StoredProps, DEFAULT_VOLBLOCKSIZE};
-use super::{full_name, Volume};
+use super::{full_name, BlockDevice, Volume};
 use crate::meta::catalog::{sync_dir, Catalog, PoolRecord, VolumeRecord};
 
 pub const DEFAULT_POOL: &str = "default";
@@ -153,6 +153,12 @@ impl VolumeManager {
                 let path = volume_path(data_dir, pool, &volume.guid);
                 let backing = FileBacking::open(&path)
                     .map_err(|e| internal(&format!("cannot open volume {pool}/{name} ({})", path.display()), e))?;
+                if backing.size_bytes() != volume.props.volsize {
+                    // A resize interrupted by a crash: the catalog's size is the truth.
+                    backing
+                        .resize(volume.props.volsize)
+                        .map_err(|e| internal(&format!("cannot restore the size of {pool}/{name}"), e))?;
+                }
                 let opened = Volume::new(pool, name, Arc::new(backing), &volume.props.effective());
                 volumes.insert(full_name(pool, name), Arc::new(opened));
             }
@@ -294,7 +300,8 @@ impl VolumeManager {
         self.info_of(&catalog, name)
     }
 
-    /// Sets properties on an existing volume; takes effect at once.
+    /// Sets properties on an existing volume; takes effect at once. The whole
+    /// request is validated first and saved in one catalog update.
     pub fn set(&self, name: &str, properties: &[(String, String)]) -> Result<VolumeInfo, AdminError> {
         let mut new_size = None;
         let mut changes = Vec::new();
@@ -306,35 +313,21 @@ impl VolumeManager {
                 _ => changes.push((key.clone(), value)),
             }
         }
-        // Validate the whole request before changing anything.
-        self.info(name)?;
-        if let Some(size) = new_size {
-            self.resize(name, size)?;
-        }
-        let (pool, short) = split_volume_name(name)?;
-        let mut catalog = self.catalog();
-        let mut updated = catalog.clone();
-        let record = updated
-            .pools
-            .get_mut(pool)
-            .and_then(|p| p.volumes.get_mut(short))
-            .ok_or_else(|| AdminError::NotFound(format!("volume '{name}' does not exist")))?;
-        for (key, value) in changes {
-            record.props.local.insert(key, value);
-        }
-        let effective = record.props.effective();
-        updated
-            .save(&self.data_dir)
-            .map_err(|e| internal("cannot save catalog", e))?;
-        *catalog = updated;
-        if let Some(volume) = self.lookup(name) {
-            volume.apply_props(&effective);
-        }
-        self.info_of(&catalog, name)
+        self.update(name, new_size, changes)
     }
 
     /// Grows a volume. Shrinking would discard data and is refused.
     pub fn resize(&self, name: &str, size_bytes: u64) -> Result<VolumeInfo, AdminError> {
+        self.update(name, Some(size_bytes), Vec::new())
+    }
+
+    /// Applies a new size and property values under one catalog lock.
+    fn update(
+        &self,
+        name: &str,
+        new_size: Option<u64>,
+        changes: Vec<(String, String)>,
+    ) -> Result<VolumeInfo, AdminError> {
         let (pool, short) = split_volume_name(name)?;
         let mut catalog = self.catalog();
         let mut updated = catalog.clone();
@@ -343,26 +336,35 @@ impl VolumeManager {
             .get_mut(pool)
             .and_then(|p| p.volumes.get_mut(short))
             .ok_or_else(|| AdminError::NotFound(format!("volume '{name}' does not exist")))?;
-        check_volsize(size_bytes, record.props.volblocksize)?;
-        if size_bytes < record.props.volsize {
-            return Err(AdminError::Invalid(format!(
-                "cannot shrink volume '{name}' from {} to {} bytes: shrinking discards data",
-                record.props.volsize, size_bytes
-            )));
-        }
-        record.props.volsize = size_bytes;
         let volume = self
             .lookup(name)
             .ok_or_else(|| AdminError::Internal(format!("volume '{name}' is in the catalog but not open")))?;
-        // Grow the backing first: a crash in between leaves a file larger than
-        // the catalog says, which is harmless (the catalog size wins).
-        volume
-            .resize(size_bytes)
-            .map_err(|e| internal("cannot resize backing file", e))?;
+        if let Some(size_bytes) = new_size {
+            check_volsize(size_bytes, record.props.volblocksize)?;
+            if size_bytes < record.props.volsize {
+                return Err(AdminError::Invalid(format!(
+                    "cannot shrink volume '{name}' from {} to {} bytes: shrinking discards data",
+                    record.props.volsize, size_bytes
+                )));
+            }
+            record.props.volsize = size_bytes;
+        }
+        for (key, value) in changes {
+            record.props.local.insert(key, value);
+        }
+        let effective = record.props.effective();
+        if effective.volsize != volume.size_bytes() {
+            // Grow the backing first: a crash in between leaves a file larger
+            // than the catalog says, which is harmless (the catalog size wins).
+            volume
+                .resize(effective.volsize)
+                .map_err(|e| internal("cannot resize backing file", e))?;
+        }
         updated
             .save(&self.data_dir)
             .map_err(|e| internal("cannot save catalog", e))?;
         *catalog = updated;
+        volume.apply_props(&effective);
         self.info_of(&catalog, name)
     }
 

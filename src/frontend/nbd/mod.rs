@@ -1,4 +1,5 @@
 //! The NBD server (fixed newstyle handshake, structured replies, base:allocation).
 
+pub mod fuzzing;
 pub mod proto;
 pub mod server;

@@ -1,0 +1,184 @@
+#!/usr/bin/env python3
+"""Side-by-side NBD benchmark: strata vs nbdkit (file, null) and qemu-nbd.
+
+Every server gets an equal 1 GiB backing file filled with the same random
+data (nbdkit null has none: it is the client's ceiling), listens on an
+ephemeral 127.0.0.1 port and is stopped by PID. fio's nbd engine drives each
+workload; the server's CPU time (utime+stime from /proc/PID/stat) over the run
+is divided by the operations fio completed.
+
+Usage: bench/nbd_bench.py [--runtime SECONDS] [--size-mib N] [--only NAME,...]
+Prints a Markdown table (paste into BENCHMARKS.md) and writes JSON next to it.
+"""
+import argparse, json, os, shutil, signal, socket, subprocess, sys, tempfile, time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STRATA = os.path.join(ROOT, "target", "release", "strata")
+TICKS = os.sysconf("SC_CLK_TCK")
+
+WORKLOADS = [
+    # name, fio args, metric
+    ("4K randread QD32", ["--rw=randread", "--bs=4k", "--iodepth=32"], "iops"),
+    ("4K randwrite QD32", ["--rw=randwrite", "--bs=4k", "--iodepth=32"], "iops"),
+    ("1M seqread QD4", ["--rw=read", "--bs=1m", "--iodepth=4"], "bw"),
+    ("1M seqwrite QD4", ["--rw=write", "--bs=1m", "--iodepth=4"], "bw"),
+    ("4K randread QD1", ["--rw=randread", "--bs=4k", "--iodepth=1"], "lat"),
+]
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_port(port, timeout=20):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"nothing listening on {port}")
+
+
+def cpu_seconds(pid):
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICKS
+
+
+class Peer:
+    def __init__(self, name, argv_for_port, uri_for_port, env=None):
+        self.name, self.argv_for_port, self.uri_for_port, self.env = name, argv_for_port, uri_for_port, env
+        self.proc = None
+
+    def start(self):
+        port = free_port()
+        env = dict(os.environ, **(self.env or {}))
+        self.proc = subprocess.Popen(self.argv_for_port(port), stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL, env=env)
+        wait_port(port)
+        self.uri = self.uri_for_port(port)
+
+    def stop(self):
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def run_fio(uri, args, runtime, size_mib):
+    cmd = ["fio", "--name=bench", "--ioengine=nbd", f"--uri={uri}", f"--size={size_mib}m",
+           "--time_based", f"--runtime={runtime}", "--norandommap", "--randrepeat=0",
+           "--output-format=json"] + args
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    job = json.loads(out[out.index("{"):])["jobs"][0]
+    return job
+
+
+def measure(peer, workload, runtime, size_mib):
+    name, args, metric = workload
+    pid = peer.proc.pid
+    before = cpu_seconds(pid)
+    job = run_fio(peer.uri, args, runtime, size_mib)
+    after = cpu_seconds(pid)
+    side = job["read"] if job["read"]["total_ios"] > 0 else job["write"]
+    # Server CPU over the whole fio run divided by all operations completed.
+    ops = job["read"]["total_ios"] + job["write"]["total_ios"]
+    result = {
+        "iops": side["iops"],
+        "mib_s": side["bw_bytes"] / (1 << 20),
+        "p50_us": side["clat_ns"]["percentile"].get("50.000000", 0) / 1000,
+        "p99_us": side["clat_ns"]["percentile"].get("99.000000", 0) / 1000,
+        "cpu_us_per_op": (after - before) * 1e6 / max(1, ops),
+    }
+    return result
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--runtime", type=int, default=10)
+    parser.add_argument("--size-mib", type=int, default=1024)
+    parser.add_argument("--only", default="")
+    options = parser.parse_args()
+    for tool in ["fio", "nbdkit", "qemu-nbd", "nbdcopy"]:
+        if not shutil.which(tool):
+            sys.exit(f"missing {tool}: apt-get install -y fio nbdkit qemu-utils libnbd-bin")
+    if not os.path.exists(STRATA):
+        subprocess.run(["cargo", "build", "--release"], cwd=ROOT, check=True)
+
+    work = tempfile.mkdtemp(prefix="strata-bench-")
+    size = options.size_mib << 20
+    seed = os.path.join(work, "seed.img")
+    with open(seed, "wb") as f:
+        for _ in range(options.size_mib):
+            f.write(os.urandom(1 << 20))
+
+    # strata: a volume of the same size, filled with the same bytes.
+    data_dir = os.path.join(work, "strata-data")
+    api = free_port()
+    strata = Peer("strata", lambda p: [STRATA, "serve", "--data-dir", data_dir, "--nbd", f"127.0.0.1:{p}",
+                                        "--api", f"127.0.0.1:{api}", "--iscsi", "127.0.0.1:0"],
+                  lambda p: f"nbd://127.0.0.1:{p}/default/bench", env={"STRATA_LOG": "warn"})
+    strata.start()
+    wait_port(api)
+    body = json.dumps({"name": "default/bench", "size": size})
+    subprocess.run(["curl", "-sf", "-X", "POST", "-H", "Content-Type: application/json", "-d", body,
+                    f"http://127.0.0.1:{api}/v1/volumes"], check=True, capture_output=True)
+    subprocess.run(["nbdcopy", "--flush", seed, strata.uri], check=True)
+
+    peer_file = os.path.join(work, "peer.img")
+    shutil.copyfile(seed, peer_file)
+    peers = [
+        strata,
+        Peer("nbdkit file", lambda p: ["nbdkit", "-f", "-i", "127.0.0.1", "-p", str(p), "file", peer_file],
+             lambda p: f"nbd://127.0.0.1:{p}/"),
+        Peer("nbdkit null", lambda p: ["nbdkit", "-f", "-i", "127.0.0.1", "-p", str(p), "null", f"size={size}"],
+             lambda p: f"nbd://127.0.0.1:{p}/"),
+        Peer("qemu-nbd", lambda p: ["qemu-nbd", "-f", "raw", "-b", "127.0.0.1", "-p", str(p), "-t", "-e", "8",
+                                    "--cache=writeback", "--aio=threads", "--discard=unmap", peer_file],
+             lambda p: f"nbd://127.0.0.1:{p}/"),
+    ]
+    if options.only:
+        wanted = options.only.split(",")
+        peers = [p for p in peers if p.name in wanted]
+    results = {}
+    try:
+        for peer in peers:
+            if peer.proc is None:
+                peer.start()
+            for workload in WORKLOADS:
+                results.setdefault(workload[0], {})[peer.name] = measure(peer, workload, options.runtime,
+                                                                         options.size_mib)
+                print(f"{peer.name:12} {workload[0]:18} {results[workload[0]][peer.name]}", file=sys.stderr)
+            peer.stop()
+    finally:
+        for peer in peers:
+            peer.stop()
+        shutil.rmtree(work, ignore_errors=True)
+
+    names = [p.name for p in peers]
+    print("| workload | " + " | ".join(names) + " |")
+    print("|---|" + "---|" * len(names))
+    for workload in WORKLOADS:
+        name, _, metric = workload
+        row = results[name]
+        if metric == "iops":
+            cells = [f"{row[n]['iops'] / 1000:.1f}k IOPS, {row[n]['cpu_us_per_op']:.1f} µs CPU/op" for n in names]
+        elif metric == "bw":
+            cells = [f"{row[n]['mib_s']:.0f} MiB/s, {row[n]['cpu_us_per_op']:.0f} µs CPU/op" for n in names]
+        else:
+            cells = [f"p50 {row[n]['p50_us']:.0f} µs / p99 {row[n]['p99_us']:.0f} µs, {row[n]['cpu_us_per_op']:.1f} µs CPU/op"
+                     for n in names]
+        print(f"| {name} | " + " | ".join(cells) + " |")
+    with open(os.path.join(ROOT, "bench", "last-nbd-results.json"), "w") as f:
+        json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

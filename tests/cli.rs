@@ -1,0 +1,842 @@
+//! End-to-end tests of the CLI client and the REST API: each test starts the
+//! real `strata serve` on free ports and a fresh data directory, runs the
+//! `strata` binary against it and checks outputs and exit codes.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::path::Path;
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+const BIN: &str = env!("CARGO_BIN_EXE_strata");
+const START_TIMEOUT: Duration = Duration::from_secs(30);
+const STOP_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// A running `strata serve`; killed on drop so a failing test leaves no process.
+struct Server {
+    child: Option<Child>,
+    /// `127.0.0.1:PORT` of the REST API.
+    api: String,
+    /// `127.0.0.1:PORT` of the NBD listener.
+    nbd: String,
+    /// Every stdout line so far. A thread keeps draining stdout until the
+    /// daemon exits, so its last lines never hit a closed pipe.
+    lines: Arc<Mutex<Vec<String>>>,
+    reader: Option<JoinHandle<()>>,
+}
+
+impl Server {
+    fn start(data_dir: &Path) -> Server {
+        let mut child = Command::new(BIN)
+            .args(["serve", "--data-dir"])
+            .arg(data_dir)
+            .args(["--nbd", "127.0.0.1:0", "--api", "127.0.0.1:0"])
+            .env("STRATA_LOG", "warn")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn strata serve");
+        let stdout = child.stdout.take().expect("stdout piped");
+        let lines = Arc::new(Mutex::new(Vec::new()));
+        let (found, addresses) = mpsc::channel();
+        let reader = {
+            let lines = lines.clone();
+            std::thread::spawn(move || {
+                for line in BufReader::new(stdout).lines() {
+                    let Ok(line) = line else { break };
+                    if let Some(address) = line.strip_prefix("strata: nbd listening on ") {
+                        let _ = found.send(("nbd", address.trim().to_string()));
+                    }
+                    if let Some(address) = line.strip_prefix("strata: api listening on http://") {
+                        let _ = found.send(("api", address.trim().to_string()));
+                    }
+                    lines.lock().unwrap().push(line);
+                }
+            })
+        };
+        let mut server = Server {
+            child: Some(child),
+            api: String::new(),
+            nbd: String::new(),
+            lines,
+            reader: Some(reader),
+        };
+        let deadline = Instant::now() + START_TIMEOUT;
+        while server.api.is_empty() || server.nbd.is_empty() {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match addresses.recv_timeout(left) {
+                Ok(("api", address)) => server.api = address,
+                Ok((_, address)) => server.nbd = address,
+                Err(_) => panic!(
+                    "strata serve did not report its addresses; stdout so far: {:?}",
+                    server.lines.lock().unwrap()
+                ),
+            }
+        }
+        server
+    }
+
+    fn pid(&self) -> i32 {
+        self.child.as_ref().expect("server running").id() as i32
+    }
+
+    /// SIGTERM, then waits for the exit; returns the status and stdout.
+    fn stop(mut self) -> (ExitStatus, Vec<String>) {
+        // SAFETY: kill(2) on the pid of a child we spawned and have not reaped.
+        let rc = unsafe { libc::kill(self.pid(), libc::SIGTERM) };
+        assert_eq!(rc, 0, "kill(SIGTERM) failed");
+        let mut child = self.child.take().expect("server running");
+        let deadline = Instant::now() + STOP_TIMEOUT;
+        let status = loop {
+            if let Some(status) = child.try_wait().expect("wait for strata serve") {
+                break status;
+            }
+            if Instant::now() > deadline {
+                let _ = child.kill();
+                let _ = child.wait();
+                panic!("strata serve did not exit within {STOP_TIMEOUT:?} of SIGTERM");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        if let Some(reader) = self.reader.take() {
+            let _ = reader.join();
+        }
+        let lines = self.lines.lock().unwrap().clone();
+        (status, lines)
+    }
+
+    /// Runs `strata ARGS...` against this server (via `STRATA_API`).
+    fn cli(&self, args: &[&str]) -> Outcome {
+        run_cli(args, Some(&self.api))
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+#[derive(Debug)]
+struct Outcome {
+    code: Option<i32>,
+    stdout: String,
+    stderr: String,
+}
+
+impl Outcome {
+    #[track_caller]
+    fn ok(&self) -> &str {
+        assert_eq!(self.code, Some(0), "expected success, got {self:#?}");
+        assert!(self.stderr.is_empty(), "unexpected stderr: {self:#?}");
+        &self.stdout
+    }
+
+    /// Asserts the failure contract: exit status 1, nothing on stdout, exactly
+    /// one line `strata: error: ...` on stderr that contains `needle`.
+    #[track_caller]
+    fn fails_with(&self, needle: &str) -> &str {
+        assert_eq!(self.code, Some(1), "expected exit status 1, got {self:#?}");
+        assert!(self.stdout.is_empty(), "stdout should be empty on error: {self:#?}");
+        assert!(
+            self.stderr.ends_with('\n'),
+            "stderr should end with a newline: {self:#?}"
+        );
+        let lines: Vec<&str> = self.stderr.lines().collect();
+        assert_eq!(lines.len(), 1, "error should be exactly one line: {self:#?}");
+        let message = lines[0]
+            .strip_prefix("strata: error: ")
+            .unwrap_or_else(|| panic!("error line should start with 'strata: error: ': {self:#?}"));
+        assert!(message.contains(needle), "error should mention {needle:?}: {self:#?}");
+        message
+    }
+
+    #[track_caller]
+    fn json(&self) -> Value {
+        serde_json::from_str(self.ok()).unwrap_or_else(|e| panic!("stdout is not JSON ({e}): {self:#?}"))
+    }
+}
+
+fn run_cli(args: &[&str], api: Option<&str>) -> Outcome {
+    let mut command = Command::new(BIN);
+    command.args(args).env_remove("STRATA_API").stdin(Stdio::null());
+    if let Some(api) = api {
+        command.env("STRATA_API", api);
+    }
+    let output = command.output().expect("run strata");
+    Outcome {
+        code: output.status.code(),
+        stdout: String::from_utf8(output.stdout).expect("stdout is UTF-8"),
+        stderr: String::from_utf8(output.stderr).expect("stderr is UTF-8"),
+    }
+}
+
+/// Splits a table into rows of whitespace-separated cells (header first).
+fn table(text: &str) -> Vec<Vec<String>> {
+    text.lines()
+        .map(|line| line.split_whitespace().map(str::to_string).collect())
+        .collect()
+}
+
+/// The row of `table` whose first cell is `name`, as header -> cell.
+fn row(text: &str, name: &str) -> Option<Vec<(String, String)>> {
+    let rows = table(text);
+    let header = rows.first()?.clone();
+    let found = rows
+        .iter()
+        .skip(1)
+        .find(|r| r.first().map(String::as_str) == Some(name))?;
+    assert_eq!(found.len(), header.len(), "row and header differ in width:\n{text}");
+    Some(header.into_iter().zip(found.iter().cloned()).collect())
+}
+
+fn cell(row: &[(String, String)], column: &str) -> String {
+    row.iter()
+        .find(|(h, _)| h == column)
+        .map(|(_, v)| v.clone())
+        .unwrap_or_else(|| panic!("no column {column} in {row:?}"))
+}
+
+/// `volume get` rows as (property, value, source).
+fn properties(text: &str, volume: &str) -> Vec<(String, String, String)> {
+    let rows = table(text);
+    assert_eq!(rows[0], ["NAME", "PROPERTY", "VALUE", "SOURCE"], "get header:\n{text}");
+    rows[1..]
+        .iter()
+        .map(|r| {
+            assert_eq!(r.len(), 4, "get row:\n{text}");
+            assert_eq!(r[0], volume);
+            (r[1].clone(), r[2].clone(), r[3].clone())
+        })
+        .collect()
+}
+
+fn prop(text: &str, volume: &str, property: &str) -> (String, String) {
+    properties(text, volume)
+        .into_iter()
+        .find(|(p, _, _)| p == property)
+        .map(|(_, v, s)| (v, s))
+        .unwrap_or_else(|| panic!("no property {property} in:\n{text}"))
+}
+
+fn json_property(info: &Value, property: &str) -> (String, String) {
+    let row = info["properties"]
+        .as_array()
+        .expect("properties array")
+        .iter()
+        .find(|r| r["property"] == property)
+        .unwrap_or_else(|| panic!("no property {property} in {info}"));
+    (
+        row["value"].as_str().unwrap().to_string(),
+        row["source"].as_str().unwrap().to_string(),
+    )
+}
+
+/// A raw HTTP/1.1 exchange: (status, headers lowercased, body).
+fn http(api: &str, method: &str, path: &str, content_type: Option<&str>, body: &str) -> (u16, String, String) {
+    let mut stream = TcpStream::connect(api).expect("connect to the API");
+    stream.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    let mut request = format!("{method} {path} HTTP/1.1\r\nHost: {api}\r\nConnection: close\r\n");
+    if let Some(content_type) = content_type {
+        request.push_str(&format!("Content-Type: {content_type}\r\n"));
+    }
+    request.push_str(&format!("Content-Length: {}\r\n\r\n{body}", body.len()));
+    stream.write_all(request.as_bytes()).unwrap();
+    let mut answer = String::new();
+    stream.read_to_string(&mut answer).expect("read the answer");
+    let (head, body) = answer.split_once("\r\n\r\n").expect("HTTP answer has a head");
+    let status = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("bad status line in {head:?}"));
+    (status, head.to_ascii_lowercase(), body.to_string())
+}
+
+/// The `error` message of a JSON error body.
+#[track_caller]
+fn error_message(body: &str) -> String {
+    let value: Value = serde_json::from_str(body).unwrap_or_else(|e| panic!("error body is not JSON ({e}): {body}"));
+    let message = value["error"]
+        .as_str()
+        .unwrap_or_else(|| panic!("no 'error' string in {body}"))
+        .to_string();
+    assert_eq!(
+        value.as_object().unwrap().len(),
+        1,
+        "error body has only 'error': {body}"
+    );
+    assert!(!message.contains('\n'));
+    message
+}
+
+#[test]
+fn volume_lifecycle() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(dir.path());
+
+    // The first start made default/vol0 (10 GiB).
+    let list = server.cli(&["volume", "list"]).ok().to_string();
+    let header = &table(&list)[0];
+    assert_eq!(
+        header,
+        &[
+            "NAME",
+            "VOLSIZE",
+            "USED",
+            "VOLBLOCKSIZE",
+            "SYNC",
+            "LOGBIAS",
+            "WCE",
+            "CONNECTIONS"
+        ]
+    );
+    let vol0 = row(&list, "default/vol0").expect("default/vol0 listed");
+    assert_eq!(cell(&vol0, "VOLSIZE"), "10G");
+    assert_eq!(cell(&vol0, "VOLBLOCKSIZE"), "16K");
+    assert_eq!(cell(&vol0, "SYNC"), "standard");
+
+    // Create with properties; human create prints nothing.
+    let created = server.cli(&[
+        "volume",
+        "create",
+        "default/db",
+        "--size",
+        "1G",
+        "-o",
+        "sync=always",
+        "-o",
+        "volblocksize=64K",
+    ]);
+    assert_eq!(created.ok(), "");
+
+    let list = server.cli(&["volume", "list"]).ok().to_string();
+    let db = row(&list, "default/db").expect("default/db listed");
+    assert_eq!(cell(&db, "VOLSIZE"), "1G");
+    assert_eq!(cell(&db, "VOLBLOCKSIZE"), "64K");
+    assert_eq!(cell(&db, "SYNC"), "always");
+    assert_eq!(cell(&db, "WCE"), "on");
+    assert_eq!(cell(&db, "CONNECTIONS"), "0");
+    // Columns are aligned: every VOLSIZE cell ends where the header does.
+    let lines: Vec<&str> = list.lines().collect();
+    let volsize_end = lines[0].find("VOLSIZE").unwrap() + "VOLSIZE".len();
+    for line in &lines[1..] {
+        let before = &line[..volsize_end];
+        assert!(
+            before.ends_with("1G") || before.ends_with("10G"),
+            "VOLSIZE column not right-aligned:\n{list}"
+        );
+    }
+
+    // JSON output, both spellings; it is the API's VolumeInfo list.
+    for flags in [&["-o", "json"][..], &["--json"][..]] {
+        let mut args = vec!["volume", "list"];
+        args.extend_from_slice(flags);
+        let volumes = server.cli(&args).json();
+        let volumes = volumes.as_array().expect("a JSON array");
+        let names: Vec<&str> = volumes.iter().map(|v| v["name"].as_str().unwrap()).collect();
+        assert_eq!(names, ["default/db", "default/vol0"]);
+        assert_eq!(volumes[0]["volsize"], 1u64 << 30);
+        assert_eq!(volumes[0]["volblocksize"], 65536);
+        assert_eq!(volumes[0]["pool"], "default");
+        assert_eq!(json_property(&volumes[0], "sync"), ("always".into(), "local".into()));
+    }
+    // Filtering by pool and by volume.
+    let only = server.cli(&["volume", "list", "default/db", "--json"]).json();
+    assert_eq!(only.as_array().unwrap().len(), 1);
+    assert_eq!(only[0]["name"], "default/db");
+    let pool = server.cli(&["volume", "ls", "default"]).ok().to_string();
+    assert!(row(&pool, "default/db").is_some() && row(&pool, "default/vol0").is_some());
+
+    // get: every property with its source.
+    let get = server.cli(&["volume", "get", "default/db"]).ok().to_string();
+    let all = properties(&get, "default/db");
+    let names: Vec<&str> = all.iter().map(|(p, _, _)| p.as_str()).collect();
+    assert_eq!(
+        names,
+        ["volsize", "volblocksize", "sync", "logbias", "wce", "compression"]
+    );
+    assert_eq!(prop(&get, "default/db", "volsize"), ("1G".into(), "local".into()));
+    assert_eq!(prop(&get, "default/db", "volblocksize"), ("64K".into(), "local".into()));
+    assert_eq!(prop(&get, "default/db", "sync"), ("always".into(), "local".into()));
+    assert_eq!(
+        prop(&get, "default/db", "logbias"),
+        ("latency".into(), "default".into())
+    );
+    assert_eq!(prop(&get, "default/db", "wce"), ("on".into(), "default".into()));
+    assert_eq!(
+        prop(&get, "default/db", "compression"),
+        ("off".into(), "default".into())
+    );
+    // get of named properties, in the order asked.
+    let some = server
+        .cli(&["volume", "get", "default/db", "wce", "sync"])
+        .ok()
+        .to_string();
+    let rows = properties(&some, "default/db");
+    assert_eq!(
+        rows,
+        [
+            ("wce".to_string(), "on".to_string(), "default".to_string()),
+            ("sync".to_string(), "always".to_string(), "local".to_string())
+        ]
+    );
+
+    // set, then get shows the value with source local.
+    assert_eq!(
+        server
+            .cli(&["volume", "set", "default/db", "wce=off", "logbias=throughput"])
+            .ok(),
+        ""
+    );
+    let get = server.cli(&["volume", "get", "default/db"]).ok().to_string();
+    assert_eq!(prop(&get, "default/db", "wce"), ("off".into(), "local".into()));
+    assert_eq!(
+        prop(&get, "default/db", "logbias"),
+        ("throughput".into(), "local".into())
+    );
+    assert_eq!(prop(&get, "default/db", "sync"), ("always".into(), "local".into()));
+    let json = server.cli(&["volume", "get", "default/db", "wce", "-o", "json"]).json();
+    assert_eq!(json["name"], "default/db");
+    assert_eq!(json["properties"].as_array().unwrap().len(), 1);
+    assert_eq!(json_property(&json, "wce"), ("off".into(), "local".into()));
+    // set --json answers with the updated volume.
+    let json = server
+        .cli(&["volume", "set", "default/db", "sync=standard", "--json"])
+        .json();
+    assert_eq!(json_property(&json, "sync"), ("standard".into(), "local".into()));
+
+    // resize: grow with --size and positionally; shrinking is refused.
+    assert_eq!(server.cli(&["volume", "resize", "default/db", "--size", "2G"]).ok(), "");
+    let json = server.cli(&["volume", "get", "default/db", "--json"]).json();
+    assert_eq!(json["volsize"], 2u64 << 30);
+    let json = server
+        .cli(&["volume", "resize", "default/db", "3G", "-o", "json"])
+        .json();
+    assert_eq!(json["volsize"], 3u64 << 30);
+    let get = server.cli(&["volume", "get", "default/db", "volsize"]).ok().to_string();
+    assert_eq!(prop(&get, "default/db", "volsize"), ("3G".into(), "local".into()));
+    server
+        .cli(&["volume", "resize", "default/db", "--size", "1G"])
+        .fails_with("cannot shrink volume 'default/db'");
+    let json = server.cli(&["volume", "get", "default/db", "--json"]).json();
+    assert_eq!(json["volsize"], 3u64 << 30, "a refused shrink changes nothing");
+
+    // delete: gone from list and get.
+    assert_eq!(server.cli(&["volume", "delete", "default/db"]).ok(), "");
+    let list = server.cli(&["volume", "list"]).ok().to_string();
+    assert!(
+        row(&list, "default/db").is_none(),
+        "deleted volume still listed:\n{list}"
+    );
+    assert!(row(&list, "default/vol0").is_some());
+    server
+        .cli(&["volume", "get", "default/db"])
+        .fails_with("volume 'default/db' does not exist");
+
+    let (status, stdout) = server.stop();
+    assert!(status.success(), "strata serve exited with {status}");
+    assert!(
+        stdout.iter().any(|l| l.starts_with("strata: stopped (SIGTERM)")),
+        "no clean-stop line in {stdout:?}"
+    );
+}
+
+#[test]
+fn volumes_and_properties_survive_a_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(dir.path());
+    server
+        .cli(&["volume", "create", "default/keep", "--size", "64M", "-o", "wce=off"])
+        .ok();
+    server.cli(&["volume", "resize", "default/keep", "128M"]).ok();
+    let (status, _) = server.stop();
+    assert!(status.success());
+
+    let server = Server::start(dir.path());
+    let info = server.cli(&["volume", "get", "default/keep", "--json"]).json();
+    assert_eq!(info["volsize"], 128u64 << 20);
+    assert_eq!(json_property(&info, "wce"), ("off".into(), "local".into()));
+    let (status, _) = server.stop();
+    assert!(status.success());
+}
+
+#[test]
+fn errors_are_one_line_with_exit_status_1() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(dir.path());
+
+    // Unknown property: on create, set and get.
+    server
+        .cli(&["volume", "create", "default/x", "--size", "1G", "-o", "colour=red"])
+        .fails_with("unknown property 'colour'");
+    server
+        .cli(&["volume", "set", "default/vol0", "colour=red"])
+        .fails_with("unknown property 'colour'");
+    server
+        .cli(&["volume", "get", "default/vol0", "colour"])
+        .fails_with("unknown property 'colour'");
+
+    // Bad values.
+    server
+        .cli(&["volume", "create", "default/x", "--size", "1G", "-o", "sync=sometimes"])
+        .fails_with("bad value 'sometimes' for property 'sync'");
+    server
+        .cli(&["volume", "create", "default/x", "--size", "1G", "-o", "volblocksize=3K"])
+        .fails_with("bad value '3K' for property 'volblocksize'");
+    server
+        .cli(&["volume", "set", "default/vol0", "wce=maybe"])
+        .fails_with("bad value 'maybe' for property 'wce'");
+    server
+        .cli(&["volume", "set", "default/vol0", "compression=lz4"])
+        .fails_with("bad value 'lz4' for property 'compression'");
+    server
+        .cli(&["volume", "set", "default/vol0", "volblocksize=32K"])
+        .fails_with("can only be set when the volume is created");
+    server
+        .cli(&["volume", "set", "default/vol0", "sync"])
+        .fails_with("expected property=value, got 'sync'");
+
+    // Bad sizes are refused before anything is sent.
+    server
+        .cli(&["volume", "create", "default/x", "--size", "10X"])
+        .fails_with("invalid size '10X'");
+    server
+        .cli(&["volume", "resize", "default/vol0", "1.2.3G"])
+        .fails_with("invalid size '1.2.3G'");
+    server
+        .cli(&["volume", "set", "default/vol0", "volsize=lots"])
+        .fails_with("invalid size 'lots'");
+    server
+        .cli(&["volume", "create", "default/x", "--size", "0"])
+        .fails_with("volsize must be greater than zero");
+    server
+        .cli(&["volume", "create", "default/x", "--size", "1000"])
+        .fails_with("not a multiple of volblocksize");
+    // None of the refused creates left a volume behind.
+    server
+        .cli(&["volume", "get", "default/x"])
+        .fails_with("volume 'default/x' does not exist");
+
+    // Taken name.
+    server
+        .cli(&["volume", "create", "default/vol0", "--size", "1G"])
+        .fails_with("volume 'default/vol0' already exists");
+
+    // Missing volume / pool.
+    for args in [
+        &["volume", "get", "default/nope"][..],
+        &["volume", "set", "default/nope", "sync=always"][..],
+        &["volume", "resize", "default/nope", "--size", "20G"][..],
+        &["volume", "delete", "default/nope"][..],
+        &["volume", "list", "default/nope"][..],
+    ] {
+        server.cli(args).fails_with("volume 'default/nope' does not exist");
+    }
+    server
+        .cli(&["volume", "create", "tank/x", "--size", "1G"])
+        .fails_with("pool 'tank' does not exist");
+    server
+        .cli(&["pool", "status", "tank"])
+        .fails_with("pool 'tank' does not exist");
+    server
+        .cli(&["volume", "list", "tank"])
+        .fails_with("pool 'tank' does not exist");
+
+    // Bad names and bad -o values.
+    server
+        .cli(&["volume", "create", "novolume", "--size", "1G"])
+        .fails_with("expected POOL/NAME");
+    server
+        .cli(&["volume", "get", "default/a b"])
+        .fails_with("invalid volume name 'a b'");
+    server
+        .cli(&["volume", "list", "-o", "yaml"])
+        .fails_with("invalid -o value 'yaml'");
+    server
+        .cli(&["volume", "list", "-o", "sync=always"])
+        .fails_with("only valid with 'volume create'");
+    server
+        .cli(&["volume", "set", "default/vol0", "-o", "sync=always", "wce=off"])
+        .fails_with("only valid with 'volume create'");
+    server
+        .cli(&["pool", "status", "-o", "sync=always"])
+        .fails_with("only valid with 'volume create'");
+    // ... and none of the refused commands changed default/vol0.
+    let info = server.cli(&["volume", "get", "default/vol0", "--json"]).json();
+    assert_eq!(info["volsize"], 10u64 << 30);
+    assert_eq!(json_property(&info, "sync"), ("standard".into(), "default".into()));
+    assert_eq!(json_property(&info, "wce"), ("on".into(), "default".into()));
+
+    // Bad --api values.
+    run_cli(&["volume", "list", "--api", "https://127.0.0.1:1"], None).fails_with("https is not supported");
+    run_cli(&["volume", "list", "--api", "127.0.0.1:notaport"], None).fails_with("bad port");
+
+    let (status, _) = server.stop();
+    assert!(status.success());
+}
+
+#[test]
+fn unreachable_daemon() {
+    let port = {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        listener.local_addr().unwrap().port()
+    };
+    let address = format!("127.0.0.1:{port}");
+    let expected = format!(
+        "cannot reach the strata daemon at {address} (connection refused); is 'strata serve' running? set --api or STRATA_API"
+    );
+    // Through --api (both spellings) and through STRATA_API.
+    for args in [
+        &["volume", "list", "--api", &address][..],
+        &["volume", "get", "default/vol0", "--api", &format!("http://{address}")][..],
+        &["pool", "status", "--api", &format!("http://{address}/")][..],
+    ] {
+        let message = run_cli(args, None).fails_with(&expected).to_string();
+        assert_eq!(message, expected);
+    }
+    let outcome = run_cli(&["volume", "create", "default/x", "--size", "1G"], Some(&address));
+    assert_eq!(outcome.fails_with(&expected), expected);
+    // Argument errors are reported before the daemon is contacted.
+    run_cli(&["volume", "create", "default/x", "--size", "1Q"], Some(&address)).fails_with("invalid size '1Q'");
+}
+
+#[test]
+fn pool_status() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(dir.path());
+    server.cli(&["volume", "create", "default/p", "--size", "2G"]).ok();
+
+    let text = server.cli(&["pool", "status"]).ok().to_string();
+    let default = row(&text, "default").expect("pool default listed");
+    assert_eq!(cell(&default, "VOLUMES"), "2");
+    assert_eq!(cell(&default, "PROVISIONED"), "12G");
+    assert_eq!(cell(&default, "READ_ERRORS"), "0");
+    assert_eq!(cell(&default, "WRITE_ERRORS"), "0");
+    assert_eq!(cell(&default, "BACKING"), "file-per-volume");
+
+    let all = server.cli(&["pool", "status", "--json"]).json();
+    assert_eq!(all.as_array().unwrap().len(), 1);
+    let mut one = server.cli(&["pool", "status", "default", "-o", "json"]).json();
+    assert!(one["available_bytes"].as_u64().unwrap() > 0);
+    // Free space moves with everything else on the file system; the rest must match.
+    let mut first = all[0].clone();
+    first["available_bytes"] = Value::Null;
+    one["available_bytes"] = Value::Null;
+    assert_eq!(one, first);
+    assert_eq!(one["name"], "default");
+    assert_eq!(one["volumes"], 2);
+    assert_eq!(one["provisioned_bytes"], 12u64 << 30);
+    let path = one["path"].as_str().unwrap();
+    assert!(path.starts_with(dir.path().to_str().unwrap()), "pool path {path}");
+
+    let (status, _) = server.stop();
+    assert!(status.success());
+}
+
+#[test]
+fn rest_api() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(dir.path());
+    let api = server.api.clone();
+
+    // Metrics: Prometheus text; the HELP/TYPE lines are there before any I/O.
+    let (status, head, body) = http(&api, "GET", "/metrics", None, "");
+    assert_eq!(status, 200);
+    assert!(head.contains("content-type: text/plain; version=0.0.4"), "{head}");
+    assert!(
+        body.contains("# TYPE strata_volume_latency_seconds histogram"),
+        "{body}"
+    );
+    assert!(body.contains("# TYPE strata_volume_operations_total counter"), "{body}");
+
+    // Index.
+    let (status, _, body) = http(&api, "GET", "/v1", None, "");
+    assert_eq!(status, 200);
+    let index: Value = serde_json::from_str(&body).unwrap();
+    assert!(index["endpoints"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|e| e == "POST /v1/volumes"));
+
+    // Malformed JSON and wrong shapes: 400 with {"error": ...}.
+    let json = Some("application/json");
+    let (status, head, body) = http(&api, "POST", "/v1/volumes", json, r#"{"name": "default/x", "size": "#);
+    assert_eq!(status, 400, "{body}");
+    assert!(head.contains("content-type: application/json"), "{head}");
+    assert!(error_message(&body).starts_with("invalid JSON body"), "{body}");
+    let (status, _, body) = http(&api, "POST", "/v1/volumes", json, r#"{"size": "1G"}"#);
+    assert_eq!(status, 400);
+    assert!(error_message(&body).contains("missing field `name`"), "{body}");
+    let (status, _, body) = http(
+        &api,
+        "POST",
+        "/v1/volumes",
+        json,
+        r#"{"name": "default/x", "size": "1X"}"#,
+    );
+    assert_eq!(status, 400);
+    assert!(error_message(&body).contains("invalid size '1X'"), "{body}");
+    let (status, _, body) = http(&api, "PATCH", "/v1/volumes/default/vol0", json, "[1, 2");
+    assert_eq!(status, 400);
+    assert!(error_message(&body).starts_with("invalid JSON body"), "{body}");
+    let (status, _, body) = http(&api, "POST", "/v1/volumes/default/vol0/resize", json, "{}");
+    assert_eq!(status, 400);
+    assert!(error_message(&body).contains("missing field `size`"), "{body}");
+    // A body that is not labelled JSON.
+    let (status, _, body) = http(&api, "POST", "/v1/volumes", None, r#"{"name":"default/x","size":"1G"}"#);
+    assert_eq!(status, 415);
+    error_message(&body);
+
+    // Status codes of the manager's errors.
+    let (status, _, body) = http(&api, "GET", "/v1/volumes/default/nope", None, "");
+    assert_eq!(status, 404);
+    assert_eq!(error_message(&body), "volume 'default/nope' does not exist");
+    let (status, _, body) = http(&api, "GET", "/v1/pools/tank", None, "");
+    assert_eq!(status, 404);
+    assert_eq!(error_message(&body), "pool 'tank' does not exist");
+    let (status, _, body) = http(
+        &api,
+        "POST",
+        "/v1/volumes",
+        json,
+        r#"{"name":"default/vol0","size":"1G"}"#,
+    );
+    assert_eq!(status, 409);
+    assert_eq!(error_message(&body), "volume 'default/vol0' already exists");
+    let (status, _, body) = http(&api, "GET", "/v1/nothing", None, "");
+    assert_eq!(status, 404);
+    error_message(&body);
+    let (status, _, body) = http(&api, "PUT", "/v1/volumes/default/vol0", json, "{}");
+    assert_eq!(status, 405);
+    error_message(&body);
+
+    // Create (size as a string, properties typed loosely), patch, resize
+    // (size in bytes), delete.
+    let (status, _, body) = http(
+        &api,
+        "POST",
+        "/v1/volumes",
+        json,
+        r#"{"name":"default/r","size":"64M","properties":{"wce":false,"volblocksize":8192,"sync":"always"}}"#,
+    );
+    assert_eq!(status, 201, "{body}");
+    let info: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(info["volsize"], 64u64 << 20);
+    assert_eq!(info["volblocksize"], 8192);
+    assert_eq!(json_property(&info, "wce"), ("off".into(), "local".into()));
+    let (status, _, body) = http(
+        &api,
+        "PATCH",
+        "/v1/volumes/default/r",
+        json,
+        r#"{"properties":{"logbias":"throughput"}}"#,
+    );
+    assert_eq!(status, 200, "{body}");
+    let info: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(json_property(&info, "logbias"), ("throughput".into(), "local".into()));
+    let (status, _, body) = http(
+        &api,
+        "POST",
+        "/v1/volumes/default/r/resize",
+        json,
+        r#"{"size":134217728}"#,
+    );
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(serde_json::from_str::<Value>(&body).unwrap()["volsize"], 128u64 << 20);
+    let (status, _, body) = http(&api, "GET", "/v1/volumes?pool=default", None, "");
+    assert_eq!(status, 200);
+    assert_eq!(
+        serde_json::from_str::<Value>(&body).unwrap().as_array().unwrap().len(),
+        2
+    );
+    let (status, _, body) = http(&api, "DELETE", "/v1/volumes/default/r", None, "");
+    assert_eq!(status, 204);
+    assert!(body.is_empty());
+    let (status, _, _) = http(&api, "GET", "/v1/volumes/default/r", None, "");
+    assert_eq!(status, 404);
+
+    let (status, _) = server.stop();
+    assert!(status.success());
+}
+
+/// Opens an NBD connection to `export` with the oldest way to pick an export
+/// (fixed newstyle handshake, NBD_OPT_EXPORT_NAME); returns the socket in the
+/// transmission phase and the export size the server announced.
+fn nbd_connect(address: &str, export: &str) -> (TcpStream, u64) {
+    const IHAVEOPT: u64 = 0x4948_4156_454F_5054;
+    const FLAG_FIXED_NEWSTYLE: u32 = 1;
+    const FLAG_NO_ZEROES: u32 = 2;
+    const OPT_EXPORT_NAME: u32 = 1;
+    let mut stream = TcpStream::connect(address).expect("connect to NBD");
+    stream.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    let mut greeting = [0u8; 18];
+    stream.read_exact(&mut greeting).expect("NBD greeting");
+    assert_eq!(&greeting[..8], b"NBDMAGIC");
+    assert_eq!(u64::from_be_bytes(greeting[8..16].try_into().unwrap()), IHAVEOPT);
+    let mut out = (FLAG_FIXED_NEWSTYLE | FLAG_NO_ZEROES).to_be_bytes().to_vec();
+    out.extend_from_slice(&IHAVEOPT.to_be_bytes());
+    out.extend_from_slice(&OPT_EXPORT_NAME.to_be_bytes());
+    out.extend_from_slice(&(export.len() as u32).to_be_bytes());
+    out.extend_from_slice(export.as_bytes());
+    stream.write_all(&out).unwrap();
+    let mut answer = [0u8; 10];
+    stream.read_exact(&mut answer).expect("NBD export size and flags");
+    (stream, u64::from_be_bytes(answer[..8].try_into().unwrap()))
+}
+
+/// Polls `volume get --json` until `connections` is `want`.
+fn wait_for_connections(server: &Server, volume: &str, want: u64) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let info = server.cli(&["volume", "get", volume, "--json"]).json();
+        if info["connections"] == want {
+            return;
+        }
+        assert!(Instant::now() < deadline, "connections never became {want}: {info}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn a_connected_volume_is_busy() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(dir.path());
+    server.cli(&["volume", "create", "default/busy", "--size", "64M"]).ok();
+
+    let (connection, size) = nbd_connect(&server.nbd, "default/busy");
+    assert_eq!(size, 64 << 20);
+    wait_for_connections(&server, "default/busy", 1);
+    let list = server.cli(&["volume", "list"]).ok().to_string();
+    assert_eq!(cell(&row(&list, "default/busy").unwrap(), "CONNECTIONS"), "1");
+
+    server
+        .cli(&["volume", "delete", "default/busy"])
+        .fails_with("volume 'default/busy' is busy: 1 client connection(s) open");
+    let (status, _, body) = http(&server.api, "DELETE", "/v1/volumes/default/busy", None, "");
+    assert_eq!(status, 409);
+    assert!(error_message(&body).contains("is busy"), "{body}");
+    // Properties can still change while connected; the volume is still there.
+    server.cli(&["volume", "set", "default/busy", "sync=always"]).ok();
+    server.cli(&["volume", "resize", "default/busy", "128M"]).ok();
+
+    drop(connection);
+    wait_for_connections(&server, "default/busy", 0);
+    server.cli(&["volume", "delete", "default/busy"]).ok();
+    server
+        .cli(&["volume", "get", "default/busy"])
+        .fails_with("volume 'default/busy' does not exist");
+
+    let (status, _) = server.stop();
+    assert!(status.success());
+}
