@@ -122,7 +122,10 @@ async fn serve(args: ServeArgs) -> Result<(), String> {
     let _ = api_task.await;
     manager.flush_all().await;
     // stdout may be closed by now (a supervisor that stopped reading); never panic on it.
-    let _ = writeln!(std::io::stdout(), "strata: stopped ({signal}); all acknowledged writes flushed");
+    let _ = writeln!(
+        std::io::stdout(),
+        "strata: stopped ({signal}); all acknowledged writes flushed"
+    );
     Ok(())
 }
 
