@@ -3,6 +3,7 @@
 
 pub mod admin;
 pub mod daemon;
+pub mod device;
 pub mod frontend;
 pub mod meta;
 pub mod units;

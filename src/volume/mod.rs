@@ -110,57 +110,7 @@ impl BlockError {
 
 pub type BlockResult<T> = Result<T, BlockError>;
 
-/// A buffer that moves into the device and comes back with the result, so an
-/// asynchronous engine (io_uring) can own it while the kernel fills it.
-///
-/// `headroom` bytes at the front are reserved for the caller (the NBD frontend
-/// puts its reply header there, so a read reply is sent without a copy); the
-/// device only touches `payload()`.
-#[derive(Debug, Default)]
-pub struct IoBuf {
-    bytes: Vec<u8>,
-    headroom: usize,
-}
-
-impl IoBuf {
-    /// A zero-filled buffer of `headroom + payload_len` bytes.
-    pub fn with_headroom(headroom: usize, payload_len: usize) -> Self {
-        IoBuf {
-            bytes: vec![0; headroom + payload_len],
-            headroom,
-        }
-    }
-
-    /// Wraps bytes whose whole length is payload.
-    pub fn from_vec(bytes: Vec<u8>) -> Self {
-        IoBuf { bytes, headroom: 0 }
-    }
-
-    pub fn payload(&self) -> &[u8] {
-        &self.bytes[self.headroom..]
-    }
-
-    pub fn payload_mut(&mut self) -> &mut [u8] {
-        &mut self.bytes[self.headroom..]
-    }
-
-    pub fn headroom_mut(&mut self) -> &mut [u8] {
-        &mut self.bytes[..self.headroom]
-    }
-
-    pub fn len(&self) -> usize {
-        self.bytes.len() - self.headroom
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    /// Everything, headroom included.
-    pub fn into_vec(self) -> Vec<u8> {
-        self.bytes
-    }
-}
+pub use crate::device::IoBuf;
 
 /// The block-device contract. Every method may complete asynchronously; a
 /// frontend may have many calls in flight on one device and they complete in

@@ -37,7 +37,7 @@ const BUDGET_UNIT_BYTES: usize = 4096;
 /// Replies merged into one `writev` at most.
 const MAX_REPLIES_PER_SEND: usize = 64;
 /// Room in front of read data for a structured chunk header and its offset.
-const READ_HEADROOM: usize = proto::CHUNK_HEADER_BYTES + 8;
+const STRUCTURED_READ_HEADROOM: usize = proto::CHUNK_HEADER_BYTES + 8;
 
 #[derive(Debug, thiserror::Error)]
 enum ConnectionError {
@@ -264,10 +264,24 @@ async fn negotiate(
     Err(ConnectionError::TooManyOptions)
 }
 
+/// Reply bytes: built in a Vec, or a read buffer with the header in its headroom.
+enum ReplyBytes {
+    Built(Vec<u8>),
+    Read(IoBuf),
+}
+
+impl ReplyBytes {
+    fn as_slice(&self) -> &[u8] {
+        match self {
+            ReplyBytes::Built(bytes) => bytes,
+            ReplyBytes::Read(buf) => buf.as_bytes(),
+        }
+    }
+}
+
 /// A reply ready to send. The budget permit is released once it is written.
 struct Reply {
-    bytes: Vec<u8>,
-    start: usize,
+    bytes: ReplyBytes,
     _permit: OwnedSemaphorePermit,
 }
 
@@ -318,8 +332,8 @@ async fn transmission(
             break Ok(());
         };
         let payload = if payload_bytes > 0 {
-            let mut data = vec![0u8; payload_bytes as usize];
-            if let Err(e) = reader.read_exact(&mut data).await {
+            let mut data = IoBuf::new(payload_bytes as usize);
+            if let Err(e) = reader.read_exact(data.payload_mut()).await {
                 break Err(e.into());
             }
             Some(data)
@@ -329,8 +343,7 @@ async fn transmission(
         if let Err(errno) = proto::check_request(&request, &negotiated) {
             let bytes = error_reply(&request, &negotiated, errno, "invalid request type or flags");
             let _ = replies.send(Reply {
-                bytes,
-                start: 0,
+                bytes: ReplyBytes::Built(bytes),
                 _permit: permit,
             });
             continue;
@@ -338,12 +351,8 @@ async fn transmission(
         let volume = volume.clone();
         let replies = replies.clone();
         tokio::spawn(async move {
-            let (bytes, start) = execute(&volume, request, payload, negotiated, received).await;
-            let _ = replies.send(Reply {
-                bytes,
-                start,
-                _permit: permit,
-            });
+            let bytes = execute(&volume, request, payload, negotiated, received).await;
+            let _ = replies.send(Reply { bytes, _permit: permit });
         });
     };
     // Outstanding requests finish and their replies are sent before the
@@ -387,28 +396,28 @@ fn log_error(volume: &Volume, request: &Request, error: &BlockError) {
     }
 }
 
-/// Runs one request and builds its reply: (bytes, offset where the reply starts).
+/// Runs one request and builds its reply.
 async fn execute(
     volume: &Volume,
     request: Request,
-    payload: Option<Vec<u8>>,
+    payload: Option<IoBuf>,
     negotiated: Negotiated,
     received: Instant,
-) -> (Vec<u8>, usize) {
+) -> ReplyBytes {
     let fua = request.flags & cflag::FUA != 0;
     let offset = request.offset;
     let length = request.length as u64;
     let op = op_of(request.kind);
     let result = match request.kind {
         cmd::READ => {
-            let (bytes, start, ok) = read_reply(volume, &request, &negotiated).await;
+            let (bytes, ok) = read_reply(volume, &request, &negotiated).await;
             volume.stats().record(Protocol::Nbd, op, length, received.elapsed(), ok);
-            return (bytes, start);
+            return bytes;
         }
-        cmd::WRITE => {
-            let data = IoBuf::from_vec(payload.unwrap_or_default());
-            volume.write(offset, data, fua).await.map(|()| None)
-        }
+        cmd::WRITE => volume
+            .write(offset, payload.unwrap_or_default(), fua)
+            .await
+            .map(|()| None),
         cmd::FLUSH => volume.flush().await.map(|()| None),
         cmd::TRIM => volume.trim(offset, length, fua).await.map(|()| None),
         cmd::WRITE_ZEROES => {
@@ -451,29 +460,37 @@ async fn execute(
             )
         }
     };
-    (bytes, 0)
+    ReplyBytes::Built(bytes)
 }
 
 /// Reads and builds the reply. Without structured replies: a simple reply
 /// followed by the data. With them: one data chunk, or (unless the client set
 /// DF) hole chunks for 4 KiB runs of zeros and data chunks between.
-async fn read_reply(volume: &Volume, request: &Request, negotiated: &Negotiated) -> (Vec<u8>, usize, bool) {
-    if let Err(e) = volume.check_range(request.offset, request.length as u64, true) {
+async fn read_reply(volume: &Volume, request: &Request, negotiated: &Negotiated) -> (ReplyBytes, bool) {
+    let failed = |e: BlockError| {
         log_error(volume, request, &e);
         let errno = proto::errno_for(&e, request.kind);
-        return (error_reply(request, negotiated, errno, &e.to_string()), 0, false);
+        (
+            ReplyBytes::Built(error_reply(request, negotiated, errno, &e.to_string())),
+            false,
+        )
+    };
+    if let Err(e) = volume.check_range(request.offset, request.length as u64, true) {
+        return failed(e);
     }
-    let buf = IoBuf::with_headroom(READ_HEADROOM, request.length as usize);
+    let headroom = if negotiated.structured_replies {
+        STRUCTURED_READ_HEADROOM
+    } else {
+        proto::SIMPLE_REPLY_BYTES
+    };
+    let buf = IoBuf::with_headroom(headroom, request.length as usize);
     let (mut buf, result) = volume.read(request.offset, buf).await;
     if let Err(e) = result {
-        log_error(volume, request, &e);
-        let errno = proto::errno_for(&e, request.kind);
-        return (error_reply(request, negotiated, errno, &e.to_string()), 0, false);
+        return failed(e);
     }
     if !negotiated.structured_replies {
-        let start = READ_HEADROOM - proto::SIMPLE_REPLY_BYTES;
-        proto::put_simple_reply(&mut buf.headroom_mut()[start..], 0, request.cookie);
-        return (buf.into_vec(), start, true);
+        proto::put_simple_reply(buf.headroom_mut(), 0, request.cookie);
+        return (ReplyBytes::Read(buf), true);
     }
     let runs = if request.flags & cflag::DF != 0 {
         Vec::new()
@@ -486,10 +503,10 @@ async fn read_reply(volume: &Volume, request: &Request, negotiated: &Negotiated)
         let head = buf.headroom_mut();
         proto::put_chunk_header(head, chunk::FLAG_DONE, chunk::OFFSET_DATA, request.cookie, chunk_length);
         head[proto::CHUNK_HEADER_BYTES..].copy_from_slice(&request.offset.to_be_bytes());
-        return (buf.into_vec(), 0, true);
+        return (ReplyBytes::Read(buf), true);
     }
     let data = buf.payload();
-    let mut out = Vec::with_capacity(data.len() + runs.len() * READ_HEADROOM);
+    let mut out = Vec::with_capacity(data.len() + runs.len() * STRUCTURED_READ_HEADROOM);
     for (index, &(zero, start, end)) in runs.iter().enumerate() {
         let flags = if index + 1 == runs.len() { chunk::FLAG_DONE } else { 0 };
         let chunk_offset = (request.offset + start as u64).to_be_bytes();
@@ -504,7 +521,7 @@ async fn read_reply(volume: &Volume, request: &Request, negotiated: &Negotiated)
             proto::push_chunk(&mut out, flags, chunk::OFFSET_DATA, request.cookie, &payload);
         }
     }
-    (out, 0, true)
+    (ReplyBytes::Built(out), true)
 }
 
 /// Sends replies as they complete, merging all that are ready into one writev.
@@ -518,7 +535,7 @@ async fn send_replies(mut writer: OwnedWriteHalf, mut queue: mpsc::UnboundedRece
                 Err(_) => break,
             }
         }
-        let mut slices: Vec<IoSlice<'_>> = batch.iter().map(|r| IoSlice::new(&r.bytes[r.start..])).collect();
+        let mut slices: Vec<IoSlice<'_>> = batch.iter().map(|r| IoSlice::new(r.bytes.as_slice())).collect();
         let sent = write_all_vectored(&mut writer, &mut slices).await;
         drop(slices);
         batch.clear();

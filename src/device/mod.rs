@@ -1,0 +1,252 @@
+//! Devices: where bytes finally live. A [`Device`] is a flat array of bytes
+//! (a file, a block device, a simulated disk) with asynchronous positional
+//! reads and writes on owned buffers, and a flush that makes completed writes
+//! durable. The pool builds tiers, chunks and the block map on top; wrappers
+//! (delay, throttle, error injection) stack on any device like nbdkit filters.
+
+use std::alloc::{alloc_zeroed, dealloc, Layout};
+use std::future::Future;
+use std::pin::Pin;
+
+/// A boxed future, so that [`Device`] stays object safe.
+pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// Alignment of every [`IoBuf`] payload: enough for O_DIRECT on any device.
+pub const BUFFER_ALIGN: usize = 4096;
+
+/// An owned, zero-initialised byte buffer whose payload starts on a
+/// [`BUFFER_ALIGN`] boundary, so it can go straight to an O_DIRECT device or
+/// into an io_uring submission. Buffers move into the device and come back
+/// with the result, so the kernel may own them while an I/O is in flight.
+///
+/// `headroom` bytes directly in front of the payload are reserved for the
+/// caller (the NBD frontend writes its reply header there and sends header
+/// and data with no copy); devices only touch [`IoBuf::payload`].
+pub struct IoBuf {
+    ptr: *mut u8,
+    /// Offset of the payload from `ptr`; a multiple of BUFFER_ALIGN.
+    payload_offset: usize,
+    headroom: usize,
+    len: usize,
+    layout: Layout,
+}
+
+// SAFETY: IoBuf uniquely owns its allocation, like Box<[u8]>.
+unsafe impl Send for IoBuf {}
+// SAFETY: shared access only hands out `&[u8]`.
+unsafe impl Sync for IoBuf {}
+
+impl IoBuf {
+    /// A zero-filled buffer with `headroom` bytes in front of `len` payload bytes.
+    pub fn with_headroom(headroom: usize, len: usize) -> Self {
+        let payload_offset = headroom.div_ceil(BUFFER_ALIGN) * BUFFER_ALIGN;
+        let total = (payload_offset + len).max(1);
+        let layout = Layout::from_size_align(total, BUFFER_ALIGN).expect("buffer size overflows");
+        // SAFETY: the layout has a non-zero size.
+        let ptr = unsafe { alloc_zeroed(layout) };
+        if ptr.is_null() {
+            std::alloc::handle_alloc_error(layout);
+        }
+        IoBuf {
+            ptr,
+            payload_offset,
+            headroom,
+            len,
+            layout,
+        }
+    }
+
+    /// A zero-filled buffer of `len` payload bytes.
+    pub fn new(len: usize) -> Self {
+        Self::with_headroom(0, len)
+    }
+
+    /// A buffer holding a copy of `bytes`.
+    pub fn copy_from(bytes: &[u8]) -> Self {
+        let mut buf = Self::new(bytes.len());
+        buf.payload_mut().copy_from_slice(bytes);
+        buf
+    }
+
+    /// A buffer holding a copy of `bytes` (kept for callers holding a Vec).
+    pub fn from_vec(bytes: Vec<u8>) -> Self {
+        Self::copy_from(&bytes)
+    }
+
+    pub fn payload(&self) -> &[u8] {
+        // SAFETY: [payload_offset, payload_offset + len) lies inside the
+        // allocation, which is initialised (zeroed at allocation).
+        unsafe { std::slice::from_raw_parts(self.ptr.add(self.payload_offset), self.len) }
+    }
+
+    pub fn payload_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as in `payload`, and `&mut self` makes the access unique.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.add(self.payload_offset), self.len) }
+    }
+
+    /// The `headroom` bytes directly in front of the payload.
+    pub fn headroom_mut(&mut self) -> &mut [u8] {
+        // SAFETY: payload_offset >= headroom, so the range is inside the allocation.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.add(self.payload_offset - self.headroom), self.headroom) }
+    }
+
+    /// Headroom and payload as one contiguous slice.
+    pub fn as_bytes(&self) -> &[u8] {
+        // SAFETY: the range [payload_offset - headroom, payload_offset + len) is inside the allocation.
+        unsafe {
+            std::slice::from_raw_parts(
+                self.ptr.add(self.payload_offset - self.headroom),
+                self.headroom + self.len,
+            )
+        }
+    }
+
+    /// A copy of the payload as a Vec (for callers that need one).
+    pub fn into_vec(self) -> Vec<u8> {
+        self.payload().to_vec()
+    }
+
+    /// Payload length.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Shortens the payload to `len` bytes (never grows it).
+    pub fn truncate(&mut self, len: usize) {
+        self.len = self.len.min(len);
+    }
+}
+
+impl Drop for IoBuf {
+    fn drop(&mut self) {
+        // SAFETY: ptr was allocated with exactly this layout and is freed once.
+        unsafe { dealloc(self.ptr, self.layout) }
+    }
+}
+
+impl std::fmt::Debug for IoBuf {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("IoBuf")
+            .field("headroom", &self.headroom)
+            .field("len", &self.len)
+            .finish()
+    }
+}
+
+impl Default for IoBuf {
+    fn default() -> Self {
+        Self::new(0)
+    }
+}
+
+/// Errors a device operation can end with.
+#[derive(Debug, thiserror::Error)]
+pub enum DeviceError {
+    #[error("{device}: I/O error at offset {offset}: {source}")]
+    Io {
+        device: String,
+        offset: u64,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{device}: request [{offset}, +{length}) is outside the device ({size} bytes)")]
+    OutOfRange {
+        device: String,
+        offset: u64,
+        length: u64,
+        size: u64,
+    },
+    #[error("{device}: request at {offset} (+{length}) is not aligned to {alignment} bytes")]
+    Misaligned {
+        device: String,
+        offset: u64,
+        length: u64,
+        alignment: u32,
+    },
+    /// An error injected by the `error` wrapper or the simulator.
+    #[error("{device}: injected I/O error at offset {offset}")]
+    Injected { device: String, offset: u64 },
+    /// The device has failed a write or flush before; it refuses further
+    /// writes until reopened (errors are sticky, so a lost write is never
+    /// followed by a flush that appears to succeed).
+    #[error("{device}: device failed earlier and is read-only until reopened: {reason}")]
+    Failed { device: String, reason: String },
+}
+
+impl DeviceError {
+    /// ENOSPC from the file system under a file-backed device.
+    pub fn is_no_space(&self) -> bool {
+        matches!(self, DeviceError::Io { source, .. } if matches!(source.raw_os_error(), Some(libc::ENOSPC) | Some(libc::EDQUOT)))
+    }
+}
+
+pub type DeviceResult<T> = Result<T, DeviceError>;
+
+/// Static facts about a device.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeviceInfo {
+    /// A name for messages and metrics (the path, or the wrapper stack).
+    pub name: String,
+    pub size_bytes: u64,
+    /// Offsets and lengths of every request must be multiples of this
+    /// (512 or 4096 with O_DIRECT; 512 for buffered files).
+    pub block_bytes: u32,
+    /// Opened with O_DIRECT (bypasses the page cache).
+    pub direct_io: bool,
+    /// A spinning disk (or a wrapper emulating one).
+    pub rotational: bool,
+    /// Which I/O engine serves it: "io_uring", "threads", "sim", ...
+    pub engine: &'static str,
+}
+
+/// A flat array of bytes with asynchronous positional I/O.
+///
+/// Contract (what the pool relies on; the simulator enforces it):
+/// - `read` fills `buf.payload()` with the bytes at `offset`; never-written
+///   bytes read as zeros.
+/// - `write` stores `buf.payload()` at `offset`. When the future completes
+///   the data is visible to later reads but NOT durable: after a crash or
+///   power loss it may be absent, present, or torn at sector granularity.
+/// - `flush` makes every write that completed before `flush` was called
+///   durable. A failed write or flush makes the device's error sticky
+///   ([`DeviceError::Failed`]).
+/// - `discard` tells the device a range is unused; afterwards it reads as
+///   zeros or as its old contents (callers must not depend on which).
+/// - Offsets and lengths are multiples of `info().block_bytes` and inside
+///   the device; buffers come back to the caller with the result so that an
+///   asynchronous engine may own them while the kernel uses them.
+/// - Many calls may be in flight at once and complete in any order.
+pub trait Device: Send + Sync {
+    fn info(&self) -> &DeviceInfo;
+    fn read(&self, offset: u64, buf: IoBuf) -> BoxFuture<'_, (IoBuf, DeviceResult<()>)>;
+    fn write(&self, offset: u64, buf: IoBuf) -> BoxFuture<'_, (IoBuf, DeviceResult<()>)>;
+    fn flush(&self) -> BoxFuture<'_, DeviceResult<()>>;
+    fn discard(&self, offset: u64, length: u64) -> BoxFuture<'_, DeviceResult<()>>;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn alignment_and_headroom() {
+        for headroom in [0, 16, 28, 4096, 5000] {
+            let mut buf = IoBuf::with_headroom(headroom, 8192);
+            assert_eq!(buf.payload().as_ptr() as usize % BUFFER_ALIGN, 0);
+            assert_eq!(buf.headroom_mut().len(), headroom);
+            buf.headroom_mut().fill(1);
+            buf.payload_mut().fill(2);
+            let bytes = buf.as_bytes();
+            assert_eq!(bytes.len(), headroom + 8192);
+            assert!(bytes[..headroom].iter().all(|&b| b == 1));
+            assert!(bytes[headroom..].iter().all(|&b| b == 2));
+        }
+        let empty = IoBuf::new(0);
+        assert!(empty.is_empty());
+        assert_eq!(IoBuf::copy_from(b"abc").payload(), b"abc");
+    }
+}
