@@ -6,5 +6,6 @@ pub mod daemon;
 pub mod device;
 pub mod frontend;
 pub mod meta;
+pub mod pool;
 pub mod units;
 pub mod volume;

@@ -1,4 +1,7 @@
-//! Metadata: the catalog of pools and volumes (later also the block map and
-//! allocation state of the storage engine).
+//! Metadata: the catalog of pools and volumes, the metadata store (redb on a
+//! pool device), the bounded page caches over it, and the log.
 
 pub mod catalog;
+pub mod log;
+pub mod pages;
+pub mod store;

@@ -1,0 +1,452 @@
+//! The pool's log: a circular region of 4 KiB blocks holding logical records
+//! of metadata changes since the last checkpoint, made durable by group
+//! commit. Replay after a crash re-applies the valid prefix.
+//!
+//! Block layout (docs/FORMAT.md): magic "SLOG", crc32c of bytes 8..4096,
+//! LSN (the block's position in the never-wrapping log), pool tag, used
+//! bytes, then records. A record never spans blocks, and each commit starts a
+//! new block, so a committed block is never rewritten (a torn rewrite could
+//! otherwise destroy records that were already acknowledged).
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use crate::device::{Device, DeviceError, IoBuf};
+
+pub const LOG_BLOCK_BYTES: u64 = 4096;
+const HEADER_BYTES: usize = 32;
+const MAGIC: u32 = u32::from_le_bytes(*b"SLOG");
+/// A 128 KiB block has 32 sectors of 4 KiB.
+pub const MAX_CRCS_PER_RECORD: usize = 32;
+/// Blocks read at once during replay.
+const REPLAY_BATCH_BLOCKS: u64 = 256;
+
+/// One logical change.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Record {
+    /// Writes into this chunk may be in flight: its checksums are not to be
+    /// trusted after a crash until it is scrubbed.
+    Dirty { device: u8, chunk: u64 },
+    /// Block `block` of volume `volume` now maps to `new` (0 = unmapped);
+    /// it mapped to `old` before (freed by this change). `crcs` are the
+    /// checksums of the new block's 4 KiB sectors (empty when unmapping).
+    Map {
+        volume: u32,
+        block: u64,
+        new: u64,
+        old: u64,
+        crcs: Vec<u32>,
+    },
+    /// Volume `volume` is being destroyed: all its blocks are to be freed.
+    Destroy { volume: u32 },
+}
+
+impl Record {
+    fn encoded_len(&self) -> usize {
+        match self {
+            Record::Dirty { .. } => 10,
+            Record::Map { crcs, .. } => 30 + 4 * crcs.len(),
+            Record::Destroy { .. } => 5,
+        }
+    }
+
+    fn encode(&self, out: &mut Vec<u8>) {
+        match self {
+            Record::Dirty { device, chunk } => {
+                out.push(1);
+                out.push(*device);
+                out.extend_from_slice(&chunk.to_le_bytes());
+            }
+            Record::Map {
+                volume,
+                block,
+                new,
+                old,
+                crcs,
+            } => {
+                assert!(crcs.len() <= MAX_CRCS_PER_RECORD);
+                out.push(2);
+                out.extend_from_slice(&volume.to_le_bytes());
+                out.extend_from_slice(&block.to_le_bytes());
+                out.extend_from_slice(&new.to_le_bytes());
+                out.extend_from_slice(&old.to_le_bytes());
+                out.push(crcs.len() as u8);
+                for crc in crcs {
+                    out.extend_from_slice(&crc.to_le_bytes());
+                }
+            }
+            Record::Destroy { volume } => {
+                out.push(3);
+                out.extend_from_slice(&volume.to_le_bytes());
+            }
+        }
+    }
+
+    /// Decodes one record; `None` on a malformed one (the block is then
+    /// treated as the end of the log).
+    fn decode(bytes: &[u8]) -> Option<(Record, usize)> {
+        let u32_at = |at: usize| {
+            bytes
+                .get(at..at + 4)
+                .map(|s| u32::from_le_bytes(s.try_into().unwrap_or([0; 4])))
+        };
+        let u64_at = |at: usize| {
+            bytes
+                .get(at..at + 8)
+                .map(|s| u64::from_le_bytes(s.try_into().unwrap_or([0; 8])))
+        };
+        match bytes.first()? {
+            1 => Some((
+                Record::Dirty {
+                    device: *bytes.get(1)?,
+                    chunk: u64_at(2)?,
+                },
+                10,
+            )),
+            2 => {
+                let count = *bytes.get(29)? as usize;
+                if count > MAX_CRCS_PER_RECORD {
+                    return None;
+                }
+                let crcs = (0..count).map(|i| u32_at(30 + 4 * i)).collect::<Option<Vec<u32>>>()?;
+                let record = Record::Map {
+                    volume: u32_at(1)?,
+                    block: u64_at(5)?,
+                    new: u64_at(13)?,
+                    old: u64_at(21)?,
+                    crcs,
+                };
+                Some((record, 30 + 4 * count))
+            }
+            3 => Some((Record::Destroy { volume: u32_at(1)? }, 5)),
+            _ => None,
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum LogError {
+    #[error("log device: {0}")]
+    Device(#[from] DeviceError),
+    #[error("the log is full; a checkpoint must free space first")]
+    Full,
+}
+
+struct Pending {
+    records: Vec<Record>,
+    bytes: usize,
+    /// Slots released by these records: reusable once the records are durable.
+    frees: Vec<(u8, u64)>,
+}
+
+/// Where the log lives and how far it goes.
+pub struct Log {
+    device: Arc<dyn Device>,
+    offset: u64,
+    len: u64,
+    pool_tag: u64,
+    pending: Mutex<Pending>,
+    /// Mirrors `pending.bytes` so callers can check it without the lock.
+    pending_bytes: std::sync::atomic::AtomicUsize,
+    /// Position of the next block to write.
+    next_lsn: AtomicU64,
+    /// Oldest position still needed (the last checkpoint's LSN).
+    tail_lsn: AtomicU64,
+    /// Commit tickets: every `commit` call takes one when it starts; a commit
+    /// that begins after a ticket was issued serves it.
+    tickets_issued: AtomicU64,
+    tickets_served: AtomicU64,
+    commit_lock: tokio::sync::Mutex<()>,
+    /// Bytes written to the log device (for the metadata-cost benchmark).
+    pub bytes_written: AtomicU64,
+}
+
+impl Log {
+    /// A log over `[offset, offset + len)` of `device`, resuming at `tail_lsn`
+    /// (the checkpoint's) and continuing at `next_lsn` (the end of replay).
+    pub fn new(device: Arc<dyn Device>, offset: u64, len: u64, pool_tag: u64, tail_lsn: u64, next_lsn: u64) -> Self {
+        assert!(
+            len % LOG_BLOCK_BYTES == 0 && len >= 16 * LOG_BLOCK_BYTES,
+            "log region too small"
+        );
+        assert!(next_lsn >= tail_lsn && next_lsn % LOG_BLOCK_BYTES == 0);
+        Log {
+            device,
+            offset,
+            len,
+            pool_tag,
+            pending: Mutex::new(Pending {
+                records: Vec::new(),
+                bytes: 0,
+                frees: Vec::new(),
+            }),
+            pending_bytes: std::sync::atomic::AtomicUsize::new(0),
+            next_lsn: AtomicU64::new(next_lsn),
+            tail_lsn: AtomicU64::new(tail_lsn),
+            tickets_issued: AtomicU64::new(0),
+            tickets_served: AtomicU64::new(0),
+            commit_lock: tokio::sync::Mutex::new(()),
+            bytes_written: AtomicU64::new(0),
+        }
+    }
+
+    /// Queues a record; it becomes durable with the next commit.
+    pub fn append(&self, record: Record) {
+        let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+        pending.bytes += record.encoded_len();
+        self.pending_bytes.store(pending.bytes, Ordering::Relaxed);
+        pending.records.push(record);
+    }
+
+    /// Queues a record that releases a slot; `commit` hands the slot back
+    /// once the record is durable (reusing it earlier could let a crash
+    /// resurrect the old mapping over someone else's data).
+    pub fn append_free(&self, record: Record, slot: (u8, u64)) {
+        let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+        pending.bytes += record.encoded_len();
+        self.pending_bytes.store(pending.bytes, Ordering::Relaxed);
+        pending.records.push(record);
+        pending.frees.push(slot);
+    }
+
+    /// Bytes of records waiting for a commit.
+    pub fn pending_bytes(&self) -> usize {
+        self.pending_bytes.load(Ordering::Relaxed)
+    }
+
+    pub fn next_lsn(&self) -> u64 {
+        self.next_lsn.load(Ordering::Acquire)
+    }
+
+    /// Fraction of the region in use, 0.0 to 1.0.
+    pub fn usage(&self) -> f64 {
+        (self.next_lsn() - self.tail_lsn.load(Ordering::Acquire)) as f64 / self.len as f64
+    }
+
+    /// Frees the log up to `lsn` (after a checkpoint covering it committed).
+    pub fn set_tail(&self, lsn: u64) {
+        self.tail_lsn.store(lsn, Ordering::Release);
+    }
+
+    /// Makes every record appended before this call durable, after running
+    /// `before_write` (the pool flushes its data devices there, so a record
+    /// never becomes durable before the data it points to). Concurrent calls
+    /// are merged: whoever commits serves everyone who asked before it began.
+    /// `reserve` lets a checkpoint use the last quarter of the region.
+    /// Returns the slots whose release became durable.
+    pub async fn commit<F, Fut>(&self, before_write: F, reserve: bool) -> Result<Vec<(u8, u64)>, LogError>
+    where
+        F: FnOnce() -> Fut,
+        Fut: std::future::Future<Output = Result<(), DeviceError>>,
+    {
+        let ticket = self.tickets_issued.fetch_add(1, Ordering::AcqRel) + 1;
+        let _guard = self.commit_lock.lock().await;
+        if self.tickets_served.load(Ordering::Acquire) >= ticket {
+            return Ok(Vec::new());
+        }
+        let covering = self.tickets_issued.load(Ordering::Acquire);
+        before_write().await?;
+        let records = {
+            let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+            let blocks = blocks_needed(&pending.records);
+            let used = self.next_lsn() - self.tail_lsn.load(Ordering::Acquire);
+            let limit = if reserve { self.len } else { self.len / 4 * 3 };
+            if used + blocks * LOG_BLOCK_BYTES > limit {
+                return Err(LogError::Full);
+            }
+            pending.bytes = 0;
+            self.pending_bytes.store(0, Ordering::Relaxed);
+            (std::mem::take(&mut pending.records), std::mem::take(&mut pending.frees))
+        };
+        let (records, frees) = records;
+        if !records.is_empty() {
+            if let Err(e) = self.write_blocks(&records).await {
+                // Put the records back in front so a later commit retries them.
+                let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+                let mut restored = records;
+                restored.append(&mut pending.records);
+                pending.bytes = restored.iter().map(Record::encoded_len).sum();
+                self.pending_bytes.store(pending.bytes, Ordering::Relaxed);
+                pending.records = restored;
+                let mut restored_frees = frees;
+                restored_frees.append(&mut pending.frees);
+                pending.frees = restored_frees;
+                return Err(e);
+            }
+        }
+        self.tickets_served.store(covering, Ordering::Release);
+        Ok(frees)
+    }
+
+    async fn write_blocks(&self, records: &[Record]) -> Result<(), LogError> {
+        let start_lsn = self.next_lsn();
+        let mut blocks: Vec<Vec<u8>> = Vec::new();
+        let mut body = Vec::with_capacity(LOG_BLOCK_BYTES as usize);
+        for record in records {
+            if HEADER_BYTES + body.len() + record.encoded_len() > LOG_BLOCK_BYTES as usize {
+                blocks.push(std::mem::take(&mut body));
+            }
+            record.encode(&mut body);
+        }
+        blocks.push(body);
+        let count = blocks.len() as u64;
+        // One device write per contiguous run (two when the region wraps).
+        let mut lsn = start_lsn;
+        let mut index = 0usize;
+        while index < blocks.len() {
+            let physical = lsn % self.len;
+            let room = ((self.len - physical) / LOG_BLOCK_BYTES) as usize;
+            let run = room.min(blocks.len() - index);
+            let mut buf = IoBuf::new(run * LOG_BLOCK_BYTES as usize);
+            for (i, body) in blocks[index..index + run].iter().enumerate() {
+                let at = i * LOG_BLOCK_BYTES as usize;
+                let block_lsn = lsn + i as u64 * LOG_BLOCK_BYTES;
+                encode_block(
+                    &mut buf.payload_mut()[at..at + LOG_BLOCK_BYTES as usize],
+                    block_lsn,
+                    self.pool_tag,
+                    body,
+                );
+            }
+            let (_, result) = self.device.write(self.offset + physical, buf).await;
+            result?;
+            lsn += run as u64 * LOG_BLOCK_BYTES;
+            index += run;
+        }
+        self.device.flush().await?;
+        self.bytes_written.fetch_add(count * LOG_BLOCK_BYTES, Ordering::Relaxed);
+        self.next_lsn
+            .store(start_lsn + count * LOG_BLOCK_BYTES, Ordering::Release);
+        Ok(())
+    }
+
+    /// Reads the valid records from `tail_lsn` on. Returns them and the LSN
+    /// where the next block should go.
+    pub async fn replay(
+        device: &Arc<dyn Device>,
+        offset: u64,
+        len: u64,
+        pool_tag: u64,
+        tail_lsn: u64,
+    ) -> Result<(Vec<Record>, u64), DeviceError> {
+        let mut records = Vec::new();
+        let mut lsn = tail_lsn;
+        'outer: while lsn - tail_lsn < len {
+            let physical = lsn % len;
+            let blocks = REPLAY_BATCH_BLOCKS
+                .min((len - physical) / LOG_BLOCK_BYTES)
+                .min((len - (lsn - tail_lsn)) / LOG_BLOCK_BYTES);
+            let (buf, result) = device
+                .read(offset + physical, IoBuf::new((blocks * LOG_BLOCK_BYTES) as usize))
+                .await;
+            result?;
+            for block in buf.payload().chunks(LOG_BLOCK_BYTES as usize) {
+                match decode_block(block, lsn, pool_tag) {
+                    Some(decoded) => records.extend(decoded),
+                    None => break 'outer,
+                }
+                lsn += LOG_BLOCK_BYTES;
+            }
+        }
+        Ok((records, lsn))
+    }
+}
+
+fn blocks_needed(records: &[Record]) -> u64 {
+    let mut blocks = 1u64;
+    let mut used = HEADER_BYTES;
+    for record in records {
+        if used + record.encoded_len() > LOG_BLOCK_BYTES as usize {
+            blocks += 1;
+            used = HEADER_BYTES;
+        }
+        used += record.encoded_len();
+    }
+    blocks
+}
+
+fn encode_block(out: &mut [u8], lsn: u64, pool_tag: u64, body: &[u8]) {
+    out[0..4].copy_from_slice(&MAGIC.to_le_bytes());
+    out[8..16].copy_from_slice(&lsn.to_le_bytes());
+    out[16..24].copy_from_slice(&pool_tag.to_le_bytes());
+    out[24..28].copy_from_slice(&(body.len() as u32).to_le_bytes());
+    out[HEADER_BYTES..HEADER_BYTES + body.len()].copy_from_slice(body);
+    let crc = crc32c::crc32c(&out[8..]);
+    out[4..8].copy_from_slice(&crc.to_le_bytes());
+}
+
+/// Decodes a block if it is a valid block of this pool at `lsn`.
+fn decode_block(block: &[u8], lsn: u64, pool_tag: u64) -> Option<Vec<Record>> {
+    let u32_at = |at: usize| u32::from_le_bytes(block[at..at + 4].try_into().unwrap_or([0; 4]));
+    let u64_at = |at: usize| u64::from_le_bytes(block[at..at + 8].try_into().unwrap_or([0; 8]));
+    if block.len() != LOG_BLOCK_BYTES as usize
+        || u32_at(0) != MAGIC
+        || u64_at(8) != lsn
+        || u64_at(16) != pool_tag
+        || crc32c::crc32c(&block[8..]) != u32_at(4)
+    {
+        return None;
+    }
+    let used = u32_at(24) as usize;
+    let body = block.get(HEADER_BYTES..HEADER_BYTES + used)?;
+    let mut records = Vec::new();
+    let mut at = 0;
+    while at < body.len() {
+        let (record, length) = Record::decode(&body[at..])?;
+        records.push(record);
+        at += length;
+    }
+    Some(records)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn block_round_trip_and_rejections() {
+        let records = vec![
+            Record::Dirty { device: 1, chunk: 77 },
+            Record::Map {
+                volume: 3,
+                block: 9,
+                new: 1 << 63 | 5,
+                old: 0,
+                crcs: vec![1, 2, 3, 4],
+            },
+            Record::Map {
+                volume: 3,
+                block: 10,
+                new: 0,
+                old: 1 << 63 | 5,
+                crcs: vec![],
+            },
+            Record::Destroy { volume: 4 },
+        ];
+        let mut body = Vec::new();
+        for r in &records {
+            r.encode(&mut body);
+        }
+        let mut block = vec![0u8; LOG_BLOCK_BYTES as usize];
+        encode_block(&mut block, 8192, 42, &body);
+        assert_eq!(decode_block(&block, 8192, 42), Some(records));
+        assert_eq!(decode_block(&block, 4096, 42), None, "wrong position");
+        assert_eq!(decode_block(&block, 8192, 43), None, "another pool");
+        block[100] ^= 1;
+        assert_eq!(decode_block(&block, 8192, 42), None, "corrupt");
+    }
+
+    #[test]
+    fn blocks_needed_counts_splits() {
+        let map = Record::Map {
+            volume: 0,
+            block: 0,
+            new: 0,
+            old: 0,
+            crcs: vec![],
+        };
+        let per_block = (LOG_BLOCK_BYTES as usize - HEADER_BYTES) / 30;
+        assert_eq!(blocks_needed(&vec![map.clone(); per_block]), 1);
+        assert_eq!(blocks_needed(&vec![map; per_block + 1]), 2);
+    }
+}

@@ -1,0 +1,242 @@
+//! Bounded caches of metadata pages over the metadata store.
+//!
+//! The block map and the checksum table are far too large to keep whole in
+//! memory (a 1 TiB volume has 64 Mi blocks of 16 KiB). They are split into
+//! pages; the pages in use live here, entries are atomics (readers and
+//! writers never lock a page), and a page is loaded from the store on a miss.
+//! Clean pages are evicted when a shard is full; dirty pages stay until a
+//! checkpoint writes them. The pool bounds the number of dirty pages by
+//! checkpointing when there are too many.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+use redb::TableDefinition;
+
+use super::store::{read_page, CRC_PAGES, MAP_PAGES};
+
+pub const MAP_ENTRIES_PER_PAGE: u64 = 256;
+pub const CRCS_PER_PAGE: u64 = 1024;
+const SHARDS: usize = 16;
+
+/// A page kind: how it is stored and what it holds.
+pub trait Page: Send + Sync + 'static {
+    const TABLE: TableDefinition<'static, (u32, u64), &'static [u8]>;
+    /// Decodes a stored page, or makes an empty one (`None`).
+    fn decode(bytes: Option<&[u8]>) -> Self;
+    fn encode(&self) -> Vec<u8>;
+    fn dirty_flag(&self) -> &AtomicBool;
+}
+
+/// 256 block-map entries of one volume (see `pool::map_entry`).
+pub struct MapPage {
+    pub entries: Box<[AtomicU64]>,
+    dirty: AtomicBool,
+}
+
+impl Page for MapPage {
+    const TABLE: TableDefinition<'static, (u32, u64), &'static [u8]> = MAP_PAGES;
+
+    fn decode(bytes: Option<&[u8]>) -> Self {
+        let entries = (0..MAP_ENTRIES_PER_PAGE as usize)
+            .map(|i| {
+                let value = bytes
+                    .and_then(|b| b.get(i * 8..i * 8 + 8))
+                    .map(|s| u64::from_le_bytes(s.try_into().unwrap_or([0; 8])))
+                    .unwrap_or(0);
+                AtomicU64::new(value)
+            })
+            .collect();
+        MapPage {
+            entries,
+            dirty: AtomicBool::new(false),
+        }
+    }
+
+    fn encode(&self) -> Vec<u8> {
+        self.entries
+            .iter()
+            .flat_map(|e| e.load(Ordering::Acquire).to_le_bytes())
+            .collect()
+    }
+
+    fn dirty_flag(&self) -> &AtomicBool {
+        &self.dirty
+    }
+}
+
+/// 1024 sector checksums of one device (4 MiB of it).
+pub struct CrcPage {
+    pub crcs: Box<[AtomicU32]>,
+    dirty: AtomicBool,
+}
+
+impl Page for CrcPage {
+    const TABLE: TableDefinition<'static, (u32, u64), &'static [u8]> = CRC_PAGES;
+
+    fn decode(bytes: Option<&[u8]>) -> Self {
+        let crcs = (0..CRCS_PER_PAGE as usize)
+            .map(|i| {
+                let value = bytes
+                    .and_then(|b| b.get(i * 4..i * 4 + 4))
+                    .map(|s| u32::from_le_bytes(s.try_into().unwrap_or([0; 4])))
+                    .unwrap_or(0);
+                AtomicU32::new(value)
+            })
+            .collect();
+        CrcPage {
+            crcs,
+            dirty: AtomicBool::new(false),
+        }
+    }
+
+    fn encode(&self) -> Vec<u8> {
+        self.crcs
+            .iter()
+            .flat_map(|c| c.load(Ordering::Acquire).to_le_bytes())
+            .collect()
+    }
+
+    fn dirty_flag(&self) -> &AtomicBool {
+        &self.dirty
+    }
+}
+
+pub type PageKey = (u32, u64);
+
+pub struct PageCache<P: Page> {
+    shards: Vec<Mutex<HashMap<PageKey, Arc<P>>>>,
+    max_pages_per_shard: usize,
+    dirty_pages: AtomicUsize,
+}
+
+impl<P: Page> PageCache<P> {
+    /// A cache holding about `max_pages` clean pages.
+    pub fn new(max_pages: usize) -> Self {
+        PageCache {
+            shards: (0..SHARDS).map(|_| Mutex::new(HashMap::new())).collect(),
+            max_pages_per_shard: (max_pages / SHARDS).max(4),
+            dirty_pages: AtomicUsize::new(0),
+        }
+    }
+
+    fn shard(&self, key: PageKey) -> std::sync::MutexGuard<'_, HashMap<PageKey, Arc<P>>> {
+        let hash = (key.0 as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ key.1.wrapping_mul(0xff51_afd7_ed55_8ccd);
+        self.shards[(hash >> 32) as usize % SHARDS]
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The page, from the cache or loaded from the store.
+    pub fn get(&self, db: &redb::Database, key: PageKey) -> Result<Arc<P>, String> {
+        if let Some(page) = self.shard(key).get(&key) {
+            return Ok(page.clone());
+        }
+        let stored = read_page(db, P::TABLE, key)?;
+        let page = Arc::new(P::decode(stored.as_deref()));
+        let mut shard = self.shard(key);
+        if let Some(existing) = shard.get(&key) {
+            return Ok(existing.clone());
+        }
+        if shard.len() >= self.max_pages_per_shard {
+            evict(&mut shard);
+        }
+        shard.insert(key, page.clone());
+        Ok(page)
+    }
+
+    /// Installs a page (replay and tests); replaces any cached copy.
+    pub fn put(&self, key: PageKey, page: P) -> Arc<P> {
+        let page = Arc::new(page);
+        self.shard(key).insert(key, page.clone());
+        page
+    }
+
+    /// Marks a page dirty (it stays cached until a checkpoint writes it).
+    pub fn mark_dirty(&self, page: &P) {
+        if !page.dirty_flag().swap(true, Ordering::AcqRel) {
+            self.dirty_pages.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    pub fn dirty_count(&self) -> usize {
+        self.dirty_pages.load(Ordering::Relaxed)
+    }
+
+    /// Takes a consistent copy of every dirty page and marks them clean.
+    /// The caller holds the pool's checkpoint gate, so nothing changes a page
+    /// meanwhile; if writing the copy fails it calls [`Self::restore_dirty`].
+    pub fn take_dirty(&self) -> Vec<(PageKey, Vec<u8>, Arc<P>)> {
+        let mut taken = Vec::new();
+        for shard in &self.shards {
+            let shard = shard.lock().unwrap_or_else(|e| e.into_inner());
+            for (key, page) in shard.iter() {
+                if page.dirty_flag().swap(false, Ordering::AcqRel) {
+                    self.dirty_pages.fetch_sub(1, Ordering::Relaxed);
+                    taken.push((*key, page.encode(), page.clone()));
+                }
+            }
+        }
+        taken
+    }
+
+    pub fn restore_dirty(&self, taken: &[(PageKey, Vec<u8>, Arc<P>)]) {
+        for (_, _, page) in taken {
+            self.mark_dirty(page);
+        }
+    }
+
+    /// Drops every cached page whose key's first part is `owner` (a destroyed volume).
+    pub fn forget_owner(&self, owner: u32) {
+        for shard in &self.shards {
+            let mut shard = shard.lock().unwrap_or_else(|e| e.into_inner());
+            shard.retain(|key, page| {
+                let keep = key.0 != owner;
+                if !keep && page.dirty_flag().swap(false, Ordering::AcqRel) {
+                    self.dirty_pages.fetch_sub(1, Ordering::Relaxed);
+                }
+                keep
+            });
+        }
+    }
+
+    /// Keys of every cached page.
+    pub fn keys(&self) -> Vec<PageKey> {
+        self.shards
+            .iter()
+            .flat_map(|s| {
+                s.lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .keys()
+                    .copied()
+                    .collect::<Vec<_>>()
+            })
+            .collect()
+    }
+
+    /// Number of cached pages.
+    pub fn len(&self) -> usize {
+        self.shards
+            .iter()
+            .map(|s| s.lock().unwrap_or_else(|e| e.into_inner()).len())
+            .sum()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// Removes up to a few clean pages nobody else holds.
+fn evict<P: Page>(shard: &mut HashMap<PageKey, Arc<P>>) {
+    let victims: Vec<PageKey> = shard
+        .iter()
+        .filter(|(_, page)| !page.dirty_flag().load(Ordering::Acquire) && Arc::strong_count(page) == 1)
+        .map(|(key, _)| *key)
+        .take(8)
+        .collect();
+    for key in victims {
+        shard.remove(&key);
+    }
+}

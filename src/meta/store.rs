@@ -1,0 +1,264 @@
+//! The metadata store: a redb database living in a region of a pool device.
+//!
+//! redb gives us crash-safe, checksummed, copy-on-write B-trees with a
+//! bounded page cache. We only write to it at checkpoints (in large batches);
+//! between checkpoints, changes live in the page caches and the log. The
+//! database is not a file: [`RegionBackend`] maps redb's storage calls onto a
+//! byte range of a [`Device`], so a pool's metadata travels with its devices.
+//! Region layout (docs/FORMAT.md): a 4 KiB header holding redb's current
+//! length, then redb's bytes.
+
+use std::future::Future;
+use std::io;
+use std::pin::pin;
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll, Wake, Waker};
+
+use redb::{StorageBackend, TableDefinition};
+
+use crate::device::{Device, IoBuf};
+
+/// Map pages: (volume id, page index) → 256 little-endian u64 entries.
+pub const MAP_PAGES: TableDefinition<(u32, u64), &[u8]> = TableDefinition::new("map_pages");
+/// Checksum pages: (device index, page index) → 1024 little-endian u32 crc32c.
+pub const CRC_PAGES: TableDefinition<(u32, u64), &[u8]> = TableDefinition::new("crc_pages");
+/// Chunk allocation: (device index, chunk) → slot shift + used-slot bitmap.
+pub const CHUNKS: TableDefinition<(u32, u64), &[u8]> = TableDefinition::new("chunks");
+/// Chunks whose checksums are not trusted after a crash: (device, chunk) → 0.
+pub const SUSPECT: TableDefinition<(u32, u64), u8> = TableDefinition::new("suspect");
+/// Volumes being destroyed: volume id → 0.
+pub const DESTROYED: TableDefinition<u32, u8> = TableDefinition::new("destroyed");
+/// Scalars: "checkpoint_lsn", "epoch".
+pub const STATE: TableDefinition<&str, u64> = TableDefinition::new("state");
+
+const HEADER_BYTES: u64 = 4096;
+const HEADER_MAGIC: [u8; 8] = *b"STRATAMR";
+
+/// Runs a future to completion on the current thread, parking between polls.
+/// Used where a synchronous interface (redb's storage backend) sits on top
+/// of asynchronous devices. Never call it on a current-thread runtime whose
+/// progress the future needs; the simulated device completes at once and the
+/// real engines complete on their own threads.
+pub fn block_on<F: Future>(future: F) -> F::Output {
+    struct Unpark(std::thread::Thread);
+    impl Wake for Unpark {
+        fn wake(self: Arc<Self>) {
+            self.0.unpark();
+        }
+    }
+    let waker = Waker::from(Arc::new(Unpark(std::thread::current())));
+    let mut context = Context::from_waker(&waker);
+    let mut future = pin!(future);
+    loop {
+        match future.as_mut().poll(&mut context) {
+            Poll::Ready(output) => return output,
+            Poll::Pending => std::thread::park(),
+        }
+    }
+}
+
+fn to_io(error: crate::device::DeviceError) -> io::Error {
+    io::Error::other(error.to_string())
+}
+
+/// redb storage on a byte range of a device.
+pub struct RegionBackend {
+    device: Arc<dyn Device>,
+    offset: u64,
+    capacity: u64,
+    block: u64,
+    /// redb's current length; serialises writes too (read-modify-write of
+    /// partial blocks must not interleave).
+    state: Mutex<u64>,
+}
+
+impl std::fmt::Debug for RegionBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "RegionBackend({} @ {} +{})",
+            self.device.info().name,
+            self.offset,
+            self.capacity
+        )
+    }
+}
+
+impl RegionBackend {
+    /// Opens the region; a region never written reads as length 0.
+    pub fn open(device: Arc<dyn Device>, offset: u64, capacity: u64) -> io::Result<Self> {
+        let block = device.info().block_bytes.max(512) as u64;
+        assert!(
+            offset % block == 0 && capacity > HEADER_BYTES,
+            "misaligned metadata region"
+        );
+        let (buf, result) = block_on(device.read(offset, IoBuf::new(HEADER_BYTES as usize)));
+        result.map_err(to_io)?;
+        let header = buf.payload();
+        let len = if header[0..8] == HEADER_MAGIC {
+            let stored = u64::from_le_bytes(header[8..16].try_into().unwrap_or([0; 8]));
+            let crc = u32::from_le_bytes(header[16..20].try_into().unwrap_or([0; 4]));
+            if crc32c::crc32c(&header[0..16]) != crc {
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    "metadata region header is damaged",
+                ));
+            }
+            stored
+        } else if header.iter().all(|&b| b == 0) {
+            0
+        } else {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                "metadata region has no valid header",
+            ));
+        };
+        Ok(RegionBackend {
+            device,
+            offset,
+            capacity: capacity - HEADER_BYTES,
+            block,
+            state: Mutex::new(len),
+        })
+    }
+
+    fn write_header(&self, len: u64) -> io::Result<()> {
+        let mut buf = IoBuf::new(HEADER_BYTES as usize);
+        let header = buf.payload_mut();
+        header[0..8].copy_from_slice(&HEADER_MAGIC);
+        header[8..16].copy_from_slice(&len.to_le_bytes());
+        let crc = crc32c::crc32c(&header[0..16]);
+        header[16..20].copy_from_slice(&crc.to_le_bytes());
+        let (_, result) = block_on(self.device.write(self.offset, buf));
+        result.map_err(to_io)?;
+        block_on(self.device.flush()).map_err(to_io)
+    }
+
+    /// Reads the aligned cover of [start, start + len) (region-relative, after the header).
+    fn read_cover(&self, start: u64, len: usize) -> io::Result<(IoBuf, usize)> {
+        let absolute = self.offset + HEADER_BYTES + start;
+        let aligned_start = absolute / self.block * self.block;
+        let aligned_end = (absolute + len as u64).div_ceil(self.block) * self.block;
+        let (buf, result) = block_on(
+            self.device
+                .read(aligned_start, IoBuf::new((aligned_end - aligned_start) as usize)),
+        );
+        result.map_err(to_io)?;
+        Ok((buf, (absolute - aligned_start) as usize))
+    }
+
+    fn write_range(&self, start: u64, data: &[u8]) -> io::Result<()> {
+        let absolute = self.offset + HEADER_BYTES + start;
+        if absolute % self.block == 0 && data.len() as u64 % self.block == 0 {
+            let (_, result) = block_on(self.device.write(absolute, IoBuf::copy_from(data)));
+            return result.map_err(to_io);
+        }
+        let (mut buf, skip) = self.read_cover(start, data.len())?;
+        buf.payload_mut()[skip..skip + data.len()].copy_from_slice(data);
+        let aligned_start = absolute - skip as u64;
+        let (_, result) = block_on(self.device.write(aligned_start, buf));
+        result.map_err(to_io)
+    }
+}
+
+impl StorageBackend for RegionBackend {
+    fn len(&self) -> io::Result<u64> {
+        Ok(*self.state.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+
+    fn read(&self, offset: u64, len: usize) -> io::Result<Vec<u8>> {
+        let current = self.len()?;
+        if offset + len as u64 > current {
+            return Err(io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                "read past the end of the metadata region",
+            ));
+        }
+        let (buf, skip) = self.read_cover(offset, len)?;
+        Ok(buf.payload()[skip..skip + len].to_vec())
+    }
+
+    fn set_len(&self, len: u64) -> io::Result<()> {
+        let mut current = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        if len > self.capacity {
+            return Err(io::Error::new(
+                io::ErrorKind::StorageFull,
+                format!("metadata region is full ({} bytes)", self.capacity),
+            ));
+        }
+        if len > *current {
+            // redb expects new space to read as zeros; the region may hold
+            // anything from earlier use.
+            let zeros = vec![0u8; 1 << 20];
+            let mut at = *current;
+            while at < len {
+                let step = (len - at).min(zeros.len() as u64) as usize;
+                self.write_range(at, &zeros[..step])?;
+                at += step as u64;
+            }
+            block_on(self.device.flush()).map_err(to_io)?;
+        }
+        self.write_header(len)?;
+        *current = len;
+        Ok(())
+    }
+
+    fn sync_data(&self, _eventual: bool) -> io::Result<()> {
+        block_on(self.device.flush()).map_err(to_io)
+    }
+
+    fn write(&self, offset: u64, data: &[u8]) -> io::Result<()> {
+        let _serialise = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        self.write_range(offset, data)
+    }
+}
+
+/// Opens (or initialises) the metadata database on a device region.
+pub fn open_database(
+    device: Arc<dyn Device>,
+    offset: u64,
+    capacity: u64,
+    cache_bytes: usize,
+) -> Result<redb::Database, String> {
+    let backend = RegionBackend::open(device, offset, capacity).map_err(|e| format!("metadata region: {e}"))?;
+    let db = redb::Builder::new()
+        .set_cache_size(cache_bytes)
+        .create_with_backend(backend)
+        .map_err(|e| format!("metadata store: {e}"))?;
+    // Make sure every table exists so readers never see "table missing".
+    let txn = db.begin_write().map_err(|e| format!("metadata store: {e}"))?;
+    {
+        let open = |result: Result<(), redb::TableError>| result.map_err(|e| format!("metadata store: {e}"));
+        open(txn.open_table(MAP_PAGES).map(|_| ()))?;
+        open(txn.open_table(CRC_PAGES).map(|_| ()))?;
+        open(txn.open_table(CHUNKS).map(|_| ()))?;
+        open(txn.open_table(SUSPECT).map(|_| ()))?;
+        open(txn.open_table(DESTROYED).map(|_| ()))?;
+        open(txn.open_table(STATE).map(|_| ()))?;
+    }
+    txn.commit().map_err(|e| format!("metadata store: {e}"))?;
+    Ok(db)
+}
+
+/// Reads one scalar from the STATE table (0 when absent).
+pub fn read_state(db: &redb::Database, key: &str) -> Result<u64, String> {
+    let txn = db.begin_read().map_err(|e| e.to_string())?;
+    let table = txn.open_table(STATE).map_err(|e| e.to_string())?;
+    Ok(table
+        .get(key)
+        .map_err(|e| e.to_string())?
+        .map(|v| v.value())
+        .unwrap_or(0))
+}
+
+/// Reads one page blob.
+pub fn read_page(
+    db: &redb::Database,
+    table: TableDefinition<(u32, u64), &[u8]>,
+    key: (u32, u64),
+) -> Result<Option<Vec<u8>>, String> {
+    let txn = db.begin_read().map_err(|e| e.to_string())?;
+    let table = txn.open_table(table).map_err(|e| e.to_string())?;
+    let value = table.get(key).map_err(|e| e.to_string())?;
+    Ok(value.map(|v| v.value().to_vec()))
+}

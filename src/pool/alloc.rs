@@ -1,0 +1,328 @@
+//! Space allocation: chunks on devices, slots within chunks.
+//!
+//! A device's data area is cut into chunks (the placement and future
+//! migration unit). A chunk in use is assigned one slot size (a volume's
+//! `volblocksize`) and a bitmap of used slots. New slots come from the
+//! fastest tier that has room: first from partly used chunks there, then
+//! from a fresh chunk, and only then from the next tier down.
+//!
+//! The allocator is pure bookkeeping; persistence (checkpoints) and the rule
+//! that a freed slot is not reused before its release is durable belong to
+//! the pool.
+
+use std::collections::{BTreeSet, HashMap, HashSet};
+
+use super::superblock::Role;
+
+/// Slots per chunk are at most 256 (1 MiB chunks of 4 KiB slots), so a
+/// bitmap of four words covers any chunk.
+pub const MAX_SLOTS_PER_CHUNK: u64 = 256;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ChunkState {
+    pub slot_shift: u8,
+    pub used: [u64; 4],
+}
+
+impl ChunkState {
+    fn used_count(&self) -> u32 {
+        self.used.iter().map(|w| w.count_ones()).sum()
+    }
+
+    /// Stored form: slot shift, then the bitmap (little endian).
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out = vec![self.slot_shift];
+        for word in self.used {
+            out.extend_from_slice(&word.to_le_bytes());
+        }
+        out
+    }
+
+    pub fn decode(bytes: &[u8]) -> Option<ChunkState> {
+        if bytes.len() != 33 {
+            return None;
+        }
+        let mut used = [0u64; 4];
+        for (i, word) in used.iter_mut().enumerate() {
+            *word = u64::from_le_bytes(bytes[1 + i * 8..9 + i * 8].try_into().ok()?);
+        }
+        Some(ChunkState {
+            slot_shift: bytes[0],
+            used,
+        })
+    }
+}
+
+/// One device's space.
+#[derive(Debug)]
+pub struct DeviceSpace {
+    pub index: u8,
+    pub role: Role,
+    /// Data chunks are `first_chunk..end_chunk`.
+    pub first_chunk: u64,
+    pub end_chunk: u64,
+    chunks: HashMap<u64, ChunkState>,
+    /// Assigned chunks with at least one free slot, per slot shift.
+    with_room: HashMap<u8, BTreeSet<u64>>,
+    free_chunks: BTreeSet<u64>,
+    used_slots_bytes: u64,
+}
+
+impl DeviceSpace {
+    pub fn new(index: u8, role: Role, first_chunk: u64, end_chunk: u64) -> Self {
+        DeviceSpace {
+            index,
+            role,
+            first_chunk,
+            end_chunk,
+            chunks: HashMap::new(),
+            with_room: HashMap::new(),
+            free_chunks: (first_chunk..end_chunk).collect(),
+            used_slots_bytes: 0,
+        }
+    }
+
+    pub fn data_chunks(&self) -> u64 {
+        self.end_chunk - self.first_chunk
+    }
+
+    pub fn used_bytes(&self) -> u64 {
+        self.used_slots_bytes
+    }
+}
+
+#[derive(Debug)]
+pub struct Allocator {
+    chunk_shift: u8,
+    /// Data devices, fastest tier first.
+    devices: Vec<DeviceSpace>,
+    /// Chunks changed since the last checkpoint: (device index, chunk).
+    dirty: HashSet<(u8, u64)>,
+}
+
+impl Allocator {
+    pub fn new(chunk_bytes: u32, mut devices: Vec<DeviceSpace>) -> Self {
+        assert!(chunk_bytes.is_power_of_two());
+        devices.sort_by_key(|d| (d.role, d.index));
+        Allocator {
+            chunk_shift: chunk_bytes.trailing_zeros() as u8,
+            devices,
+            dirty: HashSet::new(),
+        }
+    }
+
+    pub fn devices(&self) -> &[DeviceSpace] {
+        &self.devices
+    }
+
+    fn device_mut(&mut self, index: u8) -> Option<&mut DeviceSpace> {
+        self.devices.iter_mut().find(|d| d.index == index)
+    }
+
+    fn slots_per_chunk(&self, slot_shift: u8) -> u64 {
+        (1u64 << (self.chunk_shift - slot_shift)).min(MAX_SLOTS_PER_CHUNK)
+    }
+
+    /// Allocates one slot of `1 << slot_shift` bytes: (device index, byte offset).
+    pub fn allocate(&mut self, slot_shift: u8) -> Option<(u8, u64)> {
+        let per_chunk = self.slots_per_chunk(slot_shift);
+        let chunk_shift = self.chunk_shift;
+        for position in 0..self.devices.len() {
+            let device = &mut self.devices[position];
+            let room = device.with_room.entry(slot_shift).or_default();
+            let chunk = match room.first().copied() {
+                Some(chunk) => chunk,
+                None => {
+                    let Some(fresh) = device.free_chunks.pop_first() else {
+                        continue;
+                    };
+                    device.chunks.insert(
+                        fresh,
+                        ChunkState {
+                            slot_shift,
+                            used: [0; 4],
+                        },
+                    );
+                    room.insert(fresh);
+                    fresh
+                }
+            };
+            let state = device.chunks.get_mut(&chunk)?;
+            let slot = (0..per_chunk).find(|s| state.used[(*s / 64) as usize] & (1 << (s % 64)) == 0)?;
+            state.used[(slot / 64) as usize] |= 1 << (slot % 64);
+            if state.used_count() as u64 == per_chunk {
+                room.remove(&chunk);
+            }
+            device.used_slots_bytes += 1 << slot_shift;
+            let index = device.index;
+            self.dirty.insert((index, chunk));
+            return Some((index, (chunk << chunk_shift) + (slot << slot_shift)));
+        }
+        None
+    }
+
+    /// Marks a slot used (log replay). Returns false if it was already used.
+    pub fn mark_used(&mut self, device_index: u8, offset: u64, slot_shift: u8) -> bool {
+        let chunk_shift = self.chunk_shift;
+        let per_chunk = self.slots_per_chunk(slot_shift);
+        let chunk = offset >> chunk_shift;
+        let slot = (offset & ((1 << chunk_shift) - 1)) >> slot_shift;
+        let Some(device) = self.device_mut(device_index) else {
+            return false;
+        };
+        if !device.chunks.contains_key(&chunk) {
+            device.free_chunks.remove(&chunk);
+            device.chunks.insert(
+                chunk,
+                ChunkState {
+                    slot_shift,
+                    used: [0; 4],
+                },
+            );
+            device.with_room.entry(slot_shift).or_default().insert(chunk);
+        }
+        let Some(state) = device.chunks.get_mut(&chunk) else {
+            return false;
+        };
+        let bit = 1u64 << (slot % 64);
+        if state.used[(slot / 64) as usize] & bit != 0 {
+            return false;
+        }
+        state.used[(slot / 64) as usize] |= bit;
+        device.used_slots_bytes += 1 << slot_shift;
+        if state.used_count() as u64 == per_chunk {
+            if let Some(room) = device.with_room.get_mut(&slot_shift) {
+                room.remove(&chunk);
+            }
+        }
+        self.dirty.insert((device_index, chunk));
+        true
+    }
+
+    /// Frees a slot. Returns false if it was not in use.
+    pub fn free(&mut self, device_index: u8, offset: u64) -> bool {
+        let chunk_shift = self.chunk_shift;
+        let chunk = offset >> chunk_shift;
+        let Some(device) = self.device_mut(device_index) else {
+            return false;
+        };
+        let Some(state) = device.chunks.get_mut(&chunk) else {
+            return false;
+        };
+        let slot_shift = state.slot_shift;
+        let slot = (offset & ((1 << chunk_shift) - 1)) >> slot_shift;
+        let bit = 1u64 << (slot % 64);
+        if state.used[(slot / 64) as usize] & bit == 0 {
+            return false;
+        }
+        state.used[(slot / 64) as usize] &= !bit;
+        device.used_slots_bytes -= 1 << slot_shift;
+        if state.used_count() == 0 {
+            device.chunks.remove(&chunk);
+            if let Some(room) = device.with_room.get_mut(&slot_shift) {
+                room.remove(&chunk);
+            }
+            device.free_chunks.insert(chunk);
+        } else {
+            device.with_room.entry(slot_shift).or_default().insert(chunk);
+        }
+        self.dirty.insert((device_index, chunk));
+        true
+    }
+
+    /// Loads a checkpointed chunk record.
+    pub fn load_chunk(&mut self, device_index: u8, chunk: u64, state: ChunkState) {
+        let per_chunk = self.slots_per_chunk(state.slot_shift);
+        let slot_bytes = 1u64 << state.slot_shift;
+        let Some(device) = self.device_mut(device_index) else {
+            return;
+        };
+        if chunk < device.first_chunk || chunk >= device.end_chunk {
+            return;
+        }
+        device.free_chunks.remove(&chunk);
+        let used = state.used_count() as u64;
+        device.used_slots_bytes += used * slot_bytes;
+        if used < per_chunk {
+            device.with_room.entry(state.slot_shift).or_default().insert(chunk);
+        }
+        device.chunks.insert(chunk, state);
+    }
+
+    /// The chunk records changed since the last call: `None` means "now free".
+    pub fn take_dirty(&mut self) -> Vec<((u8, u64), Option<ChunkState>)> {
+        let dirty: Vec<(u8, u64)> = self.dirty.drain().collect();
+        dirty
+            .into_iter()
+            .map(|(device, chunk)| {
+                let state = self
+                    .devices
+                    .iter()
+                    .find(|d| d.index == device)
+                    .and_then(|d| d.chunks.get(&chunk).copied());
+                ((device, chunk), state)
+            })
+            .collect()
+    }
+
+    /// Puts records back after a failed checkpoint.
+    pub fn restore_dirty(&mut self, keys: impl IntoIterator<Item = (u8, u64)>) {
+        self.dirty.extend(keys);
+    }
+
+    /// Whether a slot is in use (for scrubbing).
+    pub fn slot_shift_of(&self, device_index: u8, chunk: u64) -> Option<(u8, [u64; 4])> {
+        self.devices
+            .iter()
+            .find(|d| d.index == device_index)
+            .and_then(|d| d.chunks.get(&chunk))
+            .map(|s| (s.slot_shift, s.used))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fills_fast_tier_first_then_spills() {
+        let fast = DeviceSpace::new(0, Role::Fast, 1, 3); // 2 chunks
+        let capacity = DeviceSpace::new(1, Role::Capacity, 1, 5);
+        let mut allocator = Allocator::new(1 << 20, vec![capacity, fast]);
+        let mut seen = HashSet::new();
+        for _ in 0..128 {
+            let (device, offset) = allocator.allocate(14).unwrap();
+            assert_eq!(device, 0, "fast tier has room");
+            assert!(seen.insert(offset));
+            assert_eq!(offset % (16 << 10), 0);
+            assert!((1 << 20..3 << 20).contains(&offset));
+        }
+        let (device, _) = allocator.allocate(14).unwrap();
+        assert_eq!(device, 1, "spills to capacity when fast is full");
+        // Freeing a fast slot makes it the next choice again.
+        let freed = *seen.iter().next().unwrap();
+        assert!(allocator.free(0, freed));
+        assert!(!allocator.free(0, freed), "double free is refused");
+        assert_eq!(allocator.allocate(14), Some((0, freed)));
+    }
+
+    #[test]
+    fn runs_out() {
+        let fast = DeviceSpace::new(0, Role::Fast, 1, 2);
+        let mut allocator = Allocator::new(1 << 20, vec![fast]);
+        for _ in 0..8 {
+            assert!(allocator.allocate(17).is_some());
+        }
+        assert_eq!(allocator.allocate(17), None);
+        assert_eq!(allocator.allocate(12), None, "no free chunk for another slot size");
+    }
+
+    #[test]
+    fn chunk_state_round_trip() {
+        let state = ChunkState {
+            slot_shift: 14,
+            used: [1, 2, 3, u64::MAX],
+        };
+        assert_eq!(ChunkState::decode(&state.encode()), Some(state));
+    }
+}

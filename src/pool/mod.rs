@@ -1,0 +1,1079 @@
+//! The pool: devices in tiers, the allocator, the metadata store, the log,
+//! checkpoints and recovery. Volumes ([`volume::EngineVolume`]) live on it.
+//!
+//! How the pieces keep data safe (ARCHITECTURE.md has the long version):
+//! - Data is written in place. Every 4 KiB sector of an allocated block has a
+//!   crc32c in the checksum table, verified on every read.
+//! - A new block's mapping and checksums go to the log as one record. Every
+//!   log commit first flushes the data devices, so a durable mapping never
+//!   points at data that is not durable.
+//! - Before the first write into a chunk in each checkpoint epoch, a `Dirty`
+//!   record for that chunk is committed. After a crash the chunks named by
+//!   such records are *suspect*: their checksums may describe the data before
+//!   or after writes that were in flight, so a mismatch there is repaired
+//!   from the data instead of reported (and a scrub re-verifies them).
+//!   Overwrites therefore cost no metadata I/O beyond that one record per
+//!   chunk per epoch.
+//! - A checkpoint writes the changed map, checksum and allocation pages to
+//!   the metadata store in one transaction and frees the log up to it.
+//! - A freed slot is reused only after the record freeing it is durable.
+
+pub mod alloc;
+pub mod superblock;
+pub mod volume;
+
+use std::collections::HashSet;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use redb::{ReadableTable, TableDefinition};
+
+use crate::device::{Device, DeviceError, IoBuf};
+use crate::meta::log::{Log, LogError, Record};
+use crate::meta::pages::{CrcPage, MapPage, Page, PageCache, CRCS_PER_PAGE, MAP_ENTRIES_PER_PAGE};
+use crate::meta::store::{self, CHUNKS, CRC_PAGES, MAP_PAGES, STATE, SUSPECT};
+use alloc::{Allocator, ChunkState, DeviceSpace};
+use superblock::{Member, Role, Superblock, SUPERBLOCK_BYTES, SUPERBLOCK_OFFSETS};
+
+pub const DEFAULT_CHUNK_BYTES: u32 = 1 << 20;
+pub const SECTOR_SHIFT: u32 = 12;
+pub const SECTOR_BYTES: u64 = 1 << SECTOR_SHIFT;
+const DEFAULT_LOG_BYTES: u64 = 64 << 20;
+const MIN_META_BYTES: u64 = 32 << 20;
+const MAX_META_BYTES: u64 = 16 << 30;
+/// Page cache sizes (pages): 8192 map pages of 2 KiB, 4096 checksum pages of 4 KiB.
+const MAP_CACHE_PAGES: usize = 8192;
+const CRC_CACHE_PAGES: usize = 4096;
+/// Checkpoint when this many pages are dirty (bounds memory).
+const MAX_DIRTY_PAGES: usize = 16384;
+const STORE_CACHE_BYTES: usize = 32 << 20;
+
+/// A block-map entry: valid bit, device index, physical offset in 4 KiB units.
+pub mod map_entry {
+    pub const VALID: u64 = 1 << 63;
+    const OFFSET_MASK: u64 = (1 << 48) - 1;
+
+    pub fn encode(device: u8, offset: u64) -> u64 {
+        debug_assert!(offset % super::SECTOR_BYTES == 0);
+        VALID | (device as u64) << 48 | (offset >> super::SECTOR_SHIFT)
+    }
+
+    /// (device index, byte offset) of a valid entry.
+    pub fn decode(entry: u64) -> Option<(u8, u64)> {
+        if entry & VALID == 0 {
+            return None;
+        }
+        Some((
+            ((entry >> 48) & 0xff) as u8,
+            (entry & OFFSET_MASK) << super::SECTOR_SHIFT,
+        ))
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum PoolError {
+    #[error("{device}: {reason}")]
+    Device { device: String, reason: String },
+    #[error("{device} belongs to pool '{found}' ({found_uuid}), not to this pool '{expected}'")]
+    Foreign {
+        device: String,
+        found: String,
+        found_uuid: String,
+        expected: String,
+    },
+    #[error("pool '{pool}' is missing its {role} device {uuid} (device {index} of {count})")]
+    Missing {
+        pool: String,
+        role: &'static str,
+        uuid: String,
+        index: u8,
+        count: usize,
+    },
+    #[error("{0} is already part of a strata pool; refusing to overwrite it")]
+    InUse(String),
+    #[error("{0}")]
+    Invalid(String),
+    #[error("metadata: {0}")]
+    Meta(String),
+    #[error(transparent)]
+    Io(#[from] DeviceError),
+    #[error(transparent)]
+    Log(#[from] LogError),
+}
+
+fn uuid_text(uuid: &[u8; 16]) -> String {
+    uuid.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn random_uuid() -> [u8; 16] {
+    use std::io::Read;
+    let mut bytes = [0u8; 16];
+    if std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| f.read_exact(&mut bytes))
+        .is_err()
+    {
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or(0);
+        bytes = (nanos ^ (std::process::id() as u128) << 64).to_le_bytes();
+    }
+    bytes
+}
+
+/// Per-device counters for `pool status`.
+#[derive(Debug, Default)]
+pub struct DeviceCounters {
+    pub read_errors: AtomicU64,
+    pub write_errors: AtomicU64,
+    pub checksum_errors: AtomicU64,
+    /// Mismatches in suspect chunks after a crash, repaired from the data.
+    pub repaired_after_crash: AtomicU64,
+}
+
+pub struct PoolDevice {
+    pub device: Arc<dyn Device>,
+    pub member: Member,
+    pub counters: DeviceCounters,
+    /// Per chunk: the epoch in which a `Dirty` record was last committed.
+    chunk_epochs: Vec<AtomicU32>,
+}
+
+/// What `pool status` shows per device.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize, PartialEq, Eq)]
+pub struct DeviceStatus {
+    pub index: u8,
+    pub name: String,
+    pub role: Role,
+    pub size_bytes: u64,
+    pub data_bytes: u64,
+    pub used_bytes: u64,
+    pub engine: String,
+    pub read_errors: u64,
+    pub write_errors: u64,
+    pub checksum_errors: u64,
+    pub repaired_after_crash: u64,
+}
+
+/// Metadata I/O counters (for the "metadata bytes per write" benchmark).
+#[derive(Debug, Clone, Copy, Default, serde::Serialize)]
+pub struct MetaCounters {
+    pub log_bytes: u64,
+    pub checkpoints: u64,
+    pub checkpoint_pages: u64,
+}
+
+pub struct Pool {
+    name: String,
+    uuid: [u8; 16],
+    chunk_bytes: u32,
+    devices: Vec<PoolDevice>,
+    meta_device: u8,
+    db: redb::Database,
+    log: Log,
+    map_pages: PageCache<MapPage>,
+    crc_pages: PageCache<CrcPage>,
+    allocator: Mutex<Allocator>,
+    epoch: AtomicU32,
+    /// Chunks whose checksums are not trusted (after a crash, until scrubbed).
+    suspect: Mutex<HashSet<(u8, u64)>>,
+    /// Destroyed volumes whose pages the next checkpoint deletes.
+    destroyed: Mutex<HashSet<u32>>,
+    /// Held shared by every write, exclusively by a checkpoint while it takes
+    /// its snapshot (so the snapshot is consistent).
+    gate: tokio::sync::RwLock<()>,
+    checkpointing: tokio::sync::Mutex<()>,
+    checkpoints: AtomicU64,
+    checkpoint_pages: AtomicU64,
+    checkpoint_scheduled: std::sync::atomic::AtomicBool,
+    /// Lets `&self` methods start background work that needs an `Arc<Pool>`.
+    self_ref: std::sync::OnceLock<std::sync::Weak<Pool>>,
+}
+
+/// A device and the role it should have in a new pool.
+pub struct NewDevice {
+    pub device: Arc<dyn Device>,
+    pub role: Role,
+}
+
+fn round_up(value: u64, unit: u64) -> u64 {
+    value.div_ceil(unit) * unit
+}
+
+async fn read_superblock(device: &Arc<dyn Device>) -> Result<(Superblock, bool), PoolError> {
+    let mut copies = Vec::new();
+    for offset in SUPERBLOCK_OFFSETS {
+        let (buf, result) = device.read(offset, IoBuf::new(SUPERBLOCK_BYTES)).await;
+        match result {
+            Ok(()) => copies.push(buf.payload().to_vec()),
+            Err(_) => copies.push(vec![0xff; SUPERBLOCK_BYTES]),
+        }
+    }
+    superblock::choose([&copies[0], &copies[1]]).map_err(|e| PoolError::Device {
+        device: device.info().name.clone(),
+        reason: e.to_string(),
+    })
+}
+
+async fn write_superblock(device: &Arc<dyn Device>, superblock: &Superblock) -> Result<(), DeviceError> {
+    let bytes = superblock.encode();
+    for offset in SUPERBLOCK_OFFSETS {
+        let (_, result) = device.write(offset, IoBuf::copy_from(&bytes)).await;
+        result?;
+        // Flush between copies: a crash can tear at most one of them.
+        device.flush().await?;
+    }
+    Ok(())
+}
+
+/// Runs metadata-store work off the async workers when there are threads to
+/// spare; inline on a current-thread runtime (the simulator's devices
+/// complete at once, so nothing there would wait).
+async fn run_blocking<T: Send + 'static>(work: impl FnOnce() -> T + Send + 'static) -> T {
+    match tokio::runtime::Handle::try_current() {
+        Ok(handle) if handle.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => {
+            match tokio::task::spawn_blocking(work).await {
+                Ok(value) => value,
+                Err(e) => std::panic::resume_unwind(e.into_panic()),
+            }
+        }
+        _ => work(),
+    }
+}
+
+impl Pool {
+    /// Initialises a pool on `devices` (which must not already be strata
+    /// devices) and opens it.
+    pub async fn create(name: &str, chunk_bytes: u32, devices: Vec<NewDevice>) -> Result<Arc<Pool>, PoolError> {
+        if devices.is_empty() || devices.len() > superblock::MAX_MEMBERS {
+            return Err(PoolError::Invalid(format!(
+                "a pool needs 1 to {} devices",
+                superblock::MAX_MEMBERS
+            )));
+        }
+        if !chunk_bytes.is_power_of_two() || !(64 << 10..=64 << 20).contains(&chunk_bytes) {
+            return Err(PoolError::Invalid(format!(
+                "chunk size {chunk_bytes} must be a power of two from 64K to 64M"
+            )));
+        }
+        if !devices.iter().any(|d| d.role.holds_data()) {
+            return Err(PoolError::Invalid(
+                "a pool needs at least one fast or capacity device".into(),
+            ));
+        }
+        for new in &devices {
+            if read_superblock(&new.device).await.is_ok() {
+                return Err(PoolError::InUse(new.device.info().name.clone()));
+            }
+        }
+        let chunk = chunk_bytes as u64;
+        let members: Vec<Member> = devices
+            .iter()
+            .enumerate()
+            .map(|(index, new)| Member {
+                uuid: random_uuid(),
+                role: new.role,
+                index: index as u8,
+                size_bytes: new.device.info().size_bytes / chunk * chunk,
+            })
+            .collect();
+        // Metadata on the first fast device (else the first data device).
+        let meta_device = members
+            .iter()
+            .find(|m| m.role == Role::Fast)
+            .or_else(|| members.iter().find(|m| m.role.holds_data()))
+            .map(|m| m.index)
+            .unwrap_or(0);
+        let data_bytes: u64 = members
+            .iter()
+            .filter(|m| m.role.holds_data())
+            .map(|m| m.size_bytes)
+            .sum();
+        let meta_bytes = round_up((data_bytes / 128).clamp(MIN_META_BYTES, MAX_META_BYTES), chunk);
+        let meta_offset = chunk;
+        let (log_device, log_offset, log_bytes) = match members.iter().find(|m| m.role == Role::Log) {
+            Some(log) => (log.index, chunk, round_up((log.size_bytes - chunk).min(1 << 30), chunk)),
+            None => (
+                meta_device,
+                meta_offset + meta_bytes,
+                round_up(DEFAULT_LOG_BYTES, chunk),
+            ),
+        };
+        for member in &members {
+            let mut reserved = chunk;
+            if member.index == meta_device {
+                reserved += meta_bytes;
+            }
+            if member.index == log_device {
+                reserved = reserved.max(log_offset + log_bytes);
+            }
+            if member.size_bytes < reserved + if member.role.holds_data() { 4 * chunk } else { 0 } {
+                return Err(PoolError::Invalid(format!(
+                    "{} is too small ({} bytes; needs at least {} for its role)",
+                    devices[member.index as usize].device.info().name,
+                    member.size_bytes,
+                    reserved + 4 * chunk
+                )));
+            }
+        }
+        let pool_uuid = random_uuid();
+        let created_unix = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or(0);
+        // An empty header makes the metadata region start empty.
+        let meta = &devices[meta_device as usize].device;
+        let (_, result) = meta.write(meta_offset, IoBuf::new(4096)).await;
+        result?;
+        meta.flush().await?;
+        for (index, new) in devices.iter().enumerate() {
+            let superblock = Superblock {
+                pool_uuid,
+                pool_name: name.to_string(),
+                generation: 1,
+                created_unix,
+                chunk_bytes,
+                device_index: index as u8,
+                meta_device,
+                meta_offset,
+                meta_bytes,
+                log_device,
+                log_offset,
+                log_bytes,
+                members: members.clone(),
+            };
+            write_superblock(&new.device, &superblock).await?;
+        }
+        Self::open(devices.into_iter().map(|d| d.device).collect()).await
+    }
+
+    /// Opens a pool from its devices (in any order), replaying the log.
+    pub async fn open(devices: Vec<Arc<dyn Device>>) -> Result<Arc<Pool>, PoolError> {
+        let mut found = Vec::new();
+        for device in &devices {
+            let (superblock, repair) = read_superblock(device).await?;
+            found.push((device.clone(), superblock, repair));
+        }
+        // The newest superblock describes the pool; every device must agree.
+        let reference = found
+            .iter()
+            .max_by_key(|(_, s, _)| s.generation)
+            .map(|(_, s, _)| s.clone())
+            .ok_or_else(|| PoolError::Invalid("no devices given".into()))?;
+        let mut slots: Vec<Option<Arc<dyn Device>>> = vec![None; reference.members.len()];
+        for (device, superblock, repair) in &found {
+            if superblock.pool_uuid != reference.pool_uuid {
+                return Err(PoolError::Foreign {
+                    device: device.info().name.clone(),
+                    found: superblock.pool_name.clone(),
+                    found_uuid: uuid_text(&superblock.pool_uuid),
+                    expected: reference.pool_name.clone(),
+                });
+            }
+            let member = superblock
+                .this_member()
+                .ok_or_else(|| PoolError::Invalid("superblock without its own member entry".into()))?;
+            match reference.members.get(member.index as usize) {
+                Some(expected) if expected.uuid == member.uuid => {}
+                _ => {
+                    return Err(PoolError::Invalid(format!(
+                        "{} claims to be device {} of pool '{}' but the pool does not list it",
+                        device.info().name,
+                        member.index,
+                        reference.pool_name
+                    )))
+                }
+            }
+            if slots[member.index as usize].is_some() {
+                return Err(PoolError::Invalid(format!(
+                    "device {} of pool '{}' was given twice",
+                    member.index, reference.pool_name
+                )));
+            }
+            if *repair || superblock.generation < reference.generation {
+                let mut fixed = reference.clone();
+                fixed.device_index = member.index;
+                write_superblock(device, &fixed).await?;
+                tracing::warn!("{}: rewrote a damaged or stale superblock copy", device.info().name);
+            }
+            slots[member.index as usize] = Some(device.clone());
+        }
+        let mut pool_devices = Vec::new();
+        for (index, slot) in slots.into_iter().enumerate() {
+            let member = reference.members[index];
+            let Some(device) = slot else {
+                return Err(PoolError::Missing {
+                    pool: reference.pool_name.clone(),
+                    role: member.role.as_str(),
+                    uuid: uuid_text(&member.uuid),
+                    index: index as u8,
+                    count: reference.members.len(),
+                });
+            };
+            if device.info().size_bytes < member.size_bytes {
+                return Err(PoolError::Device {
+                    device: device.info().name.clone(),
+                    reason: format!(
+                        "is {} bytes but the pool recorded {} (truncated or wrong device)",
+                        device.info().size_bytes,
+                        member.size_bytes
+                    ),
+                });
+            }
+            let chunks = member.size_bytes / reference.chunk_bytes as u64;
+            pool_devices.push(PoolDevice {
+                device,
+                member,
+                counters: DeviceCounters::default(),
+                chunk_epochs: (0..chunks).map(|_| AtomicU32::new(0)).collect(),
+            });
+        }
+        Self::recover(reference, pool_devices).await
+    }
+
+    async fn recover(superblock: Superblock, devices: Vec<PoolDevice>) -> Result<Arc<Pool>, PoolError> {
+        let chunk = superblock.chunk_bytes as u64;
+        let meta_dev = devices[superblock.meta_device as usize].device.clone();
+        let (meta_offset, meta_bytes) = (superblock.meta_offset, superblock.meta_bytes);
+        let db = run_blocking(move || store::open_database(meta_dev, meta_offset, meta_bytes, STORE_CACHE_BYTES))
+            .await
+            .map_err(PoolError::Meta)?;
+        let checkpoint_lsn = store::read_state(&db, "checkpoint_lsn").map_err(PoolError::Meta)?;
+        let epoch = store::read_state(&db, "epoch").map_err(PoolError::Meta)? as u32;
+
+        // Space: every data device minus chunk 0 and the metadata/log regions.
+        let spaces = devices
+            .iter()
+            .filter(|d| d.member.role.holds_data())
+            .map(|d| {
+                let mut first = 1u64;
+                if d.member.index == superblock.meta_device {
+                    first = first.max((superblock.meta_offset + superblock.meta_bytes) / chunk);
+                }
+                if d.member.index == superblock.log_device {
+                    first = first.max((superblock.log_offset + superblock.log_bytes) / chunk);
+                }
+                DeviceSpace::new(d.member.index, d.member.role, first, d.member.size_bytes / chunk)
+            })
+            .collect();
+        let mut allocator = Allocator::new(superblock.chunk_bytes, spaces);
+        let mut suspect = HashSet::new();
+        {
+            let txn = db.begin_read().map_err(|e| PoolError::Meta(e.to_string()))?;
+            let chunks = txn.open_table(CHUNKS).map_err(|e| PoolError::Meta(e.to_string()))?;
+            for row in chunks.iter().map_err(|e| PoolError::Meta(e.to_string()))? {
+                let (key, value) = row.map_err(|e| PoolError::Meta(e.to_string()))?;
+                let (device, chunk_index) = key.value();
+                let state = ChunkState::decode(value.value())
+                    .ok_or_else(|| PoolError::Meta(format!("damaged chunk record {device}/{chunk_index}")))?;
+                allocator.load_chunk(device as u8, chunk_index, state);
+            }
+            let table = txn.open_table(SUSPECT).map_err(|e| PoolError::Meta(e.to_string()))?;
+            for row in table.iter().map_err(|e| PoolError::Meta(e.to_string()))? {
+                let (key, _) = row.map_err(|e| PoolError::Meta(e.to_string()))?;
+                let (device, chunk_index) = key.value();
+                suspect.insert((device as u8, chunk_index));
+            }
+        }
+        allocator.take_dirty();
+
+        let log_device = devices[superblock.log_device as usize].device.clone();
+        let pool_tag = u64::from_le_bytes(superblock.pool_uuid[0..8].try_into().unwrap_or([0; 8]));
+        let (records, end_lsn) = Log::replay(
+            &log_device,
+            superblock.log_offset,
+            superblock.log_bytes,
+            pool_tag,
+            checkpoint_lsn,
+        )
+        .await?;
+        let log = Log::new(
+            log_device,
+            superblock.log_offset,
+            superblock.log_bytes,
+            pool_tag,
+            checkpoint_lsn,
+            end_lsn,
+        );
+        let pool = Arc::new(Pool {
+            name: superblock.pool_name.clone(),
+            uuid: superblock.pool_uuid,
+            chunk_bytes: superblock.chunk_bytes,
+            meta_device: superblock.meta_device,
+            devices,
+            db,
+            log,
+            map_pages: PageCache::new(MAP_CACHE_PAGES),
+            crc_pages: PageCache::new(CRC_CACHE_PAGES),
+            allocator: Mutex::new(allocator),
+            epoch: AtomicU32::new(epoch.wrapping_add(1).max(1)),
+            suspect: Mutex::new(suspect),
+            destroyed: Mutex::new(HashSet::new()),
+            gate: tokio::sync::RwLock::new(()),
+            checkpointing: tokio::sync::Mutex::new(()),
+            checkpoints: AtomicU64::new(0),
+            checkpoint_pages: AtomicU64::new(0),
+            checkpoint_scheduled: std::sync::atomic::AtomicBool::new(false),
+            self_ref: std::sync::OnceLock::new(),
+        });
+        let _ = pool.self_ref.set(Arc::downgrade(&pool));
+        let replayed = records.len();
+        for record in records {
+            pool.apply_replayed(record)?;
+        }
+        if replayed > 0 {
+            tracing::info!(
+                "pool {}: replayed {replayed} log records ({} suspect chunks)",
+                pool.name,
+                pool.suspect.lock().unwrap_or_else(|e| e.into_inner()).len()
+            );
+        }
+        // Persist what replay rebuilt and start the log afresh.
+        pool.checkpoint().await?;
+        Ok(pool)
+    }
+
+    fn apply_replayed(&self, record: Record) -> Result<(), PoolError> {
+        match record {
+            Record::Dirty { device, chunk } => {
+                self.suspect
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .insert((device, chunk));
+            }
+            Record::Map {
+                volume,
+                block,
+                new,
+                old,
+                crcs,
+            } => {
+                let page = self.map_page(volume, block).map_err(PoolError::Meta)?;
+                let slot = &page.entries[(block % MAP_ENTRIES_PER_PAGE) as usize];
+                slot.store(new, Ordering::Release);
+                self.map_pages.mark_dirty(&page);
+                let mut allocator = self.allocator.lock().unwrap_or_else(|e| e.into_inner());
+                if let Some((device, offset)) = map_entry::decode(old) {
+                    allocator.free(device, offset);
+                }
+                if let Some((device, offset)) = map_entry::decode(new) {
+                    let slot_shift = (crcs.len().max(1) as u64 * SECTOR_BYTES).trailing_zeros() as u8;
+                    allocator.mark_used(device, offset, slot_shift);
+                    drop(allocator);
+                    for (i, crc) in crcs.iter().enumerate() {
+                        self.set_crc(device, offset + i as u64 * SECTOR_BYTES, *crc)
+                            .map_err(PoolError::Meta)?;
+                    }
+                }
+            }
+            Record::Destroy { volume } => self.free_volume_blocks(volume)?,
+        }
+        Ok(())
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    pub fn uuid(&self) -> String {
+        uuid_text(&self.uuid)
+    }
+
+    pub fn chunk_bytes(&self) -> u32 {
+        self.chunk_bytes
+    }
+
+    pub fn device(&self, index: u8) -> Option<&PoolDevice> {
+        self.devices.get(index as usize)
+    }
+
+    /// Whether every persistent data device is non-rotational.
+    pub fn rotational(&self) -> bool {
+        self.devices
+            .iter()
+            .any(|d| d.member.role.holds_data() && d.device.info().rotational)
+    }
+
+    pub fn status(&self) -> Vec<DeviceStatus> {
+        let allocator = self.allocator.lock().unwrap_or_else(|e| e.into_inner());
+        self.devices
+            .iter()
+            .map(|d| {
+                let space = allocator.devices().iter().find(|s| s.index == d.member.index);
+                DeviceStatus {
+                    index: d.member.index,
+                    name: d.device.info().name.clone(),
+                    role: d.member.role,
+                    size_bytes: d.member.size_bytes,
+                    data_bytes: space.map(|s| s.data_chunks() * self.chunk_bytes as u64).unwrap_or(0),
+                    used_bytes: space.map(|s| s.used_bytes()).unwrap_or(0),
+                    engine: d.device.info().engine.to_string(),
+                    read_errors: d.counters.read_errors.load(Ordering::Relaxed),
+                    write_errors: d.counters.write_errors.load(Ordering::Relaxed),
+                    checksum_errors: d.counters.checksum_errors.load(Ordering::Relaxed),
+                    repaired_after_crash: d.counters.repaired_after_crash.load(Ordering::Relaxed),
+                }
+            })
+            .collect()
+    }
+
+    pub fn meta_counters(&self) -> MetaCounters {
+        MetaCounters {
+            log_bytes: self.log.bytes_written.load(Ordering::Relaxed),
+            checkpoints: self.checkpoints.load(Ordering::Relaxed),
+            checkpoint_pages: self.checkpoint_pages.load(Ordering::Relaxed),
+        }
+    }
+
+    // ---- block map and checksums -------------------------------------------------
+
+    pub(crate) fn map_page(&self, volume: u32, block: u64) -> Result<Arc<MapPage>, String> {
+        self.map_pages.get(&self.db, (volume, block / MAP_ENTRIES_PER_PAGE))
+    }
+
+    pub(crate) fn lookup(&self, volume: u32, block: u64) -> Result<u64, String> {
+        let page = self.map_page(volume, block)?;
+        Ok(page.entries[(block % MAP_ENTRIES_PER_PAGE) as usize].load(Ordering::Acquire))
+    }
+
+    pub(crate) fn set_mapping(&self, volume: u32, block: u64, entry: u64) -> Result<(), String> {
+        let page = self.map_page(volume, block)?;
+        page.entries[(block % MAP_ENTRIES_PER_PAGE) as usize].store(entry, Ordering::Release);
+        self.map_pages.mark_dirty(&page);
+        Ok(())
+    }
+
+    fn crc_page(&self, device: u8, sector: u64) -> Result<Arc<CrcPage>, String> {
+        self.crc_pages.get(&self.db, (device as u32, sector / CRCS_PER_PAGE))
+    }
+
+    pub(crate) fn crc(&self, device: u8, offset: u64) -> Result<u32, String> {
+        let sector = offset >> SECTOR_SHIFT;
+        let page = self.crc_page(device, sector)?;
+        Ok(page.crcs[(sector % CRCS_PER_PAGE) as usize].load(Ordering::Acquire))
+    }
+
+    pub(crate) fn set_crc(&self, device: u8, offset: u64, crc: u32) -> Result<(), String> {
+        let sector = offset >> SECTOR_SHIFT;
+        let page = self.crc_page(device, sector)?;
+        page.crcs[(sector % CRCS_PER_PAGE) as usize].store(crc, Ordering::Release);
+        self.crc_pages.mark_dirty(&page);
+        Ok(())
+    }
+
+    pub(crate) fn is_suspect(&self, device: u8, offset: u64) -> bool {
+        let chunk = offset / self.chunk_bytes as u64;
+        self.suspect
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .contains(&(device, chunk))
+    }
+
+    // ---- allocation --------------------------------------------------------------
+
+    pub(crate) fn allocate(&self, slot_shift: u8) -> Option<(u8, u64)> {
+        self.allocator
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .allocate(slot_shift)
+    }
+
+    /// Returns a slot that was never mapped (its write failed).
+    pub(crate) fn release_unused(&self, device: u8, offset: u64) {
+        self.allocator
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .free(device, offset);
+    }
+
+    pub(crate) fn log_mapping(&self, record: Record) {
+        match &record {
+            Record::Map { old, .. } if *old & map_entry::VALID != 0 => {
+                let slot = map_entry::decode(*old).unwrap_or((0, 0));
+                self.log.append_free(record, slot);
+            }
+            _ => self.log.append(record),
+        }
+    }
+
+    // ---- epochs, dirty chunks, the write gate --------------------------------------
+
+    pub(crate) fn epoch(&self) -> u32 {
+        self.epoch.load(Ordering::Acquire)
+    }
+
+    /// Makes sure a `Dirty` record is durable for each chunk (device, byte
+    /// offset) in the current epoch before data is written there. Returns the
+    /// epoch it made sure of.
+    pub(crate) async fn mark_dirty(&self, places: &[(u8, u64)]) -> Result<u32, PoolError> {
+        loop {
+            let epoch = self.epoch();
+            let mut appended = false;
+            for &(device, offset) in places {
+                let chunk = offset / self.chunk_bytes as u64;
+                let Some(slot) = self
+                    .devices
+                    .get(device as usize)
+                    .and_then(|d| d.chunk_epochs.get(chunk as usize))
+                else {
+                    continue;
+                };
+                if slot.load(Ordering::Acquire) != epoch {
+                    self.log.append(Record::Dirty { device, chunk });
+                    appended = true;
+                }
+            }
+            if !appended {
+                return Ok(epoch);
+            }
+            self.commit().await?;
+            for &(device, offset) in places {
+                let chunk = offset / self.chunk_bytes as u64;
+                if let Some(slot) = self
+                    .devices
+                    .get(device as usize)
+                    .and_then(|d| d.chunk_epochs.get(chunk as usize))
+                {
+                    slot.store(epoch, Ordering::Release);
+                }
+            }
+            if self.epoch() == epoch {
+                return Ok(epoch);
+            }
+        }
+    }
+
+    pub(crate) async fn enter_write(&self) -> tokio::sync::RwLockReadGuard<'_, ()> {
+        self.gate.read().await
+    }
+
+    // ---- durability --------------------------------------------------------------
+
+    async fn flush_data_devices(&self) -> Result<(), DeviceError> {
+        for device in &self.devices {
+            if device.member.role.holds_data() {
+                if let Err(e) = device.device.flush().await {
+                    device.counters.write_errors.fetch_add(1, Ordering::Relaxed);
+                    return Err(e);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Makes every completed write durable: flushes the data devices, then
+    /// commits the log. Group-committed: concurrent callers share one commit.
+    pub async fn commit(&self) -> Result<(), PoolError> {
+        loop {
+            match self.log.commit(|| self.flush_data_devices(), false).await {
+                Ok(frees) => {
+                    self.release_frees(frees).await;
+                    self.maybe_checkpoint_soon();
+                    return Ok(());
+                }
+                Err(LogError::Full) => self.checkpoint().await?,
+                Err(e) => return Err(e.into()),
+            }
+        }
+    }
+
+    async fn release_frees(&self, frees: Vec<(u8, u64)>) {
+        if frees.is_empty() {
+            return;
+        }
+        let mut allocator = self.allocator.lock().unwrap_or_else(|e| e.into_inner());
+        for (device, offset) in frees {
+            allocator.free(device, offset);
+        }
+    }
+
+    fn wants_checkpoint(&self) -> bool {
+        self.log.usage() > 0.5
+            || self.map_pages.dirty_count() + self.crc_pages.dirty_count() > MAX_DIRTY_PAGES
+            || self.log.pending_bytes() > 1 << 20
+    }
+
+    /// Starts a checkpoint in the background when the log or the dirty pages
+    /// grow large (needs a multi-thread runtime; the simulator checkpoints
+    /// explicitly).
+    pub(crate) fn maybe_checkpoint_soon(&self) {
+        if !self.wants_checkpoint() || self.checkpoint_scheduled.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let pool = self.self_ref.get().and_then(|weak| weak.upgrade());
+        match (pool, tokio::runtime::Handle::try_current()) {
+            (Some(pool), Ok(handle)) if handle.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => {
+                handle.spawn(async move {
+                    if let Err(e) = pool.checkpoint().await {
+                        tracing::error!("pool {}: background checkpoint failed: {e}", pool.name);
+                    }
+                    pool.checkpoint_scheduled.store(false, Ordering::Release);
+                });
+            }
+            _ => self.checkpoint_scheduled.store(false, Ordering::Release),
+        }
+    }
+
+    /// Checks whether a checkpoint is due and runs it (callers that hold an
+    /// `Arc<Pool>` use this after writes).
+    pub async fn checkpoint_if_due(&self) -> Result<(), PoolError> {
+        if self.wants_checkpoint() {
+            self.checkpoint().await?;
+        }
+        Ok(())
+    }
+
+    /// Writes every change since the last checkpoint to the metadata store
+    /// and frees the log.
+    pub async fn checkpoint(&self) -> Result<(), PoolError> {
+        let _one = self.checkpointing.lock().await;
+        let gate = self.gate.write().await;
+        // Everything logged so far becomes durable first, so the checkpoint
+        // LSN is a position every earlier record precedes.
+        let frees = self.log.commit(|| self.flush_data_devices(), true).await?;
+        self.release_frees(frees).await;
+        let lsn = self.log.next_lsn();
+        let epoch = self.epoch.fetch_add(1, Ordering::AcqRel).wrapping_add(1);
+        let map = self.map_pages.take_dirty();
+        let crcs = self.crc_pages.take_dirty();
+        let chunks = self.allocator.lock().unwrap_or_else(|e| e.into_inner()).take_dirty();
+        let suspect: Vec<(u8, u64)> = self
+            .suspect
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .copied()
+            .collect();
+        let destroyed: Vec<u32> = self
+            .destroyed
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .copied()
+            .collect();
+        drop(gate);
+
+        let pages = (map.len() + crcs.len()) as u64;
+        let result = self.write_checkpoint(&map, &crcs, &chunks, &suspect, &destroyed, lsn, epoch);
+        match result {
+            Ok(()) => {
+                self.log.set_tail(lsn);
+                let mut pending = self.destroyed.lock().unwrap_or_else(|e| e.into_inner());
+                for volume in destroyed {
+                    pending.remove(&volume);
+                }
+                self.checkpoints.fetch_add(1, Ordering::Relaxed);
+                self.checkpoint_pages.fetch_add(pages, Ordering::Relaxed);
+                Ok(())
+            }
+            Err(e) => {
+                self.map_pages.restore_dirty(&map);
+                self.crc_pages.restore_dirty(&crcs);
+                self.allocator
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .restore_dirty(chunks.iter().map(|(key, _)| *key));
+                Err(PoolError::Meta(format!("checkpoint failed: {e}")))
+            }
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn write_checkpoint(
+        &self,
+        map: &[((u32, u64), Vec<u8>, Arc<MapPage>)],
+        crcs: &[((u32, u64), Vec<u8>, Arc<CrcPage>)],
+        chunks: &[((u8, u64), Option<ChunkState>)],
+        suspect: &[(u8, u64)],
+        destroyed: &[u32],
+        lsn: u64,
+        epoch: u32,
+    ) -> Result<(), String> {
+        // The store's backend blocks on device I/O; the simulator's devices
+        // complete at once and real engines complete on their own threads.
+        let txn = self.db.begin_write().map_err(|e| e.to_string())?;
+        {
+            let mut table = txn.open_table(MAP_PAGES).map_err(|e| e.to_string())?;
+            for (key, bytes, _) in map {
+                table.insert(*key, bytes.as_slice()).map_err(|e| e.to_string())?;
+            }
+            for volume in destroyed {
+                let keys: Vec<(u32, u64)> = table
+                    .range((*volume, 0)..=(*volume, u64::MAX))
+                    .map_err(|e| e.to_string())?
+                    .filter_map(|row| row.ok().map(|(k, _)| k.value()))
+                    .collect();
+                for key in keys {
+                    table.remove(key).map_err(|e| e.to_string())?;
+                }
+            }
+        }
+        write_pages(&txn, CRC_PAGES, crcs)?;
+        {
+            let mut table = txn.open_table(CHUNKS).map_err(|e| e.to_string())?;
+            for ((device, chunk), state) in chunks {
+                match state {
+                    Some(state) => {
+                        table
+                            .insert((*device as u32, *chunk), state.encode().as_slice())
+                            .map_err(|e| e.to_string())?;
+                    }
+                    None => {
+                        table.remove((*device as u32, *chunk)).map_err(|e| e.to_string())?;
+                    }
+                }
+            }
+        }
+        {
+            let mut table = txn.open_table(SUSPECT).map_err(|e| e.to_string())?;
+            table.retain(|_, _| false).map_err(|e| e.to_string())?;
+            for (device, chunk) in suspect {
+                table.insert((*device as u32, *chunk), 0).map_err(|e| e.to_string())?;
+            }
+        }
+        {
+            let mut table = txn.open_table(STATE).map_err(|e| e.to_string())?;
+            table.insert("checkpoint_lsn", lsn).map_err(|e| e.to_string())?;
+            table.insert("epoch", epoch as u64).map_err(|e| e.to_string())?;
+        }
+        txn.commit().map_err(|e| e.to_string())
+    }
+
+    // ---- volumes -------------------------------------------------------------------
+
+    /// Opens volume `id` (its blocks are looked up lazily).
+    pub fn open_volume(
+        self: &Arc<Self>,
+        id: u32,
+        size_bytes: u64,
+        volblocksize: u32,
+    ) -> Result<Arc<volume::EngineVolume>, PoolError> {
+        if !volblocksize.is_power_of_two() || !(4096..=128 << 10).contains(&volblocksize) {
+            return Err(PoolError::Invalid(format!(
+                "volblocksize {volblocksize} is not supported"
+            )));
+        }
+        Ok(Arc::new(volume::EngineVolume::new(
+            self.clone(),
+            id,
+            size_bytes,
+            volblocksize,
+        )))
+    }
+
+    /// Destroys volume `id`: frees every block once the record saying so is
+    /// durable; the next checkpoint deletes its pages.
+    pub async fn destroy_volume(&self, id: u32) -> Result<(), PoolError> {
+        self.log.append(Record::Destroy { volume: id });
+        self.commit().await?;
+        let _gate = self.gate.write().await;
+        self.free_volume_blocks(id)?;
+        Ok(())
+    }
+
+    fn free_volume_blocks(&self, id: u32) -> Result<(), PoolError> {
+        let mut keys: HashSet<(u32, u64)> = HashSet::new();
+        {
+            let txn = self.db.begin_read().map_err(|e| PoolError::Meta(e.to_string()))?;
+            let table = txn.open_table(MAP_PAGES).map_err(|e| PoolError::Meta(e.to_string()))?;
+            for row in table
+                .range((id, 0)..=(id, u64::MAX))
+                .map_err(|e| PoolError::Meta(e.to_string()))?
+            {
+                let (key, _) = row.map_err(|e| PoolError::Meta(e.to_string()))?;
+                keys.insert(key.value());
+            }
+        }
+        for (owner, page) in self.map_pages.keys() {
+            if owner == id {
+                keys.insert((owner, page));
+            }
+        }
+        let mut allocator = self.allocator.lock().unwrap_or_else(|e| e.into_inner());
+        for key in keys {
+            let page = self.map_pages.get(&self.db, key).map_err(PoolError::Meta)?;
+            for entry in page.entries.iter() {
+                if let Some((device, offset)) = map_entry::decode(entry.load(Ordering::Acquire)) {
+                    allocator.free(device, offset);
+                }
+            }
+        }
+        drop(allocator);
+        self.map_pages.forget_owner(id);
+        self.destroyed.lock().unwrap_or_else(|e| e.into_inner()).insert(id);
+        Ok(())
+    }
+
+    /// Re-verifies suspect chunks: recomputes the checksums of their used
+    /// slots from the data and clears them. Returns how many were scrubbed.
+    pub async fn scrub_suspect(&self) -> Result<usize, PoolError> {
+        let chunks: Vec<(u8, u64)> = self
+            .suspect
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .copied()
+            .collect();
+        let mut done = 0;
+        for (device, chunk) in chunks {
+            let _gate = self.gate.write().await;
+            let layout = self
+                .allocator
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .slot_shift_of(device, chunk);
+            if let Some((slot_shift, used)) = layout {
+                let pool_device = &self.devices[device as usize];
+                let chunk_offset = chunk * self.chunk_bytes as u64;
+                let (buf, result) = pool_device
+                    .device
+                    .read(chunk_offset, IoBuf::new(self.chunk_bytes as usize))
+                    .await;
+                if let Err(e) = result {
+                    pool_device.counters.read_errors.fetch_add(1, Ordering::Relaxed);
+                    return Err(e.into());
+                }
+                let slots = (self.chunk_bytes as u64 >> slot_shift).min(alloc::MAX_SLOTS_PER_CHUNK);
+                for slot in 0..slots {
+                    if used[(slot / 64) as usize] & (1 << (slot % 64)) == 0 {
+                        continue;
+                    }
+                    let start = (slot << slot_shift) as usize;
+                    for sector in 0..(1usize << slot_shift) / SECTOR_BYTES as usize {
+                        let at = start + sector * SECTOR_BYTES as usize;
+                        let crc = crc32c::crc32c(&buf.payload()[at..at + SECTOR_BYTES as usize]);
+                        self.set_crc(device, chunk_offset + at as u64, crc)
+                            .map_err(PoolError::Meta)?;
+                    }
+                }
+            }
+            self.suspect
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .remove(&(device, chunk));
+            done += 1;
+        }
+        Ok(done)
+    }
+
+    pub fn suspect_chunks(&self) -> usize {
+        self.suspect.lock().unwrap_or_else(|e| e.into_inner()).len()
+    }
+
+    /// The device holding the metadata store.
+    pub fn meta_device(&self) -> u8 {
+        self.meta_device
+    }
+}
+
+fn write_pages<P: Page>(
+    txn: &redb::WriteTransaction,
+    definition: TableDefinition<(u32, u64), &[u8]>,
+    pages: &[((u32, u64), Vec<u8>, Arc<P>)],
+) -> Result<(), String> {
+    let mut table = txn.open_table(definition).map_err(|e| e.to_string())?;
+    for (key, bytes, _) in pages {
+        table.insert(*key, bytes.as_slice()).map_err(|e| e.to_string())?;
+    }
+    Ok(())
+}

@@ -1,0 +1,529 @@
+//! A thin volume on the pool: the storage engine's [`BlockDevice`].
+//!
+//! Logical blocks of `volblocksize` map to slots on the pool's devices. A
+//! block is allocated on its first write (the rest of it zero-filled, so
+//! every sector of an allocated block has a checksum), overwritten in place
+//! afterwards, and unmapped by TRIM. Every 4 KiB sector read from a device is
+//! checked against its crc32c.
+//!
+//! Concurrency: requests on different blocks run in parallel. Striped
+//! read/write locks over block numbers keep a read from seeing a block in
+//! the middle of being written (data and checksum out of step) and serialise
+//! read-modify-write of partial sectors and allocation of the same block.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use tokio::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
+
+use super::{map_entry, Pool, PoolError, SECTOR_BYTES};
+use crate::device::{DeviceError, IoBuf};
+use crate::meta::log::Record;
+use crate::volume::{BlockDevice, BlockError, BlockResult, BoxFuture, Capabilities, Extent, ZeroFlags};
+
+const STRIPES: usize = 1024;
+/// Most extents one BLOCK_STATUS answer carries.
+const MAX_EXTENTS: usize = 1024;
+
+pub struct EngineVolume {
+    pool: Arc<Pool>,
+    id: u32,
+    size_bytes: AtomicU64,
+    block_shift: u32,
+    stripes: Box<[RwLock<()>]>,
+}
+
+/// One device write planned by a request.
+struct PlannedWrite {
+    device: u8,
+    offset: u64,
+    data: IoBuf,
+    /// Checksums of `data`'s sectors, in order.
+    crcs: Vec<u32>,
+    /// For a new block: (logical block, new map entry).
+    new_block: Option<u64>,
+}
+
+fn io_error(error: DeviceError) -> BlockError {
+    if error.is_no_space() {
+        BlockError::NoSpace
+    } else {
+        BlockError::Io(std::io::Error::other(error.to_string()))
+    }
+}
+
+fn meta_error(error: String) -> BlockError {
+    BlockError::Io(std::io::Error::other(format!("metadata: {error}")))
+}
+
+fn pool_error(error: PoolError) -> BlockError {
+    match error {
+        PoolError::Io(e) => io_error(e),
+        other => BlockError::Io(std::io::Error::other(other.to_string())),
+    }
+}
+
+fn sector_crcs(bytes: &[u8]) -> Vec<u32> {
+    bytes.chunks(SECTOR_BYTES as usize).map(crc32c::crc32c).collect()
+}
+
+impl EngineVolume {
+    pub(crate) fn new(pool: Arc<Pool>, id: u32, size_bytes: u64, volblocksize: u32) -> Self {
+        EngineVolume {
+            pool,
+            id,
+            size_bytes: AtomicU64::new(size_bytes),
+            block_shift: volblocksize.trailing_zeros(),
+            stripes: (0..STRIPES).map(|_| RwLock::new(())).collect(),
+        }
+    }
+
+    pub fn id(&self) -> u32 {
+        self.id
+    }
+
+    pub fn pool(&self) -> &Arc<Pool> {
+        &self.pool
+    }
+
+    fn block_bytes(&self) -> u64 {
+        1 << self.block_shift
+    }
+
+    fn stripe_indices(&self, offset: u64, length: u64) -> Vec<usize> {
+        let first = offset >> self.block_shift;
+        let last = (offset + length.max(1) - 1) >> self.block_shift;
+        if last - first + 1 >= STRIPES as u64 {
+            return (0..STRIPES).collect();
+        }
+        let mut indices: Vec<usize> = (first..=last).map(|b| (b % STRIPES as u64) as usize).collect();
+        indices.sort_unstable();
+        indices.dedup();
+        indices
+    }
+
+    async fn lock_shared(&self, offset: u64, length: u64) -> Vec<RwLockReadGuard<'_, ()>> {
+        let mut guards = Vec::new();
+        for index in self.stripe_indices(offset, length) {
+            guards.push(self.stripes[index].read().await);
+        }
+        guards
+    }
+
+    async fn lock_exclusive(&self, offset: u64, length: u64) -> Vec<RwLockWriteGuard<'_, ()>> {
+        let mut guards = Vec::new();
+        for index in self.stripe_indices(offset, length) {
+            guards.push(self.stripes[index].write().await);
+        }
+        guards
+    }
+
+    /// Checks the sectors of `data` read from `device` at `offset`. A mismatch
+    /// in a chunk that is suspect after a crash is repaired from the data.
+    /// `holding_gate`: the caller already holds the pool's write gate.
+    async fn verify(&self, device: u8, offset: u64, data: &[u8], logical: u64, holding_gate: bool) -> BlockResult<()> {
+        for (index, sector) in data.chunks(SECTOR_BYTES as usize).enumerate() {
+            let at = offset + index as u64 * SECTOR_BYTES;
+            let expected = self.pool.crc(device, at).map_err(meta_error)?;
+            let actual = crc32c::crc32c(sector);
+            if actual == expected {
+                continue;
+            }
+            let counters = &self.pool.devices[device as usize].counters;
+            if self.pool.is_suspect(device, at) {
+                // The checkpoint's snapshot must not race this page change.
+                let _gate = if holding_gate {
+                    None
+                } else {
+                    Some(self.pool.enter_write().await)
+                };
+                self.pool.set_crc(device, at, actual).map_err(meta_error)?;
+                counters.repaired_after_crash.fetch_add(1, Ordering::Relaxed);
+                continue;
+            }
+            counters.checksum_errors.fetch_add(1, Ordering::Relaxed);
+            tracing::error!(
+                "volume {}: checksum mismatch at device {} offset {} (volume offset {})",
+                self.id,
+                self.pool.devices[device as usize].device.info().name,
+                at,
+                logical + index as u64 * SECTOR_BYTES
+            );
+            return Err(BlockError::Checksum {
+                offset: logical + index as u64 * SECTOR_BYTES,
+            });
+        }
+        Ok(())
+    }
+
+    /// Reads whole sectors `[offset, offset + length)` from a device and verifies them.
+    async fn read_sectors(
+        &self,
+        device: u8,
+        offset: u64,
+        length: u64,
+        logical: u64,
+        holding_gate: bool,
+    ) -> BlockResult<IoBuf> {
+        debug_assert!(offset % SECTOR_BYTES == 0 && length % SECTOR_BYTES == 0);
+        let pool_device = &self.pool.devices[device as usize];
+        let (buf, result) = pool_device.device.read(offset, IoBuf::new(length as usize)).await;
+        if let Err(e) = result {
+            pool_device.counters.read_errors.fetch_add(1, Ordering::Relaxed);
+            return Err(io_error(e));
+        }
+        self.verify(device, offset, buf.payload(), logical, holding_gate)
+            .await?;
+        Ok(buf)
+    }
+
+    async fn read_impl(&self, offset: u64, mut buf: IoBuf) -> (IoBuf, BlockResult<()>) {
+        let length = buf.len() as u64;
+        let _guards = self.lock_shared(offset, length).await;
+        // (device, physical offset, length, position in buf)
+        let mut segments: Vec<(u8, u64, u64, u64)> = Vec::new();
+        let mut position = offset;
+        let end = offset + length;
+        while position < end {
+            let block = position >> self.block_shift;
+            let within = position & (self.block_bytes() - 1);
+            let step = (self.block_bytes() - within).min(end - position);
+            let entry = match self.pool.lookup(self.id, block) {
+                Ok(entry) => entry,
+                Err(e) => return (buf, Err(meta_error(e))),
+            };
+            let at = position - offset;
+            match map_entry::decode(entry) {
+                None => buf.payload_mut()[at as usize..(at + step) as usize].fill(0),
+                Some((device, base)) => {
+                    let physical = base + within;
+                    match segments.last_mut() {
+                        Some(last) if last.0 == device && last.1 + last.2 == physical && last.3 + last.2 == at => {
+                            last.2 += step
+                        }
+                        _ => segments.push((device, physical, step, at)),
+                    }
+                }
+            }
+            position += step;
+        }
+        // Fast path: one sector-aligned run covering the whole request is
+        // read straight into the caller's buffer.
+        if let [(device, physical, run, 0)] = segments[..] {
+            if run == length && physical % SECTOR_BYTES == 0 && run % SECTOR_BYTES == 0 {
+                let pool_device = &self.pool.devices[device as usize];
+                let (buf, result) = pool_device.device.read(physical, buf).await;
+                if let Err(e) = result {
+                    pool_device.counters.read_errors.fetch_add(1, Ordering::Relaxed);
+                    return (buf, Err(io_error(e)));
+                }
+                let verified = self.verify(device, physical, buf.payload(), offset, false).await;
+                return (buf, verified);
+            }
+        }
+        for (device, physical, run, at) in segments {
+            let start = physical / SECTOR_BYTES * SECTOR_BYTES;
+            let stop = (physical + run).div_ceil(SECTOR_BYTES) * SECTOR_BYTES;
+            let logical = offset + at - (physical - start);
+            let cover = match self.read_sectors(device, start, stop - start, logical, false).await {
+                Ok(cover) => cover,
+                Err(e) => return (buf, Err(e)),
+            };
+            let skip = (physical - start) as usize;
+            buf.payload_mut()[at as usize..(at + run) as usize]
+                .copy_from_slice(&cover.payload()[skip..skip + run as usize]);
+        }
+        (buf, Ok(()))
+    }
+
+    /// Plans the device writes that store `data` at volume `offset`. Caller
+    /// holds the stripe locks and the pool's write gate.
+    async fn plan(&self, offset: u64, data: &[u8], entries: &[u64]) -> BlockResult<Vec<PlannedWrite>> {
+        let mut planned = Vec::new();
+        let mut position = offset;
+        let end = offset + data.len() as u64;
+        let mut index = 0;
+        while position < end {
+            let block = position >> self.block_shift;
+            let within = position & (self.block_bytes() - 1);
+            let step = (self.block_bytes() - within).min(end - position);
+            let source = &data[(position - offset) as usize..(position - offset + step) as usize];
+            match map_entry::decode(entries[index]) {
+                Some((device, base)) => {
+                    // Overwrite in place, widened to whole sectors.
+                    let start = within / SECTOR_BYTES * SECTOR_BYTES;
+                    let stop = (within + step).div_ceil(SECTOR_BYTES) * SECTOR_BYTES;
+                    let mut sectors = if start == within && stop == within + step {
+                        IoBuf::copy_from(source)
+                    } else {
+                        let logical = (block << self.block_shift) + start;
+                        self.read_sectors(device, base + start, stop - start, logical, true)
+                            .await?
+                    };
+                    let skip = (within - start) as usize;
+                    sectors.payload_mut()[skip..skip + source.len()].copy_from_slice(source);
+                    let crcs = sector_crcs(sectors.payload());
+                    planned.push(PlannedWrite {
+                        device,
+                        offset: base + start,
+                        data: sectors,
+                        crcs,
+                        new_block: None,
+                    });
+                }
+                None => {
+                    // First write: allocate and write the whole block.
+                    let Some((device, base)) = self.pool.allocate(self.block_shift as u8) else {
+                        for write in &planned {
+                            if write.new_block.is_some() {
+                                self.pool.release_unused(write.device, write.offset);
+                            }
+                        }
+                        return Err(BlockError::NoSpace);
+                    };
+                    let mut whole = IoBuf::new(self.block_bytes() as usize);
+                    whole.payload_mut()[within as usize..(within + step) as usize].copy_from_slice(source);
+                    let crcs = sector_crcs(whole.payload());
+                    planned.push(PlannedWrite {
+                        device,
+                        offset: base,
+                        data: whole,
+                        crcs,
+                        new_block: Some(block),
+                    });
+                }
+            }
+            position += step;
+            index += 1;
+        }
+        Ok(planned)
+    }
+
+    /// Writes `data` at `offset` (caller holds the stripe locks).
+    async fn write_locked(&self, offset: u64, data: &[u8]) -> BlockResult<()> {
+        let first = offset >> self.block_shift;
+        let last = (offset + data.len() as u64 - 1) >> self.block_shift;
+        let mut entries = Vec::with_capacity((last - first + 1) as usize);
+        for block in first..=last {
+            entries.push(self.pool.lookup(self.id, block).map_err(meta_error)?);
+        }
+        let places: Vec<(u8, u64)> = entries.iter().filter_map(|e| map_entry::decode(*e)).collect();
+        // The chunks we overwrite must be durably marked dirty first; the
+        // mark belongs to an epoch, so re-check after entering the gate.
+        let gate = loop {
+            let epoch = self.pool.mark_dirty(&places).await.map_err(pool_error)?;
+            let gate = self.pool.enter_write().await;
+            if self.pool.epoch() == epoch {
+                break gate;
+            }
+        };
+        let planned = self.plan(offset, data, &entries).await?;
+        // New blocks land in chunks that may hold mapped data of other
+        // blocks; their records carry checksums, so no mark is needed.
+        let mut failure = None;
+        let mut done = Vec::with_capacity(planned.len());
+        for write in planned {
+            if failure.is_some() {
+                if write.new_block.is_some() {
+                    self.pool.release_unused(write.device, write.offset);
+                }
+                continue;
+            }
+            let pool_device = &self.pool.devices[write.device as usize];
+            let (data, result) = pool_device.device.write(write.offset, write.data).await;
+            match result {
+                Ok(()) => done.push(PlannedWrite { data, ..write }),
+                Err(e) => {
+                    pool_device.counters.write_errors.fetch_add(1, Ordering::Relaxed);
+                    if write.new_block.is_some() {
+                        self.pool.release_unused(write.device, write.offset);
+                    }
+                    failure = Some(io_error(e));
+                }
+            }
+        }
+        // Whatever reached the device is accounted for, even if a later part failed.
+        for write in done {
+            for (index, crc) in write.crcs.iter().enumerate() {
+                self.pool
+                    .set_crc(write.device, write.offset + index as u64 * SECTOR_BYTES, *crc)
+                    .map_err(meta_error)?;
+            }
+            if let Some(block) = write.new_block {
+                let entry = map_entry::encode(write.device, write.offset);
+                self.pool.set_mapping(self.id, block, entry).map_err(meta_error)?;
+                self.pool.log_mapping(Record::Map {
+                    volume: self.id,
+                    block,
+                    new: entry,
+                    old: 0,
+                    crcs: write.crcs,
+                });
+            }
+        }
+        drop(gate);
+        self.pool.maybe_checkpoint_soon();
+        match failure {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    /// Unmaps whole blocks and zeroes partial ones in `[offset, offset + length)`.
+    async fn trim_locked(&self, offset: u64, length: u64) -> BlockResult<()> {
+        let end = offset + length;
+        let mut position = offset;
+        while position < end {
+            let block = position >> self.block_shift;
+            let within = position & (self.block_bytes() - 1);
+            let step = (self.block_bytes() - within).min(end - position);
+            let entry = self.pool.lookup(self.id, block).map_err(meta_error)?;
+            if entry & map_entry::VALID != 0 {
+                if step == self.block_bytes() {
+                    let _gate = self.pool.enter_write().await;
+                    self.pool.set_mapping(self.id, block, 0).map_err(meta_error)?;
+                    self.pool.log_mapping(Record::Map {
+                        volume: self.id,
+                        block,
+                        new: 0,
+                        old: entry,
+                        crcs: Vec::new(),
+                    });
+                } else {
+                    let zeros = vec![0u8; step as usize];
+                    self.write_locked(position, &zeros).await?;
+                }
+            }
+            position += step;
+        }
+        self.pool.maybe_checkpoint_soon();
+        Ok(())
+    }
+
+    /// Writes zeros without deallocating (WRITE_ZEROES with NO_HOLE).
+    async fn zero_locked(&self, offset: u64, length: u64) -> BlockResult<()> {
+        let end = offset + length;
+        let mut position = offset;
+        while position < end {
+            let within = position & (self.block_bytes() - 1);
+            let step = (self.block_bytes() - within).min(end - position);
+            let zeros = vec![0u8; step as usize];
+            self.write_locked(position, &zeros).await?;
+            position += step;
+        }
+        Ok(())
+    }
+
+    async fn finish(&self, result: BlockResult<()>, fua: bool) -> BlockResult<()> {
+        result?;
+        if fua {
+            self.pool.commit().await.map_err(pool_error)?;
+        }
+        Ok(())
+    }
+
+    fn extents(&self, offset: u64, length: u64) -> BlockResult<Vec<Extent>> {
+        let mut extents: Vec<Extent> = Vec::new();
+        let end = offset + length;
+        let mut position = offset;
+        while position < end && extents.len() < MAX_EXTENTS {
+            let block = position >> self.block_shift;
+            let within = position & (self.block_bytes() - 1);
+            let step = (self.block_bytes() - within).min(end - position);
+            let mapped = self.pool.lookup(self.id, block).map_err(meta_error)? & map_entry::VALID != 0;
+            match extents.last_mut() {
+                Some(last) if last.hole == !mapped => last.length += step,
+                _ => extents.push(Extent {
+                    length: step,
+                    hole: !mapped,
+                    zero: !mapped,
+                }),
+            }
+            position += step;
+        }
+        Ok(extents)
+    }
+}
+
+impl BlockDevice for EngineVolume {
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            can_flush: true,
+            can_fua: true,
+            can_trim: true,
+            can_zero: true,
+            can_fast_zero: true,
+            can_cache: false,
+            can_block_status: true,
+            read_only: false,
+            rotational: self.pool.rotational(),
+            // Completed writes are durable only after a flush (device caches,
+            // page cache, and the log's group commit).
+            volatile_write_cache: true,
+            // A flush commits the whole pool: every device and the log.
+            flush_covers_all_handles: true,
+            min_block_bytes: crate::volume::SECTOR_BYTES,
+            preferred_block_bytes: SECTOR_BYTES as u32,
+            max_request_bytes: crate::volume::MAX_REQUEST_BYTES,
+        }
+    }
+
+    fn size_bytes(&self) -> u64 {
+        self.size_bytes.load(Ordering::Acquire)
+    }
+
+    fn read(&self, offset: u64, buf: IoBuf) -> BoxFuture<'_, (IoBuf, BlockResult<()>)> {
+        Box::pin(self.read_impl(offset, buf))
+    }
+
+    fn write(&self, offset: u64, data: IoBuf, fua: bool) -> BoxFuture<'_, BlockResult<()>> {
+        Box::pin(async move {
+            let _guards = self.lock_exclusive(offset, data.len() as u64).await;
+            let result = self.write_locked(offset, data.payload()).await;
+            drop(_guards);
+            self.finish(result, fua).await
+        })
+    }
+
+    fn flush(&self) -> BoxFuture<'_, BlockResult<()>> {
+        Box::pin(async move { self.pool.commit().await.map_err(pool_error) })
+    }
+
+    fn trim(&self, offset: u64, length: u64, fua: bool) -> BoxFuture<'_, BlockResult<()>> {
+        Box::pin(async move {
+            let _guards = self.lock_exclusive(offset, length).await;
+            let result = self.trim_locked(offset, length).await;
+            drop(_guards);
+            self.finish(result, fua).await
+        })
+    }
+
+    fn write_zeroes(&self, offset: u64, length: u64, flags: ZeroFlags) -> BoxFuture<'_, BlockResult<()>> {
+        Box::pin(async move {
+            if !flags.may_trim && flags.fast_only {
+                return Err(BlockError::NotFast);
+            }
+            let _guards = self.lock_exclusive(offset, length).await;
+            let result = if flags.may_trim {
+                self.trim_locked(offset, length).await
+            } else {
+                self.zero_locked(offset, length).await
+            };
+            drop(_guards);
+            self.finish(result, flags.fua).await
+        })
+    }
+
+    fn cache(&self, _offset: u64, _length: u64) -> BoxFuture<'_, BlockResult<()>> {
+        Box::pin(std::future::ready(Ok(())))
+    }
+
+    fn block_status(&self, offset: u64, length: u64) -> BoxFuture<'_, BlockResult<Vec<Extent>>> {
+        Box::pin(std::future::ready(self.extents(offset, length)))
+    }
+
+    fn resize(&self, new_size_bytes: u64) -> BlockResult<()> {
+        self.size_bytes.store(new_size_bytes, Ordering::Release);
+        Ok(())
+    }
+}
