@@ -104,6 +104,8 @@ impl Page for CrcPage {
 }
 
 pub type PageKey = (u32, u64);
+/// A page copied for a checkpoint: its key, its encoded bytes, the page.
+pub type TakenPage<P> = (PageKey, Vec<u8>, Arc<P>);
 
 pub struct PageCache<P: Page> {
     shards: Vec<Mutex<HashMap<PageKey, Arc<P>>>>,
@@ -167,7 +169,7 @@ impl<P: Page> PageCache<P> {
     /// Takes a consistent copy of every dirty page and marks them clean.
     /// The caller holds the pool's checkpoint gate, so nothing changes a page
     /// meanwhile; if writing the copy fails it calls [`Self::restore_dirty`].
-    pub fn take_dirty(&self) -> Vec<(PageKey, Vec<u8>, Arc<P>)> {
+    pub fn take_dirty(&self) -> Vec<TakenPage<P>> {
         let mut taken = Vec::new();
         for shard in &self.shards {
             let shard = shard.lock().unwrap_or_else(|e| e.into_inner());
@@ -181,7 +183,7 @@ impl<P: Page> PageCache<P> {
         taken
     }
 
-    pub fn restore_dirty(&self, taken: &[(PageKey, Vec<u8>, Arc<P>)]) {
+    pub fn restore_dirty(&self, taken: &[TakenPage<P>]) {
         for (_, _, page) in taken {
             self.mark_dirty(page);
         }

@@ -30,7 +30,7 @@ use redb::{ReadableTable, TableDefinition};
 
 use crate::device::{Device, DeviceError, IoBuf};
 use crate::meta::log::{Log, LogError, Record};
-use crate::meta::pages::{CrcPage, MapPage, Page, PageCache, CRCS_PER_PAGE, MAP_ENTRIES_PER_PAGE};
+use crate::meta::pages::{CrcPage, MapPage, Page, PageCache, TakenPage, CRCS_PER_PAGE, MAP_ENTRIES_PER_PAGE};
 use crate::meta::store::{self, CHUNKS, CRC_PAGES, MAP_PAGES, STATE, SUSPECT};
 use alloc::{Allocator, ChunkState, DeviceSpace};
 use superblock::{Member, Role, Superblock, SUPERBLOCK_BYTES, SUPERBLOCK_OFFSETS};
@@ -881,8 +881,8 @@ impl Pool {
     #[allow(clippy::too_many_arguments)]
     fn write_checkpoint(
         &self,
-        map: &[((u32, u64), Vec<u8>, Arc<MapPage>)],
-        crcs: &[((u32, u64), Vec<u8>, Arc<CrcPage>)],
+        map: &[TakenPage<MapPage>],
+        crcs: &[TakenPage<CrcPage>],
         chunks: &[((u8, u64), Option<ChunkState>)],
         suspect: &[(u8, u64)],
         destroyed: &[u32],
@@ -1069,7 +1069,7 @@ impl Pool {
 fn write_pages<P: Page>(
     txn: &redb::WriteTransaction,
     definition: TableDefinition<(u32, u64), &[u8]>,
-    pages: &[((u32, u64), Vec<u8>, Arc<P>)],
+    pages: &[TakenPage<P>],
 ) -> Result<(), String> {
     let mut table = txn.open_table(definition).map_err(|e| e.to_string())?;
     for (key, bytes, _) in pages {

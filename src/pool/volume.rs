@@ -432,7 +432,7 @@ impl EngineVolume {
             let step = (self.block_bytes() - within).min(end - position);
             let mapped = self.pool.lookup(self.id, block).map_err(meta_error)? & map_entry::VALID != 0;
             match extents.last_mut() {
-                Some(last) if last.hole == !mapped => last.length += step,
+                Some(last) if last.hole != mapped => last.length += step,
                 _ => extents.push(Extent {
                     length: step,
                     hole: !mapped,
