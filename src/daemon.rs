@@ -10,7 +10,7 @@ use std::sync::Arc;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
-use crate::frontend::nbd;
+use crate::frontend::{iscsi, nbd};
 use crate::volume::manager::VolumeManager;
 
 #[derive(Debug, Clone, clap::Args)]
@@ -22,7 +22,7 @@ pub struct ServeArgs {
     /// Address for NBD clients (port 0 picks a free port).
     #[arg(long, default_value = "127.0.0.1:10809")]
     pub nbd: SocketAddr,
-    /// Address for iSCSI initiators (accepted; the iSCSI target is not built yet).
+    /// Address for iSCSI initiators (port 0 picks a free port).
     #[arg(long, default_value = "127.0.0.1:3260")]
     pub iscsi: SocketAddr,
     /// Address of the REST API and /metrics.
@@ -71,9 +71,11 @@ async fn bind(what: &str, address: SocketAddr) -> Result<TcpListener, String> {
 }
 
 async fn serve(args: ServeArgs) -> Result<(), String> {
-    let manager = Arc::new(VolumeManager::open(&args.data_dir).map_err(|e| e.to_string())?);
+    let manager = Arc::new(VolumeManager::open(&args.data_dir).await.map_err(|e| e.to_string())?);
     let nbd_listener = bind("NBD", args.nbd).await?;
+    let iscsi_listener = bind("iSCSI", args.iscsi).await?;
     let api_listener = bind("the REST API", args.api).await?;
+    let iscsi_address = iscsi_listener.local_addr().map_err(|e| e.to_string())?;
     let nbd_address = nbd_listener.local_addr().map_err(|e| e.to_string())?;
     let api_address = api_listener.local_addr().map_err(|e| e.to_string())?;
 
@@ -92,16 +94,13 @@ async fn serve(args: ServeArgs) -> Result<(), String> {
         );
         let _ = writeln!(out, "strata: nbd listening on {nbd_address}");
         let _ = writeln!(out, "strata: api listening on http://{api_address}");
-        let _ = writeln!(
-            out,
-            "strata: iscsi not served yet (the iSCSI target is a later release); --iscsi {} ignored",
-            args.iscsi
-        );
+        let _ = writeln!(out, "strata: iscsi listening on {iscsi_address}");
         let _ = out.flush();
     }
 
     let (stop_sender, stop) = watch::channel(false);
     let nbd_task = tokio::spawn(nbd::server::serve(nbd_listener, manager.clone(), stop.clone()));
+    let iscsi_task = tokio::spawn(iscsi::server::serve(iscsi_listener, manager.clone(), stop.clone()));
     let router = crate::admin::api::router(manager.clone());
     let mut api_stop = stop.clone();
     let api_task = tokio::spawn(async move {
@@ -119,8 +118,10 @@ async fn serve(args: ServeArgs) -> Result<(), String> {
     tracing::info!("{signal} received, shutting down");
     let _ = stop_sender.send(true);
     let _ = nbd_task.await;
+    let _ = iscsi_task.await;
     let _ = api_task.await;
     manager.flush_all().await;
+    manager.close().await;
     // stdout may be closed by now (a supervisor that stopped reading); never panic on it.
     let _ = writeln!(
         std::io::stdout(),

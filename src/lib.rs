@@ -7,5 +7,6 @@ pub mod device;
 pub mod frontend;
 pub mod meta;
 pub mod pool;
+pub mod scsi;
 pub mod units;
 pub mod volume;

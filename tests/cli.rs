@@ -35,7 +35,7 @@ impl Server {
         let mut child = Command::new(BIN)
             .args(["serve", "--data-dir"])
             .arg(data_dir)
-            .args(["--nbd", "127.0.0.1:0", "--api", "127.0.0.1:0"])
+            .args(["--nbd", "127.0.0.1:0", "--api", "127.0.0.1:0", "--iscsi", "127.0.0.1:0"])
             .env("STRATA_LOG", "warn")
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
@@ -622,7 +622,10 @@ fn pool_status() {
     assert_eq!(cell(&default, "PROVISIONED"), "12G");
     assert_eq!(cell(&default, "READ_ERRORS"), "0");
     assert_eq!(cell(&default, "WRITE_ERRORS"), "0");
-    assert_eq!(cell(&default, "BACKING"), "file-per-volume");
+    assert_eq!(cell(&default, "CKSUM_ERRORS"), "0");
+    assert_eq!(cell(&default, "USED"), "0B");
+    // The default pool: a fast and a capacity device, both data tiers.
+    assert!(text.contains("fast.dev") && text.contains("capacity.dev"), "{text}");
 
     let all = server.cli(&["pool", "status", "--json"]).json();
     assert_eq!(all.as_array().unwrap().len(), 1);
@@ -636,8 +639,16 @@ fn pool_status() {
     assert_eq!(one["name"], "default");
     assert_eq!(one["volumes"], 2);
     assert_eq!(one["provisioned_bytes"], 12u64 << 30);
-    let path = one["path"].as_str().unwrap();
-    assert!(path.starts_with(dir.path().to_str().unwrap()), "pool path {path}");
+    let devices = one["devices"].as_array().unwrap();
+    assert_eq!(devices.len(), 2);
+    assert_eq!(devices[0]["role"], "fast");
+    assert_eq!(devices[1]["role"], "capacity");
+    let path = devices[0]["name"].as_str().unwrap();
+    assert!(path.starts_with(dir.path().to_str().unwrap()), "device path {path}");
+    assert_eq!(
+        one["size_bytes"].as_u64().unwrap(),
+        devices.iter().map(|d| d["data_bytes"].as_u64().unwrap()).sum::<u64>()
+    );
 
     let (status, _) = server.stop();
     assert!(status.success());

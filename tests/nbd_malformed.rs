@@ -312,17 +312,18 @@ fn structured_replies_holes_errors_and_block_status() {
     let message_length = u16::from_be_bytes(payload[4..6].try_into().unwrap()) as usize;
     assert!(String::from_utf8_lossy(&payload[6..6 + message_length]).contains("beyond the end"));
 
-    // BLOCK_STATUS over 16 KiB: hole 4K, data 4K, hole 8K.
-    raw.request(0, 7, 5, 0, 16384, &[]);
+    // BLOCK_STATUS over 64 KiB: the 4K write allocated the whole first
+    // 16 KiB block (volblocksize), the rest is a hole.
+    raw.request(0, 7, 5, 0, 65536, &[]);
     let (flags, kind, _, payload) = raw.chunk();
     assert_eq!((flags & 1, kind), (1, 5));
     let words: Vec<u32> = payload
         .chunks(4)
         .map(|w| u32::from_be_bytes(w.try_into().unwrap()))
         .collect();
-    assert_eq!(words, vec![1, 4096, 3, 4096, 0, 8192, 3]);
+    assert_eq!(words, vec![1, 16384, 0, 49152, 3]);
     // REQ_ONE: a single descriptor.
-    raw.request(1 << 3, 7, 6, 0, 16384, &[]);
+    raw.request(1 << 3, 7, 6, 0, 65536, &[]);
     let (_, _, _, payload) = raw.chunk();
     assert_eq!(payload.len(), 12);
 }

@@ -18,6 +18,7 @@ use axum::{Json, Router};
 use serde::Deserialize;
 use serde_json::{json, Value};
 
+use crate::meta::catalog::DeviceRecord;
 use crate::units::parse_size;
 use crate::volume::manager::{AdminError, PoolStatus, VolumeInfo, VolumeManager};
 
@@ -213,6 +214,27 @@ async fn list_pools(State(manager): State<Manager>) -> ApiResult<Json<Vec<PoolSt
     blocking(&manager, |m| Ok(m.pool_status())).await.map(Json)
 }
 
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct CreatePoolRequest {
+    name: String,
+    devices: Vec<DeviceRecord>,
+    #[serde(default)]
+    chunk_bytes: Option<u32>,
+}
+
+async fn create_pool(
+    State(manager): State<Manager>,
+    body: Result<Json<CreatePoolRequest>, JsonRejection>,
+) -> ApiResult<(StatusCode, Json<PoolStatus>)> {
+    let Json(request) = body?;
+    let status = blocking(&manager, move |m| {
+        m.create_pool(&request.name, &request.devices, request.chunk_bytes)
+    })
+    .await?;
+    Ok((StatusCode::CREATED, Json(status)))
+}
+
 async fn get_pool(State(manager): State<Manager>, Path(pool): Path<String>) -> ApiResult<Json<PoolStatus>> {
     blocking(&manager, move |m| {
         m.pool_status()
@@ -323,7 +345,7 @@ pub fn router(manager: Arc<VolumeManager>) -> Router {
         .route("/", get(index))
         .route("/v1", get(index))
         .route("/metrics", get(metrics))
-        .route("/v1/pools", get(list_pools))
+        .route("/v1/pools", get(list_pools).post(create_pool))
         .route("/v1/pools/:pool", get(get_pool))
         .route("/v1/volumes", get(list_volumes).post(create_volume))
         .route(

@@ -116,6 +116,24 @@ pub enum PoolCommand {
         /// Pool to show (default: all).
         pool: Option<String>,
     },
+    /// Create a pool on devices (files or block devices; files must exist,
+    /// e.g. `truncate -s 100G fast.img`). Devices already in a pool are refused.
+    Create {
+        /// Pool name.
+        name: String,
+        /// Fast tier device (SSD/NVMe); repeatable.
+        #[arg(long = "fast", value_name = "FILE|DEV")]
+        fast: Vec<String>,
+        /// Capacity tier device (HDD); repeatable.
+        #[arg(long = "capacity", value_name = "FILE|DEV")]
+        capacity: Vec<String>,
+        /// Dedicated intent-log device.
+        #[arg(long = "log", value_name = "FILE|DEV")]
+        log: Vec<String>,
+        /// Placement unit, a power of two from 64K to 64M (fixed at creation).
+        #[arg(long = "chunk-size", default_value = "1M")]
+        chunk_size: String,
+    },
 }
 
 /// A failure, reported as one line.
@@ -296,6 +314,31 @@ fn run_volume(args: VolumeArgs) -> CliResult<String> {
 fn run_pool(args: PoolArgs) -> CliResult<String> {
     let output = parse_options(&args.client, false)?;
     match args.command {
+        PoolCommand::Create {
+            name,
+            fast,
+            capacity,
+            log,
+            chunk_size,
+        } => {
+            validate_component("pool", &name)?;
+            let chunk_bytes = parse_size(&chunk_size)?;
+            let mut devices = Vec::new();
+            for (role, paths) in [("fast", &fast), ("capacity", &capacity), ("log", &log)] {
+                for path in paths {
+                    // Absolute paths: the daemon may run in another directory.
+                    let absolute = std::path::absolute(path).map_err(|e| format!("{path}: {e}"))?;
+                    devices.push(json!({ "path": absolute.display().to_string(), "role": role }));
+                }
+            }
+            if fast.is_empty() && capacity.is_empty() {
+                return Err(CliError("a pool needs at least one --fast or --capacity device".into()));
+            }
+            let client = Client::new(&args.client.api)?;
+            let body = json!({ "name": name, "devices": devices, "chunk_bytes": chunk_bytes });
+            let status: PoolStatus = client.send("POST", "/v1/pools", Some(body))?;
+            Ok(if output.json { pretty(&status) } else { String::new() })
+        }
         PoolCommand::Status { pool } => {
             if let Some(pool) = &pool {
                 validate_component("pool", pool)?;
@@ -427,32 +470,74 @@ fn pool_table(pools: &[PoolStatus]) -> String {
     use Align::*;
     let headers = [
         ("NAME", Left),
-        ("VOLUMES", Right),
-        ("PROVISIONED", Right),
+        ("SIZE", Right),
         ("USED", Right),
         ("AVAIL", Right),
+        ("PROVISIONED", Right),
+        ("VOLUMES", Right),
         ("READ_ERRORS", Right),
         ("WRITE_ERRORS", Right),
-        ("BACKING", Left),
-        ("PATH", Left),
+        ("CKSUM_ERRORS", Right),
+        ("SUSPECT", Right),
     ];
     let rows: Vec<Vec<String>> = pools
         .iter()
         .map(|p| {
             vec![
                 p.name.clone(),
-                p.volumes.to_string(),
-                format_size(p.provisioned_bytes),
+                format_size(p.size_bytes),
                 format_size(p.used_bytes),
                 format_size(p.available_bytes),
+                format_size(p.provisioned_bytes),
+                p.volumes.to_string(),
                 p.read_errors.to_string(),
                 p.write_errors.to_string(),
-                p.backing.clone(),
-                p.path.clone(),
+                p.checksum_errors.to_string(),
+                p.suspect_chunks.to_string(),
             ]
         })
         .collect();
-    table(&headers, &rows)
+    let mut out = table(&headers, &rows);
+    // Per device, like `zpool status`.
+    let device_headers = [
+        ("POOL", Left),
+        ("DEVICE", Left),
+        ("ROLE", Left),
+        ("SIZE", Right),
+        ("DATA", Right),
+        ("USED", Right),
+        ("READ", Right),
+        ("WRITE", Right),
+        ("CKSUM", Right),
+        ("ENGINE", Left),
+    ];
+    let device_rows: Vec<Vec<String>> = pools
+        .iter()
+        .flat_map(|p| {
+            p.devices.iter().map(move |d| {
+                vec![
+                    p.name.clone(),
+                    d.name.clone(),
+                    d.role.as_str().to_string(),
+                    format_size(d.size_bytes),
+                    format_size(d.data_bytes),
+                    format_size(d.used_bytes),
+                    d.read_errors.to_string(),
+                    d.write_errors.to_string(),
+                    d.checksum_errors.to_string(),
+                    d.engine.clone(),
+                ]
+            })
+        })
+        .collect();
+    if !device_rows.is_empty() {
+        if !out.ends_with('\n') {
+            out.push('\n');
+        }
+        out.push('\n');
+        out.push_str(&table(&device_headers, &device_rows));
+    }
+    out
 }
 
 // ---------------------------------------------------------------------------

@@ -7,6 +7,21 @@
 use std::alloc::{alloc_zeroed, dealloc, Layout};
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::OnceLock;
+
+pub mod engine;
+pub mod file;
+pub mod sim;
+pub mod threads;
+pub mod uring;
+pub mod wrappers;
+
+pub use engine::{EngineChoice, IoEngine};
+pub use file::{create_file, open_device, DeviceOptions, DirectIo, FileDevice};
+pub use sim::{SimConfig, SimDevice, SimRng};
+pub use wrappers::{
+    DelayConfig, DelayDevice, ErrorDevice, ErrorRule, IoOp, ThrottleConfig, ThrottleDevice, WrapperSpec,
+};
 
 /// A boxed future, so that [`Device`] stays object safe.
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
@@ -226,6 +241,67 @@ pub trait Device: Send + Sync {
     fn write(&self, offset: u64, buf: IoBuf) -> BoxFuture<'_, (IoBuf, DeviceResult<()>)>;
     fn flush(&self) -> BoxFuture<'_, DeviceResult<()>>;
     fn discard(&self, offset: u64, length: u64) -> BoxFuture<'_, DeviceResult<()>>;
+}
+
+/// Checks a request against the device's geometry at entry: offset and
+/// length must be multiples of `block_bytes` and the range must lie inside
+/// the device. Every device (and wrapper) calls this before doing anything,
+/// so a bad request is an error, never a panic or a stray write.
+pub fn check_request(info: &DeviceInfo, offset: u64, length: u64) -> DeviceResult<()> {
+    let block = u64::from(info.block_bytes.max(1));
+    if offset % block != 0 || length % block != 0 {
+        return Err(DeviceError::Misaligned {
+            device: info.name.clone(),
+            offset,
+            length,
+            alignment: info.block_bytes,
+        });
+    }
+    match offset.checked_add(length) {
+        Some(end) if end <= info.size_bytes => Ok(()),
+        _ => Err(DeviceError::OutOfRange {
+            device: info.name.clone(),
+            offset,
+            length,
+            size: info.size_bytes,
+        }),
+    }
+}
+
+/// The sticky error state every device keeps: the first failed write or
+/// flush records its reason, and from then on writes and flushes fail with
+/// [`DeviceError::Failed`] (reads still go through). Without it a lost write
+/// could be followed by a flush that appears to succeed (the fsync-gate
+/// problem: Linux reports a writeback error to one fsync only).
+#[derive(Debug, Default)]
+pub struct StickyError {
+    reason: OnceLock<String>,
+}
+
+impl StickyError {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Records the first failure; later calls keep the first reason.
+    pub fn set(&self, reason: impl Into<String>) {
+        let _ = self.reason.set(reason.into());
+    }
+
+    pub fn is_failed(&self) -> bool {
+        self.reason.get().is_some()
+    }
+
+    /// `Err(Failed)` once a failure was recorded.
+    pub fn check(&self, device: &str) -> DeviceResult<()> {
+        match self.reason.get() {
+            None => Ok(()),
+            Some(reason) => Err(DeviceError::Failed {
+                device: device.to_string(),
+                reason: reason.clone(),
+            }),
+        }
+    }
 }
 
 #[cfg(test)]

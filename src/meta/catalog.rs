@@ -14,7 +14,9 @@ use std::path::Path;
 use crate::volume::props::StoredProps;
 
 pub const CATALOG_FILE: &str = "catalog.json";
-pub const CATALOG_FORMAT: u32 = 1;
+/// Format 2: pools made of devices (the storage engine). Format 1 was the
+/// foundation's one-sparse-file-per-volume layout.
+pub const CATALOG_FORMAT: u32 = 2;
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Catalog {
@@ -26,14 +28,26 @@ pub struct Catalog {
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PoolRecord {
     pub created_unix: u64,
+    /// The pool's uuid as its device superblocks carry it.
+    pub uuid: String,
+    /// Where to find the devices; their superblocks say what they are.
+    pub devices: Vec<DeviceRecord>,
+    /// Volume ids are never reused, so a destroyed volume's blocks can never
+    /// be mistaken for a new one's.
+    pub next_volume_id: u32,
     pub volumes: BTreeMap<String, VolumeRecord>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeviceRecord {
+    pub path: String,
+    pub role: crate::pool::superblock::Role,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct VolumeRecord {
-    /// Names the backing file, so a deleted and re-created volume never
-    /// reuses the old one's data.
-    pub guid: String,
+    /// The volume's id in the pool's block map.
+    pub id: u32,
     pub created_unix: u64,
     pub props: StoredProps,
 }
@@ -54,15 +68,24 @@ impl Catalog {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
             Err(e) => return Err(format!("cannot read {}: {e}", path.display())),
         };
-        let catalog: Catalog =
+        let value: serde_json::Value =
             serde_json::from_str(&text).map_err(|e| format!("{} is damaged: {e}", path.display()))?;
-        if catalog.format != CATALOG_FORMAT {
+        let format = value.get("format").and_then(|f| f.as_u64()).unwrap_or(0);
+        if format == 1 {
             return Err(format!(
-                "{} has format {}, this strata understands format {CATALOG_FORMAT}",
-                path.display(),
-                catalog.format
+                "{} uses the foundation layout (format 1, one file per volume), which this strata no longer \
+                 reads; move the data directory aside and start again",
+                path.display()
             ));
         }
+        if format != CATALOG_FORMAT as u64 {
+            return Err(format!(
+                "{} has format {format}, this strata understands format {CATALOG_FORMAT}",
+                path.display()
+            ));
+        }
+        let catalog: Catalog =
+            serde_json::from_value(value).map_err(|e| format!("{} is damaged: {e}", path.display()))?;
         Ok(Some(catalog))
     }
 

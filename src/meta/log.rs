@@ -137,6 +137,8 @@ struct Pending {
     bytes: usize,
     /// Slots released by these records: reusable once the records are durable.
     frees: Vec<(u8, u64)>,
+    /// How many of `records` are already staged on the device.
+    staged: usize,
 }
 
 /// Where the log lives and how far it goes.
@@ -159,6 +161,8 @@ pub struct Log {
     commit_lock: tokio::sync::Mutex<()>,
     /// Bytes written to the log device (for the metadata-cost benchmark).
     pub bytes_written: AtomicU64,
+    /// Records appended since start (lets writers tell whether they added any).
+    pub appended: AtomicU64,
 }
 
 impl Log {
@@ -179,6 +183,7 @@ impl Log {
                 records: Vec::new(),
                 bytes: 0,
                 frees: Vec::new(),
+                staged: 0,
             }),
             pending_bytes: std::sync::atomic::AtomicUsize::new(0),
             next_lsn: AtomicU64::new(next_lsn),
@@ -187,6 +192,7 @@ impl Log {
             tickets_served: AtomicU64::new(0),
             commit_lock: tokio::sync::Mutex::new(()),
             bytes_written: AtomicU64::new(0),
+            appended: AtomicU64::new(0),
         }
     }
 
@@ -196,6 +202,7 @@ impl Log {
         pending.bytes += record.encoded_len();
         self.pending_bytes.store(pending.bytes, Ordering::Relaxed);
         pending.records.push(record);
+        self.appended.fetch_add(1, Ordering::Relaxed);
     }
 
     /// Queues a record that releases a slot; `commit` hands the slot back
@@ -207,6 +214,7 @@ impl Log {
         self.pending_bytes.store(pending.bytes, Ordering::Relaxed);
         pending.records.push(record);
         pending.frees.push(slot);
+        self.appended.fetch_add(1, Ordering::Relaxed);
     }
 
     /// Bytes of records waiting for a commit.
@@ -255,12 +263,13 @@ impl Log {
                 return Err(LogError::Full);
             }
             pending.bytes = 0;
+            pending.staged = 0;
             self.pending_bytes.store(0, Ordering::Relaxed);
             (std::mem::take(&mut pending.records), std::mem::take(&mut pending.frees))
         };
         let (records, frees) = records;
         if !records.is_empty() {
-            if let Err(e) = self.write_blocks(&records).await {
+            if let Err(e) = self.write_blocks(&records, true, 0).await {
                 // Put the records back in front so a later commit retries them.
                 let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
                 let mut restored = records;
@@ -278,27 +287,24 @@ impl Log {
         Ok(frees)
     }
 
-    async fn write_blocks(&self, records: &[Record]) -> Result<(), LogError> {
+    /// Encodes `records` into blocks from `next_lsn` and writes them,
+    /// skipping the first `skip` blocks (already staged, unchanged). A commit
+    /// (`committed`) flushes and advances `next_lsn`; staging leaves both
+    /// alone, so the next commit rewrites the same blocks, marked committed,
+    /// with more records after them.
+    async fn write_blocks(&self, records: &[Record], committed: bool, skip: usize) -> Result<(), LogError> {
         let start_lsn = self.next_lsn();
-        let mut blocks: Vec<Vec<u8>> = Vec::new();
-        let mut body = Vec::with_capacity(LOG_BLOCK_BYTES as usize);
-        for record in records {
-            if HEADER_BYTES + body.len() + record.encoded_len() > LOG_BLOCK_BYTES as usize {
-                blocks.push(std::mem::take(&mut body));
-            }
-            record.encode(&mut body);
-        }
-        blocks.push(body);
+        let blocks = pack(records);
         let count = blocks.len() as u64;
         // One device write per contiguous run (two when the region wraps).
-        let mut lsn = start_lsn;
-        let mut index = 0usize;
+        let mut index = skip.min(blocks.len());
+        let mut lsn = start_lsn + index as u64 * LOG_BLOCK_BYTES;
         while index < blocks.len() {
             let physical = lsn % self.len;
             let room = ((self.len - physical) / LOG_BLOCK_BYTES) as usize;
             let run = room.min(blocks.len() - index);
             let mut buf = IoBuf::new(run * LOG_BLOCK_BYTES as usize);
-            for (i, body) in blocks[index..index + run].iter().enumerate() {
+            for (i, (body, _)) in blocks[index..index + run].iter().enumerate() {
                 let at = i * LOG_BLOCK_BYTES as usize;
                 let block_lsn = lsn + i as u64 * LOG_BLOCK_BYTES;
                 encode_block(
@@ -306,31 +312,71 @@ impl Log {
                     block_lsn,
                     self.pool_tag,
                     body,
+                    committed,
                 );
             }
             let (_, result) = self.device.write(self.offset + physical, buf).await;
             result?;
+            self.bytes_written
+                .fetch_add(run as u64 * LOG_BLOCK_BYTES, Ordering::Relaxed);
             lsn += run as u64 * LOG_BLOCK_BYTES;
             index += run;
         }
-        self.device.flush().await?;
-        self.bytes_written.fetch_add(count * LOG_BLOCK_BYTES, Ordering::Relaxed);
-        self.next_lsn
-            .store(start_lsn + count * LOG_BLOCK_BYTES, Ordering::Release);
+        if committed {
+            self.device.flush().await?;
+            self.next_lsn
+                .store(start_lsn + count * LOG_BLOCK_BYTES, Ordering::Release);
+        }
         Ok(())
     }
 
-    /// Reads the valid records from `tail_lsn` on. Returns them and the LSN
-    /// where the next block should go.
+    /// Hands every pending record to the log device without a flush and
+    /// without committing it. This is not durability: it only makes a
+    /// completed write survive the death of this process (the kernel keeps
+    /// what it was given), so a client that counts a write as done when it
+    /// completes (fio's verify state does) finds it after a kill -9 even if
+    /// its flush never came. Replay trusts such staged records only when the
+    /// data they point at checks out (see `pool::Pool::recover`).
+    pub async fn stage(&self) -> Result<(), LogError> {
+        let _guard = self.commit_lock.lock().await;
+        let (records, staged) = {
+            let pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+            if pending.staged == pending.records.len() {
+                return Ok(());
+            }
+            (pending.records.clone(), pending.staged)
+        };
+        let used = self.next_lsn() - self.tail_lsn.load(Ordering::Acquire);
+        if used + blocks_needed(&records) * LOG_BLOCK_BYTES > self.len {
+            // No room to stage; the records stay pending for the next commit.
+            return Ok(());
+        }
+        // Blocks before the one holding the first unstaged record are
+        // already on the device exactly as they would be written now.
+        let first = pack(&records)
+            .iter()
+            .rposition(|(_, first_record)| *first_record <= staged)
+            .unwrap_or(0);
+        self.write_blocks(&records, false, first).await?;
+        let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+        pending.staged = pending.staged.max(records.len());
+        Ok(())
+    }
+
+    /// Reads the valid records from `tail_lsn` on. Returns them (each with
+    /// whether a commit wrote it, as opposed to staging) and the LSN where the
+    /// next block should go: after the last committed block (staged blocks
+    /// are rewritten by the next commit).
     pub async fn replay(
         device: &Arc<dyn Device>,
         offset: u64,
         len: u64,
         pool_tag: u64,
         tail_lsn: u64,
-    ) -> Result<(Vec<Record>, u64), DeviceError> {
+    ) -> Result<(Vec<(Record, bool)>, u64), DeviceError> {
         let mut records = Vec::new();
         let mut lsn = tail_lsn;
+        let mut next = tail_lsn;
         'outer: while lsn - tail_lsn < len {
             let physical = lsn % len;
             let blocks = REPLAY_BATCH_BLOCKS
@@ -342,14 +388,35 @@ impl Log {
             result?;
             for block in buf.payload().chunks(LOG_BLOCK_BYTES as usize) {
                 match decode_block(block, lsn, pool_tag) {
-                    Some(decoded) => records.extend(decoded),
+                    Some((decoded, committed)) => {
+                        records.extend(decoded.into_iter().map(|r| (r, committed)));
+                        if committed {
+                            next = lsn + LOG_BLOCK_BYTES;
+                        }
+                    }
                     None => break 'outer,
                 }
                 lsn += LOG_BLOCK_BYTES;
             }
         }
-        Ok((records, lsn))
+        Ok((records, next))
     }
+}
+
+/// Splits records into block bodies: (body, index of its first record).
+fn pack(records: &[Record]) -> Vec<(Vec<u8>, usize)> {
+    let mut blocks = Vec::new();
+    let mut body = Vec::with_capacity(LOG_BLOCK_BYTES as usize);
+    let mut first = 0;
+    for (index, record) in records.iter().enumerate() {
+        if HEADER_BYTES + body.len() + record.encoded_len() > LOG_BLOCK_BYTES as usize {
+            blocks.push((std::mem::take(&mut body), first));
+            first = index;
+        }
+        record.encode(&mut body);
+    }
+    blocks.push((body, first));
+    blocks
 }
 
 fn blocks_needed(records: &[Record]) -> u64 {
@@ -365,18 +432,24 @@ fn blocks_needed(records: &[Record]) -> u64 {
     blocks
 }
 
-fn encode_block(out: &mut [u8], lsn: u64, pool_tag: u64, body: &[u8]) {
+/// Block flag: written by a commit (data devices were flushed first).
+const FLAG_COMMITTED: u32 = 1;
+
+fn encode_block(out: &mut [u8], lsn: u64, pool_tag: u64, body: &[u8], committed: bool) {
     out[0..4].copy_from_slice(&MAGIC.to_le_bytes());
     out[8..16].copy_from_slice(&lsn.to_le_bytes());
     out[16..24].copy_from_slice(&pool_tag.to_le_bytes());
     out[24..28].copy_from_slice(&(body.len() as u32).to_le_bytes());
+    let flags = if committed { FLAG_COMMITTED } else { 0 };
+    out[28..32].copy_from_slice(&flags.to_le_bytes());
     out[HEADER_BYTES..HEADER_BYTES + body.len()].copy_from_slice(body);
     let crc = crc32c::crc32c(&out[8..]);
     out[4..8].copy_from_slice(&crc.to_le_bytes());
 }
 
-/// Decodes a block if it is a valid block of this pool at `lsn`.
-fn decode_block(block: &[u8], lsn: u64, pool_tag: u64) -> Option<Vec<Record>> {
+/// Decodes a block if it is a valid block of this pool at `lsn`: its records
+/// and whether a commit wrote it.
+fn decode_block(block: &[u8], lsn: u64, pool_tag: u64) -> Option<(Vec<Record>, bool)> {
     let u32_at = |at: usize| u32::from_le_bytes(block[at..at + 4].try_into().unwrap_or([0; 4]));
     let u64_at = |at: usize| u64::from_le_bytes(block[at..at + 8].try_into().unwrap_or([0; 8]));
     if block.len() != LOG_BLOCK_BYTES as usize
@@ -396,7 +469,7 @@ fn decode_block(block: &[u8], lsn: u64, pool_tag: u64) -> Option<Vec<Record>> {
         records.push(record);
         at += length;
     }
-    Some(records)
+    Some((records, u32_at(28) & FLAG_COMMITTED != 0))
 }
 
 #[cfg(test)]
@@ -428,8 +501,11 @@ mod tests {
             r.encode(&mut body);
         }
         let mut block = vec![0u8; LOG_BLOCK_BYTES as usize];
-        encode_block(&mut block, 8192, 42, &body);
-        assert_eq!(decode_block(&block, 8192, 42), Some(records));
+        encode_block(&mut block, 8192, 42, &body, true);
+        assert_eq!(decode_block(&block, 8192, 42), Some((records.clone(), true)));
+        let mut staged = vec![0u8; LOG_BLOCK_BYTES as usize];
+        encode_block(&mut staged, 8192, 42, &body, false);
+        assert_eq!(decode_block(&staged, 8192, 42), Some((records, false)));
         assert_eq!(decode_block(&block, 4096, 42), None, "wrong position");
         assert_eq!(decode_block(&block, 8192, 43), None, "another pool");
         block[100] ^= 1;

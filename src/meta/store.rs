@@ -11,6 +11,7 @@
 use std::future::Future;
 use std::io;
 use std::pin::pin;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll, Wake, Waker};
 
@@ -48,12 +49,28 @@ pub fn block_on<F: Future>(future: F) -> F::Output {
     }
     let waker = Waker::from(Arc::new(Unpark(std::thread::current())));
     let mut context = Context::from_waker(&waker);
-    let mut future = pin!(future);
+    // Opt out of tokio's cooperative budget: when this thread is inside a
+    // runtime (a worker, or `Runtime::block_on`), an exhausted budget makes
+    // every tokio future answer Pending-and-wake forever, because we never
+    // yield back to the scheduler that would refill it.
+    let mut future = pin!(tokio::task::unconstrained(future));
     loop {
         match future.as_mut().poll(&mut context) {
             Poll::Ready(output) => return output,
             Poll::Pending => std::thread::park(),
         }
+    }
+}
+
+/// Runs blocking metadata work (redb calls block on device I/O) without
+/// stalling the async workers: on a multi-thread runtime the worker hands its
+/// other tasks to a fresh thread for the duration; elsewhere it simply runs.
+pub fn blocking_section<T>(work: impl FnOnce() -> T) -> T {
+    match tokio::runtime::Handle::try_current() {
+        Ok(handle) if handle.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => {
+            tokio::task::block_in_place(work)
+        }
+        _ => work(),
     }
 }
 
@@ -70,6 +87,8 @@ pub struct RegionBackend {
     /// redb's current length; serialises writes too (read-modify-write of
     /// partial blocks must not interleave).
     state: Mutex<u64>,
+    /// Bytes written to the device (metadata cost accounting).
+    written: Arc<AtomicU64>,
 }
 
 impl std::fmt::Debug for RegionBackend {
@@ -86,7 +105,7 @@ impl std::fmt::Debug for RegionBackend {
 
 impl RegionBackend {
     /// Opens the region; a region never written reads as length 0.
-    pub fn open(device: Arc<dyn Device>, offset: u64, capacity: u64) -> io::Result<Self> {
+    pub fn open(device: Arc<dyn Device>, offset: u64, capacity: u64, written: Arc<AtomicU64>) -> io::Result<Self> {
         let block = device.info().block_bytes.max(512) as u64;
         assert!(
             offset % block == 0 && capacity > HEADER_BYTES,
@@ -119,6 +138,7 @@ impl RegionBackend {
             capacity: capacity - HEADER_BYTES,
             block,
             state: Mutex::new(len),
+            written,
         })
     }
 
@@ -129,6 +149,7 @@ impl RegionBackend {
         header[8..16].copy_from_slice(&len.to_le_bytes());
         let crc = crc32c::crc32c(&header[0..16]);
         header[16..20].copy_from_slice(&crc.to_le_bytes());
+        self.written.fetch_add(HEADER_BYTES, Ordering::Relaxed);
         let (_, result) = block_on(self.device.write(self.offset, buf));
         result.map_err(to_io)?;
         block_on(self.device.flush()).map_err(to_io)
@@ -148,6 +169,7 @@ impl RegionBackend {
     }
 
     fn write_range(&self, start: u64, data: &[u8]) -> io::Result<()> {
+        self.written.fetch_add(data.len() as u64, Ordering::Relaxed);
         let absolute = self.offset + HEADER_BYTES + start;
         if absolute % self.block == 0 && data.len() as u64 % self.block == 0 {
             let (_, result) = block_on(self.device.write(absolute, IoBuf::copy_from(data)));
@@ -219,8 +241,10 @@ pub fn open_database(
     offset: u64,
     capacity: u64,
     cache_bytes: usize,
+    written: Arc<AtomicU64>,
 ) -> Result<redb::Database, String> {
-    let backend = RegionBackend::open(device, offset, capacity).map_err(|e| format!("metadata region: {e}"))?;
+    let backend =
+        RegionBackend::open(device, offset, capacity, written).map_err(|e| format!("metadata region: {e}"))?;
     let db = redb::Builder::new()
         .set_cache_size(cache_bytes)
         .create_with_backend(backend)
@@ -253,6 +277,14 @@ pub fn read_state(db: &redb::Database, key: &str) -> Result<u64, String> {
 
 /// Reads one page blob.
 pub fn read_page(
+    db: &redb::Database,
+    table: TableDefinition<(u32, u64), &[u8]>,
+    key: (u32, u64),
+) -> Result<Option<Vec<u8>>, String> {
+    blocking_section(|| read_page_now(db, table, key))
+}
+
+fn read_page_now(
     db: &redb::Database,
     table: TableDefinition<(u32, u64), &[u8]>,
     key: (u32, u64),

@@ -158,7 +158,12 @@ pub struct DeviceStatus {
 /// Metadata I/O counters (for the "metadata bytes per write" benchmark).
 #[derive(Debug, Clone, Copy, Default, serde::Serialize)]
 pub struct MetaCounters {
+    /// Bytes written to the log.
     pub log_bytes: u64,
+    /// Bytes written to the metadata store (checkpoints).
+    pub store_bytes: u64,
+    /// Bytes of volume data written to the devices.
+    pub data_bytes: u64,
     pub checkpoints: u64,
     pub checkpoint_pages: u64,
 }
@@ -186,6 +191,8 @@ pub struct Pool {
     checkpoints: AtomicU64,
     checkpoint_pages: AtomicU64,
     checkpoint_scheduled: std::sync::atomic::AtomicBool,
+    store_bytes: Arc<AtomicU64>,
+    pub(crate) data_bytes: AtomicU64,
     /// Lets `&self` methods start background work that needs an `Arc<Pool>`.
     self_ref: std::sync::OnceLock<std::sync::Weak<Pool>>,
 }
@@ -435,9 +442,12 @@ impl Pool {
         let chunk = superblock.chunk_bytes as u64;
         let meta_dev = devices[superblock.meta_device as usize].device.clone();
         let (meta_offset, meta_bytes) = (superblock.meta_offset, superblock.meta_bytes);
-        let db = run_blocking(move || store::open_database(meta_dev, meta_offset, meta_bytes, STORE_CACHE_BYTES))
-            .await
-            .map_err(PoolError::Meta)?;
+        let store_bytes = Arc::new(AtomicU64::new(0));
+        let written = store_bytes.clone();
+        let db =
+            run_blocking(move || store::open_database(meta_dev, meta_offset, meta_bytes, STORE_CACHE_BYTES, written))
+                .await
+                .map_err(PoolError::Meta)?;
         let checkpoint_lsn = store::read_state(&db, "checkpoint_lsn").map_err(PoolError::Meta)?;
         let epoch = store::read_state(&db, "epoch").map_err(PoolError::Meta)? as u32;
 
@@ -514,12 +524,29 @@ impl Pool {
             checkpoints: AtomicU64::new(0),
             checkpoint_pages: AtomicU64::new(0),
             checkpoint_scheduled: std::sync::atomic::AtomicBool::new(false),
+            store_bytes,
+            data_bytes: AtomicU64::new(0),
             self_ref: std::sync::OnceLock::new(),
         });
         let _ = pool.self_ref.set(Arc::downgrade(&pool));
         let replayed = records.len();
-        for record in records {
+        let mut staged_dropped = 0;
+        for (record, committed) in records {
+            // A staged record (never committed) counts only if the data it
+            // maps made it to the device intact: staging has no data flush
+            // before it, so after a power loss the mapping may have landed
+            // without its data.
+            if !committed && !pool.staged_data_present(&record).await {
+                staged_dropped += 1;
+                continue;
+            }
             pool.apply_replayed(record)?;
+        }
+        if staged_dropped > 0 {
+            tracing::info!(
+                "pool {}: ignored {staged_dropped} uncommitted mappings whose data never landed",
+                pool.name
+            );
         }
         if replayed > 0 {
             tracing::info!(
@@ -531,6 +558,39 @@ impl Pool {
         // Persist what replay rebuilt and start the log afresh.
         pool.checkpoint().await?;
         Ok(pool)
+    }
+
+    /// Whether the data a staged `Map` record points at matches its checksums.
+    async fn staged_data_present(&self, record: &Record) -> bool {
+        let Record::Map { new, crcs, .. } = record else {
+            return true;
+        };
+        let Some((device, offset)) = map_entry::decode(*new) else {
+            return true;
+        };
+        let Some(pool_device) = self.devices.get(device as usize) else {
+            return false;
+        };
+        let length = crcs.len() * SECTOR_BYTES as usize;
+        let (buf, result) = pool_device.device.read(offset, IoBuf::new(length)).await;
+        result.is_ok()
+            && buf
+                .payload()
+                .chunks(SECTOR_BYTES as usize)
+                .zip(crcs)
+                .all(|(sector, crc)| crc32c::crc32c(sector) == *crc)
+    }
+
+    /// Records appended to the log so far.
+    pub(crate) fn log_appends(&self) -> u64 {
+        self.log.appended.load(Ordering::Relaxed)
+    }
+
+    /// Gives pending log records to the log device without a flush, so that
+    /// completed writes survive the death of this process (see
+    /// `Log::stage`). Durability still comes only from `commit`.
+    pub(crate) async fn stage(&self) -> Result<(), PoolError> {
+        self.log.stage().await.map_err(PoolError::from)
     }
 
     fn apply_replayed(&self, record: Record) -> Result<(), PoolError> {
@@ -620,6 +680,8 @@ impl Pool {
     pub fn meta_counters(&self) -> MetaCounters {
         MetaCounters {
             log_bytes: self.log.bytes_written.load(Ordering::Relaxed),
+            store_bytes: self.store_bytes.load(Ordering::Relaxed),
+            data_bytes: self.data_bytes.load(Ordering::Relaxed),
             checkpoints: self.checkpoints.load(Ordering::Relaxed),
             checkpoint_pages: self.checkpoint_pages.load(Ordering::Relaxed),
         }
@@ -854,7 +916,8 @@ impl Pool {
         drop(gate);
 
         let pages = (map.len() + crcs.len()) as u64;
-        let result = self.write_checkpoint(&map, &crcs, &chunks, &suspect, &destroyed, lsn, epoch);
+        let result =
+            store::blocking_section(|| self.write_checkpoint(&map, &crcs, &chunks, &suspect, &destroyed, lsn, epoch));
         match result {
             Ok(()) => {
                 self.log.set_tail(lsn);
@@ -953,12 +1016,43 @@ impl Pool {
                 "volblocksize {volblocksize} is not supported"
             )));
         }
+        let mapped = self.count_mapped_blocks(id)?;
         Ok(Arc::new(volume::EngineVolume::new(
             self.clone(),
             id,
             size_bytes,
             volblocksize,
+            mapped,
         )))
+    }
+
+    /// Counts the mapped blocks of volume `id` (stored pages, with cached
+    /// pages taking precedence).
+    fn count_mapped_blocks(&self, id: u32) -> Result<u64, PoolError> {
+        let count_page = |entries: &[AtomicU64]| {
+            entries
+                .iter()
+                .filter(|e| e.load(Ordering::Acquire) & map_entry::VALID != 0)
+                .count() as u64
+        };
+        let cached: HashSet<(u32, u64)> = self.map_pages.keys().into_iter().filter(|k| k.0 == id).collect();
+        let mut total = 0;
+        for key in &cached {
+            total += count_page(&self.map_pages.get(&self.db, *key).map_err(PoolError::Meta)?.entries);
+        }
+        let txn = self.db.begin_read().map_err(|e| PoolError::Meta(e.to_string()))?;
+        let table = txn.open_table(MAP_PAGES).map_err(|e| PoolError::Meta(e.to_string()))?;
+        for row in table
+            .range((id, 0)..=(id, u64::MAX))
+            .map_err(|e| PoolError::Meta(e.to_string()))?
+        {
+            let (key, value) = row.map_err(|e| PoolError::Meta(e.to_string()))?;
+            if cached.contains(&key.value()) {
+                continue;
+            }
+            total += count_page(&MapPage::decode(Some(value.value())).entries);
+        }
+        Ok(total)
     }
 
     /// Destroys volume `id`: frees every block once the record saying so is

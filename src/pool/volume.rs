@@ -31,6 +31,8 @@ pub struct EngineVolume {
     size_bytes: AtomicU64,
     block_shift: u32,
     stripes: Box<[RwLock<()>]>,
+    /// Blocks currently mapped (for `used` in `volume list`).
+    mapped_blocks: AtomicU64,
 }
 
 /// One device write planned by a request.
@@ -68,14 +70,25 @@ fn sector_crcs(bytes: &[u8]) -> Vec<u32> {
 }
 
 impl EngineVolume {
-    pub(crate) fn new(pool: Arc<Pool>, id: u32, size_bytes: u64, volblocksize: u32) -> Self {
+    pub(crate) fn new(pool: Arc<Pool>, id: u32, size_bytes: u64, volblocksize: u32, mapped_blocks: u64) -> Self {
         EngineVolume {
             pool,
             id,
             size_bytes: AtomicU64::new(size_bytes),
             block_shift: volblocksize.trailing_zeros(),
             stripes: (0..STRIPES).map(|_| RwLock::new(())).collect(),
+            mapped_blocks: AtomicU64::new(mapped_blocks),
         }
+    }
+
+    /// The block-map entry of logical block `block` (see `pool::map_entry`).
+    pub fn lookup_entry(&self, block: u64) -> Result<u64, String> {
+        self.pool.lookup(self.id, block)
+    }
+
+    /// Bytes of pool space the volume's mapped blocks take.
+    pub fn used_bytes(&self) -> u64 {
+        self.mapped_blocks.load(Ordering::Relaxed) << self.block_shift
     }
 
     pub fn id(&self) -> u32 {
@@ -332,7 +345,10 @@ impl EngineVolume {
             let pool_device = &self.pool.devices[write.device as usize];
             let (data, result) = pool_device.device.write(write.offset, write.data).await;
             match result {
-                Ok(()) => done.push(PlannedWrite { data, ..write }),
+                Ok(()) => {
+                    self.pool.data_bytes.fetch_add(data.len() as u64, Ordering::Relaxed);
+                    done.push(PlannedWrite { data, ..write })
+                }
                 Err(e) => {
                     pool_device.counters.write_errors.fetch_add(1, Ordering::Relaxed);
                     if write.new_block.is_some() {
@@ -352,6 +368,7 @@ impl EngineVolume {
             if let Some(block) = write.new_block {
                 let entry = map_entry::encode(write.device, write.offset);
                 self.pool.set_mapping(self.id, block, entry).map_err(meta_error)?;
+                self.mapped_blocks.fetch_add(1, Ordering::Relaxed);
                 self.pool.log_mapping(Record::Map {
                     volume: self.id,
                     block,
@@ -382,6 +399,7 @@ impl EngineVolume {
                 if step == self.block_bytes() {
                     let _gate = self.pool.enter_write().await;
                     self.pool.set_mapping(self.id, block, 0).map_err(meta_error)?;
+                    self.mapped_blocks.fetch_sub(1, Ordering::Relaxed);
                     self.pool.log_mapping(Record::Map {
                         volume: self.id,
                         block,
@@ -414,10 +432,15 @@ impl EngineVolume {
         Ok(())
     }
 
-    async fn finish(&self, result: BlockResult<()>, fua: bool) -> BlockResult<()> {
+    /// Completes a write-type request: commit when it must be durable; else,
+    /// if it changed the map, stage the records so a completed write
+    /// survives a kill -9 of the daemon.
+    async fn finish(&self, result: BlockResult<()>, fua: bool, mapped_before: u64) -> BlockResult<()> {
         result?;
         if fua {
             self.pool.commit().await.map_err(pool_error)?;
+        } else if self.pool.log_appends() != mapped_before {
+            self.pool.stage().await.map_err(pool_error)?;
         }
         Ok(())
     }
@@ -453,7 +476,7 @@ impl BlockDevice for EngineVolume {
             can_trim: true,
             can_zero: true,
             can_fast_zero: true,
-            can_cache: false,
+            can_cache: true,
             can_block_status: true,
             read_only: false,
             rotational: self.pool.rotational(),
@@ -478,10 +501,11 @@ impl BlockDevice for EngineVolume {
 
     fn write(&self, offset: u64, data: IoBuf, fua: bool) -> BoxFuture<'_, BlockResult<()>> {
         Box::pin(async move {
+            let appends = self.pool.log_appends();
             let _guards = self.lock_exclusive(offset, data.len() as u64).await;
             let result = self.write_locked(offset, data.payload()).await;
             drop(_guards);
-            self.finish(result, fua).await
+            self.finish(result, fua, appends).await
         })
     }
 
@@ -491,10 +515,11 @@ impl BlockDevice for EngineVolume {
 
     fn trim(&self, offset: u64, length: u64, fua: bool) -> BoxFuture<'_, BlockResult<()>> {
         Box::pin(async move {
+            let appends = self.pool.log_appends();
             let _guards = self.lock_exclusive(offset, length).await;
             let result = self.trim_locked(offset, length).await;
             drop(_guards);
-            self.finish(result, fua).await
+            self.finish(result, fua, appends).await
         })
     }
 
@@ -503,6 +528,7 @@ impl BlockDevice for EngineVolume {
             if !flags.may_trim && flags.fast_only {
                 return Err(BlockError::NotFast);
             }
+            let appends = self.pool.log_appends();
             let _guards = self.lock_exclusive(offset, length).await;
             let result = if flags.may_trim {
                 self.trim_locked(offset, length).await
@@ -510,12 +536,18 @@ impl BlockDevice for EngineVolume {
                 self.zero_locked(offset, length).await
             };
             drop(_guards);
-            self.finish(result, flags.fua).await
+            self.finish(result, flags.fua, appends).await
         })
     }
 
-    fn cache(&self, _offset: u64, _length: u64) -> BoxFuture<'_, BlockResult<()>> {
-        Box::pin(std::future::ready(Ok(())))
+    /// Prefetch: reads the range (up to 32 MiB of it; the rest of a larger
+    /// hint is ignored), which loads its map pages and warms device caches.
+    fn cache(&self, offset: u64, length: u64) -> BoxFuture<'_, BlockResult<()>> {
+        Box::pin(async move {
+            let length = length.min(crate::volume::MAX_REQUEST_BYTES as u64);
+            let (_, result) = self.read_impl(offset, IoBuf::new(length as usize)).await;
+            result
+        })
     }
 
     fn block_status(&self, offset: u64, length: u64) -> BoxFuture<'_, BlockResult<Vec<Extent>>> {

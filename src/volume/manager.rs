@@ -1,26 +1,31 @@
-//! The volume manager: opens the data directory, keeps the catalog and the
-//! open volumes, and carries out admin operations (create, set, resize,
-//! delete). Frontends look volumes up here once per connection; the data path
-//! never takes the manager's locks.
+//! The volume manager: opens the data directory, keeps the catalog, the
+//! pools and the open volumes, and carries out admin operations (create,
+//! set, resize, delete). Frontends look volumes up here once per connection;
+//! the data path never takes the manager's locks.
 
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::fs::{self, File, OpenOptions};
 use std::io::{Read, Seek, Write};
-use std::os::unix::fs::MetadataExt;
 use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use super::file::FileBacking;
 use super::props::{canonical_value, PropError, PropertyRow, StoredProps, DEFAULT_VOLBLOCKSIZE};
-use super::{full_name, BlockDevice, Volume};
-use crate::meta::catalog::{sync_dir, Catalog, PoolRecord, VolumeRecord};
+use super::{full_name, Volume};
+use crate::device::{create_file, open_device, DeviceOptions};
+use crate::meta::catalog::{sync_dir, Catalog, DeviceRecord, PoolRecord, VolumeRecord};
+use crate::pool::superblock::Role;
+use crate::pool::volume::EngineVolume;
+use crate::pool::{DeviceStatus, NewDevice, Pool, DEFAULT_CHUNK_BYTES};
 
 pub const DEFAULT_POOL: &str = "default";
 pub const DEFAULT_VOLUME: &str = "vol0";
 pub const DEFAULT_VOLUME_BYTES: u64 = 10 << 30;
+/// The embedded default pool's sparse device files (they cost nothing until written).
+pub const DEFAULT_FAST_BYTES: u64 = 16 << 30;
+pub const DEFAULT_CAPACITY_BYTES: u64 = 64 << 30;
 const LOCK_FILE: &str = "lock";
 const MAX_NAME_BYTES: usize = 200;
 
@@ -64,17 +69,26 @@ pub struct VolumeInfo {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PoolStatus {
     pub name: String,
-    /// How volumes are stored: `file-per-volume` until the tiered engine lands.
-    pub backing: String,
-    pub path: String,
+    pub uuid: String,
+    pub chunk_bytes: u32,
     pub volumes: usize,
     /// Sum of all volume sizes (thin: may exceed the space available).
     pub provisioned_bytes: u64,
+    /// Data capacity: the sum of the fast and capacity tiers.
+    pub size_bytes: u64,
     pub used_bytes: u64,
-    /// Free space of the file system holding the pool.
     pub available_bytes: u64,
     pub read_errors: u64,
     pub write_errors: u64,
+    pub checksum_errors: u64,
+    /// Chunks not yet re-verified after a crash.
+    pub suspect_chunks: usize,
+    /// Since the daemon started: volume data written to devices, and
+    /// metadata written (log and checkpoints) — their ratio is the
+    /// metadata overhead.
+    pub data_bytes_written: u64,
+    pub metadata_bytes_written: u64,
+    pub devices: Vec<DeviceStatus>,
 }
 
 pub struct VolumeManager {
@@ -82,6 +96,10 @@ pub struct VolumeManager {
     /// Serialises admin operations and holds the catalog as last saved.
     catalog: Mutex<Catalog>,
     volumes: RwLock<HashMap<String, Arc<Volume>>>,
+    engines: RwLock<HashMap<String, Arc<EngineVolume>>>,
+    pools: RwLock<HashMap<String, Arc<Pool>>>,
+    /// Runs pool work from admin calls (which run on blocking threads).
+    runtime: tokio::runtime::Handle,
     /// Held open (and `flock`ed) so a second daemon on the same directory is refused.
     _lock: File,
 }
@@ -91,20 +109,6 @@ fn now_unix() -> u64 {
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_secs())
         .unwrap_or(0)
-}
-
-fn new_guid() -> String {
-    let mut bytes = [0u8; 8];
-    let filled = File::open("/dev/urandom").and_then(|mut f| f.read_exact(&mut bytes));
-    if filled.is_err() {
-        // No /dev/urandom: fall back to the clock, unique enough for file names.
-        let nanos = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map(|d| d.as_nanos())
-            .unwrap_or(0);
-        bytes = (nanos as u64 ^ std::process::id() as u64).to_le_bytes();
-    }
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 /// Checks one component of `pool/name`.
@@ -138,37 +142,137 @@ fn internal(context: &str, error: impl std::fmt::Display) -> AdminError {
 
 impl VolumeManager {
     /// Opens the data directory, creating the default pool and volume the
-    /// first time.
-    pub fn open(data_dir: &Path) -> Result<Self, AdminError> {
+    /// first time, and recovers every pool (log replay) before returning.
+    pub async fn open(data_dir: &Path) -> Result<Self, AdminError> {
         fs::create_dir_all(data_dir)
             .map_err(|e| internal(&format!("cannot create data directory {}", data_dir.display()), e))?;
         let lock = lock_data_dir(data_dir)?;
         let catalog = match Catalog::load(data_dir).map_err(AdminError::Internal)? {
             Some(catalog) => catalog,
-            None => initialise(data_dir)?,
+            None => initialise(data_dir).await?,
         };
         let mut volumes = HashMap::new();
-        for (pool, record) in &catalog.pools {
+        let mut engines = HashMap::new();
+        let mut pools = HashMap::new();
+        for (pool_name, record) in &catalog.pools {
+            let pool = open_pool(pool_name, record).await?;
             for (name, volume) in &record.volumes {
-                let path = volume_path(data_dir, pool, &volume.guid);
-                let backing = FileBacking::open(&path)
-                    .map_err(|e| internal(&format!("cannot open volume {pool}/{name} ({})", path.display()), e))?;
-                if backing.size_bytes() != volume.props.volsize {
-                    // A resize interrupted by a crash: the catalog's size is the truth.
-                    backing
-                        .resize(volume.props.volsize)
-                        .map_err(|e| internal(&format!("cannot restore the size of {pool}/{name}"), e))?;
-                }
-                let opened = Volume::new(pool, name, Arc::new(backing), &volume.props.effective());
-                volumes.insert(full_name(pool, name), Arc::new(opened));
+                let props = volume.props.effective();
+                let engine = pool
+                    .open_volume(volume.id, props.volsize, props.volblocksize)
+                    .map_err(|e| internal(&format!("cannot open volume {pool_name}/{name}"), e))?;
+                let opened = Volume::new(pool_name, name, engine.clone(), &props);
+                volumes.insert(full_name(pool_name, name), Arc::new(opened));
+                engines.insert(full_name(pool_name, name), engine);
             }
+            if pool.suspect_chunks() > 0 {
+                let scrubbing = pool.clone();
+                tokio::spawn(async move {
+                    match scrubbing.scrub_suspect().await {
+                        Ok(count) => {
+                            tracing::info!("pool {}: re-verified {count} chunks after a crash", scrubbing.name())
+                        }
+                        Err(e) => tracing::error!("pool {}: scrub after a crash failed: {e}", scrubbing.name()),
+                    }
+                });
+            }
+            pools.insert(pool_name.clone(), pool);
         }
         Ok(VolumeManager {
             data_dir: data_dir.to_path_buf(),
             catalog: Mutex::new(catalog),
             volumes: RwLock::new(volumes),
+            engines: RwLock::new(engines),
+            pools: RwLock::new(pools),
+            runtime: tokio::runtime::Handle::current(),
             _lock: lock,
         })
+    }
+
+    /// The open pool called `name`.
+    pub fn pool(&self, name: &str) -> Option<Arc<Pool>> {
+        self.pools.read().unwrap_or_else(|e| e.into_inner()).get(name).cloned()
+    }
+
+    /// Creates a pool on existing devices and adds it to the catalog.
+    pub fn create_pool(
+        &self,
+        name: &str,
+        devices: &[DeviceRecord],
+        chunk_bytes: Option<u32>,
+    ) -> Result<PoolStatus, AdminError> {
+        validate_component("pool", name)?;
+        let mut catalog = self.catalog();
+        if catalog.pools.contains_key(name) {
+            return Err(AdminError::AlreadyExists(format!("pool '{name}' already exists")));
+        }
+        if devices.is_empty() || !devices.iter().any(|d| d.role != Role::Log) {
+            return Err(AdminError::Invalid(
+                "a pool needs at least one fast or capacity device".into(),
+            ));
+        }
+        let known: Vec<&str> = catalog
+            .pools
+            .values()
+            .flat_map(|p| p.devices.iter().map(|d| d.path.as_str()))
+            .collect();
+        let mut opened = Vec::new();
+        for device in devices {
+            if known.contains(&device.path.as_str()) || devices.iter().filter(|d| d.path == device.path).count() > 1 {
+                return Err(AdminError::Invalid(format!("device {} is used twice", device.path)));
+            }
+            let handle = open_device(&device.path, &DeviceOptions::default())
+                .map_err(|e| AdminError::Invalid(format!("cannot open device {}: {e}", device.path)))?;
+            opened.push(NewDevice {
+                device: handle,
+                role: device.role,
+            });
+        }
+        let chunk_bytes = chunk_bytes.unwrap_or(DEFAULT_CHUNK_BYTES);
+        let pool = self
+            .runtime
+            .block_on(Pool::create(name, chunk_bytes, opened))
+            .map_err(|e| AdminError::Invalid(format!("cannot create pool '{name}': {e}")))?;
+        let mut updated = catalog.clone();
+        updated.pools.insert(
+            name.to_string(),
+            PoolRecord {
+                created_unix: now_unix(),
+                uuid: pool.uuid(),
+                devices: devices.to_vec(),
+                next_volume_id: 1,
+                volumes: Default::default(),
+            },
+        );
+        updated
+            .save(&self.data_dir)
+            .map_err(|e| internal("cannot save catalog", e))?;
+        *catalog = updated;
+        drop(catalog);
+        self.pools
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(name.to_string(), pool);
+        self.pool_status()
+            .into_iter()
+            .find(|p| p.name == name)
+            .ok_or_else(|| AdminError::Internal(format!("pool '{name}' vanished")))
+    }
+
+    /// Checkpoints every pool so the next start replays nothing (clean shutdown).
+    pub async fn close(&self) {
+        let pools: Vec<Arc<Pool>> = self
+            .pools
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .values()
+            .cloned()
+            .collect();
+        for pool in pools {
+            if let Err(e) = pool.checkpoint().await {
+                tracing::error!("pool {}: final checkpoint failed: {e}", pool.name());
+            }
+        }
     }
 
     pub fn data_dir(&self) -> &Path {
@@ -208,8 +312,12 @@ impl VolumeManager {
             .get(pool)
             .and_then(|p| p.volumes.get(short))
             .ok_or_else(|| AdminError::NotFound(format!("volume '{name}' does not exist")))?;
-        let used_bytes = fs::metadata(volume_path(&self.data_dir, pool, &record.guid))
-            .map(|m| m.blocks() * 512)
+        let used_bytes = self
+            .engines
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(name)
+            .map(|e| e.used_bytes())
             .unwrap_or(0);
         let connections = self.lookup(name).map(|v| v.open_handles()).unwrap_or(0);
         Ok(VolumeInfo {
@@ -271,32 +379,40 @@ impl VolumeManager {
             }
         }
         check_volsize(stored.volsize, stored.volblocksize)?;
-        let guid = new_guid();
-        let path = volume_path(&self.data_dir, pool, &guid);
-        let backing = FileBacking::create(&path, stored.volsize)
-            .map_err(|e| internal(&format!("cannot create {}", path.display()), e))?;
-        if let Some(parent) = path.parent() {
-            sync_dir(parent).map_err(|e| internal("cannot sync volume directory", e))?;
-        }
-        let record = VolumeRecord {
-            guid,
-            created_unix: now_unix(),
-            props: stored.clone(),
-        };
+        let pool_handle = self
+            .pool(pool)
+            .ok_or_else(|| AdminError::Internal(format!("pool '{pool}' is in the catalog but not open")))?;
         let mut updated = catalog.clone();
-        if let Some(p) = updated.pools.get_mut(pool) {
-            p.volumes.insert(short.to_string(), record);
-        }
-        if let Err(e) = updated.save(&self.data_dir) {
-            let _ = fs::remove_file(&path);
-            return Err(internal("cannot save catalog", e));
-        }
+        let Some(pool_record) = updated.pools.get_mut(pool) else {
+            return Err(AdminError::NotFound(format!("pool '{pool}' does not exist")));
+        };
+        let id = pool_record.next_volume_id.max(1);
+        pool_record.next_volume_id = id + 1;
+        pool_record.volumes.insert(
+            short.to_string(),
+            VolumeRecord {
+                id,
+                created_unix: now_unix(),
+                props: stored.clone(),
+            },
+        );
+        let props = stored.effective();
+        let engine = pool_handle
+            .open_volume(id, props.volsize, props.volblocksize)
+            .map_err(|e| internal("cannot open the new volume", e))?;
+        updated
+            .save(&self.data_dir)
+            .map_err(|e| internal("cannot save catalog", e))?;
         *catalog = updated;
-        let volume = Volume::new(pool, short, Arc::new(backing), &stored.effective());
+        let volume = Volume::new(pool, short, engine.clone(), &props);
         self.volumes
             .write()
             .unwrap_or_else(|e| e.into_inner())
             .insert(name.to_string(), Arc::new(volume));
+        self.engines
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(name.to_string(), engine);
         self.info_of(&catalog, name)
     }
 
@@ -393,44 +509,46 @@ impl VolumeManager {
         if let Some(volume) = self.volumes.write().unwrap_or_else(|e| e.into_inner()).remove(name) {
             volume.mark_deleted();
         }
-        let path = volume_path(&self.data_dir, pool, &record.guid);
-        if let Err(e) = fs::remove_file(&path) {
-            tracing::warn!("volume {name} deleted but its file {} remains: {e}", path.display());
+        self.engines.write().unwrap_or_else(|e| e.into_inner()).remove(name);
+        // The catalog no longer names the volume; now free its blocks. A
+        // crash before this finishes leaves blocks allocated to an id no
+        // volume has (reclaimed by a later scrub), never a volume without data.
+        if let Some(pool_handle) = self.pool(pool) {
+            if let Err(e) = self.runtime.block_on(pool_handle.destroy_volume(record.id)) {
+                tracing::error!("volume {name} deleted but freeing its blocks failed: {e}");
+            }
         }
         Ok(())
     }
 
     pub fn pool_status(&self) -> Vec<PoolStatus> {
         let catalog = self.catalog();
-        let available_bytes = fs_available_bytes(&self.data_dir);
         catalog
             .pools
             .iter()
-            .map(|(pool, record)| {
-                let infos: Vec<VolumeInfo> = record
-                    .volumes
-                    .keys()
-                    .filter_map(|n| self.info_of(&catalog, &full_name(pool, n)).ok())
-                    .collect();
-                let (read_errors, write_errors) =
-                    self.volumes()
-                        .iter()
-                        .filter(|v| v.pool() == pool)
-                        .fold((0, 0), |(r, w), v| {
-                            let (vr, vw) = v.stats().error_totals();
-                            (r + vr, w + vw)
-                        });
-                PoolStatus {
-                    name: pool.clone(),
-                    backing: "file-per-volume".to_string(),
-                    path: pool_dir(&self.data_dir, pool).display().to_string(),
-                    volumes: infos.len(),
-                    provisioned_bytes: infos.iter().map(|i| i.volsize).sum(),
-                    used_bytes: infos.iter().map(|i| i.used_bytes).sum(),
-                    available_bytes,
-                    read_errors,
-                    write_errors,
-                }
+            .filter_map(|(name, record)| {
+                let pool = self.pool(name)?;
+                let devices = pool.status();
+                let data: Vec<&DeviceStatus> = devices.iter().filter(|d| d.role != Role::Log).collect();
+                let size_bytes: u64 = data.iter().map(|d| d.data_bytes).sum();
+                let used_bytes: u64 = data.iter().map(|d| d.used_bytes).sum();
+                Some(PoolStatus {
+                    name: name.clone(),
+                    uuid: pool.uuid(),
+                    chunk_bytes: pool.chunk_bytes(),
+                    volumes: record.volumes.len(),
+                    provisioned_bytes: record.volumes.values().map(|v| v.props.volsize).sum(),
+                    size_bytes,
+                    used_bytes,
+                    available_bytes: size_bytes.saturating_sub(used_bytes),
+                    read_errors: devices.iter().map(|d| d.read_errors).sum(),
+                    write_errors: devices.iter().map(|d| d.write_errors).sum(),
+                    checksum_errors: devices.iter().map(|d| d.checksum_errors).sum(),
+                    suspect_chunks: pool.suspect_chunks(),
+                    data_bytes_written: pool.meta_counters().data_bytes,
+                    metadata_bytes_written: pool.meta_counters().log_bytes + pool.meta_counters().store_bytes,
+                    devices,
+                })
             })
             .collect()
     }
@@ -467,24 +585,25 @@ fn pool_dir(data_dir: &Path, pool: &str) -> PathBuf {
     data_dir.join("pools").join(pool)
 }
 
-fn volume_path(data_dir: &Path, pool: &str, guid: &str) -> PathBuf {
-    pool_dir(data_dir, pool).join("volumes").join(format!("{guid}.img"))
-}
-
-fn fs_available_bytes(path: &Path) -> u64 {
-    let Ok(c_path) = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()) else {
-        return 0;
-    };
-    // SAFETY: statvfs writes into the zeroed struct we pass and reads the
-    // NUL-terminated path; both outlive the call.
-    unsafe {
-        let mut stats: libc::statvfs = std::mem::zeroed();
-        if libc::statvfs(c_path.as_ptr(), &mut stats) == 0 {
-            stats.f_bavail as u64 * stats.f_frsize as u64
-        } else {
-            0
-        }
+/// Opens a pool's devices and the pool (replaying its log).
+async fn open_pool(name: &str, record: &PoolRecord) -> Result<Arc<Pool>, AdminError> {
+    let mut devices = Vec::new();
+    for device in &record.devices {
+        let opened = open_device(&device.path, &DeviceOptions::default())
+            .map_err(|e| internal(&format!("pool {name}: cannot open device {}", device.path), e))?;
+        devices.push(opened);
     }
+    let pool = Pool::open(devices)
+        .await
+        .map_err(|e| AdminError::Internal(format!("pool {name}: {e}")))?;
+    if pool.uuid() != record.uuid {
+        return Err(AdminError::Internal(format!(
+            "pool {name}: its devices belong to pool {} but the catalog expects {}",
+            pool.uuid(),
+            record.uuid
+        )));
+    }
+    Ok(pool)
 }
 
 /// Takes an exclusive `flock` on `DATA_DIR/lock` and records our pid in it.
@@ -514,23 +633,49 @@ fn lock_data_dir(data_dir: &Path) -> Result<File, AdminError> {
     Ok(file)
 }
 
-/// First start: the default pool with one 10 GiB volume.
-fn initialise(data_dir: &Path) -> Result<Catalog, AdminError> {
-    let guid = new_guid();
-    let path = volume_path(data_dir, DEFAULT_POOL, &guid);
-    let volumes_dir = path.parent().unwrap_or(data_dir);
-    fs::create_dir_all(volumes_dir).map_err(|e| internal("cannot create pool directory", e))?;
-    FileBacking::create(&path, DEFAULT_VOLUME_BYTES)
-        .map_err(|e| internal(&format!("cannot create {}", path.display()), e))?;
-    sync_dir(volumes_dir).map_err(|e| internal("cannot sync pool directory", e))?;
+/// First start: the default pool (one fast and one capacity device, sparse
+/// files in the data directory) with one 10 GiB volume.
+async fn initialise(data_dir: &Path) -> Result<Catalog, AdminError> {
+    let directory = pool_dir(data_dir, DEFAULT_POOL);
+    fs::create_dir_all(&directory).map_err(|e| internal("cannot create pool directory", e))?;
+    let mut records = Vec::new();
+    let mut devices = Vec::new();
+    for (file, role, size) in [
+        ("fast.dev", Role::Fast, DEFAULT_FAST_BYTES),
+        ("capacity.dev", Role::Capacity, DEFAULT_CAPACITY_BYTES),
+    ] {
+        let path = directory.join(file);
+        if !path.exists() {
+            create_file(&path, size).map_err(|e| internal("cannot create device file", e))?;
+        }
+        let device = open_device(&path, &DeviceOptions::default()).map_err(|e| internal("cannot open device", e))?;
+        devices.push(NewDevice { device, role });
+        records.push(DeviceRecord {
+            path: path.display().to_string(),
+            role,
+        });
+    }
+    sync_dir(&directory).map_err(|e| internal("cannot sync pool directory", e))?;
+    let pool = Pool::create(DEFAULT_POOL, DEFAULT_CHUNK_BYTES, devices)
+        .await
+        .map_err(|e| AdminError::Internal(format!("cannot create the default pool: {e}")))?;
+    let uuid = pool.uuid();
+    // Close it again: `open` reopens every pool the catalog names.
+    pool.checkpoint()
+        .await
+        .map_err(|e| AdminError::Internal(format!("cannot create the default pool: {e}")))?;
+    drop(pool);
     let mut pool = PoolRecord {
         created_unix: now_unix(),
+        uuid,
+        devices: records,
+        next_volume_id: 2,
         ..Default::default()
     };
     pool.volumes.insert(
         DEFAULT_VOLUME.to_string(),
         VolumeRecord {
-            guid,
+            id: 1,
             created_unix: now_unix(),
             props: StoredProps {
                 volsize: DEFAULT_VOLUME_BYTES,
@@ -548,62 +693,88 @@ fn initialise(data_dir: &Path) -> Result<Catalog, AdminError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::volume::IoBuf;
 
     fn props(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
         pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
     }
 
-    #[test]
-    fn lifecycle() {
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn lifecycle() {
         let dir = tempfile::tempdir().unwrap();
-        let manager = VolumeManager::open(dir.path()).unwrap();
+        let path = dir.path().to_path_buf();
+        let manager = Arc::new(VolumeManager::open(&path).await.unwrap());
         assert!(manager.lookup("default/vol0").is_some());
-        assert!(matches!(VolumeManager::open(dir.path()), Err(AdminError::Busy(_))));
-        let info = manager
-            .create("default/db", 1 << 30, &props(&[("sync", "always")]))
-            .unwrap();
-        assert_eq!(info.volsize, 1 << 30);
-        assert!(matches!(
-            manager.create("default/db", 1 << 30, &[]),
-            Err(AdminError::AlreadyExists(_))
-        ));
-        assert!(matches!(
-            manager.create("nopool/x", 1 << 30, &[]),
-            Err(AdminError::NotFound(_))
-        ));
-        assert!(matches!(
-            manager.create("default/bad name", 1 << 30, &[]),
-            Err(AdminError::Invalid(_))
-        ));
-        assert!(matches!(
-            manager.create("default/odd", 1000, &[]),
-            Err(AdminError::Invalid(_))
-        ));
-        assert!(matches!(
-            manager.create("default/x", 1 << 30, &props(&[("colour", "red")])),
-            Err(AdminError::Invalid(_))
-        ));
-        manager.set("default/db", &props(&[("wce", "off")])).unwrap();
-        assert!(!manager.lookup("default/db").unwrap().wce());
-        assert!(matches!(
-            manager.set("default/db", &props(&[("volblocksize", "8K")])),
-            Err(AdminError::Invalid(_))
-        ));
-        manager.resize("default/db", 2 << 30).unwrap();
-        assert!(matches!(
-            manager.resize("default/db", 1 << 30),
-            Err(AdminError::Invalid(_))
-        ));
-        let guard = manager.lookup("default/db").unwrap().open_handle();
-        assert!(matches!(manager.delete("default/db"), Err(AdminError::Busy(_))));
-        drop(guard);
+        assert!(matches!(VolumeManager::open(&path).await, Err(AdminError::Busy(_))));
+        let status = manager.pool_status();
+        assert_eq!(status.len(), 1);
+        assert_eq!(status[0].devices.len(), 2);
+        assert!(
+            status[0].size_bytes > 70 << 30,
+            "fast + capacity tiers: {}",
+            status[0].size_bytes
+        );
+        // Admin calls block (the API runs them on the blocking pool).
+        let m = manager.clone();
+        tokio::task::spawn_blocking(move || {
+            let info = m.create("default/db", 1 << 30, &props(&[("sync", "always")])).unwrap();
+            assert_eq!(info.volsize, 1 << 30);
+            assert!(matches!(
+                m.create("default/db", 1 << 30, &[]),
+                Err(AdminError::AlreadyExists(_))
+            ));
+            assert!(matches!(
+                m.create("nopool/x", 1 << 30, &[]),
+                Err(AdminError::NotFound(_))
+            ));
+            assert!(matches!(
+                m.create("default/bad name", 1 << 30, &[]),
+                Err(AdminError::Invalid(_))
+            ));
+            assert!(matches!(
+                m.create("default/odd", 1000, &[]),
+                Err(AdminError::Invalid(_))
+            ));
+            assert!(matches!(
+                m.create("default/x", 1 << 30, &props(&[("colour", "red")])),
+                Err(AdminError::Invalid(_))
+            ));
+            m.set("default/db", &props(&[("wce", "off")])).unwrap();
+            assert!(!m.lookup("default/db").unwrap().wce());
+            assert!(matches!(
+                m.set("default/db", &props(&[("volblocksize", "8K")])),
+                Err(AdminError::Invalid(_))
+            ));
+            m.resize("default/db", 2 << 30).unwrap();
+            assert!(matches!(m.resize("default/db", 1 << 30), Err(AdminError::Invalid(_))));
+            let guard = m.lookup("default/db").unwrap().open_handle();
+            assert!(matches!(m.delete("default/db"), Err(AdminError::Busy(_))));
+            drop(guard);
+        })
+        .await
+        .unwrap();
+        let volume = manager.lookup("default/db").unwrap();
+        volume.write(0, IoBuf::copy_from(&[7u8; 4096]), true).await.unwrap();
+        assert_eq!(manager.info("default/db").unwrap().used_bytes, 16 << 10);
+        drop(volume);
+        manager.close().await;
         drop(manager);
-        let manager = VolumeManager::open(dir.path()).unwrap();
+        let manager = Arc::new(VolumeManager::open(&path).await.unwrap());
         let reopened = manager.lookup("default/db").unwrap();
         assert_eq!(reopened.size_bytes(), 2 << 30);
         assert!(!reopened.wce());
-        manager.delete("default/db").unwrap();
+        let (buf, result) = reopened.read(0, IoBuf::new(4096)).await;
+        result.unwrap();
+        assert!(buf.payload().iter().all(|&b| b == 7));
+        assert_eq!(manager.info("default/db").unwrap().used_bytes, 16 << 10);
+        drop(reopened);
+        let m = manager.clone();
+        tokio::task::spawn_blocking(move || m.delete("default/db").unwrap())
+            .await
+            .unwrap();
         assert!(manager.lookup("default/db").is_none());
         assert_eq!(manager.list().len(), 1);
+        let used: u64 = manager.pool_status()[0].used_bytes;
+        assert_eq!(used, 0, "the deleted volume's blocks are free again");
     }
 }

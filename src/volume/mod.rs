@@ -4,11 +4,9 @@
 //! iSCSI and NFS) and storage. The frontends only ever see a [`Volume`], which
 //! checks every request against the volume's size and alignment, applies the
 //! volume's durability properties (`sync`, `wce`) and forwards to its backing.
-//! The backing today is a sparse file per volume ([`file::FileBacking`]); the
-//! storage engine replaces it behind the same trait without touching a
-//! frontend.
+//! The backing is the storage engine's thin volume
+//! ([`crate::pool::volume::EngineVolume`]); frontends never see it.
 
-pub mod file;
 pub mod manager;
 pub mod props;
 

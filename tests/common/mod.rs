@@ -14,6 +14,8 @@ pub struct Server {
     pub nbd: String,
     /// `127.0.0.1:PORT` of the REST API.
     pub api: String,
+    /// `127.0.0.1:PORT` of the iSCSI target.
+    pub iscsi: String,
     pub data_dir: PathBuf,
 }
 
@@ -44,7 +46,8 @@ impl Server {
         });
         let mut nbd = None;
         let mut api = None;
-        while nbd.is_none() || api.is_none() {
+        let mut iscsi = None;
+        while nbd.is_none() || api.is_none() || iscsi.is_none() {
             let line = received.recv_timeout(Duration::from_secs(30)).unwrap_or_else(|_| {
                 panic!(
                     "strata serve did not report its addresses (exit: {:?})",
@@ -57,11 +60,15 @@ impl Server {
             if let Some(address) = line.strip_prefix("strata: api listening on http://") {
                 api = Some(address.trim().to_string());
             }
+            if let Some(address) = line.strip_prefix("strata: iscsi listening on ") {
+                iscsi = Some(address.trim().to_string());
+            }
         }
         Server {
             child,
             nbd: nbd.unwrap(),
             api: api.unwrap(),
+            iscsi: iscsi.unwrap(),
             data_dir: data_dir.to_path_buf(),
         }
     }

@@ -1,0 +1,555 @@
+//! A device on a regular file or a block device.
+//!
+//! O_DIRECT policy ([`DirectIo::Auto`], the default): block devices are
+//! opened with O_DIRECT, regular files are buffered. A file-backed pool runs
+//! on a file system whose page cache is, until the RAM tier exists, the only
+//! read cache a file-backed pool has; bypassing it would make every re-read
+//! of hot data a device read, and buffered writes coalesce in the cache
+//! until a flush. A block device is the real medium, usually dedicated to us:
+//! the page cache would double-cache what the pool caches itself and hide
+//! the device's true latency from the tiering decisions. Durability does not
+//! depend on the choice: the contract promises nothing before `flush`, and
+//! `flush` is fdatasync in both modes.
+//!
+//! If an O_DIRECT open (or the first O_DIRECT read) fails with EINVAL, the
+//! file system does not support it; the device falls back to buffered I/O
+//! and says so in the log.
+
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::{FileExt, FileTypeExt, MetadataExt, OpenOptionsExt};
+use std::path::Path;
+use std::sync::Arc;
+
+use super::engine::{run_blocking, EngineChoice, IoEngine};
+use super::{check_request, BoxFuture, Device, DeviceError, DeviceInfo, DeviceResult, IoBuf, StickyError};
+
+/// `BLKGETSIZE64 = _IOR(0x12, 114, size_t)`: device size in bytes.
+const BLKGETSIZE64: libc::c_ulong = 0x8008_1272;
+/// `BLKDISCARD = _IO(0x12, 119)`: discard a `[start, length]` byte range.
+const BLKDISCARD: libc::c_ulong = 0x1277;
+
+/// Whether to bypass the page cache.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DirectIo {
+    /// O_DIRECT for block devices, buffered for regular files.
+    #[default]
+    Auto,
+    /// O_DIRECT (falls back to buffered where unsupported, with a warning).
+    On,
+    /// Always buffered.
+    Off,
+}
+
+/// How to open a [`FileDevice`].
+#[derive(Debug, Clone)]
+pub struct DeviceOptions {
+    pub direct_io: DirectIo,
+    pub engine: EngineChoice,
+    /// Open read-only: reads work, writes, flushes and discards fail.
+    pub read_only: bool,
+    /// Take an exclusive `flock` so a second opener (another server, or a
+    /// second pool in this one) is refused instead of corrupting the device.
+    pub lock: bool,
+    /// Overrides the rotational flag detected from sysfs.
+    pub rotational: Option<bool>,
+}
+
+impl Default for DeviceOptions {
+    fn default() -> Self {
+        DeviceOptions {
+            direct_io: DirectIo::Auto,
+            engine: EngineChoice::Auto,
+            read_only: false,
+            lock: true,
+            rotational: None,
+        }
+    }
+}
+
+/// A regular file or a block device served by an [`IoEngine`].
+pub struct FileDevice {
+    info: DeviceInfo,
+    file: Arc<File>,
+    engine: IoEngine,
+    is_block_device: bool,
+    read_only: bool,
+    sticky: StickyError,
+}
+
+impl std::fmt::Debug for FileDevice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FileDevice").field("info", &self.info).finish()
+    }
+}
+
+fn io_error(device: &str, offset: u64, source: io::Error) -> DeviceError {
+    DeviceError::Io {
+        device: device.to_string(),
+        offset,
+        source,
+    }
+}
+
+/// Opens `path` with or without O_DIRECT.
+fn open_raw(path: &Path, direct: bool, read_only: bool) -> io::Result<File> {
+    let mut options = OpenOptions::new();
+    options.read(true).write(!read_only);
+    let mut flags = libc::O_CLOEXEC;
+    if direct {
+        flags |= libc::O_DIRECT;
+    }
+    options.custom_flags(flags);
+    options.open(path)
+}
+
+/// Opens with O_DIRECT if wanted, and proves it works with one aligned read
+/// of `probe_bytes` at offset 0; EINVAL from either step means the file
+/// system cannot do O_DIRECT, and the file is reopened buffered. Returns the
+/// file and whether it is in O_DIRECT mode.
+fn open_direct_or_buffered(
+    path: &Path,
+    want_direct: bool,
+    read_only: bool,
+    probe_bytes: impl Fn(&File) -> usize,
+    open: &dyn Fn(&Path, bool, bool) -> io::Result<File>,
+) -> io::Result<(File, bool)> {
+    if !want_direct {
+        return Ok((open(path, false, read_only)?, false));
+    }
+    let reason = match open(path, true, read_only) {
+        Ok(file) => {
+            let mut probe = IoBuf::new(probe_bytes(&file));
+            match file.read_at(probe.payload_mut(), 0) {
+                Err(e) if e.raw_os_error() == Some(libc::EINVAL) => format!("an O_DIRECT read failed: {e}"),
+                _ => return Ok((file, true)),
+            }
+        }
+        Err(e) if e.raw_os_error() == Some(libc::EINVAL) => format!("O_DIRECT open failed: {e}"),
+        Err(e) => return Err(e),
+    };
+    tracing::warn!(
+        "{}: {reason}; the file system does not support O_DIRECT, using buffered I/O",
+        path.display()
+    );
+    Ok((open(path, false, read_only)?, false))
+}
+
+/// Logical block size for O_DIRECT: the device's sector size, or for a file
+/// the file system's direct-I/O offset alignment (statx STATX_DIOALIGN,
+/// Linux 6.1+), else 4096 which every file system accepts.
+fn direct_block_bytes(file: &File, is_block_device: bool) -> u32 {
+    let fd = file.as_raw_fd();
+    if is_block_device {
+        let mut sector: libc::c_int = 0;
+        // SAFETY: BLKSSZGET writes one int to the pointer we pass.
+        let rc = unsafe { libc::ioctl(fd, libc::BLKSSZGET, &mut sector as *mut libc::c_int) };
+        if rc == 0 && sector >= 512 && (sector as u32).is_power_of_two() {
+            return sector as u32;
+        }
+        return 4096;
+    }
+    // SAFETY: an all-zero statx is a valid value of this plain C struct.
+    let mut stx: libc::statx = unsafe { std::mem::zeroed() };
+    // SAFETY: the path is a valid NUL-terminated empty string used with
+    // AT_EMPTY_PATH on an open descriptor; statx fills `stx`.
+    let rc = unsafe { libc::statx(fd, c"".as_ptr(), libc::AT_EMPTY_PATH, libc::STATX_DIOALIGN, &mut stx) };
+    if rc == 0 && stx.stx_mask & libc::STATX_DIOALIGN != 0 {
+        let align = stx.stx_dio_offset_align;
+        if (512..=4096).contains(&align)
+            && align.is_power_of_two()
+            && stx.stx_dio_mem_align as usize <= super::BUFFER_ALIGN
+        {
+            return align;
+        }
+    }
+    4096
+}
+
+fn block_device_size(file: &File) -> io::Result<u64> {
+    let mut size: u64 = 0;
+    // SAFETY: BLKGETSIZE64 writes one u64 to the pointer we pass.
+    let rc = unsafe { libc::ioctl(file.as_raw_fd(), BLKGETSIZE64 as _, &mut size as *mut u64) };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(size)
+}
+
+/// Reads `queue/rotational` from sysfs for the disk holding `dev`
+/// (a partition's own directory has none, so its parent is tried too).
+fn detect_rotational(dev: u64) -> bool {
+    let (major, minor) = (libc::major(dev), libc::minor(dev));
+    for suffix in ["queue/rotational", "../queue/rotational"] {
+        let path = format!("/sys/dev/block/{major}:{minor}/{suffix}");
+        if let Ok(text) = std::fs::read_to_string(&path) {
+            return text.trim() == "1";
+        }
+    }
+    false
+}
+
+fn take_lock(file: &File) -> io::Result<()> {
+    // SAFETY: flock on a descriptor we own; no pointers.
+    let rc = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
+    if rc == 0 {
+        return Ok(());
+    }
+    let err = io::Error::last_os_error();
+    if err.raw_os_error() == Some(libc::EWOULDBLOCK) {
+        return Err(io::Error::new(
+            io::ErrorKind::ResourceBusy,
+            "device is in use (locked by another open of it, in this or another process)",
+        ));
+    }
+    Err(err)
+}
+
+impl FileDevice {
+    /// Opens a regular file or a block device with the engine that
+    /// `options.engine` selects (see [`IoEngine::select`]).
+    pub fn open(path: impl AsRef<Path>, options: &DeviceOptions) -> DeviceResult<FileDevice> {
+        let path = path.as_ref();
+        let engine = IoEngine::select(options.engine).map_err(|e| io_error(&path.display().to_string(), 0, e))?;
+        Self::open_with_engine(path, options, engine)
+    }
+
+    /// Opens with a given engine (`options.engine` is ignored): for
+    /// benchmarks comparing engine configurations.
+    pub fn open_with_engine(
+        path: impl AsRef<Path>,
+        options: &DeviceOptions,
+        engine: IoEngine,
+    ) -> DeviceResult<FileDevice> {
+        let path = path.as_ref();
+        let name = path.display().to_string();
+        let err = |source: io::Error| io_error(&name, 0, source);
+        let meta = std::fs::metadata(path).map_err(err)?;
+        let is_block_device = meta.file_type().is_block_device();
+        if !is_block_device && !meta.file_type().is_file() {
+            return Err(err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "not a regular file or a block device",
+            )));
+        }
+        let want_direct = match options.direct_io {
+            DirectIo::On => true,
+            DirectIo::Off => false,
+            DirectIo::Auto => is_block_device,
+        };
+        let (file, direct_io) = open_direct_or_buffered(
+            path,
+            want_direct,
+            options.read_only,
+            |file| direct_block_bytes(file, is_block_device) as usize,
+            &open_raw,
+        )
+        .map_err(err)?;
+        if options.lock {
+            take_lock(&file).map_err(err)?;
+        }
+        let block_bytes = if direct_io {
+            direct_block_bytes(&file, is_block_device)
+        } else {
+            512
+        };
+        let raw_size = if is_block_device {
+            block_device_size(&file).map_err(err)?
+        } else {
+            file.metadata().map_err(err)?.len()
+        };
+        let size_bytes = raw_size - raw_size % u64::from(block_bytes);
+        let rotational = options
+            .rotational
+            .unwrap_or_else(|| detect_rotational(if is_block_device { meta.rdev() } else { meta.dev() }));
+        let info = DeviceInfo {
+            name,
+            size_bytes,
+            block_bytes,
+            direct_io,
+            rotational,
+            engine: engine.name(),
+        };
+        tracing::debug!(?info, "opened device");
+        Ok(FileDevice {
+            info,
+            file: Arc::new(file),
+            engine,
+            is_block_device,
+            read_only: options.read_only,
+            sticky: StickyError::new(),
+        })
+    }
+
+    pub fn is_block_device(&self) -> bool {
+        self.is_block_device
+    }
+
+    pub fn engine(&self) -> &IoEngine {
+        &self.engine
+    }
+
+    /// True once a write or flush has failed (see [`DeviceError::Failed`]).
+    pub fn has_failed(&self) -> bool {
+        self.sticky.is_failed()
+    }
+
+    fn check_writable(&self, offset: u64) -> DeviceResult<()> {
+        if self.read_only {
+            return Err(io_error(
+                &self.info.name,
+                offset,
+                io::Error::new(io::ErrorKind::PermissionDenied, "device is open read-only"),
+            ));
+        }
+        self.sticky.check(&self.info.name)
+    }
+
+    fn fail(&self, what: &str, offset: u64, source: io::Error) -> DeviceError {
+        self.sticky.set(format!("{what} at offset {offset} failed: {source}"));
+        io_error(&self.info.name, offset, source)
+    }
+}
+
+/// Opens a file device and returns it as the trait object the pool keeps.
+pub fn open_device(path: impl AsRef<Path>, options: &DeviceOptions) -> DeviceResult<Arc<dyn Device>> {
+    Ok(Arc::new(FileDevice::open(path, options)?))
+}
+
+/// Creates a sparse file of `size_bytes` for a file-backed device. Refuses
+/// to overwrite anything that exists.
+pub fn create_file(path: impl AsRef<Path>, size_bytes: u64) -> DeviceResult<()> {
+    let path = path.as_ref();
+    let err = |source: io::Error| io_error(&path.display().to_string(), 0, source);
+    let file = OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .custom_flags(libc::O_CLOEXEC)
+        .open(path)
+        .map_err(err)?;
+    if let Err(e) = file.set_len(size_bytes) {
+        drop(file);
+        let _ = std::fs::remove_file(path);
+        return Err(err(e));
+    }
+    Ok(())
+}
+
+impl Device for FileDevice {
+    fn info(&self) -> &DeviceInfo {
+        &self.info
+    }
+
+    fn read(&self, offset: u64, buf: IoBuf) -> BoxFuture<'_, (IoBuf, DeviceResult<()>)> {
+        Box::pin(async move {
+            if let Err(e) = check_request(&self.info, offset, buf.len() as u64) {
+                return (buf, Err(e));
+            }
+            let (buf, result) = self.engine.read(&self.file, offset, buf, self.info.direct_io).await;
+            (buf, result.map_err(|e| io_error(&self.info.name, offset, e)))
+        })
+    }
+
+    fn write(&self, offset: u64, buf: IoBuf) -> BoxFuture<'_, (IoBuf, DeviceResult<()>)> {
+        Box::pin(async move {
+            if let Err(e) =
+                check_request(&self.info, offset, buf.len() as u64).and_then(|()| self.check_writable(offset))
+            {
+                return (buf, Err(e));
+            }
+            let (buf, result) = self.engine.write(&self.file, offset, buf, self.info.direct_io).await;
+            (buf, result.map_err(|e| self.fail("write", offset, e)))
+        })
+    }
+
+    fn flush(&self) -> BoxFuture<'_, DeviceResult<()>> {
+        Box::pin(async move {
+            if self.read_only {
+                // Nothing was written through this handle.
+                return Ok(());
+            }
+            self.check_writable(0)?;
+            self.engine
+                .sync_data(&self.file)
+                .await
+                .map_err(|e| self.fail("flush", 0, e))
+        })
+    }
+
+    fn discard(&self, offset: u64, length: u64) -> BoxFuture<'_, DeviceResult<()>> {
+        Box::pin(async move {
+            check_request(&self.info, offset, length)?;
+            self.check_writable(offset)?;
+            if length == 0 {
+                return Ok(());
+            }
+            let file = self.file.clone();
+            let is_block_device = self.is_block_device;
+            let result = run_blocking(move || discard_range(&file, is_block_device, offset, length)).await;
+            match result.and_then(|r| r) {
+                Ok(()) => Ok(()),
+                // Discard is advisory: a file system or device without it
+                // keeps the old contents, which the contract allows.
+                Err(e)
+                    if matches!(
+                        e.raw_os_error(),
+                        Some(libc::EOPNOTSUPP | libc::ENOTTY | libc::ENOSYS | libc::EINVAL)
+                    ) =>
+                {
+                    Ok(())
+                }
+                Err(e) => Err(io_error(&self.info.name, offset, e)),
+            }
+        })
+    }
+}
+
+fn discard_range(file: &File, is_block_device: bool, offset: u64, length: u64) -> io::Result<()> {
+    let fd = file.as_raw_fd();
+    let rc = if is_block_device {
+        let range: [u64; 2] = [offset, length];
+        // SAFETY: BLKDISCARD reads two u64 (start, length) from the pointer.
+        unsafe { libc::ioctl(fd, BLKDISCARD as _, range.as_ptr()) }
+    } else {
+        // SAFETY: fallocate takes no pointers.
+        unsafe {
+            libc::fallocate(
+                fd,
+                libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+                offset as libc::off_t,
+                length as libc::off_t,
+            )
+        }
+    };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn options(direct_io: DirectIo) -> DeviceOptions {
+        DeviceOptions {
+            direct_io,
+            ..DeviceOptions::default()
+        }
+    }
+
+    #[test]
+    fn create_file_is_sparse_and_refuses_to_overwrite() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("dev.img");
+        create_file(&path, 1 << 30).unwrap();
+        let meta = std::fs::metadata(&path).unwrap();
+        assert_eq!(meta.len(), 1 << 30);
+        assert!(meta.blocks() * 512 < 1 << 20, "the file should be sparse");
+        let err = create_file(&path, 4096).unwrap_err();
+        assert!(matches!(&err, DeviceError::Io { source, .. } if source.kind() == io::ErrorKind::AlreadyExists));
+        assert_eq!(
+            std::fs::metadata(&path).unwrap().len(),
+            1 << 30,
+            "existing file untouched"
+        );
+    }
+
+    #[test]
+    fn open_refuses_directories_and_missing_paths() {
+        let dir = tempfile::tempdir().unwrap();
+        assert!(FileDevice::open(dir.path(), &DeviceOptions::default()).is_err());
+        assert!(FileDevice::open(dir.path().join("missing"), &DeviceOptions::default()).is_err());
+    }
+
+    #[test]
+    fn auto_is_buffered_for_files_and_size_rounds_down() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("dev.img");
+        create_file(&path, 1_000_000).unwrap();
+        let dev = FileDevice::open(&path, &options(DirectIo::Auto)).unwrap();
+        assert!(!dev.info().direct_io);
+        assert_eq!(dev.info().block_bytes, 512);
+        assert_eq!(dev.info().size_bytes, 1_000_000 / 512 * 512);
+        assert!(!dev.is_block_device());
+    }
+
+    #[test]
+    fn second_open_is_refused_while_locked() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("dev.img");
+        create_file(&path, 1 << 20).unwrap();
+        let first = FileDevice::open(&path, &DeviceOptions::default()).unwrap();
+        let err = FileDevice::open(&path, &DeviceOptions::default()).unwrap_err();
+        assert!(matches!(&err, DeviceError::Io { source, .. } if source.kind() == io::ErrorKind::ResourceBusy));
+        drop(first);
+        FileDevice::open(&path, &DeviceOptions::default()).unwrap();
+    }
+
+    #[test]
+    fn einval_on_direct_open_falls_back_to_buffered() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("dev.img");
+        create_file(&path, 1 << 20).unwrap();
+        let refuse_direct = |p: &Path, direct: bool, ro: bool| {
+            if direct {
+                Err(io::Error::from_raw_os_error(libc::EINVAL))
+            } else {
+                open_raw(p, false, ro)
+            }
+        };
+        let (_, direct) = open_direct_or_buffered(&path, true, false, |_| 4096, &refuse_direct).unwrap();
+        assert!(!direct);
+        // Other errors are not papered over.
+        let deny = |_: &Path, _: bool, _: bool| -> io::Result<File> { Err(io::Error::from_raw_os_error(libc::EACCES)) };
+        assert!(open_direct_or_buffered(&path, true, false, |_| 4096, &deny).is_err());
+        // A misaligned probe read is EINVAL under O_DIRECT: also a fallback
+        // (stands in for a file system that accepts the flag but not the
+        // I/O). The block must be allocated: reads of holes skip the check.
+        std::fs::write(&path, vec![1u8; 1 << 20]).unwrap();
+        match open_direct_or_buffered(&path, true, false, |_| 100, &open_raw) {
+            Ok((_, direct)) => assert!(!direct, "a 100-byte O_DIRECT read cannot succeed"),
+            Err(e) => panic!("fallback expected, got {e}"),
+        }
+    }
+
+    #[tokio::test]
+    async fn read_only_refuses_writes_without_going_sticky() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("dev.img");
+        create_file(&path, 1 << 20).unwrap();
+        let opts = DeviceOptions {
+            read_only: true,
+            ..DeviceOptions::default()
+        };
+        let dev = FileDevice::open(&path, &opts).unwrap();
+        let (_, res) = dev.write(0, IoBuf::new(4096)).await;
+        assert!(matches!(res, Err(DeviceError::Io { .. })));
+        assert!(!dev.has_failed());
+        let (_, res) = dev.read(0, IoBuf::new(4096)).await;
+        res.unwrap();
+        dev.flush().await.unwrap();
+        assert!(dev.discard(0, 4096).await.is_err());
+    }
+
+    #[tokio::test]
+    async fn discard_punches_a_hole() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("dev.img");
+        create_file(&path, 1 << 20).unwrap();
+        let dev = FileDevice::open(&path, &DeviceOptions::default()).unwrap();
+        let (_, res) = dev.write(0, IoBuf::copy_from(&[9u8; 65536])).await;
+        res.unwrap();
+        dev.discard(4096, 8192).await.unwrap();
+        let (buf, res) = dev.read(0, IoBuf::new(16384)).await;
+        res.unwrap();
+        assert!(buf.payload()[..4096].iter().all(|&b| b == 9));
+        assert!(buf.payload()[4096..12288].iter().all(|&b| b == 0));
+        assert!(buf.payload()[12288..].iter().all(|&b| b == 9));
+        assert!(matches!(
+            dev.discard(100, 512).await,
+            Err(DeviceError::Misaligned { .. })
+        ));
+    }
+}

@@ -1,0 +1,134 @@
+//! The iSCSI listener and the target registry: which targets exist (one per
+//! volume), and the logical unit shared by every session to a target.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU16, Ordering};
+use std::sync::{Arc, Mutex};
+
+use tokio::net::TcpListener;
+
+use super::login::Directory;
+use crate::daemon::Shutdown;
+use crate::scsi::lu::LogicalUnit;
+use crate::volume::manager::VolumeManager;
+use crate::volume::Volume;
+
+/// Default prefix of target names: `<prefix>:<pool>.<volume>`.
+pub const DEFAULT_IQN_PREFIX: &str = "iqn.2026-11.io.strata";
+
+/// Targets and their logical units. Looked up once per login; the data path
+/// holds its `Arc<LogicalUnit>` and never comes back here.
+pub struct Registry {
+    manager: Arc<VolumeManager>,
+    iqn_prefix: String,
+    units: Mutex<HashMap<String, Arc<LogicalUnit>>>,
+    next_tsih: AtomicU16,
+}
+
+impl Registry {
+    pub fn new(manager: Arc<VolumeManager>, iqn_prefix: &str) -> Self {
+        Registry {
+            manager,
+            iqn_prefix: iqn_prefix.to_string(),
+            units: Mutex::new(HashMap::new()),
+            next_tsih: AtomicU16::new(1),
+        }
+    }
+
+    /// The target name of a volume.
+    pub fn target_name(&self, volume: &Volume) -> String {
+        format!("{}:{}.{}", self.iqn_prefix, volume.pool(), volume.name())
+    }
+
+    /// All target names, sorted.
+    pub fn targets(&self) -> Vec<String> {
+        self.manager.volumes().iter().map(|v| self.target_name(v)).collect()
+    }
+
+    fn volume_for(&self, target_name: &str) -> Option<Arc<Volume>> {
+        self.manager
+            .volumes()
+            .into_iter()
+            .find(|v| self.target_name(v) == target_name)
+    }
+
+    /// The logical unit behind `target_name`, created on first use. A volume
+    /// that was deleted and created again under the same name gets a new unit.
+    pub fn unit(&self, target_name: &str) -> Option<Arc<LogicalUnit>> {
+        let volume = self.volume_for(target_name)?;
+        let mut units = self.units.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(unit) = units.get(target_name) {
+            if Arc::ptr_eq(unit.volume(), &volume) {
+                return Some(unit.clone());
+            }
+        }
+        let unit = Arc::new(LogicalUnit::new(volume, Some(self.manager.clone()), target_name));
+        units.insert(target_name.to_string(), unit.clone());
+        Some(unit)
+    }
+
+    /// A new non-zero session handle.
+    pub fn new_tsih(&self) -> u16 {
+        loop {
+            let tsih = self.next_tsih.fetch_add(1, Ordering::Relaxed);
+            if tsih != 0 {
+                return tsih;
+            }
+        }
+    }
+}
+
+impl Directory for Registry {
+    fn target_exists(&self, target_name: &str) -> bool {
+        self.volume_for(target_name).is_some()
+    }
+
+    fn initiator_allowed(&self, _target_name: &str, _initiator_name: &str) -> bool {
+        // No per-target ACLs yet: every initiator that reaches the portal is
+        // admitted (the portal listens on loopback by default).
+        true
+    }
+}
+
+/// Serves iSCSI on `listener` until `stop` becomes true. Each connection runs
+/// on its own task; a failing connection never affects another.
+pub async fn serve(listener: TcpListener, manager: Arc<VolumeManager>, stop: Shutdown) {
+    serve_with_prefix(listener, manager, stop, DEFAULT_IQN_PREFIX).await
+}
+
+/// [`serve`] with a configurable target name prefix.
+pub async fn serve_with_prefix(
+    listener: TcpListener,
+    manager: Arc<VolumeManager>,
+    mut stop: Shutdown,
+    iqn_prefix: &str,
+) {
+    let registry = Arc::new(Registry::new(manager, iqn_prefix));
+    let connection_stop = stop.clone();
+    loop {
+        // The select only picks; the work happens after it, so no watch
+        // guard is held across an await (the future must stay Send).
+        let accepted = tokio::select! {
+            accepted = listener.accept() => accepted,
+            _ = stop.wait_for(|stopped| *stopped) => break,
+        };
+        match accepted {
+            Ok((stream, peer)) => {
+                let _ = stream.set_nodelay(true);
+                let registry = registry.clone();
+                let stop = connection_stop.clone();
+                tokio::spawn(async move {
+                    let portal: Option<SocketAddr> = stream.local_addr().ok();
+                    if let Err(e) = super::connection::run(stream, registry, portal, stop).await {
+                        tracing::debug!("iSCSI connection from {peer} ended: {e}");
+                    }
+                });
+            }
+            Err(e) => {
+                tracing::warn!("iSCSI accept failed: {e}");
+                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+            }
+        }
+    }
+}
