@@ -363,7 +363,20 @@ fn volume_lifecycle() {
     let names: Vec<&str> = all.iter().map(|(p, _, _)| p.as_str()).collect();
     assert_eq!(
         names,
-        ["volsize", "volblocksize", "sync", "logbias", "wce", "compression"]
+        [
+            "volsize",
+            "volblocksize",
+            "sync",
+            "logbias",
+            "wce",
+            "compression",
+            "iscsi.auth",
+            "iscsi.chap_user",
+            "iscsi.chap_secret",
+            "iscsi.mutual_user",
+            "iscsi.mutual_secret",
+            "iscsi.initiators"
+        ]
     );
     assert_eq!(prop(&get, "default/db", "volsize"), ("1G".into(), "local".into()));
     assert_eq!(prop(&get, "default/db", "volblocksize"), ("64K".into(), "local".into()));

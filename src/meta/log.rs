@@ -163,6 +163,9 @@ pub struct Log {
     pub bytes_written: AtomicU64,
     /// Records appended since start (lets writers tell whether they added any).
     pub appended: AtomicU64,
+    /// Bytes handed to the log device by staging (not flushed; rewritten by
+    /// the next commit, so the kernel usually merges them in its page cache).
+    pub staged_bytes: AtomicU64,
 }
 
 impl Log {
@@ -193,6 +196,7 @@ impl Log {
             commit_lock: tokio::sync::Mutex::new(()),
             bytes_written: AtomicU64::new(0),
             appended: AtomicU64::new(0),
+            staged_bytes: AtomicU64::new(0),
         }
     }
 
@@ -317,8 +321,12 @@ impl Log {
             }
             let (_, result) = self.device.write(self.offset + physical, buf).await;
             result?;
-            self.bytes_written
-                .fetch_add(run as u64 * LOG_BLOCK_BYTES, Ordering::Relaxed);
+            let counter = if committed {
+                &self.bytes_written
+            } else {
+                &self.staged_bytes
+            };
+            counter.fetch_add(run as u64 * LOG_BLOCK_BYTES, Ordering::Relaxed);
             lsn += run as u64 * LOG_BLOCK_BYTES;
             index += run;
         }
@@ -337,7 +345,14 @@ impl Log {
     /// completes (fio's verify state does) finds it after a kill -9 even if
     /// its flush never came. Replay trusts such staged records only when the
     /// data they point at checks out (see `pool::Pool::recover`).
+    ///
+    /// On an O_DIRECT log device staging would be a real device write per
+    /// allocating request, so it is skipped there: after a kill -9, only
+    /// committed writes (what the durability contract promises) survive.
     pub async fn stage(&self) -> Result<(), LogError> {
+        if self.device.info().direct_io {
+            return Ok(());
+        }
         let _guard = self.commit_lock.lock().await;
         let (records, staged) = {
             let pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());

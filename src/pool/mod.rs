@@ -158,8 +158,10 @@ pub struct DeviceStatus {
 /// Metadata I/O counters (for the "metadata bytes per write" benchmark).
 #[derive(Debug, Clone, Copy, Default, serde::Serialize)]
 pub struct MetaCounters {
-    /// Bytes written to the log.
+    /// Bytes written to the log by commits.
     pub log_bytes: u64,
+    /// Bytes handed to the log device by staging (see `Log::stage`).
+    pub staged_log_bytes: u64,
     /// Bytes written to the metadata store (checkpoints).
     pub store_bytes: u64,
     /// Bytes of volume data written to the devices.
@@ -680,6 +682,7 @@ impl Pool {
     pub fn meta_counters(&self) -> MetaCounters {
         MetaCounters {
             log_bytes: self.log.bytes_written.load(Ordering::Relaxed),
+            staged_log_bytes: self.log.staged_bytes.load(Ordering::Relaxed),
             store_bytes: self.store_bytes.load(Ordering::Relaxed),
             data_bytes: self.data_bytes.load(Ordering::Relaxed),
             checkpoints: self.checkpoints.load(Ordering::Relaxed),
@@ -720,6 +723,28 @@ impl Pool {
         let page = self.crc_page(device, sector)?;
         page.crcs[(sector % CRCS_PER_PAGE) as usize].store(crc, Ordering::Release);
         self.crc_pages.mark_dirty(&page);
+        Ok(())
+    }
+
+    /// Sets the checksums of consecutive sectors from `offset`, one page
+    /// lookup per checksum page rather than per sector.
+    pub(crate) fn set_crcs(&self, device: u8, offset: u64, crcs: &[u32]) -> Result<(), String> {
+        let first = offset >> SECTOR_SHIFT;
+        let mut index = 0;
+        while index < crcs.len() {
+            let sector = first + index as u64;
+            let page = self.crc_page(device, sector)?;
+            let within = (sector % CRCS_PER_PAGE) as usize;
+            let count = (CRCS_PER_PAGE as usize - within).min(crcs.len() - index);
+            for (slot, crc) in page.crcs[within..within + count]
+                .iter()
+                .zip(&crcs[index..index + count])
+            {
+                slot.store(*crc, Ordering::Release);
+            }
+            self.crc_pages.mark_dirty(&page);
+            index += count;
+        }
         Ok(())
     }
 

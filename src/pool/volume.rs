@@ -35,15 +35,86 @@ pub struct EngineVolume {
     mapped_blocks: AtomicU64,
 }
 
-/// One device write planned by a request.
+/// One device write planned by a request (one or more volume blocks that
+/// are contiguous on the device).
 struct PlannedWrite {
     device: u8,
     offset: u64,
     data: IoBuf,
-    /// Checksums of `data`'s sectors, in order.
+    parts: Vec<Part>,
+}
+
+/// The piece of a planned write that belongs to one volume block.
+struct Part {
+    offset: u64,
+    /// Checksums of this part's sectors, in order.
     crcs: Vec<u32>,
-    /// For a new block: (logical block, new map entry).
+    /// Set for a newly allocated block: its logical block number.
     new_block: Option<u64>,
+}
+
+impl PlannedWrite {
+    fn single(device: u8, offset: u64, data: IoBuf, crcs: Vec<u32>, new_block: Option<u64>) -> Self {
+        PlannedWrite {
+            device,
+            offset,
+            data,
+            parts: vec![Part {
+                offset,
+                crcs,
+                new_block,
+            }],
+        }
+    }
+
+    fn release_new_slots(&self, pool: &Pool) {
+        for part in &self.parts {
+            if part.new_block.is_some() {
+                pool.release_unused(self.device, part.offset);
+            }
+        }
+    }
+}
+
+/// Merges writes that are contiguous on one device into one device write
+/// (a sequential request over freshly allocated or sequentially allocated
+/// blocks becomes one I/O instead of one per block).
+fn coalesce(planned: Vec<PlannedWrite>) -> Vec<PlannedWrite> {
+    let mut runs: Vec<Vec<PlannedWrite>> = Vec::new();
+    for write in planned {
+        match runs.last_mut() {
+            Some(run)
+                if run.last().is_some_and(|last| {
+                    last.device == write.device && last.offset + last.data.len() as u64 == write.offset
+                }) =>
+            {
+                run.push(write)
+            }
+            _ => runs.push(vec![write]),
+        }
+    }
+    runs.into_iter()
+        .map(|mut run| {
+            if run.len() == 1 {
+                return run.pop().expect("one write");
+            }
+            let total: usize = run.iter().map(|w| w.data.len()).sum();
+            let mut data = IoBuf::new(total);
+            let mut at = 0;
+            let mut parts = Vec::with_capacity(run.len());
+            for write in &mut run {
+                data.payload_mut()[at..at + write.data.len()].copy_from_slice(write.data.payload());
+                at += write.data.len();
+                parts.append(&mut write.parts);
+            }
+            PlannedWrite {
+                device: run[0].device,
+                offset: run[0].offset,
+                data,
+                parts,
+            }
+        })
+        .collect()
 }
 
 fn io_error(error: DeviceError) -> BlockError {
@@ -276,40 +347,26 @@ impl EngineVolume {
                     let skip = (within - start) as usize;
                     sectors.payload_mut()[skip..skip + source.len()].copy_from_slice(source);
                     let crcs = sector_crcs(sectors.payload());
-                    planned.push(PlannedWrite {
-                        device,
-                        offset: base + start,
-                        data: sectors,
-                        crcs,
-                        new_block: None,
-                    });
+                    planned.push(PlannedWrite::single(device, base + start, sectors, crcs, None));
                 }
                 None => {
                     // First write: allocate and write the whole block.
                     let Some((device, base)) = self.pool.allocate(self.block_shift as u8) else {
                         for write in &planned {
-                            if write.new_block.is_some() {
-                                self.pool.release_unused(write.device, write.offset);
-                            }
+                            write.release_new_slots(&self.pool);
                         }
                         return Err(BlockError::NoSpace);
                     };
                     let mut whole = IoBuf::new(self.block_bytes() as usize);
                     whole.payload_mut()[within as usize..(within + step) as usize].copy_from_slice(source);
                     let crcs = sector_crcs(whole.payload());
-                    planned.push(PlannedWrite {
-                        device,
-                        offset: base,
-                        data: whole,
-                        crcs,
-                        new_block: Some(block),
-                    });
+                    planned.push(PlannedWrite::single(device, base, whole, crcs, Some(block)));
                 }
             }
             position += step;
             index += 1;
         }
-        Ok(planned)
+        Ok(coalesce(planned))
     }
 
     /// Writes `data` at `offset` (caller holds the stripe locks).
@@ -337,45 +394,55 @@ impl EngineVolume {
         let mut done = Vec::with_capacity(planned.len());
         for write in planned {
             if failure.is_some() {
-                if write.new_block.is_some() {
-                    self.pool.release_unused(write.device, write.offset);
-                }
+                write.release_new_slots(&self.pool);
                 continue;
             }
             let pool_device = &self.pool.devices[write.device as usize];
-            let (data, result) = pool_device.device.write(write.offset, write.data).await;
+            let PlannedWrite {
+                device,
+                offset,
+                data,
+                parts,
+            } = write;
+            let (data, result) = pool_device.device.write(offset, data).await;
+            let write = PlannedWrite {
+                device,
+                offset,
+                data,
+                parts,
+            };
             match result {
                 Ok(()) => {
-                    self.pool.data_bytes.fetch_add(data.len() as u64, Ordering::Relaxed);
-                    done.push(PlannedWrite { data, ..write })
+                    self.pool
+                        .data_bytes
+                        .fetch_add(write.data.len() as u64, Ordering::Relaxed);
+                    done.push(write)
                 }
                 Err(e) => {
                     pool_device.counters.write_errors.fetch_add(1, Ordering::Relaxed);
-                    if write.new_block.is_some() {
-                        self.pool.release_unused(write.device, write.offset);
-                    }
+                    write.release_new_slots(&self.pool);
                     failure = Some(io_error(e));
                 }
             }
         }
         // Whatever reached the device is accounted for, even if a later part failed.
         for write in done {
-            for (index, crc) in write.crcs.iter().enumerate() {
+            for part in write.parts {
                 self.pool
-                    .set_crc(write.device, write.offset + index as u64 * SECTOR_BYTES, *crc)
+                    .set_crcs(write.device, part.offset, &part.crcs)
                     .map_err(meta_error)?;
-            }
-            if let Some(block) = write.new_block {
-                let entry = map_entry::encode(write.device, write.offset);
-                self.pool.set_mapping(self.id, block, entry).map_err(meta_error)?;
-                self.mapped_blocks.fetch_add(1, Ordering::Relaxed);
-                self.pool.log_mapping(Record::Map {
-                    volume: self.id,
-                    block,
-                    new: entry,
-                    old: 0,
-                    crcs: write.crcs,
-                });
+                if let Some(block) = part.new_block {
+                    let entry = map_entry::encode(write.device, part.offset);
+                    self.pool.set_mapping(self.id, block, entry).map_err(meta_error)?;
+                    self.mapped_blocks.fetch_add(1, Ordering::Relaxed);
+                    self.pool.log_mapping(Record::Map {
+                        volume: self.id,
+                        block,
+                        new: entry,
+                        old: 0,
+                        crcs: part.crcs,
+                    });
+                }
             }
         }
         drop(gate);

@@ -331,6 +331,18 @@ impl VolumeManager {
         })
     }
 
+    /// The stored properties of `pool/name` (all of them, secrets included:
+    /// for the frontends, never for display).
+    pub fn stored_props(&self, name: &str) -> Option<StoredProps> {
+        let (pool, short) = split_volume_name(name).ok()?;
+        let catalog = self.catalog();
+        catalog
+            .pools
+            .get(pool)
+            .and_then(|p| p.volumes.get(short))
+            .map(|record| record.props.clone())
+    }
+
     pub fn info(&self, name: &str) -> Result<VolumeInfo, AdminError> {
         let catalog = self.catalog();
         self.info_of(&catalog, name)

@@ -85,11 +85,38 @@ pub struct PropertyRow {
 }
 
 /// Every property name `volume create -o` and `volume set` understand.
-pub const PROPERTY_NAMES: [&str; 6] = ["volsize", "volblocksize", "sync", "logbias", "wce", "compression"];
+pub const PROPERTY_NAMES: [&str; 12] = [
+    "volsize",
+    "volblocksize",
+    "sync",
+    "logbias",
+    "wce",
+    "compression",
+    "iscsi.auth",
+    "iscsi.chap_user",
+    "iscsi.chap_secret",
+    "iscsi.mutual_user",
+    "iscsi.mutual_secret",
+    "iscsi.initiators",
+];
+
+/// How a secret is shown by `strata volume get` and in error messages.
+pub const MASKED_SECRET: &str = "********";
+/// Shortest CHAP secret accepted (RFC 7143 12.1.3 wants at least 96 bits).
+pub const MIN_CHAP_SECRET_BYTES: usize = 12;
+/// Longest CHAP secret or user name accepted.
+pub const MAX_CHAP_TEXT_BYTES: usize = 255;
+/// Longest iSCSI name (RFC 7143 4.2.7.1).
+pub const MAX_ISCSI_NAME_BYTES: usize = 223;
+/// Most initiator names in one `iscsi.initiators` list.
+pub const MAX_ALLOWED_INITIATORS: usize = 256;
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum PropError {
-    #[error("unknown property '{0}' (known: volsize, volblocksize, sync, logbias, wce, compression)")]
+    #[error(
+        "unknown property '{0}' (known: volsize, volblocksize, sync, logbias, wce, compression, iscsi.auth, \
+         iscsi.chap_user, iscsi.chap_secret, iscsi.mutual_user, iscsi.mutual_secret, iscsi.initiators)"
+    )]
     Unknown(String),
     #[error("bad value '{value}' for property '{property}': {expected}")]
     BadValue {
@@ -153,7 +180,118 @@ pub fn canonical_value(property: &str, value: &str) -> Result<String, PropError>
                 "off (compression is not implemented yet; no other value is accepted)",
             )),
         },
+        "iscsi.auth" => match value {
+            "none" | "chap" | "mutual" => Ok(value.to_string()),
+            _ => Err(bad(property, value, "none, chap or mutual")),
+        },
+        "iscsi.chap_user" | "iscsi.mutual_user" => {
+            // Empty clears the property.
+            if value.len() > MAX_CHAP_TEXT_BYTES || value.chars().any(char::is_control) {
+                return Err(bad(
+                    property,
+                    value,
+                    "a CHAP user name of at most 255 bytes, no control characters",
+                ));
+            }
+            Ok(value.to_string())
+        }
+        "iscsi.chap_secret" | "iscsi.mutual_secret" => {
+            // Never echo a secret, not even a rejected one. Empty clears it.
+            if !value.is_empty()
+                && (value.len() < MIN_CHAP_SECRET_BYTES
+                    || value.len() > MAX_CHAP_TEXT_BYTES
+                    || value.chars().any(char::is_control))
+            {
+                return Err(bad(
+                    property,
+                    MASKED_SECRET,
+                    "a CHAP secret of 12 to 255 bytes without control characters (RFC 7143 12.1.3)",
+                ));
+            }
+            Ok(value.to_string())
+        }
+        "iscsi.initiators" => canonical_initiators(value).ok_or_else(|| {
+            bad(
+                property,
+                value,
+                "'*' or a comma-separated list of iSCSI names (iqn.…, eui.…, naa.…)",
+            )
+        }),
         other => Err(PropError::Unknown(other.to_string())),
+    }
+}
+
+/// `*`, or the names of a comma-separated list lowercased (iSCSI names
+/// compare case-insensitively, RFC 7143 4.2.7.1), trimmed and deduplicated.
+fn canonical_initiators(value: &str) -> Option<String> {
+    if value.trim() == "*" {
+        return Some("*".to_string());
+    }
+    let mut names: Vec<String> = Vec::new();
+    for name in value.split(',') {
+        let name = name.trim().to_ascii_lowercase();
+        let prefixed = ["iqn.", "eui.", "naa."].iter().any(|p| name.starts_with(p));
+        let valid = prefixed
+            && name.len() <= MAX_ISCSI_NAME_BYTES
+            && name.bytes().all(|b| b.is_ascii_alphanumeric() || b"-.:".contains(&b));
+        if !valid {
+            return None;
+        }
+        if !names.contains(&name) {
+            names.push(name);
+        }
+    }
+    if names.is_empty() || names.len() > MAX_ALLOWED_INITIATORS {
+        return None;
+    }
+    Some(names.join(","))
+}
+
+/// `iscsi.auth`: how initiators must authenticate to a volume's target.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum IscsiAuthMode {
+    /// No authentication (`AuthMethod=None`).
+    None,
+    /// The initiator authenticates with CHAP; the target authenticates back
+    /// only when the initiator asks and mutual credentials are set.
+    Chap,
+    /// CHAP both ways: the initiator must challenge the target too.
+    Mutual,
+}
+
+/// The iSCSI access rules of a volume's target. `Debug` masks the secrets.
+#[derive(Clone, PartialEq, Eq)]
+pub struct IscsiAccess {
+    pub auth: IscsiAuthMode,
+    pub chap_user: Option<String>,
+    pub chap_secret: Option<String>,
+    pub mutual_user: Option<String>,
+    pub mutual_secret: Option<String>,
+    /// Lowercased initiator names allowed to log in; `None` admits any.
+    pub initiators: Option<Vec<String>>,
+}
+
+impl IscsiAccess {
+    /// Whether `initiator` may log in (names compare case-insensitively).
+    pub fn initiator_allowed(&self, initiator: &str) -> bool {
+        match &self.initiators {
+            None => true,
+            Some(list) => list.iter().any(|allowed| allowed.eq_ignore_ascii_case(initiator)),
+        }
+    }
+}
+
+impl std::fmt::Debug for IscsiAccess {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mask = |secret: &Option<String>| secret.as_ref().map(|_| MASKED_SECRET);
+        f.debug_struct("IscsiAccess")
+            .field("auth", &self.auth)
+            .field("chap_user", &self.chap_user)
+            .field("chap_secret", &mask(&self.chap_secret))
+            .field("mutual_user", &self.mutual_user)
+            .field("mutual_secret", &mask(&self.mutual_secret))
+            .field("initiators", &self.initiators)
+            .finish()
     }
 }
 
@@ -177,6 +315,25 @@ impl StoredProps {
         }
     }
 
+    /// The iSCSI access rules: `iscsi.*` properties over their defaults.
+    pub fn iscsi_access(&self) -> IscsiAccess {
+        let text = |key: &str| self.local.get(key).filter(|v| !v.is_empty()).cloned();
+        IscsiAccess {
+            auth: match self.local.get("iscsi.auth").map(String::as_str) {
+                Some("chap") => IscsiAuthMode::Chap,
+                Some("mutual") => IscsiAuthMode::Mutual,
+                _ => IscsiAuthMode::None,
+            },
+            chap_user: text("iscsi.chap_user"),
+            chap_secret: text("iscsi.chap_secret"),
+            mutual_user: text("iscsi.mutual_user"),
+            mutual_secret: text("iscsi.mutual_secret"),
+            initiators: text("iscsi.initiators")
+                .filter(|v| v != "*")
+                .map(|v| v.split(',').map(str::to_string).collect()),
+        }
+    }
+
     /// All properties with their values and where each came from, in
     /// [`PROPERTY_NAMES`] order.
     pub fn rows(&self) -> Vec<PropertyRow> {
@@ -187,6 +344,12 @@ impl StoredProps {
             } else {
                 "default"
             }
+        };
+        // Users as set, `-` when unset; secrets only ever as a mask.
+        let shown = |key: &str, secret: bool| match self.local.get(key).filter(|v| !v.is_empty()) {
+            None => "-".to_string(),
+            Some(_) if secret => MASKED_SECRET.to_string(),
+            Some(value) => value.clone(),
         };
         let row = |property: &str, value: String, source: &str| PropertyRow {
             property: property.to_string(),
@@ -215,6 +378,42 @@ impl StoredProps {
                     .unwrap_or_else(|| "off".to_string()),
                 source("compression"),
             ),
+            row(
+                "iscsi.auth",
+                self.local
+                    .get("iscsi.auth")
+                    .cloned()
+                    .unwrap_or_else(|| "none".to_string()),
+                source("iscsi.auth"),
+            ),
+            row(
+                "iscsi.chap_user",
+                shown("iscsi.chap_user", false),
+                source("iscsi.chap_user"),
+            ),
+            row(
+                "iscsi.chap_secret",
+                shown("iscsi.chap_secret", true),
+                source("iscsi.chap_secret"),
+            ),
+            row(
+                "iscsi.mutual_user",
+                shown("iscsi.mutual_user", false),
+                source("iscsi.mutual_user"),
+            ),
+            row(
+                "iscsi.mutual_secret",
+                shown("iscsi.mutual_secret", true),
+                source("iscsi.mutual_secret"),
+            ),
+            row(
+                "iscsi.initiators",
+                self.local
+                    .get("iscsi.initiators")
+                    .cloned()
+                    .unwrap_or_else(|| "*".to_string()),
+                source("iscsi.initiators"),
+            ),
         ]
     }
 }
@@ -235,6 +434,63 @@ mod tests {
     }
 
     #[test]
+    fn iscsi_properties_validate_and_mask_secrets() {
+        assert_eq!(canonical_value("iscsi.auth", "mutual").unwrap(), "mutual");
+        assert!(canonical_value("iscsi.auth", "kerberos").is_err());
+        assert_eq!(canonical_value("iscsi.chap_user", "alice").unwrap(), "alice");
+        assert!(canonical_value("iscsi.chap_user", &"u".repeat(256)).is_err());
+        assert_eq!(
+            canonical_value("iscsi.chap_secret", "twelve-bytes").unwrap(),
+            "twelve-bytes"
+        );
+        assert_eq!(canonical_value("iscsi.chap_secret", "").unwrap(), "");
+        // Too short or too long, and the error never contains the secret.
+        for secret in ["short-pw", &"s".repeat(256)] {
+            let error = canonical_value("iscsi.mutual_secret", secret).unwrap_err().to_string();
+            assert!(!error.contains(secret), "{error}");
+            assert!(error.contains(MASKED_SECRET), "{error}");
+        }
+        assert_eq!(canonical_value("iscsi.initiators", " * ").unwrap(), "*");
+        assert_eq!(
+            canonical_value("iscsi.initiators", "iqn.2000-01.a:B, iqn.2000-01.c:d,iqn.2000-01.a:b").unwrap(),
+            "iqn.2000-01.a:b,iqn.2000-01.c:d"
+        );
+        assert!(canonical_value("iscsi.initiators", "host1").is_err());
+        assert!(canonical_value("iscsi.initiators", "iqn.a,,iqn.b").is_err());
+        assert!(canonical_value("iscsi.initiators", "iqn.a b").is_err());
+
+        let mut stored = StoredProps {
+            volsize: 1 << 30,
+            volblocksize: DEFAULT_VOLBLOCKSIZE,
+            local: BTreeMap::new(),
+        };
+        for (key, value) in [
+            ("iscsi.auth", "mutual"),
+            ("iscsi.chap_user", "alice"),
+            ("iscsi.chap_secret", "alice-secret-1"),
+            ("iscsi.mutual_user", "target"),
+            ("iscsi.mutual_secret", "target-secret-2"),
+            ("iscsi.initiators", "iqn.2000-01.a:b"),
+        ] {
+            stored.local.insert(key.into(), canonical_value(key, value).unwrap());
+        }
+        let rows = stored.rows();
+        let names: Vec<&str> = rows.iter().map(|r| r.property.as_str()).collect();
+        assert_eq!(names, PROPERTY_NAMES);
+        let value = |name: &str| rows.iter().find(|r| r.property == name).unwrap().value.clone();
+        assert_eq!(value("iscsi.chap_secret"), MASKED_SECRET);
+        assert_eq!(value("iscsi.mutual_secret"), MASKED_SECRET);
+        assert_eq!(value("iscsi.chap_user"), "alice");
+        assert!(!format!("{rows:?}").contains("secret-"));
+        let access = stored.iscsi_access();
+        assert_eq!(access.auth, IscsiAuthMode::Mutual);
+        assert_eq!(access.chap_secret.as_deref(), Some("alice-secret-1"));
+        assert!(access.initiator_allowed("IQN.2000-01.A:B"));
+        assert!(!access.initiator_allowed("iqn.2000-01.a:c"));
+        assert!(!format!("{access:?}").contains("secret-"));
+    }
+
+    #[test]
     fn effective_defaults() {
         let stored = StoredProps {
             volsize: 1 << 30,
@@ -249,5 +505,13 @@ mod tests {
             .rows()
             .iter()
             .all(|r| r.source != "local" || r.property == "volsize"));
+        let access = stored.iscsi_access();
+        assert_eq!(access.auth, IscsiAuthMode::None);
+        assert!(access.initiator_allowed("iqn.anyone"));
+        let rows = stored.rows();
+        let value = |name: &str| rows.iter().find(|r| r.property == name).unwrap().value.clone();
+        assert_eq!(value("iscsi.auth"), "none");
+        assert_eq!(value("iscsi.chap_secret"), "-");
+        assert_eq!(value("iscsi.initiators"), "*");
     }
 }

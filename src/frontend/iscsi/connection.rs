@@ -34,6 +34,9 @@ pub const COMMAND_WINDOW: u32 = 128;
 const MAX_TASKS: u32 = 2 * COMMAND_WINDOW;
 /// Largest data-out we gather for one command (the volume's request limit).
 const MAX_DATA_OUT_BYTES: u64 = crate::volume::MAX_REQUEST_BYTES as u64;
+/// How long a login may take before the connection is closed (an idle
+/// half-logged-in connection holds nothing, but should not stay forever).
+const LOGIN_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long Logout waits for running commands before answering anyway.
 const LOGOUT_DRAIN: Duration = Duration::from_secs(10);
 
@@ -150,7 +153,10 @@ pub async fn run(
     let (read_half, write_half) = stream.into_split();
     let mut reader = BufReader::with_capacity(256 * 1024, read_half);
     let mut writer = BufWriter::with_capacity(256 * 1024, write_half);
-    let Some(negotiated) = login(&mut reader, &mut writer, &registry).await? else {
+    let Ok(logged_in) = tokio::time::timeout(LOGIN_TIMEOUT, login(&mut reader, &mut writer, &registry)).await else {
+        return Err(ConnectionError::Protocol("login did not complete in time"));
+    };
+    let Some(negotiated) = logged_in? else {
         return Ok(());
     };
     let unit = match (&negotiated.session_type, &negotiated.target_name) {
@@ -816,11 +822,16 @@ impl Session<'_> {
 
     fn send_targets(&self, value: &str) -> Vec<(String, String)> {
         let names: Vec<String> = match (value, self.negotiated.session_type) {
-            ("All", SessionType::Discovery) => self.registry.targets(),
+            ("All", SessionType::Discovery) => self.registry.targets_for(&self.negotiated.initiator_name),
             ("", SessionType::Normal) | ("All", SessionType::Normal) => {
                 self.negotiated.target_name.iter().cloned().collect()
             }
-            (name, _) => self.registry.targets().into_iter().filter(|t| t == name).collect(),
+            (name, _) => self
+                .registry
+                .targets_for(&self.negotiated.initiator_name)
+                .into_iter()
+                .filter(|t| t == name)
+                .collect(),
         };
         let address = match self.portal {
             Some(SocketAddr::V4(a)) => Some(format!("{}:{},1", a.ip(), a.port())),

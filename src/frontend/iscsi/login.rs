@@ -3,8 +3,10 @@
 //! the full feature phase. It does no I/O; the connection feeds it requests
 //! and sends what it returns.
 
+use super::chap;
 use super::pdu::{op, Bhs};
-use super::text::{self, Answer, Params, TextError, MAX_TEXT_BYTES, TARGET_MAX_RECV_DATA_SEGMENT};
+use super::text::{self, Answer, Params, MAX_TEXT_BYTES, TARGET_MAX_RECV_DATA_SEGMENT};
+use crate::volume::props::{IscsiAccess, IscsiAuthMode};
 
 /// Login status classes and details (RFC 7143 11.13.5), as `class << 8 | detail`.
 pub mod status {
@@ -28,10 +30,51 @@ const FULL_FEATURE: u8 = 3;
 const MAX_NAME_BYTES: usize = 223;
 
 /// What the login machine asks of the target: which names exist and who may
-/// log in to them.
+/// log in to them, and how.
 pub trait Directory {
-    fn target_exists(&self, target_name: &str) -> bool;
-    fn initiator_allowed(&self, target_name: &str, initiator_name: &str) -> bool;
+    /// The access rules of `target_name`: `Ok(None)` when there is no such
+    /// target, `Err` when they cannot be read (the login fails with a target
+    /// error rather than letting anyone in).
+    fn target(&self, target_name: &str) -> Result<Option<IscsiAccess>, String>;
+
+    /// Fills `buf` with unpredictable bytes for CHAP challenges.
+    fn random(&self, buf: &mut [u8]) -> std::io::Result<()> {
+        chap::random_bytes(buf)
+    }
+}
+
+/// Where the security negotiation (RFC 7143 6.3.1, 12.1.3) stands.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Auth {
+    /// No AuthMethod negotiated yet.
+    Start,
+    /// AuthMethod=None agreed.
+    NoneAgreed,
+    /// AuthMethod=CHAP agreed; waiting for CHAP_A.
+    ChapAlgorithm,
+    /// CHAP_A/CHAP_I/CHAP_C sent; waiting for CHAP_N and CHAP_R.
+    ChapResponse {
+        identifier: u8,
+        challenge: [u8; chap::CHALLENGE_BYTES],
+    },
+    /// The initiator proved it knows the secret.
+    ChapDone,
+}
+
+/// The CHAP keys of one login request.
+#[derive(Default)]
+struct ChapKeys<'a> {
+    a: Option<&'a str>,
+    i: Option<&'a str>,
+    c: Option<&'a str>,
+    n: Option<&'a str>,
+    r: Option<&'a str>,
+}
+
+impl ChapKeys<'_> {
+    fn any(&self) -> bool {
+        self.a.is_some() || self.i.is_some() || self.c.is_some() || self.n.is_some() || self.r.is_some()
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -82,6 +125,11 @@ pub struct Login {
     continued: Vec<u8>,
     statsn: u32,
     window: u32,
+    /// The target's access rules, read once when the target is named.
+    access: Option<IscsiAccess>,
+    auth: Auth,
+    /// A complete request was processed: the names and the session type are fixed.
+    identified: bool,
 }
 
 impl Login {
@@ -101,7 +149,20 @@ impl Login {
             continued: Vec::new(),
             statsn: 0,
             window,
+            access: None,
+            auth: Auth::Start,
+            identified: false,
         }
+    }
+
+    /// Refuses the login and says why in the log (never with a secret).
+    fn refuse(&self, request: &Bhs, status: u16, why: &str) -> (Bhs, Vec<u8>, Next) {
+        tracing::info!(
+            initiator = self.initiator_name.as_deref().unwrap_or("-"),
+            target = self.target_name.as_deref().unwrap_or("-"),
+            "iSCSI login refused (status 0x{status:04x}): {why}"
+        );
+        self.fail(request, status)
     }
 
     fn response(&self, request: &Bhs, flags: u8, status: u16) -> Bhs {
@@ -124,6 +185,110 @@ impl Login {
     fn fail(&self, request: &Bhs, status: u16) -> (Bhs, Vec<u8>, Next) {
         let csg = (request.flags() >> 2) & 0x03;
         (self.response(request, csg << 2, status), Vec::new(), Next::Fail)
+    }
+
+    /// One CHAP exchange of the security stage: the algorithm offer, or the
+    /// initiator's answer (and, for mutual CHAP, its challenge to us).
+    fn chap_step(
+        &mut self,
+        keys: &ChapKeys,
+        required: IscsiAuthMode,
+        directory: &dyn Directory,
+        reply: &mut Vec<(String, String)>,
+    ) -> Result<(), (u16, &'static str)> {
+        const MALFORMED: u16 = status::INITIATOR_ERROR;
+        const DENIED: u16 = status::AUTHENTICATION_FAILED;
+        match self.auth.clone() {
+            Auth::ChapAlgorithm => {
+                let Some(algorithms) = keys.a else {
+                    return Err((status::MISSING_PARAMETER, "CHAP_A missing"));
+                };
+                if keys.i.is_some() || keys.c.is_some() || keys.n.is_some() || keys.r.is_some() {
+                    return Err((MALFORMED, "CHAP keys out of order"));
+                }
+                if !chap::offers_md5(algorithms) {
+                    return Err((DENIED, "the initiator does not offer CHAP with MD5 (CHAP_A=5)"));
+                }
+                let mut random = [0u8; 1 + chap::CHALLENGE_BYTES];
+                if directory.random(&mut random).is_err() {
+                    return Err((status::TARGET_ERROR, "no random bytes for a CHAP challenge"));
+                }
+                let identifier = random[0];
+                let mut challenge = [0u8; chap::CHALLENGE_BYTES];
+                challenge.copy_from_slice(&random[1..]);
+                reply.push(("CHAP_A".into(), chap::ALGORITHM_MD5.into()));
+                reply.push(("CHAP_I".into(), identifier.to_string()));
+                reply.push(("CHAP_C".into(), chap::encode_hex(&challenge)));
+                self.auth = Auth::ChapResponse { identifier, challenge };
+                Ok(())
+            }
+            Auth::ChapResponse { identifier, challenge } => {
+                if keys.a.is_some() {
+                    return Err((MALFORMED, "CHAP_A sent twice"));
+                }
+                let (Some(name), Some(answer)) = (keys.n, keys.r) else {
+                    return Err((status::MISSING_PARAMETER, "CHAP_N or CHAP_R missing"));
+                };
+                let answer = match chap::decode_binary(answer, chap::RESPONSE_BYTES) {
+                    Ok(answer) if answer.len() == chap::RESPONSE_BYTES => answer,
+                    _ => return Err((MALFORMED, "CHAP_R is not a 16-byte binary value")),
+                };
+                // The initiator's challenge to us, for mutual CHAP: both keys or neither.
+                let mutual = match (keys.i, keys.c) {
+                    (None, None) => None,
+                    (Some(i), Some(c)) => {
+                        let Some(i) = chap::parse_identifier(i) else {
+                            return Err((MALFORMED, "CHAP_I is not a number from 0 to 255"));
+                        };
+                        let Ok(c) = chap::decode_binary(c, chap::MAX_CHALLENGE_BYTES) else {
+                            return Err((MALFORMED, "CHAP_C is not a binary value of at most 1024 bytes"));
+                        };
+                        Some((i, c))
+                    }
+                    _ => return Err((MALFORMED, "CHAP_I without CHAP_C or the reverse")),
+                };
+                let access = self.access.as_ref().ok_or((DENIED, "no target"))?;
+                if let Some((_, c)) = &mutual {
+                    // A reflection attack hands our own challenge back to get
+                    // it answered (RFC 7143 12.1.3).
+                    if c.as_slice() == challenge.as_slice() {
+                        return Err((DENIED, "the initiator reflected the target's CHAP challenge"));
+                    }
+                }
+                let (Some(user), Some(secret)) = (&access.chap_user, &access.chap_secret) else {
+                    return Err((DENIED, "iscsi.chap_user or iscsi.chap_secret is not set"));
+                };
+                let expected = chap::response(identifier, secret.as_bytes(), &challenge);
+                // Both checks always run: the time taken does not tell which failed.
+                let user_ok = chap::constant_time_eq(user.as_bytes(), name.as_bytes());
+                let answer_ok = chap::constant_time_eq(&expected, &answer);
+                if !(user_ok & answer_ok) {
+                    return Err((DENIED, "wrong CHAP user or secret"));
+                }
+                match mutual {
+                    Some((i, c)) => {
+                        let (Some(user), Some(mutual_secret)) = (&access.mutual_user, &access.mutual_secret) else {
+                            return Err((DENIED, "mutual CHAP asked, iscsi.mutual_user/mutual_secret not set"));
+                        };
+                        // RFC 7143 12.1.3: a secret used to authenticate
+                        // initiators must not authenticate a target.
+                        if mutual_secret == secret {
+                            return Err((DENIED, "iscsi.mutual_secret equals iscsi.chap_secret"));
+                        }
+                        let ours = chap::response(i, mutual_secret.as_bytes(), &c);
+                        reply.push(("CHAP_N".into(), user.clone()));
+                        reply.push(("CHAP_R".into(), chap::encode_hex(&ours)));
+                    }
+                    None if required == IscsiAuthMode::Mutual => {
+                        return Err((DENIED, "the target requires mutual CHAP; no CHAP_I/CHAP_C sent"));
+                    }
+                    None => {}
+                }
+                self.auth = Auth::ChapDone;
+                Ok(())
+            }
+            _ => Err((MALFORMED, "CHAP keys without AuthMethod=CHAP in progress")),
+        }
     }
 
     /// Processes one login request; returns the response header, its text
@@ -180,17 +345,19 @@ impl Login {
             );
         }
         let text = std::mem::take(&mut self.continued);
-        let pairs = match text::parse(&text) {
-            Ok(pairs) => pairs,
-            Err(TextError::KeyTooLong(_)) | Err(_) => return self.fail(request, status::INITIATOR_ERROR),
+        let Ok(pairs) = text::parse(&text) else {
+            return self.fail(request, status::INITIATOR_ERROR);
         };
 
-        let mut reply: Vec<(String, String)> = Vec::new();
-        let mut auth_rejected = false;
+        // Who is logging in to what. The names and the session type come
+        // with the first request and may not change afterwards.
         for (key, value) in &pairs {
             match key.as_str() {
                 "InitiatorName" => {
                     if value.is_empty() || value.len() > MAX_NAME_BYTES {
+                        return self.fail(request, status::INITIATOR_ERROR);
+                    }
+                    if self.identified && self.initiator_name.as_deref() != Some(value.as_str()) {
                         return self.fail(request, status::INITIATOR_ERROR);
                     }
                     self.initiator_name = Some(value.clone());
@@ -199,25 +366,101 @@ impl Login {
                     if value.len() > MAX_NAME_BYTES {
                         return self.fail(request, status::NOT_FOUND);
                     }
+                    if self.identified && self.target_name.as_deref() != Some(value.as_str()) {
+                        return self.fail(request, status::INITIATOR_ERROR);
+                    }
                     self.target_name = Some(value.clone());
                 }
                 "SessionType" => {
-                    self.session_type = match value.as_str() {
+                    let session_type = match value.as_str() {
                         "Discovery" => SessionType::Discovery,
                         "Normal" => SessionType::Normal,
                         _ => return self.fail(request, status::SESSION_TYPE_NOT_SUPPORTED),
+                    };
+                    if self.identified && session_type != self.session_type {
+                        return self.fail(request, status::INITIATOR_ERROR);
                     }
+                    self.session_type = session_type;
                 }
+                _ => {}
+            }
+        }
+        self.identified = true;
+        let Some(initiator_name) = self.initiator_name.clone() else {
+            return self.fail(request, status::MISSING_PARAMETER);
+        };
+        // Discovery sessions need no authentication: they only list targets.
+        let mut required = IscsiAuthMode::None;
+        if self.session_type == SessionType::Normal {
+            let Some(target) = self.target_name.clone() else {
+                return self.fail(request, status::MISSING_PARAMETER);
+            };
+            if self.access.is_none() {
+                match directory.target(&target) {
+                    Ok(Some(access)) => self.access = Some(access),
+                    Ok(None) => return self.fail(request, status::NOT_FOUND),
+                    Err(e) => return self.refuse(request, status::TARGET_ERROR, &e),
+                }
+            }
+            let access = self.access.as_ref().expect("looked up above");
+            if !access.initiator_allowed(&initiator_name) {
+                return self.refuse(
+                    request,
+                    status::AUTHORIZATION_FAILED,
+                    "initiator not in iscsi.initiators",
+                );
+            }
+            required = access.auth;
+        }
+        if required != IscsiAuthMode::None && self.stage != SECURITY && self.auth != Auth::ChapDone {
+            return self.refuse(
+                request,
+                status::AUTHENTICATION_FAILED,
+                "the target requires CHAP; the initiator skipped security negotiation",
+            );
+        }
+
+        let mut reply: Vec<(String, String)> = Vec::new();
+        let mut chap_keys = ChapKeys::default();
+        for (key, value) in &pairs {
+            match key.as_str() {
+                "InitiatorName" | "TargetName" | "SessionType" => {}
                 "AuthMethod" => {
                     if self.stage != SECURITY {
                         return self.fail(request, status::INITIATOR_ERROR);
                     }
-                    if value.split(',').any(|m| m == "None") {
-                        reply.push((key.clone(), "None".into()));
-                    } else {
-                        reply.push((key.clone(), "Reject".into()));
-                        auth_rejected = true;
+                    let offered = |method: &str| value.split(',').any(|m| m == method);
+                    match (&self.auth, required) {
+                        (Auth::Start | Auth::NoneAgreed, IscsiAuthMode::None) if offered("None") => {
+                            self.auth = Auth::NoneAgreed;
+                            reply.push((key.clone(), "None".into()));
+                        }
+                        (Auth::Start, IscsiAuthMode::Chap | IscsiAuthMode::Mutual) if offered("CHAP") => {
+                            self.auth = Auth::ChapAlgorithm;
+                            reply.push((key.clone(), "CHAP".into()));
+                        }
+                        (Auth::Start, _) => {
+                            return self.refuse(
+                                request,
+                                status::AUTHENTICATION_FAILED,
+                                "no acceptable AuthMethod offered",
+                            );
+                        }
+                        _ => return self.fail(request, status::INITIATOR_ERROR),
                     }
+                }
+                "CHAP_A" | "CHAP_I" | "CHAP_C" | "CHAP_N" | "CHAP_R" => {
+                    if self.stage != SECURITY {
+                        return self.fail(request, status::INITIATOR_ERROR);
+                    }
+                    let slot = match key.as_str() {
+                        "CHAP_A" => &mut chap_keys.a,
+                        "CHAP_I" => &mut chap_keys.i,
+                        "CHAP_C" => &mut chap_keys.c,
+                        "CHAP_N" => &mut chap_keys.n,
+                        _ => &mut chap_keys.r,
+                    };
+                    *slot = Some(value.as_str());
                 }
                 _ => {
                     let discovery = self.session_type == SessionType::Discovery;
@@ -230,26 +473,27 @@ impl Login {
                 }
             }
         }
-        let Some(initiator_name) = self.initiator_name.clone() else {
-            return self.fail(request, status::MISSING_PARAMETER);
-        };
-        if auth_rejected {
-            return self.fail(request, status::AUTHENTICATION_FAILED);
+        if chap_keys.any() {
+            if let Err((status, why)) = self.chap_step(&chap_keys, required, directory, &mut reply) {
+                return self.refuse(request, status, why);
+            }
         }
-        if self.session_type == SessionType::Normal {
-            let Some(target) = self.target_name.clone() else {
-                return self.fail(request, status::MISSING_PARAMETER);
-            };
-            if !directory.target_exists(&target) {
-                return self.fail(request, status::NOT_FOUND);
+        if self.session_type == SessionType::Normal && !self.declared_tpgt {
+            self.declared_tpgt = true;
+            reply.push(("TargetPortalGroupTag".into(), "1".into()));
+        }
+        // Leaving the security stage needs a finished authentication. While
+        // CHAP is under way the answer simply does not transit (T=0).
+        let mut transit = transit;
+        if transit && self.stage == SECURITY && required != IscsiAuthMode::None && self.auth != Auth::ChapDone {
+            if self.auth == Auth::Start {
+                return self.refuse(
+                    request,
+                    status::AUTHENTICATION_FAILED,
+                    "the target requires CHAP; the initiator offered no AuthMethod",
+                );
             }
-            if !directory.initiator_allowed(&target, &initiator_name) {
-                return self.fail(request, status::AUTHORIZATION_FAILED);
-            }
-            if !self.declared_tpgt {
-                self.declared_tpgt = true;
-                reply.push(("TargetPortalGroupTag".into(), "1".into()));
-            }
+            transit = false;
         }
         let mut response_flags = csg << 2;
         if transit {
@@ -302,14 +546,38 @@ impl Login {
 mod tests {
     use super::*;
 
+    /// `iqn.t:a` (no authentication, `iqn.denied` not allowed), `iqn.t:chap`
+    /// (CHAP as alice), `iqn.t:mutual` (mutual CHAP), `iqn.t:same` (mutual
+    /// with the same secret both ways, which the RFC forbids).
     struct OneTarget;
 
-    impl Directory for OneTarget {
-        fn target_exists(&self, name: &str) -> bool {
-            name == "iqn.t:a"
+    const ALICE_SECRET: &str = "alice-secret-1";
+    const TARGET_SECRET: &str = "target-secret-2";
+
+    fn access(auth: IscsiAuthMode, mutual_secret: &str) -> IscsiAccess {
+        IscsiAccess {
+            auth,
+            chap_user: Some("alice".into()),
+            chap_secret: Some(ALICE_SECRET.into()),
+            mutual_user: Some("target".into()),
+            mutual_secret: Some(mutual_secret.into()),
+            initiators: None,
         }
-        fn initiator_allowed(&self, _: &str, initiator: &str) -> bool {
-            initiator != "iqn.denied"
+    }
+
+    impl Directory for OneTarget {
+        fn target(&self, name: &str) -> Result<Option<IscsiAccess>, String> {
+            Ok(match name {
+                "iqn.t:a" => Some(IscsiAccess {
+                    initiators: Some(vec!["iqn.i".into(), "iqn.other".into()]),
+                    ..access(IscsiAuthMode::None, TARGET_SECRET)
+                }),
+                "iqn.t:chap" => Some(access(IscsiAuthMode::Chap, TARGET_SECRET)),
+                "iqn.t:mutual" => Some(access(IscsiAuthMode::Mutual, TARGET_SECRET)),
+                "iqn.t:same" => Some(access(IscsiAuthMode::Mutual, ALICE_SECRET)),
+                "iqn.t:broken" => return Err("catalog unreadable".into()),
+                _ => None,
+            })
         }
     }
 
@@ -360,11 +628,28 @@ mod tests {
         let mut login = Login::new(128);
         let (bhs, _, _) = login.step(
             &request(0x81, 1),
-            b"InitiatorName=iqn.denied\0TargetName=iqn.t:a\0",
+            b"InitiatorName=IQN.DENIED\0TargetName=iqn.t:a\0",
             &OneTarget,
             &mut || 1,
         );
         assert_eq!(status_of(&bhs), status::AUTHORIZATION_FAILED);
+        // Names compare case-insensitively.
+        let mut login = Login::new(128);
+        let (bhs, _, _) = login.step(
+            &request(0x81, 1),
+            b"InitiatorName=IQN.Other\0TargetName=iqn.t:a\0",
+            &OneTarget,
+            &mut || 1,
+        );
+        assert_eq!(status_of(&bhs), status::SUCCESS);
+        let mut login = Login::new(128);
+        let (bhs, _, _) = login.step(
+            &request(0x81, 1),
+            b"InitiatorName=iqn.i\0TargetName=iqn.t:broken\0",
+            &OneTarget,
+            &mut || 1,
+        );
+        assert_eq!(status_of(&bhs), status::TARGET_ERROR);
     }
 
     #[test]
@@ -397,5 +682,216 @@ mod tests {
             &mut || 1,
         );
         assert_eq!((status_of(&bhs), next), (status::AUTHENTICATION_FAILED, Next::Fail));
+    }
+
+    fn keys(reply: &[u8]) -> std::collections::HashMap<String, String> {
+        text::parse(reply).unwrap().into_iter().collect()
+    }
+
+    /// Runs AuthMethod and CHAP_A on `target`; returns the login and the
+    /// target's identifier and challenge.
+    fn chap_until_challenge(target: &str) -> (Login, u8, Vec<u8>) {
+        let mut login = Login::new(128);
+        let first = format!("InitiatorName=iqn.i\0TargetName={target}\0AuthMethod=CHAP,None\0");
+        let (bhs, reply, next) = login.step(&request(0x81, 1), first.as_bytes(), &OneTarget, &mut || 1);
+        assert_eq!((status_of(&bhs), next), (status::SUCCESS, Next::Continue));
+        assert_eq!(bhs.0[1] & 0x80, 0, "no transit before CHAP is done");
+        assert_eq!(keys(&reply)["AuthMethod"], "CHAP");
+        let (bhs, reply, next) = login.step(&request(0x01, 1), b"CHAP_A=7,5\0", &OneTarget, &mut || 1);
+        assert_eq!((status_of(&bhs), next), (status::SUCCESS, Next::Continue));
+        let reply = keys(&reply);
+        assert_eq!(reply["CHAP_A"], "5");
+        let identifier: u8 = reply["CHAP_I"].parse().unwrap();
+        let challenge = chap::decode_binary(&reply["CHAP_C"], 1024).unwrap();
+        assert!(challenge.len() >= 16);
+        (login, identifier, challenge)
+    }
+
+    fn answer(identifier: u8, secret: &str, challenge: &[u8]) -> String {
+        chap::encode_hex(&chap::response(identifier, secret.as_bytes(), challenge))
+    }
+
+    /// Sends the CHAP answer with T=1 towards operational; returns status and reply.
+    fn send(login: &mut Login, text: &str) -> (u16, Bhs, Vec<u8>, Next) {
+        let (bhs, reply, next) = login.step(&request(0x81, 1), text.as_bytes(), &OneTarget, &mut || 1);
+        (status_of(&bhs), bhs, reply, next)
+    }
+
+    #[test]
+    fn chap_success_then_operational_and_full_feature() {
+        let (mut login, id, challenge) = chap_until_challenge("iqn.t:chap");
+        let text = format!("CHAP_N=alice\0CHAP_R={}\0", answer(id, ALICE_SECRET, &challenge));
+        let (status, bhs, reply, next) = send(&mut login, &text);
+        assert_eq!((status, next), (status::SUCCESS, Next::Continue));
+        assert_eq!(bhs.0[1] & 0x83, 0x81, "transit to operational");
+        assert!(!keys(&reply).contains_key("CHAP_R"), "no mutual answer unasked");
+        let (bhs, _, next) = login.step(&request(0x87, 1), b"", &OneTarget, &mut || 9);
+        assert_eq!(status_of(&bhs), status::SUCCESS);
+        assert!(matches!(next, Next::Complete(_)));
+    }
+
+    #[test]
+    fn chap_accepts_base64_answers() {
+        let (mut login, id, challenge) = chap_until_challenge("iqn.t:chap");
+        let hex = answer(id, ALICE_SECRET, &challenge);
+        let bytes = chap::decode_binary(&hex, 16).unwrap();
+        // Base64 by hand: 16 bytes are 5 groups of 3 plus one byte.
+        const ALPHABET: &[u8] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+        let mut b64 = String::from("0b");
+        for group in bytes.chunks(3) {
+            let mut bits = 0u32;
+            for (k, &b) in group.iter().enumerate() {
+                bits |= u32::from(b) << (16 - 8 * k);
+            }
+            for k in 0..=group.len() {
+                b64.push(ALPHABET[(bits >> (18 - 6 * k) & 63) as usize] as char);
+            }
+            b64.push_str(&"=".repeat(3 - group.len()));
+        }
+        let (status, _, _, _) = send(&mut login, &format!("CHAP_N=alice\0CHAP_R={b64}\0"));
+        assert_eq!(status, status::SUCCESS);
+    }
+
+    #[test]
+    fn chap_wrong_secret_or_unknown_user_fails_authentication() {
+        let (mut login, id, challenge) = chap_until_challenge("iqn.t:chap");
+        let text = format!("CHAP_N=alice\0CHAP_R={}\0", answer(id, "not-the-secret", &challenge));
+        let (status, _, reply, next) = send(&mut login, &text);
+        assert_eq!((status, next), (status::AUTHENTICATION_FAILED, Next::Fail));
+        assert!(reply.is_empty());
+        let (mut login, id, challenge) = chap_until_challenge("iqn.t:chap");
+        let text = format!("CHAP_N=mallory\0CHAP_R={}\0", answer(id, ALICE_SECRET, &challenge));
+        assert_eq!(send(&mut login, &text).0, status::AUTHENTICATION_FAILED);
+    }
+
+    #[test]
+    fn chap_malformed_oversized_and_missing_keys_fail() {
+        // Oversized CHAP_R (within the text limits, far beyond 16 bytes).
+        let (mut login, _, _) = chap_until_challenge("iqn.t:chap");
+        let text = format!("CHAP_N=alice\0CHAP_R=0x{}\0", "ab".repeat(1000));
+        assert_eq!(send(&mut login, &text).0, status::INITIATOR_ERROR);
+        // Short, non-hex and unprefixed responses.
+        for bad in ["0x00", "0xzz", "abcdef", "0b"] {
+            let (mut login, _, _) = chap_until_challenge("iqn.t:chap");
+            let text = format!("CHAP_N=alice\0CHAP_R={bad}\0");
+            assert_eq!(send(&mut login, &text).0, status::INITIATOR_ERROR, "{bad}");
+        }
+        // Missing CHAP_R.
+        let (mut login, _, _) = chap_until_challenge("iqn.t:chap");
+        assert_eq!(send(&mut login, "CHAP_N=alice\0").0, status::MISSING_PARAMETER);
+        // Oversized CHAP_C for mutual CHAP.
+        let (mut login, id, challenge) = chap_until_challenge("iqn.t:mutual");
+        let text = format!(
+            "CHAP_N=alice\0CHAP_R={}\0CHAP_I=1\0CHAP_C=0x{}\0",
+            answer(id, ALICE_SECRET, &challenge),
+            "cd".repeat(1025)
+        );
+        assert_eq!(send(&mut login, &text).0, status::INITIATOR_ERROR);
+        // CHAP_I out of range, CHAP_C without CHAP_I.
+        for extra in ["CHAP_I=256\0CHAP_C=0x0102", "CHAP_C=0x0102"] {
+            let (mut login, id, challenge) = chap_until_challenge("iqn.t:mutual");
+            let text = format!(
+                "CHAP_N=alice\0CHAP_R={}\0{extra}\0",
+                answer(id, ALICE_SECRET, &challenge)
+            );
+            assert_eq!(send(&mut login, &text).0, status::INITIATOR_ERROR, "{extra}");
+        }
+        // No MD5 among the algorithms.
+        let mut login = Login::new(128);
+        send(
+            &mut login,
+            "InitiatorName=iqn.i\0TargetName=iqn.t:chap\0AuthMethod=CHAP\0",
+        );
+        assert_eq!(send(&mut login, "CHAP_A=6,7\0").0, status::AUTHENTICATION_FAILED);
+        // CHAP keys out of order: a response before any challenge.
+        let mut login = Login::new(128);
+        send(
+            &mut login,
+            "InitiatorName=iqn.i\0TargetName=iqn.t:chap\0AuthMethod=CHAP\0",
+        );
+        assert_eq!(
+            send(&mut login, "CHAP_N=alice\0CHAP_R=0x00\0").0,
+            status::MISSING_PARAMETER
+        );
+        // CHAP keys when AuthMethod=None was agreed.
+        let mut login = Login::new(128);
+        send(&mut login, "InitiatorName=iqn.i\0TargetName=iqn.t:a\0AuthMethod=None\0");
+        assert_eq!(send(&mut login, "CHAP_A=5\0").0, status::INITIATOR_ERROR);
+    }
+
+    #[test]
+    fn mutual_chap_answers_the_initiators_challenge() {
+        let (mut login, id, challenge) = chap_until_challenge("iqn.t:mutual");
+        let ours = [7u8; 16];
+        let text = format!(
+            "CHAP_N=alice\0CHAP_R={}\0CHAP_I=42\0CHAP_C={}\0",
+            answer(id, ALICE_SECRET, &challenge),
+            chap::encode_hex(&ours)
+        );
+        let (status, bhs, reply, _) = send(&mut login, &text);
+        assert_eq!(status, status::SUCCESS);
+        assert_eq!(bhs.0[1] & 0x80, 0x80);
+        let reply = keys(&reply);
+        assert_eq!(reply["CHAP_N"], "target");
+        assert_eq!(reply["CHAP_R"], answer(42, TARGET_SECRET, &ours));
+    }
+
+    #[test]
+    fn mutual_chap_refuses_reflection_missing_challenge_and_shared_secrets() {
+        // The target's own challenge handed back.
+        let (mut login, id, challenge) = chap_until_challenge("iqn.t:mutual");
+        let text = format!(
+            "CHAP_N=alice\0CHAP_R={}\0CHAP_I={id}\0CHAP_C={}\0",
+            answer(id, ALICE_SECRET, &challenge),
+            chap::encode_hex(&challenge)
+        );
+        let (status, _, reply, next) = send(&mut login, &text);
+        assert_eq!((status, next), (status::AUTHENTICATION_FAILED, Next::Fail));
+        assert!(reply.is_empty(), "nothing is answered to a reflected challenge");
+        // iscsi.auth=mutual and the initiator does not challenge the target.
+        let (mut login, id, challenge) = chap_until_challenge("iqn.t:mutual");
+        let text = format!("CHAP_N=alice\0CHAP_R={}\0", answer(id, ALICE_SECRET, &challenge));
+        assert_eq!(send(&mut login, &text).0, status::AUTHENTICATION_FAILED);
+        // Same secret both ways.
+        let (mut login, id, challenge) = chap_until_challenge("iqn.t:same");
+        let text = format!(
+            "CHAP_N=alice\0CHAP_R={}\0CHAP_I=1\0CHAP_C=0x0102030405060708090a0b0c0d0e0f10\0",
+            answer(id, ALICE_SECRET, &challenge)
+        );
+        assert_eq!(send(&mut login, &text).0, status::AUTHENTICATION_FAILED);
+    }
+
+    #[test]
+    fn chap_target_refuses_logins_that_skip_authentication() {
+        // Straight to operational negotiation.
+        let mut login = Login::new(128);
+        let (bhs, _, next) = login.step(
+            &request(0x87, 1),
+            b"InitiatorName=iqn.i\0TargetName=iqn.t:chap\0",
+            &OneTarget,
+            &mut || 1,
+        );
+        assert_eq!((status_of(&bhs), next), (status::AUTHENTICATION_FAILED, Next::Fail));
+        // Security stage, transit without any AuthMethod.
+        let mut login = Login::new(128);
+        let status = send(&mut login, "InitiatorName=iqn.i\0TargetName=iqn.t:chap\0").0;
+        assert_eq!(status, status::AUTHENTICATION_FAILED);
+        // AuthMethod=None only.
+        let mut login = Login::new(128);
+        let text = "InitiatorName=iqn.i\0TargetName=iqn.t:chap\0AuthMethod=None\0";
+        assert_eq!(send(&mut login, text).0, status::AUTHENTICATION_FAILED);
+        // Changing the target name after the first request.
+        let (mut login, _, _) = chap_until_challenge("iqn.t:chap");
+        assert_eq!(send(&mut login, "TargetName=iqn.t:a\0").0, status::INITIATOR_ERROR);
+    }
+
+    #[test]
+    fn discovery_needs_no_authentication() {
+        let mut login = Login::new(128);
+        let text = "InitiatorName=iqn.i\0SessionType=Discovery\0AuthMethod=CHAP,None\0";
+        let (status, bhs, reply, _) = send(&mut login, text);
+        assert_eq!(status, status::SUCCESS);
+        assert_eq!(bhs.0[1] & 0x80, 0x80);
+        assert_eq!(keys(&reply)["AuthMethod"], "None");
     }
 }

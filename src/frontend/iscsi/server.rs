@@ -12,6 +12,7 @@ use super::login::Directory;
 use crate::daemon::Shutdown;
 use crate::scsi::lu::LogicalUnit;
 use crate::volume::manager::VolumeManager;
+use crate::volume::props::{IscsiAccess, StoredProps};
 use crate::volume::Volume;
 
 /// Default prefix of target names: `<prefix>:<pool>.<volume>`.
@@ -44,6 +45,22 @@ impl Registry {
     /// All target names, sorted.
     pub fn targets(&self) -> Vec<String> {
         self.manager.volumes().iter().map(|v| self.target_name(v)).collect()
+    }
+
+    /// The target names `initiator` may log in to (its discovery answer).
+    /// When the access rules cannot be read, none.
+    pub fn targets_for(&self, initiator: &str) -> Vec<String> {
+        self.manager
+            .volumes()
+            .iter()
+            .filter(|v| {
+                self.manager
+                    .stored_props(v.full_name())
+                    .map(|p| p.iscsi_access().initiator_allowed(initiator))
+                    .unwrap_or(false)
+            })
+            .map(|v| self.target_name(v))
+            .collect()
     }
 
     fn volume_for(&self, target_name: &str) -> Option<Arc<Volume>> {
@@ -80,14 +97,16 @@ impl Registry {
 }
 
 impl Directory for Registry {
-    fn target_exists(&self, target_name: &str) -> bool {
-        self.volume_for(target_name).is_some()
-    }
-
-    fn initiator_allowed(&self, _target_name: &str, _initiator_name: &str) -> bool {
-        // No per-target ACLs yet: every initiator that reaches the portal is
-        // admitted (the portal listens on loopback by default).
-        true
+    /// The volume's `iscsi.*` properties: authentication and allow-list.
+    fn target(&self, target_name: &str) -> Result<Option<IscsiAccess>, String> {
+        let Some(volume) = self.volume_for(target_name) else {
+            return Ok(None);
+        };
+        // Read at every login, so a changed property applies to the next one.
+        Ok(self
+            .manager
+            .stored_props(volume.full_name())
+            .map(|p| StoredProps::iscsi_access(&p)))
     }
 }
 

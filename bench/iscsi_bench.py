@@ -1,0 +1,244 @@
+#!/usr/bin/env python3
+"""Side-by-side iSCSI benchmark: strata vs tgt (file backing, and null backing
+as the client's ceiling), in one run on equal data.
+
+strata serves a 1 GiB volume and tgt a 1 GiB file, both filled with the same
+random bytes; tgt's null backing store has no data at all. Every server
+listens on an ephemeral 127.0.0.1 port and is stopped by PID. tgtd gets a
+private control port (its management socket /var/run/tgtd/socket.N), so it
+never touches another tgtd on the machine.
+
+Workloads (the issue's):
+  4K random read QD32:  iscsi-perf -t RUNTIME -m 32 -b 8 -r URL   (8 x 512-byte blocks)
+  4K write QD32:        qemu-img bench -f raw -w -t none -d 32 -c COUNT -s 4k URL
+
+Server CPU per operation is utime+stime of the server process (all threads,
+from /proc/PID/stat) over the run, divided by the operations completed.
+
+Usage: bench/iscsi_bench.py [--runtime S] [--count N] [--size-mib N] [--only strata,tgt-file,tgt-null]
+                            [--json PATH]
+Needs root (tgtd), libiscsi-bin (iscsi-perf), tgt, qemu-utils with iscsi://
+support (qemu-block-extra) and libnbd-bin (nbdcopy, to fill the strata volume).
+Prints a Markdown table.
+"""
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TARGET_DIR = os.environ.get("CARGO_TARGET_DIR", os.path.join(ROOT, "target"))
+STRATA = os.environ.get("STRATA_BIN", os.path.join(TARGET_DIR, "release", "strata"))
+TICKS = os.sysconf("SC_CLK_TCK")
+TGT_IPC_DIR = "/var/run/tgtd"
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_port(port, proc, timeout=30):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode} before listening on {port}")
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"nothing listening on {port}")
+
+
+def cpu_seconds(pid):
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICKS
+
+
+def stop(proc, signals=(signal.SIGTERM,), wait=20):
+    """Stops one process we started, by its PID: the given signals, then SIGKILL."""
+    if proc is None or proc.poll() is not None:
+        return
+    for sig in signals:
+        proc.send_signal(sig)
+        try:
+            proc.wait(wait)
+            return
+        except subprocess.TimeoutExpired:
+            pass
+    proc.kill()
+    proc.wait()
+
+
+class Strata:
+    name = "strata"
+
+    def __init__(self, work, seed, size):
+        self.data_dir = os.path.join(work, "strata-data")
+        self.iscsi, self.nbd, self.api = free_port(), free_port(), free_port()
+        self.proc = subprocess.Popen(
+            [STRATA, "serve", "--data-dir", self.data_dir, "--nbd", f"127.0.0.1:{self.nbd}",
+             "--api", f"127.0.0.1:{self.api}", "--iscsi", f"127.0.0.1:{self.iscsi}"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=dict(os.environ, STRATA_LOG="warn"))
+        for port in (self.api, self.nbd, self.iscsi):
+            wait_port(port, self.proc)
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{self.api}/v1/volumes", method="POST",
+            data=json.dumps({"name": "default/bench", "size": size}).encode(),
+            headers={"Content-Type": "application/json"})
+        urllib.request.urlopen(request, timeout=60).read()
+        subprocess.run(["nbdcopy", "--flush", seed, f"nbd://127.0.0.1:{self.nbd}/default/bench"], check=True)
+        self.url = f"iscsi://127.0.0.1:{self.iscsi}/iqn.2026-11.io.strata:default.bench/0"
+        self.pid = self.proc.pid
+
+    def stop(self):
+        stop(self.proc)
+
+
+class Tgt:
+    """One tgtd with two targets: tid 1 on a file, tid 2 on bs-type null."""
+
+    def __init__(self, work, seed):
+        self.file = os.path.join(work, "tgt.img")
+        shutil.copyfile(seed, self.file)
+        os.makedirs(TGT_IPC_DIR, exist_ok=True)
+        # A control port no other tgtd uses (tgtd accepts 0..32767).
+        self.control = next(c for c in range(20000 + os.getpid() % 10000, 32768)
+                            if not os.path.exists(f"{TGT_IPC_DIR}/socket.{c}"))
+        self.port = free_port()
+        self.proc = subprocess.Popen(
+            ["tgtd", "-f", "-C", str(self.control), "--iscsi", f"portal=127.0.0.1:{self.port}"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_port(self.port, self.proc)
+        for tid, name, backing in [(1, "file", ["-b", self.file]),
+                                   (2, "null", ["--bstype", "null", "-b", "/dev/null"])]:
+            self.adm("--op", "new", "--mode", "target", "--tid", str(tid), "-T", f"iqn.2026-11.bench:{name}")
+            self.adm("--op", "new", "--mode", "logicalunit", "--tid", str(tid), "--lun", "1", *backing)
+            self.adm("--op", "bind", "--mode", "target", "--tid", str(tid), "-I", "ALL")
+        self.pid = self.proc.pid
+
+    def adm(self, *args):
+        subprocess.run(["tgtadm", "-C", str(self.control), "--lld", "iscsi", *args], check=True,
+                       capture_output=True)
+
+    def url(self, name):
+        # LUN 0 of a tgt target is its controller; the disk is LUN 1.
+        return f"iscsi://127.0.0.1:{self.port}/iqn.2026-11.bench:{name}/1"
+
+    def stop(self):
+        # tgtd -f stops on SIGINT; it may ignore SIGTERM while targets exist.
+        stop(self.proc, signals=(signal.SIGINT,), wait=10)
+        for leftover in (f"{TGT_IPC_DIR}/socket.{self.control}", f"{TGT_IPC_DIR}/socket.{self.control}.lock"):
+            try:
+                os.unlink(leftover)
+            except FileNotFoundError:
+                pass
+
+
+def random_read(url, runtime):
+    out = subprocess.run(["iscsi-perf", "-t", str(runtime), "-m", "32", "-b", "8", "-r", url],
+                         check=True, capture_output=True, text=True).stdout
+    averages = re.findall(r"iops average (\d+)", out)
+    if not averages:
+        raise RuntimeError(f"no result from iscsi-perf:\n{out}")
+    iops = float(averages[-1])
+    return iops, iops * runtime
+
+
+def write(url, count):
+    out = subprocess.run(["qemu-img", "bench", "-f", "raw", "-w", "-t", "none", "-d", "32", "-c", str(count),
+                          "-s", "4k", url], check=True, capture_output=True, text=True).stdout
+    match = re.search(r"Run completed in ([0-9.]+) seconds", out)
+    if not match:
+        raise RuntimeError(f"no result from qemu-img bench:\n{out}")
+    return count / float(match.group(1)), count
+
+
+def measure(pid, run):
+    before = cpu_seconds(pid)
+    iops, ops = run()
+    after = cpu_seconds(pid)
+    return {"iops": iops, "ops": ops, "cpu_us_per_op": (after - before) * 1e6 / max(1, ops)}
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--runtime", type=int, default=10, help="iscsi-perf seconds")
+    parser.add_argument("--count", type=int, default=200000, help="qemu-img bench requests")
+    parser.add_argument("--size-mib", type=int, default=1024)
+    parser.add_argument("--only", default="", help="comma-separated: strata,tgt-file,tgt-null")
+    parser.add_argument("--json", default="", help="also write the results as JSON here")
+    options = parser.parse_args()
+    for tool in ["iscsi-perf", "qemu-img", "tgtd", "tgtadm", "nbdcopy"]:
+        if not shutil.which(tool):
+            sys.exit(f"missing {tool}: apt-get install -y libiscsi-bin tgt qemu-utils libnbd-bin")
+    if "iscsi" not in subprocess.run(["qemu-img", "--help"], capture_output=True, text=True).stdout:
+        sys.exit("qemu-img has no iscsi:// support: install qemu-block-extra matching qemu-utils")
+    if not os.path.exists(STRATA):
+        subprocess.run(["cargo", "build", "--release"], cwd=ROOT, check=True)
+
+    work = tempfile.mkdtemp(prefix="strata-iscsi-bench-")
+    size = options.size_mib << 20
+    seed = os.path.join(work, "seed.img")
+    with open(seed, "wb") as f:
+        for _ in range(options.size_mib):
+            f.write(os.urandom(1 << 20))
+
+    wanted = options.only.split(",") if options.only else ["strata", "tgt-file", "tgt-null"]
+    workloads = [
+        ("4K random read QD32 (iscsi-perf)", lambda url: random_read(url, options.runtime)),
+        ("4K write QD32 (qemu-img bench)", lambda url: write(url, options.count)),
+    ]
+    results = {}
+    strata = tgt = None
+    try:
+        strata = Strata(work, seed, size)
+        tgt = Tgt(work, seed)
+        os.unlink(seed)
+        peers = [("strata", strata.pid, strata.url), ("tgt-file", tgt.pid, tgt.url("file")),
+                 ("tgt-null", tgt.pid, tgt.url("null"))]
+        peers = [p for p in peers if p[0] in wanted]
+        # Interleave servers within each workload, so a slow phase of a noisy
+        # machine is shared rather than hitting one server only.
+        for workload, run in workloads:
+            for name, pid, url in peers:
+                result = measure(pid, lambda: run(url))
+                results.setdefault(workload, {})[name] = result
+                print(f"{name:9} {workload:34} {result['iops']:9.0f} IOPS {result['cpu_us_per_op']:6.1f} us CPU/op",
+                      file=sys.stderr)
+    finally:
+        if strata:
+            strata.stop()
+        if tgt:
+            tgt.stop()
+        shutil.rmtree(work, ignore_errors=True)
+
+    names = [p[0] for p in peers]
+    ratio = "strata/tgt-file" if {"strata", "tgt-file"} <= set(names) else None
+    print("| workload | " + " | ".join(names) + (f" | {ratio} IOPS | {ratio} CPU/op" if ratio else "") + " |")
+    print("|---|" + "---|" * (len(names) + (2 if ratio else 0)))
+    for workload, _ in workloads:
+        row = results[workload]
+        cells = [f"{row[n]['iops'] / 1000:.1f}k IOPS, {row[n]['cpu_us_per_op']:.1f} µs CPU/op" for n in names]
+        if ratio:
+            cells.append(f"{row['strata']['iops'] / row['tgt-file']['iops']:.2f}x")
+            cells.append(f"{row['strata']['cpu_us_per_op'] / row['tgt-file']['cpu_us_per_op']:.2f}x")
+        print(f"| {workload} | " + " | ".join(cells) + " |")
+    if options.json:
+        with open(options.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
