@@ -11,7 +11,7 @@
 use std::collections::BTreeSet;
 use std::sync::Arc;
 
-use strata::device::sim::SimFaults;
+use strata::device::sim::{CrashModel, SimFaults};
 use strata::device::{Device, SimDevice, SimRng};
 use strata::pool::superblock::Role;
 use strata::pool::volume::EngineVolume;
@@ -20,6 +20,8 @@ use strata::volume::{BlockDevice, BlockError, IoBuf, ZeroFlags};
 
 const SECTOR: u64 = 512;
 const VOLUME_ID: u32 = 7;
+/// Operations per seed (the same when replaying one seed).
+const OPERATIONS: usize = 120;
 
 /// What each 512-byte sector may hold: the value it reads now, and every
 /// value a crash may leave there (the last durable one plus every value
@@ -109,13 +111,15 @@ struct Harness {
     volume_bytes: u64,
     volblocksize: u32,
     model: Model,
+    /// Crashes behave like kill -9: every completed write must survive.
+    process_kill: bool,
     next_write: u64,
     log: Vec<String>,
 }
 
 impl Harness {
     fn fail(&self, message: String) -> ! {
-        let recent: Vec<&String> = self.log.iter().rev().take(25).collect();
+        let recent: Vec<&String> = self.log.iter().rev().take(40).collect();
         panic!(
             "seed {} failed: {message}\nlast operations (newest first):\n  {}\nreplay: STRATA_SIM_SEED={} cargo test --release --test engine_sim -- --nocapture",
             self.seed,
@@ -163,7 +167,9 @@ impl Harness {
         }
         self.log.push(format!("write {offset} +{length} fua={fua} id={id}"));
         match self.volume().write(offset, buf, fua).await {
-            Ok(()) => self.model.write(first, count, |s| tag_for(id, s), fua),
+            Ok(()) => self
+                .model
+                .write(first, count, |s| tag_for(id, s), fua || self.process_kill),
             // A device error (injected) is allowed; the write may be partly
             // done, so every sector may now hold either value.
             Err(BlockError::Io(_)) => {
@@ -305,6 +311,10 @@ async fn run_seed(seed: u64, operations: usize) {
     }
     let volume_bytes = 8u64 << 20;
     let with_faults = rng.chance(0.3);
+    // Some seeds crash like kill -9 (everything written reaches the device,
+    // flushed or not); the others like power loss (unflushed writes dropped
+    // or torn).
+    let process_kill = rng.chance(0.3);
     let mut harness = Harness {
         seed,
         rng,
@@ -314,11 +324,21 @@ async fn run_seed(seed: u64, operations: usize) {
         volume_bytes,
         volblocksize,
         model: Model::new((volume_bytes / SECTOR) as usize),
+        process_kill,
         next_write: 0,
         log: vec![format!(
-            "volblocksize={volblocksize} two_tiers={two_tiers} faults={with_faults}"
+            "volblocksize={volblocksize} two_tiers={two_tiers} faults={with_faults} process_kill={process_kill}"
         )],
     };
+    if process_kill {
+        for (device, _) in &harness.devices {
+            device.set_crash_model(CrashModel {
+                drop_weight: 0,
+                apply_weight: 1,
+                tear_weight: 0,
+            });
+        }
+    }
     let new_devices = harness
         .devices
         .iter()
@@ -366,7 +386,7 @@ fn simulated_crashes_never_lose_flushed_writes() {
     let runtime = runtime();
     if let Ok(seed) = std::env::var("STRATA_SIM_SEED") {
         let seed: u64 = seed.parse().expect("STRATA_SIM_SEED is a number");
-        runtime.block_on(run_seed(seed, 400));
+        runtime.block_on(run_seed(seed, OPERATIONS));
         return;
     }
     let seeds: u64 = std::env::var("STRATA_SIM_SEEDS")
@@ -374,6 +394,6 @@ fn simulated_crashes_never_lose_flushed_writes() {
         .and_then(|s| s.parse().ok())
         .unwrap_or(1000);
     for seed in 0..seeds {
-        runtime.block_on(run_seed(seed, 120));
+        runtime.block_on(run_seed(seed, OPERATIONS));
     }
 }

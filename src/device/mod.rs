@@ -76,11 +76,27 @@ impl IoBuf {
         Self::with_headroom(0, len)
     }
 
-    /// A buffer holding a copy of `bytes`.
+    /// A buffer holding a copy of `bytes` (allocated without zeroing: every
+    /// byte is written before anyone can read it).
     pub fn copy_from(bytes: &[u8]) -> Self {
-        let mut buf = Self::new(bytes.len());
-        buf.payload_mut().copy_from_slice(bytes);
-        buf
+        let len = bytes.len();
+        let layout = Layout::from_size_align(len.max(1), BUFFER_ALIGN).expect("buffer size overflows");
+        // SAFETY: the layout has a non-zero size.
+        let ptr = unsafe { std::alloc::alloc(layout) };
+        if ptr.is_null() {
+            std::alloc::handle_alloc_error(layout);
+        }
+        // SAFETY: `ptr` has room for `len` bytes and does not overlap `bytes`;
+        // after the copy every payload byte is initialised (a zero-length
+        // buffer exposes no bytes).
+        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), ptr, len) };
+        IoBuf {
+            ptr,
+            payload_offset: 0,
+            headroom: 0,
+            len,
+            layout,
+        }
     }
 
     /// A buffer holding a copy of `bytes` (kept for callers holding a Vec).

@@ -139,6 +139,8 @@ struct Pending {
     frees: Vec<(u8, u64)>,
     /// How many of `records` are already staged on the device.
     staged: usize,
+    /// Where each pending allocation's `Map` record is: (volume, block) → index.
+    allocations: std::collections::HashMap<(u32, u64), usize>,
 }
 
 /// Where the log lives and how far it goes.
@@ -187,6 +189,7 @@ impl Log {
                 bytes: 0,
                 frees: Vec::new(),
                 staged: 0,
+                allocations: std::collections::HashMap::new(),
             }),
             pending_bytes: std::sync::atomic::AtomicUsize::new(0),
             next_lsn: AtomicU64::new(next_lsn),
@@ -203,10 +206,36 @@ impl Log {
     /// Queues a record; it becomes durable with the next commit.
     pub fn append(&self, record: Record) {
         let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+        if let Record::Map { volume, block, new, .. } = &record {
+            if *new != 0 {
+                let index = pending.records.len();
+                pending.allocations.insert((*volume, *block), index);
+            }
+        }
         pending.bytes += record.encoded_len();
         self.pending_bytes.store(pending.bytes, Ordering::Relaxed);
         pending.records.push(record);
         self.appended.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// A block allocated by a record that is still pending was overwritten in
+    /// place: its record's checksums must describe the new contents, or a
+    /// recovery that checks staged records against the data would drop the
+    /// allocation. Returns whether such a record was pending.
+    pub fn update_pending_allocation(&self, volume: u32, block: u64, first_sector: usize, crcs: &[u32]) -> bool {
+        let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(&index) = pending.allocations.get(&(volume, block)) else {
+            return false;
+        };
+        if let Some(Record::Map { crcs: stored, .. }) = pending.records.get_mut(index) {
+            for (slot, crc) in stored.iter_mut().skip(first_sector).zip(crcs) {
+                *slot = *crc;
+            }
+        }
+        // Restage from the changed record on.
+        pending.staged = pending.staged.min(index);
+        self.appended.fetch_add(1, Ordering::Relaxed);
+        true
     }
 
     /// Queues a record that releases a slot; `commit` hands the slot back
@@ -268,6 +297,7 @@ impl Log {
             }
             pending.bytes = 0;
             pending.staged = 0;
+            pending.allocations.clear();
             self.pending_bytes.store(0, Ordering::Relaxed);
             (std::mem::take(&mut pending.records), std::mem::take(&mut pending.frees))
         };
@@ -279,6 +309,14 @@ impl Log {
                 let mut restored = records;
                 restored.append(&mut pending.records);
                 pending.bytes = restored.iter().map(Record::encoded_len).sum();
+                pending.allocations = restored
+                    .iter()
+                    .enumerate()
+                    .filter_map(|(i, r)| match r {
+                        Record::Map { volume, block, new, .. } if *new != 0 => Some(((*volume, *block), i)),
+                        _ => None,
+                    })
+                    .collect();
                 self.pending_bytes.store(pending.bytes, Ordering::Relaxed);
                 pending.records = restored;
                 let mut restored_frees = frees;
@@ -346,13 +384,11 @@ impl Log {
     /// its flush never came. Replay trusts such staged records only when the
     /// data they point at checks out (see `pool::Pool::recover`).
     ///
-    /// On an O_DIRECT log device staging would be a real device write per
-    /// allocating request, so it is skipped there: after a kill -9, only
-    /// committed writes (what the durability contract promises) survive.
+    /// On a page-cache log device staging is a memory copy the kernel merges
+    /// with the next commit's write of the same block; on an O_DIRECT log
+    /// device it is one more 4 KiB device write per allocating request
+    /// (what a dedicated `log` device is for).
     pub async fn stage(&self) -> Result<(), LogError> {
-        if self.device.info().direct_io {
-            return Ok(());
-        }
         let _guard = self.commit_lock.lock().await;
         let (records, staged) = {
             let pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());

@@ -583,6 +583,11 @@ impl Pool {
                 .all(|(sector, crc)| crc32c::crc32c(sector) == *crc)
     }
 
+    /// See `Log::update_pending_allocation`.
+    pub(crate) fn note_overwrite(&self, volume: u32, block: u64, first_sector: usize, crcs: &[u32]) {
+        self.log.update_pending_allocation(volume, block, first_sector, crcs);
+    }
+
     /// Records appended to the log so far.
     pub(crate) fn log_appends(&self) -> u64 {
         self.log.appended.load(Ordering::Relaxed)

@@ -46,6 +46,9 @@ struct PlannedWrite {
 
 /// The piece of a planned write that belongs to one volume block.
 struct Part {
+    /// The volume block and the index of this part's first sector in it.
+    block: u64,
+    first_sector: usize,
     offset: u64,
     /// Checksums of this part's sectors, in order.
     crcs: Vec<u32>,
@@ -54,15 +57,26 @@ struct Part {
 }
 
 impl PlannedWrite {
-    fn single(device: u8, offset: u64, data: IoBuf, crcs: Vec<u32>, new_block: Option<u64>) -> Self {
+    #[allow(clippy::too_many_arguments)]
+    fn single(
+        device: u8,
+        offset: u64,
+        data: IoBuf,
+        crcs: Vec<u32>,
+        block: u64,
+        first_sector: usize,
+        new_block: bool,
+    ) -> Self {
         PlannedWrite {
             device,
             offset,
             data,
             parts: vec![Part {
+                block,
+                first_sector,
                 offset,
                 crcs,
-                new_block,
+                new_block: new_block.then_some(block),
             }],
         }
     }
@@ -347,7 +361,16 @@ impl EngineVolume {
                     let skip = (within - start) as usize;
                     sectors.payload_mut()[skip..skip + source.len()].copy_from_slice(source);
                     let crcs = sector_crcs(sectors.payload());
-                    planned.push(PlannedWrite::single(device, base + start, sectors, crcs, None));
+                    let first_sector = (start / SECTOR_BYTES) as usize;
+                    planned.push(PlannedWrite::single(
+                        device,
+                        base + start,
+                        sectors,
+                        crcs,
+                        block,
+                        first_sector,
+                        false,
+                    ));
                 }
                 None => {
                     // First write: allocate and write the whole block.
@@ -360,7 +383,7 @@ impl EngineVolume {
                     let mut whole = IoBuf::new(self.block_bytes() as usize);
                     whole.payload_mut()[within as usize..(within + step) as usize].copy_from_slice(source);
                     let crcs = sector_crcs(whole.payload());
-                    planned.push(PlannedWrite::single(device, base, whole, crcs, Some(block)));
+                    planned.push(PlannedWrite::single(device, base, whole, crcs, block, 0, true));
                 }
             }
             position += step;
@@ -369,8 +392,57 @@ impl EngineVolume {
         Ok(coalesce(planned))
     }
 
+    /// Overwrites in place with the caller's buffer when the request covers
+    /// whole sectors of blocks that are all mapped, contiguously, on one
+    /// device: no copy, one device write. Returns the buffer back when the
+    /// request does not qualify. Caller holds the stripe locks and the gate.
+    async fn overwrite_in_place(&self, offset: u64, data: IoBuf, entries: &[u64]) -> Result<BlockResult<()>, IoBuf> {
+        let length = data.len() as u64;
+        if offset % SECTOR_BYTES != 0 || length % SECTOR_BYTES != 0 {
+            return Err(data);
+        }
+        let Some((device, first_base)) = entries.first().and_then(|e| map_entry::decode(*e)) else {
+            return Err(data);
+        };
+        let contiguous = entries
+            .iter()
+            .enumerate()
+            .all(|(i, e)| map_entry::decode(*e) == Some((device, first_base + ((i as u64) << self.block_shift))));
+        if !contiguous {
+            return Err(data);
+        }
+        let physical = first_base + (offset & (self.block_bytes() - 1));
+        let crcs = sector_crcs(data.payload());
+        let pool_device = &self.pool.devices[device as usize];
+        let (data, result) = pool_device.device.write(physical, data).await;
+        if let Err(e) = result {
+            pool_device.counters.write_errors.fetch_add(1, Ordering::Relaxed);
+            return Ok(Err(io_error(e)));
+        }
+        self.pool.data_bytes.fetch_add(data.len() as u64, Ordering::Relaxed);
+        if let Err(e) = self.pool.set_crcs(device, physical, &crcs) {
+            return Ok(Err(meta_error(e)));
+        }
+        // Blocks whose allocation is not committed yet carry their checksums
+        // in the pending record: keep it in step with the data.
+        let sectors_per_block = (self.block_bytes() / SECTOR_BYTES) as usize;
+        let first_block = offset >> self.block_shift;
+        let mut index = 0;
+        let mut sector = ((offset & (self.block_bytes() - 1)) / SECTOR_BYTES) as usize;
+        let mut block = first_block;
+        while index < crcs.len() {
+            let count = (sectors_per_block - sector).min(crcs.len() - index);
+            self.pool
+                .note_overwrite(self.id, block, sector, &crcs[index..index + count]);
+            index += count;
+            sector = 0;
+            block += 1;
+        }
+        Ok(Ok(()))
+    }
+
     /// Writes `data` at `offset` (caller holds the stripe locks).
-    async fn write_locked(&self, offset: u64, data: &[u8]) -> BlockResult<()> {
+    async fn write_locked(&self, offset: u64, data: IoBuf) -> BlockResult<()> {
         let first = offset >> self.block_shift;
         let last = (offset + data.len() as u64 - 1) >> self.block_shift;
         let mut entries = Vec::with_capacity((last - first + 1) as usize);
@@ -387,7 +459,16 @@ impl EngineVolume {
                 break gate;
             }
         };
-        let planned = self.plan(offset, data, &entries).await?;
+        let data = match self.overwrite_in_place(offset, data, &entries).await {
+            Ok(result) => {
+                drop(gate);
+                // Overwrites add no log records but dirty checksum pages.
+                self.pool.maybe_checkpoint_soon();
+                return result;
+            }
+            Err(data) => data,
+        };
+        let planned = self.plan(offset, data.payload(), &entries).await?;
         // New blocks land in chunks that may hold mapped data of other
         // blocks; their records carry checksums, so no mark is needed.
         let mut failure = None;
@@ -431,6 +512,10 @@ impl EngineVolume {
                 self.pool
                     .set_crcs(write.device, part.offset, &part.crcs)
                     .map_err(meta_error)?;
+                if part.new_block.is_none() {
+                    self.pool
+                        .note_overwrite(self.id, part.block, part.first_sector, &part.crcs);
+                }
                 if let Some(block) = part.new_block {
                     let entry = map_entry::encode(write.device, part.offset);
                     self.pool.set_mapping(self.id, block, entry).map_err(meta_error)?;
@@ -475,8 +560,7 @@ impl EngineVolume {
                         crcs: Vec::new(),
                     });
                 } else {
-                    let zeros = vec![0u8; step as usize];
-                    self.write_locked(position, &zeros).await?;
+                    self.write_locked(position, IoBuf::new(step as usize)).await?;
                 }
             }
             position += step;
@@ -492,8 +576,7 @@ impl EngineVolume {
         while position < end {
             let within = position & (self.block_bytes() - 1);
             let step = (self.block_bytes() - within).min(end - position);
-            let zeros = vec![0u8; step as usize];
-            self.write_locked(position, &zeros).await?;
+            self.write_locked(position, IoBuf::new(step as usize)).await?;
             position += step;
         }
         Ok(())
@@ -570,7 +653,7 @@ impl BlockDevice for EngineVolume {
         Box::pin(async move {
             let appends = self.pool.log_appends();
             let _guards = self.lock_exclusive(offset, data.len() as u64).await;
-            let result = self.write_locked(offset, data.payload()).await;
+            let result = self.write_locked(offset, data).await;
             drop(_guards);
             self.finish(result, fua, appends).await
         })
