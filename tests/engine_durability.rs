@@ -73,7 +73,7 @@ fn kill9_loses_no_acknowledged_write_with_sync_always() {
     server.create_volume("default/k9", VOLUME_BYTES);
     set_property(&server, "default/k9", "sync", "always");
     let mut server = server;
-    for (cycle, seconds) in [2u32, 3, 2].into_iter().enumerate() {
+    for (cycle, seconds) in kill_seconds(&[2, 3, 2]).into_iter().enumerate() {
         server = kill_cycle(dir.path(), server, "default/k9", &[], seconds);
         eprintln!("sync=always cycle {cycle} verified");
     }
@@ -86,7 +86,7 @@ fn kill9_loses_no_flushed_write_with_write_cache_and_fsync() {
     let server = Server::start(dir.path());
     server.create_volume("default/k9", VOLUME_BYTES);
     let mut server = server;
-    for (cycle, seconds) in [3u32, 2].into_iter().enumerate() {
+    for (cycle, seconds) in kill_seconds(&[3, 2]).into_iter().enumerate() {
         server = kill_cycle(dir.path(), server, "default/k9", &["--fsync=1"], seconds);
         eprintln!("wce=on --fsync=1 cycle {cycle} verified");
     }
@@ -135,6 +135,18 @@ fn bit_rot_in_a_device_file_reads_as_eio_and_is_counted() {
         .arg(&uri));
     let status = common::http(&server.api, "GET", "/v1/pools/default", "");
     assert!(status.contains("\"checksum_errors\":1"), "{status}");
+}
+
+/// Seconds before each kill: `default` in CI; `STRATA_KILL_CYCLES=N` (the
+/// soak script, bench/soak.sh) runs N cycles at 1 to 4 seconds each.
+fn kill_seconds(default: &[u32]) -> Vec<u32> {
+    match std::env::var("STRATA_KILL_CYCLES")
+        .ok()
+        .and_then(|n| n.parse::<u32>().ok())
+    {
+        Some(cycles) => (0..cycles).map(|i| 1 + (i * 7 + 3) % 4).collect(),
+        None => default.to_vec(),
+    }
 }
 
 fn set_property(server: &Server, volume: &str, key: &str, value: &str) {

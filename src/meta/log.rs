@@ -141,6 +141,9 @@ struct Pending {
     staged: usize,
     /// Where each pending allocation's `Map` record is: (volume, block) → index.
     allocations: std::collections::HashMap<(u32, u64), usize>,
+    /// Bumped by every change to `records`, so a stage that copied them can
+    /// tell whether what it wrote is still what is pending.
+    version: u64,
 }
 
 /// Where the log lives and how far it goes.
@@ -190,6 +193,7 @@ impl Log {
                 frees: Vec::new(),
                 staged: 0,
                 allocations: std::collections::HashMap::new(),
+                version: 0,
             }),
             pending_bytes: std::sync::atomic::AtomicUsize::new(0),
             next_lsn: AtomicU64::new(next_lsn),
@@ -215,6 +219,7 @@ impl Log {
         pending.bytes += record.encoded_len();
         self.pending_bytes.store(pending.bytes, Ordering::Relaxed);
         pending.records.push(record);
+        pending.version += 1;
         self.appended.fetch_add(1, Ordering::Relaxed);
     }
 
@@ -234,6 +239,7 @@ impl Log {
         }
         // Restage from the changed record on.
         pending.staged = pending.staged.min(index);
+        pending.version += 1;
         self.appended.fetch_add(1, Ordering::Relaxed);
         true
     }
@@ -247,6 +253,7 @@ impl Log {
         self.pending_bytes.store(pending.bytes, Ordering::Relaxed);
         pending.records.push(record);
         pending.frees.push(slot);
+        pending.version += 1;
         self.appended.fetch_add(1, Ordering::Relaxed);
     }
 
@@ -390,12 +397,12 @@ impl Log {
     /// (what a dedicated `log` device is for).
     pub async fn stage(&self) -> Result<(), LogError> {
         let _guard = self.commit_lock.lock().await;
-        let (records, staged) = {
+        let (records, staged, version) = {
             let pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
             if pending.staged == pending.records.len() {
                 return Ok(());
             }
-            (pending.records.clone(), pending.staged)
+            (pending.records.clone(), pending.staged, pending.version)
         };
         let used = self.next_lsn() - self.tail_lsn.load(Ordering::Acquire);
         if used + blocks_needed(&records) * LOG_BLOCK_BYTES > self.len {
@@ -410,7 +417,32 @@ impl Log {
             .unwrap_or(0);
         self.write_blocks(&records, false, first).await?;
         let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
-        pending.staged = pending.staged.max(records.len());
+        // Only if nothing changed meanwhile: a record updated after the copy
+        // (an in-place overwrite of a pending allocation) must be restaged.
+        if pending.version == version {
+            pending.staged = records.len();
+        }
+        Ok(())
+    }
+
+    /// Makes the block at the next commit position invalid, so that stale
+    /// staged blocks left after a crash are never replayed by a later
+    /// recovery (they were already applied, or rightly ignored, by this one).
+    /// `end` is where the valid blocks read by replay ended.
+    pub async fn seal(&self, end: u64) -> Result<(), LogError> {
+        let _guard = self.commit_lock.lock().await;
+        let mut lsn = self.next_lsn();
+        let stop = end.max(lsn + LOG_BLOCK_BYTES);
+        while lsn < stop {
+            let physical = lsn % self.len;
+            let (_, result) = self
+                .device
+                .write(self.offset + physical, IoBuf::new(LOG_BLOCK_BYTES as usize))
+                .await;
+            result?;
+            lsn += LOG_BLOCK_BYTES;
+        }
+        self.device.flush().await?;
         Ok(())
     }
 
@@ -424,7 +456,7 @@ impl Log {
         len: u64,
         pool_tag: u64,
         tail_lsn: u64,
-    ) -> Result<(Vec<(Record, bool)>, u64), DeviceError> {
+    ) -> Result<(Vec<(Record, bool)>, u64, u64), DeviceError> {
         let mut records = Vec::new();
         let mut lsn = tail_lsn;
         let mut next = tail_lsn;
@@ -450,7 +482,7 @@ impl Log {
                 lsn += LOG_BLOCK_BYTES;
             }
         }
-        Ok((records, next))
+        Ok((records, next, lsn))
     }
 }
 

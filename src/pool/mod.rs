@@ -491,7 +491,7 @@ impl Pool {
 
         let log_device = devices[superblock.log_device as usize].device.clone();
         let pool_tag = u64::from_le_bytes(superblock.pool_uuid[0..8].try_into().unwrap_or([0; 8]));
-        let (records, end_lsn) = Log::replay(
+        let (records, end_lsn, valid_end) = Log::replay(
             &log_device,
             superblock.log_offset,
             superblock.log_bytes,
@@ -557,8 +557,10 @@ impl Pool {
                 pool.suspect.lock().unwrap_or_else(|e| e.into_inner()).len()
             );
         }
-        // Persist what replay rebuilt and start the log afresh.
+        // Persist what replay rebuilt and start the log afresh; blocks staged
+        // before the crash must not be replayed again by a later recovery.
         pool.checkpoint().await?;
+        pool.log.seal(valid_end).await?;
         Ok(pool)
     }
 
