@@ -931,13 +931,7 @@ impl Pool {
         let map = self.map_pages.take_dirty();
         let crcs = self.crc_pages.take_dirty();
         let chunks = self.allocator.lock().unwrap_or_else(|e| e.into_inner()).take_dirty();
-        let suspect: Vec<(u8, u64)> = self
-            .suspect
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .iter()
-            .copied()
-            .collect();
+        let suspect = self.suspect_snapshot();
         let destroyed: Vec<u32> = self
             .destroyed
             .lock()
@@ -1133,13 +1127,7 @@ impl Pool {
     /// Re-verifies suspect chunks: recomputes the checksums of their used
     /// slots from the data and clears them. Returns how many were scrubbed.
     pub async fn scrub_suspect(&self) -> Result<usize, PoolError> {
-        let chunks: Vec<(u8, u64)> = self
-            .suspect
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .iter()
-            .copied()
-            .collect();
+        let chunks = self.suspect_snapshot();
         let mut done = 0;
         for (device, chunk) in chunks {
             let _gate = self.gate.write().await;
@@ -1180,6 +1168,15 @@ impl Pool {
             done += 1;
         }
         Ok(done)
+    }
+
+    fn suspect_snapshot(&self) -> Vec<(u8, u64)> {
+        self.suspect
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .copied()
+            .collect()
     }
 
     pub fn suspect_chunks(&self) -> usize {

@@ -392,55 +392,6 @@ impl EngineVolume {
         Ok(coalesce(planned))
     }
 
-    /// Overwrites in place with the caller's buffer when the request covers
-    /// whole sectors of blocks that are all mapped, contiguously, on one
-    /// device: no copy, one device write. Returns the buffer back when the
-    /// request does not qualify. Caller holds the stripe locks and the gate.
-    async fn overwrite_in_place(&self, offset: u64, data: IoBuf, entries: &[u64]) -> Result<BlockResult<()>, IoBuf> {
-        let length = data.len() as u64;
-        if offset % SECTOR_BYTES != 0 || length % SECTOR_BYTES != 0 {
-            return Err(data);
-        }
-        let Some((device, first_base)) = entries.first().and_then(|e| map_entry::decode(*e)) else {
-            return Err(data);
-        };
-        let contiguous = entries
-            .iter()
-            .enumerate()
-            .all(|(i, e)| map_entry::decode(*e) == Some((device, first_base + ((i as u64) << self.block_shift))));
-        if !contiguous {
-            return Err(data);
-        }
-        let physical = first_base + (offset & (self.block_bytes() - 1));
-        let crcs = sector_crcs(data.payload());
-        let pool_device = &self.pool.devices[device as usize];
-        let (data, result) = pool_device.device.write(physical, data).await;
-        if let Err(e) = result {
-            pool_device.counters.write_errors.fetch_add(1, Ordering::Relaxed);
-            return Ok(Err(io_error(e)));
-        }
-        self.pool.data_bytes.fetch_add(data.len() as u64, Ordering::Relaxed);
-        if let Err(e) = self.pool.set_crcs(device, physical, &crcs) {
-            return Ok(Err(meta_error(e)));
-        }
-        // Blocks whose allocation is not committed yet carry their checksums
-        // in the pending record: keep it in step with the data.
-        let sectors_per_block = (self.block_bytes() / SECTOR_BYTES) as usize;
-        let first_block = offset >> self.block_shift;
-        let mut index = 0;
-        let mut sector = ((offset & (self.block_bytes() - 1)) / SECTOR_BYTES) as usize;
-        let mut block = first_block;
-        while index < crcs.len() {
-            let count = (sectors_per_block - sector).min(crcs.len() - index);
-            self.pool
-                .note_overwrite(self.id, block, sector, &crcs[index..index + count]);
-            index += count;
-            sector = 0;
-            block += 1;
-        }
-        Ok(Ok(()))
-    }
-
     /// Writes `data` at `offset` (caller holds the stripe locks).
     async fn write_locked(&self, offset: u64, data: IoBuf) -> BlockResult<()> {
         let first = offset >> self.block_shift;
@@ -458,15 +409,6 @@ impl EngineVolume {
             if self.pool.epoch() == epoch {
                 break gate;
             }
-        };
-        let data = match self.overwrite_in_place(offset, data, &entries).await {
-            Ok(result) => {
-                drop(gate);
-                // Overwrites add no log records but dirty checksum pages.
-                self.pool.maybe_checkpoint_soon();
-                return result;
-            }
-            Err(data) => data,
         };
         let planned = self.plan(offset, data.payload(), &entries).await?;
         // New blocks land in chunks that may hold mapped data of other
