@@ -15,7 +15,8 @@ use strata::device::sim::{CrashModel, SimFaults};
 use strata::device::{Device, SimDevice, SimRng};
 use strata::pool::superblock::Role;
 use strata::pool::volume::EngineVolume;
-use strata::pool::{NewDevice, Pool};
+use strata::pool::ram::{HeapImage, RamSource, MIN_RAM_BYTES};
+use strata::pool::{NewDevice, Pool, PoolOptions};
 use strata::volume::{BlockDevice, BlockError, IoBuf, ZeroFlags};
 
 const SECTOR: u64 = 512;
@@ -113,6 +114,10 @@ struct Harness {
     model: Model,
     /// Crashes behave like kill -9: every completed write must survive.
     process_kill: bool,
+    /// The RAM tier: kept across a simulated kill, wiped by a power loss.
+    ram: Arc<HeapImage>,
+    /// Synchronous writes go in place (`logbias=throughput`), not to the log.
+    log_throughput: bool,
     next_write: u64,
     log: Vec<String>,
 }
@@ -134,15 +139,35 @@ impl Harness {
 
     async fn open(&mut self) {
         let devices: Vec<Arc<dyn Device>> = self.devices.iter().map(|(d, _)| d.as_device()).collect();
-        let pool = match Pool::open(devices).await {
+        let options = PoolOptions {
+            ram: Some(RamSource::Heap(self.ram.clone())),
+            background: false,
+        };
+        let pool = match Pool::open_with(devices, options).await {
             Ok(pool) => pool,
             Err(e) => self.fail(format!("reopen failed: {e}")),
         };
         let volume = pool
             .open_volume(VOLUME_ID, self.volume_bytes, self.volblocksize)
             .unwrap_or_else(|e| self.fail(format!("open volume: {e}")));
+        volume.set_log_throughput(self.log_throughput);
         self.pool = Some(pool);
         self.volume = Some(volume);
+    }
+
+    async fn op_destage(&mut self) {
+        let pool = self.pool.clone().expect("pool");
+        let all = self.rng.chance(0.5);
+        self.log.push(format!("destage all={all}"));
+        let result = if all {
+            pool.destage_all().await
+        } else {
+            pool.destage_logged().await
+        };
+        if let Err(e) = result {
+            self.log.push(format!("destage failed: {e}"));
+            self.crash_and_reopen("after failed destage").await;
+        }
     }
 
     fn random_range(&mut self) -> (u64, u64) {
@@ -260,6 +285,10 @@ impl Harness {
             device.set_faults(SimFaults::default());
             device.crash_with(&mut self.rng);
         }
+        if !self.process_kill {
+            // Power loss: RAM forgets everything.
+            self.ram.wipe();
+        }
         self.open().await;
         // Every sector must hold one of the values the model allows.
         let sectors = self.model.sectors.len();
@@ -315,6 +344,10 @@ async fn run_seed(seed: u64, operations: usize) {
     // flushed or not); the others like power loss (unflushed writes dropped
     // or torn).
     let process_kill = rng.chance(0.3);
+    let log_throughput = rng.chance(0.25);
+    // A small RAM tier (about 250 sectors against 2048 in the volume), so
+    // writers often have to destage to make room.
+    let ram = HeapImage::new(MIN_RAM_BYTES);
     let mut harness = Harness {
         seed,
         rng,
@@ -325,9 +358,12 @@ async fn run_seed(seed: u64, operations: usize) {
         volblocksize,
         model: Model::new((volume_bytes / SECTOR) as usize),
         process_kill,
+        ram: ram.clone(),
+        log_throughput,
         next_write: 0,
         log: vec![format!(
-            "volblocksize={volblocksize} two_tiers={two_tiers} faults={with_faults} process_kill={process_kill}"
+            "volblocksize={volblocksize} two_tiers={two_tiers} faults={with_faults} process_kill={process_kill} \
+             log_throughput={log_throughput}"
         )],
     };
     if process_kill {
@@ -347,7 +383,11 @@ async fn run_seed(seed: u64, operations: usize) {
             role: *role,
         })
         .collect();
-    let pool = Pool::create("sim", 1 << 20, new_devices)
+    let options = PoolOptions {
+        ram: Some(RamSource::Heap(ram)),
+        background: false,
+    };
+    let pool = Pool::create_with("sim", 1 << 20, new_devices, options)
         .await
         .unwrap_or_else(|e| harness.fail(format!("create failed: {e}")));
     drop(pool);
@@ -367,7 +407,8 @@ async fn run_seed(seed: u64, operations: usize) {
             60..=66 => harness.op_zero(true).await,
             67..=72 => harness.op_zero(false).await,
             73..=84 => harness.op_flush().await,
-            85..=89 => harness.op_checkpoint().await,
+            85..=87 => harness.op_checkpoint().await,
+            88..=89 => harness.op_destage().await,
             _ => harness.crash_and_reopen("random").await,
         }
     }

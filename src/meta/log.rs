@@ -39,6 +39,18 @@ pub enum Record {
     },
     /// Volume `volume` is being destroyed: all its blocks are to be freed.
     Destroy { volume: u32 },
+    /// Intent-log data: the 4 KiB sector `sector` of volume `volume` holds
+    /// `data` (checksum `crc`). The payload travels in a data block after the
+    /// record's block (see docs/FORMAT.md).
+    Data {
+        volume: u32,
+        sector: u64,
+        crc: u32,
+        data: Arc<[u8]>,
+    },
+    /// Sectors `[first_sector, first_sector + count)` of `volume` were written
+    /// in place: older `Data` records for them are superseded.
+    Written { volume: u32, first_sector: u64, count: u32 },
 }
 
 impl Record {
@@ -47,6 +59,16 @@ impl Record {
             Record::Dirty { .. } => 10,
             Record::Map { crcs, .. } => 30 + 4 * crcs.len(),
             Record::Destroy { .. } => 5,
+            Record::Data { .. } => 17,
+            Record::Written { .. } => 17,
+        }
+    }
+
+    /// The payload block a record carries after its block, if any.
+    fn payload(&self) -> Option<&Arc<[u8]>> {
+        match self {
+            Record::Data { data, .. } => Some(data),
+            _ => None,
         }
     }
 
@@ -78,6 +100,24 @@ impl Record {
             Record::Destroy { volume } => {
                 out.push(3);
                 out.extend_from_slice(&volume.to_le_bytes());
+            }
+            Record::Data {
+                volume, sector, crc, ..
+            } => {
+                out.push(4);
+                out.extend_from_slice(&volume.to_le_bytes());
+                out.extend_from_slice(&sector.to_le_bytes());
+                out.extend_from_slice(&crc.to_le_bytes());
+            }
+            Record::Written {
+                volume,
+                first_sector,
+                count,
+            } => {
+                out.push(5);
+                out.extend_from_slice(&volume.to_le_bytes());
+                out.extend_from_slice(&first_sector.to_le_bytes());
+                out.extend_from_slice(&count.to_le_bytes());
             }
         }
     }
@@ -119,6 +159,24 @@ impl Record {
                 Some((record, 30 + 4 * count))
             }
             3 => Some((Record::Destroy { volume: u32_at(1)? }, 5)),
+            // The payload is attached by `decode_block`'s caller.
+            4 => Some((
+                Record::Data {
+                    volume: u32_at(1)?,
+                    sector: u64_at(5)?,
+                    crc: u32_at(13)?,
+                    data: Arc::from(Vec::new()),
+                },
+                17,
+            )),
+            5 => Some((
+                Record::Written {
+                    volume: u32_at(1)?,
+                    first_sector: u64_at(5)?,
+                    count: u32_at(13)?,
+                },
+                17,
+            )),
             _ => None,
         }
     }
@@ -257,6 +315,39 @@ impl Log {
         self.appended.fetch_add(1, Ordering::Relaxed);
     }
 
+    /// Queues records (in order) under one lock.
+    pub fn append_all(&self, records: Vec<Record>) {
+        let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+        let count = records.len() as u64;
+        for record in records {
+            if let Record::Map { volume, block, new, .. } = &record {
+                if *new != 0 {
+                    let index = pending.records.len();
+                    pending.allocations.insert((*volume, *block), index);
+                }
+            }
+            pending.bytes += record.encoded_len() + if record.payload().is_some() { 4096 } else { 0 };
+            pending.records.push(record);
+        }
+        self.pending_bytes.store(pending.bytes, Ordering::Relaxed);
+        pending.version += 1;
+        self.appended.fetch_add(count, Ordering::Relaxed);
+    }
+
+    /// Bytes a commit may still add before the log counts as full (pending
+    /// records included).
+    pub fn room(&self) -> u64 {
+        let pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+        let used = self.next_lsn() - self.tail_lsn.load(Ordering::Acquire)
+            + blocks_needed(&pending.records) * LOG_BLOCK_BYTES;
+        (self.len / 4 * 3).saturating_sub(used)
+    }
+
+    /// The oldest position still kept.
+    pub fn tail_lsn(&self) -> u64 {
+        self.tail_lsn.load(Ordering::Acquire)
+    }
+
     /// Bytes of records waiting for a commit.
     pub fn pending_bytes(&self) -> usize {
         self.pending_bytes.load(Ordering::Relaxed)
@@ -337,32 +428,49 @@ impl Log {
     }
 
     /// Encodes `records` into blocks from `next_lsn` and writes them,
-    /// skipping the first `skip` blocks (already staged, unchanged). A commit
-    /// (`committed`) flushes and advances `next_lsn`; staging leaves both
-    /// alone, so the next commit rewrites the same blocks, marked committed,
-    /// with more records after them.
+    /// skipping the first `skip` record blocks (already staged, unchanged)
+    /// and their data blocks. A commit (`committed`) flushes and advances
+    /// `next_lsn`; staging leaves both alone, so the next commit rewrites the
+    /// same blocks, marked committed, with more records after them.
     async fn write_blocks(&self, records: &[Record], committed: bool, skip: usize) -> Result<(), LogError> {
         let start_lsn = self.next_lsn();
         let blocks = pack(records);
-        let count = blocks.len() as u64;
+        // The 4 KiB units in log order: each record block, then its payloads.
+        let mut units: Vec<Unit<'_>> = Vec::new();
+        let mut skip_units = 0;
+        for (index, block) in blocks.iter().enumerate() {
+            if index == skip {
+                skip_units = units.len();
+            }
+            units.push(Unit::Header(block));
+            units.extend(block.payloads.iter().map(|p| Unit::Payload(p)));
+        }
+        if skip >= blocks.len() {
+            skip_units = units.len();
+        }
+        let count = units.len() as u64;
         // One device write per contiguous run (two when the region wraps).
-        let mut index = skip.min(blocks.len());
+        let mut index = skip_units;
         let mut lsn = start_lsn + index as u64 * LOG_BLOCK_BYTES;
-        while index < blocks.len() {
+        while index < units.len() {
             let physical = lsn % self.len;
             let room = ((self.len - physical) / LOG_BLOCK_BYTES) as usize;
-            let run = room.min(blocks.len() - index);
+            let run = room.min(units.len() - index);
             let mut buf = IoBuf::new(run * LOG_BLOCK_BYTES as usize);
-            for (i, (body, _)) in blocks[index..index + run].iter().enumerate() {
+            for (i, unit) in units[index..index + run].iter().enumerate() {
                 let at = i * LOG_BLOCK_BYTES as usize;
-                let block_lsn = lsn + i as u64 * LOG_BLOCK_BYTES;
-                encode_block(
-                    &mut buf.payload_mut()[at..at + LOG_BLOCK_BYTES as usize],
-                    block_lsn,
-                    self.pool_tag,
-                    body,
-                    committed,
-                );
+                let out = &mut buf.payload_mut()[at..at + LOG_BLOCK_BYTES as usize];
+                match unit {
+                    Unit::Header(block) => encode_block(
+                        out,
+                        lsn + i as u64 * LOG_BLOCK_BYTES,
+                        self.pool_tag,
+                        &block.body,
+                        committed,
+                        block.payloads.len(),
+                    ),
+                    Unit::Payload(data) => out.copy_from_slice(data),
+                }
             }
             let (_, result) = self.device.write(self.offset + physical, buf).await;
             result?;
@@ -413,7 +521,7 @@ impl Log {
         // already on the device exactly as they would be written now.
         let first = pack(&records)
             .iter()
-            .rposition(|(_, first_record)| *first_record <= staged)
+            .rposition(|block| block.first_record <= staged)
             .unwrap_or(0);
         self.write_blocks(&records, false, first).await?;
         let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
@@ -447,61 +555,133 @@ impl Log {
     }
 
     /// Reads the valid records from `tail_lsn` on. Returns them (each with
-    /// whether a commit wrote it, as opposed to staging) and the LSN where the
-    /// next block should go: after the last committed block (staged blocks
-    /// are rewritten by the next commit).
+    /// whether a commit wrote it, as opposed to staging, and the LSN of its
+    /// block), the LSN where the next block should go (after the last
+    /// committed block; staged blocks are rewritten by the next commit), and
+    /// where the valid blocks end.
+    #[allow(clippy::type_complexity)]
     pub async fn replay(
         device: &Arc<dyn Device>,
         offset: u64,
         len: u64,
         pool_tag: u64,
         tail_lsn: u64,
-    ) -> Result<(Vec<(Record, bool)>, u64, u64), DeviceError> {
+    ) -> Result<(Vec<(Record, bool, u64)>, u64, u64), DeviceError> {
+        let mut reader = UnitReader {
+            device,
+            offset,
+            len,
+            window_lsn: 0,
+            window: Vec::new(),
+        };
         let mut records = Vec::new();
         let mut lsn = tail_lsn;
         let mut next = tail_lsn;
-        'outer: while lsn - tail_lsn < len {
-            let physical = lsn % len;
-            let blocks = REPLAY_BATCH_BLOCKS
-                .min((len - physical) / LOG_BLOCK_BYTES)
-                .min((len - (lsn - tail_lsn)) / LOG_BLOCK_BYTES);
-            let (buf, result) = device
-                .read(offset + physical, IoBuf::new((blocks * LOG_BLOCK_BYTES) as usize))
-                .await;
-            result?;
-            for block in buf.payload().chunks(LOG_BLOCK_BYTES as usize) {
-                match decode_block(block, lsn, pool_tag) {
-                    Some((decoded, committed)) => {
-                        records.extend(decoded.into_iter().map(|r| (r, committed)));
-                        if committed {
-                            next = lsn + LOG_BLOCK_BYTES;
-                        }
+        while lsn - tail_lsn < len {
+            let block = reader.unit(lsn).await?;
+            let Some((mut decoded, committed, payloads)) = decode_block(&block, lsn, pool_tag) else {
+                break;
+            };
+            let units = 1 + payloads as u64;
+            if lsn - tail_lsn + units * LOG_BLOCK_BYTES > len {
+                break;
+            }
+            // Attach each Data record's payload; a torn payload ends the log.
+            let mut at = lsn + LOG_BLOCK_BYTES;
+            let mut intact = true;
+            for record in decoded.iter_mut() {
+                if let Record::Data { crc, data, .. } = record {
+                    let payload = reader.unit(at).await?;
+                    if crc32c::crc32c(&payload) != *crc {
+                        intact = false;
+                        break;
                     }
-                    None => break 'outer,
+                    *data = Arc::from(payload);
+                    at += LOG_BLOCK_BYTES;
                 }
-                lsn += LOG_BLOCK_BYTES;
+            }
+            if !intact {
+                break;
+            }
+            records.extend(decoded.into_iter().map(|r| (r, committed, lsn)));
+            lsn += units * LOG_BLOCK_BYTES;
+            if committed {
+                next = lsn;
             }
         }
         Ok((records, next, lsn))
     }
 }
 
-/// Splits records into block bodies: (body, index of its first record).
-fn pack(records: &[Record]) -> Vec<(Vec<u8>, usize)> {
-    let mut blocks = Vec::new();
-    let mut body = Vec::with_capacity(LOG_BLOCK_BYTES as usize);
-    let mut first = 0;
-    for (index, record) in records.iter().enumerate() {
-        if HEADER_BYTES + body.len() + record.encoded_len() > LOG_BLOCK_BYTES as usize {
-            blocks.push((std::mem::take(&mut body), first));
-            first = index;
+/// One 4 KiB unit of the log being written.
+enum Unit<'a> {
+    Header(&'a PackedBlock),
+    Payload(&'a Arc<[u8]>),
+}
+
+/// Reads log units through a window of `REPLAY_BATCH_BLOCKS` units.
+struct UnitReader<'a> {
+    device: &'a Arc<dyn Device>,
+    offset: u64,
+    len: u64,
+    window_lsn: u64,
+    window: Vec<u8>,
+}
+
+impl UnitReader<'_> {
+    async fn unit(&mut self, lsn: u64) -> Result<Vec<u8>, DeviceError> {
+        let cached = self.window.len() as u64 / LOG_BLOCK_BYTES;
+        if lsn < self.window_lsn || lsn >= self.window_lsn + cached {
+            let physical = lsn % self.len;
+            let blocks = REPLAY_BATCH_BLOCKS.min((self.len - physical) / LOG_BLOCK_BYTES);
+            let (buf, result) = self
+                .device
+                .read(self.offset + physical, IoBuf::new((blocks * LOG_BLOCK_BYTES) as usize))
+                .await;
+            result?;
+            self.window = buf.payload().to_vec();
+            self.window_lsn = lsn;
         }
-        record.encode(&mut body);
+        let at = ((lsn - self.window_lsn) * LOG_BLOCK_BYTES) as usize;
+        Ok(self.window[at..at + LOG_BLOCK_BYTES as usize].to_vec())
     }
-    blocks.push((body, first));
+}
+
+/// A record block being written: its body, the index of its first record,
+/// and the payloads of its Data records (written right after it).
+struct PackedBlock {
+    body: Vec<u8>,
+    first_record: usize,
+    payloads: Vec<Arc<[u8]>>,
+}
+
+/// Splits records into record blocks.
+fn pack(records: &[Record]) -> Vec<PackedBlock> {
+    let mut blocks = Vec::new();
+    let mut current = PackedBlock {
+        body: Vec::with_capacity(LOG_BLOCK_BYTES as usize),
+        first_record: 0,
+        payloads: Vec::new(),
+    };
+    for (index, record) in records.iter().enumerate() {
+        if HEADER_BYTES + current.body.len() + record.encoded_len() > LOG_BLOCK_BYTES as usize {
+            let fresh = PackedBlock {
+                body: Vec::with_capacity(LOG_BLOCK_BYTES as usize),
+                first_record: index,
+                payloads: Vec::new(),
+            };
+            blocks.push(std::mem::replace(&mut current, fresh));
+        }
+        record.encode(&mut current.body);
+        if let Some(payload) = record.payload() {
+            current.payloads.push(payload.clone());
+        }
+    }
+    blocks.push(current);
     blocks
 }
 
+/// Log units (4 KiB) that `records` take: record blocks plus payloads.
 fn blocks_needed(records: &[Record]) -> u64 {
     let mut blocks = 1u64;
     let mut used = HEADER_BYTES;
@@ -511,6 +691,9 @@ fn blocks_needed(records: &[Record]) -> u64 {
             used = HEADER_BYTES;
         }
         used += record.encoded_len();
+        if record.payload().is_some() {
+            blocks += 1;
+        }
     }
     blocks
 }
@@ -518,12 +701,15 @@ fn blocks_needed(records: &[Record]) -> u64 {
 /// Block flag: written by a commit (data devices were flushed first).
 const FLAG_COMMITTED: u32 = 1;
 
-fn encode_block(out: &mut [u8], lsn: u64, pool_tag: u64, body: &[u8], committed: bool) {
+/// Header flags bits 16..31: how many payload blocks follow the block.
+const PAYLOAD_SHIFT: u32 = 16;
+
+fn encode_block(out: &mut [u8], lsn: u64, pool_tag: u64, body: &[u8], committed: bool, payloads: usize) {
     out[0..4].copy_from_slice(&MAGIC.to_le_bytes());
     out[8..16].copy_from_slice(&lsn.to_le_bytes());
     out[16..24].copy_from_slice(&pool_tag.to_le_bytes());
     out[24..28].copy_from_slice(&(body.len() as u32).to_le_bytes());
-    let flags = if committed { FLAG_COMMITTED } else { 0 };
+    let flags = if committed { FLAG_COMMITTED } else { 0 } | (payloads as u32) << PAYLOAD_SHIFT;
     out[28..32].copy_from_slice(&flags.to_le_bytes());
     out[HEADER_BYTES..HEADER_BYTES + body.len()].copy_from_slice(body);
     let crc = crc32c::crc32c(&out[8..]);
@@ -531,8 +717,9 @@ fn encode_block(out: &mut [u8], lsn: u64, pool_tag: u64, body: &[u8], committed:
 }
 
 /// Decodes a block if it is a valid block of this pool at `lsn`: its records
-/// and whether a commit wrote it.
-fn decode_block(block: &[u8], lsn: u64, pool_tag: u64) -> Option<(Vec<Record>, bool)> {
+/// (Data records without their payloads), whether a commit wrote it, and how
+/// many payload blocks follow it.
+fn decode_block(block: &[u8], lsn: u64, pool_tag: u64) -> Option<(Vec<Record>, bool, usize)> {
     let u32_at = |at: usize| u32::from_le_bytes(block[at..at + 4].try_into().unwrap_or([0; 4]));
     let u64_at = |at: usize| u64::from_le_bytes(block[at..at + 8].try_into().unwrap_or([0; 8]));
     if block.len() != LOG_BLOCK_BYTES as usize
@@ -552,7 +739,11 @@ fn decode_block(block: &[u8], lsn: u64, pool_tag: u64) -> Option<(Vec<Record>, b
         records.push(record);
         at += length;
     }
-    Some((records, u32_at(28) & FLAG_COMMITTED != 0))
+    let payloads = (u32_at(28) >> PAYLOAD_SHIFT) as usize;
+    if records.iter().filter(|r| matches!(r, Record::Data { .. })).count() != payloads {
+        return None;
+    }
+    Some((records, u32_at(28) & FLAG_COMMITTED != 0, payloads))
 }
 
 #[cfg(test)]
@@ -584,11 +775,11 @@ mod tests {
             r.encode(&mut body);
         }
         let mut block = vec![0u8; LOG_BLOCK_BYTES as usize];
-        encode_block(&mut block, 8192, 42, &body, true);
-        assert_eq!(decode_block(&block, 8192, 42), Some((records.clone(), true)));
+        encode_block(&mut block, 8192, 42, &body, true, 0);
+        assert_eq!(decode_block(&block, 8192, 42), Some((records.clone(), true, 0)));
         let mut staged = vec![0u8; LOG_BLOCK_BYTES as usize];
-        encode_block(&mut staged, 8192, 42, &body, false);
-        assert_eq!(decode_block(&staged, 8192, 42), Some((records, false)));
+        encode_block(&mut staged, 8192, 42, &body, false, 0);
+        assert_eq!(decode_block(&staged, 8192, 42), Some((records, false, 0)));
         assert_eq!(decode_block(&block, 4096, 42), None, "wrong position");
         assert_eq!(decode_block(&block, 8192, 43), None, "another pool");
         block[100] ^= 1;

@@ -19,6 +19,9 @@
 //! - A freed slot is reused only after the record freeing it is durable.
 
 pub mod alloc;
+pub mod cache;
+mod destage;
+pub mod ram;
 pub mod superblock;
 pub mod volume;
 
@@ -47,6 +50,26 @@ const CRC_CACHE_PAGES: usize = 4096;
 /// Checkpoint when this many pages are dirty (bounds memory).
 const MAX_DIRTY_PAGES: usize = 16384;
 const STORE_CACHE_BYTES: usize = 32 << 20;
+/// RAM tier of a pool opened without one configured (tests, tools).
+pub const DEFAULT_RAM_BYTES: u64 = 64 << 20;
+/// Dirty data older than this is destaged (the commit interval).
+pub const COMMIT_INTERVAL: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// How a pool is opened beyond its devices.
+#[derive(Clone)]
+pub struct PoolOptions {
+    /// The RAM tier (write-back cache); `None` = a heap region of
+    /// `DEFAULT_RAM_BYTES`.
+    pub ram: Option<ram::RamSource>,
+    /// Run the background destager (needs a multi-thread runtime).
+    pub background: bool,
+}
+
+impl Default for PoolOptions {
+    fn default() -> Self {
+        PoolOptions { ram: None, background: true }
+    }
+}
 
 /// A block-map entry: valid bit, device index, physical offset in 4 KiB units.
 pub mod map_entry {
@@ -195,6 +218,16 @@ pub struct Pool {
     checkpoint_scheduled: std::sync::atomic::AtomicBool,
     store_bytes: Arc<AtomicU64>,
     pub(crate) data_bytes: AtomicU64,
+    /// The write-back cache in the RAM tier.
+    pub(crate) cache: cache::WriteCache,
+    /// Pool space promised to cached writes into unmapped blocks.
+    reserved_bytes: AtomicU64,
+    /// Data-device writes completed, and how many of them a flush covered:
+    /// a commit flushes the data devices only when they differ.
+    data_writes: AtomicU64,
+    data_flushed: AtomicU64,
+    /// Where replay of Data records starts (at or before the checkpoint LSN).
+    data_tail: AtomicU64,
     /// Lets `&self` methods start background work that needs an `Arc<Pool>`.
     self_ref: std::sync::OnceLock<std::sync::Weak<Pool>>,
 }
@@ -254,6 +287,16 @@ impl Pool {
     /// Initialises a pool on `devices` (which must not already be strata
     /// devices) and opens it.
     pub async fn create(name: &str, chunk_bytes: u32, devices: Vec<NewDevice>) -> Result<Arc<Pool>, PoolError> {
+        Self::create_with(name, chunk_bytes, devices, PoolOptions::default()).await
+    }
+
+    /// `create` with options for the opened pool.
+    pub async fn create_with(
+        name: &str,
+        chunk_bytes: u32,
+        devices: Vec<NewDevice>,
+        options: PoolOptions,
+    ) -> Result<Arc<Pool>, PoolError> {
         if devices.is_empty() || devices.len() > superblock::MAX_MEMBERS {
             return Err(PoolError::Invalid(format!(
                 "a pool needs 1 to {} devices",
@@ -353,11 +396,16 @@ impl Pool {
             };
             write_superblock(&new.device, &superblock).await?;
         }
-        Self::open(devices.into_iter().map(|d| d.device).collect()).await
+        Self::open_with(devices.into_iter().map(|d| d.device).collect(), options).await
     }
 
     /// Opens a pool from its devices (in any order), replaying the log.
     pub async fn open(devices: Vec<Arc<dyn Device>>) -> Result<Arc<Pool>, PoolError> {
+        Self::open_with(devices, PoolOptions::default()).await
+    }
+
+    /// `open` with a RAM tier and background work as given.
+    pub async fn open_with(devices: Vec<Arc<dyn Device>>, options: PoolOptions) -> Result<Arc<Pool>, PoolError> {
         let mut found = Vec::new();
         for device in &devices {
             let (superblock, repair) = read_superblock(device).await?;
@@ -437,10 +485,14 @@ impl Pool {
                 chunk_epochs: (0..chunks).map(|_| AtomicU32::new(0)).collect(),
             });
         }
-        Self::recover(reference, pool_devices).await
+        Self::recover(reference, pool_devices, options).await
     }
 
-    async fn recover(superblock: Superblock, devices: Vec<PoolDevice>) -> Result<Arc<Pool>, PoolError> {
+    async fn recover(
+        superblock: Superblock,
+        devices: Vec<PoolDevice>,
+        options: PoolOptions,
+    ) -> Result<Arc<Pool>, PoolError> {
         let chunk = superblock.chunk_bytes as u64;
         let meta_dev = devices[superblock.meta_device as usize].device.clone();
         let (meta_offset, meta_bytes) = (superblock.meta_offset, superblock.meta_bytes);
@@ -451,6 +503,14 @@ impl Pool {
                 .await
                 .map_err(PoolError::Meta)?;
         let checkpoint_lsn = store::read_state(&db, "checkpoint_lsn").map_err(PoolError::Meta)?;
+        // Pools checkpointed before the intent log carried data have no
+        // separate data tail (0 = the checkpoint LSN).
+        let data_tail = match store::read_state(&db, "has_data_tail").map_err(PoolError::Meta)? {
+            0 => checkpoint_lsn,
+            _ => store::read_state(&db, "data_tail")
+                .map_err(PoolError::Meta)?
+                .min(checkpoint_lsn),
+        };
         let epoch = store::read_state(&db, "epoch").map_err(PoolError::Meta)? as u32;
 
         // Space: every data device minus chunk 0 and the metadata/log regions.
@@ -496,7 +556,7 @@ impl Pool {
             superblock.log_offset,
             superblock.log_bytes,
             pool_tag,
-            checkpoint_lsn,
+            data_tail,
         )
         .await?;
         let log = Log::new(
@@ -504,9 +564,47 @@ impl Pool {
             superblock.log_offset,
             superblock.log_bytes,
             pool_tag,
-            checkpoint_lsn,
+            data_tail,
             end_lsn,
         );
+        // The RAM tier: if it survived (the process died, the machine did
+        // not), it holds the newest contents of every dirty sector and the
+        // log's Data records are not needed. Otherwise the live Data records
+        // rebuild the cache.
+        let source = options
+            .ram
+            .clone()
+            .unwrap_or_else(|| ram::RamSource::Heap(ram::HeapImage::new(DEFAULT_RAM_BYTES)));
+        let (ram_tier, survivors, intact) = ram::RamTier::open(&source, &superblock.pool_uuid)
+            .map_err(|e| PoolError::Invalid(format!("cannot open the RAM tier: {e}")))?;
+        let replayed_data = if intact {
+            Vec::new()
+        } else {
+            cache::live_data_records(&records)
+        };
+        let (ram_tier, survivors) = if replayed_data.len() > ram_tier.total_slots() {
+            // Smaller than the data the log still holds: grow it for now.
+            tracing::warn!(
+                "RAM tier {} is smaller than the {} sectors to replay; using a larger heap region",
+                ram_tier.location(),
+                replayed_data.len()
+            );
+            let image = ram::HeapImage::new((replayed_data.len() as u64 + 64) * ram::SLOT_BYTES as u64 * 2);
+            let (tier, survivors, _) = ram::RamTier::open(&ram::RamSource::Heap(image), &superblock.pool_uuid)
+                .map_err(|e| PoolError::Invalid(format!("cannot open the RAM tier: {e}")))?;
+            (tier, survivors)
+        } else {
+            (ram_tier, survivors)
+        };
+        if !survivors.is_empty() {
+            tracing::info!(
+                "pool {}: {} dirty sectors survived in the RAM tier {}",
+                superblock.pool_name,
+                survivors.len(),
+                ram_tier.location()
+            );
+        }
+        let write_cache = cache::WriteCache::new(ram_tier, &survivors, data_tail);
         let pool = Arc::new(Pool {
             name: superblock.pool_name.clone(),
             uuid: superblock.pool_uuid,
@@ -528,12 +626,21 @@ impl Pool {
             checkpoint_scheduled: std::sync::atomic::AtomicBool::new(false),
             store_bytes,
             data_bytes: AtomicU64::new(0),
+            cache: write_cache,
+            reserved_bytes: AtomicU64::new(0),
+            data_writes: AtomicU64::new(0),
+            data_flushed: AtomicU64::new(0),
+            data_tail: AtomicU64::new(data_tail),
             self_ref: std::sync::OnceLock::new(),
         });
         let _ = pool.self_ref.set(Arc::downgrade(&pool));
         let replayed = records.len();
         let mut staged_dropped = 0;
-        for (record, committed) in records {
+        for (record, committed, lsn) in records {
+            // Records before the checkpoint were kept for their data only.
+            if lsn < checkpoint_lsn || matches!(record, Record::Data { .. } | Record::Written { .. }) {
+                continue;
+            }
             // A staged record (never committed) counts only if the data it
             // maps made it to the device intact: staging has no data flush
             // before it, so after a power loss the mapping may have landed
@@ -557,10 +664,21 @@ impl Pool {
                 pool.suspect.lock().unwrap_or_else(|e| e.into_inner()).len()
             );
         }
+        if !replayed_data.is_empty() {
+            tracing::info!(
+                "pool {}: {} sectors of acknowledged synchronous writes restored from the intent log",
+                pool.name,
+                replayed_data.len()
+            );
+            pool.cache.restore(replayed_data);
+        }
         // Persist what replay rebuilt and start the log afresh; blocks staged
         // before the crash must not be replayed again by a later recovery.
         pool.checkpoint().await?;
         pool.log.seal(valid_end).await?;
+        if options.background {
+            pool.start_destager();
+        }
         Ok(pool)
     }
 
@@ -636,6 +754,7 @@ impl Pool {
                 }
             }
             Record::Destroy { volume } => self.free_volume_blocks(volume)?,
+            Record::Data { .. } | Record::Written { .. } => {}
         }
         Ok(())
     }
@@ -820,7 +939,7 @@ impl Pool {
             if !appended {
                 return Ok(epoch);
             }
-            self.commit().await?;
+            self.commit_quiet().await?;
             for &(device, offset) in places {
                 let chunk = offset / self.chunk_bytes as u64;
                 if let Some(slot) = self
@@ -843,7 +962,24 @@ impl Pool {
 
     // ---- durability --------------------------------------------------------------
 
+    /// Counts a completed data-device write (see `flush_data_devices`).
+    pub(crate) fn note_data_write(&self) {
+        self.data_writes.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// Flushes the data devices if any data write completed since the last
+    /// flush (a commit of Data records alone needs only the log device).
     async fn flush_data_devices(&self) -> Result<(), DeviceError> {
+        let written = self.data_writes.load(Ordering::Acquire);
+        if written == self.data_flushed.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        self.flush_data_devices_now().await?;
+        self.data_flushed.fetch_max(written, Ordering::AcqRel);
+        Ok(())
+    }
+
+    async fn flush_data_devices_now(&self) -> Result<(), DeviceError> {
         for device in &self.devices {
             if device.member.role.holds_data() {
                 if let Err(e) = device.device.flush().await {
@@ -857,18 +993,38 @@ impl Pool {
 
     /// Makes every completed write durable: flushes the data devices, then
     /// commits the log. Group-committed: concurrent callers share one commit.
+    /// A full log is freed by a checkpoint, destaging the data it holds if
+    /// that is what keeps it full (backpressure).
     pub async fn commit(&self) -> Result<(), PoolError> {
-        loop {
+        for attempt in 0..4 {
             match self.log.commit(|| self.flush_data_devices(), false).await {
                 Ok(frees) => {
                     self.release_frees(frees).await;
                     self.maybe_checkpoint_soon();
                     return Ok(());
                 }
+                Err(LogError::Full) if attempt == 0 => self.checkpoint_metadata().await?,
                 Err(LogError::Full) => self.checkpoint().await?,
                 Err(e) => return Err(e.into()),
             }
         }
+        Err(LogError::Full.into())
+    }
+
+    /// A commit for the engine's own work (dirty marks, destaging): never
+    /// destages, so it can run inside a destage; may use the log's reserve.
+    pub(crate) async fn commit_quiet(&self) -> Result<(), PoolError> {
+        for attempt in 0..3 {
+            match self.log.commit(|| self.flush_data_devices(), attempt > 0).await {
+                Ok(frees) => {
+                    self.release_frees(frees).await;
+                    return Ok(());
+                }
+                Err(LogError::Full) if attempt < 2 => self.checkpoint_metadata().await?,
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Err(LogError::Full.into())
     }
 
     async fn release_frees(&self, frees: Vec<(u8, u64)>) {
@@ -917,9 +1073,18 @@ impl Pool {
         Ok(())
     }
 
-    /// Writes every change since the last checkpoint to the metadata store
-    /// and frees the log.
+    /// Destages the data the intent log holds, then writes every change
+    /// since the last checkpoint to the metadata store and frees the log.
     pub async fn checkpoint(&self) -> Result<(), PoolError> {
+        if let Err(e) = self.destage_logged().await {
+            tracing::warn!("pool {}: destaging before a checkpoint failed: {e}", self.name);
+        }
+        self.checkpoint_metadata().await
+    }
+
+    /// The metadata part of a checkpoint. The log is freed up to the
+    /// checkpoint, or up to the oldest Data record still needed.
+    pub(crate) async fn checkpoint_metadata(&self) -> Result<(), PoolError> {
         let _one = self.checkpointing.lock().await;
         let gate = self.gate.write().await;
         // Everything logged so far becomes durable first, so the checkpoint
@@ -932,6 +1097,8 @@ impl Pool {
         let crcs = self.crc_pages.take_dirty();
         let chunks = self.allocator.lock().unwrap_or_else(|e| e.into_inner()).take_dirty();
         let suspect = self.suspect_snapshot();
+        // Data records are appended under the gate, so none is in flight.
+        let data_tail = self.cache.oldest_log_lsn().map_or(lsn, |oldest| oldest.min(lsn));
         let destroyed: Vec<u32> = self
             .destroyed
             .lock()
@@ -942,11 +1109,13 @@ impl Pool {
         drop(gate);
 
         let pages = (map.len() + crcs.len()) as u64;
-        let result =
-            store::blocking_section(|| self.write_checkpoint(&map, &crcs, &chunks, &suspect, &destroyed, lsn, epoch));
+        let result = store::blocking_section(|| {
+            self.write_checkpoint(&map, &crcs, &chunks, &suspect, &destroyed, (lsn, data_tail), epoch)
+        });
         match result {
             Ok(()) => {
-                self.log.set_tail(lsn);
+                self.log.set_tail(data_tail);
+                self.data_tail.store(data_tail, Ordering::Release);
                 let mut pending = self.destroyed.lock().unwrap_or_else(|e| e.into_inner());
                 for volume in destroyed {
                     pending.remove(&volume);
@@ -975,7 +1144,7 @@ impl Pool {
         chunks: &[((u8, u64), Option<ChunkState>)],
         suspect: &[(u8, u64)],
         destroyed: &[u32],
-        lsn: u64,
+        (lsn, data_tail): (u64, u64),
         epoch: u32,
     ) -> Result<(), String> {
         // The store's backend blocks on device I/O; the simulator's devices
@@ -1023,6 +1192,8 @@ impl Pool {
         {
             let mut table = txn.open_table(STATE).map_err(|e| e.to_string())?;
             table.insert("checkpoint_lsn", lsn).map_err(|e| e.to_string())?;
+            table.insert("data_tail", data_tail).map_err(|e| e.to_string())?;
+            table.insert("has_data_tail", 1).map_err(|e| e.to_string())?;
             table.insert("epoch", epoch as u64).map_err(|e| e.to_string())?;
         }
         txn.commit().map_err(|e| e.to_string())
@@ -1043,13 +1214,15 @@ impl Pool {
             )));
         }
         let mapped = self.count_mapped_blocks(id)?;
-        Ok(Arc::new(volume::EngineVolume::new(
+        let engine = Arc::new(volume::EngineVolume::new(
             self.clone(),
             id,
             size_bytes,
             volblocksize,
             mapped,
-        )))
+        ));
+        self.register_volume(id, Arc::downgrade(&engine));
+        Ok(engine)
     }
 
     /// Counts the mapped blocks of volume `id` (stored pages, with cached
@@ -1084,6 +1257,13 @@ impl Pool {
     /// Destroys volume `id`: frees every block once the record saying so is
     /// durable; the next checkpoint deletes its pages.
     pub async fn destroy_volume(&self, id: u32) -> Result<(), PoolError> {
+        self.cache
+            .engines
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&id);
+        let (_, reserved_bytes) = self.cache.forget_volume(id);
+        self.unreserve(reserved_bytes);
         self.log.append(Record::Destroy { volume: id });
         self.commit().await?;
         let _gate = self.gate.write().await;

@@ -11,11 +11,12 @@
 //! the middle of being written (data and checksum out of step) and serialise
 //! read-modify-write of partial sectors and allocation of the same block.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use tokio::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 
+use super::cache::{Entry, VolumeCache};
 use super::{map_entry, Pool, PoolError, SECTOR_BYTES};
 use crate::device::{DeviceError, IoBuf};
 use crate::meta::log::Record;
@@ -33,6 +34,11 @@ pub struct EngineVolume {
     stripes: Box<[RwLock<()>]>,
     /// Blocks currently mapped (for `used` in `volume list`).
     mapped_blocks: AtomicU64,
+    /// This volume's part of the pool's write-back cache.
+    cache: Arc<VolumeCache>,
+    /// `logbias=throughput`: synchronous writes go to their place, not to
+    /// the intent log.
+    log_throughput: AtomicBool,
 }
 
 /// One device write planned by a request (one or more volume blocks that
@@ -150,19 +156,31 @@ fn pool_error(error: PoolError) -> BlockError {
     }
 }
 
+/// Stripe indices (sorted, so locks are always taken in one order) of blocks.
+fn stripes_of(blocks: &[u64]) -> Vec<usize> {
+    let mut indices: Vec<usize> = blocks.iter().map(|b| (b % STRIPES as u64) as usize).collect();
+    indices.sort_unstable();
+    indices.dedup();
+    indices
+}
+
 fn sector_crcs(bytes: &[u8]) -> Vec<u32> {
     bytes.chunks(SECTOR_BYTES as usize).map(crc32c::crc32c).collect()
 }
 
 impl EngineVolume {
     pub(crate) fn new(pool: Arc<Pool>, id: u32, size_bytes: u64, volblocksize: u32, mapped_blocks: u64) -> Self {
+        let cache = pool.cache.volume(id);
+        cache.lock().block_bytes = volblocksize as u64;
         EngineVolume {
-            pool,
             id,
             size_bytes: AtomicU64::new(size_bytes),
             block_shift: volblocksize.trailing_zeros(),
             stripes: (0..STRIPES).map(|_| RwLock::new(())).collect(),
             mapped_blocks: AtomicU64::new(mapped_blocks),
+            cache,
+            log_throughput: AtomicBool::new(false),
+            pool,
         }
     }
 
@@ -275,9 +293,34 @@ impl EngineVolume {
         Ok(buf)
     }
 
-    async fn read_impl(&self, offset: u64, mut buf: IoBuf) -> (IoBuf, BlockResult<()>) {
+    async fn read_impl(&self, offset: u64, buf: IoBuf) -> (IoBuf, BlockResult<()>) {
+        let _guards = self.lock_shared(offset, buf.len() as u64).await;
+        self.read_unlocked(offset, buf).await
+    }
+
+    /// Reads through the cache (caller holds the stripe locks): sectors the
+    /// cache holds come from RAM, the rest from the devices.
+    async fn read_unlocked(&self, offset: u64, buf: IoBuf) -> (IoBuf, BlockResult<()>) {
         let length = buf.len() as u64;
-        let _guards = self.lock_shared(offset, length).await;
+        let first = offset / SECTOR_BYTES;
+        let last = (offset + length - 1) / SECTOR_BYTES;
+        let cached = self.cache.lock().entries.range(first..=last).count() as u64;
+        if cached == 0 {
+            return self.read_disk(offset, buf).await;
+        }
+        let (mut buf, result) = if cached == last - first + 1 {
+            (buf, Ok(()))
+        } else {
+            self.read_disk(offset, buf).await
+        };
+        if result.is_ok() {
+            self.pool.cache.overlay(&self.cache, offset, buf.payload_mut());
+        }
+        (buf, result)
+    }
+
+    async fn read_disk(&self, offset: u64, mut buf: IoBuf) -> (IoBuf, BlockResult<()>) {
+        let length = buf.len() as u64;
         // (device, physical offset, length, position in buf)
         let mut segments: Vec<(u8, u64, u64, u64)> = Vec::new();
         let mut position = offset;
@@ -436,6 +479,7 @@ impl EngineVolume {
             };
             match result {
                 Ok(()) => {
+                    self.pool.note_data_write();
                     self.pool
                         .data_bytes
                         .fetch_add(write.data.len() as u64, Ordering::Relaxed);
@@ -537,6 +581,360 @@ impl EngineVolume {
         Ok(())
     }
 
+    fn sectors_per_block(&self) -> u64 {
+        self.block_bytes() / SECTOR_BYTES
+    }
+
+    async fn lock_blocks_shared(&self, blocks: &[u64]) -> Vec<RwLockReadGuard<'_, ()>> {
+        let mut guards = Vec::new();
+        for index in stripes_of(blocks) {
+            guards.push(self.stripes[index].read().await);
+        }
+        guards
+    }
+
+    async fn lock_blocks_exclusive(&self, blocks: &[u64]) -> Vec<RwLockWriteGuard<'_, ()>> {
+        let mut guards = Vec::new();
+        for index in stripes_of(blocks) {
+            guards.push(self.stripes[index].write().await);
+        }
+        guards
+    }
+
+    /// Blocks (sorted) holding cached sectors that match `filter`, at most `limit`.
+    pub(crate) fn cached_blocks(&self, filter: impl Fn(&Entry) -> bool, limit: usize) -> Vec<u64> {
+        let per_block = self.sectors_per_block();
+        let state = self.cache.lock();
+        let mut blocks: Vec<u64> = Vec::new();
+        for (sector, entry) in state.entries.iter() {
+            if blocks.len() >= limit {
+                break;
+            }
+            let block = sector / per_block;
+            if blocks.last() != Some(&block) && filter(entry) {
+                blocks.push(block);
+            }
+        }
+        blocks
+    }
+
+    /// Blocks of `[offset, offset + length)` holding cached sectors.
+    fn cached_blocks_in(&self, offset: u64, length: u64) -> Vec<u64> {
+        let per_block = self.sectors_per_block();
+        let first = offset / SECTOR_BYTES;
+        let last = (offset + length.max(1) - 1) / SECTOR_BYTES;
+        let mut blocks: Vec<u64> = self
+            .cache
+            .lock()
+            .entries
+            .range(first..=last)
+            .map(|(sector, _)| sector / per_block)
+            .collect();
+        blocks.dedup();
+        blocks
+    }
+
+    /// Writes the cached sectors of `blocks` (sorted) to their place, commits
+    /// (so they are durable and their log records superseded), then drops
+    /// the entries nobody rewrote meanwhile.
+    pub(crate) async fn destage_blocks(&self, blocks: &[u64]) -> BlockResult<()> {
+        let per_block = self.sectors_per_block();
+        let guards = self.lock_blocks_exclusive(blocks).await;
+        let snap_lsn = self.pool.log.next_lsn();
+        let snapshot: Vec<(u64, Entry)> = {
+            let state = self.cache.lock();
+            blocks
+                .iter()
+                .flat_map(|block| {
+                    state
+                        .entries
+                        .range(block * per_block..(block + 1) * per_block)
+                        .map(|(s, e)| (*s, *e))
+                        .collect::<Vec<_>>()
+                })
+                .collect()
+        };
+        if snapshot.is_empty() {
+            return Ok(());
+        }
+        // Contiguous runs of sectors become one write each.
+        let mut start = 0;
+        while start < snapshot.len() {
+            let mut stop = start + 1;
+            while stop < snapshot.len() && snapshot[stop].0 == snapshot[stop - 1].0 + 1 {
+                stop += 1;
+            }
+            let mut buf = IoBuf::new((stop - start) * SECTOR_BYTES as usize);
+            for (i, (_, entry)) in snapshot[start..stop].iter().enumerate() {
+                let at = i * SECTOR_BYTES as usize;
+                self.pool
+                    .cache
+                    .ram
+                    .read(entry.slot, 0, &mut buf.payload_mut()[at..at + SECTOR_BYTES as usize]);
+            }
+            self.write_locked(snapshot[start].0 * SECTOR_BYTES, buf).await?;
+            start = stop;
+        }
+        // Older Data records of these blocks are superseded once this is
+        // committed (after the data devices are flushed).
+        let mut written = Vec::new();
+        let mut last_block = None;
+        for (sector, entry) in &snapshot {
+            let block = sector / per_block;
+            if entry.logged_at != 0 && last_block != Some(block) {
+                written.push(Record::Written {
+                    volume: self.id,
+                    first_sector: block * per_block,
+                    count: per_block as u32,
+                });
+                last_block = Some(block);
+            }
+        }
+        if !written.is_empty() {
+            self.pool.log.append_all(written);
+        }
+        let released = {
+            let mut state = self.cache.lock();
+            let before = state.reserved.len();
+            for block in blocks {
+                state.reserved.remove(block);
+            }
+            before - state.reserved.len()
+        };
+        self.pool.unreserve(released as u64 * self.block_bytes());
+        drop(guards);
+        self.pool.commit_quiet().await.map_err(pool_error)?;
+        self.pool
+            .cache
+            .destaged_bytes
+            .fetch_add(snapshot.len() as u64 * SECTOR_BYTES, Ordering::Relaxed);
+        let guards = self.lock_blocks_exclusive(blocks).await;
+        let mut freed = Vec::new();
+        {
+            let now = std::time::Instant::now();
+            let mut state = self.cache.lock();
+            for (sector, entry) in &snapshot {
+                let Some(current) = state.entries.get_mut(sector) else {
+                    continue;
+                };
+                if current.seq == entry.seq {
+                    freed.push(current.slot);
+                    state.entries.remove(sector);
+                } else {
+                    // Rewritten meanwhile: what it logged before is superseded.
+                    if current.logged_at == entry.logged_at {
+                        current.logged_at = 0;
+                    } else if current.logged_at != 0 {
+                        current.log_lsn = current.log_lsn.max(snap_lsn);
+                    }
+                    current.since = now;
+                }
+            }
+        }
+        drop(guards);
+        for slot in freed {
+            self.pool.cache.ram.release(slot);
+        }
+        self.pool.cache.space.notify_waiters();
+        Ok(())
+    }
+
+    /// Destages every cached block of a range (before it is trimmed, zeroed
+    /// or written around the cache) and returns its locks with no cached
+    /// sector left in it.
+    async fn clear_cached(&self, offset: u64, length: u64) -> BlockResult<Vec<RwLockWriteGuard<'_, ()>>> {
+        loop {
+            let blocks = self.cached_blocks_in(offset, length);
+            for batch in blocks.chunks(512) {
+                self.destage_blocks(batch).await?;
+            }
+            let guards = self.lock_exclusive(offset, length).await;
+            if self.cached_blocks_in(offset, length).is_empty() {
+                return Ok(guards);
+            }
+        }
+    }
+
+    /// A write through the cache. `durable`: acknowledged only once durable
+    /// (logged, or written in place with `logbias=throughput`).
+    async fn write_cached(&self, offset: u64, data: IoBuf, durable: bool) -> BlockResult<()> {
+        let length = data.len() as u64;
+        let end = offset + length;
+        let first = offset / SECTOR_BYTES;
+        let last = (end - 1) / SECTOR_BYTES;
+        let count = (last - first + 1) as usize;
+        if count > self.pool.cache.ram.total_slots() / 4 {
+            return self.write_through(offset, data, durable).await;
+        }
+        let slots = loop {
+            self.pool.make_room(count).await.map_err(pool_error)?;
+            if let Some(slots) = self.pool.cache.ram.allocate(count) {
+                break slots;
+            }
+        };
+        let guards = self.lock_exclusive(offset, length).await;
+        let images = if offset % SECTOR_BYTES == 0 && end % SECTOR_BYTES == 0 {
+            data
+        } else {
+            // Partial sectors: merge with what the volume holds now.
+            let (mut cover, result) = self
+                .read_unlocked(first * SECTOR_BYTES, IoBuf::new(count * SECTOR_BYTES as usize))
+                .await;
+            if let Err(e) = result {
+                self.pool.cache.ram.give_back(&slots);
+                return Err(e);
+            }
+            let at = (offset - first * SECTOR_BYTES) as usize;
+            cover.payload_mut()[at..at + length as usize].copy_from_slice(data.payload());
+            cover
+        };
+        // Space for blocks that are not mapped yet is promised now, so the
+        // destage cannot run out of it later.
+        let first_block = offset >> self.block_shift;
+        let last_block = (end - 1) >> self.block_shift;
+        let mut needed = Vec::new();
+        {
+            let state = self.cache.lock();
+            for block in first_block..=last_block {
+                if !state.reserved.contains(&block) {
+                    needed.push(block);
+                }
+            }
+        }
+        let mut unmapped = Vec::new();
+        for block in needed {
+            match self.pool.lookup(self.id, block) {
+                Ok(entry) if entry & map_entry::VALID == 0 => unmapped.push(block),
+                Ok(_) => {}
+                Err(e) => {
+                    self.pool.cache.ram.give_back(&slots);
+                    return Err(meta_error(e));
+                }
+            }
+        }
+        if !unmapped.is_empty() {
+            if !self.pool.reserve(unmapped.len() as u64 * self.block_bytes()) {
+                self.pool.cache.ram.give_back(&slots);
+                return Err(BlockError::NoSpace);
+            }
+            self.cache.lock().reserved.extend(unmapped);
+        }
+        let log_data = durable && !self.log_throughput.load(Ordering::Acquire);
+        let gate = if log_data {
+            Some(self.pool.enter_write().await)
+        } else {
+            None
+        };
+        let logged = log_data.then(|| (self.pool.cache.next_ordinal(), self.pool.log.next_lsn()));
+        let crcs = self
+            .pool
+            .cache
+            .put(self.id, &self.cache, first, images.payload(), &slots, logged);
+        if log_data {
+            let records = images
+                .payload()
+                .chunks(SECTOR_BYTES as usize)
+                .zip(&crcs)
+                .enumerate()
+                .map(|(i, (image, crc))| Record::Data {
+                    volume: self.id,
+                    sector: first + i as u64,
+                    crc: *crc,
+                    data: Arc::from(image),
+                })
+                .collect();
+            self.pool.log.append_all(records);
+            self.pool
+                .cache
+                .logged_bytes
+                .fetch_add(count as u64 * SECTOR_BYTES, Ordering::Relaxed);
+        }
+        drop(gate);
+        drop(guards);
+        if durable {
+            if log_data {
+                self.pool.commit().await.map_err(pool_error)?;
+            } else {
+                let blocks: Vec<u64> = (first_block..=last_block).collect();
+                self.destage_blocks(&blocks).await?;
+            }
+        }
+        Ok(())
+    }
+
+    /// A write too large for the cache goes to its place directly.
+    async fn write_through(&self, offset: u64, data: IoBuf, durable: bool) -> BlockResult<()> {
+        let appends = self.pool.log_appends();
+        let guards = self.clear_cached(offset, data.len() as u64).await?;
+        let result = self.write_locked(offset, data).await;
+        drop(guards);
+        self.finish(result, durable, appends).await
+    }
+
+    /// FLUSH: makes every write completed before it durable. The cache's
+    /// unlogged sectors go to the intent log in one group commit, or, when
+    /// they are many (or `logbias=throughput`), to their place.
+    async fn flush_cached(&self) -> BlockResult<()> {
+        let per_block = self.sectors_per_block();
+        let sectors: Vec<u64> = self
+            .cache
+            .lock()
+            .entries
+            .iter()
+            .filter(|(_, e)| e.unlogged)
+            .map(|(s, _)| *s)
+            .collect();
+        if sectors.is_empty() {
+            return self.pool.commit().await.map_err(pool_error);
+        }
+        let mut blocks: Vec<u64> = sectors.iter().map(|s| s / per_block).collect();
+        blocks.dedup();
+        let bytes = sectors.len() as u64 * (SECTOR_BYTES + 64);
+        if self.log_throughput.load(Ordering::Acquire) || bytes > self.pool.log.room() / 2 {
+            for batch in blocks.chunks(512) {
+                self.destage_blocks(batch).await?;
+            }
+            return self.pool.commit().await.map_err(pool_error);
+        }
+        let guards = self.lock_blocks_shared(&blocks).await;
+        let gate = self.pool.enter_write().await;
+        let bound = self.pool.log.next_lsn();
+        let ordinal = self.pool.cache.next_ordinal();
+        let mut records = Vec::new();
+        {
+            let mut state = self.cache.lock();
+            for sector in sectors {
+                let Some(entry) = state.entries.get_mut(&sector) else {
+                    continue;
+                };
+                if !entry.unlogged {
+                    continue;
+                }
+                let mut data = vec![0u8; SECTOR_BYTES as usize];
+                self.pool.cache.ram.read(entry.slot, 0, &mut data);
+                records.push(Record::Data {
+                    volume: self.id,
+                    sector,
+                    crc: entry.crc,
+                    data: Arc::from(data),
+                });
+                entry.unlogged = false;
+                if entry.logged_at == 0 {
+                    entry.log_lsn = bound;
+                }
+                entry.logged_at = ordinal;
+            }
+        }
+        self.pool
+            .cache
+            .logged_bytes
+            .fetch_add(records.len() as u64 * SECTOR_BYTES, Ordering::Relaxed);
+        self.pool.log.append_all(records);
+        drop(gate);
+        drop(guards);
+        self.pool.commit().await.map_err(pool_error)
+    }
+
     fn extents(&self, offset: u64, length: u64) -> BlockResult<Vec<Extent>> {
         let mut extents: Vec<Extent> = Vec::new();
         let end = offset + length;
@@ -545,7 +943,15 @@ impl EngineVolume {
             let block = position >> self.block_shift;
             let within = position & (self.block_bytes() - 1);
             let step = (self.block_bytes() - within).min(end - position);
-            let mapped = self.pool.lookup(self.id, block).map_err(meta_error)? & map_entry::VALID != 0;
+            let sectors = self.block_bytes() / SECTOR_BYTES;
+            let mapped = self.pool.lookup(self.id, block).map_err(meta_error)? & map_entry::VALID != 0
+                || self
+                    .cache
+                    .lock()
+                    .entries
+                    .range(block * sectors..(block + 1) * sectors)
+                    .next()
+                    .is_some();
             match extents.last_mut() {
                 Some(last) if last.hole != mapped => last.length += step,
                 _ => extents.push(Extent {
@@ -592,23 +998,21 @@ impl BlockDevice for EngineVolume {
     }
 
     fn write(&self, offset: u64, data: IoBuf, fua: bool) -> BoxFuture<'_, BlockResult<()>> {
-        Box::pin(async move {
-            let appends = self.pool.log_appends();
-            let _guards = self.lock_exclusive(offset, data.len() as u64).await;
-            let result = self.write_locked(offset, data).await;
-            drop(_guards);
-            self.finish(result, fua, appends).await
-        })
+        Box::pin(self.write_cached(offset, data, fua))
     }
 
     fn flush(&self) -> BoxFuture<'_, BlockResult<()>> {
-        Box::pin(async move { self.pool.commit().await.map_err(pool_error) })
+        Box::pin(self.flush_cached())
+    }
+
+    fn set_log_throughput(&self, throughput: bool) {
+        self.log_throughput.store(throughput, Ordering::Release);
     }
 
     fn trim(&self, offset: u64, length: u64, fua: bool) -> BoxFuture<'_, BlockResult<()>> {
         Box::pin(async move {
             let appends = self.pool.log_appends();
-            let _guards = self.lock_exclusive(offset, length).await;
+            let _guards = self.clear_cached(offset, length).await?;
             let result = self.trim_locked(offset, length).await;
             drop(_guards);
             self.finish(result, fua, appends).await
@@ -621,7 +1025,7 @@ impl BlockDevice for EngineVolume {
                 return Err(BlockError::NotFast);
             }
             let appends = self.pool.log_appends();
-            let _guards = self.lock_exclusive(offset, length).await;
+            let _guards = self.clear_cached(offset, length).await?;
             let result = if flags.may_trim {
                 self.trim_locked(offset, length).await
             } else {

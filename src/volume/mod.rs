@@ -134,6 +134,10 @@ pub trait BlockDevice: Send + Sync {
     fn block_status(&self, offset: u64, length: u64) -> BoxFuture<'_, BlockResult<Vec<Extent>>>;
     /// Changes the size. Growing exposes zeros.
     fn resize(&self, new_size_bytes: u64) -> BlockResult<()>;
+
+    /// `logbias=throughput` (true) or `latency`: where synchronous writes go
+    /// first. Backings without an intent log ignore it.
+    fn set_log_throughput(&self, _throughput: bool) {}
 }
 
 /// `pool/name`, the name a volume is exported under.
@@ -159,6 +163,7 @@ pub struct Volume {
 
 impl Volume {
     pub fn new(pool: &str, name: &str, backing: Arc<dyn BlockDevice>, props: &VolumeProps) -> Self {
+        backing.set_log_throughput(props.logbias == props::LogBias::Throughput);
         Volume {
             pool: pool.to_string(),
             name: name.to_string(),
@@ -211,6 +216,8 @@ impl Volume {
     pub fn apply_props(&self, props: &VolumeProps) {
         self.sync_mode.store(props.sync as u8, Ordering::Release);
         self.wce.store(props.wce as u8, Ordering::Release);
+        self.backing
+            .set_log_throughput(props.logbias == props::LogBias::Throughput);
     }
 
     /// Number of frontend handles (NBD connections) open on this volume.

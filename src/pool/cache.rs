@@ -1,0 +1,377 @@
+//! The write-back cache: dirty 4 KiB sectors of every volume of a pool, held
+//! in the pool's RAM tier until they are destaged to their place on the data
+//! devices.
+//!
+//! An entry is *unlogged* when its current contents are in RAM only (a FLUSH
+//! must log or destage it), and *logged* (`logged_at != 0`) while some `Data`
+//! record in the intent log still describes a version of it that nothing
+//! durable supersedes yet: `log_lsn` is a lower bound of that record's log
+//! position, which keeps the log's tail from passing it.
+//!
+//! Locking: entries change only under the owning volume's stripe locks
+//! (exclusive to write or remove, shared to read a slot), plus the short
+//! per-volume mutex around the index. `pool::volume` holds the stripe locks.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::time::Instant;
+
+use super::ram::{RamTier, Survivor, SLOT_BYTES};
+
+#[derive(Debug, Clone, Copy)]
+pub struct Entry {
+    pub slot: u32,
+    pub seq: u64,
+    pub crc: u32,
+    /// Contents not in the intent log (a FLUSH must log or destage them).
+    pub unlogged: bool,
+    /// Ordinal of the last logging whose record is still live; 0 = none.
+    pub logged_at: u64,
+    /// Lower bound of the oldest live record's log position.
+    pub log_lsn: u64,
+    /// When the oldest not-yet-destaged contents arrived.
+    pub since: Instant,
+}
+
+#[derive(Default)]
+pub struct VolState {
+    pub entries: BTreeMap<u64, Entry>,
+    /// Unmapped blocks with dirty sectors: pool space reserved for each.
+    pub reserved: HashSet<u64>,
+    /// The volume's block size (set when it is opened).
+    pub block_bytes: u64,
+}
+
+#[derive(Default)]
+pub struct VolumeCache {
+    state: Mutex<VolState>,
+}
+
+impl VolumeCache {
+    pub fn lock(&self) -> MutexGuard<'_, VolState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.lock().entries.is_empty()
+    }
+}
+
+/// A sector restored from a Data record.
+pub struct Replayed {
+    pub volume: u32,
+    pub sector: u64,
+    pub crc: u32,
+    pub data: Arc<[u8]>,
+    pub lsn: u64,
+}
+
+/// The Data records replay must restore: the newest for each sector, unless
+/// a committed `Written` record or a volume's destruction after it
+/// supersedes it.
+pub fn live_data_records(records: &[(crate::meta::log::Record, bool, u64)]) -> Vec<Replayed> {
+    use crate::meta::log::Record;
+    let mut live: BTreeMap<(u32, u64), Replayed> = BTreeMap::new();
+    for (record, committed, lsn) in records {
+        match record {
+            Record::Data {
+                volume,
+                sector,
+                crc,
+                data,
+            } => {
+                live.insert(
+                    (*volume, *sector),
+                    Replayed {
+                        volume: *volume,
+                        sector: *sector,
+                        crc: *crc,
+                        data: data.clone(),
+                        lsn: *lsn,
+                    },
+                );
+            }
+            Record::Written {
+                volume,
+                first_sector,
+                count,
+            } if *committed => {
+                let keys: Vec<(u32, u64)> = live
+                    .range((*volume, *first_sector)..(*volume, first_sector + *count as u64))
+                    .map(|(k, _)| *k)
+                    .collect();
+                for key in keys {
+                    live.remove(&key);
+                }
+            }
+            Record::Destroy { volume } => {
+                live.retain(|(v, _), _| v != volume);
+            }
+            _ => {}
+        }
+    }
+    live.into_values().collect()
+}
+
+/// Counters for `pool status` and metrics.
+#[derive(Debug, Default, Clone, Copy, serde::Serialize, serde::Deserialize, PartialEq, Eq)]
+pub struct CacheStats {
+    pub ram_bytes: u64,
+    pub dirty_bytes: u64,
+    /// Bytes written into the cache by clients.
+    pub written_bytes: u64,
+    /// Bytes logged to the intent log (Data records).
+    pub logged_bytes: u64,
+    /// Bytes destaged to the data devices.
+    pub destaged_bytes: u64,
+    /// Writes that waited for space (backpressure).
+    pub stalls: u64,
+}
+
+pub struct WriteCache {
+    pub ram: RamTier,
+    volumes: Mutex<HashMap<u32, Arc<VolumeCache>>>,
+    /// Open volumes, for the destager.
+    pub(crate) engines: Mutex<HashMap<u32, Weak<super::volume::EngineVolume>>>,
+    seq: AtomicU64,
+    ordinal: AtomicU64,
+    pub space: tokio::sync::Notify,
+    pub written_bytes: AtomicU64,
+    pub logged_bytes: AtomicU64,
+    pub destaged_bytes: AtomicU64,
+    pub stalls: AtomicU64,
+    /// Round-robin position of the destager over volumes.
+    pub(crate) cursor: AtomicU64,
+}
+
+impl WriteCache {
+    /// A cache over `ram`, holding what survived in it (a process kill):
+    /// those sectors count as unlogged and as possibly described by live log
+    /// records from `log_tail` on.
+    pub fn new(ram: RamTier, survivors: &[Survivor], log_tail: u64) -> WriteCache {
+        let cache = WriteCache {
+            ram,
+            volumes: Mutex::new(HashMap::new()),
+            engines: Mutex::new(HashMap::new()),
+            seq: AtomicU64::new(survivors.iter().map(|s| s.seq).max().unwrap_or(0) + 1),
+            ordinal: AtomicU64::new(1),
+            space: tokio::sync::Notify::new(),
+            written_bytes: AtomicU64::new(0),
+            logged_bytes: AtomicU64::new(0),
+            destaged_bytes: AtomicU64::new(0),
+            stalls: AtomicU64::new(0),
+            cursor: AtomicU64::new(0),
+        };
+        let now = Instant::now();
+        for survivor in survivors {
+            let volume = cache.volume(survivor.volume);
+            volume.lock().entries.insert(
+                survivor.sector,
+                Entry {
+                    slot: survivor.slot,
+                    seq: survivor.seq,
+                    crc: survivor.crc,
+                    unlogged: true,
+                    logged_at: cache.next_ordinal(),
+                    log_lsn: log_tail,
+                    since: now,
+                },
+            );
+        }
+        cache
+    }
+
+    /// Puts sectors restored from the intent log into the cache as logged
+    /// dirty entries (they stay until destaged, holding the log's tail).
+    pub fn restore(&self, replayed: Vec<Replayed>) {
+        let Some(slots) = self.ram.allocate(replayed.len()) else {
+            // `Pool::recover` sized the tier for them.
+            panic!("RAM tier too small for the replayed intent log");
+        };
+        let now = Instant::now();
+        for (record, slot) in replayed.into_iter().zip(slots) {
+            let seq = self.next_seq(1);
+            self.ram
+                .write(slot, record.volume, record.sector, seq, &record.data, record.crc);
+            let volume = self.volume(record.volume);
+            volume.lock().entries.insert(
+                record.sector,
+                Entry {
+                    slot,
+                    seq,
+                    crc: record.crc,
+                    unlogged: false,
+                    logged_at: self.next_ordinal(),
+                    log_lsn: record.lsn,
+                    since: now,
+                },
+            );
+        }
+    }
+
+    pub fn next_seq(&self, count: u64) -> u64 {
+        self.seq.fetch_add(count, Ordering::AcqRel)
+    }
+
+    pub fn next_ordinal(&self) -> u64 {
+        self.ordinal.fetch_add(1, Ordering::AcqRel)
+    }
+
+    pub fn volume(&self, id: u32) -> Arc<VolumeCache> {
+        self.volumes
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .entry(id)
+            .or_default()
+            .clone()
+    }
+
+    pub fn volume_ids(&self) -> Vec<u32> {
+        let mut ids: Vec<u32> = self
+            .volumes
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .keys()
+            .copied()
+            .collect();
+        ids.sort_unstable();
+        ids
+    }
+
+    /// Drops every entry of a volume (destroyed): frees its slots. Returns
+    /// the entries dropped and the pool space reserved for them.
+    pub fn forget_volume(&self, id: u32) -> (usize, u64) {
+        let Some(volume) = self.volumes.lock().unwrap_or_else(|e| e.into_inner()).remove(&id) else {
+            return (0, 0);
+        };
+        let mut state = volume.lock();
+        let count = state.entries.len();
+        let reserved = state.reserved.len() as u64 * state.block_bytes;
+        state.reserved.clear();
+        for entry in state.entries.values() {
+            self.ram.release(entry.slot);
+        }
+        state.entries.clear();
+        self.space.notify_waiters();
+        (count, reserved)
+    }
+
+    /// Puts sector images into freshly allocated `slots` (caller holds the
+    /// stripe locks exclusively). `logged`: the images are being logged now,
+    /// with this ordinal and log-position bound.
+    pub fn put(
+        &self,
+        volume_id: u32,
+        volume: &VolumeCache,
+        first_sector: u64,
+        images: &[u8],
+        slots: &[u32],
+        logged: Option<(u64, u64)>,
+    ) -> Vec<u32> {
+        let count = images.len() / SLOT_BYTES;
+        debug_assert_eq!(count, slots.len());
+        let seq = self.next_seq(count as u64);
+        let mut crcs = Vec::with_capacity(count);
+        for (i, image) in images.chunks(SLOT_BYTES).enumerate() {
+            let crc = crc32c::crc32c(image);
+            self.ram
+                .write(slots[i], volume_id, first_sector + i as u64, seq + i as u64, image, crc);
+            crcs.push(crc);
+        }
+        let now = Instant::now();
+        let mut state = volume.lock();
+        let mut freed = Vec::new();
+        for i in 0..count {
+            let sector = first_sector + i as u64;
+            let old = state.entries.get(&sector).copied();
+            let (mut logged_at, mut log_lsn) = old.map(|o| (o.logged_at, o.log_lsn)).unwrap_or((0, 0));
+            if let Some((ordinal, lsn)) = logged {
+                if logged_at == 0 {
+                    log_lsn = lsn;
+                }
+                logged_at = ordinal;
+            }
+            state.entries.insert(
+                sector,
+                Entry {
+                    slot: slots[i],
+                    seq: seq + i as u64,
+                    crc: crcs[i],
+                    unlogged: logged.is_none(),
+                    logged_at,
+                    log_lsn,
+                    since: old.map(|o| o.since).unwrap_or(now),
+                },
+            );
+            if let Some(old) = old {
+                freed.push(old.slot);
+            }
+        }
+        drop(state);
+        for slot in &freed {
+            self.ram.release(*slot);
+        }
+        self.written_bytes
+            .fetch_add((count * SLOT_BYTES) as u64, Ordering::Relaxed);
+        crcs
+    }
+
+    /// Copies cached sectors over `buf`, which holds volume bytes from
+    /// `offset` (caller holds the stripe locks). Returns how many bytes came
+    /// from the cache.
+    pub fn overlay(&self, volume: &VolumeCache, offset: u64, buf: &mut [u8]) -> usize {
+        let end = offset + buf.len() as u64;
+        let first = offset / SLOT_BYTES as u64;
+        let last = (end - 1) / SLOT_BYTES as u64;
+        let state = volume.lock();
+        let mut covered = 0;
+        for (&sector, entry) in state.entries.range(first..=last) {
+            let start = (sector * SLOT_BYTES as u64).max(offset);
+            let stop = ((sector + 1) * SLOT_BYTES as u64).min(end);
+            let within = (start - sector * SLOT_BYTES as u64) as usize;
+            let at = (start - offset) as usize;
+            let len = (stop - start) as usize;
+            self.ram.read(entry.slot, within, &mut buf[at..at + len]);
+            covered += len;
+        }
+        covered
+    }
+
+    /// The oldest log position a live Data record may have, if any.
+    pub fn oldest_log_lsn(&self) -> Option<u64> {
+        let volumes: Vec<Arc<VolumeCache>> = self
+            .volumes
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .values()
+            .cloned()
+            .collect();
+        volumes
+            .iter()
+            .filter_map(|v| {
+                v.lock()
+                    .entries
+                    .values()
+                    .filter(|e| e.logged_at != 0)
+                    .map(|e| e.log_lsn)
+                    .min()
+            })
+            .min()
+    }
+
+    pub fn dirty_slots(&self) -> usize {
+        self.ram.total_slots() - self.ram.free_slots()
+    }
+
+    pub fn stats(&self) -> CacheStats {
+        CacheStats {
+            ram_bytes: (self.ram.total_slots() * SLOT_BYTES) as u64,
+            dirty_bytes: (self.dirty_slots() * SLOT_BYTES) as u64,
+            written_bytes: self.written_bytes.load(Ordering::Relaxed),
+            logged_bytes: self.logged_bytes.load(Ordering::Relaxed),
+            destaged_bytes: self.destaged_bytes.load(Ordering::Relaxed),
+            stalls: self.stalls.load(Ordering::Relaxed),
+        }
+    }
+}

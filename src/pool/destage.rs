@@ -1,0 +1,173 @@
+//! Destaging: moving the write-back cache's dirty sectors to their place on
+//! the data devices — by age (the commit interval), under pressure (the RAM
+//! tier filling up, where writers wait: backpressure), and before a
+//! checkpoint (so the intent log's space can be reclaimed).
+
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Weak};
+use std::time::{Duration, Instant};
+
+use super::volume::EngineVolume;
+use super::{Pool, PoolError};
+
+/// Most blocks one destage pass writes before it commits.
+const DESTAGE_BATCH_BLOCKS: usize = 512;
+
+impl Pool {
+    /// Promises `bytes` of pool space to cached writes into unmapped blocks.
+    pub(crate) fn reserve(&self, bytes: u64) -> bool {
+        let allocator = self.allocator.lock().unwrap_or_else(|e| e.into_inner());
+        let free: u64 = allocator
+            .devices()
+            .iter()
+            .map(|d| (d.data_chunks() * self.chunk_bytes as u64).saturating_sub(d.used_bytes()))
+            .sum();
+        let reserved = self.reserved_bytes.load(Ordering::Acquire);
+        if reserved + bytes > free {
+            return false;
+        }
+        self.reserved_bytes.fetch_add(bytes, Ordering::AcqRel);
+        true
+    }
+
+    pub(crate) fn unreserve(&self, bytes: u64) {
+        let _ = self
+            .reserved_bytes
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |r| Some(r.saturating_sub(bytes)));
+    }
+
+    /// Lets the destager reach an open volume.
+    pub(crate) fn register_volume(&self, id: u32, volume: Weak<EngineVolume>) {
+        self.cache
+            .engines
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(id, volume);
+    }
+
+    fn engines(&self) -> Vec<Arc<EngineVolume>> {
+        let mut engines: Vec<Arc<EngineVolume>> = self
+            .cache
+            .engines
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .values()
+            .filter_map(Weak::upgrade)
+            .collect();
+        engines.sort_by_key(|e| e.id());
+        engines
+    }
+
+    /// Write-back cache counters.
+    pub fn cache_stats(&self) -> super::cache::CacheStats {
+        self.cache.stats()
+    }
+
+    /// Destages every cached sector whose data the intent log holds.
+    pub async fn destage_logged(&self) -> Result<(), PoolError> {
+        for engine in self.engines() {
+            let blocks = engine.cached_blocks(|e| e.logged_at != 0, usize::MAX);
+            for batch in blocks.chunks(DESTAGE_BATCH_BLOCKS) {
+                engine.destage_blocks(batch).await.map_err(block_error)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Destages everything in the cache (clean shutdown, tests).
+    pub async fn destage_all(&self) -> Result<(), PoolError> {
+        for engine in self.engines() {
+            loop {
+                let blocks = engine.cached_blocks(|_| true, DESTAGE_BATCH_BLOCKS);
+                if blocks.is_empty() {
+                    break;
+                }
+                engine.destage_blocks(&blocks).await.map_err(block_error)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// One destage pass over the next volume (round robin): up to
+    /// `max_blocks` blocks, only entries older than `older_than` if given.
+    /// Returns how many blocks it destaged.
+    pub(crate) async fn destage_some(&self, max_blocks: usize, older_than: Option<Duration>) -> Result<usize, PoolError> {
+        let engines = self.engines();
+        if engines.is_empty() {
+            return Ok(0);
+        }
+        let start = self.cache.cursor.fetch_add(1, Ordering::Relaxed) as usize;
+        let cutoff = older_than.and_then(|age| Instant::now().checked_sub(age));
+        for i in 0..engines.len() {
+            let engine = &engines[(start + i) % engines.len()];
+            let blocks = engine.cached_blocks(|e| cutoff.is_none_or(|c| e.since <= c), max_blocks);
+            if blocks.is_empty() {
+                continue;
+            }
+            engine.destage_blocks(&blocks).await.map_err(block_error)?;
+            return Ok(blocks.len());
+        }
+        Ok(0)
+    }
+
+    /// Waits until `slots` RAM slots are free, destaging to make room
+    /// (a writer slowed down at the cache's bound, never failed by it).
+    pub(crate) async fn make_room(&self, slots: usize) -> Result<(), PoolError> {
+        let mut stalled = false;
+        while self.cache.ram.free_slots() < slots {
+            if !stalled {
+                self.cache.stalls.fetch_add(1, Ordering::Relaxed);
+                stalled = true;
+            }
+            let notified = self.cache.space.notified();
+            if self.destage_some(DESTAGE_BATCH_BLOCKS, None).await? == 0 && self.cache.ram.free_slots() < slots {
+                // Everything left is being destaged by someone else.
+                let _ = tokio::time::timeout(Duration::from_millis(10), notified).await;
+            }
+        }
+        Ok(())
+    }
+
+    /// Starts the background destager: by age every commit interval, and
+    /// early when the RAM tier is more than half full. It stops when the pool
+    /// is dropped.
+    pub(crate) fn start_destager(self: &Arc<Self>) {
+        let Ok(handle) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        if handle.runtime_flavor() != tokio::runtime::RuntimeFlavor::MultiThread {
+            return;
+        }
+        let weak = Arc::downgrade(self);
+        handle.spawn(async move {
+            let mut tick = tokio::time::interval(Duration::from_millis(200));
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tick.tick().await;
+                let Some(pool) = weak.upgrade() else { return };
+                let total = pool.cache.ram.total_slots();
+                let result = async {
+                    while pool.cache.ram.free_slots() < total / 2 {
+                        if pool.destage_some(DESTAGE_BATCH_BLOCKS, None).await? == 0 {
+                            break;
+                        }
+                    }
+                    while pool.destage_some(DESTAGE_BATCH_BLOCKS, Some(super::COMMIT_INTERVAL)).await? > 0 {}
+                    Ok::<(), PoolError>(())
+                }
+                .await;
+                if let Err(e) = result {
+                    tracing::error!("pool {}: destaging failed: {e}", pool.name);
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                }
+            }
+        });
+    }
+}
+
+fn block_error(error: crate::volume::BlockError) -> PoolError {
+    match error {
+        crate::volume::BlockError::NoSpace => PoolError::Invalid("no space left in the pool".into()),
+        other => PoolError::Meta(other.to_string()),
+    }
+}

@@ -1,0 +1,410 @@
+//! The RAM tier: memory that holds the write-back cache's dirty sectors.
+//!
+//! It is a shared mapping of a file (by default in the pool's directory; on
+//! tmpfs it is pure RAM), so dirty data outlives the daemon process — a
+//! kill -9, a crash or a restart finds it again — but not a reboot or a power
+//! loss: the region records the boot it belongs to and is discarded after
+//! another one. Without a file it lives on the heap (tests, the simulator,
+//! which keeps the heap image across a simulated kill and wipes it for a
+//! simulated power loss).
+//!
+//! Layout (docs/FORMAT.md): a 4 KiB region header, a table of 32-byte slot
+//! headers, then the 4 KiB slots. A slot is written data first, then its
+//! header fields, then its magic (after a release fence), so a valid magic
+//! means the slot is complete; the data checksum guards the rest. A slot is
+//! freed by clearing its magic before it can be reused.
+
+use std::alloc::Layout;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{fence, AtomicU32, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+pub const SLOT_BYTES: usize = 4096;
+const SLOT_HEADER_BYTES: usize = 32;
+const REGION_HEADER_BYTES: usize = 4096;
+const REGION_MAGIC: u64 = u64::from_le_bytes(*b"STRATRAM");
+const SLOT_MAGIC: u32 = u32::from_le_bytes(*b"SRSL");
+const VERSION: u32 = 1;
+/// Smallest RAM tier: 64 slots.
+pub const MIN_RAM_BYTES: u64 = 1 << 20;
+
+/// Heap memory for a RAM tier without a file. The simulator keeps an `Arc`
+/// of it across a simulated process kill.
+pub struct HeapImage {
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: the image is plain memory; `RamTier` coordinates access to it.
+unsafe impl Send for HeapImage {}
+unsafe impl Sync for HeapImage {}
+
+impl HeapImage {
+    pub fn new(bytes: u64) -> Arc<HeapImage> {
+        let len = region_len(slots_for(bytes));
+        let layout = Layout::from_size_align(len, 4096).expect("ram tier layout");
+        // SAFETY: the layout has a non-zero size.
+        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+        if ptr.is_null() {
+            std::alloc::handle_alloc_error(layout);
+        }
+        Arc::new(HeapImage { ptr, len })
+    }
+
+    /// Forgets everything (a simulated power loss).
+    pub fn wipe(&self) {
+        // SAFETY: the caller owns the only user of the image at this point.
+        unsafe { std::ptr::write_bytes(self.ptr, 0, self.len) };
+    }
+}
+
+impl Drop for HeapImage {
+    fn drop(&mut self) {
+        let layout = Layout::from_size_align(self.len, 4096).expect("ram tier layout");
+        // SAFETY: allocated in `new` with this layout.
+        unsafe { std::alloc::dealloc(self.ptr, layout) };
+    }
+}
+
+/// Where a pool's RAM tier lives.
+#[derive(Clone)]
+pub enum RamSource {
+    /// A file mapping of `bytes` (created or resized as needed).
+    File { path: PathBuf, bytes: u64 },
+    /// Heap memory.
+    Heap(Arc<HeapImage>),
+}
+
+enum Backing {
+    File(#[allow(dead_code)] memmap2::MmapMut),
+    Heap(#[allow(dead_code)] Arc<HeapImage>),
+}
+
+/// A dirty sector found in the region when it was opened.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Survivor {
+    pub slot: u32,
+    pub volume: u32,
+    pub sector: u64,
+    pub seq: u64,
+    pub crc: u32,
+}
+
+pub struct RamTier {
+    _backing: Backing,
+    base: *mut u8,
+    slots: u32,
+    free: Mutex<Vec<u32>>,
+    free_count: AtomicUsize,
+    location: String,
+}
+
+// SAFETY: slots are only written by the holder of a freshly allocated slot
+// and only read or freed under the owning volume's stripe locks (see
+// `pool::cache`); the free list is behind a mutex.
+unsafe impl Send for RamTier {}
+unsafe impl Sync for RamTier {}
+
+fn slots_for(bytes: u64) -> u32 {
+    let bytes = bytes.max(MIN_RAM_BYTES);
+    ((bytes - REGION_HEADER_BYTES as u64) / (SLOT_BYTES + SLOT_HEADER_BYTES) as u64).min(u32::MAX as u64 - 1) as u32
+}
+
+fn table_len(slots: u32) -> usize {
+    (slots as usize * SLOT_HEADER_BYTES).div_ceil(4096) * 4096
+}
+
+fn region_len(slots: u32) -> usize {
+    REGION_HEADER_BYTES + table_len(slots) + slots as usize * SLOT_BYTES
+}
+
+fn boot_id() -> [u8; 36] {
+    let mut id = [0u8; 36];
+    match std::fs::read("/proc/sys/kernel/random/boot_id") {
+        Ok(bytes) if bytes.len() >= 36 => id.copy_from_slice(&bytes[..36]),
+        // Unknown boot: a region from before can never be trusted.
+        _ => {
+            let nanos = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_nanos())
+                .unwrap_or(0);
+            id[..16].copy_from_slice(&nanos.to_le_bytes());
+        }
+    }
+    id
+}
+
+impl RamTier {
+    /// Opens the RAM tier for pool `pool_uuid`. Dirty sectors left by an
+    /// earlier process of the same boot are returned; anything else in the
+    /// region is discarded.
+    /// The flag says whether the region was intact (same pool, same boot):
+    /// the process died but the machine did not.
+    pub fn open(source: &RamSource, pool_uuid: &[u8; 16]) -> std::io::Result<(RamTier, Vec<Survivor>, bool)> {
+        let (backing, base, len, boot, location) = match source {
+            RamSource::File { path, bytes } => {
+                let slots = slots_for(*bytes);
+                let len = region_len(slots);
+                let file = open_region_file(path, len as u64)?;
+                // SAFETY: the file is ours (in the pool's directory, under the
+                // data directory lock); nothing else maps it.
+                let mut map = unsafe { memmap2::MmapMut::map_mut(&file)? };
+                let base = map.as_mut_ptr();
+                (Backing::File(map), base, len, boot_id(), path.display().to_string())
+            }
+            RamSource::Heap(image) => {
+                let mut boot = [0u8; 36];
+                boot[..4].copy_from_slice(b"heap");
+                (Backing::Heap(image.clone()), image.ptr, image.len, boot, "heap".to_string())
+            }
+        };
+        let slots = ((len - REGION_HEADER_BYTES) / (SLOT_BYTES + SLOT_HEADER_BYTES)) as u32;
+        let slots = (0..=slots).rev().find(|s| region_len(*s) <= len).unwrap_or(0);
+        let mut tier = RamTier {
+            _backing: backing,
+            base,
+            slots,
+            free: Mutex::new(Vec::new()),
+            free_count: AtomicUsize::new(0),
+            location,
+        };
+        let expected = tier.region_header(pool_uuid, &boot);
+        // SAFETY: the header lies within the region.
+        let current = unsafe { std::slice::from_raw_parts(base, REGION_HEADER_BYTES) };
+        let intact = current == expected.as_slice();
+        let survivors = if intact {
+            tier.scan()
+        } else {
+            if current.iter().any(|b| *b != 0) {
+                tracing::info!(
+                    "RAM tier {}: belongs to another pool, boot or size; starting empty",
+                    tier.location
+                );
+            }
+            // SAFETY: we are the only user of the region while opening it.
+            unsafe {
+                std::ptr::write_bytes(base.add(REGION_HEADER_BYTES), 0, table_len(slots));
+                std::ptr::copy_nonoverlapping(expected.as_ptr(), base, REGION_HEADER_BYTES);
+            }
+            Vec::new()
+        };
+        let used: std::collections::HashSet<u32> = survivors.iter().map(|s| s.slot).collect();
+        let free: Vec<u32> = (0..tier.slots).rev().filter(|s| !used.contains(s)).collect();
+        tier.free_count = AtomicUsize::new(free.len());
+        tier.free = Mutex::new(free);
+        Ok((tier, survivors, intact))
+    }
+
+    fn region_header(&self, pool_uuid: &[u8; 16], boot: &[u8; 36]) -> Vec<u8> {
+        let mut header = vec![0u8; REGION_HEADER_BYTES];
+        header[0..8].copy_from_slice(&REGION_MAGIC.to_le_bytes());
+        header[8..12].copy_from_slice(&VERSION.to_le_bytes());
+        header[12..16].copy_from_slice(&self.slots.to_le_bytes());
+        header[16..32].copy_from_slice(pool_uuid);
+        header[32..68].copy_from_slice(boot);
+        let crc = crc32c::crc32c(&header[..REGION_HEADER_BYTES - 4]);
+        header[REGION_HEADER_BYTES - 4..].copy_from_slice(&crc.to_le_bytes());
+        header
+    }
+
+    fn header_ptr(&self, slot: u32) -> *mut u8 {
+        debug_assert!(slot < self.slots);
+        // SAFETY: in bounds for slot < self.slots.
+        unsafe { self.base.add(REGION_HEADER_BYTES + slot as usize * SLOT_HEADER_BYTES) }
+    }
+
+    fn data_ptr(&self, slot: u32) -> *mut u8 {
+        debug_assert!(slot < self.slots);
+        // SAFETY: in bounds for slot < self.slots.
+        unsafe {
+            self.base
+                .add(REGION_HEADER_BYTES + table_len(self.slots) + slot as usize * SLOT_BYTES)
+        }
+    }
+
+    fn magic(&self, slot: u32) -> &AtomicU32 {
+        // SAFETY: the header is 4-byte aligned (4096-aligned table, 32-byte entries).
+        unsafe { &*(self.header_ptr(slot) as *const AtomicU32) }
+    }
+
+    /// Valid slots: the newest copy of each sector (older duplicates, left
+    /// when the process died between writing a new copy and freeing the
+    /// old one, are freed).
+    fn scan(&self) -> Vec<Survivor> {
+        let mut newest: std::collections::HashMap<(u32, u64), Survivor> = std::collections::HashMap::new();
+        for slot in 0..self.slots {
+            if self.magic(slot).load(Ordering::Acquire) != SLOT_MAGIC {
+                continue;
+            }
+            // SAFETY: the header lies within the region.
+            let header = unsafe { std::slice::from_raw_parts(self.header_ptr(slot), SLOT_HEADER_BYTES) };
+            let field = |at: usize, n: usize| {
+                let mut bytes = [0u8; 8];
+                bytes[..n].copy_from_slice(&header[at..at + n]);
+                u64::from_le_bytes(bytes)
+            };
+            let survivor = Survivor {
+                slot,
+                crc: field(4, 4) as u32,
+                volume: field(8, 4) as u32,
+                sector: field(16, 8),
+                seq: field(24, 8),
+            };
+            let mut data = vec![0u8; SLOT_BYTES];
+            self.read(slot, 0, &mut data);
+            if crc32c::crc32c(&data) != survivor.crc {
+                self.magic(slot).store(0, Ordering::Release);
+                continue;
+            }
+            match newest.get(&(survivor.volume, survivor.sector)) {
+                Some(existing) if existing.seq > survivor.seq => self.magic(slot).store(0, Ordering::Release),
+                Some(existing) => {
+                    self.magic(existing.slot).store(0, Ordering::Release);
+                    newest.insert((survivor.volume, survivor.sector), survivor);
+                }
+                None => {
+                    newest.insert((survivor.volume, survivor.sector), survivor);
+                }
+            }
+        }
+        let mut survivors: Vec<Survivor> = newest.into_values().collect();
+        survivors.sort_by_key(|s| (s.volume, s.sector));
+        survivors
+    }
+
+    pub fn location(&self) -> &str {
+        &self.location
+    }
+
+    pub fn total_slots(&self) -> usize {
+        self.slots as usize
+    }
+
+    pub fn free_slots(&self) -> usize {
+        self.free_count.load(Ordering::Acquire)
+    }
+
+    /// Takes `count` free slots, all or none.
+    pub fn allocate(&self, count: usize) -> Option<Vec<u32>> {
+        let mut free = self.free.lock().unwrap_or_else(|e| e.into_inner());
+        if free.len() < count {
+            return None;
+        }
+        let at = free.len() - count;
+        let taken = free.split_off(at);
+        self.free_count.store(free.len(), Ordering::Release);
+        Some(taken)
+    }
+
+    /// Returns slots that hold nothing valid (allocated but never written,
+    /// or already invalidated).
+    pub fn give_back(&self, slots: &[u32]) {
+        let mut free = self.free.lock().unwrap_or_else(|e| e.into_inner());
+        free.extend_from_slice(slots);
+        self.free_count.store(free.len(), Ordering::Release);
+    }
+
+    /// Fills a freshly allocated slot and makes it valid.
+    pub fn write(&self, slot: u32, volume: u32, sector: u64, seq: u64, data: &[u8], crc: u32) {
+        assert_eq!(data.len(), SLOT_BYTES);
+        // SAFETY: the caller owns `slot` (allocated, not yet published).
+        unsafe {
+            std::ptr::copy_nonoverlapping(data.as_ptr(), self.data_ptr(slot), SLOT_BYTES);
+            let header = self.header_ptr(slot);
+            std::ptr::copy_nonoverlapping(crc.to_le_bytes().as_ptr(), header.add(4), 4);
+            std::ptr::copy_nonoverlapping(volume.to_le_bytes().as_ptr(), header.add(8), 4);
+            std::ptr::copy_nonoverlapping(sector.to_le_bytes().as_ptr(), header.add(16), 8);
+            std::ptr::copy_nonoverlapping(seq.to_le_bytes().as_ptr(), header.add(24), 8);
+        }
+        fence(Ordering::Release);
+        self.magic(slot).store(SLOT_MAGIC, Ordering::Release);
+    }
+
+    /// Copies `dst.len()` bytes of a valid slot from `within`.
+    pub fn read(&self, slot: u32, within: usize, dst: &mut [u8]) {
+        assert!(within + dst.len() <= SLOT_BYTES);
+        // SAFETY: the caller holds the lock that keeps the slot from being
+        // freed or rewritten (see `pool::cache`).
+        unsafe { std::ptr::copy_nonoverlapping(self.data_ptr(slot).add(within), dst.as_mut_ptr(), dst.len()) };
+    }
+
+    /// Invalidates a slot and returns it to the free list.
+    pub fn release(&self, slot: u32) {
+        self.magic(slot).store(0, Ordering::Release);
+        self.give_back(&[slot]);
+    }
+}
+
+fn open_region_file(path: &Path, len: u64) -> std::io::Result<std::fs::File> {
+    if let Some(parent) = path.parent() {
+        std::fs::create_dir_all(parent)?;
+    }
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(path)?;
+    if file.metadata()?.len() != len {
+        file.set_len(0)?;
+        file.set_len(len)?;
+    }
+    Ok(file)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn survivors_come_back_and_duplicates_resolve_to_the_newest() {
+        let image = HeapImage::new(MIN_RAM_BYTES);
+        let uuid = [7u8; 16];
+        let source = RamSource::Heap(image.clone());
+        let (tier, survivors, _) = RamTier::open(&source, &uuid).unwrap();
+        assert!(survivors.is_empty());
+        let slots = tier.allocate(3).unwrap();
+        let a = vec![1u8; SLOT_BYTES];
+        let b = vec![2u8; SLOT_BYTES];
+        tier.write(slots[0], 1, 10, 1, &a, crc32c::crc32c(&a));
+        // A newer copy of the same sector whose old copy was never freed.
+        tier.write(slots[1], 1, 10, 2, &b, crc32c::crc32c(&b));
+        // A torn slot: wrong checksum.
+        tier.write(slots[2], 1, 11, 3, &a, 0xdead);
+        drop(tier);
+        let (tier, survivors, intact) = RamTier::open(&source, &uuid).unwrap();
+        assert!(intact);
+        assert_eq!(survivors.len(), 1);
+        assert_eq!((survivors[0].sector, survivors[0].seq), (10, 2));
+        let mut out = vec![0u8; SLOT_BYTES];
+        tier.read(survivors[0].slot, 0, &mut out);
+        assert_eq!(out, b);
+        assert_eq!(tier.free_slots(), tier.total_slots() - 1);
+        drop(tier);
+        // Another pool's region starts empty; so does a wiped one.
+        let (_, survivors, intact) = RamTier::open(&source, &[8u8; 16]).unwrap();
+        assert!(survivors.is_empty() && !intact);
+        image.wipe();
+        let (_, survivors, intact) = RamTier::open(&source, &uuid).unwrap();
+        assert!(survivors.is_empty() && !intact);
+    }
+
+    #[test]
+    fn file_region_survives_reopen() {
+        let dir = tempfile::tempdir().unwrap();
+        let source = RamSource::File {
+            path: dir.path().join("ram.tier"),
+            bytes: 2 << 20,
+        };
+        let uuid = [3u8; 16];
+        let (tier, _, _) = RamTier::open(&source, &uuid).unwrap();
+        let slot = tier.allocate(1).unwrap()[0];
+        let data = vec![9u8; SLOT_BYTES];
+        tier.write(slot, 4, 99, 5, &data, crc32c::crc32c(&data));
+        drop(tier);
+        let (_, survivors, intact) = RamTier::open(&source, &uuid).unwrap();
+        assert!(intact);
+        assert_eq!(survivors.len(), 1);
+        assert_eq!(survivors[0].volume, 4);
+    }
+}
