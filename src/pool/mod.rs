@@ -19,6 +19,7 @@
 //! - A freed slot is reused only after the record freeing it is durable.
 
 pub mod alloc;
+pub mod readcache;
 pub mod superblock;
 pub mod volume;
 
