@@ -221,6 +221,9 @@ struct CreatePoolRequest {
     devices: Vec<DeviceRecord>,
     #[serde(default)]
     chunk_bytes: Option<u32>,
+    /// RAM for caching: half the write-back bound, half the read cache.
+    #[serde(default)]
+    ram_bytes: Option<u64>,
 }
 
 async fn create_pool(
@@ -229,7 +232,7 @@ async fn create_pool(
 ) -> ApiResult<(StatusCode, Json<PoolStatus>)> {
     let Json(request) = body?;
     let status = blocking(&manager, move |m| {
-        m.create_pool(&request.name, &request.devices, request.chunk_bytes)
+        m.create_pool(&request.name, &request.devices, request.chunk_bytes, request.ram_bytes)
     })
     .await?;
     Ok((StatusCode::CREATED, Json(status)))

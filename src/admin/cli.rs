@@ -133,6 +133,10 @@ pub enum PoolCommand {
         /// Placement unit, a power of two from 64K to 64M (fixed at creation).
         #[arg(long = "chunk-size", default_value = "1M")]
         chunk_size: String,
+        /// RAM for caching (default 512M): half holds dirty data (the
+        /// write-back bound, in the RAM tier), half caches reads.
+        #[arg(long = "ram", value_name = "SIZE")]
+        ram: Option<String>,
     },
 }
 
@@ -320,9 +324,11 @@ fn run_pool(args: PoolArgs) -> CliResult<String> {
             capacity,
             log,
             chunk_size,
+            ram,
         } => {
             validate_component("pool", &name)?;
             let chunk_bytes = parse_size(&chunk_size)?;
+            let ram_bytes = ram.as_deref().map(parse_size).transpose()?;
             let mut devices = Vec::new();
             for (role, paths) in [("fast", &fast), ("capacity", &capacity), ("log", &log)] {
                 for path in paths {
@@ -335,7 +341,7 @@ fn run_pool(args: PoolArgs) -> CliResult<String> {
                 return Err(CliError("a pool needs at least one --fast or --capacity device".into()));
             }
             let client = Client::new(&args.client.api)?;
-            let body = json!({ "name": name, "devices": devices, "chunk_bytes": chunk_bytes });
+            let body = json!({ "name": name, "devices": devices, "chunk_bytes": chunk_bytes, "ram_bytes": ram_bytes });
             let status: PoolStatus = client.send("POST", "/v1/pools", Some(body))?;
             Ok(if output.json { pretty(&status) } else { String::new() })
         }

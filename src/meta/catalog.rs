@@ -36,6 +36,9 @@ pub struct PoolRecord {
     /// be mistaken for a new one's.
     pub next_volume_id: u32,
     pub volumes: BTreeMap<String, VolumeRecord>,
+    /// RAM for caching (`--ram`); absent = the default.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ram_bytes: Option<u64>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

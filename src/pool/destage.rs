@@ -58,6 +58,11 @@ impl Pool {
         engines
     }
 
+    /// Read cache counters.
+    pub fn read_cache_stats(&self) -> super::readcache::ReadCacheStats {
+        self.read_cache.stats()
+    }
+
     /// Write-back cache counters.
     pub fn cache_stats(&self) -> super::cache::CacheStats {
         self.cache.stats()

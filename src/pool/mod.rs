@@ -22,6 +22,7 @@ pub mod alloc;
 pub mod cache;
 mod destage;
 pub mod ram;
+pub mod readcache;
 pub mod superblock;
 pub mod volume;
 
@@ -52,6 +53,8 @@ const MAX_DIRTY_PAGES: usize = 16384;
 const STORE_CACHE_BYTES: usize = 32 << 20;
 /// RAM tier of a pool opened without one configured (tests, tools).
 pub const DEFAULT_RAM_BYTES: u64 = 64 << 20;
+/// Read cache of a pool opened without one configured.
+pub const DEFAULT_READ_CACHE_BYTES: u64 = 64 << 20;
 /// Dirty data older than this is destaged (the commit interval).
 pub const COMMIT_INTERVAL: std::time::Duration = std::time::Duration::from_secs(5);
 
@@ -63,11 +66,17 @@ pub struct PoolOptions {
     pub ram: Option<ram::RamSource>,
     /// Run the background destager (needs a multi-thread runtime).
     pub background: bool,
+    /// Bytes of the clean-data read cache (0 = none).
+    pub read_cache_bytes: u64,
 }
 
 impl Default for PoolOptions {
     fn default() -> Self {
-        PoolOptions { ram: None, background: true }
+        PoolOptions {
+            ram: None,
+            background: true,
+            read_cache_bytes: DEFAULT_READ_CACHE_BYTES,
+        }
     }
 }
 
@@ -220,6 +229,8 @@ pub struct Pool {
     pub(crate) data_bytes: AtomicU64,
     /// The write-back cache in the RAM tier.
     pub(crate) cache: cache::WriteCache,
+    /// Clean sectors recently read, shared by all volumes.
+    pub(crate) read_cache: readcache::ReadCache,
     /// Pool space promised to cached writes into unmapped blocks.
     reserved_bytes: AtomicU64,
     /// Data-device writes completed, and how many of them a flush covered:
@@ -627,6 +638,7 @@ impl Pool {
             store_bytes,
             data_bytes: AtomicU64::new(0),
             cache: write_cache,
+            read_cache: readcache::ReadCache::new(options.read_cache_bytes),
             reserved_bytes: AtomicU64::new(0),
             data_writes: AtomicU64::new(0),
             data_flushed: AtomicU64::new(0),
@@ -1263,6 +1275,7 @@ impl Pool {
             .unwrap_or_else(|e| e.into_inner())
             .remove(&id);
         let (_, reserved_bytes) = self.cache.forget_volume(id);
+        self.read_cache.invalidate_volume(id);
         self.unreserve(reserved_bytes);
         self.log.append(Record::Destroy { volume: id });
         self.commit().await?;

@@ -23,6 +23,8 @@ use crate::meta::log::Record;
 use crate::volume::{BlockDevice, BlockError, BlockResult, BoxFuture, Capabilities, Extent, ZeroFlags};
 
 const STRIPES: usize = 1024;
+/// Reads up to this size fill the read cache.
+const READ_CACHE_MAX_REQUEST: u64 = 128 << 10;
 /// Most extents one BLOCK_STATUS answer carries.
 const MAX_EXTENTS: usize = 1024;
 
@@ -306,7 +308,7 @@ impl EngineVolume {
         let last = (offset + length - 1) / SECTOR_BYTES;
         let cached = self.cache.lock().entries.range(first..=last).count() as u64;
         if cached == 0 {
-            return self.read_disk(offset, buf).await;
+            return self.read_clean(offset, buf).await;
         }
         let (mut buf, result) = if cached == last - first + 1 {
             (buf, Ok(()))
@@ -315,6 +317,37 @@ impl EngineVolume {
         };
         if result.is_ok() {
             self.pool.cache.overlay(&self.cache, offset, buf.payload_mut());
+        }
+        (buf, result)
+    }
+
+    /// Reads sectors nobody has dirty in RAM: from the read cache when it
+    /// has them all, else from the devices (small aligned reads then fill
+    /// the read cache; large ones, mostly scans, do not).
+    async fn read_clean(&self, offset: u64, mut buf: IoBuf) -> (IoBuf, BlockResult<()>) {
+        let cache = &self.pool.read_cache;
+        let length = buf.len() as u64;
+        let cacheable = !cache.is_disabled()
+            && offset % SECTOR_BYTES == 0
+            && length % SECTOR_BYTES == 0
+            && length <= READ_CACHE_MAX_REQUEST;
+        if !cacheable {
+            return self.read_disk(offset, buf).await;
+        }
+        let first = offset / SECTOR_BYTES;
+        let all_hit = buf
+            .payload_mut()
+            .chunks_mut(SECTOR_BYTES as usize)
+            .enumerate()
+            .all(|(i, dst)| cache.get_into(self.id, first + i as u64, dst));
+        if all_hit {
+            return (buf, Ok(()));
+        }
+        let (buf, result) = self.read_disk(offset, buf).await;
+        if result.is_ok() {
+            for (i, sector) in buf.payload().chunks(SECTOR_BYTES as usize).enumerate() {
+                cache.insert(self.id, first + i as u64, sector);
+            }
         }
         (buf, result)
     }
@@ -437,6 +470,7 @@ impl EngineVolume {
 
     /// Writes `data` at `offset` (caller holds the stripe locks).
     async fn write_locked(&self, offset: u64, data: IoBuf) -> BlockResult<()> {
+        self.invalidate_read_cache(offset, data.len() as u64);
         let first = offset >> self.block_shift;
         let last = (offset + data.len() as u64 - 1) >> self.block_shift;
         let mut entries = Vec::with_capacity((last - first + 1) as usize);
@@ -535,6 +569,7 @@ impl EngineVolume {
             let entry = self.pool.lookup(self.id, block).map_err(meta_error)?;
             if entry & map_entry::VALID != 0 {
                 if step == self.block_bytes() {
+                    self.invalidate_read_cache(position, step);
                     let _gate = self.pool.enter_write().await;
                     self.pool.set_mapping(self.id, block, 0).map_err(meta_error)?;
                     self.mapped_blocks.fetch_sub(1, Ordering::Relaxed);
@@ -579,6 +614,12 @@ impl EngineVolume {
             self.pool.stage().await.map_err(pool_error)?;
         }
         Ok(())
+    }
+
+    fn invalidate_read_cache(&self, offset: u64, length: u64) {
+        let first = offset / SECTOR_BYTES;
+        let last = (offset + length.max(1) - 1) / SECTOR_BYTES;
+        self.pool.read_cache.invalidate(self.id, first, last - first + 1);
     }
 
     fn sectors_per_block(&self) -> u64 {
@@ -819,6 +860,7 @@ impl EngineVolume {
             }
             self.cache.lock().reserved.extend(unmapped);
         }
+        self.invalidate_read_cache(offset, length);
         let log_data = durable && !self.log_throughput.load(Ordering::Acquire);
         let gate = if log_data {
             Some(self.pool.enter_write().await)

@@ -18,7 +18,8 @@ use crate::device::{create_file, open_device, DeviceOptions};
 use crate::meta::catalog::{sync_dir, Catalog, DeviceRecord, PoolRecord, VolumeRecord};
 use crate::pool::superblock::Role;
 use crate::pool::volume::EngineVolume;
-use crate::pool::{DeviceStatus, NewDevice, Pool, DEFAULT_CHUNK_BYTES};
+use crate::pool::ram::{RamSource, MIN_RAM_BYTES};
+use crate::pool::{DeviceStatus, NewDevice, Pool, PoolOptions, DEFAULT_CHUNK_BYTES};
 
 pub const DEFAULT_POOL: &str = "default";
 pub const DEFAULT_VOLUME: &str = "vol0";
@@ -155,7 +156,7 @@ impl VolumeManager {
         let mut engines = HashMap::new();
         let mut pools = HashMap::new();
         for (pool_name, record) in &catalog.pools {
-            let pool = open_pool(pool_name, record).await?;
+            let pool = open_pool(data_dir, pool_name, record).await?;
             for (name, volume) in &record.volumes {
                 let props = volume.props.effective();
                 let engine = pool
@@ -200,7 +201,16 @@ impl VolumeManager {
         name: &str,
         devices: &[DeviceRecord],
         chunk_bytes: Option<u32>,
+        ram_bytes: Option<u64>,
     ) -> Result<PoolStatus, AdminError> {
+        if let Some(ram) = ram_bytes {
+            if ram < 2 * MIN_RAM_BYTES {
+                return Err(AdminError::Invalid(format!(
+                    "--ram must be at least {} bytes",
+                    2 * MIN_RAM_BYTES
+                )));
+            }
+        }
         validate_component("pool", name)?;
         let mut catalog = self.catalog();
         if catalog.pools.contains_key(name) {
@@ -229,9 +239,12 @@ impl VolumeManager {
             });
         }
         let chunk_bytes = chunk_bytes.unwrap_or(DEFAULT_CHUNK_BYTES);
+        fs::create_dir_all(pool_dir(&self.data_dir, name))
+            .map_err(|e| internal("cannot create pool directory", e))?;
+        let options = pool_options(&self.data_dir, name, ram_bytes);
         let pool = self
             .runtime
-            .block_on(Pool::create(name, chunk_bytes, opened))
+            .block_on(Pool::create_with(name, chunk_bytes, opened, options))
             .map_err(|e| AdminError::Invalid(format!("cannot create pool '{name}': {e}")))?;
         let mut updated = catalog.clone();
         updated.pools.insert(
@@ -242,6 +255,7 @@ impl VolumeManager {
                 devices: devices.to_vec(),
                 next_volume_id: 1,
                 volumes: Default::default(),
+                ram_bytes,
             },
         );
         updated
@@ -269,6 +283,9 @@ impl VolumeManager {
             .cloned()
             .collect();
         for pool in pools {
+            if let Err(e) = pool.destage_all().await {
+                tracing::error!("pool {}: destaging at shutdown failed: {e}", pool.name());
+            }
             if let Err(e) = pool.checkpoint().await {
                 tracing::error!("pool {}: final checkpoint failed: {e}", pool.name());
             }
@@ -598,14 +615,31 @@ fn pool_dir(data_dir: &Path, pool: &str) -> PathBuf {
 }
 
 /// Opens a pool's devices and the pool (replaying its log).
-async fn open_pool(name: &str, record: &PoolRecord) -> Result<Arc<Pool>, AdminError> {
+/// RAM a pool uses for caching unless `--ram` says otherwise.
+pub const DEFAULT_POOL_RAM_BYTES: u64 = 512 << 20;
+
+/// The options a pool of this data directory opens with: half its RAM is the
+/// RAM tier (dirty data, in `pools/NAME/ram.tier`), half the read cache.
+fn pool_options(data_dir: &Path, name: &str, ram_bytes: Option<u64>) -> PoolOptions {
+    let ram = ram_bytes.unwrap_or(DEFAULT_POOL_RAM_BYTES);
+    PoolOptions {
+        ram: Some(RamSource::File {
+            path: pool_dir(data_dir, name).join("ram.tier"),
+            bytes: (ram / 2).max(MIN_RAM_BYTES),
+        }),
+        background: true,
+        read_cache_bytes: ram / 2,
+    }
+}
+
+async fn open_pool(data_dir: &Path, name: &str, record: &PoolRecord) -> Result<Arc<Pool>, AdminError> {
     let mut devices = Vec::new();
     for device in &record.devices {
         let opened = open_device(&device.path, &DeviceOptions::default())
             .map_err(|e| internal(&format!("pool {name}: cannot open device {}", device.path), e))?;
         devices.push(opened);
     }
-    let pool = Pool::open(devices)
+    let pool = Pool::open_with(devices, pool_options(data_dir, name, record.ram_bytes))
         .await
         .map_err(|e| AdminError::Internal(format!("pool {name}: {e}")))?;
     if pool.uuid() != record.uuid {
