@@ -142,6 +142,7 @@ impl Harness {
         let options = PoolOptions {
             ram: Some(RamSource::Heap(self.ram.clone())),
             background: false,
+            ..PoolOptions::default()
         };
         let pool = match Pool::open_with(devices, options).await {
             Ok(pool) => pool,
@@ -386,6 +387,7 @@ async fn run_seed(seed: u64, operations: usize) {
     let options = PoolOptions {
         ram: Some(RamSource::Heap(ram)),
         background: false,
+        ..PoolOptions::default()
     };
     let pool = Pool::create_with("sim", 1 << 20, new_devices, options)
         .await

@@ -240,7 +240,12 @@ impl Volume {
     /// durable before it is acknowledged, so there is no volatile cache.
     pub fn capabilities(&self) -> Capabilities {
         let mut caps = self.backing.capabilities();
-        let write_through = !self.wce() || self.sync_mode() == SyncMode::Always;
+        // sync=disabled ignores flushes: it is always a volatile cache.
+        let write_through = match self.sync_mode() {
+            SyncMode::Disabled => false,
+            SyncMode::Always => true,
+            SyncMode::Standard => !self.wce(),
+        };
         caps.volatile_write_cache = caps.volatile_write_cache && !write_through;
         caps.min_block_bytes = caps.min_block_bytes.max(SECTOR_BYTES);
         caps.max_request_bytes = caps.max_request_bytes.min(MAX_REQUEST_BYTES);
