@@ -111,6 +111,14 @@ impl Allocator {
         }
     }
 
+    /// Adds a data device that joined the pool (`pool add-device`); it takes
+    /// its place in the tier order like the devices the pool started with.
+    pub fn add_device(&mut self, device: DeviceSpace) {
+        self.devices.retain(|d| d.index != device.index);
+        self.devices.push(device);
+        self.devices.sort_by_key(|d| (d.role, d.index));
+    }
+
     pub fn devices(&self) -> &[DeviceSpace] {
         &self.devices
     }

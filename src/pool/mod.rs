@@ -19,6 +19,7 @@
 //! - A freed slot is reused only after the record freeing it is durable.
 
 pub mod alloc;
+pub mod grow;
 pub mod superblock;
 pub mod volume;
 
@@ -174,7 +175,8 @@ pub struct Pool {
     name: String,
     uuid: [u8; 16],
     chunk_bytes: u32,
-    devices: Vec<PoolDevice>,
+    /// Append-only: `pool add-device` adds devices while the pool runs.
+    devices: grow::DeviceList,
     meta_device: u8,
     db: redb::Database,
     log: Log,
@@ -512,7 +514,7 @@ impl Pool {
             uuid: superblock.pool_uuid,
             chunk_bytes: superblock.chunk_bytes,
             meta_device: superblock.meta_device,
-            devices,
+            devices: devices.into(),
             db,
             log,
             map_pages: PageCache::new(MAP_CACHE_PAGES),
