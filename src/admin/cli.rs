@@ -39,7 +39,7 @@ pub struct ClientOptions {
 pub enum AdminCommand {
     /// Create, list, inspect, change, resize and delete volumes.
     Volume(VolumeArgs),
-    /// Show pool capacity, usage and errors.
+    /// Create pools, add devices to them, show capacity, usage and errors.
     Pool(PoolArgs),
 }
 

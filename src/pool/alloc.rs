@@ -315,6 +315,24 @@ mod tests {
     }
 
     #[test]
+    fn a_device_added_later_takes_its_tier_place() {
+        let fast = DeviceSpace::new(0, Role::Fast, 1, 2);
+        let capacity = DeviceSpace::new(1, Role::Capacity, 1, 3);
+        let mut allocator = Allocator::new(1 << 20, vec![fast, capacity]);
+        for _ in 0..8 {
+            assert_eq!(allocator.allocate(17).unwrap().0, 0);
+        }
+        assert_eq!(allocator.allocate(17).unwrap().0, 1, "fast is full");
+        allocator.add_device(DeviceSpace::new(2, Role::Fast, 1, 2));
+        for _ in 0..8 {
+            assert_eq!(allocator.allocate(17).unwrap().0, 2, "the added fast device first");
+        }
+        assert_eq!(allocator.allocate(17).unwrap().0, 1);
+        let order: Vec<u8> = allocator.devices().iter().map(|d| d.index).collect();
+        assert_eq!(order, [0, 2, 1]);
+    }
+
+    #[test]
     fn runs_out() {
         let fast = DeviceSpace::new(0, Role::Fast, 1, 2);
         let mut allocator = Allocator::new(1 << 20, vec![fast]);

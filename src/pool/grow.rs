@@ -199,6 +199,9 @@ impl Pool {
                 self.name
             )));
         }
+        // Above every generation the pool's devices or a leftover superblock
+        // on the new device carry.
+        let mut generation = current.generation + 1;
         if let Ok((found, _)) = read_superblock(&device).await {
             // A superblock of this pool naming a member the pool does not
             // have is what an interrupted or undone addition leaves behind:
@@ -214,6 +217,7 @@ impl Pool {
                 "{name}: reusing the superblock left by an unfinished addition to pool {}",
                 self.name
             );
+            generation = generation.max(found.generation + 1);
         }
         let chunk = self.chunk_bytes as u64;
         let size_bytes = device.info().size_bytes / chunk * chunk;
@@ -251,7 +255,7 @@ impl Pool {
             size_bytes,
         });
         let superblock = Superblock {
-            generation: current.generation + 1,
+            generation,
             device_index: count as u8,
             members,
             ..current
