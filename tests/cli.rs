@@ -864,3 +864,283 @@ fn a_connected_volume_is_busy() {
     let (status, _) = server.stop();
     assert!(status.success());
 }
+
+/// One NBD request with a simple reply on a connection from `nbd_connect`:
+/// `NBD_CMD_WRITE` of `data`, or `NBD_CMD_READ` of `read` bytes. Returns the
+/// reply's error (0 = success) and the data read.
+fn nbd_request(stream: &mut TcpStream, offset: u64, data: &[u8], read: u32) -> (u32, Vec<u8>) {
+    const REQUEST_MAGIC: u32 = 0x2560_9513;
+    const REPLY_MAGIC: u32 = 0x6744_6698;
+    let (command, length) = if read > 0 {
+        (0u16, read)
+    } else {
+        (1u16, data.len() as u32)
+    };
+    let mut out = REQUEST_MAGIC.to_be_bytes().to_vec();
+    out.extend_from_slice(&0u16.to_be_bytes());
+    out.extend_from_slice(&command.to_be_bytes());
+    out.extend_from_slice(&7u64.to_be_bytes());
+    out.extend_from_slice(&offset.to_be_bytes());
+    out.extend_from_slice(&length.to_be_bytes());
+    out.extend_from_slice(data);
+    stream.write_all(&out).unwrap();
+    let mut reply = [0u8; 16];
+    stream.read_exact(&mut reply).expect("NBD reply");
+    assert_eq!(u32::from_be_bytes(reply[..4].try_into().unwrap()), REPLY_MAGIC);
+    let error = u32::from_be_bytes(reply[4..8].try_into().unwrap());
+    let mut payload = vec![0u8; if error == 0 { read as usize } else { 0 }];
+    stream.read_exact(&mut payload).expect("NBD read payload");
+    (error, payload)
+}
+
+/// 1 MiB of data for MiB number `index` of the test volume.
+fn mib_pattern(index: u64) -> Vec<u8> {
+    (0..1u64 << 20)
+        .map(|i| (i.wrapping_mul(31) ^ index.wrapping_mul(0x9e37) ^ (i >> 12)) as u8)
+        .collect()
+}
+
+#[test]
+fn pool_add_device_online() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let file = |name: &str, bytes: u64| {
+        let path = dir.path().join(name);
+        std::fs::File::create(&path).unwrap().set_len(bytes).unwrap();
+        path.display().to_string()
+    };
+    // Chunk 0 + 32 MiB metadata + 64 MiB log + 4 data chunks of 1 MiB.
+    let fast = file("fast.img", 101 << 20);
+    let capacity = file("capacity.img", 32 << 20);
+    let fast2 = file("fast2.img", 8 << 20);
+    let tiny = file("tiny.img", 4 << 20);
+    let huge = file("huge.img", 8 << 30);
+    let server = Server::start(&data);
+    server.cli(&["pool", "create", "tank", "--fast", &fast]).ok();
+    server.cli(&["volume", "create", "tank/v", "--size", "64M"]).ok();
+
+    // A client fills the pool and stays connected.
+    let (mut nbd, _) = nbd_connect(&server.nbd, "tank/v");
+    for mib in 0..4 {
+        assert_eq!(nbd_request(&mut nbd, mib << 20, &mib_pattern(mib), 0).0, 0, "MiB {mib}");
+    }
+    const ENOSPC: u32 = 28;
+    assert_eq!(nbd_request(&mut nbd, 4 << 20, &mib_pattern(4), 0).0, ENOSPC);
+    wait_for_connections(&server, "tank/v", 1);
+    let before = server.cli(&["pool", "status", "tank", "--json"]).json();
+    assert_eq!(before["size_bytes"], 4u64 << 20);
+    assert_eq!(before["available_bytes"], 0);
+
+    // Errors: one line, exit status 1, and the right HTTP status; nothing changes.
+    server
+        .cli(&["pool", "add-device", "nope", "--capacity", &capacity])
+        .fails_with("pool 'nope' does not exist");
+    server
+        .cli(&["pool", "add-device", "tank", "--capacity", &fast])
+        .fails_with("already part of pool 'tank'");
+    let default_capacity = data.join("pools/default/capacity.dev");
+    server
+        .cli(&[
+            "pool",
+            "add-device",
+            "tank",
+            "--fast",
+            default_capacity.to_str().unwrap(),
+        ])
+        .fails_with("already part of pool 'default'");
+    server
+        .cli(&["pool", "add-device", "tank", "--capacity", &tiny])
+        .fails_with("is too small");
+    server
+        .cli(&["pool", "add-device", "tank", "--capacity", &huge])
+        .fails_with("metadata region");
+    server
+        .cli(&[
+            "pool",
+            "add-device",
+            "tank",
+            "--capacity",
+            dir.path().join("absent.img").to_str().unwrap(),
+        ])
+        .fails_with("cannot open device");
+    server
+        .cli(&["pool", "add-device", "tank", "--log", &capacity])
+        .fails_with("a log device cannot be added to an existing pool");
+    server
+        .cli(&["pool", "add-device", "tank", "--ram", "1G"])
+        .fails_with("a RAM tier cannot be added");
+    server
+        .cli(&["pool", "add-device", "bad name", "--capacity", &capacity])
+        .fails_with("invalid pool name");
+    // Usage errors: exit status 2 (clap).
+    for args in [
+        &["pool", "add-device", "tank", &capacity][..],
+        &[
+            "pool",
+            "add-device",
+            "tank",
+            "--fast",
+            &capacity,
+            "--capacity",
+            &capacity,
+        ][..],
+    ] {
+        assert_eq!(server.cli(args).code, Some(2), "{args:?}");
+    }
+    let json = Some("application/json");
+    let post = |pool: &str, body: &str| {
+        let (status, _, body) = http(&server.api, "POST", &format!("/v1/pools/{pool}/devices"), json, body);
+        (status, error_message(&body))
+    };
+    let body = |path: &str, role: &str| format!(r#"{{"path": "{path}", "role": "{role}"}}"#);
+    let (status, message) = post("nope", &body(&capacity, "capacity"));
+    assert_eq!((status, message.as_str()), (404, "pool 'nope' does not exist"));
+    let (status, message) = post("tank", &body(&fast, "fast"));
+    assert_eq!(status, 409, "{message}");
+    let (status, message) = post("tank", &body(&tiny, "capacity"));
+    assert_eq!(status, 400, "{message}");
+    let (status, message) = post("tank", &body(&huge, "capacity"));
+    assert_eq!(status, 400, "{message}");
+    for (role, needle) in [
+        ("log", "the log's place is fixed when the pool is created"),
+        ("ram", "a RAM tier cannot be added"),
+        ("bogus", "unknown device role 'bogus'"),
+    ] {
+        let (status, message) = post("tank", &body(&capacity, role));
+        assert_eq!(status, 400, "{message}");
+        assert!(message.contains(needle), "{message}");
+    }
+    let (status, message) = post("tank", r#"{"path": "/x", "role": "fast", "size": 1}"#);
+    assert_eq!(status, 400, "{message}");
+    let (status, _, _) = http(&server.api, "GET", "/v1/pools/tank/devices", None, "");
+    assert_eq!(status, 405);
+    assert_eq!(server.cli(&["pool", "status", "tank", "--json"]).json(), before);
+
+    // The addition itself, while the client is connected.
+    let added = server
+        .cli(&["pool", "add-device", "tank", "--capacity", &capacity, "--json"])
+        .json();
+    assert_eq!(added["size_bytes"], 35u64 << 20, "4 + 31 data chunks");
+    let devices = added["devices"].as_array().unwrap();
+    assert_eq!(devices.len(), 2);
+    assert_eq!(devices[1]["role"], "capacity");
+    assert_eq!(devices[1]["name"], capacity.as_str());
+    server
+        .cli(&["pool", "add-device", "tank", "--capacity", &capacity])
+        .fails_with("already part of pool 'tank'");
+    // Without --json it prints nothing, like the other changes.
+    assert_eq!(server.cli(&["pool", "add-device", "tank", "--fast", &fast2]).ok(), "");
+    // The same connection writes on: the pool has room again.
+    for mib in 4..20 {
+        assert_eq!(nbd_request(&mut nbd, mib << 20, &mib_pattern(mib), 0).0, 0, "MiB {mib}");
+    }
+    for mib in 0..20 {
+        let (error, read) = nbd_request(&mut nbd, mib << 20, &[], 1 << 20);
+        assert_eq!(error, 0);
+        assert!(read == mib_pattern(mib), "MiB {mib} differs");
+    }
+    let text = server.cli(&["pool", "status", "tank"]).ok().to_string();
+    assert!(text.contains("capacity.img") && text.contains("fast2.img"), "{text}");
+    let catalog = std::fs::read_to_string(data.join("catalog.json")).unwrap();
+    assert!(
+        catalog.contains(&capacity) && catalog.contains(&fast2) && !catalog.contains("\"adding\""),
+        "{catalog}"
+    );
+    drop(nbd);
+
+    // After a restart the pool opens with both devices and the data is there.
+    let (status, _) = server.stop();
+    assert!(status.success());
+    let server = Server::start(&data);
+    let after = server.cli(&["pool", "status", "tank", "--json"]).json();
+    assert_eq!(after["devices"].as_array().unwrap().len(), 3);
+    assert_eq!(after["size_bytes"], 42u64 << 20, "4 + 31 + 7 data chunks");
+    assert_eq!(after["used_bytes"], 20u64 << 20);
+    let (mut nbd, _) = nbd_connect(&server.nbd, "tank/v");
+    for mib in 0..20 {
+        let (error, read) = nbd_request(&mut nbd, mib << 20, &[], 1 << 20);
+        assert_eq!(error, 0);
+        assert!(read == mib_pattern(mib), "MiB {mib} differs after the restart");
+    }
+    drop(nbd);
+    let (status, _) = server.stop();
+    assert!(status.success());
+}
+
+/// Rewrites `catalog.json` through `edit` (the daemon must be stopped).
+fn edit_catalog(data: &Path, edit: impl FnOnce(&mut Value)) {
+    let path = data.join("catalog.json");
+    let mut catalog: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    edit(&mut catalog);
+    std::fs::write(&path, serde_json::to_string_pretty(&catalog).unwrap()).unwrap();
+}
+
+#[test]
+fn an_interrupted_pool_add_device_is_settled_at_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let file = |name: &str, bytes: u64| {
+        let path = dir.path().join(name);
+        std::fs::File::create(&path).unwrap().set_len(bytes).unwrap();
+        path.display().to_string()
+    };
+    let fast = file("fast.img", 101 << 20);
+    let capacity = file("capacity.img", 32 << 20);
+    let blank = file("blank.img", 32 << 20);
+    let server = Server::start(&data);
+    server.cli(&["pool", "create", "tank", "--fast", &fast]).ok();
+    server
+        .cli(&["pool", "add-device", "tank", "--capacity", &capacity])
+        .ok();
+    assert!(server.stop().0.success());
+
+    // A crash after the superblocks were written but before the catalog
+    // moved the device from "adding" to "devices": the start completes it.
+    edit_catalog(&data, |catalog| {
+        let tank = &mut catalog["pools"]["tank"];
+        let device = tank["devices"].as_array_mut().unwrap().pop().unwrap();
+        assert_eq!(device["path"], capacity.as_str());
+        tank["adding"] = device;
+    });
+    let server = Server::start(&data);
+    let status = server.cli(&["pool", "status", "tank", "--json"]).json();
+    assert_eq!(status["devices"].as_array().unwrap().len(), 2);
+    assert!(server.stop().0.success());
+    let catalog = std::fs::read_to_string(data.join("catalog.json")).unwrap();
+    assert!(
+        catalog.contains(&capacity) && !catalog.contains("\"adding\""),
+        "{catalog}"
+    );
+
+    // A crash before any superblock named the device: the start drops it.
+    edit_catalog(&data, |catalog| {
+        catalog["pools"]["tank"]["adding"] = serde_json::json!({ "path": blank, "role": "capacity" });
+    });
+    let server = Server::start(&data);
+    let status = server.cli(&["pool", "status", "tank", "--json"]).json();
+    assert_eq!(status["devices"].as_array().unwrap().len(), 2);
+    // The dropped device can be added for real.
+    server.cli(&["pool", "add-device", "tank", "--capacity", &blank]).ok();
+    assert!(server.stop().0.success());
+    let catalog = std::fs::read_to_string(data.join("catalog.json")).unwrap();
+    assert!(catalog.contains(&blank) && !catalog.contains("\"adding\""), "{catalog}");
+
+    // A catalog that lost a device the superblocks list: a clear refusal.
+    edit_catalog(&data, |catalog| {
+        catalog["pools"]["tank"]["devices"].as_array_mut().unwrap().pop();
+    });
+    let output = Command::new(BIN)
+        .args(["serve", "--data-dir"])
+        .arg(&data)
+        .args(["--nbd", "127.0.0.1:0", "--api", "127.0.0.1:0", "--iscsi", "127.0.0.1:0"])
+        .env("STRATA_LOG", "warn")
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains("pool tank: pool 'tank' is missing its capacity device") && stderr.contains("catalog.json"),
+        "{stderr}"
+    );
+}

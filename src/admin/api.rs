@@ -20,16 +20,18 @@ use serde_json::{json, Value};
 
 use crate::meta::catalog::DeviceRecord;
 use crate::units::parse_size;
-use crate::volume::manager::{AdminError, PoolStatus, VolumeInfo, VolumeManager};
+use crate::volume::manager::{role_for_add, AdminError, PoolStatus, VolumeInfo, VolumeManager};
 
 /// Content type of the Prometheus text exposition format.
 pub const METRICS_CONTENT_TYPE: &str = "text/plain; version=0.0.4";
 
 /// Every endpoint, as listed by `GET /` and `GET /v1`.
-pub const ENDPOINTS: [&str; 10] = [
+pub const ENDPOINTS: [&str; 12] = [
     "GET /metrics",
     "GET /v1/pools",
+    "POST /v1/pools",
     "GET /v1/pools/{pool}",
+    "POST /v1/pools/{pool}/devices",
     "GET /v1/volumes[?pool=POOL]",
     "POST /v1/volumes",
     "GET /v1/volumes/{pool}/{name}",
@@ -238,6 +240,29 @@ async fn create_pool(
     Ok((StatusCode::CREATED, Json(status)))
 }
 
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct AddDeviceRequest {
+    path: String,
+    role: String,
+}
+
+async fn add_device(
+    State(manager): State<Manager>,
+    path: Result<Path<String>, PathRejection>,
+    body: Result<Json<AddDeviceRequest>, JsonRejection>,
+) -> ApiResult<(StatusCode, Json<PoolStatus>)> {
+    let Path(pool) = path?;
+    let Json(request) = body?;
+    let role = role_for_add(&request.role)?;
+    let device = DeviceRecord {
+        path: request.path,
+        role,
+    };
+    let status = blocking(&manager, move |m| m.add_device(&pool, &device)).await?;
+    Ok((StatusCode::CREATED, Json(status)))
+}
+
 async fn get_pool(State(manager): State<Manager>, Path(pool): Path<String>) -> ApiResult<Json<PoolStatus>> {
     blocking(&manager, move |m| {
         m.pool_status()
@@ -350,6 +375,7 @@ pub fn router(manager: Arc<VolumeManager>) -> Router {
         .route("/metrics", get(metrics))
         .route("/v1/pools", get(list_pools).post(create_pool))
         .route("/v1/pools/:pool", get(get_pool))
+        .route("/v1/pools/:pool/devices", post(add_device))
         .route("/v1/volumes", get(list_volumes).post(create_volume))
         .route(
             "/v1/volumes/:pool/:name",

@@ -13,7 +13,7 @@ use serde::de::DeserializeOwned;
 use serde_json::{json, Value};
 
 use crate::units::{format_size, parse_size};
-use crate::volume::manager::{split_volume_name, validate_component, PoolStatus, VolumeInfo};
+use crate::volume::manager::{role_for_add, split_volume_name, validate_component, PoolStatus, VolumeInfo};
 use crate::volume::props::{split_assignment, PropError, PropertyRow};
 
 pub const DEFAULT_API: &str = "127.0.0.1:9860";
@@ -39,7 +39,7 @@ pub struct ClientOptions {
 pub enum AdminCommand {
     /// Create, list, inspect, change, resize and delete volumes.
     Volume(VolumeArgs),
-    /// Show pool capacity, usage and errors.
+    /// Create pools, add devices to them, show capacity, usage and errors.
     Pool(PoolArgs),
 }
 
@@ -136,6 +136,29 @@ pub enum PoolCommand {
         /// RAM for caching (default 512M): half holds dirty data (the
         /// write-back bound, in the RAM tier), half caches reads.
         #[arg(long = "ram", value_name = "SIZE")]
+        ram: Option<String>,
+    },
+    /// Add a fast or capacity device to a pool while it runs; its space is
+    /// usable at once. The device must not already be in a pool.
+    #[command(
+        name = "add-device",
+        override_usage = "strata pool add-device POOL (--fast|--capacity) FILE|DEV",
+        group(clap::ArgGroup::new("role").required(true))
+    )]
+    AddDevice {
+        /// Pool name.
+        pool: String,
+        /// Add as a fast tier device (SSD/NVMe).
+        #[arg(long = "fast", value_name = "FILE|DEV", group = "role")]
+        fast: Option<String>,
+        /// Add as a capacity tier device (HDD).
+        #[arg(long = "capacity", value_name = "FILE|DEV", group = "role")]
+        capacity: Option<String>,
+        /// Refused: a log device is fixed when the pool is created.
+        #[arg(long = "log", value_name = "FILE|DEV", group = "role", hide = true)]
+        log: Option<String>,
+        /// Refused: a RAM tier is not a pool device.
+        #[arg(long = "ram", value_name = "SIZE", group = "role", hide = true)]
         ram: Option<String>,
     },
 }
@@ -343,6 +366,27 @@ fn run_pool(args: PoolArgs) -> CliResult<String> {
             let client = Client::new(&args.client.api)?;
             let body = json!({ "name": name, "devices": devices, "chunk_bytes": chunk_bytes, "ram_bytes": ram_bytes });
             let status: PoolStatus = client.send("POST", "/v1/pools", Some(body))?;
+            Ok(if output.json { pretty(&status) } else { String::new() })
+        }
+        PoolCommand::AddDevice {
+            pool,
+            fast,
+            capacity,
+            log,
+            ram,
+        } => {
+            validate_component("pool", &pool)?;
+            let (role, path) = match (fast, capacity, log, ram) {
+                (Some(path), _, _, _) => ("fast", path),
+                (_, Some(path), _, _) => ("capacity", path),
+                (_, _, Some(_), _) => return Err(role_for_add("log").unwrap_err().into()),
+                _ => return Err(role_for_add("ram").unwrap_err().into()),
+            };
+            // Absolute paths: the daemon may run in another directory.
+            let absolute = std::path::absolute(&path).map_err(|e| format!("{path}: {e}"))?;
+            let client = Client::new(&args.client.api)?;
+            let body = json!({ "path": absolute.display().to_string(), "role": role });
+            let status: PoolStatus = client.send("POST", &format!("/v1/pools/{pool}/devices"), Some(body))?;
             Ok(if output.json { pretty(&status) } else { String::new() })
         }
         PoolCommand::Status { pool } => {

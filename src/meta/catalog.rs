@@ -39,6 +39,12 @@ pub struct PoolRecord {
     /// RAM for caching (`--ram`); absent = the default.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ram_bytes: Option<u64>,
+    /// A device being added (`pool add-device`), recorded before its
+    /// superblocks are written and moved to `devices` once they all are. At
+    /// the next start it is opened with the pool if the pool's superblocks
+    /// list it (a crash after they started naming it), else dropped.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub adding: Option<DeviceRecord>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

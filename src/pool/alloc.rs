@@ -111,6 +111,14 @@ impl Allocator {
         }
     }
 
+    /// Adds a data device that joined the pool (`pool add-device`); it takes
+    /// its place in the tier order like the devices the pool started with.
+    pub fn add_device(&mut self, device: DeviceSpace) {
+        self.devices.retain(|d| d.index != device.index);
+        self.devices.push(device);
+        self.devices.sort_by_key(|d| (d.role, d.index));
+    }
+
     pub fn devices(&self) -> &[DeviceSpace] {
         &self.devices
     }
@@ -304,6 +312,24 @@ mod tests {
         assert!(allocator.free(0, freed));
         assert!(!allocator.free(0, freed), "double free is refused");
         assert_eq!(allocator.allocate(14), Some((0, freed)));
+    }
+
+    #[test]
+    fn a_device_added_later_takes_its_tier_place() {
+        let fast = DeviceSpace::new(0, Role::Fast, 1, 2);
+        let capacity = DeviceSpace::new(1, Role::Capacity, 1, 3);
+        let mut allocator = Allocator::new(1 << 20, vec![fast, capacity]);
+        for _ in 0..8 {
+            assert_eq!(allocator.allocate(17).unwrap().0, 0);
+        }
+        assert_eq!(allocator.allocate(17).unwrap().0, 1, "fast is full");
+        allocator.add_device(DeviceSpace::new(2, Role::Fast, 1, 2));
+        for _ in 0..8 {
+            assert_eq!(allocator.allocate(17).unwrap().0, 2, "the added fast device first");
+        }
+        assert_eq!(allocator.allocate(17).unwrap().0, 1);
+        let order: Vec<u8> = allocator.devices().iter().map(|d| d.index).collect();
+        assert_eq!(order, [0, 2, 1]);
     }
 
     #[test]

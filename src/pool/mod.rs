@@ -23,6 +23,7 @@ pub mod cache;
 mod destage;
 pub mod ram;
 pub mod readcache;
+pub mod grow;
 pub mod superblock;
 pub mod volume;
 
@@ -206,7 +207,8 @@ pub struct Pool {
     name: String,
     uuid: [u8; 16],
     chunk_bytes: u32,
-    devices: Vec<PoolDevice>,
+    /// Append-only: `pool add-device` adds devices while the pool runs.
+    devices: grow::DeviceList,
     meta_device: u8,
     db: redb::Database,
     log: Log,
@@ -352,7 +354,9 @@ impl Pool {
             .filter(|m| m.role.holds_data())
             .map(|m| m.size_bytes)
             .sum();
-        let meta_bytes = round_up((data_bytes / 128).clamp(MIN_META_BYTES, MAX_META_BYTES), chunk);
+        // Metadata needs about 1/128 of the data; four times that leaves
+        // room to grow the pool fourfold with `pool add-device`.
+        let meta_bytes = round_up((data_bytes / 32).clamp(MIN_META_BYTES, MAX_META_BYTES), chunk);
         let meta_offset = chunk;
         let (log_device, log_offset, log_bytes) = match members.iter().find(|m| m.role == Role::Log) {
             Some(log) => (log.index, chunk, round_up((log.size_bytes - chunk).min(1 << 30), chunk)),
@@ -621,7 +625,7 @@ impl Pool {
             uuid: superblock.pool_uuid,
             chunk_bytes: superblock.chunk_bytes,
             meta_device: superblock.meta_device,
-            devices,
+            devices: devices.into(),
             db,
             log,
             map_pages: PageCache::new(MAP_CACHE_PAGES),

@@ -14,12 +14,13 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use super::props::{canonical_value, PropError, PropertyRow, StoredProps, DEFAULT_VOLBLOCKSIZE};
 use super::{full_name, Volume};
+use crate::device::DeviceError;
 use crate::device::{create_file, open_device, DeviceOptions};
 use crate::meta::catalog::{sync_dir, Catalog, DeviceRecord, PoolRecord, VolumeRecord};
 use crate::pool::superblock::Role;
 use crate::pool::volume::EngineVolume;
 use crate::pool::ram::{RamSource, MIN_RAM_BYTES};
-use crate::pool::{DeviceStatus, NewDevice, Pool, PoolOptions, DEFAULT_CHUNK_BYTES};
+use crate::pool::{DeviceStatus, NewDevice, Pool, PoolError, PoolOptions, DEFAULT_CHUNK_BYTES};
 
 pub const DEFAULT_POOL: &str = "default";
 pub const DEFAULT_VOLUME: &str = "vol0";
@@ -148,15 +149,33 @@ impl VolumeManager {
         fs::create_dir_all(data_dir)
             .map_err(|e| internal(&format!("cannot create data directory {}", data_dir.display()), e))?;
         let lock = lock_data_dir(data_dir)?;
-        let catalog = match Catalog::load(data_dir).map_err(AdminError::Internal)? {
+        let mut catalog = match Catalog::load(data_dir).map_err(AdminError::Internal)? {
             Some(catalog) => catalog,
             None => initialise(data_dir).await?,
         };
         let mut volumes = HashMap::new();
         let mut engines = HashMap::new();
         let mut pools = HashMap::new();
+        let mut settled = catalog.clone();
         for (pool_name, record) in &catalog.pools {
-            let pool = open_pool(data_dir, pool_name, record).await?;
+            let (pool, joined) = open_pool(data_dir, pool_name, record).await?;
+            // An addition that did not finish is settled now, one way or the other.
+            if let (Some(adding), Some(settled)) = (&record.adding, settled.pools.get_mut(pool_name)) {
+                settled.adding = None;
+                if joined {
+                    tracing::warn!(
+                        "pool {pool_name}: completed the interrupted addition of device {}",
+                        adding.path
+                    );
+                    settled.devices.push(adding.clone());
+                } else {
+                    tracing::warn!(
+                        "pool {pool_name}: device {} was being added when strata stopped; the addition had not \
+                         reached the pool's superblocks, so the device is not part of the pool",
+                        adding.path
+                    );
+                }
+            }
             for (name, volume) in &record.volumes {
                 let props = volume.props.effective();
                 let engine = pool
@@ -178,6 +197,13 @@ impl VolumeManager {
                 });
             }
             pools.insert(pool_name.clone(), pool);
+        }
+        if settled != catalog {
+            match settled.save(data_dir) {
+                Ok(()) => catalog = settled,
+                // The next start settles it again, the same way.
+                Err(e) => tracing::error!("cannot save the catalog after settling a device addition: {e}"),
+            }
         }
         Ok(VolumeManager {
             data_dir: data_dir.to_path_buf(),
@@ -224,7 +250,7 @@ impl VolumeManager {
         let known: Vec<&str> = catalog
             .pools
             .values()
-            .flat_map(|p| p.devices.iter().map(|d| d.path.as_str()))
+            .flat_map(|p| p.devices.iter().chain(&p.adding).map(|d| d.path.as_str()))
             .collect();
         let mut opened = Vec::new();
         for device in devices {
@@ -256,6 +282,7 @@ impl VolumeManager {
                 next_volume_id: 1,
                 volumes: Default::default(),
                 ram_bytes,
+                adding: None,
             },
         );
         updated
@@ -271,6 +298,120 @@ impl VolumeManager {
             .into_iter()
             .find(|p| p.name == name)
             .ok_or_else(|| AdminError::Internal(format!("pool '{name}' vanished")))
+    }
+
+    /// Adds a fast or capacity device to a running pool (`pool add-device`);
+    /// its space is usable at once. Order (docs/FORMAT.md): the catalog
+    /// records the device as being added, the pool writes the superblocks
+    /// (new device first) and takes the device in, and the catalog moves it
+    /// to the pool's devices.
+    pub fn add_device(&self, pool_name: &str, device: &DeviceRecord) -> Result<PoolStatus, AdminError> {
+        validate_component("pool", pool_name)?;
+        let mut catalog = self.catalog();
+        let record = catalog
+            .pools
+            .get(pool_name)
+            .ok_or_else(|| AdminError::NotFound(format!("pool '{pool_name}' does not exist")))?;
+        if !device.role.holds_data() {
+            return Err(role_refused(device.role.as_str()));
+        }
+        if device.path.is_empty() {
+            return Err(AdminError::Invalid("missing device path".into()));
+        }
+        for (name, other) in &catalog.pools {
+            let retry = name == pool_name && other.adding.as_ref().is_some_and(|a| a.path == device.path);
+            if other.devices.iter().chain(&other.adding).any(|d| d.path == device.path) && !retry {
+                return Err(AdminError::Busy(format!(
+                    "device {} is already part of pool '{name}'",
+                    device.path
+                )));
+            }
+        }
+        let pool = self
+            .pool(pool_name)
+            .ok_or_else(|| AdminError::Internal(format!("pool '{pool_name}' is in the catalog but not open")))?;
+        let mut pending = catalog.clone();
+        let pending_record = pending
+            .pools
+            .get_mut(pool_name)
+            .ok_or_else(|| AdminError::NotFound(format!("pool '{pool_name}' does not exist")))?;
+        if let Some(earlier) = record.adding.as_ref().filter(|a| a.path != device.path) {
+            // Left by an addition whose undo failed: harmless unless the
+            // superblocks list it (then only a restart can settle it).
+            let listed = match open_device(&earlier.path, &DeviceOptions::default()) {
+                Ok(handle) => self.runtime.block_on(pool.lists(&handle)),
+                Err(_) => true,
+            };
+            if listed {
+                return Err(AdminError::Busy(format!(
+                    "an earlier addition of {} to pool '{pool_name}' did not finish; restart the daemon to settle it (or retry adding that device)",
+                    earlier.path
+                )));
+            }
+        }
+        let handle = open_device(&device.path, &DeviceOptions::default()).map_err(|e| {
+            let message = format!("cannot open device {}: {}", device.path, device_error_reason(&e));
+            match &e {
+                DeviceError::Io { source, .. } if source.kind() == std::io::ErrorKind::ResourceBusy => {
+                    AdminError::Busy(message)
+                }
+                _ => AdminError::Invalid(message),
+            }
+        })?;
+        let addition = self
+            .runtime
+            .block_on(pool.prepare_add_device(handle, device.role))
+            .map_err(|e| match e {
+                PoolError::InUse(_) => AdminError::Busy(e.to_string()),
+                PoolError::Invalid(_) => AdminError::Invalid(e.to_string()),
+                _ => AdminError::Internal(format!("cannot add {} to pool '{pool_name}': {e}", device.path)),
+            })?;
+        pending_record.adding = Some(device.clone());
+        pending
+            .save(&self.data_dir)
+            .map_err(|e| internal(&format!("cannot save catalog (device {} not added)", device.path), e))?;
+        *catalog = pending;
+        if let Err(failure) = self.runtime.block_on(pool.finish_add_device(addition)) {
+            let message = format!("cannot add {} to pool '{pool_name}': {failure}", device.path);
+            if failure.undo_failed.is_some() {
+                // The catalog keeps the device as being added; the next start
+                // decides from the superblocks.
+                return Err(AdminError::Internal(format!(
+                    "{message}; the pool runs without the device, and the next start settles the addition"
+                )));
+            }
+            let mut undone = catalog.clone();
+            if let Some(record) = undone.pools.get_mut(pool_name) {
+                record.adding = None;
+            }
+            if let Err(e) = undone.save(&self.data_dir) {
+                // Harmless: the next start finds the superblocks do not list it.
+                tracing::warn!("cannot save the catalog after an undone device addition: {e}");
+            }
+            *catalog = undone;
+            return Err(AdminError::Internal(message));
+        }
+        let mut done = catalog.clone();
+        if let Some(record) = done.pools.get_mut(pool_name) {
+            record.adding = None;
+            record.devices.push(device.clone());
+        }
+        let saved = done.save(&self.data_dir);
+        // The pool uses the device from now on, saved or not: the catalog
+        // in memory says so, and so does the next save.
+        *catalog = done;
+        drop(catalog);
+        if let Err(e) = saved {
+            return Err(AdminError::Internal(format!(
+                "device {} was added to pool '{pool_name}' and is in use, but the catalog could not be saved ({e}); \
+                 it lists the device as being added, which the next start completes",
+                device.path
+            )));
+        }
+        self.pool_status()
+            .into_iter()
+            .find(|p| p.name == pool_name)
+            .ok_or_else(|| AdminError::Internal(format!("pool '{pool_name}' vanished")))
     }
 
     /// Checkpoints every pool so the next start replays nothing (clean shutdown).
@@ -614,7 +755,6 @@ fn pool_dir(data_dir: &Path, pool: &str) -> PathBuf {
     data_dir.join("pools").join(pool)
 }
 
-/// Opens a pool's devices and the pool (replaying its log).
 /// RAM a pool uses for caching unless `--ram` says otherwise.
 pub const DEFAULT_POOL_RAM_BYTES: u64 = 512 << 20;
 
@@ -632,16 +772,37 @@ fn pool_options(data_dir: &Path, name: &str, ram_bytes: Option<u64>) -> PoolOpti
     }
 }
 
-async fn open_pool(data_dir: &Path, name: &str, record: &PoolRecord) -> Result<Arc<Pool>, AdminError> {
+/// Opens a pool's devices and the pool (replaying its log). Also says
+/// whether the device being added (`record.adding`), if any, was opened as
+/// a member: it is when the pool's superblocks list it.
+async fn open_pool(data_dir: &Path, name: &str, record: &PoolRecord) -> Result<(Arc<Pool>, bool), AdminError> {
     let mut devices = Vec::new();
     for device in &record.devices {
         let opened = open_device(&device.path, &DeviceOptions::default())
             .map_err(|e| internal(&format!("pool {name}: cannot open device {}", device.path), e))?;
         devices.push(opened);
     }
+    let mut joined = false;
+    if let Some(adding) = &record.adding {
+        // Unreadable or not listed: leave it out. If the superblocks do list
+        // it, `Pool::open` then refuses with the missing member, as it must.
+        if let Ok(candidate) = open_device(&adding.path, &DeviceOptions::default()) {
+            if Pool::superblocks_list(&devices, &candidate).await {
+                devices.push(candidate);
+                joined = true;
+            }
+        }
+    }
     let pool = Pool::open_with(devices, pool_options(data_dir, name, record.ram_bytes))
-        .await
-        .map_err(|e| AdminError::Internal(format!("pool {name}: {e}")))?;
+        .await.map_err(|e| {
+        let hint = match e {
+            PoolError::Missing { .. } => {
+                " (every device of the pool must be listed under its \"devices\" in catalog.json and be readable)"
+            }
+            _ => "",
+        };
+        AdminError::Internal(format!("pool {name}: {e}{hint}"))
+    })?;
     if pool.uuid() != record.uuid {
         return Err(AdminError::Internal(format!(
             "pool {name}: its devices belong to pool {} but the catalog expects {}",
@@ -649,7 +810,35 @@ async fn open_pool(data_dir: &Path, name: &str, record: &PoolRecord) -> Result<A
             record.uuid
         )));
     }
-    Ok(pool)
+    Ok((pool, joined))
+}
+
+/// The role names `pool add-device` accepts (`fast`, `capacity`), with a
+/// clear refusal for the others.
+pub fn role_for_add(text: &str) -> Result<Role, AdminError> {
+    match text {
+        "fast" => Ok(Role::Fast),
+        "capacity" => Ok(Role::Capacity),
+        other => Err(role_refused(other)),
+    }
+}
+
+fn role_refused(role: &str) -> AdminError {
+    AdminError::Invalid(match role {
+        "log" => "a log device cannot be added to an existing pool: the log's place is fixed when the pool is \
+                  created; add fast or capacity devices"
+            .to_string(),
+        "ram" => "a RAM tier cannot be added as a pool device; add fast or capacity devices".to_string(),
+        other => format!("unknown device role '{other}': add-device takes fast or capacity"),
+    })
+}
+
+/// A device error without the device name and offset (the caller names the device).
+fn device_error_reason(error: &DeviceError) -> String {
+    match error {
+        DeviceError::Io { source, .. } => source.to_string(),
+        other => other.to_string(),
+    }
 }
 
 /// Takes an exclusive `flock` on `DATA_DIR/lock` and records our pid in it.
