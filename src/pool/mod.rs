@@ -20,6 +20,7 @@
 
 pub mod alloc;
 pub mod grow;
+pub mod readcache;
 pub mod superblock;
 pub mod volume;
 
@@ -300,7 +301,9 @@ impl Pool {
             .filter(|m| m.role.holds_data())
             .map(|m| m.size_bytes)
             .sum();
-        let meta_bytes = round_up((data_bytes / 128).clamp(MIN_META_BYTES, MAX_META_BYTES), chunk);
+        // Metadata needs about 1/128 of the data; four times that leaves
+        // room to grow the pool fourfold with `pool add-device`.
+        let meta_bytes = round_up((data_bytes / 32).clamp(MIN_META_BYTES, MAX_META_BYTES), chunk);
         let meta_offset = chunk;
         let (log_device, log_offset, log_bytes) = match members.iter().find(|m| m.role == Role::Log) {
             Some(log) => (log.index, chunk, round_up((log.size_bytes - chunk).min(1 << 30), chunk)),

@@ -1,0 +1,298 @@
+//! Running a pool out of space over NBD: a small pool made with `strata pool
+//! create`, a thin volume larger than the pool filled by a real client until
+//! a write fails. The failing request gets ENOSPC (never EIO), acknowledged
+//! data stays readable, the pool's other volume and the server keep working,
+//! and TRIM or deleting a volume makes room again.
+
+mod common;
+
+use common::{require_tool, Server};
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::process::Command;
+use std::time::Duration;
+
+const MIB: u64 = 1 << 20;
+/// Data space of the pool: a fast file of chunk 0 + 32 MiB metadata + 64 MiB
+/// log + 16 MiB, and a capacity file of chunk 0 + 16 MiB (1 MiB chunks).
+const FAST_FILE: u64 = 97 * MIB + 16 * MIB;
+const CAPACITY_FILE: u64 = MIB + 16 * MIB;
+const POOL_DATA: u64 = 32 * MIB;
+/// Written to `tank/other` before the pool fills.
+const OTHER_DATA: u64 = 2 * MIB;
+const ENOSPC: u32 = 28;
+
+fn cli(server: &Server, args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_strata"))
+        .args(args)
+        .args(["--api", &server.api])
+        .output()
+        .unwrap()
+}
+
+fn cli_ok(server: &Server, args: &[&str]) -> String {
+    let output = cli(server, args);
+    assert!(
+        output.status.success(),
+        "strata {args:?}: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    String::from_utf8_lossy(&output.stdout).into_owned()
+}
+
+/// Runs qemu-io with `commands` on `uri`: (exit status success, stdout + stderr).
+fn qemu_io(uri: &str, commands: &[String]) -> (bool, String) {
+    let mut command = Command::new("qemu-io");
+    command.args(["-f", "raw"]);
+    for c in commands {
+        command.arg("-c").arg(c);
+    }
+    let output = command.arg(uri).output().expect("run qemu-io");
+    let text = String::from_utf8_lossy(&output.stdout).to_string() + &String::from_utf8_lossy(&output.stderr);
+    (output.status.success(), text)
+}
+
+/// qemu-io that must succeed with no failed command or pattern mismatch.
+fn qemu_io_ok(uri: &str, commands: &[String]) -> String {
+    let (ok, text) = qemu_io(uri, commands);
+    assert!(
+        ok && !text.contains("failed") && !text.contains("error"),
+        "qemu-io {commands:?} on {uri}:\n{text}"
+    );
+    text
+}
+
+fn pool_json(server: &Server) -> serde_json::Value {
+    serde_json::from_str(&cli_ok(server, &["pool", "status", "tank", "--json"])).unwrap()
+}
+
+/// The pattern byte of the i-th MiB written to `tank/big`.
+fn pattern(i: u64) -> u8 {
+    0x40 + i as u8
+}
+
+/// A minimal NBD client (fixed newstyle, NBD_OPT_EXPORT_NAME, simple
+/// replies), to see the exact error number on the wire.
+struct Nbd {
+    stream: TcpStream,
+    cookie: u64,
+}
+
+impl Nbd {
+    fn connect(address: &str, export: &str) -> Nbd {
+        const IHAVEOPT: u64 = 0x4948_4156_454F_5054;
+        let mut stream = TcpStream::connect(address).expect("connect to NBD");
+        stream.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+        let mut greeting = [0u8; 18];
+        stream.read_exact(&mut greeting).unwrap();
+        assert_eq!(&greeting[..8], b"NBDMAGIC");
+        // Client flags: fixed newstyle, no zeroes; then NBD_OPT_EXPORT_NAME.
+        let mut out = 3u32.to_be_bytes().to_vec();
+        out.extend_from_slice(&IHAVEOPT.to_be_bytes());
+        out.extend_from_slice(&1u32.to_be_bytes());
+        out.extend_from_slice(&(export.len() as u32).to_be_bytes());
+        out.extend_from_slice(export.as_bytes());
+        stream.write_all(&out).unwrap();
+        let mut answer = [0u8; 10];
+        stream.read_exact(&mut answer).expect("export size and flags");
+        Nbd { stream, cookie: 0 }
+    }
+
+    /// Sends one request and returns (error, read payload).
+    fn request(&mut self, kind: u16, offset: u64, length: u32, payload: &[u8]) -> (u32, Vec<u8>) {
+        self.cookie += 1;
+        let mut out = 0x2560_9513u32.to_be_bytes().to_vec();
+        out.extend_from_slice(&0u16.to_be_bytes());
+        out.extend_from_slice(&kind.to_be_bytes());
+        out.extend_from_slice(&self.cookie.to_be_bytes());
+        out.extend_from_slice(&offset.to_be_bytes());
+        out.extend_from_slice(&length.to_be_bytes());
+        out.extend_from_slice(payload);
+        self.stream.write_all(&out).unwrap();
+        let mut reply = [0u8; 16];
+        self.stream.read_exact(&mut reply).expect("NBD reply");
+        assert_eq!(u32::from_be_bytes(reply[..4].try_into().unwrap()), 0x6744_6698);
+        assert_eq!(u64::from_be_bytes(reply[8..16].try_into().unwrap()), self.cookie);
+        let error = u32::from_be_bytes(reply[4..8].try_into().unwrap());
+        let mut data = Vec::new();
+        if kind == 0 && error == 0 {
+            data = vec![0u8; length as usize];
+            self.stream.read_exact(&mut data).unwrap();
+        }
+        (error, data)
+    }
+
+    fn write(&mut self, offset: u64, data: &[u8]) -> u32 {
+        self.request(1, offset, data.len() as u32, data).0
+    }
+
+    fn read(&mut self, offset: u64, length: u32) -> Vec<u8> {
+        let (error, data) = self.request(0, offset, length, &[]);
+        assert_eq!(error, 0, "read at {offset}");
+        data
+    }
+
+    fn flush(&mut self) -> u32 {
+        self.request(3, 0, 0, &[]).0
+    }
+}
+
+#[test]
+fn a_full_pool_fails_only_the_writes_that_need_space() {
+    require_tool("qemu-io");
+    let dir = tempfile::tempdir().unwrap();
+    let fast = dir.path().join("fast.img");
+    let capacity = dir.path().join("capacity.img");
+    std::fs::File::create(&fast).unwrap().set_len(FAST_FILE).unwrap();
+    std::fs::File::create(&capacity)
+        .unwrap()
+        .set_len(CAPACITY_FILE)
+        .unwrap();
+    let data = dir.path().join("data");
+    let mut server = Server::start(&data);
+    cli_ok(
+        &server,
+        &[
+            "pool",
+            "create",
+            "tank",
+            "--fast",
+            fast.to_str().unwrap(),
+            "--capacity",
+            capacity.to_str().unwrap(),
+        ],
+    );
+    assert_eq!(pool_json(&server)["size_bytes"], POOL_DATA);
+    // A thin volume 32 times larger than the pool, and a small one.
+    cli_ok(&server, &["volume", "create", "tank/big", "--size", "1G"]);
+    cli_ok(&server, &["volume", "create", "tank/other", "--size", "64M"]);
+    let big = server.uri("tank/big");
+    let other = server.uri("tank/other");
+    qemu_io_ok(&other, &[format!("write -P 0x0f 0 {OTHER_DATA}"), "flush".into()]);
+
+    // Fill tank/big 1 MiB at a time, one client each, until a write fails.
+    let mut acknowledged = 0u64;
+    let failure = loop {
+        assert!(acknowledged * MIB <= POOL_DATA, "wrote more than the pool holds");
+        let (ok, text) = qemu_io(
+            &big,
+            &[format!(
+                "write -P {:#x} {} {MIB}",
+                pattern(acknowledged),
+                acknowledged * MIB
+            )],
+        );
+        if ok && text.contains("wrote 1048576/1048576 bytes") {
+            acknowledged += 1;
+        } else {
+            break text;
+        }
+    };
+    eprintln!("{acknowledged} MiB acknowledged before the pool was full; then:\n{failure}");
+    assert!(
+        failure.contains("No space left on device"),
+        "a write into a full pool must fail with ENOSPC:\n{failure}"
+    );
+    assert!(!failure.contains("Input/output error"), "{failure}");
+    // The error came when the pool was really full, not early.
+    assert!(acknowledged * MIB + OTHER_DATA <= POOL_DATA);
+    let status = pool_json(&server);
+    assert!(
+        status["available_bytes"].as_u64().unwrap() < MIB,
+        "ENOSPC with space left: {status}"
+    );
+
+    // The exact error number on the wire, for full and partial sectors, and
+    // it is always the same answer (nothing becomes EIO).
+    let mut raw = Nbd::connect(&server.nbd, "tank/big");
+    for (offset, length) in [(900 * MIB, 4096usize), (901 * MIB + 512, 512), (902 * MIB, 1 << 20)] {
+        assert_eq!(
+            raw.write(offset, &vec![0x99; length]),
+            ENOSPC,
+            "write {length} at {offset}"
+        );
+    }
+    // Writes into space already allocated need none, and a flush works.
+    assert_eq!(raw.write(4096, &[0xa5; 4096]), 0);
+    assert_eq!(raw.write(3 * MIB + 512, &[0xa6; 512]), 0, "sub-sector overwrite");
+    assert_eq!(raw.flush(), 0, "flush on a full pool");
+    assert_eq!(raw.read(4096, 4096), vec![0xa5; 4096]);
+    assert_eq!(
+        raw.read(900 * MIB, 4096),
+        vec![0; 4096],
+        "the failed write left nothing"
+    );
+    drop(raw);
+
+    // Every acknowledged write reads back.
+    let mut reads: Vec<String> = (1..acknowledged)
+        .filter(|&i| i != 3)
+        .map(|i| format!("read -P {:#x} {} {MIB}", pattern(i), i * MIB))
+        .collect();
+    // Around the two overwrites.
+    reads.push(format!("read -P {:#x} 0 4096", pattern(0)));
+    reads.push(format!("read -P {:#x} 8192 {}", pattern(0), MIB - 8192));
+    reads.push(format!("read -P {:#x} {} 512", pattern(3), 3 * MIB));
+    reads.push(format!("read -P {:#x} {} {}", pattern(3), 3 * MIB + 1024, MIB - 1024));
+    reads.push("read -P 0xa5 4096 4096".into());
+    reads.push(format!("read -P 0xa6 {} 512", 3 * MIB + 512));
+    qemu_io_ok(&big, &reads);
+
+    // The other volume: overwrites and reads work; it cannot grow either.
+    qemu_io_ok(
+        &other,
+        &[
+            format!("write -P 0x1e 0 {OTHER_DATA}"),
+            "flush".into(),
+            format!("read -P 0x1e 0 {OTHER_DATA}"),
+        ],
+    );
+    let (_, text) = qemu_io(&other, &["write -P 0x1f 32M 64k".into()]);
+    assert!(text.contains("No space left on device"), "{text}");
+    // The server answers on every interface; the default pool is unaffected.
+    assert!(common::http(&server.api, "GET", "/v1/pools", "").starts_with("HTTP/1.1 200"));
+    qemu_io_ok(
+        &server.uri("default/vol0"),
+        &["write -P 0x33 0 1M".into(), "read -P 0x33 0 1M".into()],
+    );
+
+    // TRIM makes room once the free is committed (the flush).
+    qemu_io_ok(&big, &["discard 0 4M".into(), "flush".into()]);
+    let status = pool_json(&server);
+    assert!(status["available_bytes"].as_u64().unwrap() >= 4 * MIB, "{status}");
+    qemu_io_ok(
+        &big,
+        &[
+            "write -P 0x71 500M 4M".into(),
+            "flush".into(),
+            "read -P 0x71 500M 4M".into(),
+            "read -P 0 0 4M".into(),
+        ],
+    );
+    // Deleting a volume makes room too.
+    let (_, text) = qemu_io(&big, &["write -P 0x72 600M 1M".into()]);
+    assert!(text.contains("No space left on device"), "full again: {text}");
+    cli_ok(&server, &["volume", "delete", "tank/other"]);
+    qemu_io_ok(
+        &big,
+        &[
+            format!("write -P 0x72 600M {OTHER_DATA}"),
+            "flush".into(),
+            format!("read -P 0x72 600M {OTHER_DATA}"),
+        ],
+    );
+
+    // A clean restart keeps all of it.
+    assert!(server.stop().success(), "clean shutdown after ENOSPC");
+    let server = Server::start(&data);
+    let big = server.uri("tank/big");
+    let mut reads: Vec<String> = (4..acknowledged)
+        .map(|i| format!("read -P {:#x} {} {MIB}", pattern(i), i * MIB))
+        .collect();
+    reads.push("read -P 0 0 4M".into());
+    reads.push("read -P 0x71 500M 4M".into());
+    reads.push(format!("read -P 0x72 600M {OTHER_DATA}"));
+    qemu_io_ok(&big, &reads);
+    let status = pool_json(&server);
+    assert_eq!(status["volumes"], 1, "{status}");
+}
