@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::{require_tool, run, Server};
+use common::{require_tool, run, Server, FIO_KILL_LOAD};
 use std::process::Command;
 
 const VOLUME_BYTES: &str = "1G";
@@ -20,14 +20,9 @@ fn kill_cycle(dir: &std::path::Path, server: Server, volume: &str, extra: &[&str
     let job = |uri: &str, verify_only: bool| {
         let mut command = Command::new("fio");
         command
-            .args([
-                "--name=k9",
-                "--ioengine=nbd",
-                "--rw=randwrite",
-                "--bs=4k",
-                "--iodepth=16",
-            ])
-            .args(["--size=1g", "--verify=crc32c", "--randrepeat=1"])
+            .args(["--name=k9", "--ioengine=nbd", "--rw=randwrite", "--bs=4k"])
+            .args(FIO_KILL_LOAD)
+            .args(["--verify=crc32c", "--randrepeat=1"])
             .arg(format!("--uri={uri}"))
             .current_dir(&state_dir);
         if verify_only {
@@ -155,7 +150,9 @@ fn set_property(server: &Server, volume: &str, key: &str, value: &str) {
     assert!(response.starts_with("HTTP/1.1 200"), "{response}");
 }
 
-/// Offset of the first 4 KiB sector filled with `byte` in the data parts of `path`.
+/// Offset of the last 4 KiB sector filled with `byte` in the data parts of
+/// `path`: the copy in the data chunks, which follow the intent log on the
+/// device (docs/FORMAT.md); the log may still hold a copy in a Data record.
 fn find_sector(path: &std::path::Path, byte: u8) -> Option<u64> {
     use std::os::unix::fs::FileExt;
     use std::os::unix::io::AsRawFd;
@@ -163,11 +160,12 @@ fn find_sector(path: &std::path::Path, byte: u8) -> Option<u64> {
     let size = file.metadata().unwrap().len();
     let mut position = 0u64;
     let mut sector = vec![0u8; 4096];
+    let mut found = None;
     while position < size {
         // SAFETY: lseek on a descriptor we own.
         let data = unsafe { libc::lseek(file.as_raw_fd(), position as i64, libc::SEEK_DATA) };
         if data < 0 {
-            return None;
+            break;
         }
         // SAFETY: as above.
         let hole = unsafe { libc::lseek(file.as_raw_fd(), data, libc::SEEK_HOLE) } as u64;
@@ -175,13 +173,13 @@ fn find_sector(path: &std::path::Path, byte: u8) -> Option<u64> {
         while at < hole {
             file.read_exact_at(&mut sector, at).unwrap();
             if sector.iter().all(|&b| b == byte) {
-                return Some(at);
+                found = Some(at);
             }
             at += 4096;
         }
         position = hole.max(position + 4096);
     }
-    None
+    found
 }
 
 fn flip_byte(path: &std::path::Path, offset: u64) {

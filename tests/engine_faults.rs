@@ -103,21 +103,51 @@ fn device_write_errors_fail_the_request_and_are_counted() {
         let volume = pool.open_volume(1, 64 * MIB, 16 << 10).unwrap();
         volume.write(0, pattern(0x31, 16 << 10), true).await.unwrap();
         errors.set_rules(vec![ErrorRule::always(&[IoOp::Write])]);
-        let error = volume.write(1 << 20, pattern(0x32, 4096), false).await.unwrap_err();
+        // A synchronous write (FUA) must reach the intent log, which lives on
+        // the failing device: it fails.
+        let error = volume.write(1 << 20, pattern(0x32, 4096), true).await.unwrap_err();
         assert!(matches!(error, BlockError::Io(_)), "{error}");
-        let error = volume.write(0, pattern(0x33, 4096), false).await.unwrap_err();
+        // A cached write is accepted into RAM; the flush that must make it
+        // durable fails, and so does its destage.
+        volume.write(2 << 20, pattern(0x33, 4096), false).await.unwrap();
+        let error = volume.flush().await.unwrap_err();
         assert!(matches!(error, BlockError::Io(_)), "{error}");
-        errors.set_rules(Vec::new());
-        // Reads of data written before are unaffected.
+        assert!(pool.destage_all().await.is_err(), "destaging onto a failing device");
+        let status = pool.status();
+        assert!(status[0].write_errors >= 1, "{status:?}");
+        // Reads of data written before are unaffected, and the cached write
+        // still reads back: nothing acknowledged is dropped.
         let (buf, result) = volume.read(4096, IoBuf::new(4096)).await;
         result.unwrap();
         assert!(buf.payload().iter().all(|&b| b == 0x31));
-        let status = pool.status();
-        assert!(status[0].write_errors >= 2, "{status:?}");
-        // The failed first write left nothing mapped.
-        let (buf, result) = volume.read(1 << 20, IoBuf::new(4096)).await;
+        let (buf, result) = volume.read(2 << 20, IoBuf::new(4096)).await;
         result.unwrap();
-        assert!(buf.payload().iter().all(|&b| b == 0));
+        assert!(buf.payload().iter().all(|&b| b == 0x33));
+        // A failed log write leaves the log's order unknown: the pool takes
+        // no more synchronous writes, even once the device works again,
+        // until it is reopened (like a suspended ZFS pool).
+        errors.set_rules(Vec::new());
+        assert!(volume.write(0, pattern(0x34, 4096), true).await.is_err());
+        drop(volume);
+        drop(pool);
+        // Reopened (a new handle on the device, as after a restart).
+        let pool = Pool::open(vec![sim.as_device()]).await.unwrap();
+        let volume = pool.open_volume(1, 64 * MIB, 16 << 10).unwrap();
+        // What was acknowledged as durable is there; the failed writes and
+        // the never-flushed one were never promised.
+        let (buf, result) = volume.read(0, IoBuf::new(16 << 10)).await;
+        result.unwrap();
+        assert!(buf.payload().iter().all(|&b| b == 0x31));
+        volume.write(2 << 20, pattern(0x35, 4096), true).await.unwrap();
+        pool.destage_all().await.unwrap();
+        assert_ne!(
+            volume.lookup_entry((2 << 20) / (16 << 10)).unwrap() & map_entry::VALID,
+            0,
+            "the new write has its place"
+        );
+        let (buf, result) = volume.read(2 << 20, IoBuf::new(4096)).await;
+        result.unwrap();
+        assert!(buf.payload().iter().all(|&b| b == 0x35));
     });
 }
 
@@ -233,6 +263,8 @@ fn data_placement_fills_the_fast_tier_then_spills() {
                 .await
                 .unwrap();
         }
+        // Cached writes take their place when destaged.
+        pool.destage_all().await.unwrap();
         let devices: Vec<u8> = (0..80u64)
             .map(|b| map_entry::decode(volume.lookup_entry(b).unwrap()).unwrap().0)
             .collect();

@@ -13,9 +13,9 @@ use std::sync::Arc;
 
 use strata::device::sim::{CrashModel, SimFaults};
 use strata::device::{Device, SimDevice, SimRng};
+use strata::pool::ram::{HeapImage, RamSource, MIN_RAM_BYTES};
 use strata::pool::superblock::Role;
 use strata::pool::volume::EngineVolume;
-use strata::pool::ram::{HeapImage, RamSource, MIN_RAM_BYTES};
 use strata::pool::{NewDevice, Pool, PoolOptions};
 use strata::volume::{BlockDevice, BlockError, IoBuf, ZeroFlags};
 

@@ -174,6 +174,7 @@ fn add_device_to_a_full_pool_on_files_then_reopen() {
         assert_eq!(status[1].data_bytes, 15 * MIB);
         let full2 = fill(&volume, full, 1).await;
         assert_eq!(full2 - full, 15 * 16, "the new device's chunks are all usable");
+        pool.destage_all().await.unwrap();
         assert!((full..full2).all(|b| device_of(&volume, b) == 1));
         volume.flush().await.unwrap();
 
@@ -187,6 +188,7 @@ fn add_device_to_a_full_pool_on_files_then_reopen() {
                 .write(block << 16, IoBuf::copy_from(&block_data(block, 2)), false)
                 .await
                 .unwrap();
+            pool.destage_all().await.unwrap();
             assert_eq!(device_of(&volume, block), 2, "block {block} on the new fast device");
         }
         // Overwrites of blocks on the added devices (in place, dirty marks).

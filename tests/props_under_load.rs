@@ -7,7 +7,7 @@
 
 mod common;
 
-use common::{require_tool, Server};
+use common::{require_tool, Server, FIO_KILL_LOAD};
 use std::path::Path;
 use std::process::Command;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -75,26 +75,22 @@ fn change_properties(
 /// `serialize_overlap`: two writes of one block in flight at once may land in
 /// either order (NBD orders nothing), which fio would report as a lost write.
 const OVERWRITES: &[&str] = &[
+    "--iodepth=16",
     "--size=128m",
     "--io_size=512m",
     "--norandommap",
     "--serialize_overlap=1",
 ];
 /// Each block at most once: an overwrite in flight at a kill -9 could leave
-/// either version, which fio would call a lost write.
-const FIRST_WRITES: &[&str] = &["--size=1g"];
+/// either version, which fio would call a lost write. One write in flight per
+/// job, for fio 3.33's verify state (see `FIO_KILL_LOAD`).
+const FIRST_WRITES: &[&str] = FIO_KILL_LOAD;
 
 /// fio's common options: 4K random writes at QD16 with crc32c headers.
 fn fio(uri: &str, state_dir: &Path, shape: &[&str]) -> Command {
     let mut command = Command::new("fio");
     command
-        .args([
-            "--name=props",
-            "--ioengine=nbd",
-            "--rw=randwrite",
-            "--bs=4k",
-            "--iodepth=16",
-        ])
+        .args(["--name=props", "--ioengine=nbd", "--rw=randwrite", "--bs=4k"])
         .args(shape)
         .args([
             "--randrepeat=1",

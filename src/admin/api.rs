@@ -263,6 +263,14 @@ async fn add_device(
     Ok((StatusCode::CREATED, Json(status)))
 }
 
+async fn sync_pool(
+    State(manager): State<Manager>,
+    path: Result<Path<String>, PathRejection>,
+) -> ApiResult<Json<PoolStatus>> {
+    let Path(pool) = path?;
+    Ok(Json(manager.sync_pool(&pool).await?))
+}
+
 async fn get_pool(State(manager): State<Manager>, Path(pool): Path<String>) -> ApiResult<Json<PoolStatus>> {
     blocking(&manager, move |m| {
         m.pool_status()
@@ -376,6 +384,7 @@ pub fn router(manager: Arc<VolumeManager>) -> Router {
         .route("/v1/pools", get(list_pools).post(create_pool))
         .route("/v1/pools/:pool", get(get_pool))
         .route("/v1/pools/:pool/devices", post(add_device))
+        .route("/v1/pools/:pool/sync", post(sync_pool))
         .route("/v1/volumes", get(list_volumes).post(create_volume))
         .route(
             "/v1/volumes/:pool/:name",

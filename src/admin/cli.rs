@@ -138,6 +138,13 @@ pub enum PoolCommand {
         #[arg(long = "ram", value_name = "SIZE")]
         ram: Option<String>,
     },
+    /// Destage all of a pool's cached writes to their place on the devices
+    /// and checkpoint its metadata, so the device files alone hold every
+    /// write (e.g. before copying them). Writes keep being served.
+    Sync {
+        /// Pool name.
+        pool: String,
+    },
     /// Add a fast or capacity device to a pool while it runs; its space is
     /// usable at once. The device must not already be in a pool.
     #[command(
@@ -389,6 +396,12 @@ fn run_pool(args: PoolArgs) -> CliResult<String> {
             let status: PoolStatus = client.send("POST", &format!("/v1/pools/{pool}/devices"), Some(body))?;
             Ok(if output.json { pretty(&status) } else { String::new() })
         }
+        PoolCommand::Sync { pool } => {
+            validate_component("pool", &pool)?;
+            let client = Client::new(&args.client.api)?;
+            let status: PoolStatus = client.send("POST", &format!("/v1/pools/{pool}/sync"), None)?;
+            Ok(if output.json { pretty(&status) } else { String::new() })
+        }
         PoolCommand::Status { pool } => {
             if let Some(pool) = &pool {
                 validate_component("pool", pool)?;
@@ -523,6 +536,7 @@ fn pool_table(pools: &[PoolStatus]) -> String {
         ("SIZE", Right),
         ("USED", Right),
         ("AVAIL", Right),
+        ("DIRTY", Right),
         ("PROVISIONED", Right),
         ("VOLUMES", Right),
         ("READ_ERRORS", Right),
@@ -538,6 +552,7 @@ fn pool_table(pools: &[PoolStatus]) -> String {
                 format_size(p.size_bytes),
                 format_size(p.used_bytes),
                 format_size(p.available_bytes),
+                format_size(p.cache.dirty_bytes),
                 format_size(p.provisioned_bytes),
                 p.volumes.to_string(),
                 p.read_errors.to_string(),

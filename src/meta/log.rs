@@ -338,8 +338,8 @@ impl Log {
     /// records included).
     pub fn room(&self) -> u64 {
         let pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
-        let used = self.next_lsn() - self.tail_lsn.load(Ordering::Acquire)
-            + blocks_needed(&pending.records) * LOG_BLOCK_BYTES;
+        let used =
+            self.next_lsn() - self.tail_lsn.load(Ordering::Acquire) + blocks_needed(&pending.records) * LOG_BLOCK_BYTES;
         (self.len / 4 * 3).saturating_sub(used)
     }
 
@@ -443,7 +443,7 @@ impl Log {
                 skip_units = units.len();
             }
             units.push(Unit::Header(block));
-            units.extend(block.payloads.iter().map(|p| Unit::Payload(p)));
+            units.extend(block.payloads.iter().map(Unit::Payload));
         }
         if skip >= blocks.len() {
             skip_units = units.len();

@@ -96,7 +96,11 @@ impl Pool {
     /// One destage pass over the next volume (round robin): up to
     /// `max_blocks` blocks, only entries older than `older_than` if given.
     /// Returns how many blocks it destaged.
-    pub(crate) async fn destage_some(&self, max_blocks: usize, older_than: Option<Duration>) -> Result<usize, PoolError> {
+    pub(crate) async fn destage_some(
+        &self,
+        max_blocks: usize,
+        older_than: Option<Duration>,
+    ) -> Result<usize, PoolError> {
         let engines = self.engines();
         if engines.is_empty() {
             return Ok(0);
@@ -157,7 +161,11 @@ impl Pool {
                             break;
                         }
                     }
-                    while pool.destage_some(DESTAGE_BATCH_BLOCKS, Some(super::COMMIT_INTERVAL)).await? > 0 {}
+                    while pool
+                        .destage_some(DESTAGE_BATCH_BLOCKS, Some(super::COMMIT_INTERVAL))
+                        .await?
+                        > 0
+                    {}
                     Ok::<(), PoolError>(())
                 }
                 .await;

@@ -21,9 +21,9 @@
 pub mod alloc;
 pub mod cache;
 mod destage;
+pub mod grow;
 pub mod ram;
 pub mod readcache;
-pub mod grow;
 pub mod superblock;
 pub mod volume;
 
@@ -1237,8 +1237,46 @@ impl Pool {
             volblocksize,
             mapped,
         ));
+        self.restore_reservations(&engine)?;
         self.register_volume(id, Arc::downgrade(&engine));
         Ok(engine)
+    }
+
+    /// Reserves pool space again for the unmapped blocks that the cache
+    /// holds dirty sectors of after a restart (restored from the RAM tier or
+    /// the intent log). They were accepted, with space reserved, before the
+    /// crash, so they fit: the reservation is taken even past the free
+    /// space, before any new write can claim it.
+    fn restore_reservations(&self, engine: &volume::EngineVolume) -> Result<(), PoolError> {
+        let cache = self.cache.volume(engine.id());
+        let per_block = engine.sectors_per_block();
+        let mut blocks: Vec<u64> = {
+            let state = cache.lock();
+            state
+                .entries
+                .keys()
+                .map(|sector| sector / per_block)
+                .filter(|block| !state.reserved.contains(block))
+                .collect()
+        };
+        blocks.dedup();
+        let mut unmapped = Vec::new();
+        for block in blocks {
+            if self.lookup(engine.id(), block).map_err(PoolError::Meta)? & map_entry::VALID == 0 {
+                unmapped.push(block);
+            }
+        }
+        if !unmapped.is_empty() {
+            self.reserved_bytes
+                .fetch_add(unmapped.len() as u64 * engine.volblocksize() as u64, Ordering::AcqRel);
+            cache.lock().reserved.extend(unmapped);
+        }
+        Ok(())
+    }
+
+    /// Pool space promised to cached writes whose blocks are not placed yet.
+    pub fn reserved_bytes(&self) -> u64 {
+        self.reserved_bytes.load(Ordering::Acquire)
     }
 
     /// Counts the mapped blocks of volume `id` (stored pages, with cached
@@ -1273,11 +1311,7 @@ impl Pool {
     /// Destroys volume `id`: frees every block once the record saying so is
     /// durable; the next checkpoint deletes its pages.
     pub async fn destroy_volume(&self, id: u32) -> Result<(), PoolError> {
-        self.cache
-            .engines
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(&id);
+        self.cache.engines.lock().unwrap_or_else(|e| e.into_inner()).remove(&id);
         let (_, reserved_bytes) = self.cache.forget_volume(id);
         self.read_cache.invalidate_volume(id);
         self.unreserve(reserved_bytes);

@@ -155,7 +155,13 @@ impl RamTier {
             RamSource::Heap(image) => {
                 let mut boot = [0u8; 36];
                 boot[..4].copy_from_slice(b"heap");
-                (Backing::Heap(image.clone()), image.ptr, image.len, boot, "heap".to_string())
+                (
+                    Backing::Heap(image.clone()),
+                    image.ptr,
+                    image.len,
+                    boot,
+                    "heap".to_string(),
+                )
             }
         };
         let slots = ((len - REGION_HEADER_BYTES) / (SLOT_BYTES + SLOT_HEADER_BYTES)) as u32;

@@ -191,9 +191,15 @@ impl EngineVolume {
         self.pool.lookup(self.id, block)
     }
 
-    /// Bytes of pool space the volume's mapped blocks take.
+    /// Bytes of pool space the volume takes: its mapped blocks, and the
+    /// blocks its cached writes will take when destaged (reserved already).
     pub fn used_bytes(&self) -> u64 {
-        self.mapped_blocks.load(Ordering::Relaxed) << self.block_shift
+        let reserved = self.cache.lock().reserved.len() as u64;
+        (self.mapped_blocks.load(Ordering::Relaxed) + reserved) << self.block_shift
+    }
+
+    pub fn volblocksize(&self) -> u32 {
+        1 << self.block_shift
     }
 
     pub fn id(&self) -> u32 {
@@ -622,7 +628,7 @@ impl EngineVolume {
         self.pool.read_cache.invalidate(self.id, first, last - first + 1);
     }
 
-    fn sectors_per_block(&self) -> u64 {
+    pub(crate) fn sectors_per_block(&self) -> u64 {
         self.block_bytes() / SECTOR_BYTES
     }
 

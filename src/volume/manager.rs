@@ -17,9 +17,9 @@ use super::{full_name, Volume};
 use crate::device::DeviceError;
 use crate::device::{create_file, open_device, DeviceOptions};
 use crate::meta::catalog::{sync_dir, Catalog, DeviceRecord, PoolRecord, VolumeRecord};
+use crate::pool::ram::{RamSource, MIN_RAM_BYTES};
 use crate::pool::superblock::Role;
 use crate::pool::volume::EngineVolume;
-use crate::pool::ram::{RamSource, MIN_RAM_BYTES};
 use crate::pool::{DeviceStatus, NewDevice, Pool, PoolError, PoolOptions, DEFAULT_CHUNK_BYTES};
 
 pub const DEFAULT_POOL: &str = "default";
@@ -90,7 +90,31 @@ pub struct PoolStatus {
     /// metadata overhead.
     pub data_bytes_written: u64,
     pub metadata_bytes_written: u64,
+    pub cache: PoolCacheStatus,
     pub devices: Vec<DeviceStatus>,
+}
+
+/// The pool's RAM: the write-back cache (dirty data in the RAM tier) and
+/// the read cache. Counters run since the daemon started.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PoolCacheStatus {
+    /// Written data held in the RAM tier, not yet at its place on a device.
+    pub dirty_bytes: u64,
+    /// The RAM tier's size: the bound on dirty data (writers wait beyond it).
+    pub dirty_max_bytes: u64,
+    /// Pool space promised to dirty data whose blocks are not placed yet
+    /// (counted in the pool's `used_bytes`).
+    pub reserved_bytes: u64,
+    pub written_bytes: u64,
+    /// Written bytes that went to the intent log (synchronous writes, flushes).
+    pub logged_bytes: u64,
+    pub destaged_bytes: u64,
+    /// Writes that waited for RAM (backpressure).
+    pub stalls: u64,
+    pub read_cache_bytes: u64,
+    pub read_cache_max_bytes: u64,
+    pub read_hits: u64,
+    pub read_misses: u64,
 }
 
 pub struct VolumeManager {
@@ -265,8 +289,7 @@ impl VolumeManager {
             });
         }
         let chunk_bytes = chunk_bytes.unwrap_or(DEFAULT_CHUNK_BYTES);
-        fs::create_dir_all(pool_dir(&self.data_dir, name))
-            .map_err(|e| internal("cannot create pool directory", e))?;
+        fs::create_dir_all(pool_dir(&self.data_dir, name)).map_err(|e| internal("cannot create pool directory", e))?;
         let options = pool_options(&self.data_dir, name, ram_bytes);
         let pool = self
             .runtime
@@ -701,7 +724,23 @@ impl VolumeManager {
                 let devices = pool.status();
                 let data: Vec<&DeviceStatus> = devices.iter().filter(|d| d.role != Role::Log).collect();
                 let size_bytes: u64 = data.iter().map(|d| d.data_bytes).sum();
-                let used_bytes: u64 = data.iter().map(|d| d.used_bytes).sum();
+                let reserved_bytes = pool.reserved_bytes();
+                let used_bytes: u64 = data.iter().map(|d| d.used_bytes).sum::<u64>() + reserved_bytes;
+                let write = pool.cache_stats();
+                let read = pool.read_cache_stats();
+                let cache = PoolCacheStatus {
+                    dirty_bytes: write.dirty_bytes,
+                    dirty_max_bytes: write.ram_bytes,
+                    reserved_bytes,
+                    written_bytes: write.written_bytes,
+                    logged_bytes: write.logged_bytes,
+                    destaged_bytes: write.destaged_bytes,
+                    stalls: write.stalls,
+                    read_cache_bytes: read.used_bytes,
+                    read_cache_max_bytes: read.capacity_bytes,
+                    read_hits: read.hits,
+                    read_misses: read.misses,
+                };
                 Some(PoolStatus {
                     name: name.clone(),
                     uuid: pool.uuid(),
@@ -717,10 +756,32 @@ impl VolumeManager {
                     suspect_chunks: pool.suspect_chunks(),
                     data_bytes_written: pool.meta_counters().data_bytes,
                     metadata_bytes_written: pool.meta_counters().log_bytes + pool.meta_counters().store_bytes,
+                    cache,
                     devices,
                 })
             })
             .collect()
+    }
+
+    /// `pool sync`: destages all of a pool's cached writes to their place
+    /// on the data devices and checkpoints its metadata, so the devices
+    /// alone hold everything written (before a backup of the device files,
+    /// a device replacement, or a test that inspects them).
+    pub async fn sync_pool(&self, pool_name: &str) -> Result<PoolStatus, AdminError> {
+        validate_component("pool", pool_name)?;
+        let pool = self
+            .pool(pool_name)
+            .ok_or_else(|| AdminError::NotFound(format!("pool '{pool_name}' does not exist")))?;
+        pool.destage_all()
+            .await
+            .map_err(|e| AdminError::Internal(format!("pool '{pool_name}': destage failed: {e}")))?;
+        pool.checkpoint()
+            .await
+            .map_err(|e| AdminError::Internal(format!("pool '{pool_name}': checkpoint failed: {e}")))?;
+        self.pool_status()
+            .into_iter()
+            .find(|p| p.name == pool_name)
+            .ok_or_else(|| AdminError::NotFound(format!("pool '{pool_name}' does not exist")))
     }
 
     /// Makes every acknowledged write durable (used at shutdown).
@@ -794,15 +855,16 @@ async fn open_pool(data_dir: &Path, name: &str, record: &PoolRecord) -> Result<(
         }
     }
     let pool = Pool::open_with(devices, pool_options(data_dir, name, record.ram_bytes))
-        .await.map_err(|e| {
-        let hint = match e {
-            PoolError::Missing { .. } => {
-                " (every device of the pool must be listed under its \"devices\" in catalog.json and be readable)"
-            }
-            _ => "",
-        };
-        AdminError::Internal(format!("pool {name}: {e}{hint}"))
-    })?;
+        .await
+        .map_err(|e| {
+            let hint = match e {
+                PoolError::Missing { .. } => {
+                    " (every device of the pool must be listed under its \"devices\" in catalog.json and be readable)"
+                }
+                _ => "",
+            };
+            AdminError::Internal(format!("pool {name}: {e}{hint}"))
+        })?;
     if pool.uuid() != record.uuid {
         return Err(AdminError::Internal(format!(
             "pool {name}: its devices belong to pool {} but the catalog expects {}",

@@ -183,3 +183,24 @@ pub fn http(address: &str, method: &str, path: &str, body: &str) -> String {
     stream.read_to_string(&mut response).unwrap();
     response
 }
+
+/// fio options for a write load that a kill -9 interrupts.
+///
+/// fio before 3.41 (Debian 12 ships 3.33) saves a verify state that assumes
+/// every write issued more than `iodepth` writes before the last one has
+/// completed. A write that stalls in the server while later writes complete
+/// (a request waiting for log space or a checkpoint) would then be verified
+/// although it was never acknowledged, and reported as lost (fio fixed this
+/// in commit a9ba7cef, "rework write tracking for use with
+/// verify_save_state()"). With one write in flight per job the assumption
+/// holds; eight jobs, each on its own NBD connection and its own 128 MiB
+/// range, still keep eight writes in flight, so group commit is exercised.
+/// Every block is written at most once.
+#[allow(dead_code)]
+pub const FIO_KILL_LOAD: &[&str] = &[
+    "--numjobs=8",
+    "--iodepth=1",
+    "--size=128m",
+    "--offset_increment=128m",
+    "--group_reporting",
+];
