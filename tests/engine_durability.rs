@@ -66,11 +66,26 @@ fn kill9_loses_no_acknowledged_write_with_sync_always() {
     let dir = tempfile::tempdir().unwrap();
     let server = Server::start(dir.path());
     server.create_volume("default/k9", VOLUME_BYTES);
-    set_property(&server, "default/k9", "sync", "always");
+    server.set_property("default/k9", "sync", "always");
     let mut server = server;
     for (cycle, seconds) in kill_seconds(&[2, 3, 2]).into_iter().enumerate() {
         server = kill_cycle(dir.path(), server, "default/k9", &[], seconds);
         eprintln!("sync=always cycle {cycle} verified");
+    }
+}
+
+#[test]
+fn kill9_loses_no_acknowledged_write_with_logbias_throughput() {
+    require_tool("fio");
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(dir.path());
+    server.create_volume("default/k9", VOLUME_BYTES);
+    server.set_property("default/k9", "sync", "always");
+    server.set_property("default/k9", "logbias", "throughput");
+    let mut server = server;
+    for (cycle, seconds) in kill_seconds(&[2, 3]).into_iter().enumerate() {
+        server = kill_cycle(dir.path(), server, "default/k9", &[], seconds);
+        eprintln!("sync=always logbias=throughput cycle {cycle} verified");
     }
 }
 
@@ -142,12 +157,6 @@ fn kill_seconds(default: &[u32]) -> Vec<u32> {
         Some(cycles) => (0..cycles).map(|i| 1 + (i * 7 + 3) % 4).collect(),
         None => default.to_vec(),
     }
-}
-
-fn set_property(server: &Server, volume: &str, key: &str, value: &str) {
-    let body = format!("{{\"properties\":{{\"{key}\":\"{value}\"}}}}");
-    let response = common::http(&server.api, "PATCH", &format!("/v1/volumes/{volume}"), &body);
-    assert!(response.starts_with("HTTP/1.1 200"), "{response}");
 }
 
 /// Offset of the last 4 KiB sector filled with `byte` in the data parts of

@@ -426,17 +426,26 @@ fn runtime() -> tokio::runtime::Runtime {
 
 #[test]
 fn simulated_crashes_never_lose_flushed_writes() {
-    let runtime = runtime();
     if let Ok(seed) = std::env::var("STRATA_SIM_SEED") {
         let seed: u64 = seed.parse().expect("STRATA_SIM_SEED is a number");
-        runtime.block_on(run_seed(seed, OPERATIONS));
+        runtime().block_on(run_seed(seed, OPERATIONS));
         return;
     }
     let seeds: u64 = std::env::var("STRATA_SIM_SEEDS")
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or(1000);
-    for seed in 0..seeds {
-        runtime.block_on(run_seed(seed, OPERATIONS));
-    }
+    // Seeds are independent: one worker per core, each with its own
+    // single-threaded runtime (a seed's run stays deterministic).
+    let workers = std::thread::available_parallelism().map_or(1, |n| n.get()) as u64;
+    std::thread::scope(|scope| {
+        for worker in 0..workers {
+            scope.spawn(move || {
+                let seeds_runtime = runtime();
+                for seed in (worker..seeds).step_by(workers as usize) {
+                    seeds_runtime.block_on(run_seed(seed, OPERATIONS));
+                }
+            });
+        }
+    });
 }

@@ -89,6 +89,16 @@ impl Server {
         assert!(response.starts_with("HTTP/1.1 201"), "creating {name}: {response}");
     }
 
+    /// Sets one volume property through the REST API (`volume set`).
+    pub fn set_property(&self, volume: &str, key: &str, value: &str) {
+        let body = format!("{{\"properties\":{{\"{key}\":\"{value}\"}}}}");
+        let response = http(&self.api, "PATCH", &format!("/v1/volumes/{volume}"), &body);
+        assert!(
+            response.starts_with("HTTP/1.1 200"),
+            "setting {key}={value} on {volume}: {response}"
+        );
+    }
+
     /// SIGTERM, then wait for the exit status.
     pub fn stop(&mut self) -> ExitStatus {
         // SAFETY: kill(2) on our own child's pid with a valid signal number.
