@@ -22,7 +22,45 @@ from nbd_bench import STRATA, ROOT, Peer, free_port, wait_port, measure  # noqa:
 
 
 def cli(api, *args):
-    subprocess.run([STRATA, *args, "--api", f"127.0.0.1:{api}"], check=True, capture_output=True)
+    done = subprocess.run([STRATA, *args, "--api", f"127.0.0.1:{api}"], capture_output=True, text=True)
+    if done.returncode != 0:
+        sys.exit(f"strata {' '.join(args)} failed: {done.stderr}")
+    return done.stdout
+
+
+def fio_pass(uri, offset_mib, size_mib, bs):
+    """One sequential read pass over [offset, offset + size) of an NBD export."""
+    subprocess.run(["fio", "--name=pass", "--ioengine=nbd", f"--uri={uri}", "--rw=read", f"--bs={bs}",
+                    f"--offset={offset_mib}m", f"--size={size_mib}m", "--iodepth=8"],
+                   check=True, capture_output=True)
+
+
+def scan_resistance(api, base, work, seed):
+    """Hit ratio of a hot set re-read after a sequential scan of 4x the read
+    cache (pool `scan`, --ram 256M: a 128 MiB read cache)."""
+    dev = os.path.join(work, "scan.img")
+    with open(dev, "wb") as f:
+        f.truncate(4 << 30)
+    cli(api, "pool", "create", "scan", "--fast", dev, "--ram", "256M")
+    cli(api, "volume", "create", "scan/v", "--size", "1G")
+    uri = base + "scan/v"
+    subprocess.run(["nbdcopy", "--flush", seed, uri], check=True)
+    cli(api, "pool", "sync", "scan")
+
+    def counters():
+        cache = json.loads(cli(api, "pool", "status", "scan", "--json"))["cache"]
+        return cache["read_hits"], cache["read_misses"]
+
+    hot_mib = 32
+    for _ in range(3):
+        fio_pass(uri, 0, hot_mib, "64k")       # the working set, read repeatedly
+    fio_pass(uri, 64, 512, "1m")               # the scan: 4x the read cache
+    hits0, misses0 = counters()
+    fio_pass(uri, 0, hot_mib, "64k")           # the working set again
+    hits1, misses1 = counters()
+    hits, misses = hits1 - hits0, misses1 - misses0
+    return {"hot_mib": hot_mib, "scan_mib": 512, "read_cache_mib": 128, "hits": hits, "misses": misses,
+            "hit_ratio": hits / max(1, hits + misses)}
 
 
 def fio_floor(path, runtime, size_mib):
@@ -76,7 +114,7 @@ def main():
         base = strata.uri
         for name, props in [("sync", ["sync=always"]), ("inplace", ["sync=always", "logbias=throughput"]),
                             ("wb", [])]:
-            cli(api, "volume", "create", f"wp/{name}", f"{options.size_mib}M")
+            cli(api, "volume", "create", f"wp/{name}", "--size", f"{options.size_mib}M")
             subprocess.run(["nbdcopy", "--flush", seed, base + f"wp/{name}"], check=True)
             if props:
                 cli(api, "volume", "set", f"wp/{name}", *props)
@@ -93,6 +131,8 @@ def main():
         run("sync=always logbias=throughput QD1", "wp/inplace", qd1)
         run("sync=always logbias=throughput QD32", "wp/inplace", qd32)
         run("wce=on write-back QD32", "wp/wb", qd32)
+        results["scan resistance"] = scan_resistance(api, base, work, seed)
+        print(f"scan {results['scan resistance']}", file=sys.stderr)
         strata.stop()
         nbdkit.start()
         results["nbdkit-file QD32"] = measure(nbdkit, ("n", qd32, "iops"), options.runtime, options.size_mib)
@@ -110,6 +150,8 @@ def main():
     print("| row | result |")
     print("|---|---|")
     for label, row in r.items():
+        if "iops" not in row:
+            continue
         cpu = f", {row['cpu_us_per_op']:.1f} µs CPU/op" if "cpu_us_per_op" in row else ""
         print(f"| {label} | {row['iops'] / 1000:.1f}k IOPS, p50 {row['p50_us']:.0f} µs / p99 {row['p99_us']:.0f} µs{cpu} |")
     g = r["sync=always logbias=latency QD32"]["iops"] / r["sync=always logbias=latency QD1"]["iops"]
@@ -118,6 +160,9 @@ def main():
     wb = r["wce=on write-back QD32"]["iops"] / r["nbdkit-file QD32"]["iops"]
     print(f"\ngroup commit QD32/QD1: {g:.1f}x; sync QD1 p50 vs floor: {lat['p50_us'] / floor['p50_us']:.2f}x, "
           f"p99 {lat['p99_us'] / floor['p99_us']:.2f}x; write-back vs nbdkit-file: {wb:.2f}x")
+    scan = r["scan resistance"]
+    print(f"read cache: {scan['hot_mib']} MiB hot set re-read after a {scan['scan_mib']} MiB scan "
+          f"({scan['read_cache_mib']} MiB cache): hit ratio {scan['hit_ratio']:.3f}")
     with open(os.path.join(ROOT, "bench", "last-writepath-results.json"), "w") as f:
         json.dump(results, f, indent=1)
 

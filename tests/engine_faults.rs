@@ -81,6 +81,17 @@ fn enospc_fails_only_the_request_that_needs_space() {
         let (buf, result) = full.read(0, IoBuf::new(4096)).await;
         result.unwrap();
         assert!(buf.payload().iter().all(|&b| b == 0), "trimmed blocks read as zeros");
+        // Full again; a trim with no flush after it still makes room: the
+        // write that needs the space commits the free first.
+        let mut next = written + (1 << 16);
+        while full.write(next, pattern(0x14, 1 << 16), false).await.is_ok() {
+            next += 1 << 16;
+        }
+        full.trim(MIB, 1 << 16, false).await.unwrap();
+        full.write(next, pattern(0x15, 1 << 16), false).await.unwrap();
+        let (buf, result) = full.read(next, IoBuf::new(1 << 16)).await;
+        result.unwrap();
+        assert!(buf.payload().iter().all(|&b| b == 0x15));
     });
 }
 

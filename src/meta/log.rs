@@ -349,6 +349,11 @@ impl Log {
     }
 
     /// Bytes of records waiting for a commit.
+    /// Whether slots wait for a commit to become free again.
+    pub fn has_pending_frees(&self) -> bool {
+        !self.pending.lock().unwrap_or_else(|e| e.into_inner()).frees.is_empty()
+    }
+
     pub fn pending_bytes(&self) -> usize {
         self.pending_bytes.load(Ordering::Relaxed)
     }

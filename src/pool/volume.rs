@@ -813,13 +813,33 @@ impl EngineVolume {
         if count > self.pool.cache.ram.total_slots() / 4 {
             return self.write_through(offset, data, durable).await;
         }
-        let slots = loop {
-            self.pool.make_room(count).await.map_err(pool_error)?;
-            if let Some(slots) = self.pool.cache.ram.allocate(count) {
-                break slots;
+        // Space for blocks that are not mapped yet is promised before the
+        // write is accepted, so the destage cannot run out of it later. When
+        // the pool is full but trims or overwrites have freed slots that only
+        // a commit makes reusable, commit once and try again.
+        let mut committed_for_space = false;
+        let (slots, guards, reserved) = loop {
+            let slots = loop {
+                self.pool.make_room(count).await.map_err(pool_error)?;
+                if let Some(slots) = self.pool.cache.ram.allocate(count) {
+                    break slots;
+                }
+            };
+            let guards = self.lock_exclusive(offset, length).await;
+            match self.reserve_unmapped(offset, end) {
+                Ok(reserved) => break (slots, guards, reserved),
+                Err(e) => {
+                    self.pool.cache.ram.give_back(&slots);
+                    drop(guards);
+                    if matches!(e, BlockError::NoSpace) && !committed_for_space && self.pool.log.has_pending_frees() {
+                        committed_for_space = true;
+                        self.pool.commit_quiet().await.map_err(pool_error)?;
+                        continue;
+                    }
+                    return Err(e);
+                }
             }
         };
-        let guards = self.lock_exclusive(offset, length).await;
         let images = if offset % SECTOR_BYTES == 0 && end % SECTOR_BYTES == 0 {
             data
         } else {
@@ -829,43 +849,14 @@ impl EngineVolume {
                 .await;
             if let Err(e) = result {
                 self.pool.cache.ram.give_back(&slots);
+                self.unreserve_blocks(&reserved);
                 return Err(e);
             }
             let at = (offset - first * SECTOR_BYTES) as usize;
             cover.payload_mut()[at..at + length as usize].copy_from_slice(data.payload());
             cover
         };
-        // Space for blocks that are not mapped yet is promised now, so the
-        // destage cannot run out of it later.
-        let first_block = offset >> self.block_shift;
-        let last_block = (end - 1) >> self.block_shift;
-        let mut needed = Vec::new();
-        {
-            let state = self.cache.lock();
-            for block in first_block..=last_block {
-                if !state.reserved.contains(&block) {
-                    needed.push(block);
-                }
-            }
-        }
-        let mut unmapped = Vec::new();
-        for block in needed {
-            match self.pool.lookup(self.id, block) {
-                Ok(entry) if entry & map_entry::VALID == 0 => unmapped.push(block),
-                Ok(_) => {}
-                Err(e) => {
-                    self.pool.cache.ram.give_back(&slots);
-                    return Err(meta_error(e));
-                }
-            }
-        }
-        if !unmapped.is_empty() {
-            if !self.pool.reserve(unmapped.len() as u64 * self.block_bytes()) {
-                self.pool.cache.ram.give_back(&slots);
-                return Err(BlockError::NoSpace);
-            }
-            self.cache.lock().reserved.extend(unmapped);
-        }
+        let (first_block, last_block) = (offset >> self.block_shift, (end - 1) >> self.block_shift);
         self.invalidate_read_cache(offset, length);
         let log_data = durable && !self.log_throughput.load(Ordering::Acquire);
         let gate = if log_data {
@@ -908,6 +899,47 @@ impl EngineVolume {
             }
         }
         Ok(())
+    }
+
+    /// Reserves pool space for the blocks of `[offset, end)` that are
+    /// neither mapped nor reserved yet (caller holds their stripes
+    /// exclusively). Returns the blocks it reserved.
+    fn reserve_unmapped(&self, offset: u64, end: u64) -> BlockResult<Vec<u64>> {
+        let first_block = offset >> self.block_shift;
+        let last_block = (end - 1) >> self.block_shift;
+        let needed: Vec<u64> = {
+            let state = self.cache.lock();
+            (first_block..=last_block)
+                .filter(|block| !state.reserved.contains(block))
+                .collect()
+        };
+        let mut unmapped = Vec::new();
+        for block in needed {
+            if self.pool.lookup(self.id, block).map_err(meta_error)? & map_entry::VALID == 0 {
+                unmapped.push(block);
+            }
+        }
+        if !unmapped.is_empty() {
+            if !self.pool.reserve(unmapped.len() as u64 * self.block_bytes()) {
+                return Err(BlockError::NoSpace);
+            }
+            self.cache.lock().reserved.extend(unmapped.iter().copied());
+        }
+        Ok(unmapped)
+    }
+
+    /// Gives back reservations taken for a write that then failed.
+    fn unreserve_blocks(&self, blocks: &[u64]) {
+        if blocks.is_empty() {
+            return;
+        }
+        {
+            let mut state = self.cache.lock();
+            for block in blocks {
+                state.reserved.remove(block);
+            }
+        }
+        self.pool.unreserve(blocks.len() as u64 * self.block_bytes());
     }
 
     /// A write too large for the cache goes to its place directly.
