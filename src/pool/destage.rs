@@ -17,17 +17,27 @@ impl Pool {
     /// Promises `bytes` of pool space to cached writes into unmapped blocks.
     pub(crate) fn reserve(&self, bytes: u64) -> bool {
         let allocator = self.allocator.lock().unwrap_or_else(|e| e.into_inner());
-        let free: u64 = allocator
-            .devices()
-            .iter()
-            .map(|d| (d.data_chunks() * self.chunk_bytes as u64).saturating_sub(d.used_bytes()))
-            .sum();
+        let free = Self::unallocated(&allocator, self.chunk_bytes);
         let reserved = self.reserved_bytes.load(Ordering::Acquire);
         if reserved + bytes > free {
             return false;
         }
         self.reserved_bytes.fetch_add(bytes, Ordering::AcqRel);
         true
+    }
+
+    fn unallocated(allocator: &super::alloc::Allocator, chunk_bytes: u32) -> u64 {
+        allocator
+            .devices()
+            .iter()
+            .map(|d| (d.data_chunks() * chunk_bytes as u64).saturating_sub(d.used_bytes()))
+            .sum()
+    }
+
+    /// Data space neither allocated nor reserved for cached writes.
+    pub(crate) fn free_bytes(&self) -> u64 {
+        let allocator = self.allocator.lock().unwrap_or_else(|e| e.into_inner());
+        Self::unallocated(&allocator, self.chunk_bytes).saturating_sub(self.reserved_bytes.load(Ordering::Acquire))
     }
 
     pub(crate) fn unreserve(&self, bytes: u64) {

@@ -166,6 +166,9 @@ fn stripes_of(blocks: &[u64]) -> Vec<usize> {
     indices
 }
 
+/// Writes of this size or more bypass the write-back cache.
+const WRITE_AROUND_BYTES: usize = 128 << 10;
+
 fn sector_crcs(bytes: &[u8]) -> Vec<u32> {
     bytes.chunks(SECTOR_BYTES as usize).map(crc32c::crc32c).collect()
 }
@@ -704,6 +707,7 @@ impl EngineVolume {
         if snapshot.is_empty() {
             return Ok(());
         }
+        let appends = self.pool.log_appends();
         // Contiguous runs of sectors become one write each.
         let mut start = 0;
         while start < snapshot.len() {
@@ -737,7 +741,8 @@ impl EngineVolume {
                 last_block = Some(block);
             }
         }
-        if !written.is_empty() {
+        let written_records = !written.is_empty();
+        if written_records {
             self.pool.log.append_all(written);
         }
         let released = {
@@ -750,7 +755,16 @@ impl EngineVolume {
         };
         self.pool.unreserve(released as u64 * self.block_bytes());
         drop(guards);
-        self.pool.commit_quiet().await.map_err(pool_error)?;
+        if written_records {
+            // The Written records supersede Data records only once the data
+            // is durable in place: commit (data devices flushed first).
+            self.pool.commit_quiet().await.map_err(pool_error)?;
+        } else if self.pool.log_appends() != appends {
+            // Sectors never logged carry no durability promise: like a write
+            // through, their new mappings are only staged (they survive
+            // kill -9; a FLUSH or the next commit makes them durable).
+            self.pool.stage().await.map_err(pool_error)?;
+        }
         self.pool
             .cache
             .destaged_bytes
@@ -810,7 +824,16 @@ impl EngineVolume {
         let first = offset / SECTOR_BYTES;
         let last = (end - 1) / SECTOR_BYTES;
         let count = (last - first + 1) as usize;
-        if count > self.pool.cache.ram.total_slots() / 4 {
+        // Large writes go to their place directly (like ZFS's immediate
+        // writes): copying them through RAM and the log costs more than it
+        // saves. So do all plain writes while the RAM tier is more than half
+        // dirty: the destager is behind, and making writers wait for it
+        // would be slower than writing through.
+        let ram = &self.pool.cache.ram;
+        if count * SECTOR_BYTES as usize >= WRITE_AROUND_BYTES
+            || count > ram.total_slots() / 4
+            || (!durable && ram.free_slots() < ram.total_slots() / 2)
+        {
             return self.write_through(offset, data, durable).await;
         }
         // Space for blocks that are not mapped yet is promised before the
@@ -942,9 +965,14 @@ impl EngineVolume {
         self.pool.unreserve(blocks.len() as u64 * self.block_bytes());
     }
 
-    /// A write too large for the cache goes to its place directly.
+    /// A write that bypasses the cache goes to its place directly.
     async fn write_through(&self, offset: u64, data: IoBuf, durable: bool) -> BlockResult<()> {
         let appends = self.pool.log_appends();
+        // Slots freed by trims are reusable only once committed: on a full
+        // pool, commit them before allocating.
+        if self.pool.log.has_pending_frees() && self.pool.free_bytes() < data.len() as u64 {
+            self.pool.commit_quiet().await.map_err(pool_error)?;
+        }
         let guards = self.clear_cached(offset, data.len() as u64).await?;
         let result = self.write_locked(offset, data).await;
         drop(guards);
