@@ -289,3 +289,33 @@ fn data_placement_fills_the_fast_tier_then_spills() {
         assert_eq!(status[1].used_bytes, MIB);
     });
 }
+
+#[test]
+fn writes_around_the_cache_never_take_space_promised_to_cached_writes() {
+    runtime().block_on(async {
+        // 4 data chunks (4 MiB); the default 64 MiB RAM tier holds them all.
+        let sims = devices(&[(101 * MIB, Role::Fast)]);
+        let pool = create(&sims, &[Role::Fast]).await;
+        let volume = pool.open_volume(1, 64 * MIB, 64 << 10).unwrap();
+        // Small writes fill the pool through the cache: all of it reserved,
+        // none of it placed yet.
+        let mut cached = 0u64;
+        while volume.write(cached, pattern(0x41, 1 << 16), false).await.is_ok() {
+            cached += 1 << 16;
+            assert!(cached <= 64 * MIB, "a 4 MiB pool took 64 MiB");
+        }
+        assert_eq!(cached, 4 * MIB, "every chunk promised to cached writes");
+        // A large write (around the cache) finds no space: it must not take
+        // the space the cached writes were promised.
+        let error = volume.write(32 * MIB, pattern(0x42, 1 << 20), false).await.unwrap_err();
+        assert!(matches!(error, BlockError::NoSpace), "{error}");
+        // Every cached write still reaches its place.
+        pool.destage_all().await.unwrap();
+        for offset in (0..cached).step_by(1 << 16) {
+            let (buf, result) = volume.read(offset, IoBuf::new(1 << 16)).await;
+            result.unwrap();
+            assert!(buf.payload().iter().all(|&b| b == 0x41), "offset {offset}");
+        }
+        assert_eq!(pool.reserved_bytes(), 0);
+    });
+}

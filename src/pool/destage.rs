@@ -34,12 +34,6 @@ impl Pool {
             .sum()
     }
 
-    /// Data space neither allocated nor reserved for cached writes.
-    pub(crate) fn free_bytes(&self) -> u64 {
-        let allocator = self.allocator.lock().unwrap_or_else(|e| e.into_inner());
-        Self::unallocated(&allocator, self.chunk_bytes).saturating_sub(self.reserved_bytes.load(Ordering::Acquire))
-    }
-
     pub(crate) fn unreserve(&self, bytes: u64) {
         let _ = self
             .reserved_bytes

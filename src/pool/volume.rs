@@ -968,13 +968,27 @@ impl EngineVolume {
     /// A write that bypasses the cache goes to its place directly.
     async fn write_through(&self, offset: u64, data: IoBuf, durable: bool) -> BlockResult<()> {
         let appends = self.pool.log_appends();
-        // Slots freed by trims are reusable only once committed: on a full
-        // pool, commit them before allocating.
-        if self.pool.log.has_pending_frees() && self.pool.free_bytes() < data.len() as u64 {
-            self.pool.commit_quiet().await.map_err(pool_error)?;
-        }
-        let guards = self.clear_cached(offset, data.len() as u64).await?;
+        let end = offset + data.len() as u64;
+        // The blocks it will allocate are reserved first, like a cached
+        // write's: space promised to cached writes is never taken. Slots
+        // freed by trims are reusable only once committed: on a full pool,
+        // commit them once and try again.
+        let mut committed_for_space = false;
+        let (guards, reserved) = loop {
+            let guards = self.clear_cached(offset, data.len() as u64).await?;
+            match self.reserve_unmapped(offset, end) {
+                Ok(reserved) => break (guards, reserved),
+                Err(BlockError::NoSpace) if !committed_for_space && self.pool.log.has_pending_frees() => {
+                    drop(guards);
+                    committed_for_space = true;
+                    self.pool.commit_quiet().await.map_err(pool_error)?;
+                }
+                Err(e) => return Err(e),
+            }
+        };
         let result = self.write_locked(offset, data).await;
+        // Allocated now (or failed): the promise is no longer needed.
+        self.unreserve_blocks(&reserved);
         drop(guards);
         self.finish(result, durable, appends).await
     }
