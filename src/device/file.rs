@@ -336,6 +336,18 @@ pub fn create_file(path: impl AsRef<Path>, size_bytes: u64) -> DeviceResult<()> 
     Ok(())
 }
 
+impl Drop for FileDevice {
+    /// Releases the `flock` now. Closing the descriptor would release it
+    /// too, but only when the last reference to the open file goes away,
+    /// and io_uring may hold one for a moment after its last completion: a
+    /// reopen right after the drop would find the device "in use".
+    fn drop(&mut self) {
+        // SAFETY: flock on a descriptor we own; no pointers. Unlocking a
+        // file we never locked is harmless.
+        unsafe { libc::flock(self.file.as_raw_fd(), libc::LOCK_UN) };
+    }
+}
+
 impl Device for FileDevice {
     fn info(&self) -> &DeviceInfo {
         &self.info

@@ -755,16 +755,17 @@ impl EngineVolume {
         };
         self.pool.unreserve(released as u64 * self.block_bytes());
         drop(guards);
-        if written_records {
-            // The Written records supersede Data records only once the data
-            // is durable in place: commit (data devices flushed first).
+        if written_records || self.pool.log_appends() != appends {
+            // Written records supersede Data records only once the data is
+            // durable in place, and new mappings (Map records) must not be
+            // left staged: a staged mapping is replayed only if the data it
+            // maps still matches it, which a later overwrite in place breaks.
+            // Commit (data devices flushed first).
             self.pool.commit_quiet().await.map_err(pool_error)?;
-        } else if self.pool.log_appends() != appends {
-            // Sectors never logged carry no durability promise: like a write
-            // through, their new mappings are only staged (they survive
-            // kill -9; a FLUSH or the next commit makes them durable).
-            self.pool.stage().await.map_err(pool_error)?;
         }
+        // Otherwise only never-logged sectors of mapped blocks were written
+        // in place: no record, no durability promised yet, nothing to
+        // commit (the next FLUSH or commit flushes the data devices).
         self.pool
             .cache
             .destaged_bytes
