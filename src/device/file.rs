@@ -270,6 +270,7 @@ impl FileDevice {
             direct_io,
             rotational,
             engine: engine.name(),
+            regular_file: !is_block_device,
         };
         tracing::debug!(?info, "opened device");
         Ok(FileDevice {

@@ -232,6 +232,9 @@ pub struct DeviceInfo {
     pub rotational: bool,
     /// Which I/O engine serves it: "io_uring", "threads", "sim", ...
     pub engine: &'static str,
+    /// A regular file (not a block device): writes into never-written
+    /// ranges make the file system allocate blocks.
+    pub regular_file: bool,
 }
 
 /// A flat array of bytes with asynchronous positional I/O.

@@ -352,6 +352,7 @@ impl SimDevice {
             direct_io: true,
             rotational: config.rotational,
             engine: "sim",
+            regular_file: false,
         };
         SimDevice {
             inner: Arc::new(SimInner {

@@ -393,6 +393,27 @@ impl Pool {
         let (_, result) = meta.write(meta_offset, IoBuf::new(4096)).await;
         result?;
         meta.flush().await?;
+        // On a regular file, write the log region once now: otherwise each
+        // commit's first pass over it makes the file system allocate blocks,
+        // and the commit's fdatasync then also commits the file system's
+        // journal (measured: a 4K sync write's p50 375 µs on a sparse log
+        // file against 243 µs on a written one).
+        let log_dev = &devices[log_device as usize].device;
+        if log_dev.info().regular_file {
+            let mut zeros = IoBuf::new(1 << 20);
+            let mut at = 0;
+            while at < log_bytes {
+                let length = (log_bytes - at).min(1 << 20) as usize;
+                if zeros.len() != length {
+                    zeros = IoBuf::new(length);
+                }
+                let (buf, result) = log_dev.write(log_offset + at, zeros).await;
+                result?;
+                zeros = buf;
+                at += length as u64;
+            }
+            log_dev.flush().await?;
+        }
         for (index, new) in devices.iter().enumerate() {
             let superblock = Superblock {
                 pool_uuid,

@@ -920,6 +920,9 @@ impl EngineVolume {
             } else {
                 let blocks: Vec<u64> = (first_block..=last_block).collect();
                 self.destage_blocks(&blocks).await?;
+                // A destage commits only what it logged; an in-place
+                // overwrite logs nothing, so make the data durable here.
+                self.pool.commit().await.map_err(pool_error)?;
             }
         }
         Ok(())
