@@ -4,6 +4,7 @@
 
 use std::sync::Arc;
 
+use strata::device::sim::CrashModel;
 use strata::device::wrappers::IoOp;
 use strata::device::{Device, ErrorDevice, ErrorRule, SimDevice};
 use strata::pool::superblock::Role;
@@ -317,5 +318,49 @@ fn writes_around_the_cache_never_take_space_promised_to_cached_writes() {
             assert!(buf.payload().iter().all(|&b| b == 0x41), "offset {offset}");
         }
         assert_eq!(pool.reserved_bytes(), 0);
+    });
+}
+
+/// Every way of writing synchronously — FUA, with the data in the intent log
+/// (`logbias=latency`) or in place (`logbias=throughput`), on new and on
+/// already-mapped blocks, in a chunk already marked dirty — survives a power
+/// loss that drops every write the devices were not told to flush.
+#[test]
+fn synchronous_writes_survive_a_power_loss_that_drops_every_unflushed_write() {
+    runtime().block_on(async {
+        for throughput in [false, true] {
+            let sims = devices(&[(160 * MIB, Role::Fast)]);
+            sims[0].set_crash_model(CrashModel {
+                drop_weight: 1,
+                apply_weight: 0,
+                tear_weight: 0,
+            });
+            let pool = create(&sims, &[Role::Fast]).await;
+            let volume = pool.open_volume(1, 64 * MIB, 16 << 10).unwrap();
+            volume.set_log_throughput(throughput);
+            // A new block, then overwrites of it (mapped, chunk dirty), then
+            // a neighbour in the same chunk.
+            for (round, offset) in [(1u8, 0u64), (2, 0), (3, 4096), (4, 16 << 10)] {
+                volume.write(offset, pattern(round, 4096), true).await.unwrap();
+            }
+            pool.destage_all().await.unwrap();
+            volume.write(0, pattern(5, 4096), true).await.unwrap();
+            // The power fails the moment the last write is acknowledged.
+            sims[0].crash();
+            drop(volume);
+            drop(pool);
+            let pool = Pool::open(vec![sims[0].as_device()]).await.unwrap();
+            let volume = pool.open_volume(1, 64 * MIB, 16 << 10).unwrap();
+            for (offset, byte) in [(0u64, 5u8), (4096, 3), (16 << 10, 4)] {
+                let (buf, result) = volume.read(offset, IoBuf::new(4096)).await;
+                result.unwrap();
+                assert!(
+                    buf.payload().iter().all(|&b| b == byte),
+                    "logbias={}: offset {offset} lost its FUA write (reads {})",
+                    if throughput { "throughput" } else { "latency" },
+                    buf.payload()[0]
+                );
+            }
+        }
     });
 }

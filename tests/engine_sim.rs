@@ -193,9 +193,15 @@ impl Harness {
         }
         self.log.push(format!("write {offset} +{length} fua={fua} id={id}"));
         match self.volume().write(offset, buf, fua).await {
-            Ok(()) => self
-                .model
-                .write(first, count, |s| tag_for(id, s), fua || self.process_kill),
+            Ok(()) => {
+                self.model
+                    .write(first, count, |s| tag_for(id, s), fua || self.process_kill);
+                // A FUA write is durable when acknowledged, not at some later
+                // commit: crash right now, sometimes.
+                if fua && self.rng.chance(0.1) {
+                    self.crash_and_reopen("right after a FUA write").await;
+                }
+            }
             // A device error (injected) is allowed; the write may be partly
             // done, so every sector may now hold either value.
             Err(BlockError::Io(_)) => {
@@ -231,7 +237,13 @@ impl Harness {
             Ok(()) => self
                 .model
                 .write((offset / SECTOR) as usize, (length / SECTOR) as usize, |_| 0, fua),
-            Err(BlockError::Io(_)) => self.crash_and_reopen("after failed zeroing").await,
+            // Like a failed write: the range may now hold zeros or not.
+            Err(BlockError::Io(_)) => {
+                for sector in (offset / SECTOR) as usize..((offset + length) / SECTOR) as usize {
+                    self.model.sectors[sector].possible_after_crash.insert(0);
+                }
+                self.crash_and_reopen("after failed zeroing").await
+            }
             Err(e) => self.fail(format!("zeroing failed: {e}")),
         }
     }
