@@ -290,14 +290,16 @@ impl Harness {
 
     async fn crash_and_reopen(&mut self, why: &str) {
         self.log.push(format!("crash ({why})"));
-        self.volume = None;
-        self.pool = None;
+        // The power fails first; only then is the old pool dropped (its
+        // handles are dead by then: dropping it must not flush anything).
         let faults = self.devices[0].0.faults();
         for (device, _) in &self.devices {
             // No faults while recovering; they come back afterwards.
             device.set_faults(SimFaults::default());
             device.crash_with(&mut self.rng);
         }
+        self.volume = None;
+        self.pool = None;
         if !self.process_kill {
             // Power loss: RAM forgets everything.
             self.ram.wipe();

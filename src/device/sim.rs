@@ -316,6 +316,8 @@ struct SimState {
     stats: SimStats,
     sticky: Option<String>,
     misdirected: Vec<MisdirectedWrite>,
+    /// Simulated power losses so far.
+    power_cycles: u64,
 }
 
 struct SimInner {
@@ -329,6 +331,11 @@ struct SimInner {
 #[derive(Clone)]
 pub struct SimDevice {
     inner: Arc<SimInner>,
+    /// Handles given out by [`SimDevice::as_device`] belong to one power
+    /// cycle: after a crash they fail every request, so a pool still holding
+    /// them (being dropped, say) cannot touch the "rebooted" device. The
+    /// harness's own handle (`None`) always works.
+    power_cycle: Option<u64>,
 }
 
 impl std::fmt::Debug for SimDevice {
@@ -367,14 +374,31 @@ impl SimDevice {
                     stats: SimStats::default(),
                     sticky: None,
                     misdirected: Vec::new(),
+                    power_cycles: 0,
                 }),
             }),
+            power_cycle: None,
         }
     }
 
     /// Another handle to the same device, as the trait object the pool keeps.
     pub fn as_device(&self) -> Arc<dyn Device> {
-        Arc::new(self.clone())
+        let cycle = self.state().power_cycles;
+        Arc::new(SimDevice {
+            inner: self.inner.clone(),
+            power_cycle: Some(cycle),
+        })
+    }
+
+    /// `Err` when this handle predates the last simulated power loss.
+    fn check_powered(&self, state: &SimState) -> DeviceResult<()> {
+        match self.power_cycle {
+            Some(cycle) if cycle != state.power_cycles => Err(DeviceError::Failed {
+                device: self.inner.info.name.clone(),
+                reason: "the power failed: this handle predates a simulated crash".into(),
+            }),
+            _ => Ok(()),
+        }
     }
 
     fn state(&self) -> MutexGuard<'_, SimState> {
@@ -503,6 +527,7 @@ impl SimDevice {
         state.visible = state.durable.clone();
         state.sticky = None;
         state.stats.crashes += 1;
+        state.power_cycles += 1;
         report
     }
 
@@ -510,6 +535,7 @@ impl SimDevice {
         let info = &self.inner.info;
         check_request(info, offset, buf.len() as u64)?;
         let mut state = self.state();
+        self.check_powered(&state)?;
         state.stats.reads += 1;
         state.stats.bytes_read += buf.len() as u64;
         let p = state.faults.read_error;
@@ -528,6 +554,7 @@ impl SimDevice {
         let info = &self.inner.info;
         check_request(info, offset, data.len() as u64)?;
         let mut state = self.state();
+        self.check_powered(&state)?;
         if let Some(reason) = &state.sticky {
             return Err(DeviceError::Failed {
                 device: info.name.clone(),
@@ -593,6 +620,7 @@ impl SimDevice {
     fn do_flush(&self) -> DeviceResult<()> {
         let info = &self.inner.info;
         let mut state = self.state();
+        self.check_powered(&state)?;
         if let Some(reason) = &state.sticky {
             return Err(DeviceError::Failed {
                 device: info.name.clone(),
@@ -620,6 +648,7 @@ impl SimDevice {
         let info = &self.inner.info;
         check_request(info, offset, length)?;
         let mut state = self.state();
+        self.check_powered(&state)?;
         if let Some(reason) = &state.sticky {
             return Err(DeviceError::Failed {
                 device: info.name.clone(),
