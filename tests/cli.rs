@@ -2,6 +2,8 @@
 //! real `strata serve` on free ports and a fresh data directory, runs the
 //! `strata` binary against it and checks outputs and exit codes.
 
+mod common;
+
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::path::Path;
@@ -904,11 +906,7 @@ fn mib_pattern(index: u64) -> Vec<u8> {
 fn pool_add_device_online() {
     let dir = tempfile::tempdir().unwrap();
     let data = dir.path().join("data");
-    let file = |name: &str, bytes: u64| {
-        let path = dir.path().join(name);
-        std::fs::File::create(&path).unwrap().set_len(bytes).unwrap();
-        path.display().to_string()
-    };
+    let file = |name: &str, bytes: u64| common::sparse_file(dir.path(), name, bytes);
     // Chunk 0 + 32 MiB metadata + 64 MiB log + 4 data chunks of 1 MiB.
     let fast = file("fast.img", 101 << 20);
     let capacity = file("capacity.img", 32 << 20);
@@ -1079,11 +1077,7 @@ fn edit_catalog(data: &Path, edit: impl FnOnce(&mut Value)) {
 fn an_interrupted_pool_add_device_is_settled_at_start() {
     let dir = tempfile::tempdir().unwrap();
     let data = dir.path().join("data");
-    let file = |name: &str, bytes: u64| {
-        let path = dir.path().join(name);
-        std::fs::File::create(&path).unwrap().set_len(bytes).unwrap();
-        path.display().to_string()
-    };
+    let file = |name: &str, bytes: u64| common::sparse_file(dir.path(), name, bytes);
     let fast = file("fast.img", 101 << 20);
     let capacity = file("capacity.img", 32 << 20);
     let blank = file("blank.img", 32 << 20);

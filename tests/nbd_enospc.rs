@@ -141,26 +141,13 @@ impl Nbd {
 fn a_full_pool_fails_only_the_writes_that_need_space() {
     require_tool("qemu-io");
     let dir = tempfile::tempdir().unwrap();
-    let fast = dir.path().join("fast.img");
-    let capacity = dir.path().join("capacity.img");
-    std::fs::File::create(&fast).unwrap().set_len(FAST_FILE).unwrap();
-    std::fs::File::create(&capacity)
-        .unwrap()
-        .set_len(CAPACITY_FILE)
-        .unwrap();
+    let fast = common::sparse_file(dir.path(), "fast.img", FAST_FILE);
+    let capacity = common::sparse_file(dir.path(), "capacity.img", CAPACITY_FILE);
     let data = dir.path().join("data");
     let mut server = Server::start(&data);
     cli_ok(
         &server,
-        &[
-            "pool",
-            "create",
-            "tank",
-            "--fast",
-            fast.to_str().unwrap(),
-            "--capacity",
-            capacity.to_str().unwrap(),
-        ],
+        &["pool", "create", "tank", "--fast", &fast, "--capacity", &capacity],
     );
     assert_eq!(pool_json(&server)["size_bytes"], POOL_DATA);
     // A thin volume 32 times larger than the pool, and a small one.

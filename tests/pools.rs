@@ -31,28 +31,18 @@ fn cli(server: &Server, args: &[&str]) -> std::process::Output {
 fn pool_create_serve_and_reopen() {
     require_tool("qemu-io");
     let dir = tempfile::tempdir().unwrap();
-    let fast = dir.path().join("fast.img");
-    let capacity = dir.path().join("capacity.img");
-    std::fs::File::create(&fast).unwrap().set_len(256 << 20).unwrap();
-    std::fs::File::create(&capacity).unwrap().set_len(512 << 20).unwrap();
+    let fast = common::sparse_file(dir.path(), "fast.img", 256 << 20);
+    let capacity = common::sparse_file(dir.path(), "capacity.img", 512 << 20);
     let data = dir.path().join("data");
     let mut server = Server::start(&data);
 
     let created = cli(
         &server,
-        &[
-            "pool",
-            "create",
-            "tank",
-            "--fast",
-            fast.to_str().unwrap(),
-            "--capacity",
-            capacity.to_str().unwrap(),
-        ],
+        &["pool", "create", "tank", "--fast", &fast, "--capacity", &capacity],
     );
     assert!(created.status.success(), "{}", String::from_utf8_lossy(&created.stderr));
     // The same devices cannot make a second pool.
-    let again = cli(&server, &["pool", "create", "other", "--fast", fast.to_str().unwrap()]);
+    let again = cli(&server, &["pool", "create", "other", "--fast", &fast]);
     assert_eq!(again.status.code(), Some(1));
     let message = String::from_utf8_lossy(&again.stderr);
     assert_eq!(message.lines().count(), 1, "{message}");
@@ -133,12 +123,6 @@ async fn fill(volume: &EngineVolume, mut next: u64, round: u8) -> u64 {
     }
 }
 
-fn make_file(dir: &std::path::Path, name: &str, bytes: u64) -> String {
-    let path = dir.join(name);
-    std::fs::File::create(&path).unwrap().set_len(bytes).unwrap();
-    path.display().to_string()
-}
-
 fn open_file(path: &str) -> Arc<dyn Device> {
     open_device(path, &DeviceOptions::default()).unwrap()
 }
@@ -148,9 +132,9 @@ fn add_device_to_a_full_pool_on_files_then_reopen() {
     current_thread().block_on(async {
         let dir = tempfile::tempdir().unwrap();
         // Chunk 0 + 32 MiB metadata + 64 MiB log + 4 data chunks.
-        let fast = make_file(dir.path(), "fast.img", 101 * MIB);
-        let capacity = make_file(dir.path(), "capacity.img", 16 * MIB);
-        let fast2 = make_file(dir.path(), "fast2.img", 8 * MIB);
+        let fast = common::sparse_file(dir.path(), "fast.img", 101 * MIB);
+        let capacity = common::sparse_file(dir.path(), "capacity.img", 16 * MIB);
+        let fast2 = common::sparse_file(dir.path(), "fast2.img", 8 * MIB);
         let pool = Pool::create(
             "grow",
             1 << 20,

@@ -135,6 +135,15 @@ impl Drop for Server {
     }
 }
 
+/// Creates a sparse file of `bytes` in `dir` (a device for `pool create`)
+/// and returns its path as a string.
+#[allow(dead_code)]
+pub fn sparse_file(dir: &Path, name: &str, bytes: u64) -> String {
+    let path = dir.join(name);
+    std::fs::File::create(&path).unwrap().set_len(bytes).unwrap();
+    path.display().to_string()
+}
+
 /// Panics (never skips) when an external client the tests rely on is missing.
 pub fn require_tool(name: &str) {
     let found = std::env::var_os("PATH")
