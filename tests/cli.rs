@@ -39,6 +39,7 @@ impl Server {
             .arg(data_dir)
             .args(["--nbd", "127.0.0.1:0", "--api", "127.0.0.1:0", "--iscsi", "127.0.0.1:0"])
             .env("STRATA_LOG", "warn")
+            .env("STRATA_RAM_DIR", data_dir)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::null())
@@ -1128,6 +1129,7 @@ fn an_interrupted_pool_add_device_is_settled_at_start() {
         .arg(&data)
         .args(["--nbd", "127.0.0.1:0", "--api", "127.0.0.1:0", "--iscsi", "127.0.0.1:0"])
         .env("STRATA_LOG", "warn")
+        .env("STRATA_RAM_DIR", &data)
         .stdin(Stdio::null())
         .output()
         .unwrap();

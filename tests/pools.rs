@@ -81,6 +81,54 @@ fn pool_create_serve_and_reopen() {
         .arg(server.uri("tank/v")));
 }
 
+/// Whether `dir` is on tmpfs with at least `bytes` free.
+fn tmpfs_with_room(dir: &str, bytes: u64) -> bool {
+    let path = std::ffi::CString::new(dir).unwrap();
+    // SAFETY: statfs fills the zeroed struct; `path` is a valid C string.
+    let mut stats: libc::statfs = unsafe { std::mem::zeroed() };
+    let ok = unsafe { libc::statfs(path.as_ptr(), &mut stats) } == 0;
+    ok && stats.f_type as i64 == 0x0102_1994 && stats.f_bavail as u64 * stats.f_bsize as u64 >= bytes
+}
+
+/// With no `STRATA_RAM_DIR`, the default pool's RAM tier is a file in
+/// /dev/shm (tmpfs: never written back to a disk) when it has room, else
+/// `pools/default/ram.tier`; it survives a kill -9, and a clean shutdown
+/// removes it so a stopped daemon holds no RAM.
+#[test]
+fn ram_tier_file_lives_in_tmpfs_survives_kill9_and_goes_at_clean_shutdown() {
+    require_tool("qemu-io");
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let mut server = Server::start_with_ram_dir(&data, None);
+    let key = strata::volume::manager::ram_file_key(&data, "default");
+    let shm = std::path::PathBuf::from(format!("/dev/shm/strata-{key}.ram"));
+    let local = data.join("pools/default/ram.tier");
+    // The daemon checked for room before choosing; 256 MiB of tier plus
+    // its slot table is what it needed.
+    let expected = if shm.exists() || tmpfs_with_room("/dev/shm", 300 << 20) {
+        &shm
+    } else {
+        &local
+    };
+    let other = if expected == &shm { &local } else { &shm };
+    assert!(expected.exists(), "no RAM tier file at {}", expected.display());
+    assert!(!other.exists(), "a second RAM tier file at {}", other.display());
+
+    let uri = server.uri("default/vol0");
+    run(Command::new("qemu-io")
+        .args(["-f", "raw", "-c", "write -P 0x3c 0 256k", "-c", "flush"])
+        .arg(&uri));
+    server.kill9();
+    assert!(expected.exists(), "kill -9 must leave the RAM tier file");
+
+    let mut server = Server::start_with_ram_dir(&data, None);
+    run(Command::new("qemu-io")
+        .args(["-f", "raw", "-c", "read -P 0x3c 0 256k"])
+        .arg(server.uri("default/vol0")));
+    assert!(server.stop().success());
+    assert!(!expected.exists(), "a clean shutdown leaves {}", expected.display());
+}
+
 fn current_thread() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_current_thread()
         .enable_all()

@@ -76,7 +76,9 @@ pub enum RamSource {
 }
 
 enum Backing {
-    File(#[allow(dead_code)] memmap2::MmapMut),
+    /// The mapping, and the file whose exclusive flock keeps a second
+    /// process from mapping the same region.
+    File(#[allow(dead_code)] memmap2::MmapMut, #[allow(dead_code)] std::fs::File),
     Heap(#[allow(dead_code)] Arc<HeapImage>),
 }
 
@@ -97,6 +99,7 @@ pub struct RamTier {
     free: Mutex<Vec<u32>>,
     free_count: AtomicUsize,
     location: String,
+    path: Option<PathBuf>,
 }
 
 // SAFETY: slots are only written by the holder of a freshly allocated slot
@@ -146,11 +149,19 @@ impl RamTier {
                 let slots = slots_for(*bytes);
                 let len = region_len(slots);
                 let file = open_region_file(path, len as u64)?;
-                // SAFETY: the file is ours (in the pool's directory, under the
-                // data directory lock); nothing else maps it.
-                let mut map = unsafe { memmap2::MmapMut::map_mut(&file)? };
+                // SAFETY: the file is ours, and its exclusive flock (taken by
+                // `open_region_file`) keeps every other process from mapping
+                // it. Populating faults every page in now, once, instead of
+                // on the write path.
+                let mut map = unsafe { memmap2::MmapOptions::new().populate().map_mut(&file)? };
                 let base = map.as_mut_ptr();
-                (Backing::File(map), base, len, boot_id(), path.display().to_string())
+                (
+                    Backing::File(map, file),
+                    base,
+                    len,
+                    boot_id(),
+                    path.display().to_string(),
+                )
             }
             RamSource::Heap(image) => {
                 let mut boot = [0u8; 36];
@@ -173,6 +184,10 @@ impl RamTier {
             free: Mutex::new(Vec::new()),
             free_count: AtomicUsize::new(0),
             location,
+            path: match source {
+                RamSource::File { path, .. } => Some(path.clone()),
+                RamSource::Heap(_) => None,
+            },
         };
         let expected = tier.region_header(pool_uuid, &boot);
         // SAFETY: the header lies within the region.
@@ -282,6 +297,26 @@ impl RamTier {
         &self.location
     }
 
+    /// At a clean shutdown, once nothing is dirty: removes the region file,
+    /// so a stopped daemon holds no RAM in tmpfs (and no disk space for a
+    /// file in the pool's directory). The mapping stays valid until the
+    /// process exits. Returns whether a file was removed.
+    pub fn remove_file_if_clean(&self) -> bool {
+        let Some(path) = &self.path else {
+            return false;
+        };
+        if self.free_slots() != self.total_slots() {
+            return false;
+        }
+        match std::fs::remove_file(path) {
+            Ok(()) => true,
+            Err(e) => {
+                tracing::warn!("cannot remove the RAM tier file {}: {e}", path.display());
+                false
+            }
+        }
+    }
+
     pub fn total_slots(&self) -> usize {
         self.slots as usize
     }
@@ -341,7 +376,12 @@ impl RamTier {
     }
 }
 
+/// Opens (creating or resizing) the region file, locks it for this process
+/// and allocates all of it now: a shared mapping of a sparse file whose file
+/// system later runs out of space kills the process with SIGBUS, so the
+/// space is taken up front, where running out is a clear error.
 fn open_region_file(path: &Path, len: u64) -> std::io::Result<std::fs::File> {
+    use std::os::unix::io::AsRawFd;
     if let Some(parent) = path.parent() {
         std::fs::create_dir_all(parent)?;
     }
@@ -351,11 +391,106 @@ fn open_region_file(path: &Path, len: u64) -> std::io::Result<std::fs::File> {
         .create(true)
         .truncate(false)
         .open(path)?;
+    // SAFETY: a plain syscall on a descriptor we own.
+    if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+        let error = std::io::Error::last_os_error();
+        return Err(std::io::Error::new(
+            error.kind(),
+            format!("{} is in use by another process ({error})", path.display()),
+        ));
+    }
     if file.metadata()?.len() != len {
         file.set_len(0)?;
         file.set_len(len)?;
     }
+    // SAFETY: a plain syscall on a descriptor we own.
+    let result = unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, len as libc::off_t) };
+    match result {
+        0 => {}
+        // Some file systems cannot preallocate; the mapping still works.
+        libc::EOPNOTSUPP | libc::EINVAL => {
+            tracing::warn!("{}: cannot preallocate the RAM tier file", path.display())
+        }
+        errno => {
+            let error = std::io::Error::from_raw_os_error(errno);
+            return Err(std::io::Error::new(
+                error.kind(),
+                format!("cannot allocate {len} bytes for {}: {error}", path.display()),
+            ));
+        }
+    }
     Ok(file)
+}
+
+/// `f_type` of tmpfs (and of /dev/shm on every common distribution).
+const TMPFS_MAGIC: i64 = 0x0102_1994;
+
+/// Bytes free on the file system holding `dir`, and whether it is tmpfs.
+fn free_bytes(dir: &Path) -> Option<(u64, bool)> {
+    use std::os::unix::ffi::OsStrExt;
+    let path = std::ffi::CString::new(dir.as_os_str().as_bytes()).ok()?;
+    // SAFETY: statfs fills the zeroed struct; `path` is a valid C string.
+    let mut stats: libc::statfs = unsafe { std::mem::zeroed() };
+    if unsafe { libc::statfs(path.as_ptr(), &mut stats) } != 0 {
+        return None;
+    }
+    let free = stats.f_bavail as u64 * stats.f_bsize as u64;
+    Some((free, stats.f_type as i64 == TMPFS_MAGIC))
+}
+
+/// Whether the region file at `path` holds dirty sectors of this boot (a
+/// file from another boot, or one that cannot be read, holds nothing that
+/// can be trusted; the log's Data records cover what it held).
+fn holds_dirty_sectors(path: &Path) -> bool {
+    use std::os::unix::fs::FileExt;
+    let Ok(file) = std::fs::File::open(path) else {
+        return false;
+    };
+    let mut header = vec![0u8; REGION_HEADER_BYTES];
+    if file.read_exact_at(&mut header, 0).is_err()
+        || header[0..8] != REGION_MAGIC.to_le_bytes()
+        || header[32..68] != boot_id()
+        || crc32c::crc32c(&header[..REGION_HEADER_BYTES - 4]).to_le_bytes() != header[REGION_HEADER_BYTES - 4..]
+    {
+        return false;
+    }
+    let slots = u32::from_le_bytes(header[12..16].try_into().expect("4 bytes"));
+    let mut table = vec![0u8; table_len(slots)];
+    if file.read_exact_at(&mut table, REGION_HEADER_BYTES as u64).is_err() {
+        return false;
+    }
+    table
+        .chunks(SLOT_HEADER_BYTES)
+        .take(slots as usize)
+        .any(|entry| entry[0..4] == SLOT_MAGIC.to_le_bytes())
+}
+
+/// Where a pool's RAM tier file goes. Preferred: `ram_dir` (normally
+/// /dev/shm, which must then be tmpfs: `require_tmpfs`) when it has room for
+/// the region, under a name unique to this data directory and pool (`key`):
+/// pure RAM, never written back to a disk, gone at a reboot as the tier's
+/// contents must be. Otherwise, or while a file in the pool's directory
+/// still holds dirty sectors of this boot, `pool_dir/ram.tier`. A clean
+/// `ram.tier` is removed when the tier moves.
+pub fn choose_location(pool_dir: &Path, ram_dir: &Path, require_tmpfs: bool, key: &str, bytes: u64) -> PathBuf {
+    let local = pool_dir.join("ram.tier");
+    if holds_dirty_sectors(&local) {
+        return local;
+    }
+    let shared = ram_dir.join(format!("strata-{key}.ram"));
+    let needed = region_len(slots_for(bytes)) as u64;
+    let room =
+        shared.exists() || free_bytes(ram_dir).is_some_and(|(free, tmpfs)| free >= needed && (tmpfs || !require_tmpfs));
+    if !room {
+        return local;
+    }
+    if local.exists() {
+        if let Err(e) = std::fs::remove_file(&local) {
+            tracing::warn!("cannot remove the old RAM tier file {}: {e}", local.display());
+            return local;
+        }
+    }
+    shared
 }
 
 #[cfg(test)]
@@ -412,5 +547,75 @@ mod tests {
         assert!(intact);
         assert_eq!(survivors.len(), 1);
         assert_eq!(survivors[0].volume, 4);
+    }
+
+    #[test]
+    fn a_region_file_is_mapped_by_one_process_at_a_time() {
+        let dir = tempfile::tempdir().unwrap();
+        let source = RamSource::File {
+            path: dir.path().join("ram.tier"),
+            bytes: 2 << 20,
+        };
+        let (tier, _, _) = RamTier::open(&source, &[1u8; 16]).unwrap();
+        // flock is per open file description: a second open in this process
+        // stands for another process.
+        let error = RamTier::open(&source, &[1u8; 16])
+            .err()
+            .expect("a second mapping is refused");
+        assert!(error.to_string().contains("in use by another process"), "{error}");
+        drop(tier);
+        assert!(RamTier::open(&source, &[1u8; 16]).is_ok());
+    }
+
+    #[test]
+    fn location_prefers_the_ram_dir_unless_the_pool_file_holds_dirty_sectors() {
+        let dir = tempfile::tempdir().unwrap();
+        let pool_dir = dir.path().join("pool");
+        let ram_dir = dir.path().join("shm");
+        std::fs::create_dir_all(&pool_dir).unwrap();
+        std::fs::create_dir_all(&ram_dir).unwrap();
+        let local = pool_dir.join("ram.tier");
+        let shared = ram_dir.join("strata-k.ram");
+        let bytes = 2 << 20;
+        // A file system that is not tmpfs is refused when tmpfs is required.
+        assert_eq!(choose_location(&pool_dir, &ram_dir, true, "k", bytes), local);
+        assert_eq!(choose_location(&pool_dir, &ram_dir, false, "k", bytes), shared);
+        // No room (a directory that does not exist reports none): the pool's directory.
+        assert_eq!(
+            choose_location(&pool_dir, &dir.path().join("missing"), false, "k", bytes),
+            local
+        );
+
+        // A pool file with a dirty sector of this boot keeps the tier where it is.
+        let source = RamSource::File {
+            path: local.clone(),
+            bytes,
+        };
+        let (tier, _, _) = RamTier::open(&source, &[2u8; 16]).unwrap();
+        let slot = tier.allocate(1).unwrap()[0];
+        let data = vec![1u8; SLOT_BYTES];
+        tier.write(slot, 1, 5, 1, &data, crc32c::crc32c(&data));
+        assert!(!tier.remove_file_if_clean(), "a dirty tier keeps its file");
+        drop(tier);
+        assert_eq!(choose_location(&pool_dir, &ram_dir, false, "k", bytes), local);
+        assert!(local.exists());
+
+        // Once clean, it moves, and the old file is removed.
+        let (tier, survivors, _) = RamTier::open(&source, &[2u8; 16]).unwrap();
+        assert_eq!(survivors.len(), 1);
+        tier.release(survivors[0].slot);
+        drop(tier);
+        assert_eq!(choose_location(&pool_dir, &ram_dir, false, "k", bytes), shared);
+        assert!(!local.exists());
+
+        // A clean tier removes its file at shutdown.
+        let source = RamSource::File {
+            path: shared.clone(),
+            bytes,
+        };
+        let (tier, _, _) = RamTier::open(&source, &[2u8; 16]).unwrap();
+        assert!(shared.exists());
+        assert!(tier.remove_file_if_clean());
+        assert!(!shared.exists());
     }
 }

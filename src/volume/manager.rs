@@ -17,7 +17,7 @@ use super::{full_name, Volume};
 use crate::device::DeviceError;
 use crate::device::{create_file, open_device, DeviceOptions};
 use crate::meta::catalog::{sync_dir, Catalog, DeviceRecord, PoolRecord, VolumeRecord};
-use crate::pool::ram::{RamSource, MIN_RAM_BYTES};
+use crate::pool::ram::{self, RamSource, MIN_RAM_BYTES};
 use crate::pool::superblock::Role;
 use crate::pool::volume::EngineVolume;
 use crate::pool::{DeviceStatus, NewDevice, Pool, PoolError, PoolOptions, DEFAULT_CHUNK_BYTES};
@@ -452,7 +452,9 @@ impl VolumeManager {
             }
             if let Err(e) = pool.checkpoint().await {
                 tracing::error!("pool {}: final checkpoint failed: {e}", pool.name());
+                continue;
             }
+            pool.cache.ram.remove_file_if_clean();
         }
     }
 
@@ -819,14 +821,43 @@ fn pool_dir(data_dir: &Path, pool: &str) -> PathBuf {
 /// RAM a pool uses for caching unless `--ram` says otherwise.
 pub const DEFAULT_POOL_RAM_BYTES: u64 = 512 << 20;
 
+/// Where RAM tier files go when it is tmpfs with room (`STRATA_RAM_DIR`
+/// overrides, and need not be tmpfs).
+pub const DEFAULT_RAM_DIR: &str = "/dev/shm";
+
+/// The name a data directory's pool gives its RAM tier file in the RAM
+/// directory: unique per data directory (a hash of its canonical path) and
+/// pool, so two daemons never map the same region.
+pub fn ram_file_key(data_dir: &Path, pool: &str) -> String {
+    let canonical = fs::canonicalize(data_dir).unwrap_or_else(|_| data_dir.to_path_buf());
+    let hash = crc32c::crc32c(canonical.as_os_str().as_encoded_bytes());
+    format!("{hash:08x}-{pool}")
+}
+
 /// The options a pool of this data directory opens with: half its RAM is the
-/// RAM tier (dirty data, in `pools/NAME/ram.tier`), half the read cache.
+/// RAM tier (dirty data; in /dev/shm when it is tmpfs with room, else in
+/// `pools/NAME/ram.tier`), half the read cache.
 fn pool_options(data_dir: &Path, name: &str, ram_bytes: Option<u64>) -> PoolOptions {
     let ram = ram_bytes.unwrap_or(DEFAULT_POOL_RAM_BYTES);
+    let tier_bytes = (ram / 2).max(MIN_RAM_BYTES);
+    // STRATA_RAM_DIR may name any directory (the tests keep their RAM tiers
+    // in their own temporary directories); the default must be tmpfs.
+    let (ram_dir, require_tmpfs) = match std::env::var_os("STRATA_RAM_DIR") {
+        Some(dir) => (PathBuf::from(dir), false),
+        None => (PathBuf::from(DEFAULT_RAM_DIR), true),
+    };
+    let path = ram::choose_location(
+        &pool_dir(data_dir, name),
+        &ram_dir,
+        require_tmpfs,
+        &ram_file_key(data_dir, name),
+        tier_bytes,
+    );
+    tracing::debug!("pool {name}: RAM tier in {}", path.display());
     PoolOptions {
         ram: Some(RamSource::File {
-            path: pool_dir(data_dir, name).join("ram.tier"),
-            bytes: (ram / 2).max(MIN_RAM_BYTES),
+            path,
+            bytes: tier_bytes,
         }),
         background: true,
         read_cache_bytes: ram / 2,

@@ -22,8 +22,22 @@ pub struct Server {
 impl Server {
     /// Starts `strata serve` on `data_dir` with every listener on port 0 and
     /// waits until it prints where it listens.
+    ///
+    /// Its pools keep their RAM tier files in `data_dir` (`STRATA_RAM_DIR`),
+    /// not in /dev/shm: a test's kill -9 must not leave RAM behind in tmpfs.
     pub fn start(data_dir: &Path) -> Server {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_strata"))
+        Server::start_with_ram_dir(data_dir, Some(data_dir))
+    }
+
+    /// Like `start`, with the RAM tier files in `ram_dir`, or where the
+    /// daemon puts them by default (/dev/shm when it is tmpfs) for `None`.
+    pub fn start_with_ram_dir(data_dir: &Path, ram_dir: Option<&Path>) -> Server {
+        let mut command = Command::new(env!("CARGO_BIN_EXE_strata"));
+        command.env_remove("STRATA_RAM_DIR");
+        if let Some(dir) = ram_dir {
+            command.env("STRATA_RAM_DIR", dir);
+        }
+        let mut child = command
             .arg("serve")
             .arg("--data-dir")
             .arg(data_dir)
