@@ -844,6 +844,9 @@ fn pool_options(data_dir: &Path, name: &str, ram_bytes: Option<u64>) -> PoolOpti
     // in their own temporary directories); the default must be tmpfs.
     let (ram_dir, require_tmpfs) = match std::env::var_os("STRATA_RAM_DIR") {
         Some(dir) => (PathBuf::from(dir), false),
+        // Unit tests drop managers without a clean shutdown: nothing of
+        // theirs may stay behind in tmpfs.
+        None if cfg!(test) => (data_dir.to_path_buf(), false),
         None => (PathBuf::from(DEFAULT_RAM_DIR), true),
     };
     let path = ram::choose_location(
