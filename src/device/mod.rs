@@ -99,6 +99,42 @@ impl IoBuf {
         }
     }
 
+    /// A buffer of `len` payload bytes read from `reader` (allocated without
+    /// zeroing: tokio's `ReadBuf` tracks which bytes the reads have
+    /// initialised, and the payload is exposed only once all of them are).
+    /// A stream that ends first is `UnexpectedEof`.
+    pub async fn read_from<R: tokio::io::AsyncRead + Unpin>(reader: &mut R, len: usize) -> std::io::Result<IoBuf> {
+        let layout = Layout::from_size_align(len.max(1), BUFFER_ALIGN).expect("buffer size overflows");
+        // SAFETY: the layout has a non-zero size.
+        let ptr = unsafe { std::alloc::alloc(layout) };
+        if ptr.is_null() {
+            std::alloc::handle_alloc_error(layout);
+        }
+        // Owns the allocation from here on (frees it on an error); exposes
+        // no bytes until `len` is set below.
+        let mut buf = IoBuf {
+            ptr,
+            payload_offset: 0,
+            headroom: 0,
+            len: 0,
+            layout,
+        };
+        // SAFETY: the allocation has room for `len` bytes, which
+        // `MaybeUninit<u8>` allows to be uninitialised.
+        let spare = unsafe { std::slice::from_raw_parts_mut(ptr.cast::<std::mem::MaybeUninit<u8>>(), len) };
+        let mut read_buf = tokio::io::ReadBuf::uninit(spare);
+        while read_buf.remaining() > 0 {
+            let before = read_buf.filled().len();
+            std::future::poll_fn(|cx| std::pin::Pin::new(&mut *reader).poll_read(cx, &mut read_buf)).await?;
+            if read_buf.filled().len() == before {
+                return Err(std::io::ErrorKind::UnexpectedEof.into());
+            }
+        }
+        // Every byte is now initialised: `filled` covers all `len`.
+        buf.len = len;
+        Ok(buf)
+    }
+
     /// A buffer holding a copy of `bytes` (kept for callers holding a Vec).
     pub fn from_vec(bytes: Vec<u8>) -> Self {
         Self::copy_from(&bytes)
@@ -326,6 +362,30 @@ impl StickyError {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn read_from_fills_the_whole_payload_across_short_reads_or_reports_eof() {
+        let data: Vec<u8> = (0..20_000u32).map(|i| (i * 7 % 251) as u8).collect();
+        // A pipe that delivers the bytes in odd-sized pieces.
+        let (mut writer, mut reader) = tokio::io::duplex(1000);
+        let sent = data.clone();
+        let feeder = tokio::spawn(async move {
+            use tokio::io::AsyncWriteExt;
+            for piece in sent.chunks(777) {
+                writer.write_all(piece).await.unwrap();
+            }
+        });
+        let buf = IoBuf::read_from(&mut reader, data.len()).await.unwrap();
+        feeder.await.unwrap();
+        assert_eq!(buf.payload(), &data[..]);
+        assert_eq!(buf.payload().as_ptr() as usize % BUFFER_ALIGN, 0);
+        // The stream ends 1 byte short.
+        let mut short = &data[..4095];
+        let error = IoBuf::read_from(&mut short, 4096).await.expect_err("EOF");
+        assert_eq!(error.kind(), std::io::ErrorKind::UnexpectedEof);
+        let mut empty: &[u8] = &[];
+        assert!(IoBuf::read_from(&mut empty, 0).await.unwrap().is_empty());
+    }
 
     #[test]
     fn alignment_and_headroom() {

@@ -48,8 +48,33 @@ pub struct EngineVolume {
 struct PlannedWrite {
     device: u8,
     offset: u64,
-    data: IoBuf,
+    data: Payload,
     parts: Vec<Part>,
+}
+
+/// The bytes of a planned write: a range of the request's own buffer (no
+/// copy: an aligned overwrite, or a first write of whole blocks), or a
+/// buffer of their own (a block padded with zeros or with sectors read for a
+/// partial write, or a merge of both kinds).
+enum Payload {
+    Source(std::ops::Range<usize>),
+    Owned(IoBuf),
+}
+
+impl Payload {
+    fn len(&self) -> usize {
+        match self {
+            Payload::Source(range) => range.len(),
+            Payload::Owned(buf) => buf.len(),
+        }
+    }
+
+    fn bytes<'a>(&'a self, source: &'a [u8]) -> &'a [u8] {
+        match self {
+            Payload::Source(range) => &source[range.clone()],
+            Payload::Owned(buf) => buf.payload(),
+        }
+    }
 }
 
 /// The piece of a planned write that belongs to one volume block.
@@ -69,7 +94,7 @@ impl PlannedWrite {
     fn single(
         device: u8,
         offset: u64,
-        data: IoBuf,
+        data: Payload,
         crcs: Vec<u32>,
         block: u64,
         first_sector: usize,
@@ -100,8 +125,10 @@ impl PlannedWrite {
 
 /// Merges writes that are contiguous on one device into one device write
 /// (a sequential request over freshly allocated or sequentially allocated
-/// blocks becomes one I/O instead of one per block).
-fn coalesce(planned: Vec<PlannedWrite>) -> Vec<PlannedWrite> {
+/// blocks becomes one I/O instead of one per block). Runs made only of
+/// consecutive ranges of the request's buffer stay a range of it; others
+/// are copied into one buffer.
+fn coalesce(planned: Vec<PlannedWrite>, source: &[u8]) -> Vec<PlannedWrite> {
     let mut runs: Vec<Vec<PlannedWrite>> = Vec::new();
     for write in planned {
         match runs.last_mut() {
@@ -120,20 +147,34 @@ fn coalesce(planned: Vec<PlannedWrite>) -> Vec<PlannedWrite> {
             if run.len() == 1 {
                 return run.pop().expect("one write");
             }
-            let total: usize = run.iter().map(|w| w.data.len()).sum();
-            let mut data = IoBuf::new(total);
-            let mut at = 0;
-            let mut parts = Vec::with_capacity(run.len());
-            for write in &mut run {
-                data.payload_mut()[at..at + write.data.len()].copy_from_slice(write.data.payload());
-                at += write.data.len();
-                parts.append(&mut write.parts);
-            }
+            let consecutive = run.windows(2).all(|pair| match (&pair[0].data, &pair[1].data) {
+                (Payload::Source(a), Payload::Source(b)) => a.end == b.start,
+                _ => false,
+            });
+            let data = match (&run[0].data, &run[run.len() - 1].data) {
+                (Payload::Source(first), Payload::Source(last)) if consecutive => {
+                    Payload::Source(first.start..last.end)
+                }
+                _ => {
+                    let total: usize = run.iter().map(|w| w.data.len()).sum();
+                    let mut data = IoBuf::new(total);
+                    let mut at = 0;
+                    for write in &run {
+                        let bytes = write.data.bytes(source);
+                        data.payload_mut()[at..at + bytes.len()].copy_from_slice(bytes);
+                        at += bytes.len();
+                    }
+                    Payload::Owned(data)
+                }
+            };
             PlannedWrite {
                 device: run[0].device,
                 offset: run[0].offset,
                 data,
-                parts,
+                parts: run
+                    .iter_mut()
+                    .flat_map(|write| std::mem::take(&mut write.parts))
+                    .collect(),
             }
         })
         .collect()
@@ -436,16 +477,19 @@ impl EngineVolume {
                     // Overwrite in place, widened to whole sectors.
                     let start = within / SECTOR_BYTES * SECTOR_BYTES;
                     let stop = (within + step).div_ceil(SECTOR_BYTES) * SECTOR_BYTES;
-                    let mut sectors = if start == within && stop == within + step {
-                        IoBuf::copy_from(source)
+                    let (sectors, crcs) = if start == within && stop == within + step {
+                        let range = (position - offset) as usize..(position - offset + step) as usize;
+                        (Payload::Source(range), sector_crcs(source))
                     } else {
                         let logical = (block << self.block_shift) + start;
-                        self.read_sectors(device, base + start, stop - start, logical, true)
-                            .await?
+                        let mut sectors = self
+                            .read_sectors(device, base + start, stop - start, logical, true)
+                            .await?;
+                        let skip = (within - start) as usize;
+                        sectors.payload_mut()[skip..skip + source.len()].copy_from_slice(source);
+                        let crcs = sector_crcs(sectors.payload());
+                        (Payload::Owned(sectors), crcs)
                     };
-                    let skip = (within - start) as usize;
-                    sectors.payload_mut()[skip..skip + source.len()].copy_from_slice(source);
-                    let crcs = sector_crcs(sectors.payload());
                     let first_sector = (start / SECTOR_BYTES) as usize;
                     planned.push(PlannedWrite::single(
                         device,
@@ -465,16 +509,22 @@ impl EngineVolume {
                         }
                         return Err(BlockError::NoSpace);
                     };
-                    let mut whole = IoBuf::new(self.block_bytes() as usize);
-                    whole.payload_mut()[within as usize..(within + step) as usize].copy_from_slice(source);
-                    let crcs = sector_crcs(whole.payload());
+                    let (whole, crcs) = if step == self.block_bytes() {
+                        let range = (position - offset) as usize..(position - offset + step) as usize;
+                        (Payload::Source(range), sector_crcs(source))
+                    } else {
+                        let mut whole = IoBuf::new(self.block_bytes() as usize);
+                        whole.payload_mut()[within as usize..(within + step) as usize].copy_from_slice(source);
+                        let crcs = sector_crcs(whole.payload());
+                        (Payload::Owned(whole), crcs)
+                    };
                     planned.push(PlannedWrite::single(device, base, whole, crcs, block, 0, true));
                 }
             }
             position += step;
             index += 1;
         }
-        Ok(coalesce(planned))
+        Ok(coalesce(planned, data))
     }
 
     /// Writes `data` at `offset` (caller holds the stripe locks).
@@ -501,31 +551,36 @@ impl EngineVolume {
         // blocks; their records carry checksums, so no mark is needed.
         let mut failure = None;
         let mut done = Vec::with_capacity(planned.len());
-        for write in planned {
+        // The request's buffer goes to the device itself when one write
+        // covers all of it (the usual case); else ranges of it are copied.
+        let mut source = Some(data);
+        for mut write in planned {
             if failure.is_some() {
                 write.release_new_slots(&self.pool);
                 continue;
             }
             let pool_device = &self.pool.devices[write.device as usize];
-            let PlannedWrite {
-                device,
-                offset,
-                data,
-                parts,
-            } = write;
-            let (data, result) = pool_device.device.write(offset, data).await;
-            let write = PlannedWrite {
-                device,
-                offset,
-                data,
-                parts,
+            let whole_source = source.as_ref().is_some_and(|buf| match &write.data {
+                Payload::Source(range) => range.start == 0 && range.end == buf.len(),
+                Payload::Owned(_) => false,
+            });
+            let payload = std::mem::replace(&mut write.data, Payload::Source(0..0));
+            let buffer = match payload {
+                _ if whole_source => source.take().expect("the request's buffer"),
+                Payload::Source(range) => {
+                    IoBuf::copy_from(&source.as_ref().expect("the request's buffer").payload()[range])
+                }
+                Payload::Owned(buf) => buf,
             };
+            let (buffer, result) = pool_device.device.write(write.offset, buffer).await;
+            let length = buffer.len() as u64;
+            if whole_source {
+                source = Some(buffer);
+            }
             match result {
                 Ok(()) => {
                     self.pool.note_data_write();
-                    self.pool
-                        .data_bytes
-                        .fetch_add(write.data.len() as u64, Ordering::Relaxed);
+                    self.pool.data_bytes.fetch_add(length, Ordering::Relaxed);
                     done.push(write)
                 }
                 Err(e) => {

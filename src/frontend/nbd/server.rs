@@ -97,7 +97,7 @@ pub async fn serve(listener: TcpListener, manager: Arc<VolumeManager>, mut stop:
 async fn handle_connection(stream: TcpStream, manager: &VolumeManager, stop: Shutdown) -> Result<(), ConnectionError> {
     stream.set_nodelay(true)?;
     let (read_half, mut writer) = stream.into_split();
-    let mut reader = BufReader::with_capacity(256 << 10, read_half);
+    let mut reader = BufReader::with_capacity(64 << 10, read_half);
     let mut greeting = Vec::with_capacity(18);
     greeting.extend_from_slice(&proto::NBD_MAGIC.to_be_bytes());
     greeting.extend_from_slice(&proto::IHAVEOPT.to_be_bytes());
@@ -334,11 +334,10 @@ async fn transmission(
             break Ok(());
         };
         let payload = if payload_bytes > 0 {
-            let mut data = IoBuf::new(payload_bytes as usize);
-            if let Err(e) = reader.read_exact(data.payload_mut()).await {
-                break Err(e.into());
+            match IoBuf::read_from(&mut reader, payload_bytes as usize).await {
+                Ok(data) => Some(data),
+                Err(e) => break Err(e.into()),
             }
-            Some(data)
         } else {
             None
         };
