@@ -7,10 +7,13 @@ ephemeral 127.0.0.1 port and is stopped by PID. fio's nbd engine drives each
 workload; the server's CPU time (utime+stime from /proc/PID/stat) over the run
 is divided by the operations fio completed.
 
-Usage: bench/nbd_bench.py [--runtime SECONDS] [--size-mib N] [--only NAME,...]
+Usage: bench/nbd_bench.py [--runtime SECONDS] [--size-mib N] [--repeat N] [--only NAME,...]
+Every server runs at once; each workload goes round the servers --repeat
+times (interleaved, so the shared machine's slow phases hit all alike) and
+each cell is the median of its rounds.
 Prints a Markdown table (paste into BENCHMARKS.md) and writes JSON next to it.
 """
-import argparse, json, os, shutil, signal, socket, subprocess, sys, tempfile, time
+import argparse, json, os, shutil, signal, socket, statistics, subprocess, sys, tempfile, time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STRATA = os.path.join(ROOT, "target", "release", "strata")
@@ -100,11 +103,18 @@ def measure(peer, workload, runtime, size_mib):
     return result
 
 
+def median_of(runs):
+    """Each field's median over the rounds (a field's own median: a round
+    slow in IOPS is not always the one slow in CPU)."""
+    return {key: statistics.median(run[key] for run in runs) for key in runs[0]}
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--runtime", type=int, default=10)
     parser.add_argument("--size-mib", type=int, default=1024)
     parser.add_argument("--only", default="")
+    parser.add_argument("--repeat", type=int, default=3, help="rounds per workload (median reported)")
     options = parser.parse_args()
     for tool in ["fio", "nbdkit", "qemu-nbd", "nbdcopy"]:
         if not shutil.which(tool):
@@ -152,11 +162,17 @@ def main():
         for peer in peers:
             if peer.proc is None:
                 peer.start()
-            for workload in WORKLOADS:
-                results.setdefault(workload[0], {})[peer.name] = measure(peer, workload, options.runtime,
-                                                                         options.size_mib)
-                print(f"{peer.name:12} {workload[0]:18} {results[workload[0]][peer.name]}", file=sys.stderr)
-            peer.stop()
+        # Interleaved: every peer runs each workload once per round, so slow
+        # phases of this shared machine hit all of them alike; each cell is
+        # the median of its rounds.
+        for workload in WORKLOADS:
+            samples = {peer.name: [] for peer in peers}
+            for _ in range(options.repeat):
+                for peer in peers:
+                    sample = measure(peer, workload, options.runtime, options.size_mib)
+                    samples[peer.name].append(sample)
+                    print(f"{peer.name:12} {workload[0]:18} {sample}", file=sys.stderr)
+            results[workload[0]] = {name: median_of(runs) for name, runs in samples.items()}
     finally:
         for peer in peers:
             peer.stop()

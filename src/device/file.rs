@@ -249,10 +249,6 @@ impl FileDevice {
         if options.lock {
             take_lock(&file).map_err(err)?;
         }
-        if !direct_io {
-            // SAFETY: a plain syscall on a descriptor we own.
-            unsafe { libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_RANDOM) };
-        }
         let block_bytes = if direct_io {
             direct_block_bytes(&file, is_block_device)
         } else {
