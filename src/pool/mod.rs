@@ -1006,7 +1006,7 @@ impl Pool {
 
     /// Flushes the data devices if any data write completed since the last
     /// flush (a commit of Data records alone needs only the log device).
-    async fn flush_data_devices(&self) -> Result<(), DeviceError> {
+    pub(crate) async fn flush_data_devices(&self) -> Result<(), DeviceError> {
         let written = self.data_writes.load(Ordering::Acquire);
         if written == self.data_flushed.load(Ordering::Acquire) {
             return Ok(());

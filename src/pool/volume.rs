@@ -396,7 +396,7 @@ impl EngineVolume {
         let (buf, result) = self.read_disk(offset, buf).await;
         if result.is_ok() {
             for (i, sector) in buf.payload().chunks(SECTOR_BYTES as usize).enumerate() {
-                cache.insert(self.id, first + i as u64, sector);
+                cache.offer(self.id, first + i as u64, sector);
             }
         }
         (buf, result)
@@ -815,7 +815,11 @@ impl EngineVolume {
             // durable in place, and new mappings (Map records) must not be
             // left staged: a staged mapping is replayed only if the data it
             // maps still matches it, which a later overwrite in place breaks.
-            // Commit (data devices flushed first).
+            // Commit (data devices flushed first). The destager flushes
+            // them itself, before the commit: the commit does it under the
+            // log's commit lock, where synchronous writers would queue behind
+            // a flush of everything this pass wrote.
+            self.pool.flush_data_devices().await.map_err(io_error)?;
             self.pool.commit_quiet().await.map_err(pool_error)?;
         }
         // Otherwise only never-logged sectors of mapped blocks were written
