@@ -135,7 +135,7 @@ impl IoEngine {
                 let mut buf = buf;
                 let mut done = 0;
                 if !direct {
-                    match helper.read_cached(file, offset, &mut buf) {
+                    match helper.read_cached(file, offset, buf.payload_mut()) {
                         Ok(n) if n == buf.len() => return (buf, Ok(())),
                         Ok(n) => done = n,
                         Err(e) => return (buf, Err(e)),
@@ -155,7 +155,7 @@ impl IoEngine {
     /// which cost a wake-up per write). Like nbdkit's worker threads, this
     /// can block the calling thread while the kernel throttles dirty pages.
     pub async fn write(&self, file: &Arc<File>, offset: u64, buf: IoBuf, direct: bool) -> (IoBuf, io::Result<()>) {
-        if !direct && buf.len() <= INLINE_WRITE_MAX {
+        if self.writes_inline(buf.len(), direct) {
             use std::os::unix::fs::FileExt;
             let result = file.write_all_at(buf.payload(), offset);
             return (buf, result);
@@ -164,6 +164,32 @@ impl IoEngine {
             IoEngine::IoUring(ring, _) => ring.write(file.clone(), offset, buf).await,
             IoEngine::Threads(engine) => engine.write(file.clone(), offset, buf, direct).await,
         }
+    }
+
+    /// Fills `dst` from `offset` if the page cache holds all of it (buffered
+    /// files only, `preadv2(RWF_NOWAIT)`), without blocking: `Ok(false)`
+    /// when it does not (some of `dst` may then be written).
+    pub fn read_cached_now(&self, file: &File, offset: u64, dst: &mut [u8], direct: bool) -> io::Result<bool> {
+        if direct {
+            return Ok(false);
+        }
+        let helper = match self {
+            IoEngine::IoUring(_, helper) | IoEngine::Threads(helper) => helper,
+        };
+        let mut done = 0;
+        while done < dst.len() {
+            match helper.read_cached(file, offset + done as u64, &mut dst[done..])? {
+                0 => return Ok(false),
+                n => done += n,
+            }
+        }
+        Ok(true)
+    }
+
+    /// Whether a write of `len` bytes is done inline by the calling thread
+    /// (a buffered write up to [`INLINE_WRITE_MAX`]).
+    pub fn writes_inline(&self, len: usize, direct: bool) -> bool {
+        !direct && len <= INLINE_WRITE_MAX
     }
 
     /// fdatasync: makes completed writes durable.

@@ -376,6 +376,35 @@ impl Device for FileDevice {
         })
     }
 
+    fn write_now(&self, offset: u64, data: &[u8]) -> Option<DeviceResult<()>> {
+        if !self.engine.writes_inline(data.len(), self.info.direct_io) {
+            return None;
+        }
+        if let Err(e) = check_request(&self.info, offset, data.len() as u64).and_then(|()| self.check_writable(offset))
+        {
+            return Some(Err(e));
+        }
+        Some(
+            self.file
+                .write_all_at(data, offset)
+                .map_err(|e| self.fail("write", offset, e)),
+        )
+    }
+
+    fn read_now(&self, offset: u64, dst: &mut [u8]) -> Option<DeviceResult<()>> {
+        if let Err(e) = check_request(&self.info, offset, dst.len() as u64) {
+            return Some(Err(e));
+        }
+        match self
+            .engine
+            .read_cached_now(&self.file, offset, dst, self.info.direct_io)
+        {
+            Ok(true) => Some(Ok(())),
+            Ok(false) => None,
+            Err(e) => Some(Err(io_error(&self.info.name, offset, e))),
+        }
+    }
+
     fn flush(&self) -> BoxFuture<'_, DeviceResult<()>> {
         Box::pin(async move {
             if self.read_only {
@@ -467,6 +496,38 @@ mod tests {
             1 << 30,
             "existing file untouched"
         );
+    }
+
+    #[tokio::test]
+    async fn borrowed_memory_reads_and_writes_match_the_owned_ones() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("dev.img");
+        create_file(&path, 1 << 20).unwrap();
+        let dev = FileDevice::open(&path, &options(DirectIo::Off)).unwrap();
+        let data: Vec<u8> = (0..16384u32).map(|i| (i % 253) as u8).collect();
+        assert!(matches!(dev.write_now(8192, &data), Some(Ok(()))));
+        // What `write_now` wrote, `read` sees; what `write` wrote, `read_now` sees.
+        let (buf, result) = dev.read(8192, IoBuf::new(16384)).await;
+        result.unwrap();
+        assert_eq!(buf.payload(), &data[..]);
+        let (_, result) = dev.write(65536, IoBuf::copy_from(&data[..4096])).await;
+        result.unwrap();
+        let mut back = vec![0u8; 4096];
+        assert!(matches!(dev.read_now(65536, &mut back), Some(Ok(()))));
+        assert_eq!(back, &data[..4096]);
+        // Same checks as the owned calls.
+        assert!(matches!(
+            dev.write_now(1 << 20, &data[..4096]),
+            Some(Err(DeviceError::OutOfRange { .. }))
+        ));
+        assert!(matches!(
+            dev.read_now(100, &mut back),
+            Some(Err(DeviceError::Misaligned { .. }))
+        ));
+        // Larger than an inline write: the caller must use `write`.
+        assert!(dev
+            .write_now(0, &vec![0u8; crate::device::engine::INLINE_WRITE_MAX + 4096])
+            .is_none());
     }
 
     #[test]

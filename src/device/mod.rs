@@ -296,6 +296,23 @@ pub trait Device: Send + Sync {
     fn write(&self, offset: u64, buf: IoBuf) -> BoxFuture<'_, (IoBuf, DeviceResult<()>)>;
     fn flush(&self) -> BoxFuture<'_, DeviceResult<()>>;
     fn discard(&self, offset: u64, length: u64) -> BoxFuture<'_, DeviceResult<()>>;
+
+    /// Writes `data` at `offset` straight from the caller's memory, when
+    /// this device does such a write as a plain memory copy into the page
+    /// cache (a buffered file). `None` means it does not, and nothing was
+    /// done: the caller writes an owned buffer with [`Device::write`]. Same
+    /// checks, errors and durability as `write`.
+    fn write_now(&self, _offset: u64, _data: &[u8]) -> Option<DeviceResult<()>> {
+        None
+    }
+
+    /// Fills `dst` from `offset` at once, into the caller's memory, when
+    /// this device holds all of it in memory (a buffered file whose pages
+    /// are cached). `None`: it cannot, and the caller reads into an owned
+    /// buffer with [`Device::read`] (`dst` may have been written to).
+    fn read_now(&self, _offset: u64, _dst: &mut [u8]) -> Option<DeviceResult<()>> {
+        None
+    }
 }
 
 /// Checks a request against the device's geometry at entry: offset and

@@ -135,11 +135,10 @@ impl ThreadsEngine {
     /// the fast path is off, unsupported, or nothing is cached). Only for
     /// buffered files. The io_uring engine uses it too: a page-cache hit then
     /// costs one system call on the calling thread and no hand-off.
-    pub fn read_cached(&self, file: &File, offset: u64, buf: &mut IoBuf) -> io::Result<usize> {
-        if !self.config.nowait_reads || buf.is_empty() {
+    pub fn read_cached(&self, file: &File, offset: u64, payload: &mut [u8]) -> io::Result<usize> {
+        if !self.config.nowait_reads || payload.is_empty() {
             return Ok(0);
         }
-        let payload = buf.payload_mut();
         match self.nowait(file, offset, payload.as_mut_ptr(), payload.len(), false) {
             Nowait::Done(n) => Ok(n),
             Nowait::WouldBlock => Ok(0),
@@ -155,7 +154,7 @@ impl ThreadsEngine {
         }
         let mut done = 0;
         if !direct {
-            match self.read_cached(&file, offset, &mut buf) {
+            match self.read_cached(&file, offset, buf.payload_mut()) {
                 Ok(n) if n == len => return (buf, Ok(())),
                 Ok(n) => done = n,
                 Err(e) => return (buf, Err(e)),

@@ -446,6 +446,26 @@ impl EngineVolume {
             }
         }
         for (device, physical, run, at) in segments {
+            if physical % SECTOR_BYTES == 0 && run % SECTOR_BYTES == 0 {
+                // Whole sectors: straight into their place in `buf` when the
+                // device has them in memory.
+                let pool_device = &self.pool.devices[device as usize];
+                let dst = &mut buf.payload_mut()[at as usize..(at + run) as usize];
+                match pool_device.device.read_now(physical, dst) {
+                    Some(Ok(())) => {
+                        let data = &buf.payload()[at as usize..(at + run) as usize];
+                        if let Err(e) = self.verify(device, physical, data, offset + at, false).await {
+                            return (buf, Err(e));
+                        }
+                        continue;
+                    }
+                    Some(Err(e)) => {
+                        pool_device.counters.read_errors.fetch_add(1, Ordering::Relaxed);
+                        return (buf, Err(io_error(e)));
+                    }
+                    None => {}
+                }
+            }
             let start = physical / SECTOR_BYTES * SECTOR_BYTES;
             let stop = (physical + run).div_ceil(SECTOR_BYTES) * SECTOR_BYTES;
             let logical = offset + at - (physical - start);
@@ -565,18 +585,36 @@ impl EngineVolume {
                 Payload::Owned(_) => false,
             });
             let payload = std::mem::replace(&mut write.data, Payload::Source(0..0));
-            let buffer = match payload {
-                _ if whole_source => source.take().expect("the request's buffer"),
-                Payload::Source(range) => {
-                    IoBuf::copy_from(&source.as_ref().expect("the request's buffer").payload()[range])
+            // A part of the request's buffer: written from it in place if
+            // the device takes borrowed memory, else from a copy.
+            let in_place = match &payload {
+                Payload::Source(range) if !whole_source => {
+                    let bytes = &source.as_ref().expect("the request's buffer").payload()[range.clone()];
+                    pool_device
+                        .device
+                        .write_now(write.offset, bytes)
+                        .map(|result| (result, bytes.len() as u64))
                 }
-                Payload::Owned(buf) => buf,
+                _ => None,
             };
-            let (buffer, result) = pool_device.device.write(write.offset, buffer).await;
-            let length = buffer.len() as u64;
-            if whole_source {
-                source = Some(buffer);
-            }
+            let (result, length) = match in_place {
+                Some(done) => done,
+                None => {
+                    let buffer = match payload {
+                        _ if whole_source => source.take().expect("the request's buffer"),
+                        Payload::Source(range) => {
+                            IoBuf::copy_from(&source.as_ref().expect("the request's buffer").payload()[range])
+                        }
+                        Payload::Owned(buf) => buf,
+                    };
+                    let (buffer, result) = pool_device.device.write(write.offset, buffer).await;
+                    let length = buffer.len() as u64;
+                    if whole_source {
+                        source = Some(buffer);
+                    }
+                    (result, length)
+                }
+            };
             match result {
                 Ok(()) => {
                     self.pool.note_data_write();
