@@ -10,7 +10,8 @@ is divided by the operations fio completed.
 Usage: bench/nbd_bench.py [--runtime SECONDS] [--size-mib N] [--repeat N] [--only NAME,...]
 Every server runs at once; each workload goes round the servers --repeat
 times (interleaved, so the shared machine's slow phases hit all alike) and
-each cell is the median of its rounds.
+each cell is the median of its rounds. Before each run every server's dirty
+data is written out (strata `pool sync`, then a system-wide sync).
 Prints a Markdown table (paste into BENCHMARKS.md) and writes JSON next to it.
 """
 import argparse, json, os, shutil, signal, socket, statistics, subprocess, sys, tempfile, time
@@ -103,6 +104,16 @@ def measure(peer, workload, runtime, size_mib):
     return result
 
 
+def settle(api):
+    """Writes out every server's dirty data before a measurement, so no run
+    pays for the write-back of the one before it: strata's RAM tier (pool
+    sync), then the page cache of every file (nbdkit's, qemu-nbd's and
+    strata's device files) with a system-wide sync."""
+    subprocess.run(["curl", "-sf", "-X", "POST", f"http://127.0.0.1:{api}/v1/pools/default/sync"],
+                   check=True, capture_output=True)
+    os.sync()
+
+
 def median_of(runs):
     """Each field's median over the rounds (a field's own median: a round
     slow in IOPS is not always the one slow in CPU)."""
@@ -169,6 +180,7 @@ def main():
             samples = {peer.name: [] for peer in peers}
             for _ in range(options.repeat):
                 for peer in peers:
+                    settle(api)
                     sample = measure(peer, workload, options.runtime, options.size_mib)
                     samples[peer.name].append(sample)
                     print(f"{peer.name:12} {workload[0]:18} {sample}", file=sys.stderr)
