@@ -113,6 +113,11 @@ fn ram_tier_file_lives_in_tmpfs_survives_kill9_and_goes_at_clean_shutdown() {
     let other = if expected == &shm { &local } else { &shm };
     assert!(expected.exists(), "no RAM tier file at {}", expected.display());
     assert!(!other.exists(), "a second RAM tier file at {}", other.display());
+    // `pool status` says where it is.
+    let response = common::http(&server.api, "GET", "/v1/pools/default", "");
+    let body = &response[response.find("\r\n\r\n").expect("an HTTP response") + 4..];
+    let status: serde_json::Value = serde_json::from_str(body).unwrap();
+    assert_eq!(status["cache"]["ram_tier"], expected.display().to_string(), "{status}");
 
     let uri = server.uri("default/vol0");
     run(Command::new("qemu-io")

@@ -484,6 +484,21 @@ pub fn choose_location(pool_dir: &Path, ram_dir: &Path, require_tmpfs: bool, key
     if !room {
         return local;
     }
+    // Allocate it now: if that fails (the RAM directory filled up since the
+    // check, or cannot hold the file), the pool still opens, with its RAM
+    // tier in its own directory.
+    let existed = shared.exists();
+    if let Err(e) = open_region_file(&shared, needed) {
+        tracing::warn!(
+            "cannot place the RAM tier in {} ({e}); using {}",
+            ram_dir.display(),
+            local.display()
+        );
+        if !existed {
+            let _ = std::fs::remove_file(&shared);
+        }
+        return local;
+    }
     if local.exists() {
         if let Err(e) = std::fs::remove_file(&local) {
             tracing::warn!("cannot remove the old RAM tier file {}: {e}", local.display());
@@ -585,6 +600,12 @@ mod tests {
             choose_location(&pool_dir, &dir.path().join("missing"), false, "k", bytes),
             local
         );
+        // Room reported, but the file cannot be made there (the "directory"
+        // is a file): the pool's directory too.
+        let not_a_dir = dir.path().join("plain-file");
+        std::fs::write(&not_a_dir, b"x").unwrap();
+        assert_eq!(choose_location(&pool_dir, &not_a_dir, false, "k", bytes), local);
+        std::fs::remove_file(&shared).ok();
 
         // A pool file with a dirty sector of this boot keeps the tier where it is.
         let source = RamSource::File {

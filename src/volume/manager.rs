@@ -115,6 +115,10 @@ pub struct PoolCacheStatus {
     pub read_cache_max_bytes: u64,
     pub read_hits: u64,
     pub read_misses: u64,
+    /// Where the RAM tier lives: its file (in /dev/shm, or the pool's
+    /// directory), or "heap".
+    #[serde(default)]
+    pub ram_tier: String,
 }
 
 pub struct VolumeManager {
@@ -742,6 +746,7 @@ impl VolumeManager {
                     read_cache_max_bytes: read.capacity_bytes,
                     read_hits: read.hits,
                     read_misses: read.misses,
+                    ram_tier: pool.cache.ram.location().to_string(),
                 };
                 Some(PoolStatus {
                     name: name.clone(),
