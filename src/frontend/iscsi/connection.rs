@@ -673,7 +673,7 @@ impl Session<'_> {
         let tx = self.tx.clone();
         let nexus = self.nexus.clone();
         let params = self.params;
-        tokio::spawn(async move {
+        crate::frontend::run_or_spawn(async move {
             let outcome = match out_bytes {
                 Some(spdtl) if data_out.len() != spdtl => match unit.fit_write_data(&command, data_out, spdtl).await {
                     Ok(data_out) => unit.execute(&nexus, &cdb, &command, data_out).await,

@@ -9,10 +9,8 @@
 //! connection bounds the memory one client can pin; nothing is shared
 //! between connections except the volume itself.
 
-use std::future::Future;
 use std::io::IoSlice;
 use std::sync::Arc;
-use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader};
@@ -350,26 +348,11 @@ async fn transmission(
             continue;
         }
         let volume = volume.clone();
-        let mut op = Box::pin(async move {
+        let replies = replies.clone();
+        crate::frontend::run_or_spawn(async move {
             let bytes = execute(&volume, request, payload, negotiated, received).await;
-            Reply { bytes, _permit: permit }
+            let _ = replies.send(Reply { bytes, _permit: permit });
         });
-        // Most requests finish without waiting (a write into the RAM tier, a
-        // read the page cache or the read cache holds): run them here and
-        // spare a task and a wake-up per request. One that has to wait moves
-        // to its own task, whose first poll registers its real waker.
-        let mut context = Context::from_waker(Waker::noop());
-        match op.as_mut().poll(&mut context) {
-            Poll::Ready(reply) => {
-                let _ = replies.send(reply);
-            }
-            Poll::Pending => {
-                let replies = replies.clone();
-                tokio::spawn(async move {
-                    let _ = replies.send(op.await);
-                });
-            }
-        }
     };
     // Outstanding requests finish and their replies are sent before the
     // connection closes: the writer ends once every sender is gone.
