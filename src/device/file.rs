@@ -52,6 +52,12 @@ pub struct DeviceOptions {
     /// Take an exclusive `flock` so a second opener (another server, or a
     /// second pool in this one) is refused instead of corrupting the device.
     pub lock: bool,
+    /// How long to keep retrying a lock held by someone else before
+    /// refusing. A process killed with kill -9 may keep its devices' files
+    /// referenced for a moment after it has been reaped (io_uring tears its
+    /// ring down, and drops the files its requests held, asynchronously),
+    /// so a restart right after a crash must not be refused for that.
+    pub lock_wait: std::time::Duration,
     /// Overrides the rotational flag detected from sysfs.
     pub rotational: Option<bool>,
 }
@@ -63,6 +69,7 @@ impl Default for DeviceOptions {
             engine: EngineChoice::Auto,
             read_only: false,
             lock: true,
+            lock_wait: LOCK_WAIT,
             rotational: None,
         }
     }
@@ -190,20 +197,39 @@ fn detect_rotational(dev: u64) -> bool {
     false
 }
 
-fn take_lock(file: &File) -> io::Result<()> {
-    // SAFETY: flock on a descriptor we own; no pointers.
-    let rc = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
-    if rc == 0 {
-        return Ok(());
+/// Default for [`DeviceOptions::lock_wait`].
+pub const LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Takes an exclusive `flock` on `file`, retrying for up to `wait` while
+/// someone else holds it (see [`DeviceOptions::lock_wait`]).
+fn take_lock(file: &File, path: &Path, wait: std::time::Duration) -> io::Result<()> {
+    let started = std::time::Instant::now();
+    let mut logged = false;
+    loop {
+        // SAFETY: flock on a descriptor we own; no pointers.
+        let rc = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
+        if rc == 0 {
+            if logged {
+                tracing::info!(device = %path.display(), waited_ms = started.elapsed().as_millis() as u64, "device lock acquired");
+            }
+            return Ok(());
+        }
+        let err = io::Error::last_os_error();
+        if err.raw_os_error() != Some(libc::EWOULDBLOCK) {
+            return Err(err);
+        }
+        if started.elapsed() >= wait {
+            return Err(io::Error::new(
+                io::ErrorKind::ResourceBusy,
+                "device is in use (locked by another open of it, in this or another process)",
+            ));
+        }
+        if !logged {
+            tracing::info!(device = %path.display(), wait_s = wait.as_secs_f64(), "device is locked; waiting in case its holder is a process that just exited");
+            logged = true;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
     }
-    let err = io::Error::last_os_error();
-    if err.raw_os_error() == Some(libc::EWOULDBLOCK) {
-        return Err(io::Error::new(
-            io::ErrorKind::ResourceBusy,
-            "device is in use (locked by another open of it, in this or another process)",
-        ));
-    }
-    Err(err)
 }
 
 impl FileDevice {
@@ -247,7 +273,7 @@ impl FileDevice {
         )
         .map_err(err)?;
         if options.lock {
-            take_lock(&file).map_err(err)?;
+            take_lock(&file, path, options.lock_wait).map_err(err)?;
         }
         let block_bytes = if direct_io {
             direct_block_bytes(&file, is_block_device)
@@ -555,10 +581,24 @@ mod tests {
         let path = dir.path().join("dev.img");
         create_file(&path, 1 << 20).unwrap();
         let first = FileDevice::open(&path, &DeviceOptions::default()).unwrap();
-        let err = FileDevice::open(&path, &DeviceOptions::default()).unwrap_err();
+        let quick = DeviceOptions {
+            lock_wait: std::time::Duration::from_millis(100),
+            ..DeviceOptions::default()
+        };
+        let started = std::time::Instant::now();
+        let err = FileDevice::open(&path, &quick).unwrap_err();
         assert!(matches!(&err, DeviceError::Io { source, .. } if source.kind() == io::ErrorKind::ResourceBusy));
-        drop(first);
+        assert!(
+            started.elapsed() >= std::time::Duration::from_millis(100),
+            "refused before the wait was over"
+        );
+        // A holder that lets go while we wait: the open succeeds.
+        let releaser = std::thread::spawn(move || {
+            std::thread::sleep(std::time::Duration::from_millis(200));
+            drop(first);
+        });
         FileDevice::open(&path, &DeviceOptions::default()).unwrap();
+        releaser.join().unwrap();
     }
 
     #[test]
