@@ -225,7 +225,7 @@ fn take_lock(file: &File, path: &Path, wait: std::time::Duration) -> io::Result<
             ));
         }
         if !logged {
-            tracing::info!(device = %path.display(), wait_s = wait.as_secs_f64(), "device is locked; waiting in case its holder is a process that just exited");
+            tracing::warn!(device = %path.display(), wait_s = wait.as_secs_f64(), "device is locked; waiting in case its holder is a process that just exited");
             logged = true;
         }
         std::thread::sleep(std::time::Duration::from_millis(20));
