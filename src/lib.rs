@@ -2,6 +2,7 @@
 //! later, iSCSI and NFSv3). See ARCHITECTURE.md for the layers.
 
 pub mod admin;
+pub mod checksum;
 pub mod daemon;
 pub mod device;
 pub mod frontend;

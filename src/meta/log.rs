@@ -597,7 +597,7 @@ impl Log {
             for record in decoded.iter_mut() {
                 if let Record::Data { crc, data, .. } = record {
                     let payload = reader.unit(at).await?;
-                    if crc32c::crc32c(&payload) != *crc {
+                    if crate::checksum::crc32c(&payload) != *crc {
                         intact = false;
                         break;
                     }
@@ -717,7 +717,7 @@ fn encode_block(out: &mut [u8], lsn: u64, pool_tag: u64, body: &[u8], committed:
     let flags = if committed { FLAG_COMMITTED } else { 0 } | (payloads as u32) << PAYLOAD_SHIFT;
     out[28..32].copy_from_slice(&flags.to_le_bytes());
     out[HEADER_BYTES..HEADER_BYTES + body.len()].copy_from_slice(body);
-    let crc = crc32c::crc32c(&out[8..]);
+    let crc = crate::checksum::crc32c(&out[8..]);
     out[4..8].copy_from_slice(&crc.to_le_bytes());
 }
 
@@ -731,7 +731,7 @@ fn decode_block(block: &[u8], lsn: u64, pool_tag: u64) -> Option<(Vec<Record>, b
         || u32_at(0) != MAGIC
         || u64_at(8) != lsn
         || u64_at(16) != pool_tag
-        || crc32c::crc32c(&block[8..]) != u32_at(4)
+        || crate::checksum::crc32c(&block[8..]) != u32_at(4)
     {
         return None;
     }

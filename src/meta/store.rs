@@ -117,7 +117,7 @@ impl RegionBackend {
         let len = if header[0..8] == HEADER_MAGIC {
             let stored = u64::from_le_bytes(header[8..16].try_into().unwrap_or([0; 8]));
             let crc = u32::from_le_bytes(header[16..20].try_into().unwrap_or([0; 4]));
-            if crc32c::crc32c(&header[0..16]) != crc {
+            if crate::checksum::crc32c(&header[0..16]) != crc {
                 return Err(io::Error::new(
                     io::ErrorKind::InvalidData,
                     "metadata region header is damaged",
@@ -147,7 +147,7 @@ impl RegionBackend {
         let header = buf.payload_mut();
         header[0..8].copy_from_slice(&HEADER_MAGIC);
         header[8..16].copy_from_slice(&len.to_le_bytes());
-        let crc = crc32c::crc32c(&header[0..16]);
+        let crc = crate::checksum::crc32c(&header[0..16]);
         header[16..20].copy_from_slice(&crc.to_le_bytes());
         self.written.fetch_add(HEADER_BYTES, Ordering::Relaxed);
         let (_, result) = block_on(self.device.write(self.offset, buf));

@@ -274,7 +274,7 @@ impl WriteCache {
         let seq = self.next_seq(count as u64);
         let mut crcs = Vec::with_capacity(count);
         for (i, image) in images.chunks(SLOT_BYTES).enumerate() {
-            let crc = crc32c::crc32c(image);
+            let crc = crate::checksum::crc32c(image);
             self.ram
                 .write(slots[i], volume_id, first_sector + i as u64, seq + i as u64, image, crc);
             crcs.push(crc);

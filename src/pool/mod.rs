@@ -737,7 +737,7 @@ impl Pool {
                 .payload()
                 .chunks(SECTOR_BYTES as usize)
                 .zip(crcs)
-                .all(|(sector, crc)| crc32c::crc32c(sector) == *crc)
+                .all(|(sector, crc)| crate::checksum::crc32c(sector) == *crc)
     }
 
     /// See `Log::update_pending_allocation`.
@@ -1407,7 +1407,7 @@ impl Pool {
                     let start = (slot << slot_shift) as usize;
                     for sector in 0..(1usize << slot_shift) / SECTOR_BYTES as usize {
                         let at = start + sector * SECTOR_BYTES as usize;
-                        let crc = crc32c::crc32c(&buf.payload()[at..at + SECTOR_BYTES as usize]);
+                        let crc = crate::checksum::crc32c(&buf.payload()[at..at + SECTOR_BYTES as usize]);
                         self.set_crc(device, chunk_offset + at as u64, crc)
                             .map_err(PoolError::Meta)?;
                     }

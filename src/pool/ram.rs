@@ -223,7 +223,7 @@ impl RamTier {
         header[12..16].copy_from_slice(&self.slots.to_le_bytes());
         header[16..32].copy_from_slice(pool_uuid);
         header[32..68].copy_from_slice(boot);
-        let crc = crc32c::crc32c(&header[..REGION_HEADER_BYTES - 4]);
+        let crc = crate::checksum::crc32c(&header[..REGION_HEADER_BYTES - 4]);
         header[REGION_HEADER_BYTES - 4..].copy_from_slice(&crc.to_le_bytes());
         header
     }
@@ -273,7 +273,7 @@ impl RamTier {
             };
             let mut data = vec![0u8; SLOT_BYTES];
             self.read(slot, 0, &mut data);
-            if crc32c::crc32c(&data) != survivor.crc {
+            if crate::checksum::crc32c(&data) != survivor.crc {
                 self.magic(slot).store(0, Ordering::Release);
                 continue;
             }
@@ -450,7 +450,7 @@ fn holds_dirty_sectors(path: &Path) -> bool {
     if file.read_exact_at(&mut header, 0).is_err()
         || header[0..8] != REGION_MAGIC.to_le_bytes()
         || header[32..68] != boot_id()
-        || crc32c::crc32c(&header[..REGION_HEADER_BYTES - 4]).to_le_bytes() != header[REGION_HEADER_BYTES - 4..]
+        || crate::checksum::crc32c(&header[..REGION_HEADER_BYTES - 4]).to_le_bytes() != header[REGION_HEADER_BYTES - 4..]
     {
         return false;
     }
@@ -522,9 +522,9 @@ mod tests {
         let slots = tier.allocate(3).unwrap();
         let a = vec![1u8; SLOT_BYTES];
         let b = vec![2u8; SLOT_BYTES];
-        tier.write(slots[0], 1, 10, 1, &a, crc32c::crc32c(&a));
+        tier.write(slots[0], 1, 10, 1, &a, crate::checksum::crc32c(&a));
         // A newer copy of the same sector whose old copy was never freed.
-        tier.write(slots[1], 1, 10, 2, &b, crc32c::crc32c(&b));
+        tier.write(slots[1], 1, 10, 2, &b, crate::checksum::crc32c(&b));
         // A torn slot: wrong checksum.
         tier.write(slots[2], 1, 11, 3, &a, 0xdead);
         drop(tier);
@@ -556,7 +556,7 @@ mod tests {
         let (tier, _, _) = RamTier::open(&source, &uuid).unwrap();
         let slot = tier.allocate(1).unwrap()[0];
         let data = vec![9u8; SLOT_BYTES];
-        tier.write(slot, 4, 99, 5, &data, crc32c::crc32c(&data));
+        tier.write(slot, 4, 99, 5, &data, crate::checksum::crc32c(&data));
         drop(tier);
         let (_, survivors, intact) = RamTier::open(&source, &uuid).unwrap();
         assert!(intact);
@@ -615,7 +615,7 @@ mod tests {
         let (tier, _, _) = RamTier::open(&source, &[2u8; 16]).unwrap();
         let slot = tier.allocate(1).unwrap()[0];
         let data = vec![1u8; SLOT_BYTES];
-        tier.write(slot, 1, 5, 1, &data, crc32c::crc32c(&data));
+        tier.write(slot, 1, 5, 1, &data, crate::checksum::crc32c(&data));
         assert!(!tier.remove_file_if_clean(), "a dirty tier keeps its file");
         drop(tier);
         assert_eq!(choose_location(&pool_dir, &ram_dir, false, "k", bytes), local);

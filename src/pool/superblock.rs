@@ -143,7 +143,7 @@ impl Superblock {
             out[at + 17] = member.index;
             put_u64(&mut out, at + 24, member.size_bytes);
         }
-        let crc = crc32c::crc32c(&out[..CRC_OFFSET]);
+        let crc = crate::checksum::crc32c(&out[..CRC_OFFSET]);
         put_u32(&mut out, CRC_OFFSET, crc);
         out
     }
@@ -153,7 +153,7 @@ impl Superblock {
         if bytes.len() < SUPERBLOCK_BYTES || bytes[0..8] != MAGIC {
             return Err(SuperblockError::NotStrata);
         }
-        if crc32c::crc32c(&bytes[..CRC_OFFSET]) != get_u32(bytes, CRC_OFFSET) {
+        if crate::checksum::crc32c(&bytes[..CRC_OFFSET]) != get_u32(bytes, CRC_OFFSET) {
             return Err(SuperblockError::Damaged);
         }
         let version = get_u32(bytes, 8);

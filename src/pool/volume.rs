@@ -211,7 +211,7 @@ fn stripes_of(blocks: &[u64]) -> Vec<usize> {
 const WRITE_AROUND_BYTES: usize = 128 << 10;
 
 fn sector_crcs(bytes: &[u8]) -> Vec<u32> {
-    bytes.chunks(SECTOR_BYTES as usize).map(crc32c::crc32c).collect()
+    bytes.chunks(SECTOR_BYTES as usize).map(crate::checksum::crc32c).collect()
 }
 
 impl EngineVolume {
@@ -293,7 +293,7 @@ impl EngineVolume {
         for (index, sector) in data.chunks(SECTOR_BYTES as usize).enumerate() {
             let at = offset + index as u64 * SECTOR_BYTES;
             let expected = self.pool.crc(device, at).map_err(meta_error)?;
-            let actual = crc32c::crc32c(sector);
+            let actual = crate::checksum::crc32c(sector);
             if actual == expected {
                 continue;
             }

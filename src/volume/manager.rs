@@ -835,7 +835,7 @@ pub const DEFAULT_RAM_DIR: &str = "/dev/shm";
 /// pool, so two daemons never map the same region.
 pub fn ram_file_key(data_dir: &Path, pool: &str) -> String {
     let canonical = fs::canonicalize(data_dir).unwrap_or_else(|_| data_dir.to_path_buf());
-    let hash = crc32c::crc32c(canonical.as_os_str().as_encoded_bytes());
+    let hash = crate::checksum::crc32c(canonical.as_os_str().as_encoded_bytes());
     format!("{hash:08x}-{pool}")
 }
 

@@ -231,11 +231,7 @@ pub fn padding_for(len: usize) -> usize {
 
 /// CRC32C as iSCSI uses it, sent least significant byte first.
 pub fn digest(parts: &[&[u8]]) -> [u8; 4] {
-    let mut crc = 0u32;
-    for part in parts {
-        crc = crc32c::crc32c_append(crc, part);
-    }
-    crc.to_le_bytes()
+    crate::checksum::crc32c_of_parts(parts).to_le_bytes()
 }
 
 /// Checks the header digest: `header_tail` is AHS followed by the digest.
