@@ -3,6 +3,7 @@
 
 pub mod iscsi;
 pub mod nbd;
+pub mod outbox;
 
 /// Runs `work` on the calling task as far as it goes without waiting, and
 /// spawns it only if it has to wait. Most requests never wait (a write into
@@ -15,9 +16,25 @@ pub fn run_or_spawn<F>(work: F)
 where
     F: std::future::Future<Output = ()> + Send + 'static,
 {
+    let _ = run_inline_or_spawn(work, |()| ());
+}
+
+/// [`run_or_spawn`] for work with a result: `Some(result)` if it finished
+/// on the caller; otherwise it is spawned and `finish` gets the result on
+/// its task.
+pub fn run_inline_or_spawn<F, D>(work: F, finish: D) -> Option<F::Output>
+where
+    F: std::future::Future + Send + 'static,
+    F::Output: Send + 'static,
+    D: FnOnce(F::Output) + Send + 'static,
+{
     let mut work = Box::pin(work);
     let mut context = std::task::Context::from_waker(std::task::Waker::noop());
-    if work.as_mut().poll(&mut context).is_pending() {
-        tokio::spawn(work);
+    match work.as_mut().poll(&mut context) {
+        std::task::Poll::Ready(output) => Some(output),
+        std::task::Poll::Pending => {
+            tokio::spawn(async move { finish(work.await) });
+            None
+        }
     }
 }

@@ -1,26 +1,27 @@
 //! The NBD server: accepts connections, runs the fixed newstyle handshake,
 //! then serves requests pipelined.
 //!
-//! Per connection there is one reader task and one writer task. The reader
-//! parses request headers (and write payloads) and spawns one task per
-//! request, so many requests are in flight and complete in any order. Each
-//! finished request queues its reply to the writer, which sends every reply
-//! that is ready in one `writev` (temporal merge). A byte budget per
-//! connection bounds the memory one client can pin; nothing is shared
-//! between connections except the volume itself.
+//! Per connection there is one reader task. It parses request headers (and
+//! write payloads) and runs each request on itself until the request has to
+//! wait, then on a task of its own, so many requests are in flight and
+//! complete in any order. Replies go to the connection's [`Outbox`]: the
+//! reader sends the replies of the requests it completed together, just
+//! before it would wait for the socket; a spawned request sends its own. A
+//! byte budget per connection bounds the memory one client can pin; nothing
+//! is shared between connections except the volume itself.
 
-use std::io::IoSlice;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use super::proto::{self, cflag, chunk, cmd, info, opt, rep, ClientOption, Negotiated, Request};
 use crate::admin::metrics::{Op, Protocol};
 use crate::daemon::Shutdown;
+use crate::frontend::outbox::Outbox;
 use crate::volume::manager::{VolumeManager, DEFAULT_POOL, DEFAULT_VOLUME};
 use crate::volume::{full_name, BlockError, IoBuf, Volume, ZeroFlags, MAX_REQUEST_BYTES};
 
@@ -34,8 +35,6 @@ const MAX_CONNECTIONS: usize = 1024;
 const IN_FLIGHT_BUDGET_BYTES: usize = 128 << 20;
 /// The budget is counted in units of this many bytes (each request takes at least one).
 const BUDGET_UNIT_BYTES: usize = 4096;
-/// Replies merged into one `writev` at most.
-const MAX_REPLIES_PER_SEND: usize = 64;
 /// Room in front of read data for a structured chunk header and its offset.
 const STRUCTURED_READ_HEADROOM: usize = proto::CHUNK_HEADER_BYTES + 8;
 
@@ -270,6 +269,12 @@ enum ReplyBytes {
     Read(IoBuf),
 }
 
+impl AsRef<[u8]> for Reply {
+    fn as_ref(&self) -> &[u8] {
+        self.bytes.as_slice()
+    }
+}
+
 impl ReplyBytes {
     fn as_slice(&self) -> &[u8] {
         match self {
@@ -293,11 +298,18 @@ async fn transmission(
     mut stop: Shutdown,
 ) -> Result<(), ConnectionError> {
     let _handle = volume.open_handle();
-    let (replies, queue) = mpsc::unbounded_channel::<Reply>();
-    let writer_task = tokio::spawn(send_replies(writer, queue));
-    let budget = Arc::new(Semaphore::new(IN_FLIGHT_BUDGET_BYTES / BUDGET_UNIT_BYTES));
+    let (outbox, flusher) = Outbox::start(writer);
+    let budget_units = IN_FLIGHT_BUDGET_BYTES / BUDGET_UNIT_BYTES;
+    let budget = Arc::new(Semaphore::new(budget_units));
+    // Replies of requests that finished on this task, sent together (one
+    // writev) before the reader next waits for anything: the requests the
+    // client pipelined in one segment get their replies in one.
+    let mut ready: Vec<Reply> = Vec::new();
 
     let result = loop {
+        if reader.buffer().len() < proto::REQUEST_BYTES {
+            outbox.send_all(ready.drain(..));
+        }
         let mut header = [0u8; proto::REQUEST_BYTES];
         let read = tokio::select! {
             read = reader.read_exact(&mut header) => read,
@@ -328,10 +340,21 @@ async fn transmission(
             _ => 0,
         };
         let units = (data_bytes / BUDGET_UNIT_BYTES + 1) as u32;
-        let Ok(permit) = budget.clone().acquire_many_owned(units).await else {
-            break Ok(());
+        let permit = match budget.clone().try_acquire_many_owned(units) {
+            Ok(permit) => permit,
+            Err(_) => {
+                // Replies we hold keep budget; send them before waiting.
+                outbox.send_all(ready.drain(..));
+                match budget.clone().acquire_many_owned(units).await {
+                    Ok(permit) => permit,
+                    Err(_) => break Ok(()),
+                }
+            }
         };
         let payload = if payload_bytes > 0 {
+            if reader.buffer().len() < payload_bytes as usize {
+                outbox.send_all(ready.drain(..));
+            }
             match IoBuf::read_from(&mut reader, payload_bytes as usize).await {
                 Ok(data) => Some(data),
                 Err(e) => break Err(e.into()),
@@ -341,23 +364,29 @@ async fn transmission(
         };
         if let Err(errno) = proto::check_request(&request, &negotiated) {
             let bytes = error_reply(&request, &negotiated, errno, "invalid request type or flags");
-            let _ = replies.send(Reply {
+            ready.push(Reply {
                 bytes: ReplyBytes::Built(bytes),
                 _permit: permit,
             });
             continue;
         }
         let volume = volume.clone();
-        let replies = replies.clone();
-        crate::frontend::run_or_spawn(async move {
+        let work = async move {
             let bytes = execute(&volume, request, payload, negotiated, received).await;
-            let _ = replies.send(Reply { bytes, _permit: permit });
-        });
+            Reply { bytes, _permit: permit }
+        };
+        let outbox_for_task = outbox.clone();
+        if let Some(reply) = crate::frontend::run_inline_or_spawn(work, move |reply| outbox_for_task.send(reply)) {
+            ready.push(reply);
+        }
     };
-    // Outstanding requests finish and their replies are sent before the
-    // connection closes: the writer ends once every sender is gone.
-    drop(replies);
-    let _ = writer_task.await;
+    outbox.send_all(ready.drain(..));
+    // Outstanding requests finish and their replies are sent (or dropped,
+    // if the client is gone) before the connection closes: every request
+    // holds budget until then.
+    let _ = budget.acquire_many(budget_units as u32).await;
+    outbox.close();
+    let _ = flusher.await;
     result
 }
 
@@ -521,39 +550,4 @@ async fn read_reply(volume: &Volume, request: &Request, negotiated: &Negotiated)
         }
     }
     (ReplyBytes::Built(out), true)
-}
-
-/// Sends replies as they complete, merging all that are ready into one writev.
-async fn send_replies(mut writer: OwnedWriteHalf, mut queue: mpsc::UnboundedReceiver<Reply>) {
-    let mut batch: Vec<Reply> = Vec::with_capacity(MAX_REPLIES_PER_SEND);
-    while let Some(first) = queue.recv().await {
-        batch.push(first);
-        while batch.len() < MAX_REPLIES_PER_SEND {
-            match queue.try_recv() {
-                Ok(reply) => batch.push(reply),
-                Err(_) => break,
-            }
-        }
-        let mut slices: Vec<IoSlice<'_>> = batch.iter().map(|r| IoSlice::new(r.bytes.as_slice())).collect();
-        let sent = write_all_vectored(&mut writer, &mut slices).await;
-        drop(slices);
-        batch.clear();
-        if let Err(e) = sent {
-            tracing::debug!("nbd: sending replies failed: {e}");
-            return;
-        }
-    }
-    let _ = writer.shutdown().await;
-}
-
-async fn write_all_vectored(writer: &mut OwnedWriteHalf, slices: &mut [IoSlice<'_>]) -> std::io::Result<()> {
-    let mut remaining = slices;
-    while !remaining.is_empty() {
-        let written = writer.write_vectored(remaining).await?;
-        if written == 0 {
-            return Err(std::io::ErrorKind::WriteZero.into());
-        }
-        IoSlice::advance_slices(&mut remaining, written);
-    }
-    Ok(())
 }

@@ -1,0 +1,195 @@
+//! A connection's outgoing replies, written by whoever produced them.
+//!
+//! A request that completes on the connection's reader (most do: a RAM-tier
+//! write, a page-cache read) or on its own task hands its reply to the
+//! outbox, which writes it to the socket at once with a non-blocking
+//! `writev` when nothing is queued ahead of it. Only what the socket will
+//! not take now is left for the connection's flusher task, which waits for
+//! the socket to become writable. So a reply costs no task hand-off and no
+//! cross-thread wake-up unless the client is slow to read.
+//!
+//! All writes happen under one lock, so the bytes of two replies never
+//! interleave; replies queued together go out in one `writev` (up to
+//! [`MAX_PER_WRITE`]). A reply is dropped once written (releasing whatever it
+//! holds, such as its share of the connection's in-flight budget), or at
+//! once if the connection is broken.
+
+use std::collections::VecDeque;
+use std::io::IoSlice;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use tokio::net::tcp::OwnedWriteHalf;
+use tokio::sync::Notify;
+
+/// Replies merged into one `writev` at most.
+pub const MAX_PER_WRITE: usize = 64;
+
+pub struct Outbox<T> {
+    socket: OwnedWriteHalf,
+    state: Mutex<State<T>>,
+    /// Tells the flusher that replies wait for the socket, or that the
+    /// connection is closing.
+    wake: Notify,
+}
+
+struct State<T> {
+    queue: VecDeque<T>,
+    /// Bytes of the queue's first reply already written.
+    head_written: usize,
+    /// The socket refused more bytes; the flusher is waiting for room.
+    blocked: bool,
+    /// A write failed: replies are dropped unsent.
+    broken: bool,
+    /// No more replies will come; the flusher ends once the queue is empty.
+    closing: bool,
+}
+
+impl<T: AsRef<[u8]> + Send + 'static> Outbox<T> {
+    /// Wraps `socket` and starts the flusher task. The write side of the
+    /// socket is shut down when the outbox is closed and drained (or broken).
+    pub fn start(socket: OwnedWriteHalf) -> (Arc<Self>, tokio::task::JoinHandle<()>) {
+        let outbox = Arc::new(Outbox {
+            socket,
+            state: Mutex::new(State {
+                queue: VecDeque::new(),
+                head_written: 0,
+                blocked: false,
+                broken: false,
+                closing: false,
+            }),
+            wake: Notify::new(),
+        });
+        let flusher = tokio::spawn(outbox.clone().flush_until_closed());
+        (outbox, flusher)
+    }
+
+    /// Queues one reply and writes what the socket takes now.
+    pub fn send(&self, reply: T) {
+        self.send_all(std::iter::once(reply));
+    }
+
+    /// Queues replies in order and writes what the socket takes now.
+    pub fn send_all(&self, replies: impl IntoIterator<Item = T>) {
+        let mut state = self.lock();
+        if state.broken {
+            return;
+        }
+        let before = state.queue.len();
+        state.queue.extend(replies);
+        if state.queue.len() == before {
+            return;
+        }
+        if !state.blocked {
+            self.write_now(&mut state);
+            if !state.queue.is_empty() {
+                // The socket is full: the flusher waits for room.
+                state.blocked = true;
+                drop(state);
+                self.wake.notify_one();
+            }
+        }
+    }
+
+    /// No more replies will be sent: the flusher writes what is queued and
+    /// ends. Await the handle [`Outbox::start`] returned to know when.
+    pub fn close(&self) {
+        self.lock().closing = true;
+        self.wake.notify_one();
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State<T>> {
+        // A panic while holding the lock cannot leave the queue half-updated
+        // in a way that matters more than the panic itself.
+        self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Writes queued replies until the queue is empty or the socket would
+    /// block. Marks the outbox broken (and drops everything) on an error.
+    fn write_now(&self, state: &mut State<T>) {
+        while !state.queue.is_empty() {
+            let written = {
+                let mut slices: Vec<IoSlice<'_>> = Vec::with_capacity(state.queue.len().min(MAX_PER_WRITE));
+                for (index, reply) in state.queue.iter().take(MAX_PER_WRITE).enumerate() {
+                    let bytes = reply.as_ref();
+                    let bytes = if index == 0 {
+                        &bytes[state.head_written..]
+                    } else {
+                        bytes
+                    };
+                    slices.push(IoSlice::new(bytes));
+                }
+                self.socket.try_write_vectored(&slices)
+            };
+            match written {
+                Ok(0) => {
+                    state.fail("socket accepted no bytes");
+                    return;
+                }
+                Ok(mut written) => {
+                    while written > 0 {
+                        let left = state.queue[0].as_ref().len() - state.head_written;
+                        if written >= left {
+                            written -= left;
+                            state.head_written = 0;
+                            state.queue.pop_front();
+                        } else {
+                            state.head_written += written;
+                            written = 0;
+                        }
+                    }
+                    // Empty replies (none are built today) would never be
+                    // popped by a write; drop them here.
+                    while state.head_written == 0 && state.queue.front().is_some_and(|r| r.as_ref().is_empty()) {
+                        state.queue.pop_front();
+                    }
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                Err(e) => {
+                    state.fail(&e.to_string());
+                    return;
+                }
+            }
+        }
+    }
+
+    async fn flush_until_closed(self: Arc<Self>) {
+        loop {
+            self.wake.notified().await;
+            loop {
+                {
+                    let mut state = self.lock();
+                    if state.broken || (state.closing && state.queue.is_empty()) {
+                        return;
+                    }
+                    if state.queue.is_empty() {
+                        state.blocked = false;
+                        break;
+                    }
+                    self.write_now(&mut state);
+                    if state.queue.is_empty() {
+                        state.blocked = false;
+                        if state.closing {
+                            return;
+                        }
+                        break;
+                    }
+                    state.blocked = true;
+                }
+                if let Err(e) = self.socket.writable().await {
+                    self.lock().fail(&e.to_string());
+                    return;
+                }
+            }
+        }
+    }
+}
+
+impl<T> State<T> {
+    fn fail(&mut self, why: &str) {
+        tracing::debug!("sending replies failed: {why}");
+        self.broken = true;
+        self.queue.clear();
+        self.head_written = 0;
+    }
+}
