@@ -60,12 +60,18 @@ mod tests {
             for &byte in data {
                 crc ^= byte as u32;
                 for _ in 0..8 {
-                    crc = if crc & 1 != 0 { (crc >> 1) ^ 0x82f6_3b78 } else { crc >> 1 };
+                    crc = if crc & 1 != 0 {
+                        (crc >> 1) ^ 0x82f6_3b78
+                    } else {
+                        crc >> 1
+                    };
                 }
             }
             !crc
         }
-        let data: Vec<u8> = (0..65_537u32).map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8).collect();
+        let data: Vec<u8> = (0..65_537u32)
+            .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
+            .collect();
         for len in [1, 7, 63, 64, 255, 512, 4096, 4097, 16_384, 65_536, 65_537] {
             assert_eq!(crc32c(&data[..len]), reference(&data[..len]), "length {len}");
         }

@@ -195,7 +195,11 @@ fn nbdcopy_round_trip_keeps_checksum() {
     run(Command::new("nbdcopy").arg(&uri).arg(&out));
     let copied = std::fs::read(&out).unwrap();
     assert_eq!(copied.len(), content.len());
-    assert_eq!(strata::checksum::crc32c(&copied), strata::checksum::crc32c(&content), "copied data differs");
+    assert_eq!(
+        strata::checksum::crc32c(&copied),
+        strata::checksum::crc32c(&content),
+        "copied data differs"
+    );
     // The zero run was sent as holes and left unallocated.
     let map = stdout_of(Command::new("nbdinfo").args(["--map", "--json"]).arg(&uri));
     let extents: serde_json::Value = serde_json::from_str(&map).unwrap();

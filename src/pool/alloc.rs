@@ -53,6 +53,17 @@ impl ChunkState {
     }
 }
 
+/// Where [`Allocator::allocate_near`] should try first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Hint {
+    /// This slot (device index, byte offset): the one right after (or
+    /// before) a neighbouring logical block's.
+    At(u8, u64),
+    /// A fresh chunk, at the slot matching the block's place in its
+    /// volume chunk: for a large write whose neighbours are not written yet.
+    FreshChunk { logical_slot: u64 },
+}
+
 /// One device's space.
 #[derive(Debug)]
 pub struct DeviceSpace {
@@ -167,6 +178,90 @@ impl Allocator {
             return Some((index, (chunk << chunk_shift) + (slot << slot_shift)));
         }
         None
+    }
+
+    /// Allocates one slot like [`Allocator::allocate`], but at `hint` (the
+    /// byte right after the slot of the previous logical block) when that
+    /// slot is free and on the tier `allocate` would use now. So a volume
+    /// written front to back, even by several writers at once, is laid out
+    /// front to back, and a large request later touches one device run
+    /// instead of many. When the hinted slot is taken, a fresh chunk after it
+    /// is used (so two writers do not interleave), else `allocate`'s order.
+    pub fn allocate_near(&mut self, slot_shift: u8, hint: Option<Hint>) -> Option<(u8, u64)> {
+        let found = match hint {
+            Some(Hint::At(device_index, offset)) => self.take_near(slot_shift, device_index, offset),
+            Some(Hint::FreshChunk { logical_slot }) => self.take_fresh(slot_shift, logical_slot),
+            None => None,
+        };
+        found.or_else(|| self.allocate(slot_shift))
+    }
+
+    /// A fresh chunk on the tier `allocate` would use, and in it the slot a
+    /// block at `logical_slot` would have if the chunk mirrored the
+    /// volume's chunk (its neighbours, written later, then find their
+    /// places free on either side).
+    fn take_fresh(&mut self, slot_shift: u8, logical_slot: u64) -> Option<(u8, u64)> {
+        let per_chunk = self.slots_per_chunk(slot_shift);
+        let device = self
+            .devices
+            .iter()
+            .find(|d| !d.free_chunks.is_empty() || d.with_room.get(&slot_shift).is_some_and(|r| !r.is_empty()))?;
+        let chunk = *device.free_chunks.first()?;
+        let offset = (chunk << self.chunk_shift) + ((logical_slot % per_chunk) << slot_shift);
+        self.take_near(slot_shift, device.index, offset)
+    }
+
+    fn take_near(&mut self, slot_shift: u8, device_index: u8, offset: u64) -> Option<(u8, u64)> {
+        let per_chunk = self.slots_per_chunk(slot_shift);
+        let chunk_shift = self.chunk_shift;
+        // Never keep filling a slower tier while a faster one has room.
+        let tier = self
+            .devices
+            .iter()
+            .find(|d| !d.free_chunks.is_empty() || d.with_room.get(&slot_shift).is_some_and(|r| !r.is_empty()))?
+            .role;
+        let device = self.devices.iter_mut().find(|d| d.index == device_index)?;
+        if device.role != tier {
+            return None;
+        }
+        let hinted_chunk = offset >> chunk_shift;
+        let hinted_slot = (offset & ((1 << chunk_shift) - 1)) >> slot_shift;
+        let hinted_free = match device.chunks.get(&hinted_chunk) {
+            Some(state) => {
+                state.slot_shift == slot_shift
+                    && state.used[(hinted_slot / 64) as usize] & (1 << (hinted_slot % 64)) == 0
+            }
+            None => device.free_chunks.contains(&hinted_chunk),
+        };
+        // Taken (typically by another writer's run): this writer moves to a
+        // chunk of its own rather than interleaving with the other.
+        let (chunk, slot) = if hinted_free {
+            (hinted_chunk, hinted_slot)
+        } else {
+            (*device.free_chunks.range(hinted_chunk + 1..).next()?, 0)
+        };
+        if !device.chunks.contains_key(&chunk) {
+            device.free_chunks.remove(&chunk);
+            device.chunks.insert(
+                chunk,
+                ChunkState {
+                    slot_shift,
+                    used: [0; 4],
+                },
+            );
+            device.with_room.entry(slot_shift).or_default().insert(chunk);
+        }
+        let state = device.chunks.get_mut(&chunk)?;
+        state.used[(slot / 64) as usize] |= 1 << (slot % 64);
+        if state.used_count() as u64 == per_chunk {
+            if let Some(room) = device.with_room.get_mut(&slot_shift) {
+                room.remove(&chunk);
+            }
+        }
+        device.used_slots_bytes += 1 << slot_shift;
+        let index = device.index;
+        self.dirty.insert((index, chunk));
+        Some((index, (chunk << chunk_shift) + (slot << slot_shift)))
     }
 
     /// Marks a slot used (log replay). Returns false if it was already used.
@@ -291,6 +386,98 @@ impl Allocator {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn hinted_allocations_lay_interleaved_streams_out_in_order() {
+        let fast = DeviceSpace::new(0, Role::Fast, 1, 64);
+        let mut allocator = Allocator::new(1 << 20, vec![fast]);
+        // Two writers, each writing its own region front to back, their
+        // 16 KiB blocks interleaved in time.
+        let mut last: [Option<(u8, u64)>; 2] = [None, None];
+        let mut layout: [Vec<u64>; 2] = [Vec::new(), Vec::new()];
+        for _ in 0..200 {
+            for (stream, previous) in last.iter_mut().enumerate() {
+                let hint = previous.map(|(device, offset)| (device, offset + (1 << 14)));
+                let got = allocator.allocate_near(14, hint.map(|(d, o)| Hint::At(d, o))).unwrap();
+                layout[stream].push(got.1);
+                *previous = Some(got);
+            }
+        }
+        for stream in &layout {
+            let breaks = stream.windows(2).filter(|w| w[1] != w[0] + (1 << 14)).count();
+            // 200 blocks of 16 KiB span 3.1 chunks: at most a jump per chunk.
+            assert!(breaks <= 4, "{breaks} discontinuities: {stream:?}");
+        }
+        // No slot handed out twice.
+        let all: HashSet<u64> = layout.iter().flatten().copied().collect();
+        assert_eq!(all.len(), 400);
+    }
+
+    #[test]
+    fn out_of_order_large_writes_still_land_in_volume_order() {
+        // A volume chunk's four 256 KiB pieces (16 blocks of 16 KiB each)
+        // written last first, as a parallel copier may: the first piece
+        // written takes a fresh chunk at its own place, the others are
+        // placed before their right neighbour.
+        let fast = DeviceSpace::new(0, Role::Fast, 1, 64);
+        let mut allocator = Allocator::new(1 << 20, vec![fast]);
+        let mut placed = [0u64; 64];
+        for piece in (0..4u64).rev() {
+            let first = piece * 16;
+            let hint = if piece == 3 {
+                Hint::FreshChunk { logical_slot: first }
+            } else {
+                Hint::At(0, placed[(first + 16) as usize] - 16 * (1 << 14))
+            };
+            let mut previous = allocator.allocate_near(14, Some(hint)).unwrap();
+            placed[first as usize] = previous.1;
+            for block in first + 1..first + 16 {
+                previous = allocator
+                    .allocate_near(14, Some(Hint::At(0, previous.1 + (1 << 14))))
+                    .unwrap();
+                placed[block as usize] = previous.1;
+            }
+        }
+        let base = placed[0];
+        assert_eq!(base % (1 << 20), 0, "the chunk starts with block 0");
+        for (block, offset) in placed.iter().enumerate() {
+            assert_eq!(*offset, base + block as u64 * (1 << 14), "block {block}");
+        }
+    }
+
+    #[test]
+    fn a_hint_never_keeps_a_slower_tier_filling_or_reuses_a_slot() {
+        let fast = DeviceSpace::new(0, Role::Fast, 1, 2); // one chunk
+        let capacity = DeviceSpace::new(1, Role::Capacity, 1, 9);
+        let mut allocator = Allocator::new(1 << 20, vec![fast, capacity]);
+        // A hint on the capacity tier is ignored while fast has room.
+        assert_eq!(allocator.allocate_near(17, Some(Hint::At(1, 4 << 20))).unwrap().0, 0);
+        // A hint at a used slot, with no fresh chunk after it on the tier:
+        // the usual order (the rest of the fast chunk).
+        let (_, taken) = allocator.allocate(17).unwrap();
+        let (device, next) = allocator.allocate_near(17, Some(Hint::At(0, taken))).unwrap();
+        assert_eq!(device, 0);
+        assert_ne!(next, taken);
+        // Fill fast; then hints on capacity are followed.
+        while allocator.devices()[0].used_bytes() < 1 << 20 {
+            allocator.allocate(17).unwrap();
+        }
+        assert_eq!(
+            allocator.allocate_near(17, Some(Hint::At(1, 5 << 20))),
+            Some((1, 5 << 20))
+        );
+        assert_eq!(
+            allocator.allocate_near(17, Some(Hint::At(1, (5 << 20) + (1 << 17)))),
+            Some((1, (5 << 20) + (1 << 17)))
+        );
+        // A hint outside the data area, or at a chunk of another slot size,
+        // falls back to the usual order.
+        let (device, _) = allocator.allocate_near(17, Some(Hint::At(1, 100 << 20))).unwrap();
+        assert_eq!(device, 1);
+        let (_, small) = allocator.allocate(12).unwrap();
+        let (_, other) = allocator.allocate_near(17, Some(Hint::At(1, small))).unwrap();
+        assert_ne!(other >> 20, small >> 20, "a 128 KiB slot in a chunk of 4 KiB slots");
+    }
 
     #[test]
     fn fills_fast_tier_first_then_spills() {

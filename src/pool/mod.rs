@@ -921,11 +921,13 @@ impl Pool {
 
     // ---- allocation --------------------------------------------------------------
 
-    pub(crate) fn allocate(&self, slot_shift: u8) -> Option<(u8, u64)> {
+    /// Allocates a slot, at `hint` if it is free (see
+    /// [`alloc::Allocator::allocate_near`]).
+    pub(crate) fn allocate_near(&self, slot_shift: u8, hint: Option<alloc::Hint>) -> Option<(u8, u64)> {
         self.allocator
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .allocate(slot_shift)
+            .allocate_near(slot_shift, hint)
     }
 
     /// Returns a slot that was never mapped (its write failed).

@@ -450,7 +450,8 @@ fn holds_dirty_sectors(path: &Path) -> bool {
     if file.read_exact_at(&mut header, 0).is_err()
         || header[0..8] != REGION_MAGIC.to_le_bytes()
         || header[32..68] != boot_id()
-        || crate::checksum::crc32c(&header[..REGION_HEADER_BYTES - 4]).to_le_bytes() != header[REGION_HEADER_BYTES - 4..]
+        || crate::checksum::crc32c(&header[..REGION_HEADER_BYTES - 4]).to_le_bytes()
+            != header[REGION_HEADER_BYTES - 4..]
     {
         return false;
     }

@@ -16,6 +16,7 @@ use std::sync::Arc;
 
 use tokio::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 
+use super::alloc::Hint;
 use super::cache::{Entry, VolumeCache};
 use super::{map_entry, Pool, PoolError, SECTOR_BYTES};
 use crate::device::{DeviceError, IoBuf};
@@ -207,11 +208,20 @@ fn stripes_of(blocks: &[u64]) -> Vec<usize> {
     indices
 }
 
+/// Writes of at least this many blocks whose neighbours are not written yet
+/// start a fresh chunk (see [`EngineVolume::first_hint`]); smaller ones (a
+/// random 4 KiB write) take the first free slot as before, so they do not
+/// scatter over every chunk of the pool.
+const FRESH_CHUNK_MIN_BLOCKS: u64 = 4;
+
 /// Writes of this size or more bypass the write-back cache.
 const WRITE_AROUND_BYTES: usize = 128 << 10;
 
 fn sector_crcs(bytes: &[u8]) -> Vec<u32> {
-    bytes.chunks(SECTOR_BYTES as usize).map(crate::checksum::crc32c).collect()
+    bytes
+        .chunks(SECTOR_BYTES as usize)
+        .map(crate::checksum::crc32c)
+        .collect()
 }
 
 impl EngineVolume {
@@ -480,6 +490,28 @@ impl EngineVolume {
         (buf, Ok(()))
     }
 
+    /// Where the first new block of a write of `blocks` blocks at `offset`
+    /// should go: after the logical block before it, else before the one
+    /// after it, else (a write of several blocks with neither neighbour
+    /// written) a fresh chunk at the matching place.
+    fn first_hint(&self, offset: u64, blocks: u64) -> BlockResult<Option<Hint>> {
+        let first = offset >> self.block_shift;
+        if first > 0 {
+            if let Some((device, base)) = map_entry::decode(self.pool.lookup(self.id, first - 1).map_err(meta_error)?) {
+                return Ok(Some(Hint::At(device, base + self.block_bytes())));
+            }
+        }
+        let after = first + blocks;
+        if after < self.size_bytes().div_ceil(self.block_bytes()) {
+            if let Some((device, base)) = map_entry::decode(self.pool.lookup(self.id, after).map_err(meta_error)?) {
+                if let Some(start) = base.checked_sub(blocks * self.block_bytes()) {
+                    return Ok(Some(Hint::At(device, start)));
+                }
+            }
+        }
+        Ok((blocks >= FRESH_CHUNK_MIN_BLOCKS).then_some(Hint::FreshChunk { logical_slot: first }))
+    }
+
     /// Plans the device writes that store `data` at volume `offset`. Caller
     /// holds the stripe locks and the pool's write gate.
     async fn plan(&self, offset: u64, data: &[u8], entries: &[u64]) -> BlockResult<Vec<PlannedWrite>> {
@@ -487,6 +519,10 @@ impl EngineVolume {
         let mut position = offset;
         let end = offset + data.len() as u64;
         let mut index = 0;
+        // A new block goes right after the previous logical block's slot if
+        // that is free: a volume written front to back is laid out front to
+        // back, and a large request later is one device run, not many.
+        let mut hint = self.first_hint(offset, entries.len() as u64)?;
         while position < end {
             let block = position >> self.block_shift;
             let within = position & (self.block_bytes() - 1);
@@ -511,6 +547,7 @@ impl EngineVolume {
                         (Payload::Owned(sectors), crcs)
                     };
                     let first_sector = (start / SECTOR_BYTES) as usize;
+                    hint = Some(Hint::At(device, base + self.block_bytes()));
                     planned.push(PlannedWrite::single(
                         device,
                         base + start,
@@ -523,7 +560,7 @@ impl EngineVolume {
                 }
                 None => {
                     // First write: allocate and write the whole block.
-                    let Some((device, base)) = self.pool.allocate(self.block_shift as u8) else {
+                    let Some((device, base)) = self.pool.allocate_near(self.block_shift as u8, hint) else {
                         for write in &planned {
                             write.release_new_slots(&self.pool);
                         }
@@ -538,6 +575,7 @@ impl EngineVolume {
                         let crcs = sector_crcs(whole.payload());
                         (Payload::Owned(whole), crcs)
                     };
+                    hint = Some(Hint::At(device, base + self.block_bytes()));
                     planned.push(PlannedWrite::single(device, base, whole, crcs, block, 0, true));
                 }
             }
