@@ -54,6 +54,17 @@ pub enum Record {
 }
 
 impl Record {
+    /// Whether the record may be durable only once data written before it
+    /// is: a new mapping points at data written to its slot; `Written`
+    /// retires `Data` records in favour of data written in place.
+    fn needs_durable_data(&self) -> bool {
+        match self {
+            Record::Map { new, .. } => *new != 0,
+            Record::Written { .. } => true,
+            Record::Dirty { .. } | Record::Destroy { .. } | Record::Data { .. } => false,
+        }
+    }
+
     fn encoded_len(&self) -> usize {
         match self {
             Record::Dirty { .. } => 10,
@@ -390,46 +401,85 @@ impl Log {
         }
         let covering = self.tickets_issued.load(Ordering::Acquire);
         before_write().await?;
-        let records = {
-            let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
-            let blocks = blocks_needed(&pending.records);
-            let used = self.next_lsn() - self.tail_lsn.load(Ordering::Acquire);
-            let limit = if reserve { self.len } else { self.len / 4 * 3 };
-            if used + blocks * LOG_BLOCK_BYTES > limit {
-                return Err(LogError::Full);
-            }
-            pending.bytes = 0;
-            pending.staged = 0;
-            pending.allocations.clear();
-            self.pending_bytes.store(0, Ordering::Relaxed);
-            (std::mem::take(&mut pending.records), std::mem::take(&mut pending.frees))
-        };
-        let (records, frees) = records;
+        let (records, frees) = self.take_pending(reserve, false)?.unwrap_or_default();
         if !records.is_empty() {
             if let Err(e) = self.write_blocks(&records, true, 0).await {
-                // Put the records back in front so a later commit retries them.
-                let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
-                let mut restored = records;
-                restored.append(&mut pending.records);
-                pending.bytes = restored.iter().map(Record::encoded_len).sum();
-                pending.allocations = restored
-                    .iter()
-                    .enumerate()
-                    .filter_map(|(i, r)| match r {
-                        Record::Map { volume, block, new, .. } if *new != 0 => Some(((*volume, *block), i)),
-                        _ => None,
-                    })
-                    .collect();
-                self.pending_bytes.store(pending.bytes, Ordering::Relaxed);
-                pending.records = restored;
-                let mut restored_frees = frees;
-                restored_frees.append(&mut pending.frees);
-                pending.frees = restored_frees;
+                self.restore_pending(records, frees);
                 return Err(e);
             }
         }
         self.tickets_served.store(covering, Ordering::Release);
         Ok(frees)
+    }
+
+    /// Commits the pending records without flushing the data devices first,
+    /// if none of them needs data written before it to be durable (only
+    /// `Dirty` marks, unmappings, `Data` records that carry their own
+    /// payload, `Destroy`): the `Dirty` mark a write must make durable
+    /// before it touches a chunk costs one log write, not an fdatasync of
+    /// every data device. `Ok(None)`: a record needs the data flush; use
+    /// [`Log::commit`]. It serves no commit tickets: a writer waiting
+    /// in `commit` for its completed data to become durable still gets its
+    /// data flush.
+    pub async fn commit_marks(&self) -> Result<Option<Vec<(u8, u64)>>, LogError> {
+        let _guard = self.commit_lock.lock().await;
+        let Some((records, frees)) = self.take_pending(false, true)? else {
+            return Ok(None);
+        };
+        if !records.is_empty() {
+            if let Err(e) = self.write_blocks(&records, true, 0).await {
+                self.restore_pending(records, frees);
+                return Err(e);
+            }
+        }
+        Ok(Some(frees))
+    }
+
+    /// Takes every pending record (and the frees they make) for a commit, if
+    /// the log has room for them. With `only_marks`, takes nothing and
+    /// returns `None` when a record needs durable data before it.
+    #[allow(clippy::type_complexity)]
+    fn take_pending(&self, reserve: bool, only_marks: bool) -> Result<Option<(Vec<Record>, Vec<(u8, u64)>)>, LogError> {
+        let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+        if only_marks && pending.records.iter().any(Record::needs_durable_data) {
+            return Ok(None);
+        }
+        let blocks = blocks_needed(&pending.records);
+        let used = self.next_lsn() - self.tail_lsn.load(Ordering::Acquire);
+        let limit = if reserve { self.len } else { self.len / 4 * 3 };
+        if used + blocks * LOG_BLOCK_BYTES > limit {
+            return Err(LogError::Full);
+        }
+        pending.bytes = 0;
+        pending.staged = 0;
+        pending.allocations.clear();
+        self.pending_bytes.store(0, Ordering::Relaxed);
+        Ok(Some((
+            std::mem::take(&mut pending.records),
+            std::mem::take(&mut pending.frees),
+        )))
+    }
+
+    /// Puts records whose write failed back in front, so a later commit
+    /// retries them.
+    fn restore_pending(&self, records: Vec<Record>, frees: Vec<(u8, u64)>) {
+        let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+        let mut restored = records;
+        restored.append(&mut pending.records);
+        pending.bytes = restored.iter().map(Record::encoded_len).sum();
+        pending.allocations = restored
+            .iter()
+            .enumerate()
+            .filter_map(|(i, r)| match r {
+                Record::Map { volume, block, new, .. } if *new != 0 => Some(((*volume, *block), i)),
+                _ => None,
+            })
+            .collect();
+        self.pending_bytes.store(pending.bytes, Ordering::Relaxed);
+        pending.records = restored;
+        let mut restored_frees = frees;
+        restored_frees.append(&mut pending.frees);
+        pending.frees = restored_frees;
     }
 
     /// Encodes `records` into blocks from `next_lsn` and writes them,
@@ -789,6 +839,60 @@ mod tests {
         assert_eq!(decode_block(&block, 8192, 43), None, "another pool");
         block[100] ^= 1;
         assert_eq!(decode_block(&block, 8192, 42), None, "corrupt");
+    }
+
+    #[test]
+    fn dirty_marks_commit_without_a_data_flush_and_serve_no_flush() {
+        use crate::device::SimDevice;
+        use std::sync::atomic::AtomicUsize;
+        let device: Arc<dyn Device> = Arc::new(SimDevice::new(1 << 20, 1));
+        let log = Log::new(device, 0, 64 * LOG_BLOCK_BYTES, 7, 0, 0);
+        let data_flushes = AtomicUsize::new(0);
+        let flush_data = || async {
+            data_flushes.fetch_add(1, Ordering::SeqCst);
+            Ok(())
+        };
+        crate::meta::store::block_on(async {
+            // Marks only: written and flushed to the log, no data flush.
+            log.append(Record::Dirty { device: 0, chunk: 3 });
+            log.append(Record::Map {
+                volume: 1,
+                block: 2,
+                new: 0,
+                old: 1 << 63 | 5,
+                crcs: vec![],
+            });
+            assert!(log.commit_marks().await.unwrap().is_some());
+            let after_marks = log.next_lsn();
+            assert!(after_marks > 0, "the marks were written");
+            assert_eq!(data_flushes.load(Ordering::SeqCst), 0);
+            // A writer that completed data before the marks commit and asks
+            // for durability still gets its data flush.
+            log.commit(flush_data, false).await.unwrap();
+            assert_eq!(data_flushes.load(Ordering::SeqCst), 1);
+            // A new mapping points at data: the marks commit declines and
+            // writes nothing; a full commit flushes data first.
+            log.append(Record::Dirty { device: 0, chunk: 4 });
+            log.append(Record::Map {
+                volume: 1,
+                block: 3,
+                new: 1 << 63 | 6,
+                old: 0,
+                crcs: vec![1, 2, 3, 4],
+            });
+            assert!(log.commit_marks().await.unwrap().is_none());
+            assert_eq!(log.next_lsn(), after_marks, "nothing written");
+            log.commit(flush_data, false).await.unwrap();
+            assert_eq!(data_flushes.load(Ordering::SeqCst), 2);
+            assert!(log.next_lsn() > after_marks);
+            // `Written` retires Data records in favour of data in place.
+            log.append(Record::Written {
+                volume: 1,
+                first_sector: 0,
+                count: 4,
+            });
+            assert!(log.commit_marks().await.unwrap().is_none());
+        });
     }
 
     #[test]

@@ -978,7 +978,7 @@ impl Pool {
             if !appended {
                 return Ok(epoch);
             }
-            self.commit_quiet().await?;
+            self.commit_marks().await?;
             for &(device, offset) in places {
                 let chunk = offset / self.chunk_bytes as u64;
                 if let Some(slot) = self
@@ -1064,6 +1064,19 @@ impl Pool {
             }
         }
         Err(LogError::Full.into())
+    }
+
+    /// Makes the pending `Dirty` marks durable: one log write when nothing
+    /// pending needs the data devices flushed first, else a full commit.
+    async fn commit_marks(&self) -> Result<(), PoolError> {
+        match self.log.commit_marks().await {
+            Ok(Some(frees)) => {
+                self.release_frees(frees).await;
+                Ok(())
+            }
+            Ok(None) | Err(LogError::Full) => self.commit_quiet().await,
+            Err(e) => Err(e.into()),
+        }
     }
 
     async fn release_frees(&self, frees: Vec<(u8, u64)>) {
