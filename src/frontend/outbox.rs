@@ -97,6 +97,11 @@ impl<T: AsRef<[u8]> + Send + 'static> Outbox<T> {
         self.wake.notify_one();
     }
 
+    /// Whether a write failed (the peer is gone).
+    pub fn is_broken(&self) -> bool {
+        self.lock().broken
+    }
+
     fn lock(&self) -> MutexGuard<'_, State<T>> {
         // A panic while holding the lock cannot leave the queue half-updated
         // in a way that matters more than the panic itself.
@@ -191,5 +196,75 @@ impl<T> State<T> {
         self.broken = true;
         self.queue.clear();
         self.head_written = 0;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::AsyncReadExt;
+    use tokio::net::{TcpListener, TcpStream};
+
+    /// A connected pair on loopback: (our write half, the peer).
+    async fn pair() -> (OwnedWriteHalf, TcpStream) {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let address = listener.local_addr().unwrap();
+        let (client, accepted) = tokio::join!(TcpStream::connect(address), listener.accept());
+        let (_read, write) = accepted.unwrap().0.into_split();
+        // The read half may go: the write half keeps the socket open.
+        (write, client.unwrap())
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn replies_arrive_whole_and_in_order_when_the_peer_reads_late() {
+        let (socket, mut peer) = pair().await;
+        let (outbox, flusher) = Outbox::start(socket);
+        // 64 replies of 256 KiB, far more than the socket buffers hold while
+        // the peer is not reading: `send` must return at once every time
+        // (the rest waits for the flusher), never block or reorder.
+        let mut expected = Vec::new();
+        for i in 0..64u32 {
+            let reply: Vec<u8> = (0..256 * 1024u32).map(|j| (i.wrapping_mul(31) ^ j) as u8).collect();
+            expected.extend_from_slice(&reply);
+            outbox.send(reply);
+        }
+        outbox.send_all(vec![b"tail".to_vec(), Vec::new(), b"end".to_vec()]);
+        expected.extend_from_slice(b"tailend");
+        outbox.close();
+        // The socket closes (and the peer sees the end) once the flusher,
+        // holding the last reference, has written everything.
+        drop(outbox);
+        let mut received = Vec::new();
+        peer.read_to_end(&mut received).await.unwrap();
+        flusher.await.unwrap();
+        assert_eq!(received.len(), expected.len());
+        assert!(received == expected, "bytes differ");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_gone_peer_drops_replies_instead_of_blocking() {
+        let (socket, peer) = pair().await;
+        let (outbox, flusher) = Outbox::start(socket);
+        drop(peer);
+        let held = std::sync::Arc::new(());
+        struct Tracked(#[allow(dead_code)] std::sync::Arc<()>, Vec<u8>);
+        impl AsRef<[u8]> for Tracked {
+            fn as_ref(&self) -> &[u8] {
+                &self.1
+            }
+        }
+        // Keep sending until the reset is seen; each reply must be released
+        // (its Arc dropped) once the outbox knows the peer is gone.
+        for _ in 0..2000 {
+            outbox.send(Tracked(held.clone(), vec![7u8; 64 * 1024]));
+            tokio::task::yield_now().await;
+        }
+        assert!(outbox.is_broken(), "writes to a closed peer failed");
+        outbox.close();
+        tokio::time::timeout(std::time::Duration::from_secs(10), flusher)
+            .await
+            .expect("the flusher ends")
+            .unwrap();
+        assert_eq!(std::sync::Arc::strong_count(&held), 1, "replies still held");
     }
 }
