@@ -8,6 +8,7 @@ workload; the server's CPU time (utime+stime from /proc/PID/stat) over the run
 is divided by the operations fio completed.
 
 Usage: bench/nbd_bench.py [--runtime SECONDS] [--size-mib N] [--repeat N] [--only NAME,...]
+                          [--workloads SUBSTRING,...]
 Every server runs at once; each workload goes round the servers --repeat
 times (interleaved, so the shared machine's slow phases hit all alike) and
 each cell is the median of its rounds. Before each run every server's dirty
@@ -126,6 +127,7 @@ def main():
     parser.add_argument("--size-mib", type=int, default=1024)
     parser.add_argument("--only", default="")
     parser.add_argument("--repeat", type=int, default=3, help="rounds per workload (median reported)")
+    parser.add_argument("--workloads", default="", help="comma-separated substrings: run only matching workloads")
     options = parser.parse_args()
     for tool in ["fio", "nbdkit", "qemu-nbd", "nbdcopy"]:
         if not shutil.which(tool):
@@ -168,6 +170,10 @@ def main():
     if options.only:
         wanted = options.only.split(",")
         peers = [p for p in peers if p.name in wanted]
+    workloads = WORKLOADS
+    if options.workloads:
+        wanted = options.workloads.split(",")
+        workloads = [w for w in WORKLOADS if any(part in w[0] for part in wanted)]
     results = {}
     try:
         for peer in peers:
@@ -176,7 +182,7 @@ def main():
         # Interleaved: every peer runs each workload once per round, so slow
         # phases of this shared machine hit all of them alike; each cell is
         # the median of its rounds.
-        for workload in WORKLOADS:
+        for workload in workloads:
             samples = {peer.name: [] for peer in peers}
             for _ in range(options.repeat):
                 for peer in peers:
@@ -193,7 +199,7 @@ def main():
     names = [p.name for p in peers]
     print("| workload | " + " | ".join(names) + " |")
     print("|---|" + "---|" * len(names))
-    for workload in WORKLOADS:
+    for workload in workloads:
         name, _, metric = workload
         row = results[name]
         if metric == "iops":
