@@ -522,7 +522,9 @@ impl EngineVolume {
         // A new block goes right after the previous logical block's slot if
         // that is free: a volume written front to back is laid out front to
         // back, and a large request later is one device run, not many.
-        let mut hint = self.first_hint(offset, entries.len() as u64)?;
+        // Every block sets the hint for the next, so it is missing only at
+        // the request's first block, and looked up only if that is new.
+        let mut hint = None;
         while position < end {
             let block = position >> self.block_shift;
             let within = position & (self.block_bytes() - 1);
@@ -560,6 +562,9 @@ impl EngineVolume {
                 }
                 None => {
                     // First write: allocate and write the whole block.
+                    if hint.is_none() {
+                        hint = self.first_hint(offset, entries.len() as u64)?;
+                    }
                     let Some((device, base)) = self.pool.allocate_near(self.block_shift as u8, hint) else {
                         for write in &planned {
                             write.release_new_slots(&self.pool);
