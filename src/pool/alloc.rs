@@ -202,37 +202,39 @@ impl Allocator {
     /// places free on either side).
     fn take_fresh(&mut self, slot_shift: u8, logical_slot: u64) -> Option<(u8, u64)> {
         let per_chunk = self.slots_per_chunk(slot_shift);
-        let device = self
-            .devices
-            .iter()
-            .find(|d| !d.free_chunks.is_empty() || d.with_room.get(&slot_shift).is_some_and(|r| !r.is_empty()))?;
+        let device = self.first_with_room(slot_shift)?;
         let chunk = *device.free_chunks.first()?;
         let offset = (chunk << self.chunk_shift) + ((logical_slot % per_chunk) << slot_shift);
         self.take_near(slot_shift, device.index, offset)
+    }
+
+    /// The device plain allocation would use: the first, in tier order,
+    /// with a free chunk or a chunk of this slot size with room.
+    fn first_with_room(&self, slot_shift: u8) -> Option<&DeviceSpace> {
+        self.devices
+            .iter()
+            .find(|d| !d.free_chunks.is_empty() || d.with_room.get(&slot_shift).is_some_and(|r| !r.is_empty()))
     }
 
     fn take_near(&mut self, slot_shift: u8, device_index: u8, offset: u64) -> Option<(u8, u64)> {
         let per_chunk = self.slots_per_chunk(slot_shift);
         let chunk_shift = self.chunk_shift;
         // Never keep filling a slower tier while a faster one has room.
-        let tier = self
-            .devices
-            .iter()
-            .find(|d| !d.free_chunks.is_empty() || d.with_room.get(&slot_shift).is_some_and(|r| !r.is_empty()))?
-            .role;
+        let tier = self.first_with_room(slot_shift)?.role;
         let device = self.devices.iter_mut().find(|d| d.index == device_index)?;
         if device.role != tier {
             return None;
         }
         let hinted_chunk = offset >> chunk_shift;
         let hinted_slot = (offset & ((1 << chunk_shift) - 1)) >> slot_shift;
-        let hinted_free = match device.chunks.get(&hinted_chunk) {
-            Some(state) => {
-                state.slot_shift == slot_shift
-                    && state.used[(hinted_slot / 64) as usize] & (1 << (hinted_slot % 64)) == 0
-            }
-            None => device.free_chunks.contains(&hinted_chunk),
-        };
+        let hinted_free = hinted_slot < per_chunk
+            && match device.chunks.get(&hinted_chunk) {
+                Some(state) => {
+                    state.slot_shift == slot_shift
+                        && state.used[(hinted_slot / 64) as usize] & (1 << (hinted_slot % 64)) == 0
+                }
+                None => device.free_chunks.contains(&hinted_chunk),
+            };
         // Taken (typically by another writer's run): this writer moves to a
         // chunk of its own rather than interleaving with the other.
         let (chunk, slot) = if hinted_free {
@@ -240,31 +242,13 @@ impl Allocator {
         } else {
             (*device.free_chunks.range(hinted_chunk + 1..).next()?, 0)
         };
-        if !device.chunks.contains_key(&chunk) {
-            device.free_chunks.remove(&chunk);
-            device.chunks.insert(
-                chunk,
-                ChunkState {
-                    slot_shift,
-                    used: [0; 4],
-                },
-            );
-            device.with_room.entry(slot_shift).or_default().insert(chunk);
-        }
-        let state = device.chunks.get_mut(&chunk)?;
-        state.used[(slot / 64) as usize] |= 1 << (slot % 64);
-        if state.used_count() as u64 == per_chunk {
-            if let Some(room) = device.with_room.get_mut(&slot_shift) {
-                room.remove(&chunk);
-            }
-        }
-        device.used_slots_bytes += 1 << slot_shift;
         let index = device.index;
-        self.dirty.insert((index, chunk));
-        Some((index, (chunk << chunk_shift) + (slot << slot_shift)))
+        let offset = (chunk << chunk_shift) + (slot << slot_shift);
+        self.mark_used(index, offset, slot_shift).then_some((index, offset))
     }
 
-    /// Marks a slot used (log replay). Returns false if it was already used.
+    /// Marks a slot used (log replay, hinted allocation). Returns false if
+    /// it was already used.
     pub fn mark_used(&mut self, device_index: u8, offset: u64, slot_shift: u8) -> bool {
         let chunk_shift = self.chunk_shift;
         let per_chunk = self.slots_per_chunk(slot_shift);
