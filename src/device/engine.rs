@@ -155,9 +155,7 @@ impl IoEngine {
     /// which cost a wake-up per write). Like nbdkit's worker threads, this
     /// can block the calling thread while the kernel throttles dirty pages.
     pub async fn write(&self, file: &Arc<File>, offset: u64, buf: IoBuf, direct: bool) -> (IoBuf, io::Result<()>) {
-        if self.writes_inline(buf.len(), direct) {
-            use std::os::unix::fs::FileExt;
-            let result = file.write_all_at(buf.payload(), offset);
+        if let Some(result) = self.write_now(file, offset, buf.payload(), direct) {
             return (buf, result);
         }
         match self {
@@ -184,6 +182,14 @@ impl IoEngine {
             }
         }
         Ok(true)
+    }
+
+    /// Writes `data` at `offset` on the calling thread if this write is one
+    /// done inline ([`IoEngine::writes_inline`]); `None` if it is not.
+    pub fn write_now(&self, file: &File, offset: u64, data: &[u8], direct: bool) -> Option<io::Result<()>> {
+        use std::os::unix::fs::FileExt;
+        self.writes_inline(data.len(), direct)
+            .then(|| file.write_all_at(data, offset))
     }
 
     /// Whether a write of `len` bytes is done inline by the calling thread

@@ -410,11 +410,9 @@ impl Device for FileDevice {
         {
             return Some(Err(e));
         }
-        Some(
-            self.file
-                .write_all_at(data, offset)
-                .map_err(|e| self.fail("write", offset, e)),
-        )
+        self.engine
+            .write_now(&self.file, offset, data, self.info.direct_io)
+            .map(|result| result.map_err(|e| self.fail("write", offset, e)))
     }
 
     fn read_now(&self, offset: u64, dst: &mut [u8]) -> Option<DeviceResult<()>> {
