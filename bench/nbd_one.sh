@@ -13,7 +13,7 @@
 set -euo pipefail
 SERVER=$1 RW=$2 BS=$3 QD=$4
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
-STRATA=$ROOT/target/release/strata
+STRATA=${STRATA_BIN:-$ROOT/target/release/strata}
 [ -x "$STRATA" ] || (cd "$ROOT" && cargo build --release)
 WORK=$(mktemp -d /tmp/strata-nbd-one.XXXXXX)
 PID=

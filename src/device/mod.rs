@@ -157,6 +157,11 @@ impl IoBuf {
         unsafe { std::slice::from_raw_parts_mut(self.ptr.add(self.payload_offset - self.headroom), self.headroom) }
     }
 
+    /// Bytes of headroom in front of the payload.
+    pub fn headroom(&self) -> usize {
+        self.headroom
+    }
+
     /// Headroom and payload as one contiguous slice.
     pub fn as_bytes(&self) -> &[u8] {
         // SAFETY: the range [payload_offset - headroom, payload_offset + len) is inside the allocation.

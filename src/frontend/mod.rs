@@ -2,6 +2,7 @@
 //! calls on a [`crate::volume::Volume`]; none touches storage directly.
 
 pub mod iscsi;
+pub mod lane;
 pub mod nbd;
 pub mod outbox;
 

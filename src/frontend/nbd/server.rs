@@ -21,6 +21,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use super::proto::{self, cflag, chunk, cmd, info, opt, rep, ClientOption, Negotiated, Request};
 use crate::admin::metrics::{Op, Protocol};
 use crate::daemon::Shutdown;
+use crate::frontend::lane::Lane;
 use crate::frontend::outbox::Outbox;
 use crate::volume::manager::{VolumeManager, DEFAULT_POOL, DEFAULT_VOLUME};
 use crate::volume::{full_name, BlockError, IoBuf, Volume, ZeroFlags, MAX_REQUEST_BYTES};
@@ -35,6 +36,9 @@ const MAX_CONNECTIONS: usize = 1024;
 const IN_FLIGHT_BUDGET_BYTES: usize = 128 << 20;
 /// The budget is counted in units of this many bytes (each request takes at least one).
 const BUDGET_UNIT_BYTES: usize = 4096;
+/// Replies (batches of them) with at least this much read data are sent
+/// from the connection's lane, at once.
+const BULK_REPLY_BYTES: usize = 256 << 10;
 /// Room in front of read data for a structured chunk header and its offset.
 const STRUCTURED_READ_HEADROOM: usize = proto::CHUNK_HEADER_BYTES + 8;
 
@@ -288,6 +292,103 @@ impl ReplyBytes {
 struct Reply {
     bytes: ReplyBytes,
     _permit: OwnedSemaphorePermit,
+    /// Where a read buffer goes once the reply is written (or dropped).
+    buffers: Arc<ReadBuffers>,
+}
+
+impl Drop for Reply {
+    fn drop(&mut self) {
+        if let ReplyBytes::Read(buf) = std::mem::replace(&mut self.bytes, ReplyBytes::Built(Vec::new())) {
+            self.buffers.give_back(buf);
+        }
+    }
+}
+
+/// Large read buffers of one connection, kept for its next reads: a new
+/// megabyte buffer must be zeroed (it may hold anything the process freed),
+/// which costs as much as checksumming it. A kept buffer holds only bytes
+/// this connection was already sent, and every read fills the whole
+/// payload anyway.
+struct ReadBuffers {
+    free: std::sync::Mutex<Vec<IoBuf>>,
+}
+
+/// Read buffers smaller than this are not kept (zeroing them is cheap).
+const KEEP_READ_BUFFER_MIN_BYTES: usize = 64 << 10;
+/// Bytes of read buffers one connection keeps at most.
+const KEPT_READ_BUFFER_BYTES: usize = 8 << 20;
+
+impl ReadBuffers {
+    fn new() -> Arc<Self> {
+        Arc::new(ReadBuffers {
+            free: std::sync::Mutex::new(Vec::new()),
+        })
+    }
+
+    /// A buffer for `len` payload bytes behind `headroom`: a kept one of
+    /// that shape, else a new zeroed one.
+    fn take(&self, headroom: usize, len: usize) -> IoBuf {
+        if len >= KEEP_READ_BUFFER_MIN_BYTES {
+            let mut free = self.free.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(index) = free.iter().position(|b| b.len() == len && b.headroom() == headroom) {
+                return free.swap_remove(index);
+            }
+        }
+        IoBuf::with_headroom(headroom, len)
+    }
+
+    fn give_back(&self, buf: IoBuf) {
+        if buf.len() < KEEP_READ_BUFFER_MIN_BYTES {
+            return;
+        }
+        let mut free = self.free.lock().unwrap_or_else(|e| e.into_inner());
+        let kept: usize = free.iter().map(IoBuf::len).sum();
+        if kept + buf.len() <= KEPT_READ_BUFFER_BYTES {
+            free.push(buf);
+        }
+    }
+}
+
+/// Replies carrying large reads, for the connection's [`Lane`] to send.
+type Bulk = (Vec<Reply>, Arc<Outbox<Reply>>);
+
+fn send_bulk((replies, outbox): Bulk) {
+    outbox.send_all(replies);
+}
+
+/// Sends large replies from the lane, or here if the lane has no thread.
+fn send_from_lane(replies: Vec<Reply>, outbox: &Arc<Outbox<Reply>>, lane: &Arc<Lane<Bulk>>) {
+    if let Err(job) = lane.push((replies, outbox.clone())) {
+        send_bulk(job);
+    }
+}
+
+/// Replies the reader finished, sent together just before it would wait:
+/// from the reader itself, or (when they carry at least
+/// [`BULK_REPLY_BYTES`] of data) from the lane.
+struct Ready {
+    replies: Vec<Reply>,
+    bytes: usize,
+}
+
+impl Ready {
+    fn push(&mut self, reply: Reply) {
+        self.bytes += reply.bytes.as_slice().len();
+        self.replies.push(reply);
+    }
+
+    fn send(&mut self, outbox: &Arc<Outbox<Reply>>, lane: &Arc<Lane<Bulk>>) {
+        if self.replies.is_empty() {
+            return;
+        }
+        let replies = std::mem::take(&mut self.replies);
+        let bytes = std::mem::replace(&mut self.bytes, 0);
+        if bytes >= BULK_REPLY_BYTES {
+            send_from_lane(replies, outbox, lane);
+        } else {
+            outbox.send_all(replies);
+        }
+    }
 }
 
 async fn transmission(
@@ -304,11 +405,16 @@ async fn transmission(
     // Replies of requests that finished on this task, sent together (one
     // writev) before the reader next waits for anything: the requests the
     // client pipelined in one segment get their replies in one.
-    let mut ready: Vec<Reply> = Vec::new();
+    let mut ready = Ready {
+        replies: Vec::new(),
+        bytes: 0,
+    };
+    let lane = Lane::new(send_bulk);
+    let buffers = ReadBuffers::new();
 
     let result = loop {
         if reader.buffer().len() < proto::REQUEST_BYTES {
-            outbox.send_all(ready.drain(..));
+            ready.send(&outbox, &lane);
         }
         let mut header = [0u8; proto::REQUEST_BYTES];
         let read = tokio::select! {
@@ -344,7 +450,7 @@ async fn transmission(
             Ok(permit) => permit,
             Err(_) => {
                 // Replies we hold keep budget; send them before waiting.
-                outbox.send_all(ready.drain(..));
+                ready.send(&outbox, &lane);
                 match budget.clone().acquire_many_owned(units).await {
                     Ok(permit) => permit,
                     Err(_) => break Ok(()),
@@ -353,9 +459,10 @@ async fn transmission(
         };
         let payload = if payload_bytes > 0 {
             if reader.buffer().len() < payload_bytes as usize {
-                outbox.send_all(ready.drain(..));
+                ready.send(&outbox, &lane);
             }
-            match IoBuf::read_from(&mut reader, payload_bytes as usize).await {
+            let received = IoBuf::read_from(&mut reader, payload_bytes as usize).await;
+            match received {
                 Ok(data) => Some(data),
                 Err(e) => break Err(e.into()),
             }
@@ -367,20 +474,37 @@ async fn transmission(
             ready.push(Reply {
                 bytes: ReplyBytes::Built(bytes),
                 _permit: permit,
+                buffers: buffers.clone(),
             });
             continue;
         }
-        let volume = volume.clone();
+        let (volume, buffers) = (volume.clone(), buffers.clone());
         let work = async move {
-            let bytes = execute(&volume, request, payload, negotiated, received).await;
-            Reply { bytes, _permit: permit }
+            let bytes = execute(&volume, request, payload, negotiated, received, &buffers).await;
+            Reply {
+                bytes,
+                _permit: permit,
+                buffers,
+            }
         };
-        let outbox_for_task = outbox.clone();
-        if let Some(reply) = crate::frontend::run_inline_or_spawn(work, move |reply| outbox_for_task.send(reply)) {
+        let (outbox_for_task, lane_for_task) = (outbox.clone(), lane.clone());
+        let finish = move |reply: Reply| {
+            // A large read that had to wait: its reply leaves from the lane
+            // too, not from the worker the reader may need.
+            if reply.bytes.as_slice().len() < BULK_REPLY_BYTES {
+                outbox_for_task.send(reply);
+            } else {
+                send_from_lane(vec![reply], &outbox_for_task, &lane_for_task);
+            }
+        };
+        if let Some(reply) = crate::frontend::run_inline_or_spawn(work, finish) {
             ready.push(reply);
+            if ready.bytes >= BULK_REPLY_BYTES {
+                ready.send(&outbox, &lane);
+            }
         }
     };
-    outbox.send_all(ready.drain(..));
+    ready.send(&outbox, &lane);
     // Outstanding requests finish and their replies are sent (or dropped,
     // if the client is gone) before the connection closes: every request
     // holds budget until then.
@@ -431,6 +555,7 @@ async fn execute(
     payload: Option<IoBuf>,
     negotiated: Negotiated,
     received: Instant,
+    buffers: &ReadBuffers,
 ) -> ReplyBytes {
     let fua = request.flags & cflag::FUA != 0;
     let offset = request.offset;
@@ -438,7 +563,7 @@ async fn execute(
     let op = op_of(request.kind);
     let result = match request.kind {
         cmd::READ => {
-            let (bytes, ok) = read_reply(volume, &request, &negotiated).await;
+            let (bytes, ok) = read_reply(volume, &request, &negotiated, buffers).await;
             volume.stats().record(Protocol::Nbd, op, length, received.elapsed(), ok);
             return bytes;
         }
@@ -494,7 +619,12 @@ async fn execute(
 /// Reads and builds the reply. Without structured replies: a simple reply
 /// followed by the data. With them: one data chunk, or (unless the client set
 /// DF) hole chunks for 4 KiB runs of zeros and data chunks between.
-async fn read_reply(volume: &Volume, request: &Request, negotiated: &Negotiated) -> (ReplyBytes, bool) {
+async fn read_reply(
+    volume: &Volume,
+    request: &Request,
+    negotiated: &Negotiated,
+    buffers: &ReadBuffers,
+) -> (ReplyBytes, bool) {
     let failed = |e: BlockError| {
         log_error(volume, request, &e);
         let errno = proto::errno_for(&e, request.kind);
@@ -511,7 +641,7 @@ async fn read_reply(volume: &Volume, request: &Request, negotiated: &Negotiated)
     } else {
         proto::SIMPLE_REPLY_BYTES
     };
-    let buf = IoBuf::with_headroom(headroom, request.length as usize);
+    let buf = buffers.take(headroom, request.length as usize);
     let (mut buf, result) = volume.read(request.offset, buf).await;
     if let Err(e) = result {
         return failed(e);
@@ -549,5 +679,35 @@ async fn read_reply(volume: &Volume, request: &Request, negotiated: &Negotiated)
             proto::push_chunk(&mut out, flags, chunk::OFFSET_DATA, request.cookie, &payload);
         }
     }
+    buffers.give_back(buf);
     (ReplyBytes::Built(out), true)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn read_buffers_are_kept_by_shape_up_to_the_limit() {
+        let buffers = ReadBuffers::new();
+        let mut first = buffers.take(STRUCTURED_READ_HEADROOM, 1 << 20);
+        assert!(first.payload().iter().all(|&b| b == 0), "a new buffer is zeroed");
+        first.payload_mut()[0] = 0xA5;
+        let address = first.payload().as_ptr();
+        buffers.give_back(first);
+        // Another shape gets a new buffer; the same shape gets the kept one.
+        let other = buffers.take(proto::SIMPLE_REPLY_BYTES, 1 << 20);
+        assert_ne!(other.payload().as_ptr(), address);
+        let again = buffers.take(STRUCTURED_READ_HEADROOM, 1 << 20);
+        assert_eq!(again.payload().as_ptr(), address);
+        assert_eq!(again.payload()[0], 0xA5);
+        // Small buffers are not kept, and no more than the limit is.
+        buffers.give_back(IoBuf::with_headroom(0, 4096));
+        for _ in 0..(KEPT_READ_BUFFER_BYTES >> 20) + 3 {
+            buffers.give_back(IoBuf::with_headroom(0, 1 << 20));
+        }
+        let free = buffers.free.lock().unwrap();
+        assert!(free.iter().all(|b| b.len() == 1 << 20));
+        assert_eq!(free.iter().map(IoBuf::len).sum::<usize>(), KEPT_READ_BUFFER_BYTES);
+    }
 }
