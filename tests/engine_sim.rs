@@ -191,6 +191,14 @@ impl Harness {
         for (i, sector) in buf.payload_mut().chunks_mut(SECTOR as usize).enumerate() {
             fill_sector(sector, tag_for(id, first + i));
         }
+        if self.rng.chance(0.5) {
+            // As the NBD frontend receives large payloads: with the
+            // checksums of its 4 KiB pieces computed on arrival, which the
+            // engine then uses instead of computing its own.
+            buf = IoBuf::read_from_summing(&mut buf.payload(), length as usize)
+                .await
+                .expect("a buffer reads whole");
+        }
         self.log.push(format!("write {offset} +{length} fua={fua} id={id}"));
         match self.volume().write(offset, buf, fua).await {
             Ok(()) => {

@@ -44,7 +44,14 @@ pub struct IoBuf {
     headroom: usize,
     len: usize,
     layout: Layout,
+    /// CRC-32C of each whole [`PIECE_BYTES`] piece of the payload, computed
+    /// by [`IoBuf::read_from_summing`] as the bytes arrived; dropped by any
+    /// access that could change the payload.
+    piece_crcs: Option<Vec<u32>>,
 }
+
+/// The pieces [`IoBuf::piece_crcs`] covers: the pool's checksum sector.
+pub const PIECE_BYTES: usize = 4096;
 
 // SAFETY: IoBuf uniquely owns its allocation, like Box<[u8]>.
 unsafe impl Send for IoBuf {}
@@ -68,6 +75,7 @@ impl IoBuf {
             headroom,
             len,
             layout,
+            piece_crcs: None,
         }
     }
 
@@ -96,6 +104,7 @@ impl IoBuf {
             headroom: 0,
             len,
             layout,
+            piece_crcs: None,
         }
     }
 
@@ -104,6 +113,25 @@ impl IoBuf {
     /// initialised, and the payload is exposed only once all of them are).
     /// A stream that ends first is `UnexpectedEof`.
     pub async fn read_from<R: tokio::io::AsyncRead + Unpin>(reader: &mut R, len: usize) -> std::io::Result<IoBuf> {
+        Self::read_from_inner(reader, len, false).await
+    }
+
+    /// [`IoBuf::read_from`] that also checksums each whole
+    /// [`PIECE_BYTES`] piece as soon as it has arrived (while it is still in
+    /// cache, and while the rest of the payload is on its way), for
+    /// [`IoBuf::piece_crcs`].
+    pub async fn read_from_summing<R: tokio::io::AsyncRead + Unpin>(
+        reader: &mut R,
+        len: usize,
+    ) -> std::io::Result<IoBuf> {
+        Self::read_from_inner(reader, len, true).await
+    }
+
+    async fn read_from_inner<R: tokio::io::AsyncRead + Unpin>(
+        reader: &mut R,
+        len: usize,
+        sum: bool,
+    ) -> std::io::Result<IoBuf> {
         let layout = Layout::from_size_align(len.max(1), BUFFER_ALIGN).expect("buffer size overflows");
         // SAFETY: the layout has a non-zero size.
         let ptr = unsafe { std::alloc::alloc(layout) };
@@ -118,20 +146,32 @@ impl IoBuf {
             headroom: 0,
             len: 0,
             layout,
+            piece_crcs: None,
         };
         // SAFETY: the allocation has room for `len` bytes, which
         // `MaybeUninit<u8>` allows to be uninitialised.
         let spare = unsafe { std::slice::from_raw_parts_mut(ptr.cast::<std::mem::MaybeUninit<u8>>(), len) };
         let mut read_buf = tokio::io::ReadBuf::uninit(spare);
+        let mut crcs = Vec::with_capacity(if sum { len / PIECE_BYTES } else { 0 });
         while read_buf.remaining() > 0 {
             let before = read_buf.filled().len();
             std::future::poll_fn(|cx| std::pin::Pin::new(&mut *reader).poll_read(cx, &mut read_buf)).await?;
             if read_buf.filled().len() == before {
                 return Err(std::io::ErrorKind::UnexpectedEof.into());
             }
+            if sum {
+                let whole = read_buf.filled().len() / PIECE_BYTES;
+                for piece in crcs.len()..whole {
+                    let bytes = &read_buf.filled()[piece * PIECE_BYTES..(piece + 1) * PIECE_BYTES];
+                    crcs.push(crate::checksum::crc32c(bytes));
+                }
+            }
         }
         // Every byte is now initialised: `filled` covers all `len`.
         buf.len = len;
+        if sum {
+            buf.piece_crcs = Some(crcs);
+        }
         Ok(buf)
     }
 
@@ -147,6 +187,7 @@ impl IoBuf {
     }
 
     pub fn payload_mut(&mut self) -> &mut [u8] {
+        self.piece_crcs = None;
         // SAFETY: as in `payload`, and `&mut self` makes the access unique.
         unsafe { std::slice::from_raw_parts_mut(self.ptr.add(self.payload_offset), self.len) }
     }
@@ -187,8 +228,16 @@ impl IoBuf {
         self.len == 0
     }
 
+    /// CRC-32C of each whole [`PIECE_BYTES`] piece of the payload, in
+    /// order, if the buffer was filled by [`IoBuf::read_from_summing`] and
+    /// not handed out mutably since.
+    pub fn piece_crcs(&self) -> Option<&[u32]> {
+        self.piece_crcs.as_deref()
+    }
+
     /// Shortens the payload to `len` bytes (never grows it).
     pub fn truncate(&mut self, len: usize) {
+        self.piece_crcs = None;
         self.len = self.len.min(len);
     }
 }
@@ -407,6 +456,42 @@ mod tests {
         assert_eq!(error.kind(), std::io::ErrorKind::UnexpectedEof);
         let mut empty: &[u8] = &[];
         assert!(IoBuf::read_from(&mut empty, 0).await.unwrap().is_empty());
+    }
+
+    #[tokio::test]
+    async fn read_from_summing_checksums_each_whole_piece_as_it_arrives() {
+        // 4 whole pieces and a partial one, delivered in pieces that never
+        // line up with them.
+        let data: Vec<u8> = (0..4 * PIECE_BYTES as u32 + 1000)
+            .map(|i| (i * 13 % 253) as u8)
+            .collect();
+        let (mut writer, mut reader) = tokio::io::duplex(1500);
+        let sent = data.clone();
+        let feeder = tokio::spawn(async move {
+            use tokio::io::AsyncWriteExt;
+            for piece in sent.chunks(1111) {
+                writer.write_all(piece).await.unwrap();
+            }
+        });
+        let mut buf = IoBuf::read_from_summing(&mut reader, data.len()).await.unwrap();
+        feeder.await.unwrap();
+        assert_eq!(buf.payload(), &data[..]);
+        let expected: Vec<u32> = data.chunks_exact(PIECE_BYTES).map(crate::checksum::crc32c).collect();
+        assert_eq!(expected.len(), 4);
+        assert_eq!(buf.piece_crcs(), Some(&expected[..]));
+        // Anything that may change the payload drops them.
+        let _ = buf.payload_mut();
+        assert_eq!(buf.piece_crcs(), None);
+        let mut again = IoBuf::read_from_summing(&mut &data[..], data.len()).await.unwrap();
+        assert_eq!(again.piece_crcs(), Some(&expected[..]));
+        again.truncate(PIECE_BYTES);
+        assert_eq!(again.piece_crcs(), None);
+        // Plain reads and other constructors carry none.
+        assert_eq!(
+            IoBuf::read_from(&mut &data[..], data.len()).await.unwrap().piece_crcs(),
+            None
+        );
+        assert_eq!(IoBuf::copy_from(&data).piece_crcs(), None);
     }
 
     #[test]

@@ -224,6 +224,24 @@ fn sector_crcs(bytes: &[u8]) -> Vec<u32> {
         .collect()
 }
 
+// The checksums a frontend computes as a payload arrives are sector checksums.
+const _: () = assert!(SECTOR_BYTES as usize == crate::device::PIECE_BYTES);
+
+/// The sector checksums of `source` (whole sectors) that starts `at` bytes
+/// into a request's payload: taken from `pieces` (the checksums of the
+/// payload's sectors, computed as it arrived) when they line up, else
+/// computed.
+fn source_crcs(pieces: Option<&[u32]>, at: usize, source: &[u8]) -> Vec<u32> {
+    let sector = SECTOR_BYTES as usize;
+    if let Some(pieces) = pieces {
+        let (first, count) = (at / sector, source.len() / sector);
+        if at % sector == 0 && source.len() % sector == 0 && first + count <= pieces.len() {
+            return pieces[first..first + count].to_vec();
+        }
+    }
+    sector_crcs(source)
+}
+
 impl EngineVolume {
     pub(crate) fn new(pool: Arc<Pool>, id: u32, size_bytes: u64, volblocksize: u32, mapped_blocks: u64) -> Self {
         let cache = pool.cache.volume(id);
@@ -514,7 +532,13 @@ impl EngineVolume {
 
     /// Plans the device writes that store `data` at volume `offset`. Caller
     /// holds the stripe locks and the pool's write gate.
-    async fn plan(&self, offset: u64, data: &[u8], entries: &[u64]) -> BlockResult<Vec<PlannedWrite>> {
+    async fn plan(
+        &self,
+        offset: u64,
+        data: &[u8],
+        pieces: Option<&[u32]>,
+        entries: &[u64],
+    ) -> BlockResult<Vec<PlannedWrite>> {
         let mut planned = Vec::new();
         let mut position = offset;
         let end = offset + data.len() as u64;
@@ -537,7 +561,10 @@ impl EngineVolume {
                     let stop = (within + step).div_ceil(SECTOR_BYTES) * SECTOR_BYTES;
                     let (sectors, crcs) = if start == within && stop == within + step {
                         let range = (position - offset) as usize..(position - offset + step) as usize;
-                        (Payload::Source(range), sector_crcs(source))
+                        (
+                            Payload::Source(range),
+                            source_crcs(pieces, (position - offset) as usize, source),
+                        )
                     } else {
                         let logical = (block << self.block_shift) + start;
                         let mut sectors = self
@@ -573,7 +600,10 @@ impl EngineVolume {
                     };
                     let (whole, crcs) = if step == self.block_bytes() {
                         let range = (position - offset) as usize..(position - offset + step) as usize;
-                        (Payload::Source(range), sector_crcs(source))
+                        (
+                            Payload::Source(range),
+                            source_crcs(pieces, (position - offset) as usize, source),
+                        )
                     } else {
                         let mut whole = IoBuf::new(self.block_bytes() as usize);
                         whole.payload_mut()[within as usize..(within + step) as usize].copy_from_slice(source);
@@ -609,7 +639,7 @@ impl EngineVolume {
                 break gate;
             }
         };
-        let planned = self.plan(offset, data.payload(), &entries).await?;
+        let planned = self.plan(offset, data.payload(), data.piece_crcs(), &entries).await?;
         // New blocks land in chunks that may hold mapped data of other
         // blocks; their records carry checksums, so no mark is needed.
         let mut failure = None;
@@ -1319,5 +1349,30 @@ impl BlockDevice for EngineVolume {
     fn resize(&self, new_size_bytes: u64) -> BlockResult<()> {
         self.size_bytes.store(new_size_bytes, Ordering::Release);
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn source_crcs_takes_the_arrived_checksums_only_where_they_line_up() {
+        let sector = SECTOR_BYTES as usize;
+        let payload: Vec<u8> = (0..6 * sector as u32).map(|i| (i % 241) as u8).collect();
+        let pieces = sector_crcs(&payload);
+        // Sectors 2..5 of the payload: the arrived ones, identical to computing them.
+        let source = &payload[2 * sector..5 * sector];
+        assert_eq!(source_crcs(Some(&pieces), 2 * sector, source), pieces[2..5].to_vec());
+        // Pieces that were tampered with show that they are the ones used...
+        let mut marked = pieces.clone();
+        marked[3] ^= 1;
+        assert_eq!(source_crcs(Some(&marked), 2 * sector, source)[1], pieces[3] ^ 1);
+        // ...and where they do not line up (a payload that starts inside a
+        // sector, or pieces that run out), the checksums are computed.
+        let odd = &payload[100..100 + 2 * sector];
+        assert_eq!(source_crcs(Some(&marked), 100, odd), sector_crcs(odd));
+        assert_eq!(source_crcs(Some(&marked[..4]), 2 * sector, source), sector_crcs(source));
+        assert_eq!(source_crcs(None, 2 * sector, source), pieces[2..5].to_vec());
     }
 }

@@ -39,6 +39,8 @@ const BUDGET_UNIT_BYTES: usize = 4096;
 /// Replies (batches of them) with at least this much read data are sent
 /// from the connection's lane, at once.
 const BULK_REPLY_BYTES: usize = 256 << 10;
+/// Write payloads of at least this size are checksummed while they arrive.
+const SUM_WHILE_RECEIVING_BYTES: usize = 64 << 10;
 /// Room in front of read data for a structured chunk header and its offset.
 const STRUCTURED_READ_HEADROOM: usize = proto::CHUNK_HEADER_BYTES + 8;
 
@@ -461,7 +463,14 @@ async fn transmission(
             if reader.buffer().len() < payload_bytes as usize {
                 ready.send(&outbox, &lane);
             }
-            let received = IoBuf::read_from(&mut reader, payload_bytes as usize).await;
+            // Large payloads are checksummed (per sector) as they arrive:
+            // the bytes are still in cache, and the reader would otherwise
+            // only wait for the rest of them.
+            let received = if payload_bytes as usize >= SUM_WHILE_RECEIVING_BYTES {
+                IoBuf::read_from_summing(&mut reader, payload_bytes as usize).await
+            } else {
+                IoBuf::read_from(&mut reader, payload_bytes as usize).await
+            };
             match received {
                 Ok(data) => Some(data),
                 Err(e) => break Err(e.into()),
