@@ -64,11 +64,7 @@ impl IoBuf {
         let payload_offset = headroom.div_ceil(BUFFER_ALIGN) * BUFFER_ALIGN;
         let total = (payload_offset + len).max(1);
         let layout = Layout::from_size_align(total, BUFFER_ALIGN).expect("buffer size overflows");
-        // SAFETY: the layout has a non-zero size.
-        let ptr = unsafe { alloc_zeroed(layout) };
-        if ptr.is_null() {
-            std::alloc::handle_alloc_error(layout);
-        }
+        let ptr = allocate(layout, true);
         IoBuf {
             ptr,
             payload_offset,
@@ -89,11 +85,7 @@ impl IoBuf {
     pub fn copy_from(bytes: &[u8]) -> Self {
         let len = bytes.len();
         let layout = Layout::from_size_align(len.max(1), BUFFER_ALIGN).expect("buffer size overflows");
-        // SAFETY: the layout has a non-zero size.
-        let ptr = unsafe { std::alloc::alloc(layout) };
-        if ptr.is_null() {
-            std::alloc::handle_alloc_error(layout);
-        }
+        let ptr = allocate(layout, false);
         // SAFETY: `ptr` has room for `len` bytes and does not overlap `bytes`;
         // after the copy every payload byte is initialised (a zero-length
         // buffer exposes no bytes).
@@ -133,11 +125,7 @@ impl IoBuf {
         sum: bool,
     ) -> std::io::Result<IoBuf> {
         let layout = Layout::from_size_align(len.max(1), BUFFER_ALIGN).expect("buffer size overflows");
-        // SAFETY: the layout has a non-zero size.
-        let ptr = unsafe { std::alloc::alloc(layout) };
-        if ptr.is_null() {
-            std::alloc::handle_alloc_error(layout);
-        }
+        let ptr = allocate(layout, false);
         // Owns the allocation from here on (frees it on an error); exposes
         // no bytes until `len` is set below.
         let mut buf = IoBuf {
@@ -244,8 +232,93 @@ impl IoBuf {
 
 impl Drop for IoBuf {
     fn drop(&mut self) {
-        // SAFETY: ptr was allocated with exactly this layout and is freed once.
-        unsafe { dealloc(self.ptr, self.layout) }
+        if !spares::keep(self.ptr, self.layout) {
+            // SAFETY: ptr was allocated with exactly this layout and is freed once.
+            unsafe { dealloc(self.ptr, self.layout) }
+        }
+    }
+}
+
+#[cfg(test)]
+fn spares_kept_bytes() -> usize {
+    spares::kept_bytes()
+}
+
+/// Memory for a buffer of `layout` (non-zero size), zero-filled if asked:
+/// a kept spare of that layout ([`spares`]) or a new allocation.
+fn allocate(layout: Layout, zeroed: bool) -> *mut u8 {
+    if let Some(ptr) = spares::take(layout) {
+        if zeroed {
+            // SAFETY: the spare is an allocation of `layout.size()` bytes that nothing else uses.
+            unsafe { std::ptr::write_bytes(ptr, 0, layout.size()) };
+        }
+        return ptr;
+    }
+    // SAFETY: callers pass layouts of non-zero size.
+    let ptr = unsafe {
+        if zeroed {
+            alloc_zeroed(layout)
+        } else {
+            std::alloc::alloc(layout)
+        }
+    };
+    if ptr.is_null() {
+        std::alloc::handle_alloc_error(layout);
+    }
+    ptr
+}
+
+/// Large buffers freed recently, kept for the next buffer of the same
+/// layout. A megabyte request allocates and frees a megabyte buffer; from a
+/// heap fragmented by many small ones (a full read cache) that cost
+/// measurably more than the request's checksums, and a reused buffer is
+/// often still in cache. A spare holds whatever its last user left there:
+/// every constructor zero-fills it, overwrites it whole, or (reading from a
+/// stream) exposes no byte it has not written.
+mod spares {
+    use std::alloc::Layout;
+    use std::sync::Mutex;
+
+    /// Buffers smaller than this go back to the allocator.
+    pub const MIN_BYTES: usize = 256 << 10;
+    /// Bytes of spares kept at most, process-wide.
+    pub const MAX_KEPT_BYTES: usize = 64 << 20;
+
+    /// (layout, address) of each spare; most recently freed last.
+    static SPARES: Mutex<Vec<(Layout, usize)>> = Mutex::new(Vec::new());
+
+    fn spares() -> std::sync::MutexGuard<'static, Vec<(Layout, usize)>> {
+        SPARES.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    #[cfg(test)]
+    pub fn kept_bytes() -> usize {
+        spares().iter().map(|(layout, _)| layout.size()).sum()
+    }
+
+    /// A kept allocation of exactly `layout`, if there is one.
+    pub fn take(layout: Layout) -> Option<*mut u8> {
+        if layout.size() < MIN_BYTES {
+            return None;
+        }
+        let mut spares = spares();
+        let index = spares.iter().rposition(|&(kept, _)| kept == layout)?;
+        Some(spares.remove(index).1 as *mut u8)
+    }
+
+    /// Keeps the allocation `ptr` of `layout` if it is large and there is
+    /// room; `false` if the caller must free it.
+    pub fn keep(ptr: *mut u8, layout: Layout) -> bool {
+        if layout.size() < MIN_BYTES {
+            return false;
+        }
+        let mut spares = spares();
+        let kept: usize = spares.iter().map(|(layout, _)| layout.size()).sum();
+        if kept + layout.size() > MAX_KEPT_BYTES {
+            return false;
+        }
+        spares.push((layout, ptr as usize));
+        true
     }
 }
 
@@ -456,6 +529,42 @@ mod tests {
         assert_eq!(error.kind(), std::io::ErrorKind::UnexpectedEof);
         let mut empty: &[u8] = &[];
         assert!(IoBuf::read_from(&mut empty, 0).await.unwrap().is_empty());
+    }
+
+    #[tokio::test]
+    async fn large_buffers_are_reused_and_never_show_what_they_held() {
+        // A size no other test uses, so the spare found is this test's own.
+        let len = (3 << 20) + 7 * BUFFER_ALIGN;
+        let mut first = IoBuf::new(len);
+        first.payload_mut().fill(0xEE);
+        let address = first.payload().as_ptr();
+        drop(first);
+        // A zero-filled buffer of that size reuses it, zeroed.
+        let zeroed = IoBuf::new(len);
+        assert_eq!(zeroed.payload().as_ptr(), address, "the spare is reused");
+        assert!(zeroed.payload().iter().all(|&b| b == 0));
+        drop(zeroed);
+        // A copy or a read from a stream gets it too, holding only the new bytes.
+        let data: Vec<u8> = (0..len as u32).map(|i| (i % 199) as u8).collect();
+        let copied = IoBuf::copy_from(&data);
+        assert_eq!(copied.payload().as_ptr(), address);
+        assert_eq!(copied.payload(), &data[..]);
+        drop(copied);
+        let read = IoBuf::read_from(&mut &data[..], len).await.unwrap();
+        assert_eq!(read.payload().as_ptr(), address);
+        assert_eq!(read.payload(), &data[..]);
+        drop(read);
+        // A short stream fails without exposing anything, and the spare stays usable.
+        assert!(IoBuf::read_from(&mut &data[..10], len).await.is_err());
+        assert!(IoBuf::new(len).payload().iter().all(|&b| b == 0));
+        // Small buffers are not kept; no more than the limit is.
+        assert!(spares::take(Layout::from_size_align(4096, BUFFER_ALIGN).unwrap()).is_none());
+        let many: Vec<IoBuf> = (0..(spares::MAX_KEPT_BYTES / len) + 2)
+            .map(|_| IoBuf::new(len))
+            .collect();
+        drop(many);
+        let kept: usize = super::spares_kept_bytes();
+        assert!(kept <= spares::MAX_KEPT_BYTES, "{kept} bytes kept");
     }
 
     #[tokio::test]
