@@ -8,8 +8,8 @@
 # Prints fio's rate, the server's CPU per operation (utime+stime from
 # /proc/PID/stat over the run, divided by the operations completed), the
 # client's CPU and the machine's idle share during the run.
-# Environment: RUNTIME; PRE="fio args" runs a 5 s workload first (then the
-# dirty data is written out); SERVER_CPU / CLIENT_CPU pin with taskset.
+# Environment: RUNTIME; PRE="fio args[;fio args...]" runs 5 s workloads first
+# (the dirty data written out after each); SERVER_CPU / CLIENT_CPU pin with taskset.
 set -euo pipefail
 SERVER=$1 RW=$2 BS=$3 QD=$4
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -48,8 +48,13 @@ case $SERVER in
 esac
 FIO=(fio --name=bench --ioengine=nbd --uri="$URI" --size=1g --time_based --norandommap --randrepeat=0)
 if [ -n "${PRE:-}" ]; then
-  # shellcheck disable=SC2086
-  "${FIO[@]}" --runtime=5 $PRE >/dev/null
+  # Workloads separated by ";" run one after another, each followed by settle.
+  IFS=';' read -ra PRES <<< "$PRE"
+  for pre in "${PRES[@]}"; do
+    # shellcheck disable=SC2086
+    "${FIO[@]}" --runtime=5 $pre >/dev/null
+    settle
+  done
 fi
 settle
 cpu() { awk '{print $14+$15}' "/proc/$PID/stat"; }

@@ -306,16 +306,20 @@ mod spares {
         Some(spares.remove(index).1 as *mut u8)
     }
 
-    /// Keeps the allocation `ptr` of `layout` if it is large and there is
-    /// room; `false` if the caller must free it.
+    /// Keeps the allocation `ptr` of `layout` if it is large, freeing the
+    /// oldest spares to make room (what is freed now is what is wanted
+    /// next); `false` if the caller must free it.
     pub fn keep(ptr: *mut u8, layout: Layout) -> bool {
-        if layout.size() < MIN_BYTES {
+        if layout.size() < MIN_BYTES || layout.size() > MAX_KEPT_BYTES {
             return false;
         }
         let mut spares = spares();
-        let kept: usize = spares.iter().map(|(layout, _)| layout.size()).sum();
-        if kept + layout.size() > MAX_KEPT_BYTES {
-            return false;
+        let mut kept: usize = spares.iter().map(|(layout, _)| layout.size()).sum();
+        while kept + layout.size() > MAX_KEPT_BYTES {
+            let (old_layout, old) = spares.remove(0);
+            kept -= old_layout.size();
+            // SAFETY: a spare is an allocation of its layout that nothing uses.
+            unsafe { std::alloc::dealloc(old as *mut u8, old_layout) };
         }
         spares.push((layout, ptr as usize));
         true
@@ -557,14 +561,20 @@ mod tests {
         // A short stream fails without exposing anything, and the spare stays usable.
         assert!(IoBuf::read_from(&mut &data[..10], len).await.is_err());
         assert!(IoBuf::new(len).payload().iter().all(|&b| b == 0));
-        // Small buffers are not kept; no more than the limit is.
+        // Small buffers are not kept; no more than the limit is, the newest
+        // spares first: one of another size freed last is kept.
         assert!(spares::take(Layout::from_size_align(4096, BUFFER_ALIGN).unwrap()).is_none());
         let many: Vec<IoBuf> = (0..(spares::MAX_KEPT_BYTES / len) + 2)
             .map(|_| IoBuf::new(len))
             .collect();
         drop(many);
+        let other_len = len + BUFFER_ALIGN;
+        let other = IoBuf::new(other_len);
+        let other_address = other.payload().as_ptr();
+        drop(other);
         let kept: usize = super::spares_kept_bytes();
         assert!(kept <= spares::MAX_KEPT_BYTES, "{kept} bytes kept");
+        assert_eq!(IoBuf::new(other_len).payload().as_ptr(), other_address);
     }
 
     #[tokio::test]
