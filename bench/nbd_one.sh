@@ -9,7 +9,8 @@
 # /proc/PID/stat over the run, divided by the operations completed), the
 # client's CPU and the machine's idle share during the run.
 # Environment: RUNTIME; PRE="fio args[;fio args...]" runs 5 s workloads first
-# (the dirty data written out after each); SERVER_CPU / CLIENT_CPU pin with taskset.
+# (the dirty data written out after each); SERVER_CPU / CLIENT_CPU pin with taskset;
+# STRATA_BIN runs another strata binary (an old build, for before/after).
 set -euo pipefail
 SERVER=$1 RW=$2 BS=$3 QD=$4
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
