@@ -239,11 +239,6 @@ impl Drop for IoBuf {
     }
 }
 
-#[cfg(test)]
-fn spares_kept_bytes() -> usize {
-    spares::kept_bytes()
-}
-
 /// Memory for a buffer of `layout` (non-zero size), zero-filled if asked:
 /// a kept spare of that layout ([`spares`]) or a new allocation.
 fn allocate(layout: Layout, zeroed: bool) -> *mut u8 {
@@ -572,7 +567,7 @@ mod tests {
         let other = IoBuf::new(other_len);
         let other_address = other.payload().as_ptr();
         drop(other);
-        let kept: usize = super::spares_kept_bytes();
+        let kept = spares::kept_bytes();
         assert!(kept <= spares::MAX_KEPT_BYTES, "{kept} bytes kept");
         assert_eq!(IoBuf::new(other_len).payload().as_ptr(), other_address);
     }

@@ -358,9 +358,13 @@ fn send_bulk((replies, outbox): Bulk) {
     outbox.send_all(replies);
 }
 
-/// Sends large replies from the lane, or here if the lane has no thread.
-fn send_from_lane(replies: Vec<Reply>, outbox: &Arc<Outbox<Reply>>, lane: &Arc<Lane<Bulk>>) {
-    if let Err(job) = lane.push((replies, outbox.clone())) {
+/// Sends finished replies carrying `bytes` in all: from the lane if that is
+/// at least [`BULK_REPLY_BYTES`] (or here if the lane has no thread), else
+/// here.
+fn send_replies(replies: Vec<Reply>, bytes: usize, outbox: &Arc<Outbox<Reply>>, lane: &Arc<Lane<Bulk>>) {
+    if bytes < BULK_REPLY_BYTES {
+        outbox.send_all(replies);
+    } else if let Err(job) = lane.push((replies, outbox.clone())) {
         send_bulk(job);
     }
 }
@@ -384,12 +388,7 @@ impl Ready {
             return;
         }
         let replies = std::mem::take(&mut self.replies);
-        let bytes = std::mem::replace(&mut self.bytes, 0);
-        if bytes >= BULK_REPLY_BYTES {
-            send_from_lane(replies, outbox, lane);
-        } else {
-            outbox.send_all(replies);
-        }
+        send_replies(replies, std::mem::replace(&mut self.bytes, 0), outbox, lane);
     }
 }
 
@@ -500,11 +499,8 @@ async fn transmission(
         let finish = move |reply: Reply| {
             // A large read that had to wait: its reply leaves from the lane
             // too, not from the worker the reader may need.
-            if reply.bytes.as_slice().len() < BULK_REPLY_BYTES {
-                outbox_for_task.send(reply);
-            } else {
-                send_from_lane(vec![reply], &outbox_for_task, &lane_for_task);
-            }
+            let bytes = reply.bytes.as_slice().len();
+            send_replies(vec![reply], bytes, &outbox_for_task, &lane_for_task);
         };
         if let Some(reply) = crate::frontend::run_inline_or_spawn(work, finish) {
             ready.push(reply);
