@@ -996,7 +996,11 @@ impl Pool {
     }
 
     pub(crate) async fn enter_write(&self) -> tokio::sync::RwLockReadGuard<'_, ()> {
-        self.gate.read().await
+        // Without an `.await` when free (see `EngineVolume::read_stripes`).
+        match self.gate.try_read() {
+            Ok(guard) => guard,
+            Err(_) => self.gate.read().await,
+        }
     }
 
     // ---- durability --------------------------------------------------------------
