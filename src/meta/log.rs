@@ -292,25 +292,42 @@ impl Log {
         self.appended.fetch_add(1, Ordering::Relaxed);
     }
 
-    /// A block allocated by a record that is still pending was overwritten in
-    /// place: its record's checksums must describe the new contents, or a
-    /// recovery that checks staged records against the data would drop the
-    /// allocation. Returns whether such a record was pending.
-    pub fn update_pending_allocation(&self, volume: u32, block: u64, first_sector: usize, crcs: &[u32]) -> bool {
+    /// Blocks allocated by records that are still pending were overwritten
+    /// in place: their records' checksums must describe the new contents,
+    /// or a recovery that checks staged records against the data would drop
+    /// the allocation. `overwrites`: (block, index of the first sector
+    /// written in it, the written sectors' checksums). Returns how many
+    /// such records were pending. One lock for a whole request, and no
+    /// lookups while no allocation is pending (the usual case for a
+    /// volume being overwritten).
+    pub fn update_pending_allocations<'a>(
+        &self,
+        volume: u32,
+        overwrites: impl IntoIterator<Item = (u64, usize, &'a [u32])>,
+    ) -> usize {
         let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
-        let Some(&index) = pending.allocations.get(&(volume, block)) else {
-            return false;
-        };
-        if let Some(Record::Map { crcs: stored, .. }) = pending.records.get_mut(index) {
-            for (slot, crc) in stored.iter_mut().skip(first_sector).zip(crcs) {
-                *slot = *crc;
-            }
+        if pending.allocations.is_empty() {
+            return 0;
         }
-        // Restage from the changed record on.
-        pending.staged = pending.staged.min(index);
-        pending.version += 1;
-        self.appended.fetch_add(1, Ordering::Relaxed);
-        true
+        let mut updated = 0;
+        for (block, first_sector, crcs) in overwrites {
+            let Some(&index) = pending.allocations.get(&(volume, block)) else {
+                continue;
+            };
+            if let Some(Record::Map { crcs: stored, .. }) = pending.records.get_mut(index) {
+                for (slot, crc) in stored.iter_mut().skip(first_sector).zip(crcs) {
+                    *slot = *crc;
+                }
+            }
+            // Restage from the changed record on.
+            pending.staged = pending.staged.min(index);
+            updated += 1;
+        }
+        if updated > 0 {
+            pending.version += 1;
+            self.appended.fetch_add(1, Ordering::Relaxed);
+        }
+        updated
     }
 
     /// Queues a record that releases a slot; `commit` hands the slot back

@@ -740,9 +740,13 @@ impl Pool {
                 .all(|(sector, crc)| crate::checksum::crc32c(sector) == *crc)
     }
 
-    /// See `Log::update_pending_allocation`.
-    pub(crate) fn note_overwrite(&self, volume: u32, block: u64, first_sector: usize, crcs: &[u32]) {
-        self.log.update_pending_allocation(volume, block, first_sector, crcs);
+    /// See `Log::update_pending_allocations`.
+    pub(crate) fn note_overwrites<'a>(
+        &self,
+        volume: u32,
+        overwrites: impl IntoIterator<Item = (u64, usize, &'a [u32])>,
+    ) {
+        self.log.update_pending_allocations(volume, overwrites);
     }
 
     /// Records appended to the log so far.
@@ -862,6 +866,25 @@ impl Pool {
     pub(crate) fn lookup(&self, volume: u32, block: u64) -> Result<u64, String> {
         let page = self.map_page(volume, block)?;
         Ok(page.entries[(block % MAP_ENTRIES_PER_PAGE) as usize].load(Ordering::Acquire))
+    }
+
+    /// The map entries of blocks `first..=last`, one page lookup per map
+    /// page rather than per block (a megabyte request covers 64 blocks).
+    pub(crate) fn lookup_range(&self, volume: u32, first: u64, last: u64) -> Result<Vec<u64>, String> {
+        let mut entries = Vec::with_capacity((last - first + 1) as usize);
+        let mut block = first;
+        while block <= last {
+            let page = self.map_page(volume, block)?;
+            let within = (block % MAP_ENTRIES_PER_PAGE) as usize;
+            let count = (MAP_ENTRIES_PER_PAGE as usize - within).min((last - block + 1) as usize);
+            entries.extend(
+                page.entries[within..within + count]
+                    .iter()
+                    .map(|e| e.load(Ordering::Acquire)),
+            );
+            block += count as u64;
+        }
+        Ok(entries)
     }
 
     pub(crate) fn set_mapping(&self, volume: u32, block: u64, entry: u64) -> Result<(), String> {

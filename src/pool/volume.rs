@@ -50,6 +50,9 @@ struct PlannedWrite {
     device: u8,
     offset: u64,
     data: Payload,
+    /// Checksums of every sector written, in order (the write is whole
+    /// sectors).
+    crcs: Vec<u32>,
     parts: Vec<Part>,
 }
 
@@ -84,37 +87,13 @@ struct Part {
     block: u64,
     first_sector: usize,
     offset: u64,
-    /// Checksums of this part's sectors, in order.
-    crcs: Vec<u32>,
+    /// This part's sectors: indices into the write's `crcs`.
+    sectors: std::ops::Range<usize>,
     /// Set for a newly allocated block: its logical block number.
     new_block: Option<u64>,
 }
 
 impl PlannedWrite {
-    #[allow(clippy::too_many_arguments)]
-    fn single(
-        device: u8,
-        offset: u64,
-        data: Payload,
-        crcs: Vec<u32>,
-        block: u64,
-        first_sector: usize,
-        new_block: bool,
-    ) -> Self {
-        PlannedWrite {
-            device,
-            offset,
-            data,
-            parts: vec![Part {
-                block,
-                first_sector,
-                offset,
-                crcs,
-                new_block: new_block.then_some(block),
-            }],
-        }
-    }
-
     fn release_new_slots(&self, pool: &Pool) {
         for part in &self.parts {
             if part.new_block.is_some() {
@@ -122,63 +101,119 @@ impl PlannedWrite {
             }
         }
     }
-}
 
-/// Merges writes that are contiguous on one device into one device write
-/// (a sequential request over freshly allocated or sequentially allocated
-/// blocks becomes one I/O instead of one per block). Runs made only of
-/// consecutive ranges of the request's buffer stay a range of it; others
-/// are copied into one buffer.
-fn coalesce(planned: Vec<PlannedWrite>, source: &[u8]) -> Vec<PlannedWrite> {
-    let mut runs: Vec<Vec<PlannedWrite>> = Vec::new();
-    for write in planned {
-        match runs.last_mut() {
-            Some(run)
-                if run.last().is_some_and(|last| {
-                    last.device == write.device && last.offset + last.data.len() as u64 == write.offset
-                }) =>
+    /// Adds the piece of one block that starts where this write ends on
+    /// the device, if both are consecutive ranges of the request's buffer
+    /// (an aligned request over blocks laid out in order: the usual case,
+    /// one write and no merge afterwards). Returns the piece otherwise.
+    fn extend(&mut self, piece: Piece, crcs: &CrcSource<'_>) -> Option<Piece> {
+        let next = match (&mut self.data, &piece.data) {
+            (Payload::Source(range), Payload::Source(next))
+                if piece.device == self.device
+                    && self.offset + range.len() as u64 == piece.offset
+                    && range.end == next.start =>
             {
-                run.push(write)
+                range.end = next.end;
+                next.clone()
             }
-            _ => runs.push(vec![write]),
+            _ => return Some(piece),
+        };
+        let start = self.crcs.len();
+        crcs.extend(&mut self.crcs, next);
+        self.parts.push(Part {
+            block: piece.block,
+            first_sector: piece.first_sector,
+            offset: piece.offset,
+            sectors: start..self.crcs.len(),
+            new_block: piece.new_block.then_some(piece.block),
+        });
+        None
+    }
+
+    fn start(piece: Piece, crcs: &CrcSource<'_>) -> Self {
+        let mut sums = Vec::new();
+        match &piece.data {
+            Payload::Source(range) => crcs.extend(&mut sums, range.clone()),
+            Payload::Owned(buf) => sums = sector_crcs(buf.payload()),
+        }
+        PlannedWrite {
+            device: piece.device,
+            offset: piece.offset,
+            parts: vec![Part {
+                block: piece.block,
+                first_sector: piece.first_sector,
+                offset: piece.offset,
+                sectors: 0..sums.len(),
+                new_block: piece.new_block.then_some(piece.block),
+            }],
+            crcs: sums,
+            data: piece.data,
         }
     }
-    runs.into_iter()
-        .map(|mut run| {
-            if run.len() == 1 {
-                return run.pop().expect("one write");
+}
+
+/// What one volume block of a request needs written (whole sectors).
+struct Piece {
+    device: u8,
+    offset: u64,
+    data: Payload,
+    block: u64,
+    first_sector: usize,
+    new_block: bool,
+}
+
+/// The sector checksums of ranges of a request's payload: the ones
+/// computed as it arrived ([`IoBuf::piece_crcs`]) where they line up with
+/// the range, else computed now.
+struct CrcSource<'a> {
+    payload: &'a [u8],
+    pieces: Option<&'a [u32]>,
+}
+
+// The checksums a frontend computes as a payload arrives are sector checksums.
+const _: () = assert!(SECTOR_BYTES as usize == crate::device::PIECE_BYTES);
+
+impl CrcSource<'_> {
+    /// Appends the checksums of the payload's `range` (whole sectors).
+    fn extend(&self, out: &mut Vec<u32>, range: std::ops::Range<usize>) {
+        let sector = SECTOR_BYTES as usize;
+        if let Some(pieces) = self.pieces {
+            let (first, count) = (range.start / sector, range.len() / sector);
+            if range.start % sector == 0 && range.len() % sector == 0 && first + count <= pieces.len() {
+                out.extend_from_slice(&pieces[first..first + count]);
+                return;
             }
-            let consecutive = run.windows(2).all(|pair| match (&pair[0].data, &pair[1].data) {
-                (Payload::Source(a), Payload::Source(b)) => a.end == b.start,
-                _ => false,
-            });
-            let data = match (&run[0].data, &run[run.len() - 1].data) {
-                (Payload::Source(first), Payload::Source(last)) if consecutive => {
-                    Payload::Source(first.start..last.end)
-                }
-                _ => {
-                    let total: usize = run.iter().map(|w| w.data.len()).sum();
-                    let mut data = IoBuf::new(total);
-                    let mut at = 0;
-                    for write in &run {
-                        let bytes = write.data.bytes(source);
-                        data.payload_mut()[at..at + bytes.len()].copy_from_slice(bytes);
-                        at += bytes.len();
-                    }
-                    Payload::Owned(data)
-                }
-            };
-            PlannedWrite {
-                device: run[0].device,
-                offset: run[0].offset,
-                data,
-                parts: run
-                    .iter_mut()
-                    .flat_map(|write| std::mem::take(&mut write.parts))
-                    .collect(),
-            }
-        })
-        .collect()
+        }
+        out.extend(self.payload[range].chunks(sector).map(crate::checksum::crc32c));
+    }
+}
+
+/// Merges writes that are still contiguous on one device after planning
+/// (a block that needed a buffer of its own next to others) into one
+/// device write, copying them into one buffer.
+fn coalesce(planned: Vec<PlannedWrite>, source: &[u8]) -> Vec<PlannedWrite> {
+    let mut merged: Vec<PlannedWrite> = Vec::with_capacity(planned.len());
+    for write in planned {
+        let Some(last) = merged
+            .last_mut()
+            .filter(|last| last.device == write.device && last.offset + last.data.len() as u64 == write.offset)
+        else {
+            merged.push(write);
+            continue;
+        };
+        let mut data = IoBuf::new(last.data.len() + write.data.len());
+        let (head, tail) = data.payload_mut().split_at_mut(last.data.len());
+        head.copy_from_slice(last.data.bytes(source));
+        tail.copy_from_slice(write.data.bytes(source));
+        last.data = Payload::Owned(data);
+        let shift = last.crcs.len();
+        last.crcs.extend_from_slice(&write.crcs);
+        last.parts.extend(write.parts.into_iter().map(|mut part| {
+            part.sectors = part.sectors.start + shift..part.sectors.end + shift;
+            part
+        }));
+    }
+    merged
 }
 
 fn io_error(error: DeviceError) -> BlockError {
@@ -222,24 +257,6 @@ fn sector_crcs(bytes: &[u8]) -> Vec<u32> {
         .chunks(SECTOR_BYTES as usize)
         .map(crate::checksum::crc32c)
         .collect()
-}
-
-// The checksums a frontend computes as a payload arrives are sector checksums.
-const _: () = assert!(SECTOR_BYTES as usize == crate::device::PIECE_BYTES);
-
-/// The sector checksums of `source` (whole sectors) that starts `at` bytes
-/// into a request's payload: taken from `pieces` (the checksums of the
-/// payload's sectors, computed as it arrived) when they line up, else
-/// computed.
-fn source_crcs(pieces: Option<&[u32]>, at: usize, source: &[u8]) -> Vec<u32> {
-    let sector = SECTOR_BYTES as usize;
-    if let Some(pieces) = pieces {
-        let (first, count) = (at / sector, source.len() / sector);
-        if at % sector == 0 && source.len() % sector == 0 && first + count <= pieces.len() {
-            return pieces[first..first + count].to_vec();
-        }
-    }
-    sector_crcs(source)
 }
 
 impl EngineVolume {
@@ -455,18 +472,23 @@ impl EngineVolume {
 
     async fn read_disk(&self, offset: u64, mut buf: IoBuf) -> (IoBuf, BlockResult<()>) {
         let length = buf.len() as u64;
+        if length == 0 {
+            return (buf, Ok(()));
+        }
         // (device, physical offset, length, position in buf)
         let mut segments: Vec<(u8, u64, u64, u64)> = Vec::new();
         let mut position = offset;
         let end = offset + length;
+        let first = offset >> self.block_shift;
+        let entries = match self.pool.lookup_range(self.id, first, (end - 1) >> self.block_shift) {
+            Ok(entries) => entries,
+            Err(e) => return (buf, Err(meta_error(e))),
+        };
         while position < end {
             let block = position >> self.block_shift;
             let within = position & (self.block_bytes() - 1);
             let step = (self.block_bytes() - within).min(end - position);
-            let entry = match self.pool.lookup(self.id, block) {
-                Ok(entry) => entry,
-                Err(e) => return (buf, Err(meta_error(e))),
-            };
+            let entry = entries[(block - first) as usize];
             let at = position - offset;
             match map_entry::decode(entry) {
                 None => buf.payload_mut()[at as usize..(at + step) as usize].fill(0),
@@ -562,7 +584,8 @@ impl EngineVolume {
         pieces: Option<&[u32]>,
         entries: &[u64],
     ) -> BlockResult<Vec<PlannedWrite>> {
-        let mut planned = Vec::new();
+        let crcs = CrcSource { payload: data, pieces };
+        let mut planned: Vec<PlannedWrite> = Vec::new();
         let mut position = offset;
         let end = offset + data.len() as u64;
         let mut index = 0;
@@ -576,39 +599,42 @@ impl EngineVolume {
             let block = position >> self.block_shift;
             let within = position & (self.block_bytes() - 1);
             let step = (self.block_bytes() - within).min(end - position);
-            let source = &data[(position - offset) as usize..(position - offset + step) as usize];
-            match map_entry::decode(entries[index]) {
+            let at = (position - offset) as usize;
+            let source = &data[at..at + step as usize];
+            let piece = match map_entry::decode(entries[index]) {
                 Some((device, base)) => {
                     // Overwrite in place, widened to whole sectors.
                     let start = within / SECTOR_BYTES * SECTOR_BYTES;
                     let stop = (within + step).div_ceil(SECTOR_BYTES) * SECTOR_BYTES;
-                    let (sectors, crcs) = if start == within && stop == within + step {
-                        let range = (position - offset) as usize..(position - offset + step) as usize;
-                        (
-                            Payload::Source(range),
-                            source_crcs(pieces, (position - offset) as usize, source),
-                        )
+                    let sectors = if start == within && stop == within + step {
+                        Payload::Source(at..at + step as usize)
                     } else {
                         let logical = (block << self.block_shift) + start;
-                        let mut sectors = self
+                        let mut sectors = match self
                             .read_sectors(device, base + start, stop - start, logical, true)
-                            .await?;
+                            .await
+                        {
+                            Ok(sectors) => sectors,
+                            Err(e) => {
+                                for write in &planned {
+                                    write.release_new_slots(&self.pool);
+                                }
+                                return Err(e);
+                            }
+                        };
                         let skip = (within - start) as usize;
                         sectors.payload_mut()[skip..skip + source.len()].copy_from_slice(source);
-                        let crcs = sector_crcs(sectors.payload());
-                        (Payload::Owned(sectors), crcs)
+                        Payload::Owned(sectors)
                     };
-                    let first_sector = (start / SECTOR_BYTES) as usize;
                     hint = Some(Hint::At(device, base + self.block_bytes()));
-                    planned.push(PlannedWrite::single(
+                    Piece {
                         device,
-                        base + start,
-                        sectors,
-                        crcs,
+                        offset: base + start,
+                        data: sectors,
                         block,
-                        first_sector,
-                        false,
-                    ));
+                        first_sector: (start / SECTOR_BYTES) as usize,
+                        new_block: false,
+                    }
                 }
                 None => {
                     // First write: allocate and write the whole block.
@@ -621,21 +647,30 @@ impl EngineVolume {
                         }
                         return Err(BlockError::NoSpace);
                     };
-                    let (whole, crcs) = if step == self.block_bytes() {
-                        let range = (position - offset) as usize..(position - offset + step) as usize;
-                        (
-                            Payload::Source(range),
-                            source_crcs(pieces, (position - offset) as usize, source),
-                        )
+                    let whole = if step == self.block_bytes() {
+                        Payload::Source(at..at + step as usize)
                     } else {
                         let mut whole = IoBuf::new(self.block_bytes() as usize);
                         whole.payload_mut()[within as usize..(within + step) as usize].copy_from_slice(source);
-                        let crcs = sector_crcs(whole.payload());
-                        (Payload::Owned(whole), crcs)
+                        Payload::Owned(whole)
                     };
                     hint = Some(Hint::At(device, base + self.block_bytes()));
-                    planned.push(PlannedWrite::single(device, base, whole, crcs, block, 0, true));
+                    Piece {
+                        device,
+                        offset: base,
+                        data: whole,
+                        block,
+                        first_sector: 0,
+                        new_block: true,
+                    }
                 }
+            };
+            let piece = match planned.last_mut() {
+                Some(last) => last.extend(piece, &crcs),
+                None => Some(piece),
+            };
+            if let Some(piece) = piece {
+                planned.push(PlannedWrite::start(piece, &crcs));
             }
             position += step;
             index += 1;
@@ -648,10 +683,7 @@ impl EngineVolume {
         self.invalidate_read_cache(offset, data.len() as u64);
         let first = offset >> self.block_shift;
         let last = (offset + data.len() as u64 - 1) >> self.block_shift;
-        let mut entries = Vec::with_capacity((last - first + 1) as usize);
-        for block in first..=last {
-            entries.push(self.pool.lookup(self.id, block).map_err(meta_error)?);
-        }
+        let entries = self.pool.lookup_range(self.id, first, last).map_err(meta_error)?;
         let places: Vec<(u8, u64)> = entries.iter().filter_map(|e| map_entry::decode(*e)).collect();
         // The chunks we overwrite must be durably marked dirty first; the
         // mark belongs to an epoch, so re-check after entering the gate.
@@ -726,14 +758,15 @@ impl EngineVolume {
         }
         // Whatever reached the device is accounted for, even if a later part failed.
         for write in done {
-            for part in write.parts {
-                self.pool
-                    .set_crcs(write.device, part.offset, &part.crcs)
-                    .map_err(meta_error)?;
-                if part.new_block.is_none() {
-                    self.pool
-                        .note_overwrite(self.id, part.block, part.first_sector, &part.crcs);
-                }
+            self.pool
+                .set_crcs(write.device, write.offset, &write.crcs)
+                .map_err(meta_error)?;
+            let overwrites = write.parts.iter().filter(|part| part.new_block.is_none());
+            self.pool.note_overwrites(
+                self.id,
+                overwrites.map(|part| (part.block, part.first_sector, &write.crcs[part.sectors.clone()])),
+            );
+            for part in &write.parts {
                 if let Some(block) = part.new_block {
                     let entry = map_entry::encode(write.device, part.offset);
                     self.pool.set_mapping(self.id, block, entry).map_err(meta_error)?;
@@ -743,7 +776,7 @@ impl EngineVolume {
                         block,
                         new: entry,
                         old: 0,
-                        crcs: part.crcs,
+                        crcs: write.crcs[part.sectors.clone()].to_vec(),
                     });
                 }
             }
@@ -1372,23 +1405,32 @@ mod tests {
     use super::*;
 
     #[test]
-    fn source_crcs_takes_the_arrived_checksums_only_where_they_line_up() {
+    fn crc_source_takes_the_arrived_checksums_only_where_they_line_up() {
         let sector = SECTOR_BYTES as usize;
         let payload: Vec<u8> = (0..6 * sector as u32).map(|i| (i % 241) as u8).collect();
         let pieces = sector_crcs(&payload);
+        let sums = |pieces: Option<&[u32]>, range: std::ops::Range<usize>| {
+            let mut out = vec![7];
+            CrcSource {
+                payload: &payload,
+                pieces,
+            }
+            .extend(&mut out, range);
+            assert_eq!(out.remove(0), 7, "appended, not replaced");
+            out
+        };
         // Sectors 2..5 of the payload: the arrived ones, identical to computing them.
-        let source = &payload[2 * sector..5 * sector];
-        assert_eq!(source_crcs(Some(&pieces), 2 * sector, source), pieces[2..5].to_vec());
+        assert_eq!(sums(Some(&pieces), 2 * sector..5 * sector), pieces[2..5].to_vec());
         // Pieces that were tampered with show that they are the ones used...
         let mut marked = pieces.clone();
         marked[3] ^= 1;
-        assert_eq!(source_crcs(Some(&marked), 2 * sector, source)[1], pieces[3] ^ 1);
-        // ...and where they do not line up (a payload that starts inside a
+        assert_eq!(sums(Some(&marked), 2 * sector..5 * sector)[1], pieces[3] ^ 1);
+        // ...and where they do not line up (a range that starts inside a
         // sector, or pieces that run out), the checksums are computed.
-        let odd = &payload[100..100 + 2 * sector];
-        assert_eq!(source_crcs(Some(&marked), 100, odd), sector_crcs(odd));
-        assert_eq!(source_crcs(Some(&marked[..4]), 2 * sector, source), sector_crcs(source));
-        assert_eq!(source_crcs(None, 2 * sector, source), pieces[2..5].to_vec());
+        let odd = 100..100 + 2 * sector;
+        assert_eq!(sums(Some(&marked), odd.clone()), sector_crcs(&payload[odd]));
+        assert_eq!(sums(Some(&marked[..4]), 2 * sector..5 * sector), pieces[2..5].to_vec());
+        assert_eq!(sums(None, 2 * sector..5 * sector), pieces[2..5].to_vec());
     }
 
     #[test]
@@ -1402,7 +1444,6 @@ mod tests {
         use crate::pool::superblock::Role;
         use crate::pool::NewDevice;
         use crate::volume::BlockDevice;
-        use std::future::Future;
         const MIB: u64 = 1 << 20;
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_all()
@@ -1436,6 +1477,55 @@ mod tests {
                     result.unwrap();
                     assert!(buf.payload().iter().all(|&byte| byte == round));
                 }
+            }
+        });
+    }
+
+    #[test]
+    fn lookup_range_matches_lookups_across_map_pages() {
+        use crate::device::SimDevice;
+        use crate::pool::superblock::Role;
+        use crate::pool::NewDevice;
+        use crate::volume::BlockDevice;
+        const MIB: u64 = 1 << 20;
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        runtime.block_on(async {
+            let sim = SimDevice::new(160 * MIB, 5);
+            let device = NewDevice {
+                device: sim.as_device(),
+                role: Role::Fast,
+            };
+            let pool = Pool::create("test", 1 << 20, vec![device]).await.unwrap();
+            // 4 KiB blocks: 4096 of them, several map pages.
+            let volume = pool.open_volume(1, 16 * MIB, 4096).unwrap();
+            let blocks = 16 * MIB / 4096;
+            assert!(blocks > 2 * crate::meta::pages::MAP_ENTRIES_PER_PAGE);
+            for block in (0..blocks).step_by(7) {
+                volume
+                    .write(block * 4096, IoBuf::copy_from(&[1u8; 4096]), false)
+                    .await
+                    .unwrap();
+            }
+            // Out of the write-back cache, into the map.
+            pool.destage_all().await.unwrap();
+            let one_by_one: Vec<u64> = (0..blocks).map(|b| pool.lookup(1, b).unwrap()).collect();
+            assert!(one_by_one.iter().filter(|&&e| e != 0).count() as u64 == blocks.div_ceil(7));
+            let page = crate::meta::pages::MAP_ENTRIES_PER_PAGE;
+            for (first, last) in [
+                (0, blocks - 1),
+                (page - 3, page + 2),
+                (page, page),
+                (5, 5),
+                (page - 1, 2 * page),
+            ] {
+                assert_eq!(
+                    pool.lookup_range(1, first, last).unwrap(),
+                    one_by_one[first as usize..=last as usize],
+                    "{first}..={last}"
+                );
             }
         });
     }
