@@ -898,10 +898,23 @@ impl Pool {
         self.crc_pages.get(&self.db, (device as u32, sector / CRCS_PER_PAGE))
     }
 
-    pub(crate) fn crc(&self, device: u8, offset: u64) -> Result<u32, String> {
-        let sector = offset >> SECTOR_SHIFT;
-        let page = self.crc_page(device, sector)?;
-        Ok(page.crcs[(sector % CRCS_PER_PAGE) as usize].load(Ordering::Acquire))
+    /// The stored checksums of `count` sectors from `offset`, one page
+    /// lookup per checksum page rather than per sector.
+    pub(crate) fn crcs(&self, device: u8, offset: u64, count: usize) -> Result<Vec<u32>, String> {
+        let mut crcs = Vec::with_capacity(count);
+        let mut sector = offset >> SECTOR_SHIFT;
+        while crcs.len() < count {
+            let page = self.crc_page(device, sector)?;
+            let within = (sector % CRCS_PER_PAGE) as usize;
+            let take = (CRCS_PER_PAGE as usize - within).min(count - crcs.len());
+            crcs.extend(
+                page.crcs[within..within + take]
+                    .iter()
+                    .map(|c| c.load(Ordering::Acquire)),
+            );
+            sector += take as u64;
+        }
+        Ok(crcs)
     }
 
     pub(crate) fn set_crc(&self, device: u8, offset: u64, crc: u32) -> Result<(), String> {

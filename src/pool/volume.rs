@@ -358,9 +358,10 @@ impl EngineVolume {
     /// in a chunk that is suspect after a crash is repaired from the data.
     /// `holding_gate`: the caller already holds the pool's write gate.
     async fn verify(&self, device: u8, offset: u64, data: &[u8], logical: u64, holding_gate: bool) -> BlockResult<()> {
-        for (index, sector) in data.chunks(SECTOR_BYTES as usize).enumerate() {
+        let sectors = data.chunks(SECTOR_BYTES as usize);
+        let stored = self.pool.crcs(device, offset, sectors.len()).map_err(meta_error)?;
+        for (index, (sector, &expected)) in sectors.zip(&stored).enumerate() {
             let at = offset + index as u64 * SECTOR_BYTES;
-            let expected = self.pool.crc(device, at).map_err(meta_error)?;
             let actual = crate::checksum::crc32c(sector);
             if actual == expected {
                 continue;
