@@ -190,30 +190,51 @@ impl CrcSource<'_> {
 
 /// Merges writes that are still contiguous on one device after planning
 /// (a block that needed a buffer of its own next to others) into one
-/// device write, copying them into one buffer.
+/// device write, copying each run into one buffer.
 fn coalesce(planned: Vec<PlannedWrite>, source: &[u8]) -> Vec<PlannedWrite> {
-    let mut merged: Vec<PlannedWrite> = Vec::with_capacity(planned.len());
+    let mut runs: Vec<Vec<PlannedWrite>> = Vec::new();
     for write in planned {
-        let Some(last) = merged
-            .last_mut()
-            .filter(|last| last.device == write.device && last.offset + last.data.len() as u64 == write.offset)
-        else {
-            merged.push(write);
-            continue;
-        };
-        let mut data = IoBuf::new(last.data.len() + write.data.len());
-        let (head, tail) = data.payload_mut().split_at_mut(last.data.len());
-        head.copy_from_slice(last.data.bytes(source));
-        tail.copy_from_slice(write.data.bytes(source));
-        last.data = Payload::Owned(data);
-        let shift = last.crcs.len();
-        last.crcs.extend_from_slice(&write.crcs);
-        last.parts.extend(write.parts.into_iter().map(|mut part| {
-            part.sectors = part.sectors.start + shift..part.sectors.end + shift;
-            part
-        }));
+        match runs.last_mut() {
+            Some(run)
+                if run.last().is_some_and(|last| {
+                    last.device == write.device && last.offset + last.data.len() as u64 == write.offset
+                }) =>
+            {
+                run.push(write)
+            }
+            _ => runs.push(vec![write]),
+        }
     }
-    merged
+    runs.into_iter()
+        .map(|run| {
+            if run.len() == 1 {
+                return run.into_iter().next().expect("one write");
+            }
+            let total: usize = run.iter().map(|write| write.data.len()).sum();
+            let mut data = IoBuf::new(total);
+            let mut merged = PlannedWrite {
+                device: run[0].device,
+                offset: run[0].offset,
+                data: Payload::Owned(IoBuf::new(0)),
+                crcs: Vec::with_capacity(total / SECTOR_BYTES as usize),
+                parts: Vec::new(),
+            };
+            let mut at = 0;
+            for write in run {
+                let bytes = write.data.bytes(source);
+                data.payload_mut()[at..at + bytes.len()].copy_from_slice(bytes);
+                at += bytes.len();
+                let shift = merged.crcs.len();
+                merged.crcs.extend_from_slice(&write.crcs);
+                merged.parts.extend(write.parts.into_iter().map(|mut part| {
+                    part.sectors = part.sectors.start + shift..part.sectors.end + shift;
+                    part
+                }));
+            }
+            merged.data = Payload::Owned(data);
+            merged
+        })
+        .collect()
 }
 
 fn io_error(error: DeviceError) -> BlockError {
@@ -1529,5 +1550,53 @@ mod tests {
                 );
             }
         });
+    }
+
+    #[test]
+    fn coalesce_copies_each_contiguous_run_once_and_keeps_every_parts_checksums() {
+        let sector = SECTOR_BYTES as usize;
+        let source: Vec<u8> = (0..8 * sector as u32).map(|i| (i % 251) as u8).collect();
+        let owned = |byte: u8, sectors: usize| IoBuf::copy_from(&vec![byte; sectors * sector]);
+        let write = |offset: u64, data: Payload, block: u64| {
+            let crcs = sector_crcs(data.bytes(&source));
+            PlannedWrite {
+                device: 0,
+                offset,
+                parts: vec![Part {
+                    block,
+                    first_sector: 0,
+                    offset,
+                    sectors: 0..crcs.len(),
+                    new_block: None,
+                }],
+                crcs,
+                data,
+            }
+        };
+        let s = SECTOR_BYTES;
+        // An own buffer, a range of the request, an own buffer: contiguous on
+        // device 0; then a gap and one more range.
+        let planned = vec![
+            write(0, Payload::Owned(owned(1, 1)), 10),
+            write(s, Payload::Source(sector..4 * sector), 11),
+            write(4 * s, Payload::Owned(owned(2, 2)), 12),
+            write(100 * s, Payload::Source(6 * sector..8 * sector), 13),
+        ];
+        let merged = coalesce(planned, &source);
+        assert_eq!(merged.len(), 2);
+        let mut expected = vec![1u8; sector];
+        expected.extend_from_slice(&source[sector..4 * sector]);
+        expected.extend(vec![2u8; 2 * sector]);
+        assert_eq!(merged[0].offset, 0);
+        assert_eq!(merged[0].data.bytes(&source), &expected[..]);
+        assert_eq!(merged[0].crcs, sector_crcs(&expected));
+        let parts: Vec<(u64, u64, std::ops::Range<usize>)> = merged[0]
+            .parts
+            .iter()
+            .map(|part| (part.block, part.offset, part.sectors.clone()))
+            .collect();
+        assert_eq!(parts, vec![(10, 0, 0..1), (11, s, 1..4), (12, 4 * s, 4..6)]);
+        assert!(matches!(&merged[1].data, Payload::Source(range) if *range == (6 * sector..8 * sector)));
+        assert_eq!(merged[1].crcs, sector_crcs(&source[6 * sector..]));
     }
 }
