@@ -1425,6 +1425,30 @@ impl BlockDevice for EngineVolume {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::device::SimDevice;
+    use crate::pool::superblock::Role;
+    use crate::pool::NewDevice;
+    use crate::volume::BlockDevice;
+
+    const MIB: u64 = 1 << 20;
+
+    fn current_thread() -> tokio::runtime::Runtime {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap()
+    }
+
+    /// A pool of 1 MiB chunks on one simulated 160 MiB fast device.
+    async fn sim_pool(seed: u64) -> (SimDevice, Arc<Pool>) {
+        let sim = SimDevice::new(160 * MIB, seed);
+        let device = NewDevice {
+            device: sim.as_device(),
+            role: Role::Fast,
+        };
+        let pool = Pool::create("test", 1 << 20, vec![device]).await.unwrap();
+        (sim, pool)
+    }
 
     #[test]
     fn crc_source_takes_the_arrived_checksums_only_where_they_line_up() {
@@ -1462,22 +1486,8 @@ mod tests {
         // each tokio lock spent the task's cooperative budget (128 per
         // poll), so the second or third request of a poll yielded although
         // nothing was held, and was spawned (a task and a woken worker each).
-        use crate::device::SimDevice;
-        use crate::pool::superblock::Role;
-        use crate::pool::NewDevice;
-        use crate::volume::BlockDevice;
-        const MIB: u64 = 1 << 20;
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap();
-        runtime.block_on(async {
-            let sim = SimDevice::new(160 * MIB, 3);
-            let device = NewDevice {
-                device: sim.as_device(),
-                role: Role::Fast,
-            };
-            let pool = Pool::create("test", 1 << 20, vec![device]).await.unwrap();
+        current_thread().block_on(async {
+            let (_sim, pool) = sim_pool(3).await;
             let volume = pool.open_volume(1, 16 * MIB, 16 << 10).unwrap();
             let data = |round: u8| IoBuf::copy_from(&vec![round; MIB as usize]);
             // First writes allocate and mark chunks dirty: they may wait.
@@ -1505,22 +1515,8 @@ mod tests {
 
     #[test]
     fn lookup_range_matches_lookups_across_map_pages() {
-        use crate::device::SimDevice;
-        use crate::pool::superblock::Role;
-        use crate::pool::NewDevice;
-        use crate::volume::BlockDevice;
-        const MIB: u64 = 1 << 20;
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap();
-        runtime.block_on(async {
-            let sim = SimDevice::new(160 * MIB, 5);
-            let device = NewDevice {
-                device: sim.as_device(),
-                role: Role::Fast,
-            };
-            let pool = Pool::create("test", 1 << 20, vec![device]).await.unwrap();
+        current_thread().block_on(async {
+            let (_sim, pool) = sim_pool(5).await;
             // 4 KiB blocks: 4096 of them, several map pages.
             let volume = pool.open_volume(1, 16 * MIB, 4096).unwrap();
             let blocks = 16 * MIB / 4096;
