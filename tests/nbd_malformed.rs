@@ -112,14 +112,7 @@ impl Raw {
     }
 
     fn request(&mut self, flags: u16, kind: u16, cookie: u64, offset: u64, length: u32, payload: &[u8]) {
-        let mut out = REQUEST_MAGIC.to_be_bytes().to_vec();
-        out.extend_from_slice(&flags.to_be_bytes());
-        out.extend_from_slice(&kind.to_be_bytes());
-        out.extend_from_slice(&cookie.to_be_bytes());
-        out.extend_from_slice(&offset.to_be_bytes());
-        out.extend_from_slice(&length.to_be_bytes());
-        out.extend_from_slice(payload);
-        self.send(&out);
+        self.send(&request_bytes(flags, kind, cookie, offset, length, payload));
     }
 
     /// Reads a simple reply: (error, cookie).
@@ -142,6 +135,18 @@ impl Raw {
         let length = u32::from_be_bytes(header[16..20].try_into().unwrap());
         (flags, kind, cookie, self.read(length as usize))
     }
+}
+
+/// One request (header and payload) as sent on the wire.
+fn request_bytes(flags: u16, kind: u16, cookie: u64, offset: u64, length: u32, payload: &[u8]) -> Vec<u8> {
+    let mut out = REQUEST_MAGIC.to_be_bytes().to_vec();
+    out.extend_from_slice(&flags.to_be_bytes());
+    out.extend_from_slice(&kind.to_be_bytes());
+    out.extend_from_slice(&cookie.to_be_bytes());
+    out.extend_from_slice(&offset.to_be_bytes());
+    out.extend_from_slice(&length.to_be_bytes());
+    out.extend_from_slice(payload);
+    out
 }
 
 fn name_payload(name: &str) -> Vec<u8> {
@@ -356,4 +361,39 @@ fn bad_clients_do_not_block_others() {
     assert!(stopping.elapsed() < Duration::from_secs(10));
     drop(half);
     drop(greedy);
+}
+
+#[test]
+fn requests_sent_with_the_last_option_are_served_and_a_stop_ends_the_connection() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut server = Server::start(dir.path());
+    let mut raw = Raw::start(&server.nbd);
+    // NBD_OPT_GO and two requests in one segment, before any reply is read:
+    // the requests arrive while the server still reads options, and must be
+    // served once transmission starts (on the connection's own thread).
+    let mut data = name_payload("default/vol0");
+    data.extend_from_slice(&0u16.to_be_bytes());
+    let mut out = IHAVEOPT.to_be_bytes().to_vec();
+    out.extend_from_slice(&7u32.to_be_bytes());
+    out.extend_from_slice(&(data.len() as u32).to_be_bytes());
+    out.extend_from_slice(&data);
+    out.extend_from_slice(&request_bytes(0, 1, 1, 4096, 4096, &[0x5a; 4096]));
+    out.extend_from_slice(&request_bytes(0, 0, 2, 4096, 4096, &[]));
+    raw.send(&out);
+    loop {
+        match raw.option_reply().0 {
+            3 => continue,
+            1 => break,
+            other => panic!("GO failed with {other:#x}"),
+        }
+    }
+    assert_eq!(raw.simple_reply(), (0, 1));
+    assert_eq!(raw.simple_reply(), (0, 2));
+    assert_eq!(raw.read(4096), vec![0x5a; 4096]);
+
+    // The client stays connected and idle; the server still stops cleanly
+    // (its reader is in a blocking receive) and the client sees the end.
+    let status = server.stop();
+    assert!(status.success(), "strata exited with {status}");
+    assert!(raw.is_closed());
 }

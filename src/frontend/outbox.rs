@@ -8,6 +8,12 @@
 //! the socket to become writable. So a reply costs no task hand-off and no
 //! cross-thread wake-up unless the client is slow to read.
 //!
+//! The outbox writes to its own descriptor of the socket, registered with
+//! tokio for writability only ([`ReplySocket`]): the connection's reader
+//! receives on its own thread with blocking calls, and a registration that
+//! also asked for readability would wake an idle tokio worker for every
+//! segment of a payload the reader is already receiving.
+//!
 //! All writes happen under one lock, so the bytes of two replies never
 //! interleave; replies queued together go out in one `writev` (up to
 //! [`MAX_PER_WRITE`]). A reply is dropped once written (releasing whatever it
@@ -18,14 +24,72 @@ use std::collections::VecDeque;
 use std::io::IoSlice;
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use tokio::net::tcp::OwnedWriteHalf;
+use std::os::fd::AsRawFd;
+
+use tokio::io::unix::AsyncFd;
+use tokio::io::Interest;
 use tokio::sync::Notify;
 
 /// Replies merged into one `writev` at most.
 pub const MAX_PER_WRITE: usize = 64;
 
+/// The sending side of a connected TCP socket: a descriptor of its own
+/// (a duplicate), registered with tokio's reactor for writability only, so
+/// that incoming data never wakes a reactor thread. Sends never block
+/// (`MSG_DONTWAIT`, whatever the socket's mode). Dropping it shuts down the
+/// socket's write side, as the peer expects once the last reply is sent.
+pub struct ReplySocket {
+    fd: AsyncFd<std::net::TcpStream>,
+}
+
+impl ReplySocket {
+    /// Takes `socket` (typically a `try_clone` of the connection's socket).
+    /// Must be called inside a tokio runtime.
+    pub fn new(socket: std::net::TcpStream) -> std::io::Result<Self> {
+        // SAFETY: the `TcpStream` owns its descriptor, which stays open and
+        // the same until the `AsyncFd` (owning the stream) is dropped.
+        let fd = unsafe { AsyncFd::register_with_interest(socket, Interest::WRITABLE) }?;
+        Ok(ReplySocket { fd })
+    }
+
+    /// One non-blocking `sendmsg` of `slices`: the bytes the socket took,
+    /// or `WouldBlock`.
+    fn try_write_vectored(&self, slices: &[IoSlice<'_>]) -> std::io::Result<usize> {
+        // SAFETY: an all-zero msghdr is valid (no address, no control data).
+        let mut message: libc::msghdr = unsafe { std::mem::zeroed() };
+        // `IoSlice` is ABI-compatible with `iovec` on Unix; sendmsg only reads them.
+        message.msg_iov = slices.as_ptr() as *mut libc::iovec;
+        message.msg_iovlen = slices.len() as _;
+        let flags = libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL;
+        // SAFETY: the descriptor is open for as long as `self.fd` lives, and
+        // every iovec points into a live slice.
+        let sent = unsafe { libc::sendmsg(self.fd.get_ref().as_raw_fd(), &message, flags) };
+        if sent < 0 {
+            Err(std::io::Error::last_os_error())
+        } else {
+            Ok(sent as usize)
+        }
+    }
+
+    /// Waits until the socket may take more bytes (or has failed).
+    async fn writable(&self) -> std::io::Result<()> {
+        let mut guard = self.fd.writable().await?;
+        // Edge-triggered: forget this readiness; the caller tries a write
+        // next, and a socket that is still full sets a new edge when room
+        // appears.
+        guard.clear_ready();
+        Ok(())
+    }
+}
+
+impl Drop for ReplySocket {
+    fn drop(&mut self) {
+        let _ = self.fd.get_ref().shutdown(std::net::Shutdown::Write);
+    }
+}
+
 pub struct Outbox<T> {
-    socket: OwnedWriteHalf,
+    socket: ReplySocket,
     state: Mutex<State<T>>,
     /// Tells the flusher that replies wait for the socket, or that the
     /// connection is closing.
@@ -47,7 +111,7 @@ struct State<T> {
 impl<T: AsRef<[u8]> + Send + 'static> Outbox<T> {
     /// Wraps `socket` and starts the flusher task. The write side of the
     /// socket is shut down when the outbox is closed and drained (or broken).
-    pub fn start(socket: OwnedWriteHalf) -> (Arc<Self>, tokio::task::JoinHandle<()>) {
+    pub fn start(socket: ReplySocket) -> (Arc<Self>, tokio::task::JoinHandle<()>) {
         let outbox = Arc::new(Outbox {
             socket,
             state: Mutex::new(State {
@@ -205,14 +269,17 @@ mod tests {
     use tokio::io::AsyncReadExt;
     use tokio::net::{TcpListener, TcpStream};
 
-    /// A connected pair on loopback: (our write half, the peer).
-    async fn pair() -> (OwnedWriteHalf, TcpStream) {
+    /// A connected pair on loopback: (our reply socket, the peer).
+    async fn pair() -> (ReplySocket, TcpStream) {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let address = listener.local_addr().unwrap();
         let (client, accepted) = tokio::join!(TcpStream::connect(address), listener.accept());
-        let (_read, write) = accepted.unwrap().0.into_split();
-        // The read half may go: the write half keeps the socket open.
-        (write, client.unwrap())
+        // In blocking mode, as the NBD server leaves it: sends must still
+        // never block. The original descriptor may go: the duplicate keeps
+        // the socket open.
+        let ours = accepted.unwrap().0.into_std().unwrap();
+        ours.set_nonblocking(false).unwrap();
+        (ReplySocket::new(ours.try_clone().unwrap()).unwrap(), client.unwrap())
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

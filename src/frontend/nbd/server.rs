@@ -1,19 +1,24 @@
 //! The NBD server: accepts connections, runs the fixed newstyle handshake,
 //! then serves requests pipelined.
 //!
-//! Per connection there is one reader task. It parses request headers (and
-//! write payloads) and runs each request on itself until the request has to
-//! wait, then on a task of its own, so many requests are in flight and
-//! complete in any order. Replies go to the connection's [`Outbox`]: the
+//! The handshake runs on a tokio task. Then the connection gets a thread of
+//! its own, the reader, which receives with blocking calls (the socket is
+//! off tokio's reactor for reading, see [`Receiver`]). It parses request
+//! headers (and write payloads) and runs each request on itself until the
+//! request has to wait, then on a task of its own, so many requests are in
+//! flight and complete in any order. Replies go to the connection's [`Outbox`]: the
 //! reader sends the replies of the requests it completed together, just
 //! before it would wait for the socket; a spawned request sends its own. A
 //! byte budget per connection bounds the memory one client can pin; nothing
 //! is shared between connections except the volume itself.
 
+use std::os::fd::AsRawFd;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt, BufReader, ReadBuf};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
@@ -22,7 +27,7 @@ use super::proto::{self, cflag, chunk, cmd, info, opt, rep, ClientOption, Negoti
 use crate::admin::metrics::{Op, Protocol};
 use crate::daemon::Shutdown;
 use crate::frontend::lane::Lane;
-use crate::frontend::outbox::Outbox;
+use crate::frontend::outbox::{Outbox, ReplySocket};
 use crate::volume::manager::{VolumeManager, DEFAULT_POOL, DEFAULT_VOLUME};
 use crate::volume::{full_name, BlockError, IoBuf, Volume, ZeroFlags, MAX_REQUEST_BYTES};
 
@@ -43,6 +48,8 @@ const BULK_REPLY_BYTES: usize = 256 << 10;
 const SUM_WHILE_RECEIVING_BYTES: usize = 64 << 10;
 /// Room in front of read data for a structured chunk header and its offset.
 const STRUCTURED_READ_HEADROOM: usize = proto::CHUNK_HEADER_BYTES + 8;
+/// Bytes the reader buffers from the socket at a time.
+const RECEIVE_BUFFER_BYTES: usize = 64 << 10;
 
 #[derive(Debug, thiserror::Error)]
 enum ConnectionError {
@@ -62,6 +69,8 @@ enum ConnectionError {
     UnknownExport(String),
     #[error("write payload of {0} bytes exceeds the {MAX_REQUEST_BYTES}-byte maximum")]
     PayloadTooLarge(u32),
+    #[error("the connection's thread ended without a result (it panicked)")]
+    ThreadLost,
 }
 
 /// Accepts NBD clients until `stop` turns true.
@@ -97,10 +106,14 @@ pub async fn serve(listener: TcpListener, manager: Arc<VolumeManager>, mut stop:
     }
 }
 
-async fn handle_connection(stream: TcpStream, manager: &VolumeManager, stop: Shutdown) -> Result<(), ConnectionError> {
+async fn handle_connection(
+    stream: TcpStream,
+    manager: &VolumeManager,
+    mut stop: Shutdown,
+) -> Result<(), ConnectionError> {
     stream.set_nodelay(true)?;
     let (read_half, mut writer) = stream.into_split();
-    let mut reader = BufReader::with_capacity(64 << 10, read_half);
+    let mut reader = BufReader::with_capacity(RECEIVE_BUFFER_BYTES, read_half);
     let mut greeting = Vec::with_capacity(18);
     greeting.extend_from_slice(&proto::NBD_MAGIC.to_be_bytes());
     greeting.extend_from_slice(&proto::IHAVEOPT.to_be_bytes());
@@ -109,9 +122,71 @@ async fn handle_connection(stream: TcpStream, manager: &VolumeManager, stop: Shu
     let agreed = tokio::time::timeout(HANDSHAKE_TIMEOUT, negotiate(&mut reader, &mut writer, manager))
         .await
         .map_err(|_| ConnectionError::HandshakeTimeout(HANDSHAKE_TIMEOUT))??;
-    match agreed {
-        Some((volume, negotiated)) => transmission(reader, writer, volume, negotiated, stop).await,
-        None => Ok(()),
+    let Some((volume, negotiated)) = agreed else {
+        return Ok(());
+    };
+
+    // Transmission runs on a thread of its own. The socket leaves tokio's
+    // reactor (`into_std` deregisters it) and turns blocking; whatever the
+    // client sent after its last option is already in `reader`'s buffer.
+    let early = reader.buffer().to_vec();
+    let stream = reader
+        .into_inner()
+        .reunite(writer)
+        .map_err(|e| std::io::Error::other(e.to_string()))?
+        .into_std()?;
+    stream.set_nonblocking(false)?;
+    let replies = ReplySocket::new(stream.try_clone()?)?;
+    let watcher = stream.try_clone()?;
+    let reader = BufReader::with_capacity(
+        RECEIVE_BUFFER_BYTES,
+        std::io::Cursor::new(early).chain(Receiver(stream)),
+    );
+    let runtime = tokio::runtime::Handle::current();
+    let (done, finished) = tokio::sync::oneshot::channel();
+    std::thread::Builder::new().name("strata-nbd".into()).spawn(move || {
+        let result = runtime.block_on(transmission(reader, replies, volume, negotiated));
+        let _ = done.send(result);
+    })?;
+    tokio::pin!(finished);
+    tokio::select! {
+        result = &mut finished => return result.unwrap_or(Err(ConnectionError::ThreadLost)),
+        _ = stop.wait_for(|stopped| *stopped) => {}
+    }
+    // The server is stopping: end the reader's blocking receive as a client
+    // hang-up would. Requests in flight still finish and send their replies.
+    let _ = watcher.shutdown(std::net::Shutdown::Read);
+    finished.await.unwrap_or(Err(ConnectionError::ThreadLost))
+}
+
+/// The receiving side of a connection in transmission, for its own thread:
+/// `poll_read` is a blocking `recv` straight into the caller's buffer. The
+/// thread runs nothing else, so blocking there holds up no one, and no
+/// reactor thread is woken for data that arrives while the reader is busy
+/// (with tokio's readiness, an idle worker woke for each segment of a
+/// payload the reader was already receiving, and took its core).
+struct Receiver(std::net::TcpStream);
+
+impl AsyncRead for Receiver {
+    fn poll_read(self: Pin<&mut Self>, _: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<std::io::Result<()>> {
+        // SAFETY: `recv` only writes into the unfilled part, and the bytes it
+        // reports received are initialised before `assume_init` says so.
+        let unfilled = unsafe { buf.unfilled_mut() };
+        loop {
+            // SAFETY: the pointer and length describe writable memory owned by `buf`.
+            let received = unsafe { libc::recv(self.0.as_raw_fd(), unfilled.as_mut_ptr().cast(), unfilled.len(), 0) };
+            if received >= 0 {
+                let received = received as usize;
+                // SAFETY: the kernel wrote `received` bytes at the start of `unfilled`.
+                unsafe { buf.assume_init(received) };
+                buf.advance(received);
+                return Poll::Ready(Ok(()));
+            }
+            let error = std::io::Error::last_os_error();
+            if error.kind() != std::io::ErrorKind::Interrupted {
+                return Poll::Ready(Err(error));
+            }
+        }
     }
 }
 
@@ -392,15 +467,14 @@ impl Ready {
     }
 }
 
-async fn transmission(
-    mut reader: BufReader<OwnedReadHalf>,
-    writer: OwnedWriteHalf,
+async fn transmission<R: AsyncRead + Unpin>(
+    mut reader: BufReader<R>,
+    socket: ReplySocket,
     volume: Arc<Volume>,
     negotiated: Negotiated,
-    mut stop: Shutdown,
 ) -> Result<(), ConnectionError> {
     let _handle = volume.open_handle();
-    let (outbox, flusher) = Outbox::start(writer);
+    let (outbox, flusher) = Outbox::start(socket);
     let budget_units = IN_FLIGHT_BUDGET_BYTES / BUDGET_UNIT_BYTES;
     let budget = Arc::new(Semaphore::new(budget_units));
     // Replies of requests that finished on this task, sent together (one
@@ -418,11 +492,7 @@ async fn transmission(
             ready.send(&outbox, &lane);
         }
         let mut header = [0u8; proto::REQUEST_BYTES];
-        let read = tokio::select! {
-            read = reader.read_exact(&mut header) => read,
-            _ = stop.wait_for(|stopped| *stopped) => break Ok(()),
-        };
-        match read {
+        match reader.read_exact(&mut header).await {
             Ok(_) => {}
             // A client may close without NBD_CMD_DISC.
             Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => break Ok(()),
