@@ -18,7 +18,8 @@ Prints a Markdown table (paste into BENCHMARKS.md) and writes JSON next to it.
 import argparse, json, os, shutil, signal, socket, statistics, subprocess, sys, tempfile, time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STRATA = os.path.join(ROOT, "target", "release", "strata")
+# STRATA_BIN runs another strata binary (an old build, for before/after).
+STRATA = os.environ.get("STRATA_BIN") or os.path.join(ROOT, "target", "release", "strata")
 TICKS = os.sysconf("SC_CLK_TCK")
 
 WORKLOADS = [

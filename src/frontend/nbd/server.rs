@@ -48,6 +48,8 @@ const BULK_REPLY_BYTES: usize = 256 << 10;
 const SUM_WHILE_RECEIVING_BYTES: usize = 64 << 10;
 /// Room in front of read data for a structured chunk header and its offset.
 const STRUCTURED_READ_HEADROOM: usize = proto::CHUNK_HEADER_BYTES + 8;
+/// Threads per connection that run large reads.
+const READ_THREADS: usize = 2;
 /// Bytes the reader buffers from the socket at a time.
 const RECEIVE_BUFFER_BYTES: usize = 64 << 10;
 
@@ -444,6 +446,22 @@ fn send_replies(replies: Vec<Reply>, bytes: usize, outbox: &Arc<Outbox<Reply>>, 
     }
 }
 
+/// A large read for one of the connection's read threads: the request's
+/// work (read, verify, build the reply) and where its reply goes.
+struct ReadJob {
+    work: std::pin::Pin<Box<dyn std::future::Future<Output = Reply> + Send>>,
+    outbox: Arc<Outbox<Reply>>,
+}
+
+/// Runs a large read as far as it goes without waiting and sends its reply;
+/// a read that has to wait goes on as a task, which sends the reply.
+fn run_read(ReadJob { work, outbox }: ReadJob) {
+    let outbox_for_task = outbox.clone();
+    if let Some(reply) = crate::frontend::run_inline_or_spawn(work, move |reply| outbox_for_task.send(reply)) {
+        outbox.send(reply);
+    }
+}
+
 /// Replies the reader finished, sent together just before it would wait:
 /// from the reader itself, or (when they carry at least
 /// [`BULK_REPLY_BYTES`] of data) from the lane.
@@ -485,6 +503,7 @@ async fn transmission<R: AsyncRead + Unpin>(
         bytes: 0,
     };
     let lane = Lane::new(send_bulk);
+    let reads = Lane::with_threads(run_read, READ_THREADS);
     let buffers = ReadBuffers::new();
 
     let result = loop {
@@ -565,6 +584,21 @@ async fn transmission<R: AsyncRead + Unpin>(
                 buffers,
             }
         };
+        if request.kind == cmd::READ && data_bytes >= BULK_REPLY_BYTES {
+            // A large read runs whole on one of the connection's read
+            // threads: the reader goes on parsing, and two reads are read,
+            // verified and sent on two cores at once.
+            match reads.push(ReadJob {
+                work: Box::pin(work),
+                outbox: outbox.clone(),
+            }) {
+                Ok(()) => continue,
+                Err(job) => {
+                    run_read(job);
+                    continue;
+                }
+            }
+        }
         let (outbox_for_task, lane_for_task) = (outbox.clone(), lane.clone());
         let finish = move |reply: Reply| {
             // A large read that had to wait: its reply leaves from the lane
