@@ -10,6 +10,7 @@ use std::sync::Arc;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
+use crate::device::DeviceWraps;
 use crate::frontend::{iscsi, nbd};
 use crate::volume::manager::VolumeManager;
 
@@ -28,6 +29,13 @@ pub struct ServeArgs {
     /// Address of the REST API and /metrics.
     #[arg(long, default_value = "127.0.0.1:9860")]
     pub api: SocketAddr,
+    /// Stack device wrappers on a pool device for this run, for tests and
+    /// benchmarks: PATH=STACK, e.g. `--wrap
+    /// strata-data/pools/default/capacity.dev=delay:8ms+throttle:iops=150,bw=100M`
+    /// (emulates an HDD) or `...=error:write,every=100`. PATH is the device's
+    /// path as `strata pool status` shows it. Repeatable; not stored.
+    #[arg(long = "wrap", value_name = "PATH=STACK")]
+    pub wrap: Vec<String>,
 }
 
 /// Sender side of the shutdown signal every listener watches.
@@ -71,7 +79,13 @@ async fn bind(what: &str, address: SocketAddr) -> Result<TcpListener, String> {
 }
 
 async fn serve(args: ServeArgs) -> Result<(), String> {
-    let manager = Arc::new(VolumeManager::open(&args.data_dir).await.map_err(|e| e.to_string())?);
+    let signals = Signals::catch()?;
+    let wraps = DeviceWraps::parse(&args.wrap)?;
+    let manager = Arc::new(
+        VolumeManager::open_with_wraps(&args.data_dir, wraps)
+            .await
+            .map_err(|e| e.to_string())?,
+    );
     let nbd_listener = bind("NBD", args.nbd).await?;
     let iscsi_listener = bind("iSCSI", args.iscsi).await?;
     let api_listener = bind("the REST API", args.api).await?;
@@ -114,7 +128,7 @@ async fn serve(args: ServeArgs) -> Result<(), String> {
         }
     });
 
-    let signal = wait_for_signal().await?;
+    let signal = signals.first().await;
     tracing::info!("{signal} received, shutting down");
     let _ = stop_sender.send(true);
     let _ = nbd_task.await;
@@ -130,12 +144,29 @@ async fn serve(args: ServeArgs) -> Result<(), String> {
     Ok(())
 }
 
-async fn wait_for_signal() -> Result<&'static str, String> {
-    use tokio::signal::unix::{signal, SignalKind};
-    let mut terminate = signal(SignalKind::terminate()).map_err(|e| e.to_string())?;
-    let mut interrupt = signal(SignalKind::interrupt()).map_err(|e| e.to_string())?;
-    Ok(tokio::select! {
-        _ = terminate.recv() => "SIGTERM",
-        _ = interrupt.recv() => "SIGINT",
-    })
+/// SIGTERM and SIGINT, caught from the moment this is created: created
+/// before the daemon says where it listens, so a stop sent as soon as a
+/// supervisor (or a test) reads that is a clean stop, not the default
+/// action's kill.
+struct Signals {
+    terminate: tokio::signal::unix::Signal,
+    interrupt: tokio::signal::unix::Signal,
+}
+
+impl Signals {
+    fn catch() -> Result<Signals, String> {
+        use tokio::signal::unix::{signal, SignalKind};
+        Ok(Signals {
+            terminate: signal(SignalKind::terminate()).map_err(|e| format!("cannot catch SIGTERM: {e}"))?,
+            interrupt: signal(SignalKind::interrupt()).map_err(|e| format!("cannot catch SIGINT: {e}"))?,
+        })
+    }
+
+    /// Waits for the first of them; its name.
+    async fn first(mut self) -> &'static str {
+        tokio::select! {
+            _ = self.terminate.recv() => "SIGTERM",
+            _ = self.interrupt.recv() => "SIGINT",
+        }
+    }
 }

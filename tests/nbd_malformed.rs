@@ -355,7 +355,9 @@ fn bad_clients_do_not_block_others() {
         "a good client was slowed by bad ones"
     );
     stalled.clear();
-    // Shutdown is prompt even with idle and stalled clients connected.
+    // Shutdown is prompt even with idle and stalled clients connected: the
+    // greedy client's replies cannot all be sent, and the server gives up
+    // on them after its drain time (5 s) rather than waiting for ever.
     let stopping = Instant::now();
     assert!(server.stop().success());
     assert!(stopping.elapsed() < Duration::from_secs(10));
@@ -396,4 +398,79 @@ fn requests_sent_with_the_last_option_are_served_and_a_stop_ends_the_connection(
     let status = server.stop();
     assert!(status.success(), "strata exited with {status}");
     assert!(raw.is_closed());
+}
+
+#[test]
+fn a_stop_answers_the_requests_in_flight_before_the_final_flush() {
+    let dir = tempfile::tempdir().unwrap();
+    // Create the pool first, then run it with every write and flush of its
+    // fast device taking 150 ms (the `delay` wrapper), so that a FUA write
+    // is still in flight when the stop comes.
+    let mut server = Server::start(dir.path());
+    assert!(server.stop().success());
+    let fast = dir.path().join("pools/default/fast.dev");
+    let wrap = format!("{}=delay:write=150ms,flush=150ms", fast.display());
+    let mut server = Server::start_with_args(dir.path(), Some(dir.path()), &["--wrap", &wrap]);
+    let mut raw = Raw::go(&server.nbd, "default/vol0", false);
+    let data = common::pseudo_random(17, 65536);
+    let started = Instant::now();
+    raw.request(1, 1, 7, 1 << 20, data.len() as u32, &data); // NBD_CMD_WRITE with FUA
+    std::thread::sleep(Duration::from_millis(50));
+    // SAFETY: kill(2) on our own child's pid with a valid signal number.
+    unsafe { libc::kill(server.pid() as i32, libc::SIGTERM) };
+    // The write was taken before the stop: it completes and is answered
+    // (not cut off by the exit), and so is covered by the final flush.
+    assert_eq!(raw.simple_reply(), (0, 7));
+    assert!(
+        started.elapsed() >= Duration::from_millis(300),
+        "the delay wrapper was not in place"
+    );
+    assert!(raw.is_closed(), "the stopping server kept the connection open");
+    let status = server.stop();
+    assert!(status.success(), "strata exited with {status}");
+
+    let mut server = Server::start(dir.path());
+    let mut raw = Raw::go(&server.nbd, "default/vol0", false);
+    raw.request(0, 0, 8, 1 << 20, data.len() as u32, &[]);
+    assert_eq!(raw.simple_reply(), (0, 8));
+    assert_eq!(raw.read(data.len()), data);
+    assert!(server.stop().success());
+}
+
+#[test]
+fn a_wrap_for_a_device_no_pool_has_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let missing = dir.path().join("pools/default/typo.dev");
+    let output = Command::new(env!("CARGO_BIN_EXE_strata"))
+        .args([
+            "serve",
+            "--nbd",
+            "127.0.0.1:0",
+            "--api",
+            "127.0.0.1:0",
+            "--iscsi",
+            "127.0.0.1:0",
+        ])
+        .arg("--data-dir")
+        .arg(dir.path())
+        .env("STRATA_RAM_DIR", dir.path())
+        .arg("--wrap")
+        .arg(format!("{}=delay:1ms", missing.display()))
+        .output()
+        .unwrap();
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains("is not a device of any pool") && stderr.contains("fast.dev"),
+        "unexpected error: {stderr}"
+    );
+    let output = Command::new(env!("CARGO_BIN_EXE_strata"))
+        .args(["serve", "--data-dir"])
+        .arg(dir.path())
+        .env("STRATA_RAM_DIR", dir.path())
+        .args(["--wrap", "no-equals-sign"])
+        .output()
+        .unwrap();
+    assert!(!output.status.success());
+    assert!(String::from_utf8_lossy(&output.stderr).contains("expected PATH=STACK"));
 }

@@ -20,7 +20,7 @@ pub use engine::{EngineChoice, IoEngine};
 pub use file::{create_file, open_device, DeviceOptions, DirectIo, FileDevice};
 pub use sim::{SimConfig, SimDevice, SimRng};
 pub use wrappers::{
-    DelayConfig, DelayDevice, ErrorDevice, ErrorRule, IoOp, ThrottleConfig, ThrottleDevice, WrapperSpec,
+    DelayConfig, DelayDevice, DeviceWraps, ErrorDevice, ErrorRule, IoOp, ThrottleConfig, ThrottleDevice, WrapperSpec,
 };
 
 /// A boxed future, so that [`Device`] stays object safe.

@@ -448,6 +448,80 @@ impl WrapperSpec {
     }
 }
 
+/// Wrapper stacks to put on chosen devices as they are opened, keyed by the
+/// device's path (`strata serve --wrap PATH=STACK`): emulate an HDD under a
+/// benchmark, fail writes under a test. Nothing of it is stored; a restart
+/// without `--wrap` opens the bare devices.
+#[derive(Debug, Clone, Default)]
+pub struct DeviceWraps {
+    entries: Vec<(std::path::PathBuf, Vec<WrapperSpec>)>,
+}
+
+impl DeviceWraps {
+    /// Parses `PATH=STACK` arguments (the stack in the one-line form).
+    pub fn parse(arguments: &[String]) -> Result<Self, String> {
+        let mut entries: Vec<(std::path::PathBuf, Vec<WrapperSpec>)> = Vec::new();
+        for argument in arguments {
+            let (path, stack) = argument
+                .split_once('=')
+                .filter(|(path, stack)| !path.is_empty() && !stack.trim().is_empty())
+                .ok_or_else(|| {
+                    format!("invalid --wrap '{argument}': expected PATH=STACK, e.g. pool/fast.dev=delay:1ms")
+                })?;
+            let specs = WrapperSpec::parse_stack(stack).map_err(|e| format!("invalid --wrap '{argument}': {e}"))?;
+            let path = std::path::PathBuf::from(path);
+            if entries.iter().any(|(known, _)| same_path(known, path.as_path())) {
+                return Err(format!("--wrap names {} twice", path.display()));
+            }
+            entries.push((path, specs));
+        }
+        Ok(DeviceWraps { entries })
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// The stack for the device at `path`, if one was asked for.
+    pub fn stack_for(&self, path: &std::path::Path) -> Option<&[WrapperSpec]> {
+        self.entries
+            .iter()
+            .find(|(known, _)| same_path(known, path))
+            .map(|(_, specs)| specs.as_slice())
+    }
+
+    /// Stacks the wrappers asked for `path` (if any) on `device`.
+    pub fn apply(&self, path: &std::path::Path, device: Arc<dyn Device>) -> Arc<dyn Device> {
+        match self.stack_for(path) {
+            Some(specs) => {
+                let wrapped = WrapperSpec::wrap_all(specs, device);
+                tracing::warn!("device {} runs wrapped: {}", path.display(), wrapped.info().name);
+                wrapped
+            }
+            None => device,
+        }
+    }
+
+    /// The paths of `--wrap` arguments that name none of `devices`.
+    pub fn unmatched<'a>(&'a self, devices: &[&std::path::Path]) -> Vec<&'a std::path::Path> {
+        self.entries
+            .iter()
+            .map(|(path, _)| path.as_path())
+            .filter(|path| !devices.iter().any(|device| same_path(path, device)))
+            .collect()
+    }
+}
+
+/// Whether two paths name the same file: equal as written, or equal once
+/// resolved (relative to the working directory, through links).
+fn same_path(a: &std::path::Path, b: &std::path::Path) -> bool {
+    a == b
+        || matches!(
+            (std::fs::canonicalize(a), std::fs::canonicalize(b)),
+            (Ok(a), Ok(b)) if a == b
+        )
+}
+
 /// Parses `8ms`, `250us`, `1s`, `1500ns`, `0`.
 pub fn parse_duration(text: &str) -> Result<Duration, String> {
     let text = text.trim();

@@ -6,6 +6,51 @@ pub mod lane;
 pub mod nbd;
 pub mod outbox;
 
+use std::time::Duration;
+
+/// How long a stopping server waits for its connections to finish the
+/// requests they have in flight and send their replies, before it flushes
+/// the pools and exits.
+pub const DRAIN_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The connection tasks of one listener, so that a stop waits for them:
+/// a request that was in flight when the stop came either completes and is
+/// answered before the final flush (so every acknowledged write is in it),
+/// or is not answered at all.
+#[derive(Default)]
+pub struct Connections {
+    tasks: tokio::task::JoinSet<()>,
+}
+
+impl Connections {
+    /// Runs `connection` as a task of its own.
+    pub fn spawn<F>(&mut self, connection: F)
+    where
+        F: std::future::Future<Output = ()> + Send + 'static,
+    {
+        // Forget the connections that ended, so the set stays as large as
+        // the number open.
+        while self.tasks.try_join_next().is_some() {}
+        self.tasks.spawn(connection);
+    }
+
+    /// After a stop (every connection watches it and winds down): waits
+    /// until all have ended, for at most [`DRAIN_TIMEOUT`]; then drops the
+    /// rest, which closes their sockets, so no reply goes out after this
+    /// returns.
+    pub async fn drain(mut self, protocol: &str) {
+        let all_ended = async { while self.tasks.join_next().await.is_some() {} };
+        if tokio::time::timeout(DRAIN_TIMEOUT, all_ended).await.is_err() {
+            tracing::warn!(
+                "{protocol}: {} connection(s) still busy {DRAIN_TIMEOUT:?} after the stop; closing them \
+                 (their unanswered requests were not acknowledged)",
+                self.tasks.len()
+            );
+            self.tasks.shutdown().await;
+        }
+    }
+}
+
 /// Runs `work` on the calling task as far as it goes without waiting, and
 /// spawns it only if it has to wait. Most requests never wait (a write into
 /// the RAM tier, a read the page cache or the read cache serves): they skip

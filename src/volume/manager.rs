@@ -14,8 +14,8 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use super::props::{canonical_value, PropError, PropertyRow, StoredProps, DEFAULT_VOLBLOCKSIZE};
 use super::{full_name, Volume};
-use crate::device::DeviceError;
 use crate::device::{create_file, open_device, DeviceOptions};
+use crate::device::{Device, DeviceError, DeviceWraps};
 use crate::meta::catalog::{sync_dir, Catalog, DeviceRecord, PoolRecord, VolumeRecord};
 use crate::pool::ram::{self, RamSource, MIN_RAM_BYTES};
 use crate::pool::superblock::Role;
@@ -130,6 +130,8 @@ pub struct VolumeManager {
     pools: RwLock<HashMap<String, Arc<Pool>>>,
     /// Runs pool work from admin calls (which run on blocking threads).
     runtime: tokio::runtime::Handle,
+    /// Wrappers stacked on chosen devices as they are opened (`--wrap`).
+    wraps: DeviceWraps,
     /// Held open (and `flock`ed) so a second daemon on the same directory is refused.
     _lock: File,
 }
@@ -174,19 +176,44 @@ impl VolumeManager {
     /// Opens the data directory, creating the default pool and volume the
     /// first time, and recovers every pool (log replay) before returning.
     pub async fn open(data_dir: &Path) -> Result<Self, AdminError> {
+        Self::open_with_wraps(data_dir, DeviceWraps::default()).await
+    }
+
+    /// [`VolumeManager::open`], stacking `wraps` on the devices they name
+    /// (at this open and for devices added later). A wrap that names no
+    /// device of any pool is refused: a mistyped path would otherwise
+    /// quietly benchmark the bare device.
+    pub async fn open_with_wraps(data_dir: &Path, wraps: DeviceWraps) -> Result<Self, AdminError> {
         fs::create_dir_all(data_dir)
             .map_err(|e| internal(&format!("cannot create data directory {}", data_dir.display()), e))?;
         let lock = lock_data_dir(data_dir)?;
         let mut catalog = match Catalog::load(data_dir).map_err(AdminError::Internal)? {
             Some(catalog) => catalog,
-            None => initialise(data_dir).await?,
+            None => initialise(data_dir, &wraps).await?,
         };
+        let paths: Vec<&Path> = catalog
+            .pools
+            .values()
+            .flat_map(|p| p.devices.iter().chain(&p.adding))
+            .map(|d| Path::new(&d.path))
+            .collect();
+        if let Some(path) = wraps.unmatched(&paths).first() {
+            return Err(AdminError::Invalid(format!(
+                "--wrap names {}, which is not a device of any pool (devices: {})",
+                path.display(),
+                paths
+                    .iter()
+                    .map(|p| p.display().to_string())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            )));
+        }
         let mut volumes = HashMap::new();
         let mut engines = HashMap::new();
         let mut pools = HashMap::new();
         let mut settled = catalog.clone();
         for (pool_name, record) in &catalog.pools {
-            let (pool, joined) = open_pool(data_dir, pool_name, record).await?;
+            let (pool, joined) = open_pool(data_dir, pool_name, record, &wraps).await?;
             // An addition that did not finish is settled now, one way or the other.
             if let (Some(adding), Some(settled)) = (&record.adding, settled.pools.get_mut(pool_name)) {
                 settled.adding = None;
@@ -240,6 +267,7 @@ impl VolumeManager {
             engines: RwLock::new(engines),
             pools: RwLock::new(pools),
             runtime: tokio::runtime::Handle::current(),
+            wraps,
             _lock: lock,
         })
     }
@@ -285,7 +313,7 @@ impl VolumeManager {
             if known.contains(&device.path.as_str()) || devices.iter().filter(|d| d.path == device.path).count() > 1 {
                 return Err(AdminError::Invalid(format!("device {} is used twice", device.path)));
             }
-            let handle = open_device(&device.path, &DeviceOptions::default())
+            let handle = open_wrapped(&device.path, &self.wraps)
                 .map_err(|e| AdminError::Invalid(format!("cannot open device {}: {e}", device.path)))?;
             opened.push(NewDevice {
                 device: handle,
@@ -376,7 +404,7 @@ impl VolumeManager {
                 )));
             }
         }
-        let handle = open_device(&device.path, &DeviceOptions::default()).map_err(|e| {
+        let handle = open_wrapped(&device.path, &self.wraps).map_err(|e| {
             let message = format!("cannot open device {}: {}", device.path, device_error_reason(&e));
             match &e {
                 DeviceError::Io { source, .. } if source.kind() == std::io::ErrorKind::ResourceBusy => {
@@ -872,13 +900,24 @@ fn pool_options(data_dir: &Path, name: &str, ram_bytes: Option<u64>) -> PoolOpti
     }
 }
 
+/// Opens the device at `path`, with the wrappers `wraps` asks for on it.
+fn open_wrapped(path: impl AsRef<Path>, wraps: &DeviceWraps) -> Result<Arc<dyn Device>, DeviceError> {
+    let path = path.as_ref();
+    Ok(wraps.apply(path, open_device(path, &DeviceOptions::default())?))
+}
+
 /// Opens a pool's devices and the pool (replaying its log). Also says
 /// whether the device being added (`record.adding`), if any, was opened as
 /// a member: it is when the pool's superblocks list it.
-async fn open_pool(data_dir: &Path, name: &str, record: &PoolRecord) -> Result<(Arc<Pool>, bool), AdminError> {
+async fn open_pool(
+    data_dir: &Path,
+    name: &str,
+    record: &PoolRecord,
+    wraps: &DeviceWraps,
+) -> Result<(Arc<Pool>, bool), AdminError> {
     let mut devices = Vec::new();
     for device in &record.devices {
-        let opened = open_device(&device.path, &DeviceOptions::default())
+        let opened = open_wrapped(&device.path, wraps)
             .map_err(|e| internal(&format!("pool {name}: cannot open device {}", device.path), e))?;
         devices.push(opened);
     }
@@ -886,7 +925,7 @@ async fn open_pool(data_dir: &Path, name: &str, record: &PoolRecord) -> Result<(
     if let Some(adding) = &record.adding {
         // Unreadable or not listed: leave it out. If the superblocks do list
         // it, `Pool::open` then refuses with the missing member, as it must.
-        if let Ok(candidate) = open_device(&adding.path, &DeviceOptions::default()) {
+        if let Ok(candidate) = open_wrapped(&adding.path, wraps) {
             if Pool::superblocks_list(&devices, &candidate).await {
                 devices.push(candidate);
                 joined = true;
@@ -971,7 +1010,7 @@ fn lock_data_dir(data_dir: &Path) -> Result<File, AdminError> {
 
 /// First start: the default pool (one fast and one capacity device, sparse
 /// files in the data directory) with one 10 GiB volume.
-async fn initialise(data_dir: &Path) -> Result<Catalog, AdminError> {
+async fn initialise(data_dir: &Path, wraps: &DeviceWraps) -> Result<Catalog, AdminError> {
     let directory = pool_dir(data_dir, DEFAULT_POOL);
     fs::create_dir_all(&directory).map_err(|e| internal("cannot create pool directory", e))?;
     let mut records = Vec::new();
@@ -984,7 +1023,7 @@ async fn initialise(data_dir: &Path) -> Result<Catalog, AdminError> {
         if !path.exists() {
             create_file(&path, size).map_err(|e| internal("cannot create device file", e))?;
         }
-        let device = open_device(&path, &DeviceOptions::default()).map_err(|e| internal("cannot open device", e))?;
+        let device = open_wrapped(&path, wraps).map_err(|e| internal("cannot open device", e))?;
         devices.push(NewDevice { device, role });
         records.push(DeviceRecord {
             path: path.display().to_string(),

@@ -32,6 +32,11 @@ impl Server {
     /// Like `start`, with the RAM tier files in `ram_dir`, or where the
     /// daemon puts them by default (/dev/shm when it is tmpfs) for `None`.
     pub fn start_with_ram_dir(data_dir: &Path, ram_dir: Option<&Path>) -> Server {
+        Server::start_with_args(data_dir, ram_dir, &[])
+    }
+
+    /// Like `start_with_ram_dir`, with more arguments for `strata serve`.
+    pub fn start_with_args(data_dir: &Path, ram_dir: Option<&Path>, extra: &[&str]) -> Server {
         let mut command = Command::new(env!("CARGO_BIN_EXE_strata"));
         command.env_remove("STRATA_RAM_DIR");
         if let Some(dir) = ram_dir {
@@ -42,6 +47,7 @@ impl Server {
             .arg("--data-dir")
             .arg(data_dir)
             .args(["--nbd", "127.0.0.1:0", "--api", "127.0.0.1:0", "--iscsi", "127.0.0.1:0"])
+            .args(extra)
             .env("STRATA_LOG", "warn")
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
@@ -62,9 +68,9 @@ impl Server {
         let mut api = None;
         let mut iscsi = None;
         while nbd.is_none() || api.is_none() || iscsi.is_none() {
-            let line = received.recv_timeout(Duration::from_secs(30)).unwrap_or_else(|_| {
+            let line = received.recv_timeout(Duration::from_secs(60)).unwrap_or_else(|_| {
                 panic!(
-                    "strata serve did not report its addresses (exit: {:?})",
+                    "strata serve did not report its addresses within 60 s (exit: {:?})",
                     child.try_wait()
                 )
             });

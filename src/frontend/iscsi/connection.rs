@@ -148,12 +148,18 @@ pub async fn run(
     stream: TcpStream,
     registry: Arc<Registry>,
     portal: Option<SocketAddr>,
-    stop: Shutdown,
+    mut stop: Shutdown,
 ) -> Result<(), ConnectionError> {
     let (read_half, write_half) = stream.into_split();
     let mut reader = BufReader::with_capacity(256 * 1024, read_half);
     let mut writer = BufWriter::with_capacity(256 * 1024, write_half);
-    let Ok(logged_in) = tokio::time::timeout(LOGIN_TIMEOUT, login(&mut reader, &mut writer, &registry)).await else {
+    let logging_in = tokio::time::timeout(LOGIN_TIMEOUT, login(&mut reader, &mut writer, &registry));
+    let logged_in = tokio::select! {
+        logged_in = logging_in => logged_in,
+        // Stopping: an initiator still logging in has no command in flight.
+        _ = stop.wait_for(|stopped| *stopped) => return Ok(()),
+    };
+    let Ok(logged_in) = logged_in else {
         return Err(ConnectionError::Protocol("login did not complete in time"));
     };
     let Some(negotiated) = logged_in? else {
@@ -253,6 +259,15 @@ struct Session<'a> {
     text_rest: Option<(u32, Vec<u8>)>,
 }
 
+/// A task aborted when its handle is dropped.
+struct AbortOnDrop<T>(tokio::task::JoinHandle<T>);
+
+impl<T> Drop for AbortOnDrop<T> {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
 #[allow(clippy::too_many_arguments)]
 async fn full_feature<R, W>(
     mut reader: R,
@@ -280,14 +295,16 @@ where
         tasks: Mutex::new(HashMap::new()),
     });
     let (tx, rx) = mpsc::channel::<Batch>(4 * COMMAND_WINDOW as usize);
-    let writer_task = tokio::spawn(write_loop(
+    // Aborted if this connection is dropped unfinished (a stopping server
+    // gave up waiting for it): no response goes out after that.
+    let mut writer_task = AbortOnDrop(tokio::spawn(write_loop(
         writer,
         rx,
         shared.clone(),
         negotiated.statsn.wrapping_add(1),
         params.header_digest,
         params.data_digest,
-    ));
+    )));
     let mut session = Session {
         params,
         negotiated,
@@ -319,7 +336,7 @@ where
     };
     drop(session);
     // The writer ends once every command task has sent its response.
-    let _ = writer_task.await;
+    let _ = (&mut writer_task.0).await;
     result
 }
 

@@ -125,6 +125,7 @@ pub async fn serve_with_prefix(
 ) {
     let registry = Arc::new(Registry::new(manager, iqn_prefix));
     let connection_stop = stop.clone();
+    let mut connections = crate::frontend::Connections::default();
     loop {
         // The select only picks; the work happens after it, so no watch
         // guard is held across an await (the future must stay Send).
@@ -137,7 +138,7 @@ pub async fn serve_with_prefix(
                 let _ = stream.set_nodelay(true);
                 let registry = registry.clone();
                 let stop = connection_stop.clone();
-                tokio::spawn(async move {
+                connections.spawn(async move {
                     let portal: Option<SocketAddr> = stream.local_addr().ok();
                     if let Err(e) = super::connection::run(stream, registry, portal, stop).await {
                         tracing::debug!("iSCSI connection from {peer} ended: {e}");
@@ -150,4 +151,5 @@ pub async fn serve_with_prefix(
             }
         }
     }
+    connections.drain("iscsi").await;
 }

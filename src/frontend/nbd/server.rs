@@ -28,6 +28,7 @@ use crate::admin::metrics::{Op, Protocol};
 use crate::daemon::Shutdown;
 use crate::frontend::lane::Lane;
 use crate::frontend::outbox::{Outbox, ReplySocket};
+use crate::frontend::Connections;
 use crate::volume::manager::{VolumeManager, DEFAULT_POOL, DEFAULT_VOLUME};
 use crate::volume::{full_name, BlockError, IoBuf, Volume, ZeroFlags, MAX_REQUEST_BYTES};
 
@@ -78,6 +79,7 @@ enum ConnectionError {
 /// Accepts NBD clients until `stop` turns true.
 pub async fn serve(listener: TcpListener, manager: Arc<VolumeManager>, mut stop: Shutdown) {
     let slots = Arc::new(Semaphore::new(MAX_CONNECTIONS));
+    let mut connections = Connections::default();
     loop {
         let accepted = tokio::select! {
             _ = stop.wait_for(|stopped| *stopped) => break,
@@ -98,7 +100,7 @@ pub async fn serve(listener: TcpListener, manager: Arc<VolumeManager>, mut stop:
         };
         let manager = manager.clone();
         let stop = stop.clone();
-        tokio::spawn(async move {
+        connections.spawn(async move {
             let _slot = slot;
             match handle_connection(stream, &manager, stop).await {
                 Ok(()) => tracing::debug!("nbd: {peer} disconnected"),
@@ -106,6 +108,7 @@ pub async fn serve(listener: TcpListener, manager: Arc<VolumeManager>, mut stop:
             }
         });
     }
+    connections.drain("nbd").await;
 }
 
 async fn handle_connection(
@@ -121,9 +124,12 @@ async fn handle_connection(
     greeting.extend_from_slice(&proto::IHAVEOPT.to_be_bytes());
     greeting.extend_from_slice(&(proto::FLAG_FIXED_NEWSTYLE | proto::FLAG_NO_ZEROES).to_be_bytes());
     writer.write_all(&greeting).await?;
-    let agreed = tokio::time::timeout(HANDSHAKE_TIMEOUT, negotiate(&mut reader, &mut writer, manager))
-        .await
-        .map_err(|_| ConnectionError::HandshakeTimeout(HANDSHAKE_TIMEOUT))??;
+    let handshake = tokio::time::timeout(HANDSHAKE_TIMEOUT, negotiate(&mut reader, &mut writer, manager));
+    let agreed = tokio::select! {
+        agreed = handshake => agreed.map_err(|_| ConnectionError::HandshakeTimeout(HANDSHAKE_TIMEOUT))??,
+        // Stopping: a client still negotiating has nothing in flight.
+        _ = stop.wait_for(|stopped| *stopped) => return Ok(()),
+    };
     let Some((volume, negotiated)) = agreed else {
         return Ok(());
     };
@@ -139,7 +145,7 @@ async fn handle_connection(
         .into_std()?;
     stream.set_nonblocking(false)?;
     let replies = ReplySocket::new(stream.try_clone()?)?;
-    let watcher = stream.try_clone()?;
+    let watcher = Hangup(stream.try_clone()?);
     let reader = BufReader::with_capacity(
         RECEIVE_BUFFER_BYTES,
         std::io::Cursor::new(early).chain(Receiver(stream)),
@@ -157,8 +163,20 @@ async fn handle_connection(
     }
     // The server is stopping: end the reader's blocking receive as a client
     // hang-up would. Requests in flight still finish and send their replies.
-    let _ = watcher.shutdown(std::net::Shutdown::Read);
+    let _ = watcher.0.shutdown(std::net::Shutdown::Read);
     finished.await.unwrap_or(Err(ConnectionError::ThreadLost))
+}
+
+/// Shuts a connection's socket down both ways when dropped, as when a
+/// stopping server gives up waiting for it (see [`Connections::drain`]):
+/// the connection's thread, which cannot be cancelled, then sends nothing
+/// more and its receive ends. After a normal end it changes nothing.
+struct Hangup(std::net::TcpStream);
+
+impl Drop for Hangup {
+    fn drop(&mut self) {
+        let _ = self.0.shutdown(std::net::Shutdown::Both);
+    }
 }
 
 /// The receiving side of a connection in transmission, for its own thread:
