@@ -14,6 +14,7 @@
 
 use std::os::fd::AsRawFd;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
@@ -53,6 +54,9 @@ const STRUCTURED_READ_HEADROOM: usize = proto::CHUNK_HEADER_BYTES + 8;
 const READ_THREADS: usize = 2;
 /// Bytes the reader buffers from the socket at a time.
 const RECEIVE_BUFFER_BYTES: usize = 64 << 10;
+/// Microseconds an idle connection's reader polls for its next request
+/// before it sleeps (`STRATA_NBD_POLL_US` overrides; see [`Receiver`]).
+const DEFAULT_IDLE_POLL_US: u64 = 30;
 
 #[derive(Debug, thiserror::Error)]
 enum ConnectionError {
@@ -146,14 +150,16 @@ async fn handle_connection(
     stream.set_nonblocking(false)?;
     let replies = ReplySocket::new(stream.try_clone()?)?;
     let watcher = Hangup(stream.try_clone()?);
-    let reader = BufReader::with_capacity(
-        RECEIVE_BUFFER_BYTES,
-        std::io::Cursor::new(early).chain(Receiver(stream)),
-    );
+    let idle = Arc::new(AtomicBool::new(false));
+    let receiver = Receiver {
+        stream,
+        idle: idle.clone(),
+    };
+    let reader = BufReader::with_capacity(RECEIVE_BUFFER_BYTES, std::io::Cursor::new(early).chain(receiver));
     let runtime = tokio::runtime::Handle::current();
     let (done, finished) = tokio::sync::oneshot::channel();
     std::thread::Builder::new().name("strata-nbd".into()).spawn(move || {
-        let result = runtime.block_on(transmission(reader, replies, volume, negotiated));
+        let result = runtime.block_on(transmission(reader, replies, volume, negotiated, &idle));
         let _ = done.send(result);
     })?;
     tokio::pin!(finished);
@@ -185,16 +191,104 @@ impl Drop for Hangup {
 /// reactor thread is woken for data that arrives while the reader is busy
 /// (with tokio's readiness, an idle worker woke for each segment of a
 /// payload the reader was already receiving, and took its core).
-struct Receiver(std::net::TcpStream);
+///
+/// When the reader waits for the next request with nothing in flight
+/// (`idle`, set by [`transmission`]: a client doing one request at a time),
+/// the receive first polls without blocking for up to [`idle_poll`] before
+/// it sleeps: the next request of such a client usually comes within tens
+/// of microseconds, and a thread that slept must be woken on a core that
+/// went idle, which on a virtual machine costs about as much again.
+struct Receiver {
+    stream: std::net::TcpStream,
+    idle: Arc<AtomicBool>,
+}
+
+/// How long an idle connection's reader polls for its next request before
+/// it sleeps: `STRATA_NBD_POLL_US` microseconds (0 turns polling off),
+/// [`DEFAULT_IDLE_POLL_US`] by default.
+fn idle_poll() -> Duration {
+    static POLL: std::sync::OnceLock<Duration> = std::sync::OnceLock::new();
+    *POLL.get_or_init(|| {
+        let micros = match std::env::var("STRATA_NBD_POLL_US") {
+            Err(_) => DEFAULT_IDLE_POLL_US,
+            Ok(text) => text.trim().parse().unwrap_or_else(|_| {
+                tracing::warn!(
+                    "STRATA_NBD_POLL_US={text:?} is not a number of microseconds; using {DEFAULT_IDLE_POLL_US}"
+                );
+                DEFAULT_IDLE_POLL_US
+            }),
+        };
+        Duration::from_micros(micros)
+    })
+}
+
+/// Readers polling at this moment, process-wide: at most half the cores
+/// poll at once, so many idle connections never take every core.
+static POLLING: AtomicUsize = AtomicUsize::new(0);
+
+fn polling_limit() -> usize {
+    static LIMIT: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *LIMIT.get_or_init(|| (std::thread::available_parallelism().map_or(1, |n| n.get()) / 2).max(1))
+}
+
+impl Receiver {
+    /// One `recv` into `unfilled`; `flags` 0 blocks.
+    fn recv(&self, unfilled: &mut [std::mem::MaybeUninit<u8>], flags: i32) -> isize {
+        // SAFETY: the pointer and length describe writable memory owned by the caller.
+        unsafe {
+            libc::recv(
+                self.stream.as_raw_fd(),
+                unfilled.as_mut_ptr().cast(),
+                unfilled.len(),
+                flags,
+            )
+        }
+    }
+
+    /// Polls for data for up to [`idle_poll`]: bytes received (0 at end of
+    /// stream), or `None` if nothing came (or polling is off or taken).
+    fn poll_briefly(&self, unfilled: &mut [std::mem::MaybeUninit<u8>]) -> Option<isize> {
+        let window = idle_poll();
+        if window.is_zero() {
+            return None;
+        }
+        if POLLING.fetch_add(1, Ordering::Relaxed) >= polling_limit() {
+            POLLING.fetch_sub(1, Ordering::Relaxed);
+            return None;
+        }
+        let until = Instant::now() + window;
+        let received = loop {
+            let received = self.recv(unfilled, libc::MSG_DONTWAIT);
+            if received >= 0 {
+                break Some(received);
+            }
+            let again = std::io::Error::last_os_error().kind() == std::io::ErrorKind::WouldBlock;
+            if !again || Instant::now() >= until {
+                // An error is reported by the blocking receive that follows.
+                break None;
+            }
+            std::hint::spin_loop();
+        };
+        POLLING.fetch_sub(1, Ordering::Relaxed);
+        received
+    }
+}
 
 impl AsyncRead for Receiver {
     fn poll_read(self: Pin<&mut Self>, _: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<std::io::Result<()>> {
         // SAFETY: `recv` only writes into the unfilled part, and the bytes it
         // reports received are initialised before `assume_init` says so.
         let unfilled = unsafe { buf.unfilled_mut() };
+        let polled = if self.idle.load(Ordering::Relaxed) {
+            self.poll_briefly(unfilled)
+        } else {
+            None
+        };
         loop {
-            // SAFETY: the pointer and length describe writable memory owned by `buf`.
-            let received = unsafe { libc::recv(self.0.as_raw_fd(), unfilled.as_mut_ptr().cast(), unfilled.len(), 0) };
+            let received = match polled {
+                Some(received) => received,
+                None => self.recv(unfilled, 0),
+            };
             if received >= 0 {
                 let received = received as usize;
                 // SAFETY: the kernel wrote `received` bytes at the start of `unfilled`.
@@ -508,6 +602,7 @@ async fn transmission<R: AsyncRead + Unpin>(
     socket: ReplySocket,
     volume: Arc<Volume>,
     negotiated: Negotiated,
+    idle: &AtomicBool,
 ) -> Result<(), ConnectionError> {
     let _handle = volume.open_handle();
     let (outbox, flusher) = Outbox::start(socket);
@@ -529,7 +624,16 @@ async fn transmission<R: AsyncRead + Unpin>(
             ready.send(&outbox, &lane);
         }
         let mut header = [0u8; proto::REQUEST_BYTES];
-        match reader.read_exact(&mut header).await {
+        // Nothing buffered and nothing in flight (every reply written): the
+        // client waits for us, and its next request is the next thing to
+        // come; the receive may poll for it briefly (see `Receiver`).
+        idle.store(
+            reader.buffer().is_empty() && budget.available_permits() == budget_units,
+            Ordering::Relaxed,
+        );
+        let read = reader.read_exact(&mut header).await;
+        idle.store(false, Ordering::Relaxed);
+        match read {
             Ok(_) => {}
             // A client may close without NBD_CMD_DISC.
             Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => break Ok(()),
