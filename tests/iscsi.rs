@@ -1,7 +1,8 @@
 //! iSCSI target tests against real initiators (libiscsi's tools, qemu-img)
-//! and raw-socket regression cases. The daemon runs on ephemeral loopback
-//! ports and is stopped by PID. A missing tool fails its test: CI must install
-//! `libiscsi-bin`, `qemu-utils` and `qemu-block-extra`.
+//! and raw-socket cases (regressions, a stop with a command in flight). The
+//! daemon runs on ephemeral loopback ports and is stopped by PID. A missing
+//! tool fails its test: CI must install `libiscsi-bin`, `qemu-utils` and
+//! `qemu-block-extra`.
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
@@ -352,4 +353,59 @@ fn data_segment_above_negotiated_maximum_closes_only_that_connection() {
     let _ = stream.write_all(&pdu::encode(&nop, &big, false, false));
     assert!(read_response(&mut stream).is_none());
     assert_server_still_serves(&server);
+}
+
+#[test]
+fn a_stop_answers_the_commands_in_flight_before_the_final_flush() {
+    // The pool first, then the same pool with every write and flush of its
+    // fast device taking 150 ms, so that a FUA write is in flight at the stop.
+    let dir = tempfile::tempdir().expect("temp dir");
+    let mut daemon = common::Server::start(dir.path());
+    assert!(daemon.stop().success());
+    let fast = dir.path().join("pools/default/fast.dev");
+    let wrap = format!("{}=delay:write=150ms,flush=150ms", fast.display());
+    let daemon = common::Server::start_with_args(dir.path(), Some(dir.path()), &["--wrap", &wrap]);
+    let address = daemon.iscsi.parse().expect("iscsi address");
+    let mut server = IscsiServer {
+        _dir: dir,
+        _daemon: daemon,
+        address,
+    };
+    let mut stream = login(&server, TARGET);
+    // WRITE(10) with FUA of 8 blocks at LBA 2048; the data follows the R2T.
+    let mut write = Bhs::new(op::SCSI_COMMAND);
+    write.0[1] = 0x80 | 0x20;
+    write.set_u32(16, 0x51);
+    write.set_u32(20, 8 * 512);
+    write.set_u32(24, 0);
+    write.0[32] = 0x2a;
+    write.0[33] = 0x08; // FUA
+    write.0[34..38].copy_from_slice(&2048u32.to_be_bytes());
+    write.0[32 + 8] = 8;
+    stream.write_all(&pdu::encode(&write, &[], false, false)).expect("send");
+    let (r2t, _) = read_response(&mut stream).expect("R2T");
+    assert_eq!(r2t.opcode(), op::R2T);
+    let data = vec![0x5c; 8 * 512];
+    let mut out = Bhs::new(op::DATA_OUT);
+    out.0[1] = 0x80;
+    out.set_u32(16, 0x51);
+    out.set_u32(20, r2t.u32_at(20)); // the R2T's target transfer tag
+    out.set_u32(40, 0);
+    stream.write_all(&pdu::encode(&out, &data, false, false)).expect("send");
+    std::thread::sleep(Duration::from_millis(50));
+    // SAFETY: kill(2) on our own child's pid with a valid signal number.
+    unsafe { libc::kill(server._daemon.pid() as i32, libc::SIGTERM) };
+    // Taken before the stop: it completes and its GOOD status goes out before
+    // the daemon flushes and exits.
+    let (response, _) = read_response(&mut stream).expect("the write's response before the exit");
+    assert_eq!(response.opcode(), op::SCSI_RESPONSE);
+    assert_eq!((response.0[2], response.0[3]), (0, 0), "response and SCSI status");
+    assert!(server._daemon.stop().success());
+
+    let daemon = common::Server::start(server._dir.path());
+    // The volume was never written before: the pattern is the FUA write's.
+    run(
+        "qemu-io",
+        &["-f", "raw", "-c", "read -P 0x5c 1M 4k", &daemon.uri("default/vol0")],
+    );
 }
