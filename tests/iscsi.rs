@@ -245,6 +245,24 @@ fn login(server: &IscsiServer, target: &str) -> TcpStream {
     stream
 }
 
+/// A WRITE(10) command PDU (CmdSN 0, F=1, no immediate data) for `blocks`
+/// 512-byte blocks at `lba`, with FUA if asked: the target answers with an
+/// R2T for the data.
+fn write10_without_data(itt: u32, lba: u32, blocks: u8, fua: bool) -> Bhs {
+    let mut write = Bhs::new(op::SCSI_COMMAND);
+    write.0[1] = 0x80 | 0x20;
+    write.set_u32(16, itt);
+    write.set_u32(20, blocks as u32 * 512);
+    write.set_u32(24, 0);
+    write.0[32] = 0x2a;
+    if fua {
+        write.0[33] = 0x08;
+    }
+    write.0[34..38].copy_from_slice(&lba.to_be_bytes());
+    write.0[32 + 8] = blocks;
+    write
+}
+
 fn assert_server_still_serves(server: &IscsiServer) {
     let out = run("iscsi-inq", &[&url(server, TARGET)]);
     assert!(out.contains("STRATA"));
@@ -309,13 +327,7 @@ fn reused_itt_is_rejected_and_session_continues() {
     let mut stream = login(&server, TARGET);
     // WRITE(10) of 8 blocks with F=1 and no data: the target sends an R2T
     // and waits, so the ITT stays in use.
-    let mut write = Bhs::new(op::SCSI_COMMAND);
-    write.0[1] = 0x80 | 0x20;
-    write.set_u32(16, 0x42);
-    write.set_u32(20, 8 * 512);
-    write.set_u32(24, 0);
-    write.0[32] = 0x2a;
-    write.0[32 + 8] = 8;
+    let write = write10_without_data(0x42, 0, 8, false);
     stream.write_all(&pdu::encode(&write, &[], false, false)).expect("send");
     let (r2t, _) = read_response(&mut stream).expect("R2T");
     assert_eq!(r2t.opcode(), op::R2T);
@@ -373,15 +385,7 @@ fn a_stop_answers_the_commands_in_flight_before_the_final_flush() {
     };
     let mut stream = login(&server, TARGET);
     // WRITE(10) with FUA of 8 blocks at LBA 2048; the data follows the R2T.
-    let mut write = Bhs::new(op::SCSI_COMMAND);
-    write.0[1] = 0x80 | 0x20;
-    write.set_u32(16, 0x51);
-    write.set_u32(20, 8 * 512);
-    write.set_u32(24, 0);
-    write.0[32] = 0x2a;
-    write.0[33] = 0x08; // FUA
-    write.0[34..38].copy_from_slice(&2048u32.to_be_bytes());
-    write.0[32 + 8] = 8;
+    let write = write10_without_data(0x51, 2048, 8, true);
     stream.write_all(&pdu::encode(&write, &[], false, false)).expect("send");
     let (r2t, _) = read_response(&mut stream).expect("R2T");
     assert_eq!(r2t.opcode(), op::R2T);

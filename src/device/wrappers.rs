@@ -478,12 +478,8 @@ impl DeviceWraps {
         Ok(DeviceWraps { entries })
     }
 
-    pub fn is_empty(&self) -> bool {
-        self.entries.is_empty()
-    }
-
     /// The stack for the device at `path`, if one was asked for.
-    pub fn stack_for(&self, path: &std::path::Path) -> Option<&[WrapperSpec]> {
+    fn stack_for(&self, path: &std::path::Path) -> Option<&[WrapperSpec]> {
         self.entries
             .iter()
             .find(|(known, _)| same_path(known, path))
