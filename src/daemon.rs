@@ -81,6 +81,8 @@ async fn bind(what: &str, address: SocketAddr) -> Result<TcpListener, String> {
 async fn serve(args: ServeArgs) -> Result<(), String> {
     let signals = Signals::catch()?;
     let wraps = DeviceWraps::parse(&args.wrap)?;
+    // Measured before the pools open (their recovery checksums), and said.
+    tracing::info!("crc32c: {}", crate::checksum::backend().name());
     let manager = Arc::new(
         VolumeManager::open_with_wraps(&args.data_dir, wraps)
             .await
