@@ -1595,4 +1595,47 @@ mod tests {
         assert!(matches!(&merged[1].data, Payload::Source(range) if *range == (6 * sector..8 * sector)));
         assert_eq!(merged[1].crcs, sector_crcs(&source[6 * sector..]));
     }
+
+    #[test]
+    fn a_sequential_stream_marks_the_chunks_ahead_in_one_log_write_and_random_writes_mark_only_their_own() {
+        current_thread().block_on(async {
+            let (_sim, pool) = sim_pool(7).await;
+            let chunk = 1u64 << 20;
+            let ahead = super::super::MARK_AHEAD_BYTES / chunk;
+            let log_writes = |pool: &Pool| pool.log.next_lsn();
+            let marked = |pool: &Pool, index: u64| {
+                pool.devices[0].chunk_epochs[index as usize].load(Ordering::Acquire) == pool.epoch()
+            };
+            // The first chunk of a stream: only itself.
+            let before = log_writes(&pool);
+            pool.mark_dirty(&[(0, 0)]).await.unwrap();
+            assert!(log_writes(&pool) > before, "a mark is a log write");
+            assert!(marked(&pool, 0));
+            assert!(!marked(&pool, 1));
+            // Its successor continues a stream: it and the next chunks.
+            pool.mark_dirty(&[(0, chunk + 4096)]).await.unwrap();
+            for index in 1..=1 + ahead {
+                assert!(marked(&pool, index), "chunk {index} marked ahead");
+            }
+            assert!(!marked(&pool, 2 + ahead));
+            // The stream's next chunks then cost no log write at all.
+            let before = log_writes(&pool);
+            for index in 2..=1 + ahead {
+                pool.mark_dirty(&[(0, index * chunk)]).await.unwrap();
+            }
+            assert_eq!(log_writes(&pool), before);
+            // A write far away (its predecessor unmarked) marks its own chunk only.
+            pool.mark_dirty(&[(0, 100 * chunk)]).await.unwrap();
+            assert!(marked(&pool, 100));
+            assert!(!marked(&pool, 101));
+            // Near the end of the device nothing past it is marked (or panics).
+            let chunks = pool.devices[0].chunk_epochs.len() as u64;
+            pool.mark_dirty(&[(0, (chunks - 2) * chunk)]).await.unwrap();
+            pool.mark_dirty(&[(0, (chunks - 1) * chunk)]).await.unwrap();
+            assert!(marked(&pool, chunks - 1));
+            // A new epoch (a checkpoint) needs every mark again.
+            pool.checkpoint().await.unwrap();
+            assert!(!marked(&pool, 0));
+        });
+    }
 }
