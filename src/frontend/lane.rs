@@ -6,7 +6,7 @@
 //! read the device, verify the checksums, copy the reply into the socket
 //! (through loopback TCP, the larger half of the cost), and only then parse
 //! the next request. The NBD server has two lanes per connection: one of
-//! two threads that each run a whole large read (read, verify, send), and
+//! a thread or a few that each run a whole large read (read, verify, send), and
 //! one thread that sends the replies the reader collected once they carry
 //! enough data. One hand-off per job.
 //!

@@ -50,8 +50,19 @@ const BULK_REPLY_BYTES: usize = 256 << 10;
 const SUM_WHILE_RECEIVING_BYTES: usize = 64 << 10;
 /// Room in front of read data for a structured chunk header and its offset.
 const STRUCTURED_READ_HEADROOM: usize = proto::CHUNK_HEADER_BYTES + 8;
-/// Threads per connection that run large reads.
-const READ_THREADS: usize = 2;
+/// Threads per connection that run large reads: half the cores, between 1
+/// and [`MAX_READ_THREADS`]. Two readers sending on one socket contend for
+/// it; on two cores shared with the client, a second thread cost 35–40 % of
+/// 1M read throughput on one machine and gained 5–11 % on another
+/// (BENCHMARKS.md).
+fn read_threads() -> usize {
+    static THREADS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *THREADS.get_or_init(|| {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        (cores / 2).clamp(1, MAX_READ_THREADS)
+    })
+}
+const MAX_READ_THREADS: usize = 4;
 /// Bytes the reader buffers from the socket at a time.
 const RECEIVE_BUFFER_BYTES: usize = 64 << 10;
 /// Microseconds an idle connection's reader polls for its next request
@@ -616,7 +627,7 @@ async fn transmission<R: AsyncRead + Unpin>(
         bytes: 0,
     };
     let lane = Lane::new(send_bulk);
-    let reads = Lane::with_threads(run_read, READ_THREADS);
+    let reads = Lane::with_threads(run_read, read_threads());
     let buffers = ReadBuffers::new();
 
     let result = loop {
@@ -708,8 +719,8 @@ async fn transmission<R: AsyncRead + Unpin>(
         };
         if request.kind == cmd::READ && data_bytes >= BULK_REPLY_BYTES {
             // A large read runs whole on one of the connection's read
-            // threads: the reader goes on parsing, and two reads are read,
-            // verified and sent on two cores at once.
+            // threads: the reader goes on parsing while it is read,
+            // verified and sent.
             match reads.push(ReadJob {
                 work: Box::pin(work),
                 outbox: outbox.clone(),
