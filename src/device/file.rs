@@ -443,6 +443,19 @@ impl Device for FileDevice {
         })
     }
 
+    fn flush_range(&self, offset: u64, length: u64) -> BoxFuture<'_, DeviceResult<()>> {
+        Box::pin(async move {
+            if self.read_only {
+                return Ok(());
+            }
+            self.check_writable(offset)?;
+            self.engine
+                .sync_data_range(&self.file, offset, length)
+                .await
+                .map_err(|e| self.fail("flush", offset, e))
+        })
+    }
+
     fn discard(&self, offset: u64, length: u64) -> BoxFuture<'_, DeviceResult<()>> {
         Box::pin(async move {
             check_request(&self.info, offset, length)?;

@@ -408,7 +408,7 @@ pub struct DeviceInfo {
 ///   the data is visible to later reads but NOT durable: after a crash or
 ///   power loss it may be absent, present, or torn at sector granularity.
 /// - `flush` makes every write that completed before `flush` was called
-///   durable. A failed write or flush makes the device's error sticky
+///   durable; `flush_range` at least those inside a range. A failed write or flush makes the device's error sticky
 ///   ([`DeviceError::Failed`]).
 /// - `discard` tells the device a range is unused; afterwards it reads as
 ///   zeros or as its old contents (callers must not depend on which).
@@ -421,6 +421,17 @@ pub trait Device: Send + Sync {
     fn read(&self, offset: u64, buf: IoBuf) -> BoxFuture<'_, (IoBuf, DeviceResult<()>)>;
     fn write(&self, offset: u64, buf: IoBuf) -> BoxFuture<'_, (IoBuf, DeviceResult<()>)>;
     fn flush(&self) -> BoxFuture<'_, DeviceResult<()>>;
+
+    /// Makes durable every write that completed before the call and lies in
+    /// `[offset, offset + length)`; writes elsewhere may stay volatile. A
+    /// device may flush more (the default flushes everything). The log uses
+    /// it: on a device that also holds data, a whole flush would write back
+    /// every dirty data page with each commit of a few log blocks.
+    fn flush_range(&self, offset: u64, length: u64) -> BoxFuture<'_, DeviceResult<()>> {
+        let _ = (offset, length);
+        self.flush()
+    }
+
     fn discard(&self, offset: u64, length: u64) -> BoxFuture<'_, DeviceResult<()>>;
 
     /// Writes `data` at `offset` straight from the caller's memory, when

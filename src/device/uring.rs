@@ -98,6 +98,8 @@ enum Op {
         reply: oneshot::Sender<(IoBuf, io::Result<()>)>,
     },
     Fsync {
+        /// Bytes from the request's offset to sync; 0 is the whole file.
+        len: u32,
         reply: oneshot::Sender<io::Result<()>>,
     },
 }
@@ -111,7 +113,7 @@ impl Request {
             Op::Read { buf, reply, .. } | Op::Write { buf, reply, .. } => {
                 let _ = reply.send((buf, result));
             }
-            Op::Fsync { reply } => {
+            Op::Fsync { reply, .. } => {
                 let _ = reply.send(result);
             }
         }
@@ -135,7 +137,11 @@ impl Request {
                     .offset(self.offset + *done as u64)
                     .build()
             }
-            Op::Fsync { .. } => opcode::Fsync::new(fd).flags(types::FsyncFlags::DATASYNC).build(),
+            Op::Fsync { len, .. } => opcode::Fsync::new(fd)
+                .offset(self.offset)
+                .len(*len)
+                .flags(types::FsyncFlags::DATASYNC)
+                .build(),
         };
         entry.user_data(slot as u64)
     }
@@ -298,12 +304,19 @@ impl UringEngine {
 
     /// IORING_OP_FSYNC with IORING_FSYNC_DATASYNC (fdatasync).
     pub async fn fdatasync(&self, file: Arc<File>) -> io::Result<()> {
+        self.fdatasync_range(file, 0, 0).await
+    }
+
+    /// fdatasync of `[offset, offset + len)` only (the kernel's
+    /// `vfs_fsync_range`: the range's dirty pages, the metadata needed to
+    /// find them, and a device cache flush); `len` 0 is the whole file.
+    pub async fn fdatasync_range(&self, file: Arc<File>, offset: u64, len: u32) -> io::Result<()> {
         let (reply, result) = oneshot::channel();
         self.submit(Request {
             file,
-            offset: 0,
+            offset,
             retries: 0,
-            op: Op::Fsync { reply },
+            op: Op::Fsync { len, reply },
         });
         result.await.unwrap_or_else(|_| Err(lost_request()))
     }
@@ -501,6 +514,9 @@ mod tests {
         let (_, res) = engine.write(file.clone(), 4096, IoBuf::copy_from(&data)).await;
         res.unwrap();
         engine.fdatasync(file.clone()).await.unwrap();
+        let (_, res) = engine.write(file.clone(), 65536, IoBuf::copy_from(&data)).await;
+        res.unwrap();
+        engine.fdatasync_range(file.clone(), 65536, 8192).await.unwrap();
         let (buf, res) = engine.read(file.clone(), 4096, IoBuf::new(8192)).await;
         res.unwrap();
         assert_eq!(buf.payload(), &data[..]);

@@ -556,7 +556,10 @@ impl Log {
             index += run;
         }
         if committed {
-            self.device.flush().await?;
+            // Only the log region: on a device that holds data too, a whole
+            // flush would also write back every dirty data page (the data
+            // devices are flushed separately, when a commit needs it).
+            self.device.flush_range(self.offset, self.len).await?;
             self.next_lsn
                 .store(start_lsn + count * LOG_BLOCK_BYTES, Ordering::Release);
         }
