@@ -85,9 +85,14 @@ impl Device for DelayDevice {
     }
 
     fn flush(&self) -> BoxFuture<'_, DeviceResult<()>> {
+        // The whole device: every range.
+        self.flush_range(0, u64::MAX)
+    }
+
+    fn flush_range(&self, offset: u64, length: u64) -> BoxFuture<'_, DeviceResult<()>> {
         Box::pin(async move {
             pause(self.config.flush).await;
-            self.inner.flush().await
+            self.inner.flush_range(offset, length).await
         })
     }
 
@@ -205,9 +210,14 @@ impl Device for ThrottleDevice {
     }
 
     fn flush(&self) -> BoxFuture<'_, DeviceResult<()>> {
+        // The whole device: every range.
+        self.flush_range(0, u64::MAX)
+    }
+
+    fn flush_range(&self, offset: u64, length: u64) -> BoxFuture<'_, DeviceResult<()>> {
         Box::pin(async move {
             self.admit(0).await;
-            self.inner.flush().await
+            self.inner.flush_range(offset, length).await
         })
     }
 
@@ -394,13 +404,18 @@ impl Device for ErrorDevice {
     }
 
     fn flush(&self) -> BoxFuture<'_, DeviceResult<()>> {
+        // The whole device: every range.
+        self.flush_range(0, u64::MAX)
+    }
+
+    fn flush_range(&self, offset: u64, length: u64) -> BoxFuture<'_, DeviceResult<()>> {
         Box::pin(async move {
             self.sticky.check(&self.info.name)?;
             if self.should_fail(IoOp::Flush, 0, 0) {
                 self.sticky.set("injected flush error");
                 return Err(self.injected_error(0));
             }
-            self.inner.flush().await
+            self.inner.flush_range(offset, length).await
         })
     }
 
