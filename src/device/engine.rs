@@ -198,17 +198,10 @@ impl IoEngine {
         !direct && len <= INLINE_WRITE_MAX
     }
 
-    /// fdatasync: makes completed writes durable.
-    pub async fn sync_data(&self, file: &Arc<File>) -> io::Result<()> {
-        match self {
-            IoEngine::IoUring(ring, _) => ring.fdatasync(file.clone()).await,
-            IoEngine::Threads(engine) => engine.fdatasync(file.clone()).await,
-        }
-    }
-
     /// Makes completed writes in `[offset, offset + len)` durable: a ranged
-    /// fdatasync through io_uring; the thread engine has no ranged
-    /// fdatasync system call to use and syncs the whole file.
+    /// fdatasync through io_uring (a length no `u32` holds, or 0, is the
+    /// whole file); the thread engine has no ranged fdatasync system call
+    /// to use and syncs the whole file.
     pub async fn sync_data_range(&self, file: &Arc<File>, offset: u64, len: u64) -> io::Result<()> {
         match self {
             IoEngine::IoUring(ring, _) => match u32::try_from(len) {
@@ -271,7 +264,7 @@ mod tests {
         let (buf, res) = engine.read(&file, 4096, IoBuf::new(8192), false).await;
         res.unwrap();
         assert_eq!(buf.payload(), &data[4096..12288]);
-        engine.sync_data(&file).await.unwrap();
+        engine.sync_data_range(&file, 0, u64::MAX).await.unwrap();
         // SAFETY: posix_fadvise takes no pointers.
         unsafe { libc::posix_fadvise(file.as_raw_fd(), 32768, 0, libc::POSIX_FADV_DONTNEED) };
         let (buf, res) = engine.read(&file, 16384, IoBuf::new(49152), false).await;
