@@ -126,6 +126,112 @@ pub fn crc32c_of_parts(parts: &[&[u8]]) -> u32 {
     backend().checksum_of_parts(parts)
 }
 
+/// The unit [`copy_summing_sectors`] checksums: a 4 KiB sector, as the pool
+/// stores its checksums.
+pub const SUM_SECTOR_BYTES: usize = 4096;
+
+/// Whether [`copy_summing_sectors`] can run on this CPU (x86-64 with SSE4.2).
+pub fn can_copy_summing() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::arch::is_x86_feature_detected!("sse4.2")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// Copies `dst.len()` bytes (whole [`SUM_SECTOR_BYTES`] sectors) from `src`
+/// into `dst` and stores each sector's CRC-32C in `sums`, in one pass: every
+/// 8-byte word is loaded once, fed to the `crc32` instruction and stored.
+/// Three sectors are summed at once (one dependency chain each, no merging),
+/// which keeps the instruction busy every cycle. The point is memory that
+/// another party can change (a shared mapping of a device file): what lands
+/// in `dst` is exactly what was summed, whatever happens to `src` meanwhile.
+///
+/// # Safety
+/// `src` must be 8-byte aligned and valid for reads of `dst.len()` bytes for
+/// the whole call (it may change concurrently: it is read with volatile
+/// loads, once each). [`can_copy_summing`] must be true.
+///
+/// # Panics
+/// If `dst` is not whole sectors or `sums` has not one slot per sector.
+pub unsafe fn copy_summing_sectors(src: *const u8, dst: &mut [u8], sums: &mut [u32]) {
+    assert!(dst.len() % SUM_SECTOR_BYTES == 0 && sums.len() == dst.len() / SUM_SECTOR_BYTES);
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: the caller's promises, passed on; the CPU has SSE4.2.
+    unsafe {
+        sse42::copy_summing_sectors(src, dst, sums)
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    unreachable!("copy_summing_sectors without can_copy_summing")
+}
+
+#[cfg(target_arch = "x86_64")]
+mod sse42 {
+    use super::SUM_SECTOR_BYTES;
+    use std::arch::x86_64::{_mm_crc32_u64, _mm_prefetch, _MM_HINT_T0};
+
+    const WORDS: usize = SUM_SECTOR_BYTES / 8;
+
+    /// See [`super::copy_summing_sectors`].
+    #[target_feature(enable = "sse4.2")]
+    pub unsafe fn copy_summing_sectors(src: *const u8, dst: &mut [u8], sums: &mut [u32]) {
+        let src = src as *const u64;
+        let dst = dst.as_mut_ptr() as *mut u64;
+        let sectors = sums.len();
+        let mut sector = 0;
+        while sector + 3 <= sectors {
+            let (a, b, c) = (sector * WORDS, (sector + 1) * WORDS, (sector + 2) * WORDS);
+            let (mut crc_a, mut crc_b, mut crc_c) = (!0u64, !0u64, !0u64);
+            // The hardware prefetcher does not cross into the next page
+            // (sector); ask for the next group's lines while this one runs.
+            let next = (sector + 6 <= sectors).then_some(c + WORDS);
+            for i in 0..WORDS {
+                if let (Some(next), 0) = (next, i % 8) {
+                    for stream in 0..3 {
+                        // SAFETY: a prefetch inside the caller's range (it
+                        // never faults, whatever the address).
+                        unsafe { _mm_prefetch::<_MM_HINT_T0>(src.add(next + stream * WORDS + i) as *const i8) };
+                    }
+                }
+                // SAFETY: the caller's range covers every sector; `dst` is
+                // a slice of the same length (unaligned stores are fine).
+                unsafe {
+                    let x = std::ptr::read_volatile(src.add(a + i));
+                    let y = std::ptr::read_volatile(src.add(b + i));
+                    let z = std::ptr::read_volatile(src.add(c + i));
+                    crc_a = _mm_crc32_u64(crc_a, x);
+                    crc_b = _mm_crc32_u64(crc_b, y);
+                    crc_c = _mm_crc32_u64(crc_c, z);
+                    dst.add(a + i).write_unaligned(x);
+                    dst.add(b + i).write_unaligned(y);
+                    dst.add(c + i).write_unaligned(z);
+                }
+            }
+            sums[sector] = !(crc_a as u32);
+            sums[sector + 1] = !(crc_b as u32);
+            sums[sector + 2] = !(crc_c as u32);
+            sector += 3;
+        }
+        while sector < sectors {
+            let a = sector * WORDS;
+            let mut crc = !0u64;
+            for i in 0..WORDS {
+                // SAFETY: as above.
+                unsafe {
+                    let x = std::ptr::read_volatile(src.add(a + i));
+                    crc = _mm_crc32_u64(crc, x);
+                    dst.add(a + i).write_unaligned(x);
+                }
+            }
+            sums[sector] = !(crc as u32);
+            sector += 1;
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -202,6 +308,38 @@ mod tests {
             for len in [1, 7, 63, 64, 255, 512, 4096, 4097, 16_384, 65_536, 65_537] {
                 let expected = reference(&data[..len]);
                 assert_eq!(backend.checksum(&data[..len]), expected, "{backend:?} length {len}");
+            }
+        }
+    }
+    #[test]
+    fn copying_while_summing_gives_the_bytes_and_each_sectors_checksum() {
+        if !can_copy_summing() {
+            eprintln!("no SSE4.2 on this CPU: copy_summing_sectors is never used here");
+            return;
+        }
+        // 1 to 7 sectors: every mix of three-at-once groups and single tails.
+        let data: Vec<u64> = (0..7 * SUM_SECTOR_BYTES as u64 / 8)
+            .map(|i| i.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ (i << 17))
+            .collect();
+        // SAFETY: a Vec<u64> is 8-byte aligned plain data.
+        let bytes = unsafe { std::slice::from_raw_parts(data.as_ptr() as *const u8, data.len() * 8) };
+        for sectors in 1..=7 {
+            let len = sectors * SUM_SECTOR_BYTES;
+            // An odd offset into a larger buffer: the destination need not be aligned.
+            let mut dst = vec![0u8; len + 3];
+            let mut sums = vec![0u32; sectors];
+            // SAFETY: `bytes` is aligned and holds `len` bytes.
+            unsafe { copy_summing_sectors(bytes.as_ptr(), &mut dst[3..], &mut sums) };
+            assert_eq!(&dst[3..], &bytes[..len], "{sectors} sectors");
+            for (index, sum) in sums.iter().enumerate() {
+                let sector = &bytes[index * SUM_SECTOR_BYTES..(index + 1) * SUM_SECTOR_BYTES];
+                for backend in Backend::ALL {
+                    assert_eq!(
+                        *sum,
+                        backend.checksum(sector),
+                        "{sectors} sectors, sector {index}, {backend:?}"
+                    );
+                }
             }
         }
     }

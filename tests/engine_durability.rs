@@ -145,6 +145,24 @@ fn bit_rot_in_a_device_file_reads_as_eio_and_is_counted() {
         .arg(&uri));
     let status = common::http(&server.api, "GET", "/v1/pools/default", "");
     assert!(status.contains("\"checksum_errors\":1"), "{status}");
+
+    // Rot under a running server: the flipped byte is in the page cache at
+    // once, where large reads copy and checksum straight from (a mapping of)
+    // the file. Still EIO, counted once more.
+    let offset = find_sector(&device, 0x3c).expect("the second pattern is on the fast device");
+    flip_byte(&device, offset + 4000);
+    let bad = Command::new("qemu-io")
+        .args(["-f", "raw", "-c", "read -P 0x3c 1M 64k"])
+        .arg(&uri)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&bad.stdout).to_string() + &String::from_utf8_lossy(&bad.stderr);
+    assert!(
+        text.contains("Input/output error"),
+        "a block rotten under a running server must read as EIO:\n{text}"
+    );
+    let status = common::http(&server.api, "GET", "/v1/pools/default", "");
+    assert!(status.contains("\"checksum_errors\":2"), "{status}");
 }
 
 /// Seconds before each kill: `default` in CI; `STRATA_KILL_CYCLES=N` (the

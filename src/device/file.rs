@@ -23,6 +23,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use super::engine::{run_blocking, EngineChoice, IoEngine};
+use super::mapped::Mapping;
 use super::{check_request, BoxFuture, Device, DeviceError, DeviceInfo, DeviceResult, IoBuf, StickyError};
 
 /// `BLKGETSIZE64 = _IOR(0x12, 114, size_t)`: device size in bytes.
@@ -79,6 +80,9 @@ impl Default for DeviceOptions {
 pub struct FileDevice {
     info: DeviceInfo,
     file: Arc<File>,
+    /// A read-only mapping of a buffered file, for reads of cached pages
+    /// with their checksums in one pass ([`Device::read_now_summed`]).
+    mapping: Option<Mapping>,
     engine: IoEngine,
     is_block_device: bool,
     read_only: bool,
@@ -197,6 +201,17 @@ fn detect_rotational(dev: u64) -> bool {
     false
 }
 
+/// Whether buffered files are mapped for reads of cached pages (see
+/// [`super::mapped`]): yes unless `STRATA_MAPPED_READS` is `0` or `off`
+/// (for benchmarks comparing the two read paths).
+fn mapped_reads_enabled() -> bool {
+    static ENABLED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ENABLED.get_or_init(|| match std::env::var("STRATA_MAPPED_READS") {
+        Ok(value) => !matches!(value.trim(), "0" | "off"),
+        Err(_) => true,
+    })
+}
+
 /// Default for [`DeviceOptions::lock_wait`].
 pub const LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
 
@@ -299,9 +314,16 @@ impl FileDevice {
             regular_file: !is_block_device,
         };
         tracing::debug!(?info, "opened device");
+        let file = Arc::new(file);
+        let mapping = if direct_io || !mapped_reads_enabled() {
+            None
+        } else {
+            Mapping::new(&file, size_bytes)
+        };
         Ok(FileDevice {
             info,
-            file: Arc::new(file),
+            file,
+            mapping,
             engine,
             is_block_device,
             read_only: options.read_only,
@@ -413,6 +435,15 @@ impl Device for FileDevice {
         self.engine
             .write_now(&self.file, offset, data, self.info.direct_io)
             .map(|result| result.map_err(|e| self.fail("write", offset, e)))
+    }
+
+    fn read_now_summed(&self, offset: u64, dst: &mut [u8], sums: &mut [u32]) -> bool {
+        match &self.mapping {
+            Some(mapping) => {
+                check_request(&self.info, offset, dst.len() as u64).is_ok() && mapping.copy_summing(offset, dst, sums)
+            }
+            None => false,
+        }
     }
 
     fn read_now(&self, offset: u64, dst: &mut [u8]) -> Option<DeviceResult<()>> {

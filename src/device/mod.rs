@@ -11,6 +11,7 @@ use std::sync::OnceLock;
 
 pub mod engine;
 pub mod file;
+pub mod mapped;
 pub mod sim;
 pub mod threads;
 pub mod uring;
@@ -449,6 +450,18 @@ pub trait Device: Send + Sync {
     /// buffer with [`Device::read`] (`dst` may have been written to).
     fn read_now(&self, _offset: u64, _dst: &mut [u8]) -> Option<DeviceResult<()>> {
         None
+    }
+
+    /// Like [`Device::read_now`] for whole 4 KiB sectors
+    /// ([`crate::checksum::SUM_SECTOR_BYTES`]), and each sector's CRC-32C
+    /// into `sums` (one slot per sector), computed in the same pass over the
+    /// data: for a device that can do that cheaper than a read followed by
+    /// checksumming (a buffered file, through a mapping of it). `false`
+    /// (the default): not done, for whatever reason (`dst` and `sums` may
+    /// have been written); the caller reads the usual way, which reports
+    /// any error.
+    fn read_now_summed(&self, _offset: u64, _dst: &mut [u8], _sums: &mut [u32]) -> bool {
+        false
     }
 }
 

@@ -28,6 +28,10 @@ const STRIPES: usize = 1024;
 const READ_CACHE_MAX_REQUEST: u64 = 128 << 10;
 /// Most extents one BLOCK_STATUS answer carries.
 const MAX_EXTENTS: usize = 1024;
+/// Reads at least this large try the device's copy-and-sum path first
+/// ([`EngineVolume::read_summed_now`]); smaller ones gain little from it
+/// and would only add page faults on first touch of a mapped page.
+const SUMMED_READ_MIN_BYTES: usize = 64 << 10;
 
 pub struct EngineVolume {
     pool: Arc<Pool>,
@@ -414,6 +418,29 @@ impl EngineVolume {
         Ok(())
     }
 
+    /// Reads whole sectors into `dst` straight from `device`'s memory, their
+    /// checksums summed in the same pass (a cached, mapped file: see
+    /// `device::mapped`), for reads of at least [`SUMMED_READ_MIN_BYTES`].
+    /// `true` if done and every sum matched the stored one. Anything else —
+    /// pages not cached, a device that cannot, a mismatch — is `false`, and
+    /// the caller reads and verifies the usual way, which alone repairs
+    /// suspect sectors and reports and counts errors.
+    fn read_summed_now(&self, device: u8, physical: u64, dst: &mut [u8]) -> bool {
+        const _: () = assert!(SECTOR_BYTES as usize == crate::checksum::SUM_SECTOR_BYTES);
+        if dst.len() < SUMMED_READ_MIN_BYTES {
+            return false;
+        }
+        let sectors = dst.len() / SECTOR_BYTES as usize;
+        let mut sums = vec![0u32; sectors];
+        if !self.pool.devices[device as usize]
+            .device
+            .read_now_summed(physical, dst, &mut sums)
+        {
+            return false;
+        }
+        matches!(self.pool.crcs(device, physical, sectors), Ok(stored) if stored == sums)
+    }
+
     /// Reads whole sectors `[offset, offset + length)` from a device and verifies them.
     async fn read_sectors(
         &self,
@@ -530,6 +557,9 @@ impl EngineVolume {
         // read straight into the caller's buffer.
         if let [(device, physical, run, 0)] = segments[..] {
             if run == length && physical % SECTOR_BYTES == 0 && run % SECTOR_BYTES == 0 {
+                if self.read_summed_now(device, physical, buf.payload_mut()) {
+                    return (buf, Ok(()));
+                }
                 let pool_device = &self.pool.devices[device as usize];
                 let (buf, result) = pool_device.device.read(physical, buf).await;
                 if let Err(e) = result {
@@ -546,6 +576,9 @@ impl EngineVolume {
                 // device has them in memory.
                 let pool_device = &self.pool.devices[device as usize];
                 let dst = &mut buf.payload_mut()[at as usize..(at + run) as usize];
+                if self.read_summed_now(device, physical, dst) {
+                    continue;
+                }
                 match pool_device.device.read_now(physical, dst) {
                     Some(Ok(())) => {
                         let data = &buf.payload()[at as usize..(at + run) as usize];
