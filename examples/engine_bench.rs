@@ -187,7 +187,7 @@ async fn phase(
             .await
             .expect("write");
         count += 1;
-        if count % FLUSH_EVERY == 0 {
+        if count.is_multiple_of(FLUSH_EVERY) {
             volume.flush().await.expect("flush");
         }
     }

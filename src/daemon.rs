@@ -82,7 +82,11 @@ async fn serve(args: ServeArgs) -> Result<(), String> {
     let signals = Signals::catch()?;
     let wraps = DeviceWraps::parse(&args.wrap)?;
     // Measured before the pools open (their recovery checksums), and said.
-    tracing::info!("crc32c: {}", crate::checksum::backend().name());
+    tracing::info!(
+        "crc32c: {}; sectors: {}",
+        crate::checksum::backend().name(),
+        crate::checksum::sector_method().name()
+    );
     let manager = Arc::new(
         VolumeManager::open_with_wraps(&args.data_dir, wraps)
             .await

@@ -47,7 +47,7 @@ pub fn parse_size(text: &str) -> Result<u64, String> {
         let numerator: u128 = frac.parse().map_err(|_| err())?;
         let denominator = 10u128.pow(digits);
         let scaled = numerator * unit as u128;
-        if scaled % denominator != 0 {
+        if !scaled.is_multiple_of(denominator) {
             return Err(format!("invalid size '{text}': not a whole number of bytes"));
         }
         bytes = bytes

@@ -54,7 +54,7 @@ async fn contract(dev: Arc<dyn Device>) {
         "{name}: block {block}"
     );
     assert!(
-        info.size_bytes >= DEVICE_BYTES / 2 && info.size_bytes % block == 0,
+        info.size_bytes >= DEVICE_BYTES / 2 && info.size_bytes.is_multiple_of(block),
         "{name}"
     );
 

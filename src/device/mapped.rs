@@ -194,7 +194,7 @@ impl Mapping {
         };
         if len == 0
             || start % SUM_SECTOR_BYTES != 0
-            || len % SUM_SECTOR_BYTES != 0
+            || !len.is_multiple_of(SUM_SECTOR_BYTES)
             || sums.len() != len / SUM_SECTOR_BYTES
             || start.checked_add(len).is_none_or(|end| end > self.len)
             || self.broken.load(Ordering::Relaxed)

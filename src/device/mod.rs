@@ -150,10 +150,8 @@ impl IoBuf {
             }
             if sum {
                 let whole = read_buf.filled().len() / PIECE_BYTES;
-                for piece in crcs.len()..whole {
-                    let bytes = &read_buf.filled()[piece * PIECE_BYTES..(piece + 1) * PIECE_BYTES];
-                    crcs.push(crate::checksum::crc32c(bytes));
-                }
+                let arrived = &read_buf.filled()[crcs.len() * PIECE_BYTES..whole * PIECE_BYTES];
+                crate::checksum::extend_sector_sums(arrived, &mut crcs);
             }
         }
         // Every byte is now initialised: `filled` covers all `len`.
@@ -471,7 +469,7 @@ pub trait Device: Send + Sync {
 /// so a bad request is an error, never a panic or a stray write.
 pub fn check_request(info: &DeviceInfo, offset: u64, length: u64) -> DeviceResult<()> {
     let block = u64::from(info.block_bytes.max(1));
-    if offset % block != 0 || length % block != 0 {
+    if !offset.is_multiple_of(block) || !length.is_multiple_of(block) {
         return Err(DeviceError::Misaligned {
             device: info.name.clone(),
             offset,

@@ -247,10 +247,10 @@ impl Log {
     /// (the checkpoint's) and continuing at `next_lsn` (the end of replay).
     pub fn new(device: Arc<dyn Device>, offset: u64, len: u64, pool_tag: u64, tail_lsn: u64, next_lsn: u64) -> Self {
         assert!(
-            len % LOG_BLOCK_BYTES == 0 && len >= 16 * LOG_BLOCK_BYTES,
+            len.is_multiple_of(LOG_BLOCK_BYTES) && len >= 16 * LOG_BLOCK_BYTES,
             "log region too small"
         );
-        assert!(next_lsn >= tail_lsn && next_lsn % LOG_BLOCK_BYTES == 0);
+        assert!(next_lsn >= tail_lsn && next_lsn.is_multiple_of(LOG_BLOCK_BYTES));
         Log {
             device,
             offset,

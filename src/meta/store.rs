@@ -108,7 +108,7 @@ impl RegionBackend {
     pub fn open(device: Arc<dyn Device>, offset: u64, capacity: u64, written: Arc<AtomicU64>) -> io::Result<Self> {
         let block = device.info().block_bytes.max(512) as u64;
         assert!(
-            offset % block == 0 && capacity > HEADER_BYTES,
+            offset.is_multiple_of(block) && capacity > HEADER_BYTES,
             "misaligned metadata region"
         );
         let (buf, result) = block_on(device.read(offset, IoBuf::new(HEADER_BYTES as usize)));
@@ -171,7 +171,7 @@ impl RegionBackend {
     fn write_range(&self, start: u64, data: &[u8]) -> io::Result<()> {
         self.written.fetch_add(data.len() as u64, Ordering::Relaxed);
         let absolute = self.offset + HEADER_BYTES + start;
-        if absolute % self.block == 0 && data.len() as u64 % self.block == 0 {
+        if absolute.is_multiple_of(self.block) && (data.len() as u64).is_multiple_of(self.block) {
             let (_, result) = block_on(self.device.write(absolute, IoBuf::copy_from(data)));
             return result.map_err(to_io);
         }

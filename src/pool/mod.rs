@@ -90,7 +90,7 @@ pub mod map_entry {
     const OFFSET_MASK: u64 = (1 << 48) - 1;
 
     pub fn encode(device: u8, offset: u64) -> u64 {
-        debug_assert!(offset % super::SECTOR_BYTES == 0);
+        debug_assert!(offset.is_multiple_of(super::SECTOR_BYTES));
         VALID | (device as u64) << 48 | (offset >> super::SECTOR_SHIFT)
     }
 

@@ -183,12 +183,13 @@ impl CrcSource<'_> {
         let sector = SECTOR_BYTES as usize;
         if let Some(pieces) = self.pieces {
             let (first, count) = (range.start / sector, range.len() / sector);
-            if range.start % sector == 0 && range.len() % sector == 0 && first + count <= pieces.len() {
+            if range.start.is_multiple_of(sector) && range.len().is_multiple_of(sector) && first + count <= pieces.len()
+            {
                 out.extend_from_slice(&pieces[first..first + count]);
                 return;
             }
         }
-        out.extend(self.payload[range].chunks(sector).map(crate::checksum::crc32c));
+        crate::checksum::extend_sector_sums(&self.payload[range], out);
     }
 }
 
@@ -278,10 +279,9 @@ const FRESH_CHUNK_MIN_BLOCKS: u64 = 4;
 const WRITE_AROUND_BYTES: usize = 128 << 10;
 
 fn sector_crcs(bytes: &[u8]) -> Vec<u32> {
-    bytes
-        .chunks(SECTOR_BYTES as usize)
-        .map(crate::checksum::crc32c)
-        .collect()
+    let mut sums = Vec::with_capacity(bytes.len() / SECTOR_BYTES as usize);
+    crate::checksum::extend_sector_sums(bytes, &mut sums);
+    sums
 }
 
 impl EngineVolume {
@@ -383,11 +383,13 @@ impl EngineVolume {
     /// in a chunk that is suspect after a crash is repaired from the data.
     /// `holding_gate`: the caller already holds the pool's write gate.
     async fn verify(&self, device: u8, offset: u64, data: &[u8], logical: u64, holding_gate: bool) -> BlockResult<()> {
-        let sectors = data.chunks(SECTOR_BYTES as usize);
-        let stored = self.pool.crcs(device, offset, sectors.len()).map_err(meta_error)?;
-        for (index, (sector, &expected)) in sectors.zip(&stored).enumerate() {
+        let stored = self
+            .pool
+            .crcs(device, offset, data.len() / SECTOR_BYTES as usize)
+            .map_err(meta_error)?;
+        let actuals = sector_crcs(data);
+        for (index, (&actual, &expected)) in actuals.iter().zip(&stored).enumerate() {
             let at = offset + index as u64 * SECTOR_BYTES;
-            let actual = crate::checksum::crc32c(sector);
             if actual == expected {
                 continue;
             }
@@ -450,7 +452,7 @@ impl EngineVolume {
         logical: u64,
         holding_gate: bool,
     ) -> BlockResult<IoBuf> {
-        debug_assert!(offset % SECTOR_BYTES == 0 && length % SECTOR_BYTES == 0);
+        debug_assert!(offset.is_multiple_of(SECTOR_BYTES) && length.is_multiple_of(SECTOR_BYTES));
         let pool_device = &self.pool.devices[device as usize];
         let (buf, result) = pool_device.device.read(offset, IoBuf::new(length as usize)).await;
         if let Err(e) = result {
@@ -495,8 +497,8 @@ impl EngineVolume {
         let cache = &self.pool.read_cache;
         let length = buf.len() as u64;
         let cacheable = !cache.is_disabled()
-            && offset % SECTOR_BYTES == 0
-            && length % SECTOR_BYTES == 0
+            && offset.is_multiple_of(SECTOR_BYTES)
+            && length.is_multiple_of(SECTOR_BYTES)
             && length <= READ_CACHE_MAX_REQUEST;
         if !cacheable {
             return self.read_disk(offset, buf).await;
@@ -1137,7 +1139,7 @@ impl EngineVolume {
                 }
             }
         };
-        let images = if offset % SECTOR_BYTES == 0 && end % SECTOR_BYTES == 0 {
+        let images = if offset.is_multiple_of(SECTOR_BYTES) && end.is_multiple_of(SECTOR_BYTES) {
             data
         } else {
             // Partial sectors: merge with what the volume holds now.

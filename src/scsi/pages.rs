@@ -134,7 +134,7 @@ fn device_identification(unit: &UnitInfo) -> Vec<u8> {
     let mut name = unit.target_name.as_bytes().to_vec();
     name.truncate(250);
     name.push(0);
-    while name.len() % 4 != 0 {
+    while !name.len().is_multiple_of(4) {
         name.push(0);
     }
     body.extend(designator(0x53, 0xa8, &name));

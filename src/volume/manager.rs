@@ -833,7 +833,7 @@ fn check_volsize(size_bytes: u64, volblocksize: u32) -> Result<(), AdminError> {
     if size_bytes == 0 {
         return Err(AdminError::Invalid("volsize must be greater than zero".into()));
     }
-    if size_bytes % volblocksize as u64 != 0 {
+    if !size_bytes.is_multiple_of(volblocksize as u64) {
         return Err(AdminError::Invalid(format!(
             "volsize {size_bytes} is not a multiple of volblocksize {volblocksize}"
         )));

@@ -263,7 +263,7 @@ impl Volume {
             return Err(BlockError::OutOfRange { offset, length, size });
         }
         let alignment = SECTOR_BYTES;
-        if offset % alignment as u64 != 0 || length % alignment as u64 != 0 {
+        if !offset.is_multiple_of(alignment as u64) || !length.is_multiple_of(alignment as u64) {
             return Err(BlockError::Misaligned {
                 offset,
                 length,

@@ -82,7 +82,7 @@ pub fn decode_binary(value: &str, max_bytes: usize) -> Result<Vec<u8>, DecodeErr
         b'b' | b'B' => {
             let unpadded = body.iter().rposition(|&b| b != b'=').map_or(0, |p| p + 1);
             let padding = body.len() - unpadded;
-            if padding > 2 || (padding > 0 && body.len() % 4 != 0) {
+            if padding > 2 || (padding > 0 && !body.len().is_multiple_of(4)) {
                 return Err(DecodeError::BadDigit);
             }
             let digits = &body[..unpadded];
