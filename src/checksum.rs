@@ -180,12 +180,10 @@ pub fn sector_method() -> SectorMethod {
     })
 }
 
-/// Appends the CRC-32C of each whole [`SUM_SECTOR_BYTES`] sector of `data`
-/// to `out`, the way [`sector_method`] chose. Every checksum the pool
-/// stores for data, and checks on a read, is one of these.
-///
-/// # Panics
-/// If `data` is not whole sectors.
+/// Appends the CRC-32C of each [`SUM_SECTOR_BYTES`] sector of `data` to
+/// `out`, the way [`sector_method`] chose (a shorter last piece gets the
+/// checksum of what there is, as `chunks` would give it). Every checksum
+/// the pool stores for data, and checks on a read, is one of these.
 pub fn extend_sector_sums(data: &[u8], out: &mut Vec<u32>) {
     extend_sector_sums_with(sector_method(), data, out);
 }
@@ -193,33 +191,23 @@ pub fn extend_sector_sums(data: &[u8], out: &mut Vec<u32>) {
 /// [`extend_sector_sums`] with a given method (for benchmarks and tests).
 ///
 /// # Panics
-/// If `data` is not whole sectors, or the method is six at once on a CPU
-/// without it.
+/// If the method is six at once on a CPU without it.
 pub fn extend_sector_sums_with(method: SectorMethod, data: &[u8], out: &mut Vec<u32>) {
-    assert!(data.len().is_multiple_of(SUM_SECTOR_BYTES), "not whole sectors");
     let mut rest = data;
-    if method == SectorMethod::SixAtOnce {
-        let backend = backend();
-        while rest.len() >= 6 * SUM_SECTOR_BYTES {
-            let (six, tail) = rest.split_at(6 * SUM_SECTOR_BYTES);
-            let mut sums = [0u32; 6];
-            six_at_once::sums(six, &mut sums);
-            out.extend_from_slice(&sums);
-            rest = tail;
+    let backend = match method {
+        SectorMethod::Each(backend) => backend,
+        SectorMethod::SixAtOnce => {
+            while rest.len() >= 6 * SUM_SECTOR_BYTES {
+                let (six, tail) = rest.split_at(6 * SUM_SECTOR_BYTES);
+                let mut sums = [0u32; 6];
+                six_at_once::sums(six, &mut sums);
+                out.extend_from_slice(&sums);
+                rest = tail;
+            }
+            backend()
         }
-        out.extend(
-            rest.chunks_exact(SUM_SECTOR_BYTES)
-                .map(|sector| backend.checksum(sector)),
-        );
-        return;
-    }
-    let SectorMethod::Each(backend) = method else {
-        unreachable!()
     };
-    out.extend(
-        rest.chunks_exact(SUM_SECTOR_BYTES)
-            .map(|sector| backend.checksum(sector)),
-    );
+    out.extend(rest.chunks(SUM_SECTOR_BYTES).map(|sector| backend.checksum(sector)));
 }
 
 /// Six sectors at once (see [`SectorMethod::SixAtOnce`]).
@@ -626,6 +614,17 @@ mod tests {
                 assert_eq!(sums[0], 7, "appends");
                 assert_eq!(&sums[1..], &expected[..], "{method:?}, {sectors} sectors");
             }
+        }
+        // A short last piece is summed as it is (as `chunks` would give it).
+        let ragged = &data[..13 * SUM_SECTOR_BYTES + 100];
+        let expected: Vec<u32> = ragged
+            .chunks(SUM_SECTOR_BYTES)
+            .map(|s| Backend::Crc32c.checksum(s))
+            .collect();
+        for &method in &methods {
+            let mut sums = Vec::new();
+            extend_sector_sums_with(method, ragged, &mut sums);
+            assert_eq!(sums, expected, "{method:?}, ragged");
         }
         // A sector of zeros and one of ones, against RFC 3720-style known
         // values computed bitwise (not by the code under test).
