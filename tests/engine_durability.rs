@@ -130,16 +130,7 @@ fn bit_rot_in_a_device_file_reads_as_eio_and_is_counted() {
 
     let server = Server::start(dir.path());
     let uri = server.uri("default/vol0");
-    let bad = Command::new("qemu-io")
-        .args(["-f", "raw", "-c", "read -P 0xa7 0 64k"])
-        .arg(&uri)
-        .output()
-        .unwrap();
-    let text = String::from_utf8_lossy(&bad.stdout).to_string() + &String::from_utf8_lossy(&bad.stderr);
-    assert!(
-        text.contains("Input/output error"),
-        "a rotten block must read as EIO:\n{text}"
-    );
+    expect_eio(&uri, "read -P 0xa7 0 64k", "a rotten block");
     run(Command::new("qemu-io")
         .args(["-f", "raw", "-c", "read -P 0x3c 1M 64k"])
         .arg(&uri));
@@ -151,18 +142,20 @@ fn bit_rot_in_a_device_file_reads_as_eio_and_is_counted() {
     // the file. Still EIO, counted once more.
     let offset = find_sector(&device, 0x3c).expect("the second pattern is on the fast device");
     flip_byte(&device, offset + 4000);
+    expect_eio(&uri, "read -P 0x3c 1M 64k", "a block rotten under a running server");
+    let status = common::http(&server.api, "GET", "/v1/pools/default", "");
+    assert!(status.contains("\"checksum_errors\":2"), "{status}");
+}
+
+/// Runs one qemu-io command against `uri` and asserts it failed with EIO.
+fn expect_eio(uri: &str, command: &str, what: &str) {
     let bad = Command::new("qemu-io")
-        .args(["-f", "raw", "-c", "read -P 0x3c 1M 64k"])
-        .arg(&uri)
+        .args(["-f", "raw", "-c", command])
+        .arg(uri)
         .output()
         .unwrap();
     let text = String::from_utf8_lossy(&bad.stdout).to_string() + &String::from_utf8_lossy(&bad.stderr);
-    assert!(
-        text.contains("Input/output error"),
-        "a block rotten under a running server must read as EIO:\n{text}"
-    );
-    let status = common::http(&server.api, "GET", "/v1/pools/default", "");
-    assert!(status.contains("\"checksum_errors\":2"), "{status}");
+    assert!(text.contains("Input/output error"), "{what} must read as EIO:\n{text}");
 }
 
 /// Seconds before each kill: `default` in CI; `STRATA_KILL_CYCLES=N` (the
