@@ -73,7 +73,7 @@ const DEFAULT_IDLE_POLL_US: u64 = 30;
 /// one megabyte reply fits. Autotuned, the buffer grows to take a whole
 /// megabyte reply while the one before it is still unread, and the
 /// sending thread then also does the TCP work of the client's window
-/// updates for the queued data (BENCHMARKS.md: 1M reads +18–20 %, 10 %
+/// updates for the queued data (BENCHMARKS.md: 1M reads +17–22 %, 8–13 %
 /// less server CPU per read). A megabyte in flight per connection still
 /// fills 10 Gb/s up to ~0.8 ms of round trip.
 const DEFAULT_SEND_BUFFER_BYTES: u64 = 512 << 10;
