@@ -237,7 +237,19 @@ fn idle_poll() -> Duration {
 /// [`DEFAULT_SEND_BUFFER_BYTES`] by default.
 fn send_buffer_bytes() -> u64 {
     static BYTES: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
-    *BYTES.get_or_init(|| env_number("STRATA_NBD_SNDBUF", DEFAULT_SEND_BUFFER_BYTES))
+    *BYTES.get_or_init(|| {
+        let bytes = env_number("STRATA_NBD_SNDBUF", DEFAULT_SEND_BUFFER_BYTES);
+        let cap = std::fs::read_to_string("/proc/sys/net/core/wmem_max")
+            .ok()
+            .and_then(|text| text.trim().parse::<u64>().ok());
+        if let Some(cap) = cap.filter(|&cap| bytes > cap) {
+            tracing::warn!(
+                "nbd: net.core.wmem_max ({cap}) caps the {bytes}-byte send buffer; \
+                 large reads are slower until it is raised (sysctl -w net.core.wmem_max={bytes})"
+            );
+        }
+        bytes
+    })
 }
 
 /// The number in environment variable `name`, or `default` if it is unset
@@ -253,8 +265,9 @@ fn env_number(name: &str, default: u64) -> u64 {
 }
 
 /// Asks the kernel for a send buffer of `bytes` on `stream` (0: leave it
-/// alone). Linux doubles the value for its bookkeeping and stops
-/// autotuning it. Failure only costs speed, so it is logged, not fatal.
+/// alone). Linux caps the value at `net.core.wmem_max`, doubles it for its
+/// bookkeeping and stops autotuning it. Failure only costs speed, so it is
+/// logged, not fatal.
 fn set_send_buffer(stream: &TcpStream, bytes: u64) {
     if bytes == 0 {
         return;
@@ -1020,11 +1033,16 @@ mod tests {
         let (first, second) = (first.unwrap(), second.unwrap());
         let untouched = send_buffer_of(&second);
         set_send_buffer(&first, DEFAULT_SEND_BUFFER_BYTES);
-        // Linux keeps twice the value asked for (its bookkeeping share).
-        assert_eq!(send_buffer_of(&first) as u64, 2 * DEFAULT_SEND_BUFFER_BYTES);
+        // Linux caps the value at net.core.wmem_max and keeps twice that
+        // (its bookkeeping share).
+        let cap: u64 = std::fs::read_to_string("/proc/sys/net/core/wmem_max")
+            .ok()
+            .and_then(|text| text.trim().parse().ok())
+            .unwrap_or(u64::MAX);
+        assert_eq!(send_buffer_of(&first) as u64, 2 * DEFAULT_SEND_BUFFER_BYTES.min(cap));
         set_send_buffer(&second, 0);
         assert_eq!(send_buffer_of(&second), untouched);
-        assert_ne!(untouched as u64, 2 * DEFAULT_SEND_BUFFER_BYTES);
+        assert_ne!(untouched as u64, 2 * DEFAULT_SEND_BUFFER_BYTES.min(cap));
     }
 
     #[test]
