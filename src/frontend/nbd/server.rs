@@ -239,10 +239,7 @@ fn send_buffer_bytes() -> u64 {
     static BYTES: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
     *BYTES.get_or_init(|| {
         let bytes = env_number("STRATA_NBD_SNDBUF", DEFAULT_SEND_BUFFER_BYTES);
-        let cap = std::fs::read_to_string("/proc/sys/net/core/wmem_max")
-            .ok()
-            .and_then(|text| text.trim().parse::<u64>().ok());
-        if let Some(cap) = cap.filter(|&cap| bytes > cap) {
+        if let Some(cap) = wmem_max().filter(|&cap| bytes > cap) {
             tracing::warn!(
                 "nbd: net.core.wmem_max ({cap}) caps the {bytes}-byte send buffer; \
                  large reads are slower until it is raised (sysctl -w net.core.wmem_max={bytes})"
@@ -250,6 +247,14 @@ fn send_buffer_bytes() -> u64 {
         }
         bytes
     })
+}
+
+/// The kernel's cap on a socket's requested send buffer
+/// (`net.core.wmem_max`), if it can be read.
+fn wmem_max() -> Option<u64> {
+    std::fs::read_to_string("/proc/sys/net/core/wmem_max")
+        .ok()
+        .and_then(|text| text.trim().parse().ok())
 }
 
 /// The number in environment variable `name`, or `default` if it is unset
@@ -1035,10 +1040,7 @@ mod tests {
         set_send_buffer(&first, DEFAULT_SEND_BUFFER_BYTES);
         // Linux caps the value at net.core.wmem_max and keeps twice that
         // (its bookkeeping share).
-        let cap: u64 = std::fs::read_to_string("/proc/sys/net/core/wmem_max")
-            .ok()
-            .and_then(|text| text.trim().parse().ok())
-            .unwrap_or(u64::MAX);
+        let cap = wmem_max().unwrap_or(u64::MAX);
         assert_eq!(send_buffer_of(&first) as u64, 2 * DEFAULT_SEND_BUFFER_BYTES.min(cap));
         set_send_buffer(&second, 0);
         assert_eq!(send_buffer_of(&second), untouched);
