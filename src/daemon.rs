@@ -26,9 +26,13 @@ pub struct ServeArgs {
     /// Address for iSCSI initiators (port 0 picks a free port).
     #[arg(long, default_value = "127.0.0.1:3260")]
     pub iscsi: SocketAddr,
-    /// Address of the REST API and /metrics.
+    /// TCP address of the REST API and /metrics. Every request but `GET
+    /// /metrics` needs the bearer token (DATA_DIR/api.token); an address
+    /// other than loopback is served with TLS only.
     #[arg(long, default_value = "127.0.0.1:9860")]
     pub api: SocketAddr,
+    #[command(flatten)]
+    pub api_security: ApiSecurityArgs,
     /// Stack device wrappers on a pool device for this run, for tests and
     /// benchmarks: PATH=STACK, e.g. `--wrap
     /// strata-data/pools/default/capacity.dev=delay:8ms+throttle:iops=150,bw=100M`
@@ -36,6 +40,34 @@ pub struct ServeArgs {
     /// path as `strata pool status` shows it. Repeatable; not stored.
     #[arg(long = "wrap", value_name = "PATH=STACK")]
     pub wrap: Vec<String>,
+}
+
+/// How the REST API is reached and protected (README's "Security").
+#[derive(Debug, Clone, clap::Args)]
+pub struct ApiSecurityArgs {
+    /// The API's Unix socket, which the local CLI uses (default
+    /// DATA_DIR/api.sock; mode 0660).
+    #[arg(long, value_name = "PATH")]
+    pub api_socket: Option<PathBuf>,
+    /// Group (name or number) that may use the API socket, like docker's
+    /// group; the data directory then lets that group through (mode 0710).
+    #[arg(long, value_name = "GROUP")]
+    pub api_socket_group: Option<String>,
+    /// TLS on the API's TCP listener: `auto` (on unless the address is
+    /// loopback), `on`, or `off` (refused for other than loopback).
+    #[arg(long, value_name = "auto|on|off", default_value = "auto", value_parser = ["auto", "on", "off"])]
+    pub api_tls: String,
+    /// The API's certificate chain (PEM); default DATA_DIR/api.crt,
+    /// self-signed at first use.
+    #[arg(long, value_name = "FILE", requires = "api_key")]
+    pub api_cert: Option<PathBuf>,
+    /// The private key of --api-cert (PEM).
+    #[arg(long, value_name = "FILE", requires = "api_cert")]
+    pub api_key: Option<PathBuf>,
+    /// Put GET /metrics behind the token too (default: open, like
+    /// node_exporter, on whatever address --api gives).
+    #[arg(long)]
+    pub metrics_auth: bool,
 }
 
 /// Sender side of the shutdown signal every listener watches.
@@ -81,6 +113,7 @@ async fn bind(what: &str, address: SocketAddr) -> Result<TcpListener, String> {
 async fn serve(args: ServeArgs) -> Result<(), String> {
     let signals = Signals::catch()?;
     let wraps = DeviceWraps::parse(&args.wrap)?;
+    let api_tls = api_tls(&args)?;
     // Measured before the pools open (their recovery checksums), and said.
     tracing::info!(
         "crc32c: {}; sectors: {}",
@@ -95,9 +128,11 @@ async fn serve(args: ServeArgs) -> Result<(), String> {
     let nbd_listener = bind("NBD", args.nbd).await?;
     let iscsi_listener = bind("iSCSI", args.iscsi).await?;
     let api_listener = bind("the REST API", args.api).await?;
+    let api = open_api(&args, api_tls, &manager, api_listener)?;
     let iscsi_address = iscsi_listener.local_addr().map_err(|e| e.to_string())?;
     let nbd_address = nbd_listener.local_addr().map_err(|e| e.to_string())?;
-    let api_address = api_listener.local_addr().map_err(|e| e.to_string())?;
+    let api_address = api.tcp.listener.local_addr().map_err(|e| e.to_string())?;
+    let api_scheme = if api.tcp.tls.is_some() { "https" } else { "http" };
 
     let volumes = manager.volumes();
     let names: Vec<&str> = volumes.iter().map(|v| v.full_name()).collect();
@@ -113,7 +148,8 @@ async fn serve(args: ServeArgs) -> Result<(), String> {
             names.join(", ")
         );
         let _ = writeln!(out, "strata: nbd listening on {nbd_address}");
-        let _ = writeln!(out, "strata: api listening on http://{api_address}");
+        let _ = writeln!(out, "strata: api listening on {api_scheme}://{api_address}");
+        let _ = writeln!(out, "strata: api socket {}", api.socket_path.display());
         let _ = writeln!(out, "strata: iscsi listening on {iscsi_address}");
         let _ = out.flush();
     }
@@ -121,18 +157,13 @@ async fn serve(args: ServeArgs) -> Result<(), String> {
     let (stop_sender, stop) = watch::channel(false);
     let nbd_task = tokio::spawn(nbd::server::serve(nbd_listener, manager.clone(), stop.clone()));
     let iscsi_task = tokio::spawn(iscsi::server::serve(iscsi_listener, manager.clone(), stop.clone()));
-    let router = crate::admin::api::router(manager.clone());
-    let mut api_stop = stop.clone();
-    let api_task = tokio::spawn(async move {
-        let result = axum::serve(api_listener, router)
-            .with_graceful_shutdown(async move {
-                let _ = api_stop.wait_for(|stopped| *stopped).await;
-            })
-            .await;
-        if let Err(e) = result {
-            tracing::error!("REST API stopped: {e}");
-        }
-    });
+    let api_task = tokio::spawn(crate::admin::server::serve(
+        api.router,
+        api.socket,
+        api.socket_path,
+        api.tcp,
+        stop.clone(),
+    ));
 
     let signal = signals.first().await;
     tracing::info!("{signal} received, shutting down");
@@ -148,6 +179,70 @@ async fn serve(args: ServeArgs) -> Result<(), String> {
         "strata: stopped ({signal}); all acknowledged writes flushed"
     );
     Ok(())
+}
+
+/// The REST API, ready to serve: its router behind authentication, its
+/// Unix socket and its TCP side.
+struct Api {
+    router: axum::Router,
+    socket: tokio::net::UnixListener,
+    socket_path: PathBuf,
+    tcp: crate::admin::server::TcpApi,
+}
+
+/// Whether the API's TCP listener uses TLS; decided (and refused) before
+/// anything listens.
+fn api_tls(args: &ServeArgs) -> Result<bool, String> {
+    let loopback = crate::admin::server::is_loopback(&args.api);
+    match args.api_security.api_tls.as_str() {
+        "on" => Ok(true),
+        "off" if !loopback => Err(format!(
+            "refusing to serve the REST API on {} without TLS: the bearer token would cross the network in clear; \
+             drop --api-tls off (a self-signed certificate is made) or give --api-cert/--api-key",
+            args.api
+        )),
+        "off" => Ok(false),
+        _ => Ok(!loopback),
+    }
+}
+
+fn open_api(args: &ServeArgs, tls: bool, manager: &Arc<VolumeManager>, listener: TcpListener) -> Result<Api, String> {
+    use crate::admin::{auth, server};
+    let security = &args.api_security;
+    let auth = Arc::new(auth::ApiAuth::load_or_create(&args.data_dir, !security.metrics_auth)?);
+    let acceptor = if tls {
+        let given = security.api_cert.clone().zip(security.api_key.clone());
+        let (cert, key) = server::certificate(&args.data_dir, &args.api, given)?;
+        Some(Arc::new(crate::tls::acceptor(&cert, &key)?))
+    } else {
+        None
+    };
+    let group = security.api_socket_group.as_deref().map(server::group_id).transpose()?;
+    let socket_path = security
+        .api_socket
+        .clone()
+        .unwrap_or_else(|| auth::default_socket(&args.data_dir));
+    if let Some(gid) = group {
+        if socket_path.parent() == Some(args.data_dir.as_path()) {
+            // The group must pass through the data directory to reach the
+            // socket, and no more: traverse, not list.
+            std::os::unix::fs::chown(&args.data_dir, None, Some(gid))
+                .and_then(|()| {
+                    std::fs::set_permissions(&args.data_dir, std::os::unix::fs::PermissionsExt::from_mode(0o710))
+                })
+                .map_err(|e| format!("cannot open {} to group {gid}: {e}", args.data_dir.display()))?;
+        }
+    }
+    let socket = server::bind_socket(&socket_path, group)?;
+    Ok(Api {
+        router: crate::admin::api::router(manager.clone(), auth),
+        socket,
+        socket_path,
+        tcp: server::TcpApi {
+            listener,
+            tls: acceptor,
+        },
+    })
 }
 
 /// SIGTERM and SIGINT, caught from the moment this is created: created

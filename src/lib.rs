@@ -9,5 +9,6 @@ pub mod frontend;
 pub mod meta;
 pub mod pool;
 pub mod scsi;
+pub mod tls;
 pub mod units;
 pub mod volume;

@@ -24,6 +24,7 @@ struct Server {
     child: Option<Child>,
     /// `127.0.0.1:PORT` of the REST API.
     api: String,
+    data_dir: std::path::PathBuf,
     /// `127.0.0.1:PORT` of the NBD listener.
     nbd: String,
     /// Every stdout line so far. A thread keeps draining stdout until the
@@ -66,6 +67,7 @@ impl Server {
         let mut server = Server {
             child: Some(child),
             api: String::new(),
+            data_dir: data_dir.to_path_buf(),
             nbd: String::new(),
             lines,
             reader: Some(reader),
@@ -82,6 +84,7 @@ impl Server {
                 ),
             }
         }
+        common::remember_token(&server.api, data_dir);
         server
     }
 
@@ -114,9 +117,11 @@ impl Server {
         (status, lines)
     }
 
-    /// Runs `strata ARGS...` against this server (via `STRATA_API`).
+    /// Runs `strata ARGS...` against this server over TCP (`STRATA_API`),
+    /// with the token the CLI finds in `STRATA_DATA_DIR`, as a local admin's
+    /// script would.
     fn cli(&self, args: &[&str]) -> Outcome {
-        run_cli(args, Some(&self.api))
+        run_cli_with(args, Some(&self.api), Some(&self.data_dir))
     }
 }
 
@@ -170,8 +175,23 @@ impl Outcome {
 }
 
 fn run_cli(args: &[&str], api: Option<&str>) -> Outcome {
+    run_cli_with(args, api, None)
+}
+
+/// The CLI with nothing from the test's own environment: no token, and a
+/// data directory that is this server's or none at all.
+fn run_cli_with(args: &[&str], api: Option<&str>, data_dir: Option<&Path>) -> Outcome {
     let mut command = Command::new(BIN);
-    command.args(args).env_remove("STRATA_API").stdin(Stdio::null());
+    command
+        .args(args)
+        .env_remove("STRATA_API")
+        .env_remove("STRATA_TOKEN")
+        .env_remove("STRATA_CACERT")
+        .env(
+            "STRATA_DATA_DIR",
+            data_dir.unwrap_or(Path::new("/nonexistent/strata-data")),
+        )
+        .stdin(Stdio::null());
     if let Some(api) = api {
         command.env("STRATA_API", api);
     }
@@ -249,6 +269,9 @@ fn http(api: &str, method: &str, path: &str, content_type: Option<&str>, body: &
     let mut stream = TcpStream::connect(api).expect("connect to the API");
     stream.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
     let mut request = format!("{method} {path} HTTP/1.1\r\nHost: {api}\r\nConnection: close\r\n");
+    if let Some(token) = common::token_for(api) {
+        request.push_str(&format!("Authorization: Bearer {token}\r\n"));
+    }
     if let Some(content_type) = content_type {
         request.push_str(&format!("Content-Type: {content_type}\r\n"));
     }
@@ -594,7 +617,8 @@ fn errors_are_one_line_with_exit_status_1() {
     assert_eq!(json_property(&info, "wce"), ("on".into(), "default".into()));
 
     // Bad --api values.
-    run_cli(&["volume", "list", "--api", "https://127.0.0.1:1"], None).fails_with("https is not supported");
+    run_cli(&["volume", "list", "--api", "https://127.0.0.1:1"], None).fails_with("no certificate to trust");
+    run_cli(&["volume", "list", "--api", "ftp://127.0.0.1:1"], None).fails_with("use HOST:PORT");
     run_cli(&["volume", "list", "--api", "127.0.0.1:notaport"], None).fails_with("bad port");
 
     let (status, _) = server.stop();

@@ -44,7 +44,8 @@ impl AuthServer {
     fn cli(&self, args: &[&str]) -> Output {
         Command::new(env!("CARGO_BIN_EXE_strata"))
             .args(args)
-            .args(["--api", &self.daemon.api])
+            .arg("--data-dir")
+            .arg(&self.daemon.data_dir)
             .output()
             .expect("run the strata CLI")
     }

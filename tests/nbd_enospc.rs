@@ -25,7 +25,8 @@ const ENOSPC: u32 = 28;
 fn cli(server: &Server, args: &[&str]) -> std::process::Output {
     Command::new(env!("CARGO_BIN_EXE_strata"))
         .args(args)
-        .args(["--api", &server.api])
+        .arg("--data-dir")
+        .arg(&server.data_dir)
         .output()
         .unwrap()
 }

@@ -23,7 +23,8 @@ const MIB: u64 = 1 << 20;
 fn cli(server: &Server, args: &[&str]) -> std::process::Output {
     Command::new(env!("CARGO_BIN_EXE_strata"))
         .args(args)
-        .args(["--api", &server.api])
+        .arg("--data-dir")
+        .arg(&server.data_dir)
         .output()
         .unwrap()
 }

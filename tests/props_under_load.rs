@@ -57,6 +57,7 @@ fn change_properties(
                 .args(["volume", "set", VOLUME])
                 .args(*step)
                 .args(["--api", &api])
+                .env("STRATA_TOKEN", common::token_for(&api).unwrap_or_default())
                 .output()
                 .unwrap();
             if output.status.success() {
@@ -143,6 +144,7 @@ fn current_mode(server: &Server) -> Vec<String> {
             "--api",
             &server.api,
         ])
+        .env("STRATA_TOKEN", common::token_for(&server.api).unwrap_or_default())
         .output()
         .unwrap();
     let info: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();

@@ -18,6 +18,7 @@ use axum::{Json, Router};
 use serde::Deserialize;
 use serde_json::{json, Value};
 
+use super::auth::{authenticate, ApiAuth};
 use crate::meta::catalog::DeviceRecord;
 use crate::units::parse_size;
 use crate::volume::manager::{role_for_add, AdminError, PoolStatus, VolumeInfo, VolumeManager};
@@ -376,7 +377,8 @@ async fn method_not_allowed(method: Method, uri: Uri) -> ApiError {
     )
 }
 
-pub fn router(manager: Arc<VolumeManager>) -> Router {
+/// The API's routes, every one behind the authentication middleware.
+pub fn router(manager: Arc<VolumeManager>, auth: Arc<ApiAuth>) -> Router {
     Router::new()
         .route("/", get(index))
         .route("/v1", get(index))
@@ -394,4 +396,5 @@ pub fn router(manager: Arc<VolumeManager>) -> Router {
         .fallback(no_such_endpoint)
         .method_not_allowed_fallback(method_not_allowed)
         .with_state(manager)
+        .layer(axum::middleware::from_fn_with_state(auth, authenticate))
 }

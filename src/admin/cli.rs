@@ -5,9 +5,8 @@
 //! with `--json` / `-o json`. Any failure is one line on stderr,
 //! `strata: error: <message>`, and exit status 1.
 
-use std::io::{Read, Write};
+use std::io::Write;
 use std::process::ExitCode;
-use std::time::Duration;
 
 use serde::de::DeserializeOwned;
 use serde_json::{json, Value};
@@ -16,16 +15,38 @@ use crate::units::{format_size, parse_size};
 use crate::volume::manager::{role_for_add, split_volume_name, validate_component, PoolStatus, VolumeInfo};
 use crate::volume::props::{split_assignment, PropError, PropertyRow};
 
-pub const DEFAULT_API: &str = "127.0.0.1:9860";
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
-const REQUEST_TIMEOUT: Duration = Duration::from_secs(60);
-
 /// Options every admin subcommand accepts (anywhere after `volume`/`pool`).
 #[derive(Debug, Clone, clap::Args)]
 pub struct ClientOptions {
-    /// Address of the daemon's REST API: HOST:PORT or http://HOST:PORT.
-    #[arg(long, global = true, env = "STRATA_API", default_value = DEFAULT_API, value_name = "ADDR")]
-    pub api: String,
+    /// Where the daemon's REST API is: HOST:PORT, http://HOST:PORT,
+    /// https://HOST:PORT or unix:PATH (default: the Unix socket in
+    /// --data-dir).
+    #[arg(long, global = true, env = "STRATA_API", value_name = "ADDR")]
+    pub api: Option<String>,
+    /// The daemon's data directory: its socket (api.sock), and the token
+    /// (api.token) and certificate (api.crt) used over TCP when readable.
+    #[arg(
+        long,
+        global = true,
+        env = "STRATA_DATA_DIR",
+        default_value = "./strata-data",
+        value_name = "DIR"
+    )]
+    pub data_dir: std::path::PathBuf,
+    /// Bearer token for the API over TCP (prefer STRATA_TOKEN: a command
+    /// line is visible to other users in ps).
+    #[arg(
+        long,
+        global = true,
+        env = "STRATA_TOKEN",
+        value_name = "TOKEN",
+        hide_env_values = true
+    )]
+    pub token: Option<String>,
+    /// CA or pinned certificate (PEM) to trust for an https:// API
+    /// (default: DATA_DIR/api.crt).
+    #[arg(long, global = true, env = "STRATA_CACERT", value_name = "FILE")]
+    pub cacert: Option<std::path::PathBuf>,
     /// Print the API's JSON instead of a table (same as `-o json`).
     #[arg(long, global = true)]
     pub json: bool,
@@ -249,7 +270,7 @@ fn run_volume(args: VolumeArgs) -> CliResult<String> {
                 .iter()
                 .map(|(k, v)| (k.clone(), Value::String(v.clone())))
                 .collect();
-            let client = Client::new(&args.client.api)?;
+            let client = Client::new(&args.client)?;
             let body = json!({ "name": name, "size": size, "properties": properties });
             let info: VolumeInfo = client.send("POST", "/v1/volumes", Some(body))?;
             Ok(if output.json { pretty(&info) } else { String::new() })
@@ -262,7 +283,7 @@ fn run_volume(args: VolumeArgs) -> CliResult<String> {
                     validate_component("pool", name)?;
                 }
             }
-            let client = Client::new(&args.client.api)?;
+            let client = Client::new(&args.client)?;
             let volumes: Vec<VolumeInfo> = if names.is_empty() {
                 client.get("/v1/volumes")?
             } else {
@@ -289,7 +310,7 @@ fn run_volume(args: VolumeArgs) -> CliResult<String> {
         }
         VolumeCommand::Get { name, properties } => {
             split_volume_name(&name)?;
-            let client = Client::new(&args.client.api)?;
+            let client = Client::new(&args.client)?;
             let mut info: VolumeInfo = client.get(&volume_path(&name))?;
             let all = properties.is_empty() || properties.iter().any(|p| p == "all");
             if !all {
@@ -320,7 +341,7 @@ fn run_volume(args: VolumeArgs) -> CliResult<String> {
                 }
                 properties.insert(key, Value::String(value));
             }
-            let client = Client::new(&args.client.api)?;
+            let client = Client::new(&args.client)?;
             let info: VolumeInfo =
                 client.send("PATCH", &volume_path(&name), Some(json!({ "properties": properties })))?;
             Ok(if output.json { pretty(&info) } else { String::new() })
@@ -331,14 +352,14 @@ fn run_volume(args: VolumeArgs) -> CliResult<String> {
                 .or(size)
                 .ok_or_else(|| CliError("missing size: strata volume resize POOL/NAME --size 20G".into()))?;
             let size = parse_size(&size)?;
-            let client = Client::new(&args.client.api)?;
+            let client = Client::new(&args.client)?;
             let path = format!("{}/resize", volume_path(&name));
             let info: VolumeInfo = client.send("POST", &path, Some(json!({ "size": size })))?;
             Ok(if output.json { pretty(&info) } else { String::new() })
         }
         VolumeCommand::Delete { name } => {
             split_volume_name(&name)?;
-            let client = Client::new(&args.client.api)?;
+            let client = Client::new(&args.client)?;
             client.send_empty("DELETE", &volume_path(&name))?;
             Ok(String::new())
         }
@@ -370,7 +391,7 @@ fn run_pool(args: PoolArgs) -> CliResult<String> {
             if fast.is_empty() && capacity.is_empty() {
                 return Err(CliError("a pool needs at least one --fast or --capacity device".into()));
             }
-            let client = Client::new(&args.client.api)?;
+            let client = Client::new(&args.client)?;
             let body = json!({ "name": name, "devices": devices, "chunk_bytes": chunk_bytes, "ram_bytes": ram_bytes });
             let status: PoolStatus = client.send("POST", "/v1/pools", Some(body))?;
             Ok(if output.json { pretty(&status) } else { String::new() })
@@ -391,14 +412,14 @@ fn run_pool(args: PoolArgs) -> CliResult<String> {
             };
             // Absolute paths: the daemon may run in another directory.
             let absolute = std::path::absolute(&path).map_err(|e| format!("{path}: {e}"))?;
-            let client = Client::new(&args.client.api)?;
+            let client = Client::new(&args.client)?;
             let body = json!({ "path": absolute.display().to_string(), "role": role });
             let status: PoolStatus = client.send("POST", &format!("/v1/pools/{pool}/devices"), Some(body))?;
             Ok(if output.json { pretty(&status) } else { String::new() })
         }
         PoolCommand::Sync { pool } => {
             validate_component("pool", &pool)?;
-            let client = Client::new(&args.client.api)?;
+            let client = Client::new(&args.client)?;
             let status: PoolStatus = client.send("POST", &format!("/v1/pools/{pool}/sync"), None)?;
             Ok(if output.json { pretty(&status) } else { String::new() })
         }
@@ -406,7 +427,7 @@ fn run_pool(args: PoolArgs) -> CliResult<String> {
             if let Some(pool) = &pool {
                 validate_component("pool", pool)?;
             }
-            let client = Client::new(&args.client.api)?;
+            let client = Client::new(&args.client)?;
             let pools: Vec<PoolStatus> = match &pool {
                 Some(pool) => vec![client.get(&format!("/v1/pools/{pool}"))?],
                 None => client.get("/v1/pools")?,
@@ -608,64 +629,21 @@ fn pool_table(pools: &[PoolStatus]) -> String {
 // ---------------------------------------------------------------------------
 // HTTP
 
-/// Turns `--api` into `host:port` (what messages show) and a base URL.
-fn parse_api_address(text: &str) -> CliResult<(String, String)> {
-    let trimmed = text.trim();
-    let rest = if let Some(rest) = trimmed.strip_prefix("http://") {
-        rest
-    } else if trimmed.starts_with("https://") {
-        return Err(CliError(format!(
-            "invalid --api '{text}': https is not supported; use HOST:PORT or http://HOST:PORT"
-        )));
-    } else if trimmed.contains("://") {
-        return Err(CliError(format!(
-            "invalid --api '{text}': use HOST:PORT or http://HOST:PORT"
-        )));
-    } else {
-        trimmed
-    };
-    let authority = rest.strip_suffix('/').unwrap_or(rest);
-    let valid = !authority.is_empty()
-        && !authority.contains(['/', '?', '#', '@'])
-        && !authority.chars().any(char::is_whitespace);
-    if !valid {
-        return Err(CliError(format!(
-            "invalid --api '{text}': use HOST:PORT or http://HOST:PORT"
-        )));
-    }
-    // A bare host (or [v6 address]) gets the default port.
-    let has_port = match authority.rfind(':') {
-        Some(colon) => !authority[colon..].contains(']'),
-        None => false,
-    };
-    let address = if has_port {
-        let port = &authority[authority.rfind(':').unwrap_or(0) + 1..];
-        if port.parse::<u16>().is_err() {
-            return Err(CliError(format!("invalid --api '{text}': bad port '{port}'")));
-        }
-        authority.to_string()
-    } else {
-        format!("{authority}:9860")
-    };
-    let base = format!("http://{address}");
-    Ok((address, base))
-}
-
 struct Client {
-    address: String,
-    base: String,
-    agent: ureq::Agent,
+    inner: super::client::Client,
 }
 
 impl Client {
-    fn new(api: &str) -> CliResult<Self> {
-        let (address, base) = parse_api_address(api)?;
-        let agent = ureq::AgentBuilder::new()
-            .timeout_connect(CONNECT_TIMEOUT)
-            .timeout(REQUEST_TIMEOUT)
-            .redirects(0)
-            .build();
-        Ok(Client { address, base, agent })
+    fn new(options: &ClientOptions) -> CliResult<Self> {
+        let settings = super::client::Settings {
+            api: options.api.clone(),
+            data_dir: options.data_dir.clone(),
+            token: options.token.clone(),
+            cacert: options.cacert.clone(),
+        };
+        Ok(Client {
+            inner: super::client::Client::new(&settings)?,
+        })
     }
 
     fn get<T: DeserializeOwned>(&self, path: &str) -> CliResult<T> {
@@ -677,7 +655,7 @@ impl Client {
         serde_json::from_str(&text).map_err(|e| {
             CliError(format!(
                 "unexpected answer from {} ({method} {path}): not the JSON expected ({e}); is it a strata daemon?",
-                self.base
+                self.inner.describe()
             ))
         })
     }
@@ -689,91 +667,45 @@ impl Client {
     /// One request; the body of a 2xx answer, or an error carrying the
     /// daemon's own message.
     fn call(&self, method: &str, path: &str, body: Option<Value>) -> CliResult<String> {
-        let request = self
-            .agent
-            .request(method, &format!("{}{path}", self.base))
-            .set("Accept", "application/json");
-        let result = match body {
-            Some(body) => request.send_json(body),
-            None => request.call(),
-        };
-        match result {
-            Ok(response) => {
-                // Not `into_string`: it stops at 10 MB, a long volume list need not.
-                let mut text = String::new();
-                response
-                    .into_reader()
-                    .read_to_string(&mut text)
-                    .map_err(|e| CliError(format!("cannot read the answer from {}: {e}", self.base)))?;
-                Ok(text)
-            }
-            Err(ureq::Error::Status(status, response)) => {
-                let text = response.into_string().unwrap_or_default();
-                let message = serde_json::from_str::<Value>(&text)
-                    .ok()
-                    .and_then(|v| v.get("error").and_then(Value::as_str).map(str::to_string));
-                Err(CliError(message.unwrap_or_else(|| {
-                    let first = text.lines().next().unwrap_or("").trim();
-                    format!(
-                        "{} answered HTTP {status} to {method} {path}{}{first}; is it a strata daemon?",
-                        self.base,
-                        if first.is_empty() { "" } else { ": " }
-                    )
-                })))
-            }
-            Err(ureq::Error::Transport(transport)) => Err(CliError(self.transport_message(&transport))),
+        let answer = self.inner.request(method, path, body.map(|b| b.to_string()))?;
+        if (200..300).contains(&answer.status) {
+            return Ok(answer.body);
         }
-    }
-
-    fn transport_message(&self, transport: &ureq::Transport) -> String {
-        let io_kind = std::error::Error::source(transport)
-            .and_then(|s| s.downcast_ref::<std::io::Error>())
-            .map(|e| e.kind());
-        let reason = match (transport.kind(), io_kind) {
-            (_, Some(std::io::ErrorKind::ConnectionRefused)) => "connection refused".to_string(),
-            (_, Some(std::io::ErrorKind::TimedOut | std::io::ErrorKind::WouldBlock)) => "timed out".to_string(),
-            (ureq::ErrorKind::Dns, _) => "cannot resolve the host name".to_string(),
-            _ => {
-                let detail = std::error::Error::source(transport)
-                    .map(|s| s.to_string())
-                    .or_else(|| transport.message().map(str::to_string))
-                    .unwrap_or_else(|| transport.kind().to_string());
-                // "Connection reset by peer (os error 104)" -> "connection reset by peer"
-                let detail = detail.split(" (os error").next().unwrap_or(&detail).trim().to_string();
-                let mut chars = detail.chars();
-                match chars.next() {
-                    Some(first) => first.to_lowercase().chain(chars).collect(),
-                    None => "unknown error".to_string(),
-                }
-            }
-        };
-        match (transport.kind(), io_kind) {
-            (ureq::ErrorKind::ConnectionFailed | ureq::ErrorKind::Dns, _)
-            | (_, Some(std::io::ErrorKind::ConnectionRefused)) => format!(
-                "cannot reach the strata daemon at {} ({reason}); is 'strata serve' running? set --api or STRATA_API",
-                self.address
-            ),
-            _ => format!("request to the strata daemon at {} failed ({reason})", self.address),
+        let message = serde_json::from_str::<Value>(&answer.body)
+            .ok()
+            .and_then(|v| v.get("error").and_then(Value::as_str).map(str::to_string));
+        if answer.status == 401 {
+            let (problem, hint) = if self.inner.has_token() {
+                (
+                    message.as_deref().unwrap_or("token refused"),
+                    "check --token or STRATA_TOKEN against the daemon's DATA_DIR/api.token",
+                )
+            } else {
+                (
+                    "no token",
+                    "give --token or STRATA_TOKEN (the daemon's DATA_DIR/api.token), or use the Unix socket (--data-dir DIR)",
+                )
+            };
+            return Err(CliError(format!(
+                "not authorized by the strata daemon at {} ({problem}); {hint}",
+                self.inner.describe()
+            )));
         }
+        Err(CliError(message.unwrap_or_else(|| {
+            let first = answer.body.lines().next().unwrap_or("").trim();
+            format!(
+                "{} answered HTTP {} to {method} {path}{}{first}; is it a strata daemon?",
+                self.inner.describe(),
+                answer.status,
+                if first.is_empty() { "" } else { ": " }
+            )
+        })))
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn api_addresses() {
-        let ok = |text: &str| parse_api_address(text).map(|(a, _)| a).ok();
-        assert_eq!(ok("127.0.0.1:9860").as_deref(), Some("127.0.0.1:9860"));
-        assert_eq!(ok("http://127.0.0.1:1234/").as_deref(), Some("127.0.0.1:1234"));
-        assert_eq!(ok("localhost").as_deref(), Some("localhost:9860"));
-        assert_eq!(ok("[::1]").as_deref(), Some("[::1]:9860"));
-        assert_eq!(ok("[::1]:80").as_deref(), Some("[::1]:80"));
-        for bad in ["", "https://x:1", "ftp://x", "x:port", "x:1/path", "http://"] {
-            assert!(parse_api_address(bad).is_err(), "{bad} should be refused");
-        }
-    }
 
     #[test]
     fn tables_align() {

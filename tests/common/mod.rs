@@ -8,6 +8,28 @@ use std::process::{Child, Command, ExitStatus, Output, Stdio};
 use std::sync::mpsc;
 use std::time::Duration;
 
+/// The API token of each running test daemon, by its API address, so
+/// [`http`] can authenticate as a script with the token would.
+static TOKENS: std::sync::Mutex<Vec<(String, String)>> = std::sync::Mutex::new(Vec::new());
+
+/// Remembers the token of the daemon whose API is at `api`.
+pub fn remember_token(api: &str, data_dir: &Path) {
+    let token = std::fs::read_to_string(data_dir.join("api.token")).expect("the daemon wrote DATA_DIR/api.token");
+    let mut tokens = TOKENS.lock().unwrap();
+    tokens.retain(|(address, _)| address != api);
+    tokens.push((api.to_string(), token.trim().to_string()));
+}
+
+/// The token of the test daemon at `api`, if one was started here.
+pub fn token_for(api: &str) -> Option<String> {
+    TOKENS
+        .lock()
+        .unwrap()
+        .iter()
+        .find(|(address, _)| address == api)
+        .map(|(_, token)| token.clone())
+}
+
 pub struct Server {
     child: Child,
     /// `127.0.0.1:PORT` of the NBD listener.
@@ -84,10 +106,12 @@ impl Server {
                 iscsi = Some(address.trim().to_string());
             }
         }
+        let api = api.unwrap();
+        remember_token(&api, data_dir);
         Server {
             child,
             nbd: nbd.unwrap(),
-            api: api.unwrap(),
+            api,
             iscsi: iscsi.unwrap(),
             data_dir: data_dir.to_path_buf(),
         }
@@ -208,13 +232,17 @@ pub fn pseudo_random(seed: u64, length: usize) -> Vec<u8> {
     out
 }
 
-/// A minimal HTTP/1.1 request; returns the whole response (status line first).
+/// A minimal HTTP/1.1 request, with the daemon's token when it is one this
+/// test started; returns the whole response (status line first).
 pub fn http(address: &str, method: &str, path: &str, body: &str) -> String {
     use std::io::{Read, Write};
     let mut stream = std::net::TcpStream::connect(address).expect("connect to the API");
+    let authorization = token_for(address)
+        .map(|token| format!("Authorization: Bearer {token}\r\n"))
+        .unwrap_or_default();
     write!(
         stream,
-        "{method} {path} HTTP/1.1\r\nHost: {address}\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        "{method} {path} HTTP/1.1\r\nHost: {address}\r\nConnection: close\r\n{authorization}Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
         body.len()
     )
     .unwrap();
