@@ -59,6 +59,12 @@ impl Server {
 
     /// Like `start_with_ram_dir`, with more arguments for `strata serve`.
     pub fn start_with_args(data_dir: &Path, ram_dir: Option<&Path>, extra: &[&str]) -> Server {
+        Server::start_logged(data_dir, ram_dir, extra, None)
+    }
+
+    /// Like `start_with_args`, with the daemon's log (stderr, at `info`)
+    /// written to `log` when given.
+    pub fn start_logged(data_dir: &Path, ram_dir: Option<&Path>, extra: &[&str], log: Option<&Path>) -> Server {
         let mut command = Command::new(env!("CARGO_BIN_EXE_strata"));
         command.env_remove("STRATA_RAM_DIR");
         if let Some(dir) = ram_dir {
@@ -70,9 +76,12 @@ impl Server {
             .arg(data_dir)
             .args(["--nbd", "127.0.0.1:0", "--api", "127.0.0.1:0", "--iscsi", "127.0.0.1:0"])
             .args(extra)
-            .env("STRATA_LOG", "warn")
+            .env("STRATA_LOG", if log.is_some() { "info" } else { "warn" })
             .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
+            .stderr(match log {
+                Some(path) => Stdio::from(std::fs::File::create(path).expect("create the daemon's log")),
+                None => Stdio::inherit(),
+            })
             .spawn()
             .expect("start strata serve");
         let stdout = child.stdout.take().expect("stdout");
@@ -99,7 +108,10 @@ impl Server {
             if let Some(address) = line.strip_prefix("strata: nbd listening on ") {
                 nbd = Some(address.trim().to_string());
             }
-            if let Some(address) = line.strip_prefix("strata: api listening on http://") {
+            let api_line = line
+                .strip_prefix("strata: api listening on http://")
+                .or_else(|| line.strip_prefix("strata: api listening on https://"));
+            if let Some(address) = api_line {
                 api = Some(address.trim().to_string());
             }
             if let Some(address) = line.strip_prefix("strata: iscsi listening on ") {
