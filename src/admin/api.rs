@@ -227,6 +227,9 @@ struct CreatePoolRequest {
     /// RAM for caching: half the write-back bound, half the read cache.
     #[serde(default)]
     ram_bytes: Option<u64>,
+    /// Write over devices that hold data or a known signature.
+    #[serde(default)]
+    force: bool,
 }
 
 async fn create_pool(
@@ -235,7 +238,13 @@ async fn create_pool(
 ) -> ApiResult<(StatusCode, Json<PoolStatus>)> {
     let Json(request) = body?;
     let status = blocking(&manager, move |m| {
-        m.create_pool(&request.name, &request.devices, request.chunk_bytes, request.ram_bytes)
+        m.create_pool(
+            &request.name,
+            &request.devices,
+            request.chunk_bytes,
+            request.ram_bytes,
+            request.force,
+        )
     })
     .await?;
     Ok((StatusCode::CREATED, Json(status)))
@@ -246,6 +255,9 @@ async fn create_pool(
 struct AddDeviceRequest {
     path: String,
     role: String,
+    /// Write over a device that holds data or a known signature.
+    #[serde(default)]
+    force: bool,
 }
 
 async fn add_device(
@@ -260,7 +272,7 @@ async fn add_device(
         path: request.path,
         role,
     };
-    let status = blocking(&manager, move |m| m.add_device(&pool, &device)).await?;
+    let status = blocking(&manager, move |m| m.add_device(&pool, &device, request.force)).await?;
     Ok((StatusCode::CREATED, Json(status)))
 }
 

@@ -158,6 +158,12 @@ pub enum PoolCommand {
         /// write-back bound, in the RAM tier), half caches reads.
         #[arg(long = "ram", value_name = "SIZE")]
         ram: Option<String>,
+        /// Write over devices that are not empty (a file system, partition
+        /// table or other signature, or any data in their first or last
+        /// MiB), which are refused otherwise. Another pool's devices are
+        /// refused even so.
+        #[arg(long)]
+        force: bool,
     },
     /// Destage all of a pool's cached writes to their place on the devices
     /// and checkpoint its metadata, so the device files alone hold every
@@ -170,7 +176,7 @@ pub enum PoolCommand {
     /// usable at once. The device must not already be in a pool.
     #[command(
         name = "add-device",
-        override_usage = "strata pool add-device POOL (--fast|--capacity) FILE|DEV",
+        override_usage = "strata pool add-device POOL (--fast|--capacity) FILE|DEV [--force]",
         group(clap::ArgGroup::new("role").required(true))
     )]
     AddDevice {
@@ -188,6 +194,9 @@ pub enum PoolCommand {
         /// Refused: a RAM tier is not a pool device.
         #[arg(long = "ram", value_name = "SIZE", group = "role", hide = true)]
         ram: Option<String>,
+        /// Write over a device that is not empty (refused otherwise).
+        #[arg(long)]
+        force: bool,
     },
 }
 
@@ -376,6 +385,7 @@ fn run_pool(args: PoolArgs) -> CliResult<String> {
             log,
             chunk_size,
             ram,
+            force,
         } => {
             validate_component("pool", &name)?;
             let chunk_bytes = parse_size(&chunk_size)?;
@@ -392,7 +402,7 @@ fn run_pool(args: PoolArgs) -> CliResult<String> {
                 return Err(CliError("a pool needs at least one --fast or --capacity device".into()));
             }
             let client = Client::new(&args.client)?;
-            let body = json!({ "name": name, "devices": devices, "chunk_bytes": chunk_bytes, "ram_bytes": ram_bytes });
+            let body = json!({ "name": name, "devices": devices, "chunk_bytes": chunk_bytes, "ram_bytes": ram_bytes, "force": force });
             let status: PoolStatus = client.send("POST", "/v1/pools", Some(body))?;
             Ok(if output.json { pretty(&status) } else { String::new() })
         }
@@ -402,6 +412,7 @@ fn run_pool(args: PoolArgs) -> CliResult<String> {
             capacity,
             log,
             ram,
+            force,
         } => {
             validate_component("pool", &pool)?;
             let (role, path) = match (fast, capacity, log, ram) {
@@ -413,7 +424,7 @@ fn run_pool(args: PoolArgs) -> CliResult<String> {
             // Absolute paths: the daemon may run in another directory.
             let absolute = std::path::absolute(&path).map_err(|e| format!("{path}: {e}"))?;
             let client = Client::new(&args.client)?;
-            let body = json!({ "path": absolute.display().to_string(), "role": role });
+            let body = json!({ "path": absolute.display().to_string(), "role": role, "force": force });
             let status: PoolStatus = client.send("POST", &format!("/v1/pools/{pool}/devices"), Some(body))?;
             Ok(if output.json { pretty(&status) } else { String::new() })
         }

@@ -371,9 +371,11 @@ pub fn open_device(path: impl AsRef<Path>, options: &DeviceOptions) -> DeviceRes
 pub fn create_file(path: impl AsRef<Path>, size_bytes: u64) -> DeviceResult<()> {
     let path = path.as_ref();
     let err = |source: io::Error| io_error(&path.display().to_string(), 0, source);
+    // Owner-only from the start: a device file holds every volume's data.
     let file = OpenOptions::new()
         .write(true)
         .create_new(true)
+        .mode(0o600)
         .custom_flags(libc::O_CLOEXEC)
         .open(path)
         .map_err(err)?;

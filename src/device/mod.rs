@@ -12,6 +12,7 @@ use std::sync::OnceLock;
 pub mod engine;
 pub mod file;
 pub mod mapped;
+pub mod signature;
 pub mod sim;
 pub mod threads;
 pub mod uring;

@@ -9,6 +9,7 @@ use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::fs::{self, File};
 use std::io::Write;
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
 
 use crate::volume::props::StoredProps;
@@ -105,7 +106,13 @@ impl Catalog {
         let mut text = serde_json::to_vec_pretty(self).map_err(std::io::Error::other)?;
         text.push(b'\n');
         {
-            let mut file = File::create(&temporary)?;
+            // 0600: the catalog holds iSCSI CHAP secrets in clear.
+            let _ = fs::remove_file(&temporary);
+            let mut file = fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(0o600)
+                .open(&temporary)?;
             file.write_all(&text)?;
             file.sync_all()?;
         }

@@ -15,6 +15,7 @@
 //! freed by clearing its magic before it can be reused.
 
 use std::alloc::Layout;
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{fence, AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -390,7 +391,10 @@ fn open_region_file(path: &Path, len: u64) -> std::io::Result<std::fs::File> {
         .write(true)
         .create(true)
         .truncate(false)
+        .mode(0o600)
         .open(path)?;
+    // One left by an older version may be wider.
+    std::fs::set_permissions(path, std::os::unix::fs::PermissionsExt::from_mode(0o600))?;
     // SAFETY: a plain syscall on a descriptor we own.
     if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
         let error = std::io::Error::last_os_error();

@@ -184,9 +184,12 @@ impl VolumeManager {
     /// device of any pool is refused: a mistyped path would otherwise
     /// quietly benchmark the bare device.
     pub async fn open_with_wraps(data_dir: &Path, wraps: DeviceWraps) -> Result<Self, AdminError> {
-        fs::create_dir_all(data_dir)
-            .map_err(|e| internal(&format!("cannot create data directory {}", data_dir.display()), e))?;
+        make_private_dir(data_dir)?;
         let lock = lock_data_dir(data_dir)?;
+        let catalog_path = data_dir.join(crate::meta::catalog::CATALOG_FILE);
+        if catalog_path.exists() {
+            crate::admin::auth::tighten(&catalog_path).map_err(AdminError::Internal)?;
+        }
         let mut catalog = match Catalog::load(data_dir).map_err(AdminError::Internal)? {
             Some(catalog) => catalog,
             None => initialise(data_dir, &wraps).await?,
@@ -284,7 +287,17 @@ impl VolumeManager {
         devices: &[DeviceRecord],
         chunk_bytes: Option<u32>,
         ram_bytes: Option<u64>,
+        force: bool,
     ) -> Result<PoolStatus, AdminError> {
+        let devices = &devices
+            .iter()
+            .map(|d| {
+                Ok(DeviceRecord {
+                    path: canonical_device_path(&d.path)?,
+                    role: d.role,
+                })
+            })
+            .collect::<Result<Vec<_>, AdminError>>()?;
         if let Some(ram) = ram_bytes {
             if ram < 2 * MIN_RAM_BYTES {
                 return Err(AdminError::Invalid(format!(
@@ -315,6 +328,9 @@ impl VolumeManager {
             }
             let handle = open_wrapped(&device.path, &self.wraps)
                 .map_err(|e| AdminError::Invalid(format!("cannot open device {}: {e}", device.path)))?;
+            if !force {
+                self.refuse_if_not_empty(&device.path, &handle)?;
+            }
             opened.push(NewDevice {
                 device: handle,
                 role: device.role,
@@ -355,13 +371,49 @@ impl VolumeManager {
             .ok_or_else(|| AdminError::Internal(format!("pool '{name}' vanished")))
     }
 
+    /// Refuses a device that holds anything (a known signature or non-zero
+    /// bytes in its first or last MiB: `device::signature`), read through
+    /// `device` itself, the descriptor the pool then writes: a path swapped
+    /// after this check cannot redirect the writes. A strata superblock is
+    /// left to the pool, which refuses another pool's device and knows its
+    /// own half-added one.
+    fn refuse_if_not_empty(&self, path: &str, device: &Arc<dyn Device>) -> Result<(), AdminError> {
+        use crate::device::signature;
+        let size = device.info().size_bytes;
+        let window = (signature::WINDOW_BYTES as u64).min(size);
+        let read = |offset: u64| async move {
+            let (buf, result) = device.read(offset, crate::device::IoBuf::new(window as usize)).await;
+            result.map(|()| buf)
+        };
+        let (head, tail) = self
+            .runtime
+            .block_on(async { Ok::<_, DeviceError>((read(0).await?, read(size - window).await?)) })
+            .map_err(|e| AdminError::Invalid(format!("cannot read device {path}: {}", device_error_reason(&e))))?;
+        if head.payload().starts_with(&crate::pool::superblock::MAGIC) {
+            return Ok(());
+        }
+        match signature::identify(head.payload(), tail.payload(), size) {
+            None => Ok(()),
+            Some(found) => Err(AdminError::Busy(format!(
+                "device {path} is not empty: found {found}; use --force to overwrite it"
+            ))),
+        }
+    }
+
     /// Adds a fast or capacity device to a running pool (`pool add-device`);
     /// its space is usable at once. Order (docs/FORMAT.md): the catalog
     /// records the device as being added, the pool writes the superblocks
     /// (new device first) and takes the device in, and the catalog moves it
     /// to the pool's devices.
-    pub fn add_device(&self, pool_name: &str, device: &DeviceRecord) -> Result<PoolStatus, AdminError> {
+    pub fn add_device(&self, pool_name: &str, device: &DeviceRecord, force: bool) -> Result<PoolStatus, AdminError> {
         validate_component("pool", pool_name)?;
+        if device.path.is_empty() {
+            return Err(AdminError::Invalid("missing device path".into()));
+        }
+        let device = &DeviceRecord {
+            path: canonical_device_path(&device.path)?,
+            role: device.role,
+        };
         let mut catalog = self.catalog();
         let record = catalog
             .pools
@@ -413,6 +465,9 @@ impl VolumeManager {
                 _ => AdminError::Invalid(message),
             }
         })?;
+        if !force {
+            self.refuse_if_not_empty(&device.path, &handle)?;
+        }
         let addition = self
             .runtime
             .block_on(pool.prepare_add_device(handle, device.role))
@@ -901,6 +956,26 @@ fn pool_options(data_dir: &Path, name: &str, ram_bytes: Option<u64>) -> PoolOpti
 }
 
 /// Opens the device at `path`, with the wrappers `wraps` asks for on it.
+/// A device path as the pool records it: absolute, with every symlink and
+/// `..` resolved, so the catalog names the file itself.
+fn canonical_device_path(path: &str) -> Result<String, AdminError> {
+    if path.is_empty() {
+        return Err(AdminError::Invalid("missing device path".into()));
+    }
+    let canonical = fs::canonicalize(path)
+        .map_err(|e| AdminError::Invalid(format!("cannot open device {path}: {}", io_reason(&e))))?;
+    canonical
+        .to_str()
+        .map(str::to_string)
+        .ok_or_else(|| AdminError::Invalid(format!("device path {} is not UTF-8", canonical.display())))
+}
+
+/// "No such file or directory (os error 2)" -> "No such file or directory".
+fn io_reason(error: &std::io::Error) -> String {
+    let text = error.to_string();
+    text.split(" (os error").next().unwrap_or(&text).to_string()
+}
+
 fn open_wrapped(path: impl AsRef<Path>, wraps: &DeviceWraps) -> Result<Arc<dyn Device>, DeviceError> {
     let path = path.as_ref();
     Ok(wraps.apply(path, open_device(path, &DeviceOptions::default())?))
@@ -979,6 +1054,29 @@ fn device_error_reason(error: &DeviceError) -> String {
         DeviceError::Io { source, .. } => source.to_string(),
         other => other.to_string(),
     }
+}
+
+/// Creates the data directory owner-only (0700), or makes an existing one
+/// so, saying so: it holds the API token, the catalog with CHAP secrets and
+/// usually the device files.
+fn make_private_dir(data_dir: &Path) -> Result<(), AdminError> {
+    use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+    fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(data_dir)
+        .map_err(|e| internal(&format!("cannot create data directory {}", data_dir.display()), e))?;
+    let mode = fs::metadata(data_dir)
+        .map_err(|e| internal(&format!("cannot stat {}", data_dir.display()), e))?
+        .permissions()
+        .mode()
+        & 0o777;
+    if mode != 0o700 {
+        fs::set_permissions(data_dir, fs::Permissions::from_mode(0o700))
+            .map_err(|e| internal(&format!("cannot make {} private", data_dir.display()), e))?;
+        tracing::info!("data directory {} was mode {mode:o}; made it 0700", data_dir.display());
+    }
+    Ok(())
 }
 
 /// Takes an exclusive `flock` on `DATA_DIR/lock` and records our pid in it.
