@@ -33,6 +33,16 @@ pub struct ServeArgs {
     pub api: SocketAddr,
     #[command(flatten)]
     pub api_security: ApiSecurityArgs,
+    /// Most connections each of the NBD and iSCSI listeners serves at once.
+    #[arg(long, default_value_t = crate::frontend::limits::DEFAULT_MAX_CONNECTIONS, value_name = "N")]
+    pub max_connections: usize,
+    /// Most connections one client address may hold on each listener.
+    #[arg(long, default_value_t = crate::frontend::limits::DEFAULT_MAX_PER_CLIENT, value_name = "N")]
+    pub max_connections_per_client: usize,
+    /// Seconds an NBD client has for its handshake and an iSCSI initiator
+    /// for its login (idle or slow clients are cut).
+    #[arg(long, default_value_t = 30, value_name = "SECONDS", value_parser = clap::value_parser!(u64).range(1..))]
+    pub handshake_timeout: u64,
     /// Stack device wrappers on a pool device for this run, for tests and
     /// benchmarks: PATH=STACK, e.g. `--wrap
     /// strata-data/pools/default/capacity.dev=delay:8ms+throttle:iops=150,bw=100M`
@@ -75,6 +85,7 @@ pub type Shutdown = watch::Receiver<bool>;
 
 pub fn run(args: ServeArgs) -> ExitCode {
     tune_allocator();
+    raise_file_limit();
     let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(runtime) => runtime,
         Err(e) => {
@@ -87,6 +98,27 @@ pub fn run(args: ServeArgs) -> ExitCode {
         Err(message) => {
             eprintln!("strata: error: {message}");
             ExitCode::FAILURE
+        }
+    }
+}
+
+/// Each connection takes a descriptor (an NBD one three: the socket and two
+/// clones for its sender and hang-up watch), and the connection caps
+/// default to 1024 per listener: the usual soft limit of 1024 descriptors
+/// would run out first. Raise it to the hard limit, as most daemons do.
+fn raise_file_limit() {
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit/setrlimit read and write the struct we pass.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) == 0 && limit.rlim_cur < limit.rlim_max {
+            let old = limit.rlim_cur;
+            limit.rlim_cur = limit.rlim_max;
+            if libc::setrlimit(libc::RLIMIT_NOFILE, &limit) == 0 {
+                tracing::info!("open files limit raised from {old} to {}", limit.rlim_max);
+            }
         }
     }
 }
@@ -155,8 +187,22 @@ async fn serve(args: ServeArgs) -> Result<(), String> {
     }
 
     let (stop_sender, stop) = watch::channel(false);
-    let nbd_task = tokio::spawn(nbd::server::serve(nbd_listener, manager.clone(), stop.clone()));
-    let iscsi_task = tokio::spawn(iscsi::server::serve(iscsi_listener, manager.clone(), stop.clone()));
+    crate::frontend::set_handshake_timeout(std::time::Duration::from_secs(args.handshake_timeout));
+    let limits = |protocol| {
+        crate::frontend::limits::ConnectionLimits::new(protocol, args.max_connections, args.max_connections_per_client)
+    };
+    let nbd_task = tokio::spawn(nbd::server::serve(
+        nbd_listener,
+        manager.clone(),
+        limits("nbd"),
+        stop.clone(),
+    ));
+    let iscsi_task = tokio::spawn(iscsi::server::serve(
+        iscsi_listener,
+        manager.clone(),
+        limits("iscsi"),
+        stop.clone(),
+    ));
     let api_task = tokio::spawn(crate::admin::server::serve(
         api.router,
         api.socket,

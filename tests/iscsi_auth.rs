@@ -363,3 +363,88 @@ fn reflected_challenge_and_oversized_chap_values_are_refused() {
         &[],
     );
 }
+
+/// `strata iscsi set`, which must succeed.
+fn iscsi_set(server: &AuthServer, assignments: &[&str]) {
+    let mut args = vec!["iscsi", "set"];
+    args.extend_from_slice(assignments);
+    let output = server.cli(&args);
+    assert!(
+        output.status.success(),
+        "iscsi set failed: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+}
+
+#[test]
+fn discovery_can_require_chap_and_its_secret_is_never_shown() {
+    let mut server = start_server();
+    let portal = format!("iscsi://{}", server.daemon.iscsi);
+    // Open by default.
+    let (ok, text) = tool("iscsi-ls", &[&portal]);
+    assert!(ok && text.contains(OPEN_TARGET), "{text}");
+
+    iscsi_set(
+        &server,
+        &[
+            "discovery_auth=chap",
+            &format!("discovery_chap_user={USER}"),
+            &format!("discovery_chap_secret={SECRET}"),
+        ],
+    );
+    // Without credentials, with a wrong secret or user: no target list.
+    for url in [
+        portal.clone(),
+        format!("iscsi://{USER}%wrong-secret-99@{}", server.daemon.iscsi),
+        format!("iscsi://mallory%{SECRET}@{}", server.daemon.iscsi),
+    ] {
+        let (ok, text) = tool("iscsi-ls", &[&url]);
+        assert!(!ok && !text.contains(OPEN_TARGET), "{url} listed targets:\n{text}");
+    }
+    let (ok, text) = tool(
+        "iscsi-ls",
+        &[&format!("iscsi://{USER}%{SECRET}@{}", server.daemon.iscsi)],
+    );
+    assert!(ok && text.contains(OPEN_TARGET) && text.contains(TARGET), "{text}");
+    // Normal sessions to an open target are not affected.
+    inq_ok(&server.url("", OPEN_TARGET, ""), &[]);
+
+    // The secret is masked in the CLI, the API and the volume rules alike.
+    let shown = String::from_utf8_lossy(&server.cli(&["iscsi", "get"]).stdout).into_owned();
+    assert!(
+        shown.contains("discovery_chap_secret") && shown.contains("********"),
+        "{shown}"
+    );
+    assert!(shown.contains(USER) && !shown.contains(SECRET), "{shown}");
+    let json = String::from_utf8_lossy(&server.cli(&["iscsi", "get", "--json"]).stdout).into_owned();
+    assert!(!json.contains(SECRET) && json.contains("discovery_auth"), "{json}");
+    let answer = common::http(&server.daemon.api, "GET", "/v1/iscsi", "");
+    assert!(
+        answer.starts_with("HTTP/1.1 200") && !answer.contains(SECRET),
+        "{answer}"
+    );
+    chap_on(&server);
+    let answer = common::http(&server.daemon.api, "GET", "/v1/volumes/default/vol0", "");
+    assert!(
+        answer.starts_with("HTTP/1.1 200") && !answer.contains(SECRET),
+        "{answer}"
+    );
+    // Bad values are refused without echoing a secret.
+    let output = server.cli(&["iscsi", "set", "discovery_chap_secret=short"]);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        !output.status.success() && !stderr.contains("short") && stderr.contains("12 to 255"),
+        "{stderr}"
+    );
+    let output = server.cli(&["iscsi", "set", "discovery_colour=red"]);
+    assert!(String::from_utf8_lossy(&output.stderr).contains("unknown iSCSI setting"));
+
+    // Kept across a restart; `none` opens discovery again.
+    assert!(server.daemon.stop().success());
+    server.daemon = common::Server::start(server.dir.path());
+    let (ok, _) = tool("iscsi-ls", &[&format!("iscsi://{}", server.daemon.iscsi)]);
+    assert!(!ok, "discovery CHAP was lost at the restart");
+    iscsi_set(&server, &["discovery_auth=none"]);
+    let (ok, text) = tool("iscsi-ls", &[&format!("iscsi://{}", server.daemon.iscsi)]);
+    assert!(ok && text.contains(OPEN_TARGET), "{text}");
+}

@@ -27,7 +27,7 @@ use crate::volume::manager::{role_for_add, AdminError, PoolStatus, VolumeInfo, V
 pub const METRICS_CONTENT_TYPE: &str = "text/plain; version=0.0.4";
 
 /// Every endpoint, as listed by `GET /` and `GET /v1`.
-pub const ENDPOINTS: [&str; 12] = [
+pub const ENDPOINTS: [&str; 15] = [
     "GET /metrics",
     "GET /v1/pools",
     "POST /v1/pools",
@@ -39,6 +39,9 @@ pub const ENDPOINTS: [&str; 12] = [
     "PATCH /v1/volumes/{pool}/{name}",
     "POST /v1/volumes/{pool}/{name}/resize",
     "DELETE /v1/volumes/{pool}/{name}",
+    "POST /v1/pools/{pool}/sync",
+    "GET /v1/iscsi",
+    "PATCH /v1/iscsi",
     "GET /v1",
 ];
 
@@ -375,6 +378,22 @@ async fn delete_volume(
     Ok(StatusCode::NO_CONTENT)
 }
 
+/// The daemon-wide iSCSI settings (`discovery_auth`, ...), secrets masked.
+async fn get_iscsi(State(manager): State<Manager>) -> ApiResult<Json<Value>> {
+    let rows = blocking(&manager, |m| Ok(m.iscsi_settings())).await?;
+    Ok(Json(json!({ "properties": rows })))
+}
+
+async fn set_iscsi(
+    State(manager): State<Manager>,
+    body: Result<Json<SetRequest>, JsonRejection>,
+) -> ApiResult<Json<Value>> {
+    let Json(request) = body?;
+    let changes = properties_from_json(&request.properties)?;
+    let rows = blocking(&manager, move |m| m.set_iscsi(&changes)).await?;
+    Ok(Json(json!({ "properties": rows })))
+}
+
 async fn no_such_endpoint(method: Method, uri: Uri) -> ApiError {
     ApiError::new(
         StatusCode::NOT_FOUND,
@@ -405,6 +424,7 @@ pub fn router(manager: Arc<VolumeManager>, auth: Arc<ApiAuth>) -> Router {
             get(get_volume).patch(set_volume).delete(delete_volume),
         )
         .route("/v1/volumes/:pool/:name/resize", post(resize_volume))
+        .route("/v1/iscsi", get(get_iscsi).patch(set_iscsi))
         .fallback(no_such_endpoint)
         .method_not_allowed_fallback(method_not_allowed)
         .with_state(manager)

@@ -62,6 +62,30 @@ pub enum AdminCommand {
     Volume(VolumeArgs),
     /// Create pools, add devices to them, show capacity, usage and errors.
     Pool(PoolArgs),
+    /// Daemon-wide iSCSI settings: CHAP for discovery sessions.
+    Iscsi(IscsiArgs),
+}
+
+#[derive(Debug, clap::Args)]
+pub struct IscsiArgs {
+    #[command(flatten)]
+    pub client: ClientOptions,
+    #[command(subcommand)]
+    pub command: IscsiCommand,
+}
+
+#[derive(Debug, clap::Subcommand)]
+pub enum IscsiCommand {
+    /// Show the settings: NAME PROPERTY VALUE SOURCE (secrets masked).
+    Get,
+    /// Change settings (discovery_auth=none|chap|mutual, discovery_chap_user,
+    /// discovery_chap_secret, discovery_mutual_user, discovery_mutual_secret);
+    /// an empty value clears one. They apply to the next login.
+    Set {
+        /// SETTING=VALUE assignments.
+        #[arg(required = true, value_name = "SETTING=VALUE")]
+        assignments: Vec<String>,
+    },
 }
 
 #[derive(Debug, clap::Args)]
@@ -216,6 +240,7 @@ pub fn run(command: AdminCommand) -> ExitCode {
     let result = match command {
         AdminCommand::Volume(args) => run_volume(args),
         AdminCommand::Pool(args) => run_pool(args),
+        AdminCommand::Iscsi(args) => run_iscsi(args),
     };
     match result {
         Ok(output) => {
@@ -549,6 +574,32 @@ fn volume_table(volumes: &[VolumeInfo]) -> String {
         })
         .collect();
     table(&headers, &rows)
+}
+
+fn run_iscsi(args: IscsiArgs) -> CliResult<String> {
+    let output = parse_options(&args.client, false)?;
+    let answer: Value = match args.command {
+        IscsiCommand::Get => Client::new(&args.client)?.get("/v1/iscsi")?,
+        IscsiCommand::Set { assignments } => {
+            let mut properties = serde_json::Map::new();
+            for assignment in &assignments {
+                let (key, value) = split_assignment(assignment)?;
+                properties.insert(key, Value::String(value));
+            }
+            let answer: Value =
+                Client::new(&args.client)?.send("PATCH", "/v1/iscsi", Some(json!({ "properties": properties })))?;
+            if !output.json {
+                return Ok(String::new());
+            }
+            answer
+        }
+    };
+    if output.json {
+        return Ok(pretty(&answer));
+    }
+    let rows: Vec<PropertyRow> = serde_json::from_value(answer["properties"].clone())
+        .map_err(|e| CliError(format!("unexpected answer from the daemon: {e}")))?;
+    Ok(property_table("iscsi", &rows))
 }
 
 fn property_table(name: &str, properties: &[PropertyRow]) -> String {

@@ -3,6 +3,7 @@
 
 pub mod iscsi;
 pub mod lane;
+pub mod limits;
 pub mod nbd;
 pub mod outbox;
 
@@ -12,6 +13,22 @@ use std::time::Duration;
 /// requests they have in flight and send their replies, before it flushes
 /// the pools and exits.
 pub const DRAIN_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Default time an NBD client has for its handshake and an iSCSI initiator
+/// for its login; a client idle or trickling past it is cut.
+pub const DEFAULT_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(30);
+static HANDSHAKE_TIMEOUT_MS: std::sync::atomic::AtomicU64 =
+    std::sync::atomic::AtomicU64::new(DEFAULT_HANDSHAKE_TIMEOUT.as_millis() as u64);
+
+/// Sets the handshake/login time limit (`strata serve --handshake-timeout`).
+pub fn set_handshake_timeout(limit: Duration) {
+    HANDSHAKE_TIMEOUT_MS.store(limit.as_millis().max(1) as u64, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// The time an NBD handshake or an iSCSI login may take.
+pub fn handshake_timeout() -> Duration {
+    Duration::from_millis(HANDSHAKE_TIMEOUT_MS.load(std::sync::atomic::Ordering::Relaxed))
+}
 
 /// The connection tasks of one listener, so that a stop waits for them:
 /// a request that was in flight when the stop came either completes and is

@@ -24,6 +24,10 @@ pub struct Catalog {
     /// Layout version; a newer one is refused rather than misread.
     pub format: u32,
     pub pools: BTreeMap<String, PoolRecord>,
+    /// Daemon-wide iSCSI settings (`strata iscsi set`), e.g.
+    /// `discovery_auth`; absent in catalogs written before they existed.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub iscsi: BTreeMap<String, String>,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -67,6 +71,7 @@ impl Catalog {
         Catalog {
             format: CATALOG_FORMAT,
             pools: BTreeMap::new(),
+            iscsi: BTreeMap::new(),
         }
     }
 

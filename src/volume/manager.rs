@@ -12,7 +12,9 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use super::props::{canonical_value, PropError, PropertyRow, StoredProps, DEFAULT_VOLBLOCKSIZE};
+use super::props::{
+    canonical_value, IscsiAccess, IscsiAuthMode, PropError, PropertyRow, StoredProps, DEFAULT_VOLBLOCKSIZE,
+};
 use super::{full_name, Volume};
 use crate::device::{create_file, open_device, DeviceOptions};
 use crate::device::{Device, DeviceError, DeviceWraps};
@@ -603,6 +605,43 @@ impl VolumeManager {
 
     /// The stored properties of `pool/name` (all of them, secrets included:
     /// for the frontends, never for display).
+    /// The daemon-wide iSCSI settings as rows (secrets masked), every
+    /// known setting with its value or `-`.
+    pub fn iscsi_settings(&self) -> Vec<PropertyRow> {
+        discovery_rows(&self.catalog().iscsi)
+    }
+
+    /// Changes daemon-wide iSCSI settings (`strata iscsi set`); an empty
+    /// value clears one. They apply to the next login.
+    pub fn set_iscsi(&self, changes: &[(String, String)]) -> Result<Vec<PropertyRow>, AdminError> {
+        let mut validated = Vec::new();
+        for (key, value) in changes {
+            let property = discovery_property(key)?;
+            validated.push((key.clone(), canonical_value(&property, value)?));
+        }
+        let mut catalog = self.catalog();
+        let mut updated = catalog.clone();
+        for (key, value) in validated {
+            if value.is_empty() {
+                updated.iscsi.remove(&key);
+            } else {
+                updated.iscsi.insert(key, value);
+            }
+        }
+        updated
+            .save(&self.data_dir)
+            .map_err(|e| internal("cannot save catalog", e))?;
+        *catalog = updated;
+        Ok(discovery_rows(&catalog.iscsi))
+    }
+
+    /// The rules discovery sessions must meet, or `None` when discovery is
+    /// open (`discovery_auth` unset or `none`).
+    pub fn discovery_access(&self) -> Option<IscsiAccess> {
+        let access = discovery_props(&self.catalog().iscsi).iscsi_access();
+        (access.auth != IscsiAuthMode::None).then_some(access)
+    }
+
     pub fn stored_props(&self, name: &str) -> Option<StoredProps> {
         let (pool, short) = split_volume_name(name).ok()?;
         let catalog = self.catalog();
@@ -956,6 +995,52 @@ fn pool_options(data_dir: &Path, name: &str, ram_bytes: Option<u64>) -> PoolOpti
 }
 
 /// Opens the device at `path`, with the wrappers `wraps` asks for on it.
+/// The daemon-wide iSCSI settings: `discovery_X` is checked and behaves as
+/// a volume's `iscsi.X` (same values, same secret rules).
+const DISCOVERY_SETTINGS: [&str; 5] = [
+    "discovery_auth",
+    "discovery_chap_user",
+    "discovery_chap_secret",
+    "discovery_mutual_user",
+    "discovery_mutual_secret",
+];
+
+/// The volume property a discovery setting mirrors.
+fn discovery_property(key: &str) -> Result<String, AdminError> {
+    match key.strip_prefix("discovery_") {
+        Some(rest) if DISCOVERY_SETTINGS.contains(&key) => Ok(format!("iscsi.{rest}")),
+        _ => Err(AdminError::Invalid(format!(
+            "unknown iSCSI setting '{key}' (known: {})",
+            DISCOVERY_SETTINGS.join(", ")
+        ))),
+    }
+}
+
+/// The settings as the properties of a pseudo-volume, to reuse their rules.
+fn discovery_props(settings: &std::collections::BTreeMap<String, String>) -> StoredProps {
+    let mut props = StoredProps::default();
+    for (key, value) in settings {
+        if let Ok(property) = discovery_property(key) {
+            props.local.insert(property, value.clone());
+        }
+    }
+    props
+}
+
+fn discovery_rows(settings: &std::collections::BTreeMap<String, String>) -> Vec<PropertyRow> {
+    discovery_props(settings)
+        .rows()
+        .into_iter()
+        .filter_map(|row| {
+            let rest = row.property.strip_prefix("iscsi.")?;
+            let name = format!("discovery_{rest}");
+            DISCOVERY_SETTINGS
+                .contains(&name.as_str())
+                .then(|| PropertyRow { property: name, ..row })
+        })
+        .collect()
+}
+
 /// A device path as the pool records it: absolute, with every symlink and
 /// `..` resolved, so the catalog names the file itself.
 fn canonical_device_path(path: &str) -> Result<String, AdminError> {

@@ -36,7 +36,9 @@ const MAX_TASKS: u32 = 2 * COMMAND_WINDOW;
 const MAX_DATA_OUT_BYTES: u64 = crate::volume::MAX_REQUEST_BYTES as u64;
 /// How long a login may take before the connection is closed (an idle
 /// half-logged-in connection holds nothing, but should not stay forever).
-const LOGIN_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long a refused connection may take to send its login request
+/// before it is simply closed.
+const REFUSAL_WAIT: Duration = Duration::from_secs(2);
 /// How long Logout waits for running commands before answering anyway.
 const LOGOUT_DRAIN: Duration = Duration::from_secs(10);
 
@@ -153,7 +155,10 @@ pub async fn run(
     let (read_half, write_half) = stream.into_split();
     let mut reader = BufReader::with_capacity(256 * 1024, read_half);
     let mut writer = BufWriter::with_capacity(256 * 1024, write_half);
-    let logging_in = tokio::time::timeout(LOGIN_TIMEOUT, login(&mut reader, &mut writer, &registry));
+    let logging_in = tokio::time::timeout(
+        crate::frontend::handshake_timeout(),
+        login(&mut reader, &mut writer, &registry),
+    );
     let logged_in = tokio::select! {
         logged_in = logging_in => logged_in,
         // Stopping: an initiator still logging in has no command in flight.
@@ -196,6 +201,23 @@ pub async fn run(
         unit.detach(&nexus);
     }
     result
+}
+
+/// A connection beyond the caps: its first login request is answered with
+/// status "out of resources" (RFC 7143 11.13.5, 0x0302), then it is closed.
+pub async fn refuse(mut stream: TcpStream) {
+    let answered = async {
+        let (read_half, mut write_half) = stream.split();
+        let mut reader = BufReader::new(read_half);
+        if let Ok(Some(request)) = read_pdu(&mut reader, &Framing::LOGIN).await {
+            if request.bhs.opcode() == op::LOGIN {
+                let bhs = super::login::out_of_resources(&request.bhs);
+                let _ = write_half.write_all(&pdu::encode(&bhs, &[], false, false)).await;
+                let _ = write_half.flush().await;
+            }
+        }
+    };
+    let _ = tokio::time::timeout(REFUSAL_WAIT, answered).await;
 }
 
 async fn login<R, W>(reader: &mut R, writer: &mut W, registry: &Registry) -> Result<Option<Negotiated>, ConnectionError>

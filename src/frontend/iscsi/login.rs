@@ -21,6 +21,14 @@ pub mod status {
     pub const SESSION_DOES_NOT_EXIST: u16 = 0x020a;
     pub const INVALID_DURING_LOGIN: u16 = 0x020b;
     pub const TARGET_ERROR: u16 = 0x0300;
+    pub const OUT_OF_RESOURCES: u16 = 0x0302;
+}
+
+/// The answer to a login the target cannot take now (too many connections).
+pub fn out_of_resources(request: &Bhs) -> Bhs {
+    let mut login = Login::new(1);
+    login.statsn = request.exp_statsn();
+    login.fail(request, status::OUT_OF_RESOURCES).0
 }
 
 const SECURITY: u8 = 0;
@@ -36,6 +44,12 @@ pub trait Directory {
     /// target, `Err` when they cannot be read (the login fails with a target
     /// error rather than letting anyone in).
     fn target(&self, target_name: &str) -> Result<Option<IscsiAccess>, String>;
+
+    /// The rules for discovery sessions: `Ok(None)` when discovery is open
+    /// (the default), `Err` when they cannot be read (refused).
+    fn discovery(&self) -> Result<Option<IscsiAccess>, String> {
+        Ok(None)
+    }
 
     /// Fills `buf` with unpredictable bytes for CHAP challenges.
     fn random(&self, buf: &mut [u8]) -> std::io::Result<()> {
@@ -389,8 +403,20 @@ impl Login {
         let Some(initiator_name) = self.initiator_name.clone() else {
             return self.fail(request, status::MISSING_PARAMETER);
         };
-        // Discovery sessions need no authentication: they only list targets.
+        // Discovery sessions only list targets: open unless the daemon's
+        // `discovery_auth` asks for CHAP.
         let mut required = IscsiAuthMode::None;
+        if self.session_type == SessionType::Discovery {
+            if self.access.is_none() {
+                match directory.discovery() {
+                    Ok(access) => self.access = access,
+                    Err(e) => return self.refuse(request, status::TARGET_ERROR, &e),
+                }
+            }
+            if let Some(access) = &self.access {
+                required = access.auth;
+            }
+        }
         if self.session_type == SessionType::Normal {
             let Some(target) = self.target_name.clone() else {
                 return self.fail(request, status::MISSING_PARAMETER);

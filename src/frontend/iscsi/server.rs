@@ -10,6 +10,7 @@ use tokio::net::TcpListener;
 
 use super::login::Directory;
 use crate::daemon::Shutdown;
+use crate::frontend::limits::ConnectionLimits;
 use crate::scsi::lu::LogicalUnit;
 use crate::volume::manager::VolumeManager;
 use crate::volume::props::{IscsiAccess, StoredProps};
@@ -108,18 +109,24 @@ impl Directory for Registry {
             .stored_props(volume.full_name())
             .map(|p| StoredProps::iscsi_access(&p)))
     }
+
+    /// `strata iscsi set discovery_auth=...`: read at every discovery login.
+    fn discovery(&self) -> Result<Option<IscsiAccess>, String> {
+        Ok(self.manager.discovery_access())
+    }
 }
 
 /// Serves iSCSI on `listener` until `stop` becomes true. Each connection runs
 /// on its own task; a failing connection never affects another.
-pub async fn serve(listener: TcpListener, manager: Arc<VolumeManager>, stop: Shutdown) {
-    serve_with_prefix(listener, manager, stop, DEFAULT_IQN_PREFIX).await
+pub async fn serve(listener: TcpListener, manager: Arc<VolumeManager>, limits: Arc<ConnectionLimits>, stop: Shutdown) {
+    serve_with_prefix(listener, manager, limits, stop, DEFAULT_IQN_PREFIX).await
 }
 
 /// [`serve`] with a configurable target name prefix.
 pub async fn serve_with_prefix(
     listener: TcpListener,
     manager: Arc<VolumeManager>,
+    limits: Arc<ConnectionLimits>,
     mut stop: Shutdown,
     iqn_prefix: &str,
 ) {
@@ -136,9 +143,19 @@ pub async fn serve_with_prefix(
         match accepted {
             Ok((stream, peer)) => {
                 let _ = stream.set_nodelay(true);
+                let slot = match limits.admit(peer.ip()) {
+                    Ok(slot) => slot,
+                    Err(_) => {
+                        // Answer the login with "out of resources" where
+                        // the initiator sends one soon, then close.
+                        connections.spawn(super::connection::refuse(stream));
+                        continue;
+                    }
+                };
                 let registry = registry.clone();
                 let stop = connection_stop.clone();
                 connections.spawn(async move {
+                    let _slot = slot;
                     let portal: Option<SocketAddr> = stream.local_addr().ok();
                     if let Err(e) = super::connection::run(stream, registry, portal, stop).await {
                         tracing::debug!("iSCSI connection from {peer} ended: {e}");

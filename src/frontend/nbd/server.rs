@@ -28,17 +28,14 @@ use super::proto::{self, cflag, chunk, cmd, info, opt, rep, ClientOption, Negoti
 use crate::admin::metrics::{Op, Protocol};
 use crate::daemon::Shutdown;
 use crate::frontend::lane::Lane;
+use crate::frontend::limits::ConnectionLimits;
 use crate::frontend::outbox::{Outbox, ReplySocket};
 use crate::frontend::Connections;
 use crate::volume::manager::{VolumeManager, DEFAULT_POOL, DEFAULT_VOLUME};
 use crate::volume::{full_name, BlockError, IoBuf, Volume, ZeroFlags, MAX_REQUEST_BYTES};
 
-/// A client must finish the handshake within this time.
-const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(30);
 /// Options one connection may send before it is considered abusive.
 const MAX_OPTIONS_PER_CONNECTION: usize = 1024;
-/// Connections served at once; more are closed at accept.
-const MAX_CONNECTIONS: usize = 1024;
 /// Bytes of request and reply payload one connection may have in flight.
 const IN_FLIGHT_BUDGET_BYTES: usize = 128 << 20;
 /// The budget is counted in units of this many bytes (each request takes at least one).
@@ -101,8 +98,13 @@ enum ConnectionError {
 }
 
 /// Accepts NBD clients until `stop` turns true.
-pub async fn serve(listener: TcpListener, manager: Arc<VolumeManager>, mut stop: Shutdown) {
-    let slots = Arc::new(Semaphore::new(MAX_CONNECTIONS));
+/// Connections beyond `limits` are closed at accept, before a byte is sent.
+pub async fn serve(
+    listener: TcpListener,
+    manager: Arc<VolumeManager>,
+    limits: Arc<ConnectionLimits>,
+    mut stop: Shutdown,
+) {
     let mut connections = Connections::default();
     loop {
         let accepted = tokio::select! {
@@ -118,8 +120,9 @@ pub async fn serve(listener: TcpListener, manager: Arc<VolumeManager>, mut stop:
                 continue;
             }
         };
-        let Ok(slot) = slots.clone().try_acquire_owned() else {
-            tracing::warn!("nbd: refusing {peer}: {MAX_CONNECTIONS} connections already open");
+        let Ok(slot) = limits.admit(peer.ip()) else {
+            // Dropping the stream closes it: the client sees the connection
+            // end before any greeting.
             continue;
         };
         let manager = manager.clone();
@@ -149,9 +152,10 @@ async fn handle_connection(
     greeting.extend_from_slice(&proto::IHAVEOPT.to_be_bytes());
     greeting.extend_from_slice(&(proto::FLAG_FIXED_NEWSTYLE | proto::FLAG_NO_ZEROES).to_be_bytes());
     writer.write_all(&greeting).await?;
-    let handshake = tokio::time::timeout(HANDSHAKE_TIMEOUT, negotiate(&mut reader, &mut writer, manager));
+    let limit = crate::frontend::handshake_timeout();
+    let handshake = tokio::time::timeout(limit, negotiate(&mut reader, &mut writer, manager));
     let agreed = tokio::select! {
-        agreed = handshake => agreed.map_err(|_| ConnectionError::HandshakeTimeout(HANDSHAKE_TIMEOUT))??,
+        agreed = handshake => agreed.map_err(|_| ConnectionError::HandshakeTimeout(limit))??,
         // Stopping: a client still negotiating has nothing in flight.
         _ = stop.wait_for(|stopped| *stopped) => return Ok(()),
     };
