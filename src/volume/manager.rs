@@ -1036,7 +1036,7 @@ fn discovery_rows(settings: &std::collections::BTreeMap<String, String>) -> Vec<
             let name = format!("discovery_{rest}");
             DISCOVERY_SETTINGS
                 .contains(&name.as_str())
-                .then(|| PropertyRow { property: name, ..row })
+                .then_some(PropertyRow { property: name, ..row })
         })
         .collect()
 }
