@@ -89,7 +89,8 @@ fn state(data_dir: &Path) -> String {
         .iter()
         .map(|d| d["path"].to_string())
         .collect();
-    format!("{volumes}\n{properties}\n{devices:?}")
+    let iscsi = succeeded(&cli(data_dir, &["iscsi", "get", "--json"]));
+    format!("{volumes}\n{properties}\n{devices:?}\n{iscsi}")
 }
 
 #[test]
@@ -121,9 +122,15 @@ fn missing_or_wrong_tokens_get_401_on_every_mutating_route_and_change_nothing() 
         ),
         ("POST", "/v1/volumes/default/vol0/resize", r#"{"size":"20G"}"#.into()),
         ("DELETE", "/v1/volumes/default/vol0", String::new()),
+        (
+            "PATCH",
+            "/v1/iscsi",
+            r#"{"properties":{"discovery_auth":"chap"}}"#.into(),
+        ),
         // Reads need the token too: volume names and CHAP users are not public.
         ("GET", "/v1/volumes", String::new()),
         ("GET", "/v1/pools", String::new()),
+        ("GET", "/v1/iscsi", String::new()),
     ];
     let wrong = format!("Bearer {}", "f".repeat(64));
     let near_miss = format!("Bearer {}", &token[..63]);
@@ -174,9 +181,9 @@ fn missing_or_wrong_tokens_get_401_on_every_mutating_route_and_change_nothing() 
     assert!(server.stop().success());
     let log = std::fs::read_to_string(&log).unwrap();
     let audit: Vec<&str> = log.lines().filter(|l| l.contains("audit: ")).collect();
-    // One line per refused mutating request (4 variants x 7 routes), one per allowed one.
+    // One line per refused mutating request (4 variants x 8 routes), one per allowed one.
     let refused = audit.iter().filter(|l| l.contains("result=401")).count();
-    assert_eq!(refused, 4 * 7, "{audit:#?}");
+    assert_eq!(refused, 4 * 8, "{audit:#?}");
     assert!(
         audit
             .iter()

@@ -33,10 +33,20 @@ fn connect_from(from: &str, server: &str) -> TcpStream {
         };
         let local = address(from.parse().unwrap(), 0);
         let size = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
-        assert_eq!(libc::bind(fd, &local as *const _ as *const libc::sockaddr, size), 0, "bind {from}");
-        let SocketAddr::V4(v4) = server else { panic!("IPv4 only") };
+        assert_eq!(
+            libc::bind(fd, &local as *const _ as *const libc::sockaddr, size),
+            0,
+            "bind {from}"
+        );
+        let SocketAddr::V4(v4) = server else {
+            panic!("IPv4 only")
+        };
         let remote = address(*v4.ip(), v4.port());
-        assert_eq!(libc::connect(fd, &remote as *const _ as *const libc::sockaddr, size), 0, "connect");
+        assert_eq!(
+            libc::connect(fd, &remote as *const _ as *const libc::sockaddr, size),
+            0,
+            "connect"
+        );
         std::os::fd::FromRawFd::from_raw_fd(fd)
     }
 }
@@ -65,7 +75,9 @@ fn nbd_admitted(from: &str, server: &str) -> TcpStream {
     let mut stream = connect_from(from, server);
     let mut greeting = [0u8; 18];
     stream.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    stream.read_exact(&mut greeting).expect("an admitted client gets the greeting");
+    stream
+        .read_exact(&mut greeting)
+        .expect("an admitted client gets the greeting");
     assert_eq!(&greeting[..8], b"NBDMAGIC");
     stream
 }
@@ -74,7 +86,10 @@ fn nbd_admitted(from: &str, server: &str) -> TcpStream {
 fn nbd_refused(from: &str, server: &str) {
     let mut stream = connect_from(from, server);
     let (got, closed) = read_for(&mut stream, Duration::from_secs(5));
-    assert!(got.is_empty() && closed, "a refused client got {got:?} (closed: {closed})");
+    assert!(
+        got.is_empty() && closed,
+        "a refused client got {got:?} (closed: {closed})"
+    );
 }
 
 fn nbdinfo_works(server: &Server) -> bool {
@@ -121,7 +136,10 @@ fn nbd_connections_are_capped_per_client_and_per_listener() {
     // All closed: a real client works again.
     let deadline = Instant::now() + Duration::from_secs(10);
     while !nbdinfo_works(&server) {
-        assert!(Instant::now() < deadline, "nbdinfo never worked again after the connections closed");
+        assert!(
+            Instant::now() < deadline,
+            "nbdinfo never worked again after the connections closed"
+        );
         std::thread::sleep(Duration::from_millis(200));
     }
 }
@@ -203,7 +221,10 @@ fn iscsi_connections_beyond_the_cap_are_told_out_of_resources() {
     let portal = format!("iscsi://{}", server.iscsi);
     let (listed, text) = {
         let output = Command::new("iscsi-ls").arg(&portal).output().unwrap();
-        (output.status.success(), String::from_utf8_lossy(&output.stdout).into_owned())
+        (
+            output.status.success(),
+            String::from_utf8_lossy(&output.stdout).into_owned(),
+        )
     };
     assert!(!listed, "iscsi-ls got past the cap: {text}");
     // Another address is served.
