@@ -8,6 +8,7 @@ pub mod device;
 pub mod frontend;
 pub mod meta;
 pub mod pool;
+pub mod private;
 pub mod scsi;
 pub mod tls;
 pub mod units;

@@ -8,9 +8,7 @@
 //! client side the CLI uses (trust a CA file or exactly one pinned
 //! certificate).
 
-use std::io::Write;
 use std::net::IpAddr;
-use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
 
 use openssl::asn1::Asn1Time;
@@ -139,18 +137,6 @@ pub fn fingerprint(cert_pem: &[u8]) -> Result<String, String> {
     Ok(digest.iter().map(|b| format!("{b:02x}")).collect::<Vec<_>>().join(":"))
 }
 
-/// Writes `bytes` to a new file readable by its owner only (mode 0600 from
-/// the start, never a moment wider). Fails if the file exists.
-pub fn write_private_file(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
-    let mut file = std::fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .mode(0o600)
-        .open(path)?;
-    file.write_all(bytes)?;
-    file.sync_all()
-}
-
 /// `len` random bytes from OpenSSL's CSPRNG.
 pub fn random_bytes(len: usize) -> Result<Vec<u8>, String> {
     let mut bytes = vec![0u8; len];
@@ -174,7 +160,7 @@ mod tests {
         let cert = dir.path().join("c.pem");
         let key = dir.path().join("k.pem");
         std::fs::write(&cert, &made.cert_pem).unwrap();
-        write_private_file(&key, &made.key_pem).unwrap();
+        crate::private::write_private_file(&key, &made.key_pem).unwrap();
         let acceptor = acceptor(&cert, &key).unwrap();
         let connector = connector(&cert).unwrap();
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
@@ -213,20 +199,14 @@ mod tests {
         assert_eq!(fingerprint(&made.cert_pem).unwrap().len(), 32 * 3 - 1);
     }
 
-    fn connector_for(path: &Path) -> SslConnector {
-        connector(path).unwrap()
-    }
-
     #[test]
-    fn private_files_are_owner_only_and_never_overwritten() {
-        use std::os::unix::fs::PermissionsExt;
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("secret");
-        write_private_file(&path, b"x").unwrap();
-        assert_eq!(std::fs::metadata(&path).unwrap().permissions().mode() & 0o777, 0o600);
-        assert!(write_private_file(&path, b"y").is_err());
+    fn secrets_compare_whole() {
         assert!(secrets_equal(b"abc", b"abc"));
         assert!(!secrets_equal(b"abc", b"abd"));
         assert!(!secrets_equal(b"abc", b"abcd"));
+    }
+
+    fn connector_for(path: &Path) -> SslConnector {
+        connector(path).unwrap()
     }
 }

@@ -13,7 +13,6 @@
 //! logs one audit line (target `strata::audit`): who, what, the result.
 
 use std::net::SocketAddr;
-use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -72,7 +71,7 @@ impl ApiAuth {
         let path = data_dir.join(TOKEN_FILE);
         let token = match std::fs::read_to_string(&path) {
             Ok(text) => {
-                tighten(&path)?;
+                crate::private::tighten(&path)?;
                 let token = text.trim().to_string();
                 if token.len() < 16 || !token.bytes().all(|b| b.is_ascii_graphic()) {
                     return Err(format!(
@@ -85,7 +84,7 @@ impl ApiAuth {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
                 let bytes = crate::tls::random_bytes(TOKEN_BYTES)?;
                 let token: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
-                crate::tls::write_private_file(&path, format!("{token}\n").as_bytes())
+                crate::private::write_private_file(&path, format!("{token}\n").as_bytes())
                     .map_err(|e| format!("cannot create {}: {e}", path.display()))?;
                 tracing::info!(
                     "api: created the API token {} (id {})",
@@ -142,18 +141,6 @@ fn token_id(token: &str) -> String {
     }
 }
 
-/// Makes a secret file owner-only if it is not, saying so.
-pub fn tighten(path: &Path) -> Result<(), String> {
-    let metadata = std::fs::metadata(path).map_err(|e| format!("cannot stat {}: {e}", path.display()))?;
-    let mode = metadata.permissions().mode() & 0o777;
-    if mode & 0o077 != 0 {
-        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
-            .map_err(|e| format!("cannot make {} private: {e}", path.display()))?;
-        tracing::warn!("{} was mode {mode:o}; made it 0600", path.display());
-    }
-    Ok(())
-}
-
 /// Methods that cannot change anything.
 fn read_only(method: &Method) -> bool {
     matches!(*method, Method::GET | Method::HEAD | Method::OPTIONS)
@@ -202,6 +189,7 @@ pub fn default_socket(data_dir: &Path) -> PathBuf {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::unix::fs::PermissionsExt;
 
     #[test]
     fn the_token_is_created_private_and_read_back_the_same() {

@@ -17,7 +17,8 @@ use http_body_util::{BodyExt, Full};
 use hyper::body::Bytes;
 use hyper_util::rt::TokioIo;
 use openssl::ssl::SslConnector;
-use tokio::io::{AsyncRead, AsyncWrite};
+
+use super::Io;
 
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(60);
@@ -115,9 +116,6 @@ pub struct Client {
     tls: Option<SslConnector>,
     runtime: tokio::runtime::Runtime,
 }
-
-trait Io: AsyncRead + AsyncWrite + Send + Unpin {}
-impl<T: AsyncRead + AsyncWrite + Send + Unpin> Io for T {}
 
 impl Client {
     pub fn new(settings: &Settings) -> Result<Client, String> {

@@ -7,3 +7,7 @@ pub mod cli;
 pub mod client;
 pub mod metrics;
 pub mod server;
+
+/// A byte stream HTTP runs over: a Unix socket, TCP, or TLS on TCP.
+pub(crate) trait Io: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin {}
+impl<T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin> Io for T {}

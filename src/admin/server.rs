@@ -14,10 +14,10 @@ use hyper::body::Incoming;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::service::TowerToHyperService;
 use openssl::ssl::{Ssl, SslAcceptor};
-use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::{TcpListener, UnixListener};
 
 use super::auth::Caller;
+use super::Io;
 use crate::daemon::Shutdown;
 use crate::frontend::Connections;
 
@@ -151,10 +151,6 @@ pub async fn serve(router: Router, unix: UnixListener, unix_path: PathBuf, tcp: 
     let _ = std::fs::remove_file(&unix_path);
 }
 
-/// A byte stream hyper can serve.
-trait Io: AsyncRead + AsyncWrite + Send + Unpin {}
-impl<T: AsyncRead + AsyncWrite + Send + Unpin> Io for T {}
-
 enum Accepted {
     Plain(Box<dyn Io>),
     Tls(tokio::net::TcpStream, Arc<SslAcceptor>),
@@ -216,7 +212,7 @@ pub fn certificate(
     let cert = data_dir.join("api.crt");
     let key = data_dir.join("api.key");
     if cert.exists() && key.exists() {
-        super::auth::tighten(&key)?;
+        crate::private::tighten(&key)?;
         return Ok((cert, key));
     }
     let host = hostname();
@@ -229,7 +225,8 @@ pub fn certificate(
     let made = crate::tls::self_signed(host.as_deref().unwrap_or("strata"), &names, &ips)?;
     // The key first: a crash between the two leaves no certificate without its key.
     let _ = std::fs::remove_file(&key);
-    crate::tls::write_private_file(&key, &made.key_pem).map_err(|e| format!("cannot write {}: {e}", key.display()))?;
+    crate::private::write_private_file(&key, &made.key_pem)
+        .map_err(|e| format!("cannot write {}: {e}", key.display()))?;
     std::fs::write(&cert, &made.cert_pem).map_err(|e| format!("cannot write {}: {e}", cert.display()))?;
     tracing::info!(
         "api: made a self-signed certificate {} for {names:?} and {ips:?} (sha256 {})",

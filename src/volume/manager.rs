@@ -190,7 +190,7 @@ impl VolumeManager {
         let lock = lock_data_dir(data_dir)?;
         let catalog_path = data_dir.join(crate::meta::catalog::CATALOG_FILE);
         if catalog_path.exists() {
-            crate::admin::auth::tighten(&catalog_path).map_err(AdminError::Internal)?;
+            crate::private::tighten(&catalog_path).map_err(AdminError::Internal)?;
         }
         let mut catalog = match Catalog::load(data_dir).map_err(AdminError::Internal)? {
             Some(catalog) => catalog,
