@@ -187,7 +187,7 @@ fn login_request() -> Vec<u8> {
     pdu[5..8].copy_from_slice(&(text.len() as u32).to_be_bytes()[1..]);
     pdu[8..14].copy_from_slice(&[0x40, 0, 0, 0, 0, 1]);
     pdu.extend_from_slice(text);
-    while pdu.len() % 4 != 0 {
+    while !pdu.len().is_multiple_of(4) {
         pdu.push(0);
     }
     pdu
