@@ -36,6 +36,9 @@ pub struct ServeArgs {
     /// path as `strata pool status` shows it. Repeatable; not stored.
     #[arg(long = "wrap", value_name = "PATH=STACK")]
     pub wrap: Vec<String>,
+    /// NBD over TLS: --tls, --tls-certificates, --tls-verify-peer, --tls-psk.
+    #[command(flatten)]
+    pub nbd_tls: nbd::tls::TlsArgs,
 }
 
 /// Sender side of the shutdown signal every listener watches.
@@ -81,6 +84,7 @@ async fn bind(what: &str, address: SocketAddr) -> Result<TcpListener, String> {
 async fn serve(args: ServeArgs) -> Result<(), String> {
     let signals = Signals::catch()?;
     let wraps = DeviceWraps::parse(&args.wrap)?;
+    let nbd_tls = Arc::new(nbd::tls::NbdTls::from_args(&args.nbd_tls)?);
     // Measured before the pools open (their recovery checksums), and said.
     tracing::info!(
         "crc32c: {}; sectors: {}",
@@ -119,7 +123,7 @@ async fn serve(args: ServeArgs) -> Result<(), String> {
     }
 
     let (stop_sender, stop) = watch::channel(false);
-    let nbd_task = tokio::spawn(nbd::server::serve(nbd_listener, manager.clone(), stop.clone()));
+    let nbd_task = tokio::spawn(nbd::server::serve(nbd_listener, manager.clone(), nbd_tls, stop.clone()));
     let iscsi_task = tokio::spawn(iscsi::server::serve(iscsi_listener, manager.clone(), stop.clone()));
     let router = crate::admin::api::router(manager.clone());
     let mut api_stop = stop.clone();
