@@ -418,3 +418,101 @@ fn the_daemon_refuses_tls_without_credentials_and_readable_keys() {
     let error = refused_start(&data, &["--tls-certificates", root.path().to_str().unwrap()]);
     assert!(error.contains("server-cert.pem not found"), "{error}");
 }
+
+/// Opens a plaintext NBD connection and finishes the greeting: the socket.
+fn greeted(server: &Server) -> std::net::TcpStream {
+    use std::io::{Read, Write};
+    let mut socket = std::net::TcpStream::connect(&server.nbd).unwrap();
+    socket
+        .set_read_timeout(Some(std::time::Duration::from_secs(10)))
+        .unwrap();
+    let mut greeting = [0u8; 18];
+    socket.read_exact(&mut greeting).unwrap();
+    assert_eq!(&greeting[..8], b"NBDMAGIC");
+    socket.write_all(&3u32.to_be_bytes()).unwrap(); // fixed newstyle, no zeroes
+    socket
+}
+
+/// Sends option `option` with `data` and returns the reply types up to
+/// the first that is not NBD_REP_SERVER.
+fn option_replies(socket: &mut std::net::TcpStream, option: u32, data: &[u8]) -> Vec<u32> {
+    use std::io::{Read, Write};
+    let mut message = b"IHAVEOPT".to_vec();
+    message.extend_from_slice(&option.to_be_bytes());
+    message.extend_from_slice(&(data.len() as u32).to_be_bytes());
+    message.extend_from_slice(data);
+    socket.write_all(&message).unwrap();
+    let mut kinds = Vec::new();
+    loop {
+        let mut header = [0u8; 20];
+        socket.read_exact(&mut header).unwrap();
+        assert_eq!(
+            u64::from_be_bytes(header[..8].try_into().unwrap()),
+            0x0003_e889_0455_65a9
+        );
+        assert_eq!(u32::from_be_bytes(header[8..12].try_into().unwrap()), option);
+        let kind = u32::from_be_bytes(header[12..16].try_into().unwrap());
+        let length = u32::from_be_bytes(header[16..20].try_into().unwrap());
+        let mut payload = vec![0u8; length as usize];
+        socket.read_exact(&mut payload).unwrap();
+        kinds.push(kind);
+        if kind != 2 {
+            return kinds;
+        }
+    }
+}
+
+const REP_ACK: u32 = 1;
+const REP_SERVER: u32 = 2;
+const REP_ERR_POLICY: u32 = (1 << 31) + 2;
+const REP_ERR_INVALID: u32 = (1 << 31) + 3;
+const REP_ERR_TLS_REQD: u32 = (1 << 31) + 5;
+const OPT_LIST: u32 = 3;
+const OPT_STARTTLS: u32 = 5;
+const OPT_GO: u32 = 7;
+
+#[test]
+fn the_option_replies_follow_the_protocol_for_each_mode() {
+    tools();
+    let root = tempfile::tempdir().unwrap();
+    let alice = psk_dir(root.path(), "alice", "alice");
+    let keys = alice.join("keys.psk");
+    let go_vol0 = {
+        let name = b"default/vol0";
+        let mut data = (name.len() as u32).to_be_bytes().to_vec();
+        data.extend_from_slice(name);
+        data.extend_from_slice(&0u16.to_be_bytes());
+        data
+    };
+
+    // off: STARTTLS is refused by policy, everything else works.
+    let data = root.path().join("off");
+    let server = Server::start_with_args(&data, Some(&data), &[]);
+    let mut socket = greeted(&server);
+    assert_eq!(option_replies(&mut socket, OPT_STARTTLS, &[]), [REP_ERR_POLICY]);
+    assert_eq!(option_replies(&mut socket, OPT_LIST, &[]), [REP_SERVER, REP_ACK]);
+    drop(server);
+
+    // require: LIST and GO get TLS_REQD (no export named), STARTTLS with data
+    // is invalid, a bare STARTTLS is acknowledged.
+    let data = root.path().join("require");
+    let server = Server::start_with_args(&data, Some(&data), &["--tls-psk", keys.to_str().unwrap()]);
+    let mut socket = greeted(&server);
+    assert_eq!(option_replies(&mut socket, OPT_LIST, &[]), [REP_ERR_TLS_REQD]);
+    assert_eq!(option_replies(&mut socket, OPT_GO, &go_vol0), [REP_ERR_TLS_REQD]);
+    assert_eq!(option_replies(&mut socket, OPT_STARTTLS, b"x"), [REP_ERR_INVALID]);
+    assert_eq!(option_replies(&mut socket, OPT_STARTTLS, &[]), [REP_ACK]);
+    drop(server);
+
+    // on: plaintext LIST and GO work; a volume with a list needs TLS.
+    let data = root.path().join("on");
+    let server = Server::start_with_args(&data, Some(&data), &["--tls=on", "--tls-psk", keys.to_str().unwrap()]);
+    server.set_property("default/vol0", "nbd.tls_identities", "alice");
+    let mut socket = greeted(&server);
+    assert_eq!(option_replies(&mut socket, OPT_LIST, &[]), [REP_ACK]);
+    assert_eq!(option_replies(&mut socket, OPT_GO, &go_vol0), [REP_ERR_TLS_REQD]);
+    server.set_property("default/vol0", "nbd.tls_identities", "*");
+    let mut socket = greeted(&server);
+    assert_eq!(option_replies(&mut socket, OPT_LIST, &[]), [REP_SERVER, REP_ACK]);
+    assert_eq!(option_replies(&mut socket, OPT_GO, &go_vol0)[0], 3, "NBD_REP_INFO");
+}

@@ -145,6 +145,9 @@ fn build_context(args: &TlsArgs) -> Result<SslContext, String> {
     // (and a resumed session would not carry the PSK identity).
     builder.set_session_cache_mode(openssl::ssl::SslSessionCacheMode::OFF);
     builder.set_options(openssl::ssl::SslOptions::NO_TICKET);
+    builder
+        .set_num_tickets(0)
+        .map_err(|e| tls_error("TLS 1.3 session tickets", e))?;
     if let Some(dir) = &args.tls_certificates {
         load_certificates(&mut builder, dir, args.tls_verify_peer)?;
     }
