@@ -50,6 +50,9 @@ pub struct ServeArgs {
     /// path as `strata pool status` shows it. Repeatable; not stored.
     #[arg(long = "wrap", value_name = "PATH=STACK")]
     pub wrap: Vec<String>,
+    /// NBD over TLS: --tls, --tls-certificates, --tls-verify-peer, --tls-psk.
+    #[command(flatten)]
+    pub nbd_tls: nbd::tls::TlsArgs,
 }
 
 /// How the REST API is reached and protected (README's "Security").
@@ -146,6 +149,7 @@ async fn serve(args: ServeArgs) -> Result<(), String> {
     let signals = Signals::catch()?;
     let wraps = DeviceWraps::parse(&args.wrap)?;
     let api_tls = api_tls(&args)?;
+    let nbd_tls = Arc::new(nbd::tls::NbdTls::from_args(&args.nbd_tls)?);
     // Measured before the pools open (their recovery checksums), and said.
     tracing::info!(
         "crc32c: {}; sectors: {}",
@@ -195,6 +199,7 @@ async fn serve(args: ServeArgs) -> Result<(), String> {
         nbd_listener,
         manager.clone(),
         limits("nbd"),
+        nbd_tls,
         stop.clone(),
     ));
     let iscsi_task = tokio::spawn(iscsi::server::serve(

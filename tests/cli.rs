@@ -401,7 +401,8 @@ fn volume_lifecycle() {
             "iscsi.chap_secret",
             "iscsi.mutual_user",
             "iscsi.mutual_secret",
-            "iscsi.initiators"
+            "iscsi.initiators",
+            "nbd.tls_identities"
         ]
     );
     assert_eq!(prop(&get, "default/db", "volsize"), ("1G".into(), "local".into()));

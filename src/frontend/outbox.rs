@@ -24,7 +24,7 @@ use std::collections::VecDeque;
 use std::io::IoSlice;
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, OwnedFd};
 
 use tokio::io::unix::AsyncFd;
 use tokio::io::Interest;
@@ -33,22 +33,23 @@ use tokio::sync::Notify;
 /// Replies merged into one `writev` at most.
 pub const MAX_PER_WRITE: usize = 64;
 
-/// The sending side of a connected TCP socket: a descriptor of its own
+/// The sending side of a connected stream socket (TCP, or the Unix socket
+/// behind a TLS connection's pump): a descriptor of its own
 /// (a duplicate), registered with tokio's reactor for writability only, so
 /// that incoming data never wakes a reactor thread. Sends never block
 /// (`MSG_DONTWAIT`, whatever the socket's mode). Dropping it shuts down the
 /// socket's write side, as the peer expects once the last reply is sent.
 pub struct ReplySocket {
-    fd: AsyncFd<std::net::TcpStream>,
+    fd: AsyncFd<OwnedFd>,
 }
 
 impl ReplySocket {
     /// Takes `socket` (typically a `try_clone` of the connection's socket).
     /// Must be called inside a tokio runtime.
-    pub fn new(socket: std::net::TcpStream) -> std::io::Result<Self> {
-        // SAFETY: the `TcpStream` owns its descriptor, which stays open and
-        // the same until the `AsyncFd` (owning the stream) is dropped.
-        let fd = unsafe { AsyncFd::register_with_interest(socket, Interest::WRITABLE) }?;
+    pub fn new(socket: impl Into<OwnedFd>) -> std::io::Result<Self> {
+        // SAFETY: the `OwnedFd` owns its descriptor, which stays open and
+        // the same until the `AsyncFd` (owning it) is dropped.
+        let fd = unsafe { AsyncFd::register_with_interest(socket.into(), Interest::WRITABLE) }?;
         Ok(ReplySocket { fd })
     }
 
@@ -84,7 +85,8 @@ impl ReplySocket {
 
 impl Drop for ReplySocket {
     fn drop(&mut self) {
-        let _ = self.fd.get_ref().shutdown(std::net::Shutdown::Write);
+        // SAFETY: shutdown(2) on a descriptor this socket owns.
+        unsafe { libc::shutdown(self.fd.get_ref().as_raw_fd(), libc::SHUT_WR) };
     }
 }
 

@@ -85,7 +85,7 @@ pub struct PropertyRow {
 }
 
 /// Every property name `volume create -o` and `volume set` understand.
-pub const PROPERTY_NAMES: [&str; 12] = [
+pub const PROPERTY_NAMES: [&str; 13] = [
     "volsize",
     "volblocksize",
     "sync",
@@ -98,6 +98,7 @@ pub const PROPERTY_NAMES: [&str; 12] = [
     "iscsi.mutual_user",
     "iscsi.mutual_secret",
     "iscsi.initiators",
+    "nbd.tls_identities",
 ];
 
 /// How a secret is shown by `strata volume get` and in error messages.
@@ -115,7 +116,8 @@ pub const MAX_ALLOWED_INITIATORS: usize = 256;
 pub enum PropError {
     #[error(
         "unknown property '{0}' (known: volsize, volblocksize, sync, logbias, wce, compression, iscsi.auth, \
-         iscsi.chap_user, iscsi.chap_secret, iscsi.mutual_user, iscsi.mutual_secret, iscsi.initiators)"
+         iscsi.chap_user, iscsi.chap_secret, iscsi.mutual_user, iscsi.mutual_secret, iscsi.initiators, \
+         nbd.tls_identities)"
     )]
     Unknown(String),
     #[error("bad value '{value}' for property '{property}': {expected}")]
@@ -217,8 +219,44 @@ pub fn canonical_value(property: &str, value: &str) -> Result<String, PropError>
                 "'*' or a comma-separated list of iSCSI names (iqn.…, eui.…, naa.…)",
             )
         }),
+        "nbd.tls_identities" => canonical_identities(value).ok_or_else(|| {
+            bad(
+                property,
+                value,
+                "'*' or a comma-separated list of TLS identities (PSK user names or certificate CNs)",
+            )
+        }),
         other => Err(PropError::Unknown(other.to_string())),
     }
+}
+
+/// Longest TLS identity (PSK user name or certificate CN) in
+/// `nbd.tls_identities`.
+pub const MAX_TLS_IDENTITY_BYTES: usize = 255;
+
+/// `*`, or the identities of a comma-separated list trimmed and
+/// deduplicated (they compare exactly: PSK user names are case-sensitive).
+fn canonical_identities(value: &str) -> Option<String> {
+    if value.trim() == "*" {
+        return Some("*".to_string());
+    }
+    let mut names: Vec<&str> = Vec::new();
+    for name in value.split(',') {
+        let name = name.trim();
+        let valid = !name.is_empty()
+            && name.len() <= MAX_TLS_IDENTITY_BYTES
+            && !name.chars().any(|c| c.is_control() || c == '*');
+        if !valid {
+            return None;
+        }
+        if !names.contains(&name) {
+            names.push(name);
+        }
+    }
+    if names.len() > MAX_ALLOWED_INITIATORS {
+        return None;
+    }
+    Some(names.join(","))
 }
 
 /// `*`, or the names of a comma-separated list lowercased (iSCSI names
@@ -334,6 +372,12 @@ impl StoredProps {
         }
     }
 
+    /// `nbd.tls_identities`: the TLS identities allowed to open the volume
+    /// over NBD (`None` or `*`: anyone).
+    pub fn nbd_tls_identities(&self) -> Option<&str> {
+        self.local.get("nbd.tls_identities").map(String::as_str)
+    }
+
     /// All properties with their values and where each came from, in
     /// [`PROPERTY_NAMES`] order.
     pub fn rows(&self) -> Vec<PropertyRow> {
@@ -414,6 +458,14 @@ impl StoredProps {
                     .unwrap_or_else(|| "*".to_string()),
                 source("iscsi.initiators"),
             ),
+            row(
+                "nbd.tls_identities",
+                self.local
+                    .get("nbd.tls_identities")
+                    .cloned()
+                    .unwrap_or_else(|| "*".to_string()),
+                source("nbd.tls_identities"),
+            ),
         ]
     }
 }
@@ -458,6 +510,13 @@ mod tests {
         assert!(canonical_value("iscsi.initiators", "host1").is_err());
         assert!(canonical_value("iscsi.initiators", "iqn.a,,iqn.b").is_err());
         assert!(canonical_value("iscsi.initiators", "iqn.a b").is_err());
+        assert_eq!(canonical_value("nbd.tls_identities", " * ").unwrap(), "*");
+        assert_eq!(
+            canonical_value("nbd.tls_identities", "alice, Bob,alice").unwrap(),
+            "alice,Bob"
+        );
+        assert!(canonical_value("nbd.tls_identities", "alice,,bob").is_err());
+        assert!(canonical_value("nbd.tls_identities", "a*").is_err());
 
         let mut stored = StoredProps {
             volsize: 1 << 30,

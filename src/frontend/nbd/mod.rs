@@ -3,3 +3,4 @@
 pub mod fuzzing;
 pub mod proto;
 pub mod server;
+pub mod tls;

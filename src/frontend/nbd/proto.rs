@@ -45,6 +45,7 @@ pub mod rep {
     pub const ERR_UNSUP: u32 = ERROR + 1;
     pub const ERR_POLICY: u32 = ERROR + 2;
     pub const ERR_INVALID: u32 = ERROR + 3;
+    pub const ERR_TLS_REQD: u32 = ERROR + 5;
     pub const ERR_UNKNOWN: u32 = ERROR + 6;
     pub const ERR_SHUTDOWN: u32 = ERROR + 7;
     pub const ERR_TOO_BIG: u32 = ERROR + 9;

@@ -12,19 +12,19 @@
 //! byte budget per connection bounds the memory one client can pin; nothing
 //! is shared between connections except the volume itself.
 
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt, BufReader, ReadBuf};
-use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use super::proto::{self, cflag, chunk, cmd, info, opt, rep, ClientOption, Negotiated, Request};
+use super::tls::{self, Access, NbdTls, Peer, TlsMode};
 use crate::admin::metrics::{Op, Protocol};
 use crate::daemon::Shutdown;
 use crate::frontend::lane::Lane;
@@ -93,6 +93,10 @@ enum ConnectionError {
     UnknownExport(String),
     #[error("write payload of {0} bytes exceeds the {MAX_REQUEST_BYTES}-byte maximum")]
     PayloadTooLarge(u32),
+    #[error("TLS: {0}")]
+    Tls(String),
+    #[error("export '{0}' requested with NBD_OPT_EXPORT_NAME needs TLS or another identity")]
+    ExportRefused(String),
     #[error("the connection's thread ended without a result (it panicked)")]
     ThreadLost,
 }
@@ -103,6 +107,7 @@ pub async fn serve(
     listener: TcpListener,
     manager: Arc<VolumeManager>,
     limits: Arc<ConnectionLimits>,
+    tls: Arc<NbdTls>,
     mut stop: Shutdown,
 ) {
     let mut connections = Connections::default();
@@ -127,9 +132,10 @@ pub async fn serve(
         };
         let manager = manager.clone();
         let stop = stop.clone();
+        let tls = tls.clone();
         connections.spawn(async move {
             let _slot = slot;
-            match handle_connection(stream, &manager, stop).await {
+            match handle_connection(stream, &manager, &tls, stop).await {
                 Ok(()) => tracing::debug!("nbd: {peer} disconnected"),
                 Err(e) => tracing::info!("nbd: {peer} closed: {e}"),
             }
@@ -141,43 +147,51 @@ pub async fn serve(
 async fn handle_connection(
     stream: TcpStream,
     manager: &VolumeManager,
+    tls: &NbdTls,
     mut stop: Shutdown,
 ) -> Result<(), ConnectionError> {
     stream.set_nodelay(true)?;
     set_send_buffer(&stream, send_buffer_bytes());
-    let (read_half, mut writer) = stream.into_split();
-    let mut reader = BufReader::with_capacity(RECEIVE_BUFFER_BYTES, read_half);
-    let mut greeting = Vec::with_capacity(18);
-    greeting.extend_from_slice(&proto::NBD_MAGIC.to_be_bytes());
-    greeting.extend_from_slice(&proto::IHAVEOPT.to_be_bytes());
-    greeting.extend_from_slice(&(proto::FLAG_FIXED_NEWSTYLE | proto::FLAG_NO_ZEROES).to_be_bytes());
-    writer.write_all(&greeting).await?;
     let limit = crate::frontend::handshake_timeout();
-    let handshake = tokio::time::timeout(limit, negotiate(&mut reader, &mut writer, manager));
+    let handshake = tokio::time::timeout(limit, handshake(stream, manager, tls));
     let agreed = tokio::select! {
         agreed = handshake => agreed.map_err(|_| ConnectionError::HandshakeTimeout(limit))??,
         // Stopping: a client still negotiating has nothing in flight.
         _ = stop.wait_for(|stopped| *stopped) => return Ok(()),
     };
-    let Some((volume, negotiated)) = agreed else {
+    let Some(Agreed {
+        transport,
+        early,
+        volume,
+        negotiated,
+    }) = agreed
+    else {
         return Ok(());
     };
 
-    // Transmission runs on a thread of its own. The socket leaves tokio's
-    // reactor (`into_std` deregisters it) and turns blocking; whatever the
-    // client sent after its last option is already in `reader`'s buffer.
-    let early = reader.buffer().to_vec();
-    let stream = reader
-        .into_inner()
-        .reunite(writer)
-        .map_err(|e| std::io::Error::other(e.to_string()))?
-        .into_std()?;
-    stream.set_nonblocking(false)?;
-    let replies = ReplySocket::new(stream.try_clone()?)?;
-    let watcher = Hangup(stream.try_clone()?);
+    // Transmission runs on a thread of its own, on a blocking socket off
+    // tokio's reactor: the TCP socket itself (`into_std` deregisters it),
+    // or for TLS one end of a Unix socket pair whose other end a pump task
+    // connects to the TLS stream (see [`pump`]). Whatever the client sent
+    // after its last option is already in `early`.
+    let (socket, pump): (OwnedFd, Option<AbortOnDrop>) = match transport {
+        Transport::Plain(stream) => {
+            let stream = stream.into_std()?;
+            stream.set_nonblocking(false)?;
+            (stream.into(), None)
+        }
+        Transport::Tls(stream) => {
+            let (ours, theirs) = std::os::unix::net::UnixStream::pair()?;
+            ours.set_nonblocking(true)?;
+            let ours = tokio::net::UnixStream::from_std(ours)?;
+            (theirs.into(), Some(AbortOnDrop(tokio::spawn(pump(*stream, ours)))))
+        }
+    };
+    let replies = ReplySocket::new(socket.try_clone()?)?;
+    let watcher = Hangup(socket.try_clone()?);
     let idle = Arc::new(AtomicBool::new(false));
     let receiver = Receiver {
-        stream,
+        stream: socket,
         idle: idle.clone(),
     };
     let reader = BufReader::with_capacity(RECEIVE_BUFFER_BYTES, std::io::Cursor::new(early).chain(receiver));
@@ -188,25 +202,187 @@ async fn handle_connection(
         let _ = done.send(result);
     })?;
     tokio::pin!(finished);
-    tokio::select! {
-        result = &mut finished => return result.unwrap_or(Err(ConnectionError::ThreadLost)),
-        _ = stop.wait_for(|stopped| *stopped) => {}
+    let ended = tokio::select! {
+        result = &mut finished => Some(result.unwrap_or(Err(ConnectionError::ThreadLost))),
+        _ = stop.wait_for(|stopped| *stopped) => None,
+    };
+    let result = match ended {
+        Some(result) => result,
+        None => {
+            // The server is stopping: end the reader's blocking receive as
+            // a client hang-up would. Requests in flight still finish and
+            // send their replies.
+            watcher.shutdown(libc::SHUT_RD);
+            finished.await.unwrap_or(Err(ConnectionError::ThreadLost))
+        }
+    };
+    if let Some(mut pump) = pump {
+        // The last replies still go out through TLS.
+        let _ = (&mut pump.0).await;
     }
-    // The server is stopping: end the reader's blocking receive as a client
-    // hang-up would. Requests in flight still finish and send their replies.
-    let _ = watcher.0.shutdown(std::net::Shutdown::Read);
-    finished.await.unwrap_or(Err(ConnectionError::ThreadLost))
+    result
+}
+
+/// Ends a spawned task when dropped (a connection given up on while its
+/// TLS pump still runs).
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// A connection whose handshake chose an export: in plaintext or in TLS.
+enum Transport {
+    Plain(TcpStream),
+    Tls(Box<tokio_openssl::SslStream<TcpStream>>),
+}
+
+/// The end of a handshake that chose an export.
+struct Agreed {
+    transport: Transport,
+    /// Bytes the client sent after its last option (already received).
+    early: Vec<u8>,
+    volume: Arc<Volume>,
+    negotiated: Negotiated,
+}
+
+/// Bytes the TLS pump moves at a time each way.
+const PUMP_BUFFER_BYTES: usize = 256 << 10;
+
+/// Moves bytes between a TLS connection and the Unix socket the
+/// transmission code serves, both ways, until the transmission side has
+/// closed (its last reply sent through TLS, then TLS closed). A client
+/// that hangs up is passed on as end of stream.
+async fn pump(tls: tokio_openssl::SslStream<TcpStream>, plain: tokio::net::UnixStream) {
+    let (tls_in, mut tls_out) = tokio::io::split(tls);
+    let (plain_in, mut plain_out) = plain.into_split();
+    let replies = async {
+        let mut from = BufReader::with_capacity(PUMP_BUFFER_BYTES, plain_in);
+        tokio::io::copy_buf(&mut from, &mut tls_out).await?;
+        tls_out.shutdown().await
+    };
+    let requests = async {
+        let mut from = BufReader::with_capacity(PUMP_BUFFER_BYTES, tls_in);
+        let result = tokio::io::copy_buf(&mut from, &mut plain_out).await;
+        // The transmission reader sees the end of the stream either way.
+        let _ = plain_out.shutdown().await;
+        result
+    };
+    tokio::pin!(replies, requests);
+    let mut requests_done = false;
+    loop {
+        tokio::select! {
+            result = &mut replies => {
+                if let Err(e) = result {
+                    tracing::debug!("nbd: TLS: {e}");
+                }
+                return;
+            }
+            result = &mut requests, if !requests_done => {
+                requests_done = true;
+                if let Err(e) = result {
+                    tracing::debug!("nbd: TLS: {e}");
+                }
+            }
+        }
+    }
+}
+
+/// Sends the greeting and runs option haggling: in plaintext, and after
+/// NBD_OPT_STARTTLS once more inside TLS. `None` when the client aborted.
+async fn handshake(
+    stream: TcpStream,
+    manager: &VolumeManager,
+    tls: &NbdTls,
+) -> Result<Option<Agreed>, ConnectionError> {
+    let (read_half, mut writer) = stream.into_split();
+    let mut reader = BufReader::with_capacity(RECEIVE_BUFFER_BYTES, read_half);
+    let mut greeting = Vec::with_capacity(18);
+    greeting.extend_from_slice(&proto::NBD_MAGIC.to_be_bytes());
+    greeting.extend_from_slice(&proto::IHAVEOPT.to_be_bytes());
+    greeting.extend_from_slice(&(proto::FLAG_FIXED_NEWSTYLE | proto::FLAG_NO_ZEROES).to_be_bytes());
+    writer.write_all(&greeting).await?;
+    let mut flags = [0u8; 4];
+    reader.read_exact(&mut flags).await?;
+    let client_flags = proto::parse_client_flags(flags)?;
+    let no_zeroes = client_flags & proto::CLIENT_FLAG_NO_ZEROES != 0;
+
+    match negotiate(&mut reader, &mut writer, manager, tls, no_zeroes, None).await? {
+        Outcome::Abort => return Ok(None),
+        Outcome::Export(volume, negotiated) => {
+            let early = reader.buffer().to_vec();
+            let stream = reader
+                .into_inner()
+                .reunite(writer)
+                .map_err(|e| std::io::Error::other(e.to_string()))?;
+            return Ok(Some(Agreed {
+                transport: Transport::Plain(stream),
+                early,
+                volume,
+                negotiated,
+            }));
+        }
+        Outcome::StartTls => {}
+    }
+    // The client starts TLS only after our acknowledgement; anything it
+    // sent before would be plaintext injected ahead of the TLS stream.
+    if !reader.buffer().is_empty() {
+        return Err(ConnectionError::Tls(
+            "data sent after NBD_OPT_STARTTLS ahead of its reply".into(),
+        ));
+    }
+    let stream = reader
+        .into_inner()
+        .reunite(writer)
+        .map_err(|e| std::io::Error::other(e.to_string()))?;
+    let session = tls.session().map_err(ConnectionError::Tls)?;
+    let mut stream = tokio_openssl::SslStream::new(session, stream).map_err(|e| ConnectionError::Tls(e.to_string()))?;
+    Pin::new(&mut stream)
+        .accept()
+        .await
+        .map_err(|e| ConnectionError::Tls(format!("handshake failed: {e}")))?;
+    let peer = tls::peer_of(stream.ssl());
+    tracing::debug!(
+        "nbd: TLS {} as {:?}",
+        stream.ssl().version_str(),
+        peer.identity.as_deref().unwrap_or("(no identity)")
+    );
+    let (read_half, mut writer) = tokio::io::split(stream);
+    let mut reader = BufReader::with_capacity(RECEIVE_BUFFER_BYTES, read_half);
+    match negotiate(&mut reader, &mut writer, manager, tls, no_zeroes, Some(&peer)).await? {
+        Outcome::Abort => Ok(None),
+        Outcome::StartTls => Err(ConnectionError::Tls("NBD_OPT_STARTTLS inside TLS".into())),
+        Outcome::Export(volume, negotiated) => {
+            let early = reader.buffer().to_vec();
+            let stream = reader.into_inner().unsplit(writer);
+            Ok(Some(Agreed {
+                transport: Transport::Tls(Box::new(stream)),
+                early,
+                volume,
+                negotiated,
+            }))
+        }
+    }
 }
 
 /// Shuts a connection's socket down both ways when dropped, as when a
 /// stopping server gives up waiting for it (see [`Connections::drain`]):
 /// the connection's thread, which cannot be cancelled, then sends nothing
 /// more and its receive ends. After a normal end it changes nothing.
-struct Hangup(std::net::TcpStream);
+struct Hangup(OwnedFd);
+
+impl Hangup {
+    fn shutdown(&self, how: libc::c_int) {
+        // SAFETY: shutdown(2) on a descriptor this value owns.
+        unsafe { libc::shutdown(self.0.as_raw_fd(), how) };
+    }
+}
 
 impl Drop for Hangup {
     fn drop(&mut self) {
-        let _ = self.0.shutdown(std::net::Shutdown::Both);
+        self.shutdown(libc::SHUT_RDWR);
     }
 }
 
@@ -224,7 +400,7 @@ impl Drop for Hangup {
 /// of microseconds, and a thread that slept must be woken on a core that
 /// went idle, which on a virtual machine costs about as much again.
 struct Receiver {
-    stream: std::net::TcpStream,
+    stream: OwnedFd,
     idle: Arc<AtomicBool>,
 }
 
@@ -388,20 +564,54 @@ fn lookup_export(manager: &VolumeManager, name: &str) -> Option<Arc<Volume>> {
     }
 }
 
-/// Runs option haggling. Returns the chosen volume, or `None` when the
-/// client aborted.
-async fn negotiate(
-    reader: &mut BufReader<OwnedReadHalf>,
-    writer: &mut OwnedWriteHalf,
+/// Where option haggling ended.
+enum Outcome {
+    /// The client aborted.
+    Abort,
+    Export(Arc<Volume>, Negotiated),
+    /// NBD_OPT_STARTTLS was acknowledged: the TLS handshake comes next.
+    StartTls,
+}
+
+/// Whether the client (in TLS as `peer`, or in plaintext) may see and
+/// open `volume`: its `nbd.tls_identities` list. A volume whose
+/// properties cannot be read is refused.
+fn export_access(manager: &VolumeManager, volume: &Volume, peer: Option<&Peer>) -> Access {
+    match manager.stored_props(volume.full_name()) {
+        Some(props) => tls::access(props.nbd_tls_identities(), peer),
+        None => Access::Denied,
+    }
+}
+
+/// The option error for an export the client may not open, if it may not.
+fn refusal(access: Access, export: &str) -> Option<(u32, String)> {
+    match access {
+        Access::Allowed => None,
+        Access::NeedsTls => Some((
+            rep::ERR_TLS_REQD,
+            format!("export '{export}' needs TLS (NBD_OPT_STARTTLS)"),
+        )),
+        Access::Denied => Some((
+            rep::ERR_POLICY,
+            format!("export '{export}' is not open to this client's TLS identity"),
+        )),
+    }
+}
+
+/// Runs option haggling, in plaintext (`peer` is `None`) or inside TLS.
+async fn negotiate<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(
+    reader: &mut BufReader<R>,
+    writer: &mut W,
     manager: &VolumeManager,
-) -> Result<Option<(Arc<Volume>, Negotiated)>, ConnectionError> {
-    let mut flags = [0u8; 4];
-    reader.read_exact(&mut flags).await?;
-    let client_flags = proto::parse_client_flags(flags)?;
-    let no_zeroes = client_flags & proto::CLIENT_FLAG_NO_ZEROES != 0;
+    tls: &NbdTls,
+    no_zeroes: bool,
+    peer: Option<&Peer>,
+) -> Result<Outcome, ConnectionError> {
     let mut negotiated = Negotiated::default();
     // The export the selected meta context belongs to.
     let mut meta_export: Option<String> = None;
+    // In `require` mode nothing but STARTTLS (and ABORT) before TLS.
+    let tls_required = tls.mode == TlsMode::Require && peer.is_none();
 
     for _ in 0..MAX_OPTIONS_PER_CONNECTION {
         let mut header = [0u8; proto::OPTION_HEADER_BYTES];
@@ -430,12 +640,24 @@ async fn negotiate(
                 continue;
             }
         };
+        if tls_required && !matches!(option, ClientOption::StartTls | ClientOption::Abort) {
+            if let ClientOption::ExportName(name) = option {
+                // No way to refuse EXPORT_NAME but to close.
+                return Err(ConnectionError::ExportRefused(name));
+            }
+            let message = b"TLS is required: send NBD_OPT_STARTTLS first";
+            writer.write_all(&reply(rep::ERR_TLS_REQD, message)).await?;
+            continue;
+        }
         match option {
             ClientOption::ExportName(name) => {
                 let Some(volume) = lookup_export(manager, &name) else {
                     // The protocol gives no way to refuse EXPORT_NAME but to close.
                     return Err(ConnectionError::UnknownExport(name));
                 };
+                if export_access(manager, &volume, peer) != Access::Allowed {
+                    return Err(ConnectionError::ExportRefused(name));
+                }
                 negotiated.base_allocation &= meta_export.as_deref() == Some(volume.full_name());
                 let caps = volume.capabilities();
                 let mut out = Vec::with_capacity(10 + 124);
@@ -445,16 +667,22 @@ async fn negotiate(
                     out.extend_from_slice(&[0u8; 124]);
                 }
                 writer.write_all(&out).await?;
-                return Ok(Some((volume, negotiated)));
+                return Ok(Outcome::Export(volume, negotiated));
             }
             ClientOption::Abort => {
                 // The client may already have closed; a failed send is fine.
                 let _ = writer.write_all(&reply(rep::ACK, &[])).await;
-                return Ok(None);
+                let _ = writer.flush().await;
+                return Ok(Outcome::Abort);
             }
             ClientOption::List => {
                 let mut out = Vec::new();
-                for volume in manager.volumes() {
+                // Only the exports this client may open are listed.
+                let volumes = manager.volumes();
+                let visible = volumes
+                    .iter()
+                    .filter(|volume| export_access(manager, volume, peer) == Access::Allowed);
+                for volume in visible {
                     let name = volume.full_name().as_bytes();
                     let mut entry = (name.len() as u32).to_be_bytes().to_vec();
                     entry.extend_from_slice(name);
@@ -468,9 +696,22 @@ async fn negotiate(
                 writer.write_all(&reply(rep::ACK, &[])).await?;
             }
             ClientOption::StartTls => {
-                writer
-                    .write_all(&reply(rep::ERR_UNSUP, b"TLS is not supported by this server yet"))
-                    .await?;
+                let refused: Option<(u32, &[u8])> = if !data.is_empty() {
+                    Some((rep::ERR_INVALID, b"NBD_OPT_STARTTLS takes no data"))
+                } else if peer.is_some() {
+                    Some((rep::ERR_INVALID, b"TLS is already negotiated"))
+                } else if !tls.enabled() {
+                    Some((rep::ERR_POLICY, b"TLS is off on this server (strata serve --tls)"))
+                } else {
+                    None
+                };
+                if let Some((kind, message)) = refused {
+                    writer.write_all(&reply(kind, message)).await?;
+                    continue;
+                }
+                writer.write_all(&reply(rep::ACK, &[])).await?;
+                writer.flush().await?;
+                return Ok(Outcome::StartTls);
             }
             ClientOption::Info { export, requests } | ClientOption::Go { export, requests } => {
                 let Some(volume) = lookup_export(manager, &export) else {
@@ -478,6 +719,10 @@ async fn negotiate(
                     writer.write_all(&reply(rep::ERR_UNKNOWN, message.as_bytes())).await?;
                     continue;
                 };
+                if let Some((kind, message)) = refusal(export_access(manager, &volume, peer), &export) {
+                    writer.write_all(&reply(kind, message.as_bytes())).await?;
+                    continue;
+                }
                 let caps = volume.capabilities();
                 let flags = proto::transmission_flags(&caps, negotiated.structured_replies);
                 let mut out = reply(rep::INFO, &proto::info_export(volume.size_bytes(), flags));
@@ -495,7 +740,7 @@ async fn negotiate(
                 writer.write_all(&out).await?;
                 if header.option == opt::GO {
                     negotiated.base_allocation &= meta_export.as_deref() == Some(volume.full_name());
-                    return Ok(Some((volume, negotiated)));
+                    return Ok(Outcome::Export(volume, negotiated));
                 }
             }
             ClientOption::ListMetaContext { export, queries } | ClientOption::SetMetaContext { export, queries } => {
@@ -510,6 +755,10 @@ async fn negotiate(
                     writer.write_all(&reply(rep::ERR_UNKNOWN, message.as_bytes())).await?;
                     continue;
                 };
+                if let Some((kind, message)) = refusal(export_access(manager, &volume, peer), &export) {
+                    writer.write_all(&reply(kind, message.as_bytes())).await?;
+                    continue;
+                }
                 let contexts = proto::match_meta_contexts(&queries, !setting);
                 if setting {
                     negotiated.base_allocation = !contexts.is_empty();
