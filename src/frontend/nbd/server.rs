@@ -11,6 +11,12 @@
 //! before it would wait for the socket; a spawned request sends its own. A
 //! byte budget per connection bounds the memory one client can pin; nothing
 //! is shared between connections except the volume itself.
+//!
+//! After NBD_OPT_STARTTLS the handshake task also runs the TLS handshake
+//! and option haggling starts over inside TLS ([`handshake`]). A TLS
+//! connection's thread serves one end of a Unix socket pair, exactly as it
+//! serves a TCP socket; a [`pump`] task moves the bytes between the other
+//! end and the TLS stream.
 
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::pin::Pin;
