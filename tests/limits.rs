@@ -14,6 +14,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use common::{require_tool, Server};
+use strata::frontend::iscsi::pdu::{self, op, Bhs};
 
 /// Connects to `server` from the loopback address `from` (e.g. 127.0.0.2).
 fn connect_from(from: &str, server: &str) -> TcpStream {
@@ -267,4 +268,71 @@ fn a_trickling_iscsi_login_is_cut_at_the_timeout() {
         elapsed >= Duration::from_millis(1500) && elapsed < Duration::from_secs(10),
         "cut after {elapsed:?}, expected about 2 s"
     );
+}
+
+/// Logs in to `default/vol0` straight to the full feature phase.
+fn iscsi_login_normal(address: &str) -> TcpStream {
+    let mut stream = TcpStream::connect(address).expect("connect");
+    stream.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let pdu_of = |text: &str, flags: u8| {
+        let mut bhs = Bhs::new(op::LOGIN | 0x40);
+        bhs.0[1] = flags;
+        bhs.0[8..14].copy_from_slice(&[0x80, 0, 0, 0, 0, 8]);
+        bhs.set_u32(16, 1);
+        pdu::encode(&bhs, text.as_bytes(), false, false)
+    };
+    let text =
+        "InitiatorName=iqn.2026-11.test:limits\0TargetName=iqn.2026-11.io.strata:default.vol0\0AuthMethod=None\0";
+    for (text, flags) in [(text, 0x81), ("MaxRecvDataSegmentLength=8192\0", 0x87)] {
+        stream.write_all(&pdu_of(text, flags)).unwrap();
+        let mut header = [0u8; 48];
+        stream.read_exact(&mut header).expect("login response");
+        let bhs = Bhs(header);
+        let len = bhs.data_segment_len() as usize;
+        let mut data = vec![0u8; len + pdu::padding_for(len)];
+        stream.read_exact(&mut data).unwrap();
+        assert_eq!(header[36], 0, "login status class");
+    }
+    stream
+}
+
+#[test]
+fn iscsi_write_data_gathered_per_connection_is_bounded() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(dir.path());
+    let mut stream = iscsi_login_normal(&server.iscsi);
+    // WRITE(10)s of 65535 blocks (32 MiB - 512 bytes) whose data is never
+    // sent: four fit in the 128 MiB a connection may gather, the fifth is
+    // answered TASK SET FULL at once.
+    let blocks: u16 = 65535;
+    for cmdsn in 0..5u32 {
+        let mut write = Bhs::new(op::SCSI_COMMAND);
+        write.0[1] = 0x80 | 0x20;
+        write.set_u32(16, 0x100 + cmdsn);
+        write.set_u32(20, blocks as u32 * 512);
+        write.set_u32(24, cmdsn);
+        write.0[32] = 0x2a;
+        write.0[32 + 2..32 + 6].copy_from_slice(&(cmdsn * 65536).to_be_bytes());
+        write.0[32 + 7..32 + 9].copy_from_slice(&blocks.to_be_bytes());
+        stream.write_all(&pdu::encode(&write, &[], false, false)).unwrap();
+    }
+    let mut r2t_tags = Vec::new();
+    loop {
+        let mut header = [0u8; 48];
+        stream.read_exact(&mut header).expect("a response to the fifth write");
+        let bhs = Bhs(header);
+        let len = bhs.data_segment_len() as usize;
+        let mut data = vec![0u8; len + pdu::padding_for(len)];
+        stream.read_exact(&mut data).unwrap();
+        match bhs.opcode() {
+            op::R2T => r2t_tags.push(bhs.itt()),
+            op::SCSI_RESPONSE => {
+                assert_eq!(bhs.itt(), 0x104, "only the fifth write is answered");
+                assert_eq!(header[3], 0x28, "SCSI status TASK SET FULL");
+                break;
+            }
+            other => panic!("unexpected PDU opcode {other:#x}"),
+        }
+    }
+    assert!(!r2t_tags.contains(&0x104), "{r2t_tags:x?}");
 }

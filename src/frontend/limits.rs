@@ -87,6 +87,11 @@ impl ConnectionLimits {
     /// Admits a connection from `client`, or says why not (and logs the
     /// refusal, rate-limited).
     pub fn admit(self: &Arc<Self>, client: IpAddr) -> Result<ConnectionSlot, Refusal> {
+        // An IPv4 client of a dual-stack listener is one address either way.
+        let client = match client {
+            IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(client, IpAddr::V4),
+            v4 => v4,
+        };
         let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
         let held = state.per_client.get(&client).copied().unwrap_or(0);
         let refusal = if state.total >= self.max_total {

@@ -36,6 +36,12 @@ const MAX_TASKS: u32 = 2 * COMMAND_WINDOW;
 const MAX_DATA_OUT_BYTES: u64 = crate::volume::MAX_REQUEST_BYTES as u64;
 /// How long a login may take before the connection is closed (an idle
 /// half-logged-in connection holds nothing, but should not stay forever).
+/// Write data one connection may be gathering at once (the sum of the
+/// expected data of its writes waiting for their data-out); a write beyond
+/// it is answered TASK SET FULL, which initiators retry. Bounds what one
+/// connection can make the daemon hold (256 tasks of 32 MiB would be 8 GiB),
+/// like NBD's in-flight budget.
+const MAX_GATHERING_BYTES: usize = 128 << 20;
 /// How long a refused connection may take to send its login request
 /// before it is simply closed.
 const REFUSAL_WAIT: Duration = Duration::from_secs(2);
@@ -563,6 +569,16 @@ impl Session<'_> {
                 } else {
                     immediate.len()
                 };
+                let gathering: usize = self.pending.values().map(|p| p.expected).sum();
+                if gathering + expected > MAX_GATHERING_BYTES {
+                    let full = Outcome {
+                        status: status::TASK_SET_FULL,
+                        sense: None,
+                        data: Vec::new(),
+                    };
+                    self.complete(itt, lun, edtl, Some(0), full).await;
+                    return;
+                }
                 let mut buf = Vec::with_capacity(expected);
                 buf.extend_from_slice(&immediate);
                 let pending = PendingWrite {

@@ -16,6 +16,9 @@ use crate::volume::manager::VolumeManager;
 use crate::volume::props::{IscsiAccess, StoredProps};
 use crate::volume::Volume;
 
+/// Refused connections whose login is answered at the same time.
+const MAX_REFUSALS_ANSWERING: usize = 16;
+
 /// Default prefix of target names: `<prefix>:<pool>.<volume>`.
 pub const DEFAULT_IQN_PREFIX: &str = "iqn.2026-11.io.strata";
 
@@ -131,6 +134,9 @@ pub async fn serve_with_prefix(
     iqn_prefix: &str,
 ) {
     let registry = Arc::new(Registry::new(manager, iqn_prefix));
+    // Refused connections answered at once; more are just closed, so a
+    // flood of them cannot hold more than this many tasks and descriptors.
+    let refusals = Arc::new(tokio::sync::Semaphore::new(MAX_REFUSALS_ANSWERING));
     let connection_stop = stop.clone();
     let mut connections = crate::frontend::Connections::default();
     loop {
@@ -148,7 +154,12 @@ pub async fn serve_with_prefix(
                     Err(_) => {
                         // Answer the login with "out of resources" where
                         // the initiator sends one soon, then close.
-                        connections.spawn(super::connection::refuse(stream));
+                        if let Ok(permit) = refusals.clone().try_acquire_owned() {
+                            connections.spawn(async move {
+                                super::connection::refuse(stream).await;
+                                drop(permit);
+                            });
+                        }
                         continue;
                     }
                 };
