@@ -96,11 +96,16 @@ class Strata:
         request = urllib.request.Request(
             f"http://127.0.0.1:{self.api}/v1/volumes", method="POST",
             data=json.dumps({"name": "default/bench", "size": size}).encode(),
-            headers={"Content-Type": "application/json"})
+            headers={"Content-Type": "application/json", **self.auth()})
         urllib.request.urlopen(request, timeout=60).read()
         subprocess.run(["nbdcopy", "--flush", seed, f"nbd://127.0.0.1:{self.nbd}/default/bench"], check=True)
         self.url = f"iscsi://127.0.0.1:{self.iscsi}/iqn.2026-11.io.strata:default.bench/0"
         self.pid = self.proc.pid
+
+    def auth(self):
+        """The API token header (the daemon writes DATA_DIR/api.token before it listens)."""
+        path = os.path.join(self.data_dir, "api.token")
+        return {"Authorization": f"Bearer {open(path).read().strip()}"} if os.path.exists(path) else {}
 
     def stop(self):
         stop(self.proc)

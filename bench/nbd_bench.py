@@ -106,12 +106,24 @@ def measure(peer, workload, runtime, size_mib):
     return result
 
 
+# The API's bearer token of each strata started here, by API port (read from
+# its data directory; builds from before the token had none and need none).
+AUTH = {}
+
+
+def auth_args(api, data_dir):
+    """curl arguments with strata's API token, remembered for `api`."""
+    path = os.path.join(data_dir, "api.token")
+    AUTH[api] = ["-H", f"Authorization: Bearer {open(path).read().strip()}"] if os.path.exists(path) else []
+    return AUTH[api]
+
+
 def settle(api):
     """Writes out every server's dirty data before a measurement, so no run
     pays for the write-back of the one before it: strata's RAM tier (pool
     sync), then the page cache of every file (nbdkit's, qemu-nbd's and
     strata's device files) with a system-wide sync."""
-    subprocess.run(["curl", "-sf", "-X", "POST", f"http://127.0.0.1:{api}/v1/pools/default/sync"],
+    subprocess.run(["curl", "-sf", *AUTH.get(api, []), "-X", "POST", f"http://127.0.0.1:{api}/v1/pools/default/sync"],
                    check=True, capture_output=True)
     os.sync()
 
@@ -152,8 +164,8 @@ def main():
     strata.start()
     wait_port(api)
     body = json.dumps({"name": "default/bench", "size": size})
-    subprocess.run(["curl", "-sf", "-X", "POST", "-H", "Content-Type: application/json", "-d", body,
-                    f"http://127.0.0.1:{api}/v1/volumes"], check=True, capture_output=True)
+    subprocess.run(["curl", "-sf", *auth_args(api, data_dir), "-X", "POST", "-H", "Content-Type: application/json",
+                    "-d", body, f"http://127.0.0.1:{api}/v1/volumes"], check=True, capture_output=True)
     subprocess.run(["nbdcopy", "--flush", seed, strata.uri], check=True)
 
     peer_file = os.path.join(work, "peer.img")

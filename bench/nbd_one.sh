@@ -30,12 +30,14 @@ case $SERVER in
     $(pin "${SERVER_CPU:-}") env STRATA_LOG=warn STRATA_RAM_DIR="$WORK" "$STRATA" serve --data-dir "$WORK/data" \
       --nbd 127.0.0.1:$NBD --api 127.0.0.1:$API --iscsi 127.0.0.1:0 >/dev/null 2>&1 &
     PID=$!
-    for _ in $(seq 200); do curl -sf http://127.0.0.1:$API/v1/pools >/dev/null 2>&1 && break; sleep 0.05; done
-    curl -sf -X POST -H 'Content-Type: application/json' -d '{"name":"default/bench","size":1073741824}' \
+    # The API token (builds before it need none; an empty one is ignored).
+    token() { echo "Authorization: Bearer $(cat "$WORK/data/api.token" 2>/dev/null)"; }
+    for _ in $(seq 200); do curl -sf -H "$(token)" http://127.0.0.1:$API/v1/pools >/dev/null 2>&1 && break; sleep 0.05; done
+    curl -sf -H "$(token)" -X POST -H 'Content-Type: application/json' -d '{"name":"default/bench","size":1073741824}' \
       http://127.0.0.1:$API/v1/volumes >/dev/null
     URI=nbd://127.0.0.1:$NBD/default/bench
     nbdcopy --flush "$WORK/seed.img" "$URI"
-    settle() { curl -sf -X POST http://127.0.0.1:$API/v1/pools/default/sync >/dev/null; sync; }
+    settle() { curl -sf -H "$(token)" -X POST http://127.0.0.1:$API/v1/pools/default/sync >/dev/null; sync; }
     ;;
   nbdkit-file)
     cp "$WORK/seed.img" "$WORK/peer.img"

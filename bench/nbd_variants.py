@@ -51,18 +51,22 @@ def start(name, env, work, seed):
     api = port()
     env = dict(os.environ, STRATA_LOG="warn", STRATA_RAM_DIR=work, **env)
     binary = env.pop("BIN", STRATA)
-    proc = subprocess.Popen([binary, "serve", "--data-dir", os.path.join(work, name), "--nbd", f"127.0.0.1:{nbd}",
+    data_dir = os.path.join(work, name)
+    proc = subprocess.Popen([binary, "serve", "--data-dir", data_dir, "--nbd", f"127.0.0.1:{nbd}",
                              "--api", f"127.0.0.1:{api}", "--iscsi", "127.0.0.1:0"],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    token = []
     for _ in range(200):
-        if curl(f"http://127.0.0.1:{api}/v1/pools"):
+        path = os.path.join(data_dir, "api.token")
+        token = ["-H", f"Authorization: Bearer {open(path).read().strip()}"] if os.path.exists(path) else []
+        if curl(*token, f"http://127.0.0.1:{api}/v1/pools"):
             break
         time.sleep(0.05)
-    assert curl("-X", "POST", "-H", "Content-Type: application/json", "-d",
+    assert curl(*token, "-X", "POST", "-H", "Content-Type: application/json", "-d",
                 '{"name":"default/bench","size":1073741824}', f"http://127.0.0.1:{api}/v1/volumes")
     uri = f"nbd://127.0.0.1:{nbd}/default/bench"
     subprocess.run(["nbdcopy", "--flush", seed, uri], check=True)
-    curl("-X", "POST", f"http://127.0.0.1:{api}/v1/pools/default/sync")
+    curl(*token, "-X", "POST", f"http://127.0.0.1:{api}/v1/pools/default/sync")
     return proc, uri
 
 

@@ -25,7 +25,7 @@ start() {
 }
 
 start
-target/release/strata volume create default/big --size "${gib}G" --api "$api"
+target/release/strata volume create default/big --size "${gib}G" --data-dir "$work/data"
 fio --name=fill --ioengine=nbd --uri="nbd://$nbd/default/big" --rw=write --bs=1m --iodepth=4 \
     --size="${gib}g" --output-format=terse >/dev/null
 fio --name=over --ioengine=nbd --uri="nbd://$nbd/default/big" --rw=randwrite --bs=4k --iodepth=32 \

@@ -18,9 +18,9 @@ STRATA_LOG=warn "$strata" serve --data-dir "$work/data" --nbd "127.0.0.1:$nbd" -
     --iscsi 127.0.0.1:0 >"$work/daemon.log" 2>&1 &
 pid=$!
 trap 'kill $pid 2>/dev/null; wait $pid 2>/dev/null' EXIT
-for _ in $(seq 100); do curl -sf "http://127.0.0.1:$api/v1/pools" >/dev/null 2>&1 && break; sleep 0.1; done
+for _ in $(seq 100); do curl -sf --unix-socket "$work/data/api.sock" http://localhost/v1/pools >/dev/null 2>&1 && break; sleep 0.1; done
 truncate -s 8G "$work/fast.img"; truncate -s 2G "$work/log.img"
-cli() { "$strata" "$@" --api "127.0.0.1:$api" >/dev/null; }
+cli() { "$strata" "$@" --data-dir "$work/data" >/dev/null; }
 cli pool create wp --fast "$work/fast.img" --log "$work/log.img" --ram 2G
 cli volume create wp/sync --size 1G
 cli volume set wp/sync sync=always

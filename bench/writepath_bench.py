@@ -94,6 +94,8 @@ def main():
         for _ in range(options.size_mib):
             f.write(os.urandom(1 << 20))
     data_dir = os.path.join(work, "strata-data")
+    # The CLI (--api) finds the API token in the data directory.
+    os.environ["STRATA_DATA_DIR"] = data_dir
     fast, log = os.path.join(work, "fast.img"), os.path.join(work, "log.img")
     for path, gib in [(fast, 8), (log, 2)]:
         with open(path, "wb") as f:
