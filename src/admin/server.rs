@@ -19,6 +19,7 @@ use tokio::net::{TcpListener, UnixListener};
 use super::auth::Caller;
 use super::Io;
 use crate::daemon::Shutdown;
+use crate::frontend::limits::ConnectionLimits;
 use crate::frontend::Connections;
 
 /// A client has this long to complete TLS and then to send each request's
@@ -27,6 +28,9 @@ const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// Open API connections at once, over both listeners: plenty for scripts
 /// and dashboards, and a bound on what idle clients can hold.
 const MAX_API_CONNECTIONS: usize = 256;
+/// Open API connections one client address may hold (the Unix socket's
+/// callers count as one client).
+const MAX_API_CONNECTIONS_PER_CLIENT: usize = 64;
 
 /// The API's TCP side: a listener and, when TLS is on, its acceptor.
 pub struct TcpApi {
@@ -95,7 +99,7 @@ pub fn group_id(group: &str) -> Result<u32, String> {
 
 /// Serves `router` on the socket and the TCP listener until `stop`.
 pub async fn serve(router: Router, unix: UnixListener, unix_path: PathBuf, tcp: TcpApi, mut stop: Shutdown) {
-    let slots = Arc::new(tokio::sync::Semaphore::new(MAX_API_CONNECTIONS));
+    let limits = ConnectionLimits::new("api", MAX_API_CONNECTIONS, MAX_API_CONNECTIONS_PER_CLIENT);
     let mut connections = Connections::default();
     loop {
         let event = tokio::select! {
@@ -126,8 +130,11 @@ pub async fn serve(router: Router, unix: UnixListener, unix_path: PathBuf, tcp: 
                 continue;
             }
         };
-        let Ok(slot) = slots.clone().try_acquire_owned() else {
-            tracing::warn!("api: refusing {caller}: {MAX_API_CONNECTIONS} connections already open");
+        let client = match &caller {
+            Caller::Tcp { peer } => peer.ip(),
+            Caller::Unix { .. } => std::net::IpAddr::V6(std::net::Ipv6Addr::UNSPECIFIED),
+        };
+        let Ok(slot) = limits.admit(client) else {
             continue;
         };
         let router = router.clone();
