@@ -1,5 +1,5 @@
-//! strata: a storage server that serves thin block volumes over NBD (and,
-//! later, iSCSI and NFSv3). See ARCHITECTURE.md for the layers.
+//! strata: a storage server that serves thin block volumes over NBD and
+//! iSCSI (NFSv3 to come). See ARCHITECTURE.md for the layers.
 
 pub mod admin;
 pub mod checksum;
@@ -10,6 +10,7 @@ pub mod meta;
 pub mod pool;
 pub mod private;
 pub mod scsi;
+pub mod sync;
 pub mod tls;
 pub mod units;
 pub mod volume;

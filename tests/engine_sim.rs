@@ -165,6 +165,7 @@ impl Harness {
         } else {
             pool.destage_logged().await
         };
+        drop(pool);
         if let Err(e) = result {
             self.log.push(format!("destage failed: {e}"));
             self.crash_and_reopen("after failed destage").await;
@@ -290,7 +291,9 @@ impl Harness {
     async fn op_checkpoint(&mut self) {
         self.log.push("checkpoint".into());
         let pool = self.pool.clone().expect("pool");
-        if let Err(e) = pool.checkpoint().await {
+        let result = pool.checkpoint().await;
+        drop(pool);
+        if let Err(e) = result {
             self.log.push(format!("checkpoint failed: {e}"));
             self.crash_and_reopen("after failed checkpoint").await;
         }
@@ -306,8 +309,23 @@ impl Harness {
             device.set_faults(SimFaults::default());
             device.crash_with(&mut self.rng);
         }
+        let old_pool = self.pool.as_ref().map(Arc::downgrade);
         self.volume = None;
         self.pool = None;
+        // A task the old pool spawned (a checkpoint soon after a write) may
+        // still hold it; let it run to its end, as a dead process's threads
+        // would have stopped, before RAM is wiped or reused.
+        if let Some(old_pool) = old_pool {
+            for _ in 0..10_000 {
+                if old_pool.strong_count() == 0 {
+                    break;
+                }
+                tokio::task::yield_now().await;
+            }
+            if old_pool.strong_count() != 0 {
+                self.fail("the crashed pool is still referenced after its tasks ran".into());
+            }
+        }
         if !self.process_kill {
             // Power loss: RAM forgets everything.
             self.ram.wipe();

@@ -170,7 +170,10 @@ impl IoBuf {
 
     pub fn payload(&self) -> &[u8] {
         // SAFETY: [payload_offset, payload_offset + len) lies inside the
-        // allocation, which is initialised (zeroed at allocation).
+        // allocation, and every constructor initialises those bytes before
+        // `len` covers them: `with_headroom` zeroes the allocation,
+        // `copy_from` copies into all of it, `read_from*` sets `len` only
+        // once the reads have filled every byte; `truncate` only shortens.
         unsafe { std::slice::from_raw_parts(self.ptr.add(self.payload_offset), self.len) }
     }
 

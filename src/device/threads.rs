@@ -71,16 +71,6 @@ impl ThreadsEngine {
         }
     }
 
-    /// Whether buffered RWF_NOWAIT writes work on this device's file system
-    /// (`None` until the first buffered write tried them).
-    pub fn nowait_writes_supported(&self) -> Option<bool> {
-        match self.nowait_writes.load(Ordering::Relaxed) {
-            SUPPORTED => Some(true),
-            UNSUPPORTED => Some(false),
-            _ => None,
-        }
-    }
-
     pub fn config(&self) -> ThreadsConfig {
         self.config
     }

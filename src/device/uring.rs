@@ -575,6 +575,15 @@ mod tests {
         let file = Arc::new(tempfile::tempfile().unwrap());
         let rt = tokio::runtime::Builder::new_current_thread().build().unwrap();
         rt.block_on(engine.fdatasync(file)).unwrap();
+        // The ring thread holds the other reference to the waker: it is
+        // gone once the thread has returned.
+        let waker = Arc::downgrade(&engine.waker);
+        assert_eq!(waker.strong_count(), 2);
         drop(engine);
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while waker.strong_count() > 0 && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        assert_eq!(waker.strong_count(), 0, "the ring thread did not stop");
     }
 }

@@ -14,6 +14,35 @@ use std::collections::{BTreeSet, HashMap, HashSet};
 
 use super::superblock::Role;
 
+/// What the allocator refuses: each one means the caller (or the metadata
+/// it replays) is wrong, so each says exactly what.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum AllocError {
+    #[error("device {0} is not a data device of this pool")]
+    UnknownDevice(u8),
+    #[error("chunk {chunk} of device {device} lies outside its data area (chunks {first}..{end})")]
+    OutsideDevice {
+        device: u8,
+        chunk: u64,
+        first: u64,
+        end: u64,
+    },
+    #[error("slot size 2^{0} is not a supported block size")]
+    BadSlotSize(u8),
+    #[error("chunk {chunk} of device {device} holds slots of 2^{have} bytes, not 2^{want}")]
+    SlotSizeMismatch { device: u8, chunk: u64, have: u8, want: u8 },
+    #[error("offset {offset} of device {device} is not at a slot boundary (2^{slot_shift})")]
+    Misaligned { device: u8, offset: u64, slot_shift: u8 },
+    #[error("chunk {chunk} of device {device} marks slots past its last one used")]
+    BitsPastTheEnd { device: u8, chunk: u64 },
+    #[error("slot at offset {offset} of device {device} is already in use")]
+    AlreadyUsed { device: u8, offset: u64 },
+}
+
+/// Smallest and largest slot (block) sizes: 4 KiB to 128 KiB.
+pub const MIN_SLOT_SHIFT: u8 = 12;
+pub const MAX_SLOT_SHIFT: u8 = 17;
+
 /// Slots per chunk are at most 256 (1 MiB chunks of 4 KiB slots), so a
 /// bitmap of four words covers any chunk.
 pub const MAX_SLOTS_PER_CHUNK: u64 = 256;
@@ -244,36 +273,64 @@ impl Allocator {
         };
         let index = device.index;
         let offset = (chunk << chunk_shift) + (slot << slot_shift);
-        self.mark_used(index, offset, slot_shift).then_some((index, offset))
+        // The slot is free in a chunk of this slot size (checked above).
+        self.mark_used(index, offset, slot_shift)
+            .unwrap_or_else(|e| panic!("hinted allocation: {e}"));
+        Some((index, offset))
     }
 
-    /// Marks a slot used (log replay, hinted allocation). Returns false if
-    /// it was already used.
-    pub fn mark_used(&mut self, device_index: u8, offset: u64, slot_shift: u8) -> bool {
+    /// Marks a slot used (log replay, hinted allocation). A slot already in
+    /// use is `AlreadyUsed` (which replay expects when the checkpoint came
+    /// after the record); every other error is a bug or corrupt metadata.
+    pub fn mark_used(&mut self, device_index: u8, offset: u64, slot_shift: u8) -> Result<(), AllocError> {
+        if !(MIN_SLOT_SHIFT..=MAX_SLOT_SHIFT.min(self.chunk_shift)).contains(&slot_shift) {
+            return Err(AllocError::BadSlotSize(slot_shift));
+        }
+        if offset & ((1 << slot_shift) - 1) != 0 {
+            return Err(AllocError::Misaligned {
+                device: device_index,
+                offset,
+                slot_shift,
+            });
+        }
         let chunk_shift = self.chunk_shift;
         let per_chunk = self.slots_per_chunk(slot_shift);
         let chunk = offset >> chunk_shift;
         let slot = (offset & ((1 << chunk_shift) - 1)) >> slot_shift;
-        let Some(device) = self.device_mut(device_index) else {
-            return false;
-        };
-        if !device.chunks.contains_key(&chunk) {
-            device.free_chunks.remove(&chunk);
-            device.chunks.insert(
+        let device = self
+            .device_mut(device_index)
+            .ok_or(AllocError::UnknownDevice(device_index))?;
+        if chunk < device.first_chunk || chunk >= device.end_chunk {
+            return Err(AllocError::OutsideDevice {
+                device: device_index,
                 chunk,
-                ChunkState {
-                    slot_shift,
-                    used: [0; 4],
-                },
-            );
+                first: device.first_chunk,
+                end: device.end_chunk,
+            });
+        }
+        let state = device.chunks.entry(chunk).or_insert_with(|| ChunkState {
+            slot_shift,
+            used: [0; 4],
+        });
+        if state.slot_shift != slot_shift {
+            return Err(AllocError::SlotSizeMismatch {
+                device: device_index,
+                chunk,
+                have: state.slot_shift,
+                want: slot_shift,
+            });
+        }
+        if state.used_count() == 0 {
+            // A chunk that was free (or just created above).
+            device.free_chunks.remove(&chunk);
             device.with_room.entry(slot_shift).or_default().insert(chunk);
         }
-        let Some(state) = device.chunks.get_mut(&chunk) else {
-            return false;
-        };
         let bit = 1u64 << (slot % 64);
         if state.used[(slot / 64) as usize] & bit != 0 {
-            return false;
+            return Err(AllocError::AlreadyUsed {
+                device: device_index,
+                offset,
+            });
         }
         state.used[(slot / 64) as usize] |= bit;
         device.used_slots_bytes += 1 << slot_shift;
@@ -283,10 +340,13 @@ impl Allocator {
             }
         }
         self.dirty.insert((device_index, chunk));
-        true
+        Ok(())
     }
 
-    /// Frees a slot. Returns false if it was not in use.
+    /// Frees a slot. Returns false if it was not in use: outside log
+    /// replay (which may free what the checkpoint already freed) that is a
+    /// double free, and callers assert it.
+    #[must_use = "false means a double free: assert it unless replaying the log"]
     pub fn free(&mut self, device_index: u8, offset: u64) -> bool {
         let chunk_shift = self.chunk_shift;
         let chunk = offset >> chunk_shift;
@@ -317,15 +377,33 @@ impl Allocator {
         true
     }
 
-    /// Loads a checkpointed chunk record.
-    pub fn load_chunk(&mut self, device_index: u8, chunk: u64, state: ChunkState) {
+    /// Loads a checkpointed chunk record; a record that cannot be right (a
+    /// device or chunk outside the pool, a bad slot size, bits past the
+    /// chunk's last slot) is an error naming it.
+    pub fn load_chunk(&mut self, device_index: u8, chunk: u64, state: ChunkState) -> Result<(), AllocError> {
+        if !(MIN_SLOT_SHIFT..=MAX_SLOT_SHIFT.min(self.chunk_shift)).contains(&state.slot_shift) {
+            return Err(AllocError::BadSlotSize(state.slot_shift));
+        }
         let per_chunk = self.slots_per_chunk(state.slot_shift);
         let slot_bytes = 1u64 << state.slot_shift;
-        let Some(device) = self.device_mut(device_index) else {
-            return;
-        };
+        let device = self
+            .device_mut(device_index)
+            .ok_or(AllocError::UnknownDevice(device_index))?;
         if chunk < device.first_chunk || chunk >= device.end_chunk {
-            return;
+            return Err(AllocError::OutsideDevice {
+                device: device_index,
+                chunk,
+                first: device.first_chunk,
+                end: device.end_chunk,
+            });
+        }
+        let past_the_end =
+            (per_chunk..MAX_SLOTS_PER_CHUNK).any(|s| state.used[(s / 64) as usize] & (1 << (s % 64)) != 0);
+        if past_the_end {
+            return Err(AllocError::BitsPastTheEnd {
+                device: device_index,
+                chunk,
+            });
         }
         device.free_chunks.remove(&chunk);
         let used = state.used_count() as u64;
@@ -334,6 +412,7 @@ impl Allocator {
             device.with_room.entry(state.slot_shift).or_default().insert(chunk);
         }
         device.chunks.insert(chunk, state);
+        Ok(())
     }
 
     /// The chunk records changed since the last call: `None` means "now free".
@@ -357,7 +436,8 @@ impl Allocator {
         self.dirty.extend(keys);
     }
 
-    /// Whether a slot is in use (for scrubbing).
+    /// A chunk's slot size (as a shift) and its bitmap of used slots, or
+    /// `None` if the chunk is free (for scrubbing).
     pub fn slot_shift_of(&self, device_index: u8, chunk: u64) -> Option<(u8, [u64; 4])> {
         self.devices
             .iter()
@@ -521,5 +601,73 @@ mod tests {
             used: [1, 2, 3, u64::MAX],
         };
         assert_eq!(ChunkState::decode(&state.encode()), Some(state));
+    }
+
+    #[test]
+    fn mark_used_checks_the_chunks_slot_size_alignment_and_range() {
+        let fast = DeviceSpace::new(0, Role::Fast, 1, 8);
+        let mut allocator = Allocator::new(1 << 20, vec![fast]);
+        let chunk = 1u64 << 20;
+        allocator.mark_used(0, chunk, 14).unwrap();
+        assert_eq!(
+            allocator.mark_used(0, chunk, 14),
+            Err(AllocError::AlreadyUsed {
+                device: 0,
+                offset: chunk
+            })
+        );
+        // The same chunk cannot hold 4 KiB slots too (this used to set the
+        // bit of a different slot and count 4 KiB as used).
+        assert_eq!(
+            allocator.mark_used(0, chunk + (1 << 14), 12),
+            Err(AllocError::SlotSizeMismatch {
+                device: 0,
+                chunk: 1,
+                have: 14,
+                want: 12
+            })
+        );
+        assert!(matches!(
+            allocator.mark_used(0, chunk + 4096, 14),
+            Err(AllocError::Misaligned { .. })
+        ));
+        assert!(matches!(
+            allocator.mark_used(0, 0, 14),
+            Err(AllocError::OutsideDevice { .. })
+        ));
+        assert!(matches!(
+            allocator.mark_used(0, 8 * chunk, 14),
+            Err(AllocError::OutsideDevice { .. })
+        ));
+        assert_eq!(allocator.mark_used(3, chunk, 14), Err(AllocError::UnknownDevice(3)));
+        assert_eq!(allocator.mark_used(0, chunk, 11), Err(AllocError::BadSlotSize(11)));
+        assert_eq!(allocator.devices()[0].used_bytes(), 1 << 14);
+    }
+
+    #[test]
+    fn load_chunk_refuses_records_that_cannot_be_right() {
+        let fast = DeviceSpace::new(0, Role::Fast, 1, 8);
+        let mut allocator = Allocator::new(1 << 20, vec![fast]);
+        let state = |slot_shift, used| ChunkState { slot_shift, used };
+        // Out of range chunks were dropped silently before.
+        assert!(matches!(
+            allocator.load_chunk(0, 9, state(14, [1, 0, 0, 0])),
+            Err(AllocError::OutsideDevice { chunk: 9, .. })
+        ));
+        assert_eq!(
+            allocator.load_chunk(2, 1, state(14, [1, 0, 0, 0])),
+            Err(AllocError::UnknownDevice(2))
+        );
+        assert_eq!(
+            allocator.load_chunk(0, 1, state(40, [1, 0, 0, 0])),
+            Err(AllocError::BadSlotSize(40))
+        );
+        // 16 KiB slots: 64 per chunk; bit 64 does not exist.
+        assert_eq!(
+            allocator.load_chunk(0, 1, state(14, [1, 1, 0, 0])),
+            Err(AllocError::BitsPastTheEnd { device: 0, chunk: 1 })
+        );
+        allocator.load_chunk(0, 1, state(14, [3, 0, 0, 0])).unwrap();
+        assert_eq!(allocator.devices()[0].used_bytes(), 2 << 14);
     }
 }

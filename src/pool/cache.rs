@@ -12,6 +12,7 @@
 //! (exclusive to write or remove, shared to read a slot), plus the short
 //! per-volume mutex around the index. `pool::volume` holds the stripe locks.
 
+use crate::sync::LockOrAbort;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
@@ -50,7 +51,7 @@ pub struct VolumeCache {
 
 impl VolumeCache {
     pub fn lock(&self) -> MutexGuard<'_, VolState> {
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
+        self.state.lock_or_abort()
     }
 
     pub fn is_empty(&self) -> bool {
@@ -192,8 +193,11 @@ impl WriteCache {
         let now = Instant::now();
         for (record, slot) in replayed.into_iter().zip(slots) {
             let seq = self.next_seq(1);
-            self.ram
-                .write(slot, record.volume, record.sector, seq, &record.data, record.crc);
+            // SAFETY: `slot` was just allocated above and is written once.
+            unsafe {
+                self.ram
+                    .write(slot, record.volume, record.sector, seq, &record.data, record.crc)
+            };
             let volume = self.volume(record.volume);
             volume.lock().entries.insert(
                 record.sector,
@@ -219,30 +223,13 @@ impl WriteCache {
     }
 
     pub fn volume(&self, id: u32) -> Arc<VolumeCache> {
-        self.volumes
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .entry(id)
-            .or_default()
-            .clone()
-    }
-
-    pub fn volume_ids(&self) -> Vec<u32> {
-        let mut ids: Vec<u32> = self
-            .volumes
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .keys()
-            .copied()
-            .collect();
-        ids.sort_unstable();
-        ids
+        self.volumes.lock_or_abort().entry(id).or_default().clone()
     }
 
     /// Drops every entry of a volume (destroyed): frees its slots. Returns
     /// the entries dropped and the pool space reserved for them.
     pub fn forget_volume(&self, id: u32) -> (usize, u64) {
-        let Some(volume) = self.volumes.lock().unwrap_or_else(|e| e.into_inner()).remove(&id) else {
+        let Some(volume) = self.volumes.lock_or_abort().remove(&id) else {
             return (0, 0);
         };
         let mut state = volume.lock();
@@ -250,7 +237,9 @@ impl WriteCache {
         let reserved = state.reserved.len() as u64 * state.block_bytes;
         state.reserved.clear();
         for entry in state.entries.values() {
-            self.ram.release(entry.slot);
+            // SAFETY: the volume is destroyed (no reader is left) and its
+            // entries, the slots' only references, are cleared below.
+            unsafe { self.ram.release(entry.slot) };
         }
         state.entries.clear();
         self.space.notify_waiters();
@@ -275,8 +264,11 @@ impl WriteCache {
         let mut crcs = Vec::with_capacity(count);
         for (i, image) in images.chunks(SLOT_BYTES).enumerate() {
             let crc = crate::checksum::crc32c(image);
-            self.ram
-                .write(slots[i], volume_id, first_sector + i as u64, seq + i as u64, image, crc);
+            // SAFETY: the caller allocated `slots` for this call (see the doc).
+            unsafe {
+                self.ram
+                    .write(slots[i], volume_id, first_sector + i as u64, seq + i as u64, image, crc)
+            };
             crcs.push(crc);
         }
         let now = Instant::now();
@@ -310,7 +302,10 @@ impl WriteCache {
         }
         drop(state);
         for slot in &freed {
-            self.ram.release(*slot);
+            // SAFETY: the entries that referred to these slots were replaced
+            // above, and the caller's exclusive stripe locks keep readers
+            // (who read slots under shared ones) away.
+            unsafe { self.ram.release(*slot) };
         }
         self.written_bytes
             .fetch_add((count * SLOT_BYTES) as u64, Ordering::Relaxed);
@@ -332,7 +327,9 @@ impl WriteCache {
             let within = (start - sector * SLOT_BYTES as u64) as usize;
             let at = (start - offset) as usize;
             let len = (stop - start) as usize;
-            self.ram.read(entry.slot, within, &mut buf[at..at + len]);
+            // SAFETY: the entry is in the map under the cache lock we hold,
+            // and the caller's stripe locks keep it from being released.
+            unsafe { self.ram.read(entry.slot, within, &mut buf[at..at + len]) };
             covered += len;
         }
         covered
@@ -340,13 +337,7 @@ impl WriteCache {
 
     /// The oldest log position a live Data record may have, if any.
     pub fn oldest_log_lsn(&self) -> Option<u64> {
-        let volumes: Vec<Arc<VolumeCache>> = self
-            .volumes
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .values()
-            .cloned()
-            .collect();
+        let volumes: Vec<Arc<VolumeCache>> = self.volumes.lock_or_abort().values().cloned().collect();
         volumes
             .iter()
             .filter_map(|v| {

@@ -3,6 +3,7 @@
 //! tier filling up, where writers wait: backpressure), and before a
 //! checkpoint (so the intent log's space can be reclaimed).
 
+use crate::sync::LockOrAbort;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
@@ -16,7 +17,7 @@ const DESTAGE_BATCH_BLOCKS: usize = 512;
 impl Pool {
     /// Promises `bytes` of pool space to cached writes into unmapped blocks.
     pub(crate) fn reserve(&self, bytes: u64) -> bool {
-        let allocator = self.allocator.lock().unwrap_or_else(|e| e.into_inner());
+        let allocator = self.allocator.lock_or_abort();
         let free = Self::unallocated(&allocator, self.chunk_bytes);
         let reserved = self.reserved_bytes.load(Ordering::Acquire);
         if reserved + bytes > free {
@@ -42,19 +43,14 @@ impl Pool {
 
     /// Lets the destager reach an open volume.
     pub(crate) fn register_volume(&self, id: u32, volume: Weak<EngineVolume>) {
-        self.cache
-            .engines
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(id, volume);
+        self.cache.engines.lock_or_abort().insert(id, volume);
     }
 
     fn engines(&self) -> Vec<Arc<EngineVolume>> {
         let mut engines: Vec<Arc<EngineVolume>> = self
             .cache
             .engines
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
+            .lock_or_abort()
             .values()
             .filter_map(Weak::upgrade)
             .collect();

@@ -28,6 +28,7 @@
 //! get generation + 2 with the old table, and the new device's superblocks
 //! are zeroed.
 
+use crate::sync::LockOrAbort;
 use std::ops::Index;
 use std::sync::atomic::AtomicU32;
 use std::sync::{Arc, OnceLock};
@@ -297,8 +298,7 @@ impl Pool {
         }
         // Chunk 0 holds the superblocks; every other chunk is data.
         self.allocator
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
+            .lock_or_abort()
             .add_device(DeviceSpace::new(index, member.role, 1, chunks));
         tracing::info!(
             "pool {}: added {} as {} device {index} ({} of data); superblock generation {}",

@@ -37,6 +37,7 @@ use crate::device::{Device, DeviceError, IoBuf};
 use crate::meta::log::{Log, LogError, Record};
 use crate::meta::pages::{CrcPage, MapPage, Page, PageCache, TakenPage, CRCS_PER_PAGE, MAP_ENTRIES_PER_PAGE};
 use crate::meta::store::{self, CHUNKS, CRC_PAGES, MAP_PAGES, STATE, SUSPECT};
+use crate::sync::LockOrAbort;
 use alloc::{Allocator, ChunkState, DeviceSpace};
 use superblock::{Member, Role, Superblock, SUPERBLOCK_BYTES, SUPERBLOCK_OFFSETS};
 
@@ -84,14 +85,32 @@ impl Default for PoolOptions {
     }
 }
 
-/// A block-map entry: valid bit, device index, physical offset in 4 KiB units.
+/// A block-map entry is one `u64`: bits 0..48 the slot's first 4 KiB sector
+/// on its device, bits 48..56 the device index, bits 56..63 reserved (zero
+/// today; snapshots will use them), bit 63 "mapped".
 pub mod map_entry {
+    const OFFSET_BITS: u32 = 48;
+    const OFFSET_MASK: u64 = (1 << OFFSET_BITS) - 1;
+    const DEVICE_SHIFT: u32 = OFFSET_BITS;
+    const DEVICE_MASK: u64 = 0xff << DEVICE_SHIFT;
+    /// Reserved for snapshots and clones (ARCHITECTURE.md, last section).
+    pub const RESERVED: u64 = 0x7f << 56;
     pub const VALID: u64 = 1 << 63;
-    const OFFSET_MASK: u64 = (1 << 48) - 1;
+
+    // The fields are disjoint and cover the word exactly.
+    const _: () = assert!(OFFSET_MASK & DEVICE_MASK == 0 && (OFFSET_MASK | DEVICE_MASK) & (RESERVED | VALID) == 0);
+    const _: () = assert!(RESERVED & VALID == 0 && (OFFSET_MASK | DEVICE_MASK | RESERVED | VALID) == u64::MAX);
+    // Every pool member's index fits the device field.
+    const _: () = assert!(super::superblock::MAX_MEMBERS as u64 <= (DEVICE_MASK >> DEVICE_SHIFT) + 1);
+    // 2^48 sectors of 4 KiB: devices up to 1 EiB.
+    const _: () = assert!(super::SECTOR_SHIFT == 12);
 
     pub fn encode(device: u8, offset: u64) -> u64 {
-        debug_assert!(offset.is_multiple_of(super::SECTOR_BYTES));
-        VALID | (device as u64) << 48 | (offset >> super::SECTOR_SHIFT)
+        assert!(
+            offset.is_multiple_of(super::SECTOR_BYTES) && offset >> super::SECTOR_SHIFT <= OFFSET_MASK,
+            "map entry for offset {offset} of device {device}"
+        );
+        VALID | (device as u64) << DEVICE_SHIFT | (offset >> super::SECTOR_SHIFT)
     }
 
     /// (device index, byte offset) of a valid entry.
@@ -100,7 +119,7 @@ pub mod map_entry {
             return None;
         }
         Some((
-            ((entry >> 48) & 0xff) as u8,
+            ((entry & DEVICE_MASK) >> DEVICE_SHIFT) as u8,
             (entry & OFFSET_MASK) << super::SECTOR_SHIFT,
         ))
     }
@@ -246,6 +265,19 @@ pub struct Pool {
     data_tail: AtomicU64,
     /// Lets `&self` methods start background work that needs an `Arc<Pool>`.
     self_ref: std::sync::OnceLock<std::sync::Weak<Pool>>,
+    /// Unit tests: `set_mapping` fails once this many more calls have
+    /// succeeded (negative: never), standing in for a map page that cannot
+    /// be loaded.
+    #[cfg(test)]
+    pub(crate) fail_mapping_after: std::sync::atomic::AtomicI64,
+}
+
+/// Whether the log is being replayed: then a change may already be in the
+/// checkpoint, and freeing a free slot is expected rather than a bug.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Replaying {
+    Yes,
+    No,
 }
 
 /// A device and the role it should have in a new pool.
@@ -577,7 +609,9 @@ impl Pool {
                 let (device, chunk_index) = key.value();
                 let state = ChunkState::decode(value.value())
                     .ok_or_else(|| PoolError::Meta(format!("damaged chunk record {device}/{chunk_index}")))?;
-                allocator.load_chunk(device as u8, chunk_index, state);
+                allocator
+                    .load_chunk(device as u8, chunk_index, state)
+                    .map_err(|e| PoolError::Meta(format!("chunk record {device}/{chunk_index}: {e}")))?;
             }
             let table = txn.open_table(SUSPECT).map_err(|e| PoolError::Meta(e.to_string()))?;
             for row in table.iter().map_err(|e| PoolError::Meta(e.to_string()))? {
@@ -672,6 +706,8 @@ impl Pool {
             data_flushed: AtomicU64::new(0),
             data_tail: AtomicU64::new(data_tail),
             self_ref: std::sync::OnceLock::new(),
+            #[cfg(test)]
+            fail_mapping_after: std::sync::atomic::AtomicI64::new(-1),
         });
         let _ = pool.self_ref.set(Arc::downgrade(&pool));
         let replayed = records.len();
@@ -701,7 +737,7 @@ impl Pool {
             tracing::info!(
                 "pool {}: replayed {replayed} log records ({} suspect chunks)",
                 pool.name,
-                pool.suspect.lock().unwrap_or_else(|e| e.into_inner()).len()
+                pool.suspect.lock_or_abort().len()
             );
         }
         if !replayed_data.is_empty() {
@@ -767,10 +803,7 @@ impl Pool {
     fn apply_replayed(&self, record: Record) -> Result<(), PoolError> {
         match record {
             Record::Dirty { device, chunk } => {
-                self.suspect
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .insert((device, chunk));
+                self.suspect.lock_or_abort().insert((device, chunk));
             }
             Record::Map {
                 volume,
@@ -783,13 +816,22 @@ impl Pool {
                 let slot = &page.entries[(block % MAP_ENTRIES_PER_PAGE) as usize];
                 slot.store(new, Ordering::Release);
                 self.map_pages.mark_dirty(&page);
-                let mut allocator = self.allocator.lock().unwrap_or_else(|e| e.into_inner());
+                let mut allocator = self.allocator.lock_or_abort();
                 if let Some((device, offset)) = map_entry::decode(old) {
-                    allocator.free(device, offset);
+                    // Already free if the checkpoint came after this record.
+                    let _ = allocator.free(device, offset);
                 }
                 if let Some((device, offset)) = map_entry::decode(new) {
                     let slot_shift = (crcs.len().max(1) as u64 * SECTOR_BYTES).trailing_zeros() as u8;
-                    allocator.mark_used(device, offset, slot_shift);
+                    match allocator.mark_used(device, offset, slot_shift) {
+                        // Already used if the checkpoint came after this record.
+                        Ok(()) | Err(alloc::AllocError::AlreadyUsed { .. }) => {}
+                        Err(e) => {
+                            return Err(PoolError::Meta(format!(
+                                "log record mapping volume {volume} block {block}: {e}"
+                            )))
+                        }
+                    }
                     drop(allocator);
                     for (i, crc) in crcs.iter().enumerate() {
                         self.set_crc(device, offset + i as u64 * SECTOR_BYTES, *crc)
@@ -797,7 +839,7 @@ impl Pool {
                     }
                 }
             }
-            Record::Destroy { volume } => self.free_volume_blocks(volume)?,
+            Record::Destroy { volume } => self.free_volume_blocks(volume, Replaying::Yes)?,
             Record::Data { .. } | Record::Written { .. } => {}
         }
         Ok(())
@@ -827,7 +869,7 @@ impl Pool {
     }
 
     pub fn status(&self) -> Vec<DeviceStatus> {
-        let allocator = self.allocator.lock().unwrap_or_else(|e| e.into_inner());
+        let allocator = self.allocator.lock_or_abort();
         self.devices
             .iter()
             .map(|d| {
@@ -891,6 +933,12 @@ impl Pool {
     }
 
     pub(crate) fn set_mapping(&self, volume: u32, block: u64, entry: u64) -> Result<(), String> {
+        #[cfg(test)]
+        if self.fail_mapping_after.fetch_sub(1, Ordering::AcqRel) == 0 {
+            return Err(format!(
+                "injected: map page of volume {volume} block {block} cannot be loaded"
+            ));
+        }
         let page = self.map_page(volume, block)?;
         page.entries[(block % MAP_ENTRIES_PER_PAGE) as usize].store(entry, Ordering::Release);
         self.map_pages.mark_dirty(&page);
@@ -952,10 +1000,7 @@ impl Pool {
 
     pub(crate) fn is_suspect(&self, device: u8, offset: u64) -> bool {
         let chunk = offset / self.chunk_bytes as u64;
-        self.suspect
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .contains(&(device, chunk))
+        self.suspect.lock_or_abort().contains(&(device, chunk))
     }
 
     // ---- allocation --------------------------------------------------------------
@@ -963,18 +1008,13 @@ impl Pool {
     /// Allocates a slot, at `hint` if it is free (see
     /// [`alloc::Allocator::allocate_near`]).
     pub(crate) fn allocate_near(&self, slot_shift: u8, hint: Option<alloc::Hint>) -> Option<(u8, u64)> {
-        self.allocator
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .allocate_near(slot_shift, hint)
+        self.allocator.lock_or_abort().allocate_near(slot_shift, hint)
     }
 
     /// Returns a slot that was never mapped (its write failed).
     pub(crate) fn release_unused(&self, device: u8, offset: u64) {
-        self.allocator
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .free(device, offset);
+        let freed = self.allocator.lock_or_abort().free(device, offset);
+        assert!(freed, "released slot {device}/{offset} was not allocated");
     }
 
     pub(crate) fn log_mapping(&self, record: Record) {
@@ -1146,9 +1186,12 @@ impl Pool {
         if frees.is_empty() {
             return;
         }
-        let mut allocator = self.allocator.lock().unwrap_or_else(|e| e.into_inner());
+        let mut allocator = self.allocator.lock_or_abort();
         for (device, offset) in frees {
-            allocator.free(device, offset);
+            assert!(
+                allocator.free(device, offset),
+                "slot {device}/{offset} replaced by a committed write was not in use"
+            );
         }
     }
 
@@ -1179,15 +1222,6 @@ impl Pool {
         }
     }
 
-    /// Checks whether a checkpoint is due and runs it (callers that hold an
-    /// `Arc<Pool>` use this after writes).
-    pub async fn checkpoint_if_due(&self) -> Result<(), PoolError> {
-        if self.wants_checkpoint() {
-            self.checkpoint().await?;
-        }
-        Ok(())
-    }
-
     /// Destages the data the intent log holds, then writes every change
     /// since the last checkpoint to the metadata store and frees the log.
     pub async fn checkpoint(&self) -> Result<(), PoolError> {
@@ -1210,17 +1244,11 @@ impl Pool {
         let epoch = self.epoch.fetch_add(1, Ordering::AcqRel).wrapping_add(1);
         let map = self.map_pages.take_dirty();
         let crcs = self.crc_pages.take_dirty();
-        let chunks = self.allocator.lock().unwrap_or_else(|e| e.into_inner()).take_dirty();
+        let chunks = self.allocator.lock_or_abort().take_dirty();
         let suspect = self.suspect_snapshot();
         // Data records are appended under the gate, so none is in flight.
         let data_tail = self.cache.oldest_log_lsn().map_or(lsn, |oldest| oldest.min(lsn));
-        let destroyed: Vec<u32> = self
-            .destroyed
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .iter()
-            .copied()
-            .collect();
+        let destroyed: Vec<u32> = self.destroyed.lock_or_abort().iter().copied().collect();
         drop(gate);
 
         let pages = (map.len() + crcs.len()) as u64;
@@ -1231,7 +1259,7 @@ impl Pool {
             Ok(()) => {
                 self.log.set_tail(data_tail);
                 self.data_tail.store(data_tail, Ordering::Release);
-                let mut pending = self.destroyed.lock().unwrap_or_else(|e| e.into_inner());
+                let mut pending = self.destroyed.lock_or_abort();
                 for volume in destroyed {
                     pending.remove(&volume);
                 }
@@ -1243,8 +1271,7 @@ impl Pool {
                 self.map_pages.restore_dirty(&map);
                 self.crc_pages.restore_dirty(&crcs);
                 self.allocator
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
+                    .lock_or_abort()
                     .restore_dirty(chunks.iter().map(|(key, _)| *key));
                 Err(PoolError::Meta(format!("checkpoint failed: {e}")))
             }
@@ -1410,18 +1437,21 @@ impl Pool {
     /// Destroys volume `id`: frees every block once the record saying so is
     /// durable; the next checkpoint deletes its pages.
     pub async fn destroy_volume(&self, id: u32) -> Result<(), PoolError> {
-        self.cache.engines.lock().unwrap_or_else(|e| e.into_inner()).remove(&id);
+        self.cache.engines.lock_or_abort().remove(&id);
         let (_, reserved_bytes) = self.cache.forget_volume(id);
         self.read_cache.invalidate_volume(id);
         self.unreserve(reserved_bytes);
         self.log.append(Record::Destroy { volume: id });
         self.commit().await?;
         let _gate = self.gate.write().await;
-        self.free_volume_blocks(id)?;
+        self.free_volume_blocks(id, Replaying::No)?;
         Ok(())
     }
 
-    fn free_volume_blocks(&self, id: u32) -> Result<(), PoolError> {
+    /// Frees every block a volume maps. Replaying the log, a block may
+    /// already be free (the checkpoint came after the record); otherwise a
+    /// block that is not in use is a double mapping, and stops the engine.
+    fn free_volume_blocks(&self, id: u32, replaying: Replaying) -> Result<(), PoolError> {
         let mut keys: HashSet<(u32, u64)> = HashSet::new();
         {
             let txn = self.db.begin_read().map_err(|e| PoolError::Meta(e.to_string()))?;
@@ -1439,18 +1469,22 @@ impl Pool {
                 keys.insert((owner, page));
             }
         }
-        let mut allocator = self.allocator.lock().unwrap_or_else(|e| e.into_inner());
+        let mut allocator = self.allocator.lock_or_abort();
         for key in keys {
             let page = self.map_pages.get(&self.db, key).map_err(PoolError::Meta)?;
             for entry in page.entries.iter() {
                 if let Some((device, offset)) = map_entry::decode(entry.load(Ordering::Acquire)) {
-                    allocator.free(device, offset);
+                    let freed = allocator.free(device, offset);
+                    assert!(
+                        freed || replaying == Replaying::Yes,
+                        "volume {id} maps slot {device}/{offset}, which is not in use"
+                    );
                 }
             }
         }
         drop(allocator);
         self.map_pages.forget_owner(id);
-        self.destroyed.lock().unwrap_or_else(|e| e.into_inner()).insert(id);
+        self.destroyed.lock_or_abort().insert(id);
         Ok(())
     }
 
@@ -1461,11 +1495,7 @@ impl Pool {
         let mut done = 0;
         for (device, chunk) in chunks {
             let _gate = self.gate.write().await;
-            let layout = self
-                .allocator
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .slot_shift_of(device, chunk);
+            let layout = self.allocator.lock_or_abort().slot_shift_of(device, chunk);
             if let Some((slot_shift, used)) = layout {
                 let pool_device = &self.devices[device as usize];
                 let chunk_offset = chunk * self.chunk_bytes as u64;
@@ -1491,26 +1521,18 @@ impl Pool {
                     }
                 }
             }
-            self.suspect
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .remove(&(device, chunk));
+            self.suspect.lock_or_abort().remove(&(device, chunk));
             done += 1;
         }
         Ok(done)
     }
 
     fn suspect_snapshot(&self) -> Vec<(u8, u64)> {
-        self.suspect
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .iter()
-            .copied()
-            .collect()
+        self.suspect.lock_or_abort().iter().copied().collect()
     }
 
     pub fn suspect_chunks(&self) -> usize {
-        self.suspect.lock().unwrap_or_else(|e| e.into_inner()).len()
+        self.suspect.lock_or_abort().len()
     }
 
     /// The device holding the metadata store.

@@ -20,6 +20,8 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{fence, AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
+use crate::sync::LockOrAbort;
+
 pub const SLOT_BYTES: usize = 4096;
 const SLOT_HEADER_BYTES: usize = 32;
 const REGION_HEADER_BYTES: usize = 4096;
@@ -53,8 +55,19 @@ impl HeapImage {
     }
 
     /// Forgets everything (a simulated power loss).
-    pub fn wipe(&self) {
-        // SAFETY: the caller owns the only user of the image at this point.
+    ///
+    /// Panics unless the caller's handle is the only one: a `RamTier` over
+    /// the image holds another, so the image cannot be wiped under a pool
+    /// that still uses it.
+    pub fn wipe(self: &Arc<Self>) {
+        assert_eq!(
+            Arc::strong_count(self),
+            1,
+            "a RAM image is wiped only after every pool using it has been dropped"
+        );
+        // SAFETY: the assertion shows this `Arc` is the only one (and no
+        // `Weak` is ever made of it), so nothing else can reach the memory
+        // while we hold `&Arc<Self>`.
         unsafe { std::ptr::write_bytes(self.ptr, 0, self.len) };
     }
 }
@@ -101,6 +114,21 @@ pub struct RamTier {
     free_count: AtomicUsize,
     location: String,
     path: Option<PathBuf>,
+    /// Debug builds: what each slot is, checked on every change of hands
+    /// (a double free, a write to a slot nobody allocated, a read of a
+    /// free slot panic at once instead of corrupting another sector).
+    #[cfg(debug_assertions)]
+    shadow: Mutex<Vec<SlotState>>,
+}
+
+/// Shadow state of one slot (kept in debug builds only).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum SlotState {
+    Free,
+    /// Taken by `allocate`, not yet written.
+    Allocated,
+    /// Written: holds a valid sector image.
+    Valid,
 }
 
 // SAFETY: slots are only written by the holder of a freshly allocated slot
@@ -189,6 +217,8 @@ impl RamTier {
                 RamSource::File { path, .. } => Some(path.clone()),
                 RamSource::Heap(_) => None,
             },
+            #[cfg(debug_assertions)]
+            shadow: Mutex::new(Vec::new()),
         };
         let expected = tier.region_header(pool_uuid, &boot);
         // SAFETY: the header lies within the region.
@@ -214,6 +244,19 @@ impl RamTier {
         let free: Vec<u32> = (0..tier.slots).rev().filter(|s| !used.contains(s)).collect();
         tier.free_count = AtomicUsize::new(free.len());
         tier.free = Mutex::new(free);
+        #[cfg(debug_assertions)]
+        {
+            let shadow = (0..tier.slots)
+                .map(|s| {
+                    if used.contains(&s) {
+                        SlotState::Valid
+                    } else {
+                        SlotState::Free
+                    }
+                })
+                .collect();
+            tier.shadow = Mutex::new(shadow);
+        }
         Ok((tier, survivors, intact))
     }
 
@@ -230,14 +273,22 @@ impl RamTier {
     }
 
     fn header_ptr(&self, slot: u32) -> *mut u8 {
-        debug_assert!(slot < self.slots);
-        // SAFETY: in bounds for slot < self.slots.
+        assert!(
+            slot < self.slots,
+            "RAM tier slot {slot} out of range ({} slots)",
+            self.slots
+        );
+        // SAFETY: in bounds for slot < self.slots (asserted).
         unsafe { self.base.add(REGION_HEADER_BYTES + slot as usize * SLOT_HEADER_BYTES) }
     }
 
     fn data_ptr(&self, slot: u32) -> *mut u8 {
-        debug_assert!(slot < self.slots);
-        // SAFETY: in bounds for slot < self.slots.
+        assert!(
+            slot < self.slots,
+            "RAM tier slot {slot} out of range ({} slots)",
+            self.slots
+        );
+        // SAFETY: in bounds for slot < self.slots (asserted).
         unsafe {
             self.base
                 .add(REGION_HEADER_BYTES + table_len(self.slots) + slot as usize * SLOT_BYTES)
@@ -273,7 +324,8 @@ impl RamTier {
                 seq: field(24, 8),
             };
             let mut data = vec![0u8; SLOT_BYTES];
-            self.read(slot, 0, &mut data);
+            // SAFETY: the tier is being opened; nothing else uses it yet.
+            unsafe { self.copy_out(slot, 0, &mut data) };
             if crate::checksum::crc32c(&data) != survivor.crc {
                 self.magic(slot).store(0, Ordering::Release);
                 continue;
@@ -326,33 +378,50 @@ impl RamTier {
         self.free_count.load(Ordering::Acquire)
     }
 
-    /// Takes `count` free slots, all or none.
+    /// Takes `count` free slots, all or none. The caller owns them until it
+    /// writes them (then the cache entry that records the slot owns it) or
+    /// gives them back.
     pub fn allocate(&self, count: usize) -> Option<Vec<u32>> {
-        let mut free = self.free.lock().unwrap_or_else(|e| e.into_inner());
+        let mut free = self.free.lock_or_abort();
         if free.len() < count {
             return None;
         }
         let at = free.len() - count;
         let taken = free.split_off(at);
         self.free_count.store(free.len(), Ordering::Release);
+        drop(free);
+        self.shadow_change(&taken, &[SlotState::Free], SlotState::Allocated);
         Some(taken)
     }
 
-    /// Returns slots that hold nothing valid (allocated but never written,
-    /// or already invalidated).
+    /// Returns slots that were allocated and never written.
     pub fn give_back(&self, slots: &[u32]) {
-        let mut free = self.free.lock().unwrap_or_else(|e| e.into_inner());
+        self.shadow_change(slots, &[SlotState::Allocated], SlotState::Free);
+        self.put_free(slots);
+    }
+
+    fn put_free(&self, slots: &[u32]) {
+        let mut free = self.free.lock_or_abort();
         free.extend_from_slice(slots);
         self.free_count.store(free.len(), Ordering::Release);
     }
 
     /// Fills a freshly allocated slot and makes it valid.
-    pub fn write(&self, slot: u32, volume: u32, sector: u64, seq: u64, data: &[u8], crc: u32) {
+    ///
+    /// # Safety
+    /// The caller owns `slot`: it came from [`RamTier::allocate`] and has
+    /// been neither written nor given back, so no other thread reads or
+    /// writes it. (The slot's range is checked; ownership cannot be, except
+    /// by the shadow state of debug builds.)
+    pub unsafe fn write(&self, slot: u32, volume: u32, sector: u64, seq: u64, data: &[u8], crc: u32) {
         assert_eq!(data.len(), SLOT_BYTES);
-        // SAFETY: the caller owns `slot` (allocated, not yet published).
+        self.shadow_change(&[slot], &[SlotState::Allocated], SlotState::Valid);
+        let (data_ptr, header) = (self.data_ptr(slot), self.header_ptr(slot));
+        // SAFETY: both pointers are in bounds (checked by `data_ptr` and
+        // `header_ptr`), and the caller owns the slot (this function's
+        // contract), so nothing reads these bytes while they are copied.
         unsafe {
-            std::ptr::copy_nonoverlapping(data.as_ptr(), self.data_ptr(slot), SLOT_BYTES);
-            let header = self.header_ptr(slot);
+            std::ptr::copy_nonoverlapping(data.as_ptr(), data_ptr, SLOT_BYTES);
             std::ptr::copy_nonoverlapping(crc.to_le_bytes().as_ptr(), header.add(4), 4);
             std::ptr::copy_nonoverlapping(volume.to_le_bytes().as_ptr(), header.add(8), 4);
             std::ptr::copy_nonoverlapping(sector.to_le_bytes().as_ptr(), header.add(16), 8);
@@ -363,17 +432,68 @@ impl RamTier {
     }
 
     /// Copies `dst.len()` bytes of a valid slot from `within`.
-    pub fn read(&self, slot: u32, within: usize, dst: &mut [u8]) {
-        assert!(within + dst.len() <= SLOT_BYTES);
-        // SAFETY: the caller holds the lock that keeps the slot from being
-        // freed or rewritten (see `pool::cache`).
-        unsafe { std::ptr::copy_nonoverlapping(self.data_ptr(slot).add(within), dst.as_mut_ptr(), dst.len()) };
+    ///
+    /// # Safety
+    /// The slot holds a valid sector image (written, not released) and the
+    /// caller holds what keeps it so for the duration of the call: the
+    /// owning volume's stripe lock or cache lock (see `pool::cache`), so no
+    /// other thread frees or rewrites it meanwhile.
+    pub unsafe fn read(&self, slot: u32, within: usize, dst: &mut [u8]) {
+        self.shadow_check(slot, &[SlotState::Valid]);
+        // SAFETY: the caller's contract is `copy_out`'s.
+        unsafe { self.copy_out(slot, within, dst) }
     }
 
-    /// Invalidates a slot and returns it to the free list.
-    pub fn release(&self, slot: u32) {
+    /// # Safety
+    /// As [`RamTier::read`], without the shadow check (used while opening).
+    unsafe fn copy_out(&self, slot: u32, within: usize, dst: &mut [u8]) {
+        assert!(within + dst.len() <= SLOT_BYTES);
+        let src = self.data_ptr(slot);
+        // SAFETY: in bounds (asserted above and in `data_ptr`); the caller
+        // keeps the slot from being written meanwhile (the contract).
+        unsafe { std::ptr::copy_nonoverlapping(src.add(within), dst.as_mut_ptr(), dst.len()) };
+    }
+
+    /// Invalidates a written slot and returns it to the free list.
+    ///
+    /// # Safety
+    /// The caller owns the slot's only reference (the cache entry that
+    /// recorded it, now removed) and no reader still uses it: the same
+    /// locks as [`RamTier::read`] are held.
+    pub unsafe fn release(&self, slot: u32) {
+        self.shadow_change(&[slot], &[SlotState::Valid], SlotState::Free);
         self.magic(slot).store(0, Ordering::Release);
-        self.give_back(&[slot]);
+        self.put_free(&[slot]);
+    }
+
+    /// Debug builds: checks that every slot is in one of `from` and moves it
+    /// to `to`; release builds: nothing.
+    #[cfg_attr(not(debug_assertions), allow(unused_variables))]
+    fn shadow_change(&self, slots: &[u32], from: &[SlotState], to: SlotState) {
+        #[cfg(debug_assertions)]
+        {
+            let mut shadow = self.shadow.lock_or_abort();
+            for &slot in slots {
+                let state = &mut shadow[slot as usize];
+                assert!(
+                    from.contains(state),
+                    "RAM tier slot {slot} is {state:?}, expected one of {from:?} before it becomes {to:?}"
+                );
+                *state = to;
+            }
+        }
+    }
+
+    #[cfg_attr(not(debug_assertions), allow(unused_variables))]
+    fn shadow_check(&self, slot: u32, expected: &[SlotState]) {
+        #[cfg(debug_assertions)]
+        {
+            let state = self.shadow.lock_or_abort()[slot as usize];
+            assert!(
+                expected.contains(&state),
+                "RAM tier slot {slot} is {state:?}, expected {expected:?}"
+            );
+        }
     }
 }
 
@@ -521,32 +641,36 @@ mod tests {
     fn survivors_come_back_and_duplicates_resolve_to_the_newest() {
         let image = HeapImage::new(MIN_RAM_BYTES);
         let uuid = [7u8; 16];
-        let source = RamSource::Heap(image.clone());
-        let (tier, survivors, _) = RamTier::open(&source, &uuid).unwrap();
+        // Each open takes its own handle, dropped with the tier, so the
+        // image can be wiped once every tier over it is gone.
+        let source = || RamSource::Heap(image.clone());
+        let (tier, survivors, _) = RamTier::open(&source(), &uuid).unwrap();
         assert!(survivors.is_empty());
         let slots = tier.allocate(3).unwrap();
         let a = vec![1u8; SLOT_BYTES];
         let b = vec![2u8; SLOT_BYTES];
-        tier.write(slots[0], 1, 10, 1, &a, crate::checksum::crc32c(&a));
+        // SAFETY (all three): freshly allocated slots, written once.
+        unsafe { tier.write(slots[0], 1, 10, 1, &a, crate::checksum::crc32c(&a)) };
         // A newer copy of the same sector whose old copy was never freed.
-        tier.write(slots[1], 1, 10, 2, &b, crate::checksum::crc32c(&b));
+        unsafe { tier.write(slots[1], 1, 10, 2, &b, crate::checksum::crc32c(&b)) };
         // A torn slot: wrong checksum.
-        tier.write(slots[2], 1, 11, 3, &a, 0xdead);
+        unsafe { tier.write(slots[2], 1, 11, 3, &a, 0xdead) };
         drop(tier);
-        let (tier, survivors, intact) = RamTier::open(&source, &uuid).unwrap();
+        let (tier, survivors, intact) = RamTier::open(&source(), &uuid).unwrap();
         assert!(intact);
         assert_eq!(survivors.len(), 1);
         assert_eq!((survivors[0].sector, survivors[0].seq), (10, 2));
         let mut out = vec![0u8; SLOT_BYTES];
-        tier.read(survivors[0].slot, 0, &mut out);
+        // SAFETY: a survivor is valid; nothing else uses the tier.
+        unsafe { tier.read(survivors[0].slot, 0, &mut out) };
         assert_eq!(out, b);
         assert_eq!(tier.free_slots(), tier.total_slots() - 1);
         drop(tier);
         // Another pool's region starts empty; so does a wiped one.
-        let (_, survivors, intact) = RamTier::open(&source, &[8u8; 16]).unwrap();
+        let (_, survivors, intact) = RamTier::open(&source(), &[8u8; 16]).unwrap();
         assert!(survivors.is_empty() && !intact);
         image.wipe();
-        let (_, survivors, intact) = RamTier::open(&source, &uuid).unwrap();
+        let (_, survivors, intact) = RamTier::open(&source(), &uuid).unwrap();
         assert!(survivors.is_empty() && !intact);
     }
 
@@ -561,7 +685,8 @@ mod tests {
         let (tier, _, _) = RamTier::open(&source, &uuid).unwrap();
         let slot = tier.allocate(1).unwrap()[0];
         let data = vec![9u8; SLOT_BYTES];
-        tier.write(slot, 4, 99, 5, &data, crate::checksum::crc32c(&data));
+        // SAFETY: a freshly allocated slot, written once.
+        unsafe { tier.write(slot, 4, 99, 5, &data, crate::checksum::crc32c(&data)) };
         drop(tier);
         let (_, survivors, intact) = RamTier::open(&source, &uuid).unwrap();
         assert!(intact);
@@ -620,7 +745,8 @@ mod tests {
         let (tier, _, _) = RamTier::open(&source, &[2u8; 16]).unwrap();
         let slot = tier.allocate(1).unwrap()[0];
         let data = vec![1u8; SLOT_BYTES];
-        tier.write(slot, 1, 5, 1, &data, crate::checksum::crc32c(&data));
+        // SAFETY: a freshly allocated slot, written once.
+        unsafe { tier.write(slot, 1, 5, 1, &data, crate::checksum::crc32c(&data)) };
         assert!(!tier.remove_file_if_clean(), "a dirty tier keeps its file");
         drop(tier);
         assert_eq!(choose_location(&pool_dir, &ram_dir, false, "k", bytes), local);
@@ -629,7 +755,8 @@ mod tests {
         // Once clean, it moves, and the old file is removed.
         let (tier, survivors, _) = RamTier::open(&source, &[2u8; 16]).unwrap();
         assert_eq!(survivors.len(), 1);
-        tier.release(survivors[0].slot);
+        // SAFETY: a valid survivor that nothing else refers to.
+        unsafe { tier.release(survivors[0].slot) };
         drop(tier);
         assert_eq!(choose_location(&pool_dir, &ram_dir, false, "k", bytes), shared);
         assert!(!local.exists());
@@ -643,5 +770,55 @@ mod tests {
         assert!(shared.exists());
         assert!(tier.remove_file_if_clean());
         assert!(!shared.exists());
+    }
+
+    fn heap_tier() -> RamTier {
+        RamTier::open(&RamSource::Heap(HeapImage::new(MIN_RAM_BYTES)), &[5u8; 16])
+            .unwrap()
+            .0
+    }
+
+    #[test]
+    #[should_panic(expected = "out of range")]
+    fn a_slot_past_the_end_is_refused_in_every_build() {
+        let tier = heap_tier();
+        let mut out = vec![0u8; 16];
+        // SAFETY: the call must panic before touching memory; that is the test.
+        unsafe { tier.copy_out(tier.total_slots() as u32, 0, &mut out) };
+    }
+
+    #[test]
+    #[should_panic(expected = "a RAM image is wiped only after")]
+    fn an_image_cannot_be_wiped_under_a_live_tier() {
+        let image = HeapImage::new(MIN_RAM_BYTES);
+        let _tier = RamTier::open(&RamSource::Heap(image.clone()), &[5u8; 16]).unwrap();
+        image.wipe();
+    }
+
+    #[cfg(debug_assertions)]
+    #[test]
+    #[should_panic(expected = "is Free, expected one of [Valid]")]
+    fn a_double_release_is_caught_by_the_shadow_state() {
+        let tier = heap_tier();
+        let slot = tier.allocate(1).unwrap()[0];
+        let data = vec![3u8; SLOT_BYTES];
+        // SAFETY: a freshly allocated slot, written once, then released
+        // once; the second release is the bug the shadow state catches
+        // before the slot reaches the free list twice.
+        unsafe {
+            tier.write(slot, 1, 1, 1, &data, 0);
+            tier.release(slot);
+            tier.release(slot);
+        }
+    }
+
+    #[cfg(debug_assertions)]
+    #[test]
+    #[should_panic(expected = "is Free, expected one of [Allocated]")]
+    fn a_write_to_a_slot_nobody_allocated_is_caught_by_the_shadow_state() {
+        let tier = heap_tier();
+        let data = vec![3u8; SLOT_BYTES];
+        // SAFETY: the shadow state panics before the write; that is the test.
+        unsafe { tier.write(0, 1, 1, 1, &data, 0) };
     }
 }

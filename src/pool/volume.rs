@@ -324,6 +324,21 @@ impl EngineVolume {
         &self.pool
     }
 
+    /// The engine's own check of what the `Volume` validated (in range,
+    /// sector aligned): a request that gets here otherwise is a bug above,
+    /// and is stopped before it can touch another volume's blocks.
+    fn assert_in_range(&self, offset: u64, length: u64) {
+        let size = self.size_bytes.load(Ordering::Acquire);
+        let sector = crate::volume::SECTOR_BYTES as u64;
+        assert!(
+            offset.checked_add(length).is_some_and(|end| end <= size)
+                && offset.is_multiple_of(sector)
+                && length.is_multiple_of(sector),
+            "volume {}: request at {offset} +{length} is outside the volume ({size} bytes) or not sector aligned",
+            self.id
+        );
+    }
+
     fn block_bytes(&self) -> u64 {
         1 << self.block_shift
     }
@@ -813,30 +828,19 @@ impl EngineVolume {
                 }
             }
         }
-        // Whatever reached the device is accounted for, even if a later part failed.
-        for write in done {
-            self.pool
-                .set_crcs(write.device, write.offset, &write.crcs)
-                .map_err(meta_error)?;
-            let overwrites = write.parts.iter().filter(|part| part.new_block.is_none());
-            self.pool.note_overwrites(
-                self.id,
-                overwrites.map(|part| (part.block, part.first_sector, &write.crcs[part.sectors.clone()])),
-            );
-            for part in &write.parts {
-                if let Some(block) = part.new_block {
-                    let entry = map_entry::encode(write.device, part.offset);
-                    self.pool.set_mapping(self.id, block, entry).map_err(meta_error)?;
-                    self.mapped_blocks.fetch_add(1, Ordering::Relaxed);
-                    self.pool.log_mapping(Record::Map {
-                        volume: self.id,
-                        block,
-                        new: entry,
-                        old: 0,
-                        crcs: write.crcs[part.sectors.clone()].to_vec(),
-                    });
-                }
+        // Whatever reached the device is accounted for, even if a later part
+        // failed. If the metadata cannot take a write (a map or crc page
+        // that cannot be loaded), the new slots not mapped yet are given
+        // back: written, but referenced by nothing.
+        let mut done = done.into_iter();
+        for write in done.by_ref() {
+            if let Err(e) = self.account_write(&write) {
+                failure = Some(meta_error(e));
+                break;
             }
+        }
+        for write in done {
+            write.release_new_slots(&self.pool);
         }
         drop(gate);
         self.pool.maybe_checkpoint_soon();
@@ -844,6 +848,42 @@ impl EngineVolume {
             Some(e) => Err(e),
             None => Ok(()),
         }
+    }
+
+    /// Records one completed device write: its sectors' checksums, then a
+    /// map entry and log record for each block it newly placed. On an error
+    /// the new blocks not mapped yet are given back to the allocator.
+    fn account_write(&self, write: &PlannedWrite) -> Result<(), String> {
+        if let Err(e) = self.pool.set_crcs(write.device, write.offset, &write.crcs) {
+            write.release_new_slots(&self.pool);
+            return Err(e);
+        }
+        let overwrites = write.parts.iter().filter(|part| part.new_block.is_none());
+        self.pool.note_overwrites(
+            self.id,
+            overwrites.map(|part| (part.block, part.first_sector, &write.crcs[part.sectors.clone()])),
+        );
+        for (index, part) in write.parts.iter().enumerate() {
+            let Some(block) = part.new_block else { continue };
+            let entry = map_entry::encode(write.device, part.offset);
+            if let Err(e) = self.pool.set_mapping(self.id, block, entry) {
+                for unmapped in &write.parts[index..] {
+                    if unmapped.new_block.is_some() {
+                        self.pool.release_unused(write.device, unmapped.offset);
+                    }
+                }
+                return Err(e);
+            }
+            self.mapped_blocks.fetch_add(1, Ordering::Relaxed);
+            self.pool.log_mapping(Record::Map {
+                volume: self.id,
+                block,
+                new: entry,
+                old: 0,
+                crcs: write.crcs[part.sectors.clone()].to_vec(),
+            });
+        }
+        Ok(())
     }
 
     /// Unmaps whole blocks and zeroes partial ones in `[offset, offset + length)`.
@@ -989,10 +1029,10 @@ impl EngineVolume {
             let mut buf = IoBuf::new((stop - start) * SECTOR_BYTES as usize);
             for (i, (_, entry)) in snapshot[start..stop].iter().enumerate() {
                 let at = i * SECTOR_BYTES as usize;
-                self.pool
-                    .cache
-                    .ram
-                    .read(entry.slot, 0, &mut buf.payload_mut()[at..at + SECTOR_BYTES as usize]);
+                let dst = &mut buf.payload_mut()[at..at + SECTOR_BYTES as usize];
+                // SAFETY: the exclusive block locks held here keep these
+                // entries' slots from being rewritten or released.
+                unsafe { self.pool.cache.ram.read(entry.slot, 0, dst) };
             }
             self.write_locked(snapshot[start].0 * SECTOR_BYTES, buf).await?;
             start = stop;
@@ -1070,7 +1110,9 @@ impl EngineVolume {
         }
         drop(guards);
         for slot in freed {
-            self.pool.cache.ram.release(slot);
+            // SAFETY: the entries that referred to these slots were removed
+            // above under the exclusive block locks; no reader holds them.
+            unsafe { self.pool.cache.ram.release(slot) };
         }
         self.pool.cache.space.notify_waiters();
         Ok(())
@@ -1312,7 +1354,9 @@ impl EngineVolume {
                     continue;
                 }
                 let mut data = vec![0u8; SECTOR_BYTES as usize];
-                self.pool.cache.ram.read(entry.slot, 0, &mut data);
+                // SAFETY: the entry is in the map under its lock, which we
+                // hold, and the block locks keep it from being released.
+                unsafe { self.pool.cache.ram.read(entry.slot, 0, &mut data) };
                 records.push(Record::Data {
                     volume: self.id,
                     sector,
@@ -1395,10 +1439,12 @@ impl BlockDevice for EngineVolume {
     }
 
     fn read(&self, offset: u64, buf: IoBuf) -> BoxFuture<'_, (IoBuf, BlockResult<()>)> {
+        self.assert_in_range(offset, buf.len() as u64);
         Box::pin(self.read_impl(offset, buf))
     }
 
     fn write(&self, offset: u64, data: IoBuf, fua: bool) -> BoxFuture<'_, BlockResult<()>> {
+        self.assert_in_range(offset, data.len() as u64);
         Box::pin(self.write_cached(offset, data, fua))
     }
 
@@ -1411,6 +1457,7 @@ impl BlockDevice for EngineVolume {
     }
 
     fn trim(&self, offset: u64, length: u64, fua: bool) -> BoxFuture<'_, BlockResult<()>> {
+        self.assert_in_range(offset, length);
         Box::pin(async move {
             let appends = self.pool.log_appends();
             let _guards = self.clear_cached(offset, length).await?;
@@ -1421,6 +1468,7 @@ impl BlockDevice for EngineVolume {
     }
 
     fn write_zeroes(&self, offset: u64, length: u64, flags: ZeroFlags) -> BoxFuture<'_, BlockResult<()>> {
+        self.assert_in_range(offset, length);
         Box::pin(async move {
             if !flags.may_trim && flags.fast_only {
                 return Err(BlockError::NotFast);
@@ -1512,6 +1560,30 @@ mod tests {
         assert_eq!(sums(Some(&marked), odd.clone()), sector_crcs(&payload[odd]));
         assert_eq!(sums(Some(&marked[..4]), 2 * sector..5 * sector), pieces[2..5].to_vec());
         assert_eq!(sums(None, 2 * sector..5 * sector), pieces[2..5].to_vec());
+    }
+
+    #[test]
+    fn a_write_whose_mapping_fails_gives_back_every_slot_it_did_not_map() {
+        current_thread().block_on(async {
+            let (_sim, pool) = sim_pool(5).await;
+            let volume = pool.open_volume(1, 16 * MIB, 4096).unwrap();
+            let used = || pool.status().iter().map(|d| d.used_bytes).sum::<u64>();
+            let before = used();
+            // The 6th of the 256 new mappings of a 1 MiB write fails.
+            pool.fail_mapping_after.store(5, Ordering::Release);
+            let result = volume.write(0, IoBuf::copy_from(&vec![7u8; MIB as usize]), false).await;
+            assert!(matches!(result, Err(BlockError::Io(_))), "{result:?}");
+            pool.fail_mapping_after.store(-1, Ordering::Release);
+            // Five blocks were mapped; nothing else stays allocated.
+            assert_eq!(volume.mapped_blocks.load(Ordering::Acquire), 5);
+            assert_eq!(used() - before, 5 * 4096);
+            // The volume still works, and the range can be written again.
+            volume
+                .write(0, IoBuf::copy_from(&vec![8u8; MIB as usize]), false)
+                .await
+                .unwrap();
+            assert_eq!(used() - before, MIB);
+        });
     }
 
     #[test]

@@ -250,7 +250,7 @@ impl LogicalUnit {
 
     /// Executes `command` for `nexus`. `data_out` holds exactly the bytes the
     /// command's [`Command::transfer`] asked for.
-    pub async fn execute(&self, nexus: &Nexus, cdb: &[u8], command: &Command, data_out: Vec<u8>) -> Outcome {
+    pub async fn execute(&self, nexus: &Nexus, command: &Command, data_out: Vec<u8>) -> Outcome {
         let exempt_from_attention = matches!(
             command,
             Command::Inquiry { .. } | Command::ReportLuns { .. } | Command::RequestSense { .. }
@@ -263,7 +263,6 @@ impl LogicalUnit {
         if self.reserved.load(Ordering::Acquire) && self.conflicts(nexus, command) {
             return Outcome::conflict();
         }
-        let _ = cdb;
         match *command {
             Command::TestUnitReady => Outcome::good(Vec::new()),
             Command::RequestSense { descriptor, alloc_len } => {

@@ -1,7 +1,7 @@
 //! Volumes: the block-device contract every frontend speaks to.
 //!
-//! [`BlockDevice`] is the boundary between the protocol frontends (NBD, later
-//! iSCSI and NFS) and storage. The frontends only ever see a [`Volume`], which
+//! [`BlockDevice`] is the boundary between the protocol frontends (NBD and
+//! iSCSI; NFS to come) and storage. The frontends only ever see a [`Volume`], which
 //! checks every request against the volume's size and alignment, applies the
 //! volume's durability properties (`sync`, `wce`) and forwards to its backing.
 //! The backing is the storage engine's thin volume
@@ -26,8 +26,8 @@ pub const SECTOR_BYTES: u32 = 512;
 /// Largest single read or write the volume accepts (also advertised to clients).
 pub const MAX_REQUEST_BYTES: u32 = 32 << 20;
 
-/// What a device can do. Declared once; NBD transmission flags and (later)
-/// SCSI VPD and mode pages are all derived from this one description.
+/// What a device can do. Declared once; NBD transmission flags and SCSI VPD
+/// and mode pages are all derived from this one description.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Capabilities {
     pub can_flush: bool,
@@ -96,16 +96,6 @@ pub enum BlockError {
     Io(#[from] std::io::Error),
 }
 
-impl BlockError {
-    /// Classifies an OS error: ENOSPC/EDQUOT become [`BlockError::NoSpace`].
-    pub fn from_io(error: std::io::Error) -> Self {
-        match error.raw_os_error() {
-            Some(libc::ENOSPC) | Some(libc::EDQUOT) => BlockError::NoSpace,
-            _ => BlockError::Io(error),
-        }
-    }
-}
-
 pub type BlockResult<T> = Result<T, BlockError>;
 
 pub use crate::device::IoBuf;
@@ -113,7 +103,8 @@ pub use crate::device::IoBuf;
 /// The block-device contract. Every method may complete asynchronously; a
 /// frontend may have many calls in flight on one device and they complete in
 /// any order. Callers (the [`Volume`]) have already checked ranges and
-/// alignment, so implementations may `debug_assert!` them.
+/// alignment; the engine asserts them again (a bug above must not reach the
+/// blocks of another volume).
 ///
 /// Durability: a `write` with `fua` is durable when its future completes; a
 /// `flush` makes durable every write that completed before the flush began.

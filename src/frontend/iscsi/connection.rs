@@ -255,7 +255,6 @@ where
 /// A write command gathering its data-out.
 struct PendingWrite {
     lun: [u8; 8],
-    cdb: [u8; 16],
     command: Command,
     buf: Vec<u8>,
     /// Bytes to gather: the EDTL.
@@ -583,7 +582,6 @@ impl Session<'_> {
                 buf.extend_from_slice(&immediate);
                 let pending = PendingWrite {
                     lun,
-                    cdb: cdb_bytes,
                     command,
                     buf,
                     expected,
@@ -597,7 +595,7 @@ impl Session<'_> {
                 self.pending.insert(itt, pending);
                 self.progress_write(itt).await;
             }
-            _ => self.execute(unit, itt, lun, edtl, cdb_bytes, command, Vec::new(), None),
+            _ => self.execute(unit, itt, lun, edtl, command, Vec::new(), None),
         }
     }
 
@@ -623,7 +621,6 @@ impl Session<'_> {
                     itt,
                     pending.lun,
                     edtl,
-                    pending.cdb,
                     pending.command,
                     pending.buf,
                     Some(pending.spdtl),
@@ -719,7 +716,6 @@ impl Session<'_> {
         itt: u32,
         lun: [u8; 8],
         edtl: u32,
-        cdb: [u8; 16],
         command: Command,
         data_out: Vec<u8>,
         out_bytes: Option<usize>,
@@ -731,10 +727,10 @@ impl Session<'_> {
         crate::frontend::run_or_spawn(async move {
             let outcome = match out_bytes {
                 Some(spdtl) if data_out.len() != spdtl => match unit.fit_write_data(&command, data_out, spdtl).await {
-                    Ok(data_out) => unit.execute(&nexus, &cdb, &command, data_out).await,
+                    Ok(data_out) => unit.execute(&nexus, &command, data_out).await,
                     Err(sense) => Outcome::check(sense),
                 },
-                _ => unit.execute(&nexus, &cdb, &command, data_out).await,
+                _ => unit.execute(&nexus, &command, data_out).await,
             };
             let batch = response_frames(itt, lun, edtl, out_bytes, outcome, &params);
             let aborted = shared.tasks().remove(&itt).unwrap_or(false);
