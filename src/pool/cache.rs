@@ -15,7 +15,7 @@
 use crate::sync::LockOrAbort;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
 use super::ram::{RamTier, Survivor, SLOT_BYTES};
@@ -133,8 +133,6 @@ pub struct CacheStats {
 pub struct WriteCache {
     pub ram: RamTier,
     volumes: Mutex<HashMap<u32, Arc<VolumeCache>>>,
-    /// Open volumes, for the destager.
-    pub(crate) engines: Mutex<HashMap<u32, Weak<super::volume::EngineVolume>>>,
     seq: AtomicU64,
     ordinal: AtomicU64,
     pub space: tokio::sync::Notify,
@@ -154,7 +152,6 @@ impl WriteCache {
         let cache = WriteCache {
             ram,
             volumes: Mutex::new(HashMap::new()),
-            engines: Mutex::new(HashMap::new()),
             seq: AtomicU64::new(survivors.iter().map(|s| s.seq).max().unwrap_or(0) + 1),
             ordinal: AtomicU64::new(1),
             space: tokio::sync::Notify::new(),

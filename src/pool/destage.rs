@@ -43,12 +43,11 @@ impl Pool {
 
     /// Lets the destager reach an open volume.
     pub(crate) fn register_volume(&self, id: u32, volume: Weak<EngineVolume>) {
-        self.cache.engines.lock_or_abort().insert(id, volume);
+        self.engines.lock_or_abort().insert(id, volume);
     }
 
     fn engines(&self) -> Vec<Arc<EngineVolume>> {
         let mut engines: Vec<Arc<EngineVolume>> = self
-            .cache
             .engines
             .lock_or_abort()
             .values()

@@ -1,0 +1,175 @@
+//! The block map and the checksum table: the one place that reads and
+//! changes map entries (`volume, block -> device, offset`) and per-sector
+//! checksums, through the bounded page caches over the metadata store.
+
+use super::*;
+
+/// A block-map entry is one `u64`: bits 0..48 the slot's first 4 KiB sector
+/// on its device, bits 48..56 the device index, bits 56..63 reserved (zero
+/// today; snapshots will use them), bit 63 "mapped".
+pub mod map_entry {
+    const OFFSET_BITS: u32 = 48;
+    const OFFSET_MASK: u64 = (1 << OFFSET_BITS) - 1;
+    const DEVICE_SHIFT: u32 = OFFSET_BITS;
+    const DEVICE_MASK: u64 = 0xff << DEVICE_SHIFT;
+    /// Reserved for snapshots and clones (ARCHITECTURE.md, last section).
+    pub const RESERVED: u64 = 0x7f << 56;
+    pub const VALID: u64 = 1 << 63;
+
+    // The fields are disjoint and cover the word exactly.
+    const _: () = assert!(OFFSET_MASK & DEVICE_MASK == 0 && (OFFSET_MASK | DEVICE_MASK) & (RESERVED | VALID) == 0);
+    const _: () = assert!(RESERVED & VALID == 0 && (OFFSET_MASK | DEVICE_MASK | RESERVED | VALID) == u64::MAX);
+    // Every pool member's index fits the device field.
+    const _: () = assert!(super::superblock::MAX_MEMBERS as u64 <= (DEVICE_MASK >> DEVICE_SHIFT) + 1);
+    // 2^48 sectors of 4 KiB: devices up to 1 EiB.
+    const _: () = assert!(super::SECTOR_SHIFT == 12);
+
+    pub fn encode(device: u8, offset: u64) -> u64 {
+        assert!(
+            offset.is_multiple_of(super::SECTOR_BYTES) && offset >> super::SECTOR_SHIFT <= OFFSET_MASK,
+            "map entry for offset {offset} of device {device}"
+        );
+        VALID | (device as u64) << DEVICE_SHIFT | (offset >> super::SECTOR_SHIFT)
+    }
+
+    /// (device index, byte offset) of a valid entry.
+    pub fn decode(entry: u64) -> Option<(u8, u64)> {
+        if entry & VALID == 0 {
+            return None;
+        }
+        Some((
+            ((entry & DEVICE_MASK) >> DEVICE_SHIFT) as u8,
+            (entry & OFFSET_MASK) << super::SECTOR_SHIFT,
+        ))
+    }
+}
+
+impl Pool {
+    pub(crate) fn map_page(&self, volume: u32, block: u64) -> Result<Arc<MapPage>, String> {
+        self.map_pages.get(&self.db, (volume, block / MAP_ENTRIES_PER_PAGE))
+    }
+
+    pub(crate) fn lookup(&self, volume: u32, block: u64) -> Result<u64, String> {
+        let page = self.map_page(volume, block)?;
+        Ok(page.entries[(block % MAP_ENTRIES_PER_PAGE) as usize].load(Ordering::Acquire))
+    }
+
+    /// The map entries of blocks `first..=last`, one page lookup per map
+    /// page rather than per block (a megabyte request covers 64 blocks).
+    pub(crate) fn lookup_range(&self, volume: u32, first: u64, last: u64) -> Result<Vec<u64>, String> {
+        let mut entries = Vec::with_capacity((last - first + 1) as usize);
+        let mut block = first;
+        while block <= last {
+            let page = self.map_page(volume, block)?;
+            let within = (block % MAP_ENTRIES_PER_PAGE) as usize;
+            let count = (MAP_ENTRIES_PER_PAGE as usize - within).min((last - block + 1) as usize);
+            entries.extend(
+                page.entries[within..within + count]
+                    .iter()
+                    .map(|e| e.load(Ordering::Acquire)),
+            );
+            block += count as u64;
+        }
+        Ok(entries)
+    }
+
+    pub(crate) fn set_mapping(&self, volume: u32, block: u64, entry: u64) -> Result<(), String> {
+        #[cfg(test)]
+        if self.fail_mapping_after.fetch_sub(1, Ordering::AcqRel) == 0 {
+            return Err(format!(
+                "injected: map page of volume {volume} block {block} cannot be loaded"
+            ));
+        }
+        let page = self.map_page(volume, block)?;
+        page.entries[(block % MAP_ENTRIES_PER_PAGE) as usize].store(entry, Ordering::Release);
+        self.map_pages.mark_dirty(&page);
+        Ok(())
+    }
+
+    fn crc_page(&self, device: u8, sector: u64) -> Result<Arc<CrcPage>, String> {
+        self.crc_pages.get(&self.db, (device as u32, sector / CRCS_PER_PAGE))
+    }
+
+    /// The stored checksums of `count` sectors from `offset`, one page
+    /// lookup per checksum page rather than per sector.
+    pub(crate) fn crcs(&self, device: u8, offset: u64, count: usize) -> Result<Vec<u32>, String> {
+        let mut crcs = Vec::with_capacity(count);
+        let mut sector = offset >> SECTOR_SHIFT;
+        while crcs.len() < count {
+            let page = self.crc_page(device, sector)?;
+            let within = (sector % CRCS_PER_PAGE) as usize;
+            let take = (CRCS_PER_PAGE as usize - within).min(count - crcs.len());
+            crcs.extend(
+                page.crcs[within..within + take]
+                    .iter()
+                    .map(|c| c.load(Ordering::Acquire)),
+            );
+            sector += take as u64;
+        }
+        Ok(crcs)
+    }
+
+    pub(crate) fn set_crc(&self, device: u8, offset: u64, crc: u32) -> Result<(), String> {
+        let sector = offset >> SECTOR_SHIFT;
+        let page = self.crc_page(device, sector)?;
+        page.crcs[(sector % CRCS_PER_PAGE) as usize].store(crc, Ordering::Release);
+        self.crc_pages.mark_dirty(&page);
+        Ok(())
+    }
+
+    /// Sets the checksums of consecutive sectors from `offset`, one page
+    /// lookup per checksum page rather than per sector.
+    pub(crate) fn set_crcs(&self, device: u8, offset: u64, crcs: &[u32]) -> Result<(), String> {
+        let first = offset >> SECTOR_SHIFT;
+        let mut index = 0;
+        while index < crcs.len() {
+            let sector = first + index as u64;
+            let page = self.crc_page(device, sector)?;
+            let within = (sector % CRCS_PER_PAGE) as usize;
+            let count = (CRCS_PER_PAGE as usize - within).min(crcs.len() - index);
+            for (slot, crc) in page.crcs[within..within + count]
+                .iter()
+                .zip(&crcs[index..index + count])
+            {
+                slot.store(*crc, Ordering::Release);
+            }
+            self.crc_pages.mark_dirty(&page);
+            index += count;
+        }
+        Ok(())
+    }
+
+    pub(crate) fn is_suspect(&self, device: u8, offset: u64) -> bool {
+        let chunk = offset / self.chunk_bytes as u64;
+        self.suspect.lock_or_abort().contains(&(device, chunk))
+    }
+
+    /// Counts the mapped blocks of volume `id` (stored pages, with cached
+    /// pages taking precedence).
+    pub(super) fn count_mapped_blocks(&self, id: u32) -> Result<u64, PoolError> {
+        let count_page = |entries: &[AtomicU64]| {
+            entries
+                .iter()
+                .filter(|e| e.load(Ordering::Acquire) & map_entry::VALID != 0)
+                .count() as u64
+        };
+        let cached: HashSet<(u32, u64)> = self.map_pages.keys().into_iter().filter(|k| k.0 == id).collect();
+        let mut total = 0;
+        for key in &cached {
+            total += count_page(&self.map_pages.get(&self.db, *key).map_err(PoolError::Meta)?.entries);
+        }
+        let txn = self.db.begin_read().map_err(|e| PoolError::Meta(e.to_string()))?;
+        let table = txn.open_table(MAP_PAGES).map_err(|e| PoolError::Meta(e.to_string()))?;
+        for row in table
+            .range((id, 0)..=(id, u64::MAX))
+            .map_err(|e| PoolError::Meta(e.to_string()))?
+        {
+            let (key, value) = row.map_err(|e| PoolError::Meta(e.to_string()))?;
+            if cached.contains(&key.value()) {
+                continue;
+            }
+            total += count_page(&MapPage::decode(Some(value.value())).entries);
+        }
+        Ok(total)
+    }
+}

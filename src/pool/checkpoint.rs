@@ -1,0 +1,180 @@
+//! Checkpoints: the changed map, checksum and allocation pages written to
+//! the metadata store in one transaction, after which the log is freed up
+//! to the checkpoint.
+
+use super::*;
+
+/// Runs metadata-store work off the async workers when there are threads to
+/// spare; inline on a current-thread runtime (the simulator's devices
+/// complete at once, so nothing there would wait).
+pub(super) async fn run_blocking<T: Send + 'static>(work: impl FnOnce() -> T + Send + 'static) -> T {
+    match tokio::runtime::Handle::try_current() {
+        Ok(handle) if handle.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => {
+            match tokio::task::spawn_blocking(work).await {
+                Ok(value) => value,
+                Err(e) => std::panic::resume_unwind(e.into_panic()),
+            }
+        }
+        _ => work(),
+    }
+}
+
+fn write_pages<P: Page>(
+    txn: &redb::WriteTransaction,
+    definition: TableDefinition<(u32, u64), &[u8]>,
+    pages: &[TakenPage<P>],
+) -> Result<(), String> {
+    let mut table = txn.open_table(definition).map_err(|e| e.to_string())?;
+    for (key, bytes, _) in pages {
+        table.insert(*key, bytes.as_slice()).map_err(|e| e.to_string())?;
+    }
+    Ok(())
+}
+
+impl Pool {
+    fn wants_checkpoint(&self) -> bool {
+        self.log.usage() > 0.5
+            || self.map_pages.dirty_count() + self.crc_pages.dirty_count() > MAX_DIRTY_PAGES
+            || self.log.pending_bytes() > 1 << 20
+    }
+
+    /// Starts a checkpoint in the background when the log or the dirty pages
+    /// grow large (needs a multi-thread runtime; the simulator checkpoints
+    /// explicitly).
+    pub(crate) fn maybe_checkpoint_soon(&self) {
+        if !self.wants_checkpoint() || self.checkpoint_scheduled.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let pool = self.self_ref.get().and_then(|weak| weak.upgrade());
+        match (pool, tokio::runtime::Handle::try_current()) {
+            (Some(pool), Ok(handle)) if handle.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => {
+                handle.spawn(async move {
+                    if let Err(e) = pool.checkpoint().await {
+                        tracing::error!("pool {}: background checkpoint failed: {e}", pool.name);
+                    }
+                    pool.checkpoint_scheduled.store(false, Ordering::Release);
+                });
+            }
+            _ => self.checkpoint_scheduled.store(false, Ordering::Release),
+        }
+    }
+
+    /// Destages the data the intent log holds, then writes every change
+    /// since the last checkpoint to the metadata store and frees the log.
+    pub async fn checkpoint(&self) -> Result<(), PoolError> {
+        if let Err(e) = self.destage_logged().await {
+            tracing::warn!("pool {}: destaging before a checkpoint failed: {e}", self.name);
+        }
+        self.checkpoint_metadata().await
+    }
+
+    /// The metadata part of a checkpoint. The log is freed up to the
+    /// checkpoint, or up to the oldest Data record still needed.
+    pub(crate) async fn checkpoint_metadata(&self) -> Result<(), PoolError> {
+        let _one = self.checkpointing.lock().await;
+        let gate = self.gate.write().await;
+        // Everything logged so far becomes durable first, so the checkpoint
+        // LSN is a position every earlier record precedes.
+        let frees = self.log.commit(|| self.flush_data_devices(), true).await?;
+        self.release_frees(frees).await;
+        let lsn = self.log.next_lsn();
+        let epoch = self.epoch.fetch_add(1, Ordering::AcqRel).wrapping_add(1);
+        let map = self.map_pages.take_dirty();
+        let crcs = self.crc_pages.take_dirty();
+        let chunks = self.allocator.lock_or_abort().take_dirty();
+        let suspect = self.suspect_snapshot();
+        // Data records are appended under the gate, so none is in flight.
+        let data_tail = self.cache.oldest_log_lsn().map_or(lsn, |oldest| oldest.min(lsn));
+        let destroyed: Vec<u32> = self.destroyed.lock_or_abort().iter().copied().collect();
+        drop(gate);
+
+        let pages = (map.len() + crcs.len()) as u64;
+        let result = store::blocking_section(|| {
+            self.write_checkpoint(&map, &crcs, &chunks, &suspect, &destroyed, (lsn, data_tail), epoch)
+        });
+        match result {
+            Ok(()) => {
+                self.log.set_tail(data_tail);
+                self.data_tail.store(data_tail, Ordering::Release);
+                let mut pending = self.destroyed.lock_or_abort();
+                for volume in destroyed {
+                    pending.remove(&volume);
+                }
+                self.checkpoints.fetch_add(1, Ordering::Relaxed);
+                self.checkpoint_pages.fetch_add(pages, Ordering::Relaxed);
+                Ok(())
+            }
+            Err(e) => {
+                self.map_pages.restore_dirty(&map);
+                self.crc_pages.restore_dirty(&crcs);
+                self.allocator
+                    .lock_or_abort()
+                    .restore_dirty(chunks.iter().map(|(key, _)| *key));
+                Err(PoolError::Meta(format!("checkpoint failed: {e}")))
+            }
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn write_checkpoint(
+        &self,
+        map: &[TakenPage<MapPage>],
+        crcs: &[TakenPage<CrcPage>],
+        chunks: &[((u8, u64), Option<ChunkState>)],
+        suspect: &[(u8, u64)],
+        destroyed: &[u32],
+        (lsn, data_tail): (u64, u64),
+        epoch: u32,
+    ) -> Result<(), String> {
+        // The store's backend blocks on device I/O; the simulator's devices
+        // complete at once and real engines complete on their own threads.
+        let txn = self.db.begin_write().map_err(|e| e.to_string())?;
+        {
+            let mut table = txn.open_table(MAP_PAGES).map_err(|e| e.to_string())?;
+            for (key, bytes, _) in map {
+                table.insert(*key, bytes.as_slice()).map_err(|e| e.to_string())?;
+            }
+            for volume in destroyed {
+                let keys: Vec<(u32, u64)> = table
+                    .range((*volume, 0)..=(*volume, u64::MAX))
+                    .map_err(|e| e.to_string())?
+                    .filter_map(|row| row.ok().map(|(k, _)| k.value()))
+                    .collect();
+                for key in keys {
+                    table.remove(key).map_err(|e| e.to_string())?;
+                }
+            }
+        }
+        write_pages(&txn, CRC_PAGES, crcs)?;
+        {
+            let mut table = txn.open_table(CHUNKS).map_err(|e| e.to_string())?;
+            for ((device, chunk), state) in chunks {
+                match state {
+                    Some(state) => {
+                        table
+                            .insert((*device as u32, *chunk), state.encode().as_slice())
+                            .map_err(|e| e.to_string())?;
+                    }
+                    None => {
+                        table.remove((*device as u32, *chunk)).map_err(|e| e.to_string())?;
+                    }
+                }
+            }
+        }
+        {
+            let mut table = txn.open_table(SUSPECT).map_err(|e| e.to_string())?;
+            table.retain(|_, _| false).map_err(|e| e.to_string())?;
+            for (device, chunk) in suspect {
+                table.insert((*device as u32, *chunk), 0).map_err(|e| e.to_string())?;
+            }
+        }
+        {
+            let mut table = txn.open_table(STATE).map_err(|e| e.to_string())?;
+            table.insert("checkpoint_lsn", lsn).map_err(|e| e.to_string())?;
+            table.insert("data_tail", data_tail).map_err(|e| e.to_string())?;
+            table.insert("has_data_tail", 1).map_err(|e| e.to_string())?;
+            table.insert("epoch", epoch as u64).map_err(|e| e.to_string())?;
+        }
+        txn.commit().map_err(|e| e.to_string())
+    }
+}

@@ -1,0 +1,214 @@
+//! Writes and epochs: allocation for writers, the write gate, the marks
+//! that make overwrites safe without metadata I/O, and the group commit of
+//! the intent log (data devices flushed first).
+
+use super::*;
+
+impl Pool {
+    /// See `Log::update_pending_allocations`.
+    pub(crate) fn note_overwrites<'a>(
+        &self,
+        volume: u32,
+        overwrites: impl IntoIterator<Item = (u64, usize, &'a [u32])>,
+    ) {
+        self.log.update_pending_allocations(volume, overwrites);
+    }
+
+    /// Records appended to the log so far.
+    pub(crate) fn log_appends(&self) -> u64 {
+        self.log.appended.load(Ordering::Relaxed)
+    }
+
+    /// Gives pending log records to the log device without a flush, so that
+    /// completed writes survive the death of this process (see
+    /// `Log::stage`). Durability still comes only from `commit`.
+    pub(crate) async fn stage(&self) -> Result<(), PoolError> {
+        self.log.stage().await.map_err(PoolError::from)
+    }
+
+    /// Allocates a slot, at `hint` if it is free (see
+    /// [`alloc::Allocator::allocate_near`]).
+    pub(crate) fn allocate_near(&self, slot_shift: u8, hint: Option<alloc::Hint>) -> Option<(u8, u64)> {
+        self.allocator.lock_or_abort().allocate_near(slot_shift, hint)
+    }
+
+    /// Returns a slot that was never mapped (its write failed).
+    pub(crate) fn release_unused(&self, device: u8, offset: u64) {
+        let freed = self.allocator.lock_or_abort().free(device, offset);
+        assert!(freed, "released slot {device}/{offset} was not allocated");
+    }
+
+    pub(crate) fn log_mapping(&self, record: Record) {
+        match &record {
+            Record::Map { old, .. } if *old & map_entry::VALID != 0 => {
+                let slot = map_entry::decode(*old).unwrap_or((0, 0));
+                self.log.append_free(record, slot);
+            }
+            _ => self.log.append(record),
+        }
+    }
+
+    pub(crate) fn epoch(&self) -> u32 {
+        self.epoch.load(Ordering::Acquire)
+    }
+
+    /// Makes sure a `Dirty` record is durable for each chunk (device, byte
+    /// offset) in the current epoch before data is written there. Returns the
+    /// epoch it made sure of.
+    ///
+    /// A chunk whose predecessor on the device is already marked in this
+    /// epoch is most likely part of a sequential stream: the marks for the
+    /// chunks after it (up to [`MARK_AHEAD_BYTES`]) go into the same log
+    /// write, so a stream pays one log flush per 16 MiB instead of one per
+    /// chunk. Marking a chunk nobody writes costs nothing but this: were the
+    /// pool to crash in this epoch, that chunk's checksum mismatches would be
+    /// repaired from the data (as in every chunk written in the epoch)
+    /// instead of reported.
+    pub(crate) async fn mark_dirty(&self, places: &[(u8, u64)]) -> Result<u32, PoolError> {
+        let ahead = (MARK_AHEAD_BYTES / self.chunk_bytes as u64).max(1);
+        loop {
+            let epoch = self.epoch();
+            let mut marked: Vec<(u8, u64)> = Vec::new();
+            for &(device, offset) in places {
+                let chunk = offset / self.chunk_bytes as u64;
+                let Some(epochs) = self.devices.get(device as usize).map(|d| &d.chunk_epochs) else {
+                    continue;
+                };
+                let is_marked = |chunk: u64| {
+                    epochs
+                        .get(chunk as usize)
+                        .is_none_or(|slot| slot.load(Ordering::Acquire) == epoch)
+                };
+                if is_marked(chunk) || marked.contains(&(device, chunk)) {
+                    continue;
+                }
+                marked.push((device, chunk));
+                if chunk > 0 && is_marked(chunk - 1) {
+                    for next in chunk + 1..=chunk + ahead {
+                        if !is_marked(next) && !marked.contains(&(device, next)) {
+                            marked.push((device, next));
+                        }
+                    }
+                }
+            }
+            if marked.is_empty() {
+                return Ok(epoch);
+            }
+            for &(device, chunk) in &marked {
+                self.log.append(Record::Dirty { device, chunk });
+            }
+            self.commit_marks().await?;
+            for &(device, chunk) in &marked {
+                if let Some(slot) = self
+                    .devices
+                    .get(device as usize)
+                    .and_then(|d| d.chunk_epochs.get(chunk as usize))
+                {
+                    slot.store(epoch, Ordering::Release);
+                }
+            }
+            if self.epoch() == epoch {
+                return Ok(epoch);
+            }
+        }
+    }
+
+    pub(crate) async fn enter_write(&self) -> tokio::sync::RwLockReadGuard<'_, ()> {
+        // Without an `.await` when free (see `EngineVolume::read_stripes`).
+        match self.gate.try_read() {
+            Ok(guard) => guard,
+            Err(_) => self.gate.read().await,
+        }
+    }
+
+    /// Counts a completed data-device write (see `flush_data_devices`).
+    pub(crate) fn note_data_write(&self) {
+        self.data_writes.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// Flushes the data devices if any data write completed since the last
+    /// flush (a commit of Data records alone needs only the log device).
+    pub(crate) async fn flush_data_devices(&self) -> Result<(), DeviceError> {
+        let written = self.data_writes.load(Ordering::Acquire);
+        if written == self.data_flushed.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        self.flush_data_devices_now().await?;
+        self.data_flushed.fetch_max(written, Ordering::AcqRel);
+        Ok(())
+    }
+
+    async fn flush_data_devices_now(&self) -> Result<(), DeviceError> {
+        for device in &self.devices {
+            if device.member.role.holds_data() {
+                if let Err(e) = device.device.flush().await {
+                    device.counters.write_errors.fetch_add(1, Ordering::Relaxed);
+                    return Err(e);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Makes every completed write durable: flushes the data devices, then
+    /// commits the log. Group-committed: concurrent callers share one commit.
+    /// A full log is freed by a checkpoint, destaging the data it holds if
+    /// that is what keeps it full (backpressure).
+    pub async fn commit(&self) -> Result<(), PoolError> {
+        for attempt in 0..4 {
+            match self.log.commit(|| self.flush_data_devices(), false).await {
+                Ok(frees) => {
+                    self.release_frees(frees).await;
+                    self.maybe_checkpoint_soon();
+                    return Ok(());
+                }
+                Err(LogError::Full) if attempt == 0 => self.checkpoint_metadata().await?,
+                Err(LogError::Full) => self.checkpoint().await?,
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Err(LogError::Full.into())
+    }
+
+    /// A commit for the engine's own work (dirty marks, destaging): never
+    /// destages, so it can run inside a destage; may use the log's reserve.
+    pub(crate) async fn commit_quiet(&self) -> Result<(), PoolError> {
+        for attempt in 0..3 {
+            match self.log.commit(|| self.flush_data_devices(), attempt > 0).await {
+                Ok(frees) => {
+                    self.release_frees(frees).await;
+                    return Ok(());
+                }
+                Err(LogError::Full) if attempt < 2 => self.checkpoint_metadata().await?,
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Err(LogError::Full.into())
+    }
+
+    /// Makes the pending `Dirty` marks durable: one log write when nothing
+    /// pending needs the data devices flushed first, else a full commit.
+    async fn commit_marks(&self) -> Result<(), PoolError> {
+        match self.log.commit_marks().await {
+            Ok(Some(frees)) => {
+                self.release_frees(frees).await;
+                Ok(())
+            }
+            Ok(None) | Err(LogError::Full) => self.commit_quiet().await,
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    pub(super) async fn release_frees(&self, frees: Vec<(u8, u64)>) {
+        if frees.is_empty() {
+            return;
+        }
+        let mut allocator = self.allocator.lock_or_abort();
+        for (device, offset) in frees {
+            assert!(
+                allocator.free(device, offset),
+                "slot {device}/{offset} replaced by a committed write was not in use"
+            );
+        }
+    }
+}

@@ -1,0 +1,495 @@
+//! A thin volume on the pool: the storage engine's [`BlockDevice`].
+//!
+//! Logical blocks of `volblocksize` map to slots on the pool's devices. A
+//! block is allocated on its first write (the rest of it zero-filled, so
+//! every sector of an allocated block has a checksum), overwritten in place
+//! afterwards, and unmapped by TRIM. Every 4 KiB sector read from a device is
+//! checked against its crc32c.
+//!
+//! Concurrency: requests on different blocks run in parallel. Striped
+//! read/write locks over block numbers keep a read from seeing a block in
+//! the middle of being written (data and checksum out of step) and serialise
+//! read-modify-write of partial sectors and allocation of the same block.
+
+mod read;
+mod write;
+mod writeback;
+
+use write::sector_crcs;
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+
+use tokio::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
+
+use super::alloc::Hint;
+use super::cache::{Entry, VolumeCache};
+use super::{map_entry, Pool, PoolError, SECTOR_BYTES};
+use crate::device::{DeviceError, IoBuf};
+use crate::meta::log::Record;
+use crate::volume::{BlockDevice, BlockError, BlockResult, BoxFuture, Capabilities, Extent, ZeroFlags};
+
+const STRIPES: usize = 1024;
+/// Reads up to this size fill the read cache.
+const READ_CACHE_MAX_REQUEST: u64 = 128 << 10;
+/// Most extents one BLOCK_STATUS answer carries.
+const MAX_EXTENTS: usize = 1024;
+/// Reads at least this large try the device's copy-and-sum path first
+/// ([`EngineVolume::read_summed_now`]); smaller ones gain little from it
+/// and would only add page faults on first touch of a mapped page.
+const SUMMED_READ_MIN_BYTES: usize = 64 << 10;
+
+pub struct EngineVolume {
+    pool: Arc<Pool>,
+    id: u32,
+    size_bytes: AtomicU64,
+    block_shift: u32,
+    stripes: Box<[RwLock<()>]>,
+    /// Blocks currently mapped (for `used` in `volume list`).
+    mapped_blocks: AtomicU64,
+    /// This volume's part of the pool's write-back cache.
+    cache: Arc<VolumeCache>,
+    /// `logbias=throughput`: synchronous writes go to their place, not to
+    /// the intent log.
+    log_throughput: AtomicBool,
+}
+
+// The checksums a frontend computes as a payload arrives are sector checksums.
+const _: () = assert!(SECTOR_BYTES as usize == crate::device::PIECE_BYTES);
+
+fn io_error(error: DeviceError) -> BlockError {
+    if error.is_no_space() {
+        BlockError::NoSpace
+    } else {
+        BlockError::Io(std::io::Error::other(error.to_string()))
+    }
+}
+
+fn meta_error(error: String) -> BlockError {
+    BlockError::Io(std::io::Error::other(format!("metadata: {error}")))
+}
+
+fn pool_error(error: PoolError) -> BlockError {
+    match error {
+        PoolError::Io(e) => io_error(e),
+        other => BlockError::Io(std::io::Error::other(other.to_string())),
+    }
+}
+
+/// Stripe indices (sorted, so locks are always taken in one order) of blocks.
+fn stripes_of(blocks: &[u64]) -> Vec<usize> {
+    let mut indices: Vec<usize> = blocks.iter().map(|b| (b % STRIPES as u64) as usize).collect();
+    indices.sort_unstable();
+    indices.dedup();
+    indices
+}
+
+/// Writes of at least this many blocks whose neighbours are not written yet
+/// start a fresh chunk (see [`EngineVolume::first_hint`]); smaller ones (a
+/// random 4 KiB write) take the first free slot as before, so they do not
+/// scatter over every chunk of the pool.
+const FRESH_CHUNK_MIN_BLOCKS: u64 = 4;
+
+/// Writes of this size or more bypass the write-back cache.
+const WRITE_AROUND_BYTES: usize = 128 << 10;
+
+impl EngineVolume {
+    pub(crate) fn new(pool: Arc<Pool>, id: u32, size_bytes: u64, volblocksize: u32, mapped_blocks: u64) -> Self {
+        let cache = pool.cache.volume(id);
+        cache.lock().block_bytes = volblocksize as u64;
+        EngineVolume {
+            id,
+            size_bytes: AtomicU64::new(size_bytes),
+            block_shift: volblocksize.trailing_zeros(),
+            stripes: (0..STRIPES).map(|_| RwLock::new(())).collect(),
+            mapped_blocks: AtomicU64::new(mapped_blocks),
+            cache,
+            log_throughput: AtomicBool::new(false),
+            pool,
+        }
+    }
+
+    /// The block-map entry of logical block `block` (see `pool::map_entry`).
+    pub fn lookup_entry(&self, block: u64) -> Result<u64, String> {
+        self.pool.lookup(self.id, block)
+    }
+
+    /// Bytes of pool space the volume takes: its mapped blocks, and the
+    /// blocks its cached writes will take when destaged (reserved already).
+    pub fn used_bytes(&self) -> u64 {
+        let reserved = self.cache.lock().reserved.len() as u64;
+        (self.mapped_blocks.load(Ordering::Relaxed) + reserved) << self.block_shift
+    }
+
+    pub fn volblocksize(&self) -> u32 {
+        1 << self.block_shift
+    }
+
+    pub fn id(&self) -> u32 {
+        self.id
+    }
+
+    pub fn pool(&self) -> &Arc<Pool> {
+        &self.pool
+    }
+
+    /// The engine's own check of what the `Volume` validated (in range,
+    /// sector aligned): a request that gets here otherwise is a bug above,
+    /// and is stopped before it can touch another volume's blocks.
+    fn assert_in_range(&self, offset: u64, length: u64) {
+        let size = self.size_bytes.load(Ordering::Acquire);
+        let sector = crate::volume::SECTOR_BYTES as u64;
+        assert!(
+            offset.checked_add(length).is_some_and(|end| end <= size)
+                && offset.is_multiple_of(sector)
+                && length.is_multiple_of(sector),
+            "volume {}: request at {offset} +{length} is outside the volume ({size} bytes) or not sector aligned",
+            self.id
+        );
+    }
+
+    fn block_bytes(&self) -> u64 {
+        1 << self.block_shift
+    }
+
+    fn stripe_indices(&self, offset: u64, length: u64) -> Vec<usize> {
+        let first = offset >> self.block_shift;
+        let last = (offset + length.max(1) - 1) >> self.block_shift;
+        if last - first + 1 >= STRIPES as u64 {
+            return (0..STRIPES).collect();
+        }
+        let mut indices: Vec<usize> = (first..=last).map(|b| (b % STRIPES as u64) as usize).collect();
+        indices.sort_unstable();
+        indices.dedup();
+        indices
+    }
+
+    async fn lock_shared(&self, offset: u64, length: u64) -> Vec<RwLockReadGuard<'_, ()>> {
+        self.read_stripes(self.stripe_indices(offset, length)).await
+    }
+
+    async fn lock_exclusive(&self, offset: u64, length: u64) -> Vec<RwLockWriteGuard<'_, ()>> {
+        self.write_stripes(self.stripe_indices(offset, length)).await
+    }
+
+    /// Read-locks the stripes `indices` (sorted). A free stripe is taken
+    /// without an `.await`: each awaited tokio lock spends one unit of the
+    /// task's cooperative budget (128 per poll), and a megabyte request
+    /// locks 64 stripes, so awaiting every one made the second or third
+    /// request in a poll yield and be spawned although nothing was held.
+    /// `try_read` does not pass a queued writer (the lock is fair).
+    async fn read_stripes(&self, indices: Vec<usize>) -> Vec<RwLockReadGuard<'_, ()>> {
+        let mut guards = Vec::with_capacity(indices.len());
+        for index in indices {
+            let stripe = &self.stripes[index];
+            guards.push(match stripe.try_read() {
+                Ok(guard) => guard,
+                Err(_) => stripe.read().await,
+            });
+        }
+        guards
+    }
+
+    /// Write-locks the stripes `indices` (sorted); see [`Self::read_stripes`].
+    async fn write_stripes(&self, indices: Vec<usize>) -> Vec<RwLockWriteGuard<'_, ()>> {
+        let mut guards = Vec::with_capacity(indices.len());
+        for index in indices {
+            let stripe = &self.stripes[index];
+            guards.push(match stripe.try_write() {
+                Ok(guard) => guard,
+                Err(_) => stripe.write().await,
+            });
+        }
+        guards
+    }
+
+    /// Completes a write-type request: commit when it must be durable; else,
+    /// if it changed the map, stage the records so a completed write
+    /// survives a kill -9 of the daemon.
+    async fn finish(&self, result: BlockResult<()>, fua: bool, mapped_before: u64) -> BlockResult<()> {
+        result?;
+        if fua {
+            self.pool.commit().await.map_err(pool_error)?;
+        } else if self.pool.log_appends() != mapped_before {
+            self.pool.stage().await.map_err(pool_error)?;
+        }
+        Ok(())
+    }
+
+    fn invalidate_read_cache(&self, offset: u64, length: u64) {
+        let first = offset / SECTOR_BYTES;
+        let last = (offset + length.max(1) - 1) / SECTOR_BYTES;
+        self.pool.read_cache.invalidate(self.id, first, last - first + 1);
+    }
+
+    pub(crate) fn sectors_per_block(&self) -> u64 {
+        self.block_bytes() / SECTOR_BYTES
+    }
+
+    async fn lock_blocks_shared(&self, blocks: &[u64]) -> Vec<RwLockReadGuard<'_, ()>> {
+        self.read_stripes(stripes_of(blocks)).await
+    }
+
+    async fn lock_blocks_exclusive(&self, blocks: &[u64]) -> Vec<RwLockWriteGuard<'_, ()>> {
+        self.write_stripes(stripes_of(blocks)).await
+    }
+}
+
+impl BlockDevice for EngineVolume {
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            can_flush: true,
+            can_fua: true,
+            can_trim: true,
+            can_zero: true,
+            can_fast_zero: true,
+            can_cache: true,
+            can_block_status: true,
+            read_only: false,
+            rotational: self.pool.rotational(),
+            // Completed writes are durable only after a flush (device caches,
+            // page cache, and the log's group commit).
+            volatile_write_cache: true,
+            // A flush commits the whole pool: every device and the log.
+            flush_covers_all_handles: true,
+            min_block_bytes: crate::volume::SECTOR_BYTES,
+            preferred_block_bytes: SECTOR_BYTES as u32,
+            max_request_bytes: crate::volume::MAX_REQUEST_BYTES,
+        }
+    }
+
+    fn size_bytes(&self) -> u64 {
+        self.size_bytes.load(Ordering::Acquire)
+    }
+
+    fn read(&self, offset: u64, buf: IoBuf) -> BoxFuture<'_, (IoBuf, BlockResult<()>)> {
+        self.assert_in_range(offset, buf.len() as u64);
+        Box::pin(self.read_impl(offset, buf))
+    }
+
+    fn write(&self, offset: u64, data: IoBuf, fua: bool) -> BoxFuture<'_, BlockResult<()>> {
+        self.assert_in_range(offset, data.len() as u64);
+        Box::pin(self.write_cached(offset, data, fua))
+    }
+
+    fn flush(&self) -> BoxFuture<'_, BlockResult<()>> {
+        Box::pin(self.flush_cached())
+    }
+
+    fn set_log_throughput(&self, throughput: bool) {
+        self.log_throughput.store(throughput, Ordering::Release);
+    }
+
+    fn trim(&self, offset: u64, length: u64, fua: bool) -> BoxFuture<'_, BlockResult<()>> {
+        self.assert_in_range(offset, length);
+        Box::pin(async move {
+            let appends = self.pool.log_appends();
+            let _guards = self.clear_cached(offset, length).await?;
+            let result = self.trim_locked(offset, length).await;
+            drop(_guards);
+            self.finish(result, fua, appends).await
+        })
+    }
+
+    fn write_zeroes(&self, offset: u64, length: u64, flags: ZeroFlags) -> BoxFuture<'_, BlockResult<()>> {
+        self.assert_in_range(offset, length);
+        Box::pin(async move {
+            if !flags.may_trim && flags.fast_only {
+                return Err(BlockError::NotFast);
+            }
+            let appends = self.pool.log_appends();
+            let _guards = self.clear_cached(offset, length).await?;
+            let result = if flags.may_trim {
+                self.trim_locked(offset, length).await
+            } else {
+                self.zero_locked(offset, length).await
+            };
+            drop(_guards);
+            self.finish(result, flags.fua, appends).await
+        })
+    }
+
+    /// Prefetch: reads the range (up to 32 MiB of it; the rest of a larger
+    /// hint is ignored), which loads its map pages and warms device caches.
+    fn cache(&self, offset: u64, length: u64) -> BoxFuture<'_, BlockResult<()>> {
+        Box::pin(async move {
+            let length = length.min(crate::volume::MAX_REQUEST_BYTES as u64);
+            let (_, result) = self.read_impl(offset, IoBuf::new(length as usize)).await;
+            result
+        })
+    }
+
+    fn block_status(&self, offset: u64, length: u64) -> BoxFuture<'_, BlockResult<Vec<Extent>>> {
+        Box::pin(std::future::ready(self.extents(offset, length)))
+    }
+
+    fn resize(&self, new_size_bytes: u64) -> BlockResult<()> {
+        self.size_bytes.store(new_size_bytes, Ordering::Release);
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::device::SimDevice;
+    use crate::pool::superblock::Role;
+    use crate::pool::NewDevice;
+    use crate::volume::BlockDevice;
+
+    const MIB: u64 = 1 << 20;
+
+    fn current_thread() -> tokio::runtime::Runtime {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap()
+    }
+
+    /// A pool of 1 MiB chunks on one simulated 160 MiB fast device.
+    async fn sim_pool(seed: u64) -> (SimDevice, Arc<Pool>) {
+        let sim = SimDevice::new(160 * MIB, seed);
+        let device = NewDevice {
+            device: sim.as_device(),
+            role: Role::Fast,
+        };
+        let pool = Pool::create("test", 1 << 20, vec![device]).await.unwrap();
+        (sim, pool)
+    }
+
+    #[test]
+    fn a_write_whose_mapping_fails_gives_back_every_slot_it_did_not_map() {
+        current_thread().block_on(async {
+            let (_sim, pool) = sim_pool(5).await;
+            let volume = pool.open_volume(1, 16 * MIB, 4096).unwrap();
+            let used = || pool.status().iter().map(|d| d.used_bytes).sum::<u64>();
+            let before = used();
+            // The 6th of the 256 new mappings of a 1 MiB write fails.
+            pool.fail_mapping_after.store(5, Ordering::Release);
+            let result = volume.write(0, IoBuf::copy_from(&vec![7u8; MIB as usize]), false).await;
+            assert!(matches!(result, Err(BlockError::Io(_))), "{result:?}");
+            pool.fail_mapping_after.store(-1, Ordering::Release);
+            // Five blocks were mapped; nothing else stays allocated.
+            assert_eq!(volume.mapped_blocks.load(Ordering::Acquire), 5);
+            assert_eq!(used() - before, 5 * 4096);
+            // The volume still works, and the range can be written again.
+            volume
+                .write(0, IoBuf::copy_from(&vec![8u8; MIB as usize]), false)
+                .await
+                .unwrap();
+            assert_eq!(used() - before, MIB);
+        });
+    }
+
+    #[test]
+    fn megabyte_requests_run_to_the_end_in_one_poll_when_nothing_is_held() {
+        // The NBD reader polls each request once in its own task and spawns
+        // it only if it waits. A 1 MiB request locks 64 stripes; awaiting
+        // each tokio lock spent the task's cooperative budget (128 per
+        // poll), so the second or third request of a poll yielded although
+        // nothing was held, and was spawned (a task and a woken worker each).
+        current_thread().block_on(async {
+            let (_sim, pool) = sim_pool(3).await;
+            let volume = pool.open_volume(1, 16 * MIB, 16 << 10).unwrap();
+            let data = |round: u8| IoBuf::copy_from(&vec![round; MIB as usize]);
+            // First writes allocate and mark chunks dirty: they may wait.
+            for at in 0..4 {
+                volume.write(at * MIB, data(0), false).await.unwrap();
+            }
+            let mut context = std::task::Context::from_waker(std::task::Waker::noop());
+            for round in 1..=8u8 {
+                for at in 0..4 {
+                    let mut write = volume.write(at * MIB, data(round), false);
+                    let std::task::Poll::Ready(result) = write.as_mut().poll(&mut context) else {
+                        panic!("round {round}: the write at {at} MiB waited");
+                    };
+                    result.unwrap();
+                    let mut read = volume.read(at * MIB, IoBuf::new(MIB as usize));
+                    let std::task::Poll::Ready((buf, result)) = read.as_mut().poll(&mut context) else {
+                        panic!("round {round}: the read at {at} MiB waited");
+                    };
+                    result.unwrap();
+                    assert!(buf.payload().iter().all(|&byte| byte == round));
+                }
+            }
+        });
+    }
+
+    #[test]
+    fn lookup_range_matches_lookups_across_map_pages() {
+        current_thread().block_on(async {
+            let (_sim, pool) = sim_pool(5).await;
+            // 4 KiB blocks: 4096 of them, several map pages.
+            let volume = pool.open_volume(1, 16 * MIB, 4096).unwrap();
+            let blocks = 16 * MIB / 4096;
+            assert!(blocks > 2 * crate::meta::pages::MAP_ENTRIES_PER_PAGE);
+            for block in (0..blocks).step_by(7) {
+                volume
+                    .write(block * 4096, IoBuf::copy_from(&[1u8; 4096]), false)
+                    .await
+                    .unwrap();
+            }
+            // Out of the write-back cache, into the map.
+            pool.destage_all().await.unwrap();
+            let one_by_one: Vec<u64> = (0..blocks).map(|b| pool.lookup(1, b).unwrap()).collect();
+            assert!(one_by_one.iter().filter(|&&e| e != 0).count() as u64 == blocks.div_ceil(7));
+            let page = crate::meta::pages::MAP_ENTRIES_PER_PAGE;
+            for (first, last) in [
+                (0, blocks - 1),
+                (page - 3, page + 2),
+                (page, page),
+                (5, 5),
+                (page - 1, 2 * page),
+            ] {
+                assert_eq!(
+                    pool.lookup_range(1, first, last).unwrap(),
+                    one_by_one[first as usize..=last as usize],
+                    "{first}..={last}"
+                );
+            }
+        });
+    }
+
+    #[test]
+    fn a_sequential_stream_marks_the_chunks_ahead_in_one_log_write_and_random_writes_mark_only_their_own() {
+        current_thread().block_on(async {
+            let (_sim, pool) = sim_pool(7).await;
+            let chunk = 1u64 << 20;
+            let ahead = super::super::MARK_AHEAD_BYTES / chunk;
+            let log_writes = |pool: &Pool| pool.log.next_lsn();
+            let marked = |pool: &Pool, index: u64| {
+                pool.devices[0].chunk_epochs[index as usize].load(Ordering::Acquire) == pool.epoch()
+            };
+            // The first chunk of a stream: only itself.
+            let before = log_writes(&pool);
+            pool.mark_dirty(&[(0, 0)]).await.unwrap();
+            assert!(log_writes(&pool) > before, "a mark is a log write");
+            assert!(marked(&pool, 0));
+            assert!(!marked(&pool, 1));
+            // Its successor continues a stream: it and the next chunks.
+            pool.mark_dirty(&[(0, chunk + 4096)]).await.unwrap();
+            for index in 1..=1 + ahead {
+                assert!(marked(&pool, index), "chunk {index} marked ahead");
+            }
+            assert!(!marked(&pool, 2 + ahead));
+            // The stream's next chunks then cost no log write at all.
+            let before = log_writes(&pool);
+            for index in 2..=1 + ahead {
+                pool.mark_dirty(&[(0, index * chunk)]).await.unwrap();
+            }
+            assert_eq!(log_writes(&pool), before);
+            // A write far away (its predecessor unmarked) marks its own chunk only.
+            pool.mark_dirty(&[(0, 100 * chunk)]).await.unwrap();
+            assert!(marked(&pool, 100));
+            assert!(!marked(&pool, 101));
+            // Near the end of the device nothing past it is marked (or panics).
+            let chunks = pool.devices[0].chunk_epochs.len() as u64;
+            pool.mark_dirty(&[(0, (chunks - 2) * chunk)]).await.unwrap();
+            pool.mark_dirty(&[(0, (chunks - 1) * chunk)]).await.unwrap();
+            assert!(marked(&pool, chunks - 1));
+            // A new epoch (a checkpoint) needs every mark again.
+            pool.checkpoint().await.unwrap();
+            assert!(!marked(&pool, 0));
+        });
+    }
+}

@@ -1,0 +1,268 @@
+//! Reads: the cached, clean and device paths, and verification of every
+//! sector against its stored checksum (repairing what a crash left
+//! suspect).
+
+use super::*;
+
+impl EngineVolume {
+    /// Checks the sectors of `data` read from `device` at `offset`. A mismatch
+    /// in a chunk that is suspect after a crash is repaired from the data.
+    /// `holding_gate`: the caller already holds the pool's write gate.
+    async fn verify(&self, device: u8, offset: u64, data: &[u8], logical: u64, holding_gate: bool) -> BlockResult<()> {
+        let stored = self
+            .pool
+            .crcs(device, offset, data.len() / SECTOR_BYTES as usize)
+            .map_err(meta_error)?;
+        let actuals = sector_crcs(data);
+        for (index, (&actual, &expected)) in actuals.iter().zip(&stored).enumerate() {
+            let at = offset + index as u64 * SECTOR_BYTES;
+            if actual == expected {
+                continue;
+            }
+            let counters = &self.pool.devices[device as usize].counters;
+            if self.pool.is_suspect(device, at) {
+                // The checkpoint's snapshot must not race this page change.
+                let _gate = if holding_gate {
+                    None
+                } else {
+                    Some(self.pool.enter_write().await)
+                };
+                self.pool.set_crc(device, at, actual).map_err(meta_error)?;
+                counters.repaired_after_crash.fetch_add(1, Ordering::Relaxed);
+                continue;
+            }
+            counters.checksum_errors.fetch_add(1, Ordering::Relaxed);
+            tracing::error!(
+                "volume {}: checksum mismatch at device {} offset {} (volume offset {})",
+                self.id,
+                self.pool.devices[device as usize].device.info().name,
+                at,
+                logical + index as u64 * SECTOR_BYTES
+            );
+            return Err(BlockError::Checksum {
+                offset: logical + index as u64 * SECTOR_BYTES,
+            });
+        }
+        Ok(())
+    }
+
+    /// Reads whole sectors into `dst` straight from `device`'s memory, their
+    /// checksums summed in the same pass (a cached, mapped file: see
+    /// `device::mapped`), for reads of at least [`SUMMED_READ_MIN_BYTES`].
+    /// `true` if done and every sum matched the stored one. Anything else —
+    /// pages not cached, a device that cannot, a mismatch — is `false`, and
+    /// the caller reads and verifies the usual way, which alone repairs
+    /// suspect sectors and reports and counts errors.
+    fn read_summed_now(&self, device: u8, physical: u64, dst: &mut [u8]) -> bool {
+        const _: () = assert!(SECTOR_BYTES as usize == crate::checksum::SUM_SECTOR_BYTES);
+        if dst.len() < SUMMED_READ_MIN_BYTES {
+            return false;
+        }
+        let sectors = dst.len() / SECTOR_BYTES as usize;
+        let mut sums = vec![0u32; sectors];
+        if !self.pool.devices[device as usize]
+            .device
+            .read_now_summed(physical, dst, &mut sums)
+        {
+            return false;
+        }
+        matches!(self.pool.crcs(device, physical, sectors), Ok(stored) if stored == sums)
+    }
+
+    /// Reads whole sectors `[offset, offset + length)` from a device and verifies them.
+    pub(super) async fn read_sectors(
+        &self,
+        device: u8,
+        offset: u64,
+        length: u64,
+        logical: u64,
+        holding_gate: bool,
+    ) -> BlockResult<IoBuf> {
+        debug_assert!(offset.is_multiple_of(SECTOR_BYTES) && length.is_multiple_of(SECTOR_BYTES));
+        let pool_device = &self.pool.devices[device as usize];
+        let (buf, result) = pool_device.device.read(offset, IoBuf::new(length as usize)).await;
+        if let Err(e) = result {
+            pool_device.counters.read_errors.fetch_add(1, Ordering::Relaxed);
+            return Err(io_error(e));
+        }
+        self.verify(device, offset, buf.payload(), logical, holding_gate)
+            .await?;
+        Ok(buf)
+    }
+
+    pub(super) async fn read_impl(&self, offset: u64, buf: IoBuf) -> (IoBuf, BlockResult<()>) {
+        let _guards = self.lock_shared(offset, buf.len() as u64).await;
+        self.read_unlocked(offset, buf).await
+    }
+
+    /// Reads through the cache (caller holds the stripe locks): sectors the
+    /// cache holds come from RAM, the rest from the devices.
+    pub(super) async fn read_unlocked(&self, offset: u64, buf: IoBuf) -> (IoBuf, BlockResult<()>) {
+        let length = buf.len() as u64;
+        let first = offset / SECTOR_BYTES;
+        let last = (offset + length - 1) / SECTOR_BYTES;
+        let cached = self.cache.lock().entries.range(first..=last).count() as u64;
+        if cached == 0 {
+            return self.read_clean(offset, buf).await;
+        }
+        let (mut buf, result) = if cached == last - first + 1 {
+            (buf, Ok(()))
+        } else {
+            self.read_disk(offset, buf).await
+        };
+        if result.is_ok() {
+            self.pool.cache.overlay(&self.cache, offset, buf.payload_mut());
+        }
+        (buf, result)
+    }
+
+    /// Reads sectors nobody has dirty in RAM: from the read cache when it
+    /// has them all, else from the devices (small aligned reads then fill
+    /// the read cache; large ones, mostly scans, do not).
+    async fn read_clean(&self, offset: u64, mut buf: IoBuf) -> (IoBuf, BlockResult<()>) {
+        let cache = &self.pool.read_cache;
+        let length = buf.len() as u64;
+        let cacheable = !cache.is_disabled()
+            && offset.is_multiple_of(SECTOR_BYTES)
+            && length.is_multiple_of(SECTOR_BYTES)
+            && length <= READ_CACHE_MAX_REQUEST;
+        if !cacheable {
+            return self.read_disk(offset, buf).await;
+        }
+        let first = offset / SECTOR_BYTES;
+        let all_hit = buf
+            .payload_mut()
+            .chunks_mut(SECTOR_BYTES as usize)
+            .enumerate()
+            .all(|(i, dst)| cache.get_into(self.id, first + i as u64, dst));
+        if all_hit {
+            return (buf, Ok(()));
+        }
+        let (buf, result) = self.read_disk(offset, buf).await;
+        if result.is_ok() {
+            for (i, sector) in buf.payload().chunks(SECTOR_BYTES as usize).enumerate() {
+                cache.offer(self.id, first + i as u64, sector);
+            }
+        }
+        (buf, result)
+    }
+
+    async fn read_disk(&self, offset: u64, mut buf: IoBuf) -> (IoBuf, BlockResult<()>) {
+        let length = buf.len() as u64;
+        if length == 0 {
+            return (buf, Ok(()));
+        }
+        // (device, physical offset, length, position in buf)
+        let mut segments: Vec<(u8, u64, u64, u64)> = Vec::new();
+        let mut position = offset;
+        let end = offset + length;
+        let first = offset >> self.block_shift;
+        let entries = match self.pool.lookup_range(self.id, first, (end - 1) >> self.block_shift) {
+            Ok(entries) => entries,
+            Err(e) => return (buf, Err(meta_error(e))),
+        };
+        while position < end {
+            let block = position >> self.block_shift;
+            let within = position & (self.block_bytes() - 1);
+            let step = (self.block_bytes() - within).min(end - position);
+            let entry = entries[(block - first) as usize];
+            let at = position - offset;
+            match map_entry::decode(entry) {
+                None => buf.payload_mut()[at as usize..(at + step) as usize].fill(0),
+                Some((device, base)) => {
+                    let physical = base + within;
+                    match segments.last_mut() {
+                        Some(last) if last.0 == device && last.1 + last.2 == physical && last.3 + last.2 == at => {
+                            last.2 += step
+                        }
+                        _ => segments.push((device, physical, step, at)),
+                    }
+                }
+            }
+            position += step;
+        }
+        // Fast path: one sector-aligned run covering the whole request is
+        // read straight into the caller's buffer.
+        if let [(device, physical, run, 0)] = segments[..] {
+            if run == length && physical % SECTOR_BYTES == 0 && run % SECTOR_BYTES == 0 {
+                if self.read_summed_now(device, physical, buf.payload_mut()) {
+                    return (buf, Ok(()));
+                }
+                let pool_device = &self.pool.devices[device as usize];
+                let (buf, result) = pool_device.device.read(physical, buf).await;
+                if let Err(e) = result {
+                    pool_device.counters.read_errors.fetch_add(1, Ordering::Relaxed);
+                    return (buf, Err(io_error(e)));
+                }
+                let verified = self.verify(device, physical, buf.payload(), offset, false).await;
+                return (buf, verified);
+            }
+        }
+        for (device, physical, run, at) in segments {
+            if physical % SECTOR_BYTES == 0 && run % SECTOR_BYTES == 0 {
+                // Whole sectors: straight into their place in `buf` when the
+                // device has them in memory.
+                let pool_device = &self.pool.devices[device as usize];
+                let dst = &mut buf.payload_mut()[at as usize..(at + run) as usize];
+                if self.read_summed_now(device, physical, dst) {
+                    continue;
+                }
+                match pool_device.device.read_now(physical, dst) {
+                    Some(Ok(())) => {
+                        let data = &buf.payload()[at as usize..(at + run) as usize];
+                        if let Err(e) = self.verify(device, physical, data, offset + at, false).await {
+                            return (buf, Err(e));
+                        }
+                        continue;
+                    }
+                    Some(Err(e)) => {
+                        pool_device.counters.read_errors.fetch_add(1, Ordering::Relaxed);
+                        return (buf, Err(io_error(e)));
+                    }
+                    None => {}
+                }
+            }
+            let start = physical / SECTOR_BYTES * SECTOR_BYTES;
+            let stop = (physical + run).div_ceil(SECTOR_BYTES) * SECTOR_BYTES;
+            let logical = offset + at - (physical - start);
+            let cover = match self.read_sectors(device, start, stop - start, logical, false).await {
+                Ok(cover) => cover,
+                Err(e) => return (buf, Err(e)),
+            };
+            let skip = (physical - start) as usize;
+            buf.payload_mut()[at as usize..(at + run) as usize]
+                .copy_from_slice(&cover.payload()[skip..skip + run as usize]);
+        }
+        (buf, Ok(()))
+    }
+
+    pub(super) fn extents(&self, offset: u64, length: u64) -> BlockResult<Vec<Extent>> {
+        let mut extents: Vec<Extent> = Vec::new();
+        let end = offset + length;
+        let mut position = offset;
+        while position < end && extents.len() < MAX_EXTENTS {
+            let block = position >> self.block_shift;
+            let within = position & (self.block_bytes() - 1);
+            let step = (self.block_bytes() - within).min(end - position);
+            let sectors = self.block_bytes() / SECTOR_BYTES;
+            let mapped = self.pool.lookup(self.id, block).map_err(meta_error)? & map_entry::VALID != 0
+                || self
+                    .cache
+                    .lock()
+                    .entries
+                    .range(block * sectors..(block + 1) * sectors)
+                    .next()
+                    .is_some();
+            match extents.last_mut() {
+                Some(last) if last.hole != mapped => last.length += step,
+                _ => extents.push(Extent {
+                    length: step,
+                    hole: !mapped,
+                    zero: !mapped,
+                }),
+            }
+            position += step;
+        }
+        Ok(extents)
+    }
+}

@@ -1,0 +1,592 @@
+//! Writes in place: planning where each block goes (overwrite, or a new
+//! slot near its neighbours), coalescing contiguous runs into one device
+//! write, and recording new mappings and checksums; trim and zeroing.
+
+use super::*;
+
+/// One device write planned by a request (one or more volume blocks that
+/// are contiguous on the device).
+pub(super) struct PlannedWrite {
+    device: u8,
+    offset: u64,
+    data: Payload,
+    /// Checksums of every sector written, in order (the write is whole
+    /// sectors).
+    crcs: Vec<u32>,
+    parts: Vec<Part>,
+}
+
+/// The bytes of a planned write: a range of the request's own buffer (no
+/// copy: an aligned overwrite, or a first write of whole blocks), or a
+/// buffer of their own (a block padded with zeros or with sectors read for a
+/// partial write, or a merge of both kinds).
+enum Payload {
+    Source(std::ops::Range<usize>),
+    Owned(IoBuf),
+}
+
+impl Payload {
+    fn len(&self) -> usize {
+        match self {
+            Payload::Source(range) => range.len(),
+            Payload::Owned(buf) => buf.len(),
+        }
+    }
+
+    fn bytes<'a>(&'a self, source: &'a [u8]) -> &'a [u8] {
+        match self {
+            Payload::Source(range) => &source[range.clone()],
+            Payload::Owned(buf) => buf.payload(),
+        }
+    }
+}
+
+/// The piece of a planned write that belongs to one volume block.
+struct Part {
+    /// The volume block and the index of this part's first sector in it.
+    block: u64,
+    first_sector: usize,
+    offset: u64,
+    /// This part's sectors: indices into the write's `crcs`.
+    sectors: std::ops::Range<usize>,
+    /// Set for a newly allocated block: its logical block number.
+    new_block: Option<u64>,
+}
+
+impl PlannedWrite {
+    fn release_new_slots(&self, pool: &Pool) {
+        for part in &self.parts {
+            if part.new_block.is_some() {
+                pool.release_unused(self.device, part.offset);
+            }
+        }
+    }
+
+    /// Adds the piece of one block that starts where this write ends on
+    /// the device, if both are consecutive ranges of the request's buffer
+    /// (an aligned request over blocks laid out in order: the usual case,
+    /// one write and no merge afterwards). Returns the piece otherwise.
+    fn extend(&mut self, piece: Piece, crcs: &CrcSource<'_>) -> Option<Piece> {
+        let next = match (&mut self.data, &piece.data) {
+            (Payload::Source(range), Payload::Source(next))
+                if piece.device == self.device
+                    && self.offset + range.len() as u64 == piece.offset
+                    && range.end == next.start =>
+            {
+                range.end = next.end;
+                next.clone()
+            }
+            _ => return Some(piece),
+        };
+        let start = self.crcs.len();
+        crcs.extend(&mut self.crcs, next);
+        self.parts.push(Part {
+            block: piece.block,
+            first_sector: piece.first_sector,
+            offset: piece.offset,
+            sectors: start..self.crcs.len(),
+            new_block: piece.new_block.then_some(piece.block),
+        });
+        None
+    }
+
+    fn start(piece: Piece, crcs: &CrcSource<'_>) -> Self {
+        let mut sums = Vec::new();
+        match &piece.data {
+            Payload::Source(range) => crcs.extend(&mut sums, range.clone()),
+            Payload::Owned(buf) => sums = sector_crcs(buf.payload()),
+        }
+        PlannedWrite {
+            device: piece.device,
+            offset: piece.offset,
+            parts: vec![Part {
+                block: piece.block,
+                first_sector: piece.first_sector,
+                offset: piece.offset,
+                sectors: 0..sums.len(),
+                new_block: piece.new_block.then_some(piece.block),
+            }],
+            crcs: sums,
+            data: piece.data,
+        }
+    }
+}
+
+/// What one volume block of a request needs written (whole sectors).
+struct Piece {
+    device: u8,
+    offset: u64,
+    data: Payload,
+    block: u64,
+    first_sector: usize,
+    new_block: bool,
+}
+
+/// The sector checksums of ranges of a request's payload: the ones
+/// computed as it arrived ([`IoBuf::piece_crcs`]) where they line up with
+/// the range, else computed now.
+pub(super) struct CrcSource<'a> {
+    payload: &'a [u8],
+    pieces: Option<&'a [u32]>,
+}
+
+impl CrcSource<'_> {
+    /// Appends the checksums of the payload's `range` (whole sectors).
+    fn extend(&self, out: &mut Vec<u32>, range: std::ops::Range<usize>) {
+        let sector = SECTOR_BYTES as usize;
+        if let Some(pieces) = self.pieces {
+            let (first, count) = (range.start / sector, range.len() / sector);
+            if range.start.is_multiple_of(sector) && range.len().is_multiple_of(sector) && first + count <= pieces.len()
+            {
+                out.extend_from_slice(&pieces[first..first + count]);
+                return;
+            }
+        }
+        crate::checksum::extend_sector_sums(&self.payload[range], out);
+    }
+}
+
+/// Merges writes that are still contiguous on one device after planning
+/// (a block that needed a buffer of its own next to others) into one
+/// device write, copying each run into one buffer.
+pub(super) fn coalesce(planned: Vec<PlannedWrite>, source: &[u8]) -> Vec<PlannedWrite> {
+    let mut runs: Vec<Vec<PlannedWrite>> = Vec::new();
+    for write in planned {
+        match runs.last_mut() {
+            Some(run)
+                if run.last().is_some_and(|last| {
+                    last.device == write.device && last.offset + last.data.len() as u64 == write.offset
+                }) =>
+            {
+                run.push(write)
+            }
+            _ => runs.push(vec![write]),
+        }
+    }
+    runs.into_iter()
+        .map(|run| {
+            if run.len() == 1 {
+                return run.into_iter().next().expect("one write");
+            }
+            let total: usize = run.iter().map(|write| write.data.len()).sum();
+            let mut data = IoBuf::new(total);
+            let mut merged = PlannedWrite {
+                device: run[0].device,
+                offset: run[0].offset,
+                data: Payload::Owned(IoBuf::new(0)),
+                crcs: Vec::with_capacity(total / SECTOR_BYTES as usize),
+                parts: Vec::new(),
+            };
+            let mut at = 0;
+            for write in run {
+                let bytes = write.data.bytes(source);
+                data.payload_mut()[at..at + bytes.len()].copy_from_slice(bytes);
+                at += bytes.len();
+                let shift = merged.crcs.len();
+                merged.crcs.extend_from_slice(&write.crcs);
+                merged.parts.extend(write.parts.into_iter().map(|mut part| {
+                    part.sectors = part.sectors.start + shift..part.sectors.end + shift;
+                    part
+                }));
+            }
+            merged.data = Payload::Owned(data);
+            merged
+        })
+        .collect()
+}
+
+pub(super) fn sector_crcs(bytes: &[u8]) -> Vec<u32> {
+    let mut sums = Vec::with_capacity(bytes.len() / SECTOR_BYTES as usize);
+    crate::checksum::extend_sector_sums(bytes, &mut sums);
+    sums
+}
+
+impl EngineVolume {
+    /// Where the first new block of a write of `blocks` blocks at `offset`
+    /// should go: after the logical block before it, else before the one
+    /// after it, else (a write of several blocks with neither neighbour
+    /// written) a fresh chunk at the matching place.
+    fn first_hint(&self, offset: u64, blocks: u64) -> BlockResult<Option<Hint>> {
+        let first = offset >> self.block_shift;
+        if first > 0 {
+            if let Some((device, base)) = map_entry::decode(self.pool.lookup(self.id, first - 1).map_err(meta_error)?) {
+                return Ok(Some(Hint::At(device, base + self.block_bytes())));
+            }
+        }
+        let after = first + blocks;
+        if after < self.size_bytes().div_ceil(self.block_bytes()) {
+            if let Some((device, base)) = map_entry::decode(self.pool.lookup(self.id, after).map_err(meta_error)?) {
+                if let Some(start) = base.checked_sub(blocks * self.block_bytes()) {
+                    return Ok(Some(Hint::At(device, start)));
+                }
+            }
+        }
+        Ok((blocks >= FRESH_CHUNK_MIN_BLOCKS).then_some(Hint::FreshChunk { logical_slot: first }))
+    }
+
+    /// Plans the device writes that store `data` at volume `offset`. Caller
+    /// holds the stripe locks and the pool's write gate.
+    async fn plan(
+        &self,
+        offset: u64,
+        data: &[u8],
+        pieces: Option<&[u32]>,
+        entries: &[u64],
+    ) -> BlockResult<Vec<PlannedWrite>> {
+        let crcs = CrcSource { payload: data, pieces };
+        let mut planned: Vec<PlannedWrite> = Vec::new();
+        let mut position = offset;
+        let end = offset + data.len() as u64;
+        let mut index = 0;
+        // A new block goes right after the previous logical block's slot if
+        // that is free: a volume written front to back is laid out front to
+        // back, and a large request later is one device run, not many.
+        // Every block sets the hint for the next, so it is missing only at
+        // the request's first block, and looked up only if that is new.
+        let mut hint = None;
+        while position < end {
+            let block = position >> self.block_shift;
+            let within = position & (self.block_bytes() - 1);
+            let step = (self.block_bytes() - within).min(end - position);
+            let at = (position - offset) as usize;
+            let source = &data[at..at + step as usize];
+            let piece = match map_entry::decode(entries[index]) {
+                Some((device, base)) => {
+                    // Overwrite in place, widened to whole sectors.
+                    let start = within / SECTOR_BYTES * SECTOR_BYTES;
+                    let stop = (within + step).div_ceil(SECTOR_BYTES) * SECTOR_BYTES;
+                    let sectors = if start == within && stop == within + step {
+                        Payload::Source(at..at + step as usize)
+                    } else {
+                        let logical = (block << self.block_shift) + start;
+                        let mut sectors = match self
+                            .read_sectors(device, base + start, stop - start, logical, true)
+                            .await
+                        {
+                            Ok(sectors) => sectors,
+                            Err(e) => {
+                                for write in &planned {
+                                    write.release_new_slots(&self.pool);
+                                }
+                                return Err(e);
+                            }
+                        };
+                        let skip = (within - start) as usize;
+                        sectors.payload_mut()[skip..skip + source.len()].copy_from_slice(source);
+                        Payload::Owned(sectors)
+                    };
+                    hint = Some(Hint::At(device, base + self.block_bytes()));
+                    Piece {
+                        device,
+                        offset: base + start,
+                        data: sectors,
+                        block,
+                        first_sector: (start / SECTOR_BYTES) as usize,
+                        new_block: false,
+                    }
+                }
+                None => {
+                    // First write: allocate and write the whole block.
+                    if hint.is_none() {
+                        hint = self.first_hint(offset, entries.len() as u64)?;
+                    }
+                    let Some((device, base)) = self.pool.allocate_near(self.block_shift as u8, hint) else {
+                        for write in &planned {
+                            write.release_new_slots(&self.pool);
+                        }
+                        return Err(BlockError::NoSpace);
+                    };
+                    let whole = if step == self.block_bytes() {
+                        Payload::Source(at..at + step as usize)
+                    } else {
+                        let mut whole = IoBuf::new(self.block_bytes() as usize);
+                        whole.payload_mut()[within as usize..(within + step) as usize].copy_from_slice(source);
+                        Payload::Owned(whole)
+                    };
+                    hint = Some(Hint::At(device, base + self.block_bytes()));
+                    Piece {
+                        device,
+                        offset: base,
+                        data: whole,
+                        block,
+                        first_sector: 0,
+                        new_block: true,
+                    }
+                }
+            };
+            let piece = match planned.last_mut() {
+                Some(last) => last.extend(piece, &crcs),
+                None => Some(piece),
+            };
+            if let Some(piece) = piece {
+                planned.push(PlannedWrite::start(piece, &crcs));
+            }
+            position += step;
+            index += 1;
+        }
+        Ok(coalesce(planned, data))
+    }
+
+    /// Writes `data` at `offset` (caller holds the stripe locks).
+    pub(super) async fn write_locked(&self, offset: u64, data: IoBuf) -> BlockResult<()> {
+        self.invalidate_read_cache(offset, data.len() as u64);
+        let first = offset >> self.block_shift;
+        let last = (offset + data.len() as u64 - 1) >> self.block_shift;
+        let entries = self.pool.lookup_range(self.id, first, last).map_err(meta_error)?;
+        let places: Vec<(u8, u64)> = entries.iter().filter_map(|e| map_entry::decode(*e)).collect();
+        // The chunks we overwrite must be durably marked dirty first; the
+        // mark belongs to an epoch, so re-check after entering the gate.
+        let gate = loop {
+            let epoch = self.pool.mark_dirty(&places).await.map_err(pool_error)?;
+            let gate = self.pool.enter_write().await;
+            if self.pool.epoch() == epoch {
+                break gate;
+            }
+        };
+        let planned = self.plan(offset, data.payload(), data.piece_crcs(), &entries).await?;
+        // New blocks land in chunks that may hold mapped data of other
+        // blocks; their records carry checksums, so no mark is needed.
+        let mut failure = None;
+        let mut done = Vec::with_capacity(planned.len());
+        // The request's buffer goes to the device itself when one write
+        // covers all of it (the usual case); else ranges of it are copied.
+        let mut source = Some(data);
+        for mut write in planned {
+            if failure.is_some() {
+                write.release_new_slots(&self.pool);
+                continue;
+            }
+            let pool_device = &self.pool.devices[write.device as usize];
+            let whole_source = source.as_ref().is_some_and(|buf| match &write.data {
+                Payload::Source(range) => range.start == 0 && range.end == buf.len(),
+                Payload::Owned(_) => false,
+            });
+            let payload = std::mem::replace(&mut write.data, Payload::Source(0..0));
+            // A part of the request's buffer: written from it in place if
+            // the device takes borrowed memory, else from a copy.
+            let in_place = match &payload {
+                Payload::Source(range) if !whole_source => {
+                    let bytes = &source.as_ref().expect("the request's buffer").payload()[range.clone()];
+                    pool_device
+                        .device
+                        .write_now(write.offset, bytes)
+                        .map(|result| (result, bytes.len() as u64))
+                }
+                _ => None,
+            };
+            let (result, length) = match in_place {
+                Some(done) => done,
+                None => {
+                    let buffer = match payload {
+                        _ if whole_source => source.take().expect("the request's buffer"),
+                        Payload::Source(range) => {
+                            IoBuf::copy_from(&source.as_ref().expect("the request's buffer").payload()[range])
+                        }
+                        Payload::Owned(buf) => buf,
+                    };
+                    let (buffer, result) = pool_device.device.write(write.offset, buffer).await;
+                    let length = buffer.len() as u64;
+                    if whole_source {
+                        source = Some(buffer);
+                    }
+                    (result, length)
+                }
+            };
+            match result {
+                Ok(()) => {
+                    self.pool.note_data_write();
+                    self.pool.data_bytes.fetch_add(length, Ordering::Relaxed);
+                    done.push(write)
+                }
+                Err(e) => {
+                    pool_device.counters.write_errors.fetch_add(1, Ordering::Relaxed);
+                    write.release_new_slots(&self.pool);
+                    failure = Some(io_error(e));
+                }
+            }
+        }
+        // Whatever reached the device is accounted for, even if a later part
+        // failed. If the metadata cannot take a write (a map or crc page
+        // that cannot be loaded), the new slots not mapped yet are given
+        // back: written, but referenced by nothing.
+        let mut done = done.into_iter();
+        for write in done.by_ref() {
+            if let Err(e) = self.account_write(&write) {
+                failure = Some(meta_error(e));
+                break;
+            }
+        }
+        for write in done {
+            write.release_new_slots(&self.pool);
+        }
+        drop(gate);
+        self.pool.maybe_checkpoint_soon();
+        match failure {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    /// Records one completed device write: its sectors' checksums, then a
+    /// map entry and log record for each block it newly placed. On an error
+    /// the new blocks not mapped yet are given back to the allocator.
+    fn account_write(&self, write: &PlannedWrite) -> Result<(), String> {
+        if let Err(e) = self.pool.set_crcs(write.device, write.offset, &write.crcs) {
+            write.release_new_slots(&self.pool);
+            return Err(e);
+        }
+        let overwrites = write.parts.iter().filter(|part| part.new_block.is_none());
+        self.pool.note_overwrites(
+            self.id,
+            overwrites.map(|part| (part.block, part.first_sector, &write.crcs[part.sectors.clone()])),
+        );
+        for (index, part) in write.parts.iter().enumerate() {
+            let Some(block) = part.new_block else { continue };
+            let entry = map_entry::encode(write.device, part.offset);
+            if let Err(e) = self.pool.set_mapping(self.id, block, entry) {
+                for unmapped in &write.parts[index..] {
+                    if unmapped.new_block.is_some() {
+                        self.pool.release_unused(write.device, unmapped.offset);
+                    }
+                }
+                return Err(e);
+            }
+            self.mapped_blocks.fetch_add(1, Ordering::Relaxed);
+            self.pool.log_mapping(Record::Map {
+                volume: self.id,
+                block,
+                new: entry,
+                old: 0,
+                crcs: write.crcs[part.sectors.clone()].to_vec(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Unmaps whole blocks and zeroes partial ones in `[offset, offset + length)`.
+    pub(super) async fn trim_locked(&self, offset: u64, length: u64) -> BlockResult<()> {
+        let end = offset + length;
+        let mut position = offset;
+        while position < end {
+            let block = position >> self.block_shift;
+            let within = position & (self.block_bytes() - 1);
+            let step = (self.block_bytes() - within).min(end - position);
+            let entry = self.pool.lookup(self.id, block).map_err(meta_error)?;
+            if entry & map_entry::VALID != 0 {
+                if step == self.block_bytes() {
+                    self.invalidate_read_cache(position, step);
+                    let _gate = self.pool.enter_write().await;
+                    self.pool.set_mapping(self.id, block, 0).map_err(meta_error)?;
+                    self.mapped_blocks.fetch_sub(1, Ordering::Relaxed);
+                    self.pool.log_mapping(Record::Map {
+                        volume: self.id,
+                        block,
+                        new: 0,
+                        old: entry,
+                        crcs: Vec::new(),
+                    });
+                } else {
+                    self.write_locked(position, IoBuf::new(step as usize)).await?;
+                }
+            }
+            position += step;
+        }
+        self.pool.maybe_checkpoint_soon();
+        Ok(())
+    }
+
+    /// Writes zeros without deallocating (WRITE_ZEROES with NO_HOLE).
+    pub(super) async fn zero_locked(&self, offset: u64, length: u64) -> BlockResult<()> {
+        let end = offset + length;
+        let mut position = offset;
+        while position < end {
+            let within = position & (self.block_bytes() - 1);
+            let step = (self.block_bytes() - within).min(end - position);
+            self.write_locked(position, IoBuf::new(step as usize)).await?;
+            position += step;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn crc_source_takes_the_arrived_checksums_only_where_they_line_up() {
+        let sector = SECTOR_BYTES as usize;
+        let payload: Vec<u8> = (0..6 * sector as u32).map(|i| (i % 241) as u8).collect();
+        let pieces = sector_crcs(&payload);
+        let sums = |pieces: Option<&[u32]>, range: std::ops::Range<usize>| {
+            let mut out = vec![7];
+            CrcSource {
+                payload: &payload,
+                pieces,
+            }
+            .extend(&mut out, range);
+            assert_eq!(out.remove(0), 7, "appended, not replaced");
+            out
+        };
+        // Sectors 2..5 of the payload: the arrived ones, identical to computing them.
+        assert_eq!(sums(Some(&pieces), 2 * sector..5 * sector), pieces[2..5].to_vec());
+        // Pieces that were tampered with show that they are the ones used...
+        let mut marked = pieces.clone();
+        marked[3] ^= 1;
+        assert_eq!(sums(Some(&marked), 2 * sector..5 * sector)[1], pieces[3] ^ 1);
+        // ...and where they do not line up (a range that starts inside a
+        // sector, or pieces that run out), the checksums are computed.
+        let odd = 100..100 + 2 * sector;
+        assert_eq!(sums(Some(&marked), odd.clone()), sector_crcs(&payload[odd]));
+        assert_eq!(sums(Some(&marked[..4]), 2 * sector..5 * sector), pieces[2..5].to_vec());
+        assert_eq!(sums(None, 2 * sector..5 * sector), pieces[2..5].to_vec());
+    }
+
+    #[test]
+    fn coalesce_copies_each_contiguous_run_once_and_keeps_every_parts_checksums() {
+        let sector = SECTOR_BYTES as usize;
+        let source: Vec<u8> = (0..8 * sector as u32).map(|i| (i % 251) as u8).collect();
+        let owned = |byte: u8, sectors: usize| IoBuf::copy_from(&vec![byte; sectors * sector]);
+        let write = |offset: u64, data: Payload, block: u64| {
+            let crcs = sector_crcs(data.bytes(&source));
+            PlannedWrite {
+                device: 0,
+                offset,
+                parts: vec![Part {
+                    block,
+                    first_sector: 0,
+                    offset,
+                    sectors: 0..crcs.len(),
+                    new_block: None,
+                }],
+                crcs,
+                data,
+            }
+        };
+        let s = SECTOR_BYTES;
+        // An own buffer, a range of the request, an own buffer: contiguous on
+        // device 0; then a gap and one more range.
+        let planned = vec![
+            write(0, Payload::Owned(owned(1, 1)), 10),
+            write(s, Payload::Source(sector..4 * sector), 11),
+            write(4 * s, Payload::Owned(owned(2, 2)), 12),
+            write(100 * s, Payload::Source(6 * sector..8 * sector), 13),
+        ];
+        let merged = coalesce(planned, &source);
+        assert_eq!(merged.len(), 2);
+        let mut expected = vec![1u8; sector];
+        expected.extend_from_slice(&source[sector..4 * sector]);
+        expected.extend(vec![2u8; 2 * sector]);
+        assert_eq!(merged[0].offset, 0);
+        assert_eq!(merged[0].data.bytes(&source), &expected[..]);
+        assert_eq!(merged[0].crcs, sector_crcs(&expected));
+        let parts: Vec<(u64, u64, std::ops::Range<usize>)> = merged[0]
+            .parts
+            .iter()
+            .map(|part| (part.block, part.offset, part.sectors.clone()))
+            .collect();
+        assert_eq!(parts, vec![(10, 0, 0..1), (11, s, 1..4), (12, 4 * s, 4..6)]);
+        assert!(matches!(&merged[1].data, Payload::Source(range) if *range == (6 * sector..8 * sector)));
+        assert_eq!(merged[1].crcs, sector_crcs(&source[6 * sector..]));
+    }
+}

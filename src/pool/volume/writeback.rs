@@ -1,0 +1,424 @@
+//! The RAM write-back cache of a volume: cached writes (logged when they
+//! must be durable), destaging blocks to their place, and flushes.
+
+use super::*;
+
+impl EngineVolume {
+    /// Blocks (sorted) holding cached sectors that match `filter`, at most `limit`.
+    pub(crate) fn cached_blocks(&self, filter: impl Fn(&Entry) -> bool, limit: usize) -> Vec<u64> {
+        let per_block = self.sectors_per_block();
+        let state = self.cache.lock();
+        let mut blocks: Vec<u64> = Vec::new();
+        for (sector, entry) in state.entries.iter() {
+            if blocks.len() >= limit {
+                break;
+            }
+            let block = sector / per_block;
+            if blocks.last() != Some(&block) && filter(entry) {
+                blocks.push(block);
+            }
+        }
+        blocks
+    }
+
+    /// Blocks of `[offset, offset + length)` holding cached sectors.
+    fn cached_blocks_in(&self, offset: u64, length: u64) -> Vec<u64> {
+        let per_block = self.sectors_per_block();
+        let first = offset / SECTOR_BYTES;
+        let last = (offset + length.max(1) - 1) / SECTOR_BYTES;
+        let mut blocks: Vec<u64> = self
+            .cache
+            .lock()
+            .entries
+            .range(first..=last)
+            .map(|(sector, _)| sector / per_block)
+            .collect();
+        blocks.dedup();
+        blocks
+    }
+
+    /// Writes the cached sectors of `blocks` (sorted) to their place, commits
+    /// (so they are durable and their log records superseded), then drops
+    /// the entries nobody rewrote meanwhile.
+    pub(crate) async fn destage_blocks(&self, blocks: &[u64]) -> BlockResult<()> {
+        let per_block = self.sectors_per_block();
+        let guards = self.lock_blocks_exclusive(blocks).await;
+        let snap_lsn = self.pool.log.next_lsn();
+        let snapshot: Vec<(u64, Entry)> = {
+            let state = self.cache.lock();
+            blocks
+                .iter()
+                .flat_map(|block| {
+                    state
+                        .entries
+                        .range(block * per_block..(block + 1) * per_block)
+                        .map(|(s, e)| (*s, *e))
+                        .collect::<Vec<_>>()
+                })
+                .collect()
+        };
+        if snapshot.is_empty() {
+            return Ok(());
+        }
+        let appends = self.pool.log_appends();
+        // Contiguous runs of sectors become one write each.
+        let mut start = 0;
+        while start < snapshot.len() {
+            let mut stop = start + 1;
+            while stop < snapshot.len() && snapshot[stop].0 == snapshot[stop - 1].0 + 1 {
+                stop += 1;
+            }
+            let mut buf = IoBuf::new((stop - start) * SECTOR_BYTES as usize);
+            for (i, (_, entry)) in snapshot[start..stop].iter().enumerate() {
+                let at = i * SECTOR_BYTES as usize;
+                let dst = &mut buf.payload_mut()[at..at + SECTOR_BYTES as usize];
+                // SAFETY: the exclusive block locks held here keep these
+                // entries' slots from being rewritten or released.
+                unsafe { self.pool.cache.ram.read(entry.slot, 0, dst) };
+            }
+            self.write_locked(snapshot[start].0 * SECTOR_BYTES, buf).await?;
+            start = stop;
+        }
+        // Older Data records of these blocks are superseded once this is
+        // committed (after the data devices are flushed).
+        let mut written = Vec::new();
+        let mut last_block = None;
+        for (sector, entry) in &snapshot {
+            let block = sector / per_block;
+            if entry.logged_at != 0 && last_block != Some(block) {
+                written.push(Record::Written {
+                    volume: self.id,
+                    first_sector: block * per_block,
+                    count: per_block as u32,
+                });
+                last_block = Some(block);
+            }
+        }
+        let written_records = !written.is_empty();
+        if written_records {
+            self.pool.log.append_all(written);
+        }
+        let released = {
+            let mut state = self.cache.lock();
+            let before = state.reserved.len();
+            for block in blocks {
+                state.reserved.remove(block);
+            }
+            before - state.reserved.len()
+        };
+        self.pool.unreserve(released as u64 * self.block_bytes());
+        drop(guards);
+        if written_records || self.pool.log_appends() != appends {
+            // Written records supersede Data records only once the data is
+            // durable in place, and new mappings (Map records) must not be
+            // left staged: a staged mapping is replayed only if the data it
+            // maps still matches it, which a later overwrite in place breaks.
+            // Commit (data devices flushed first). The destager flushes
+            // them itself, before the commit: the commit does it under the
+            // log's commit lock, where synchronous writers would queue behind
+            // a flush of everything this pass wrote.
+            self.pool.flush_data_devices().await.map_err(io_error)?;
+            self.pool.commit_quiet().await.map_err(pool_error)?;
+        }
+        // Otherwise only never-logged sectors of mapped blocks were written
+        // in place: no record, no durability promised yet, nothing to
+        // commit (the next FLUSH or commit flushes the data devices).
+        self.pool
+            .cache
+            .destaged_bytes
+            .fetch_add(snapshot.len() as u64 * SECTOR_BYTES, Ordering::Relaxed);
+        let guards = self.lock_blocks_exclusive(blocks).await;
+        let mut freed = Vec::new();
+        {
+            let now = std::time::Instant::now();
+            let mut state = self.cache.lock();
+            for (sector, entry) in &snapshot {
+                let Some(current) = state.entries.get_mut(sector) else {
+                    continue;
+                };
+                if current.seq == entry.seq {
+                    freed.push(current.slot);
+                    state.entries.remove(sector);
+                } else {
+                    // Rewritten meanwhile: what it logged before is superseded.
+                    if current.logged_at == entry.logged_at {
+                        current.logged_at = 0;
+                    } else if current.logged_at != 0 {
+                        current.log_lsn = current.log_lsn.max(snap_lsn);
+                    }
+                    current.since = now;
+                }
+            }
+        }
+        drop(guards);
+        for slot in freed {
+            // SAFETY: the entries that referred to these slots were removed
+            // above under the exclusive block locks; no reader holds them.
+            unsafe { self.pool.cache.ram.release(slot) };
+        }
+        self.pool.cache.space.notify_waiters();
+        Ok(())
+    }
+
+    /// Destages every cached block of a range (before it is trimmed, zeroed
+    /// or written around the cache) and returns its locks with no cached
+    /// sector left in it.
+    pub(super) async fn clear_cached(&self, offset: u64, length: u64) -> BlockResult<Vec<RwLockWriteGuard<'_, ()>>> {
+        loop {
+            let blocks = self.cached_blocks_in(offset, length);
+            for batch in blocks.chunks(512) {
+                self.destage_blocks(batch).await?;
+            }
+            let guards = self.lock_exclusive(offset, length).await;
+            if self.cached_blocks_in(offset, length).is_empty() {
+                return Ok(guards);
+            }
+        }
+    }
+
+    /// A write through the cache. `durable`: acknowledged only once durable
+    /// (logged, or written in place with `logbias=throughput`).
+    pub(super) async fn write_cached(&self, offset: u64, data: IoBuf, durable: bool) -> BlockResult<()> {
+        let length = data.len() as u64;
+        let end = offset + length;
+        let first = offset / SECTOR_BYTES;
+        let last = (end - 1) / SECTOR_BYTES;
+        let count = (last - first + 1) as usize;
+        // Large writes go to their place directly (like ZFS's immediate
+        // writes): copying them through RAM and the log costs more than it
+        // saves. So do all plain writes while the RAM tier is more than half
+        // dirty: the destager is behind, and making writers wait for it
+        // would be slower than writing through.
+        let ram = &self.pool.cache.ram;
+        if count * SECTOR_BYTES as usize >= WRITE_AROUND_BYTES
+            || count > ram.total_slots() / 4
+            || (!durable && ram.free_slots() < ram.total_slots() / 2)
+        {
+            return self.write_through(offset, data, durable).await;
+        }
+        // Space for blocks that are not mapped yet is promised before the
+        // write is accepted, so the destage cannot run out of it later. When
+        // the pool is full but trims or overwrites have freed slots that only
+        // a commit makes reusable, commit once and try again.
+        let mut committed_for_space = false;
+        let (slots, guards, reserved) = loop {
+            let slots = loop {
+                self.pool.make_room(count).await.map_err(pool_error)?;
+                if let Some(slots) = self.pool.cache.ram.allocate(count) {
+                    break slots;
+                }
+            };
+            let guards = self.lock_exclusive(offset, length).await;
+            match self.reserve_unmapped(offset, end) {
+                Ok(reserved) => break (slots, guards, reserved),
+                Err(e) => {
+                    self.pool.cache.ram.give_back(&slots);
+                    drop(guards);
+                    if matches!(e, BlockError::NoSpace) && !committed_for_space && self.pool.log.has_pending_frees() {
+                        committed_for_space = true;
+                        self.pool.commit_quiet().await.map_err(pool_error)?;
+                        continue;
+                    }
+                    return Err(e);
+                }
+            }
+        };
+        let images = if offset.is_multiple_of(SECTOR_BYTES) && end.is_multiple_of(SECTOR_BYTES) {
+            data
+        } else {
+            // Partial sectors: merge with what the volume holds now.
+            let (mut cover, result) = self
+                .read_unlocked(first * SECTOR_BYTES, IoBuf::new(count * SECTOR_BYTES as usize))
+                .await;
+            if let Err(e) = result {
+                self.pool.cache.ram.give_back(&slots);
+                self.unreserve_blocks(&reserved);
+                return Err(e);
+            }
+            let at = (offset - first * SECTOR_BYTES) as usize;
+            cover.payload_mut()[at..at + length as usize].copy_from_slice(data.payload());
+            cover
+        };
+        let (first_block, last_block) = (offset >> self.block_shift, (end - 1) >> self.block_shift);
+        self.invalidate_read_cache(offset, length);
+        let log_data = durable && !self.log_throughput.load(Ordering::Acquire);
+        let gate = if log_data {
+            Some(self.pool.enter_write().await)
+        } else {
+            None
+        };
+        let logged = log_data.then(|| (self.pool.cache.next_ordinal(), self.pool.log.next_lsn()));
+        let crcs = self
+            .pool
+            .cache
+            .put(self.id, &self.cache, first, images.payload(), &slots, logged);
+        if log_data {
+            let records = images
+                .payload()
+                .chunks(SECTOR_BYTES as usize)
+                .zip(&crcs)
+                .enumerate()
+                .map(|(i, (image, crc))| Record::Data {
+                    volume: self.id,
+                    sector: first + i as u64,
+                    crc: *crc,
+                    data: Arc::from(image),
+                })
+                .collect();
+            self.pool.log.append_all(records);
+            self.pool
+                .cache
+                .logged_bytes
+                .fetch_add(count as u64 * SECTOR_BYTES, Ordering::Relaxed);
+        }
+        drop(gate);
+        drop(guards);
+        if durable {
+            if log_data {
+                self.pool.commit().await.map_err(pool_error)?;
+            } else {
+                let blocks: Vec<u64> = (first_block..=last_block).collect();
+                self.destage_blocks(&blocks).await?;
+                // A destage commits only what it logged; an in-place
+                // overwrite logs nothing, so make the data durable here.
+                self.pool.commit().await.map_err(pool_error)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Reserves pool space for the blocks of `[offset, end)` that are
+    /// neither mapped nor reserved yet (caller holds their stripes
+    /// exclusively). Returns the blocks it reserved.
+    fn reserve_unmapped(&self, offset: u64, end: u64) -> BlockResult<Vec<u64>> {
+        let first_block = offset >> self.block_shift;
+        let last_block = (end - 1) >> self.block_shift;
+        let needed: Vec<u64> = {
+            let state = self.cache.lock();
+            (first_block..=last_block)
+                .filter(|block| !state.reserved.contains(block))
+                .collect()
+        };
+        let mut unmapped = Vec::new();
+        for block in needed {
+            if self.pool.lookup(self.id, block).map_err(meta_error)? & map_entry::VALID == 0 {
+                unmapped.push(block);
+            }
+        }
+        if !unmapped.is_empty() {
+            if !self.pool.reserve(unmapped.len() as u64 * self.block_bytes()) {
+                return Err(BlockError::NoSpace);
+            }
+            self.cache.lock().reserved.extend(unmapped.iter().copied());
+        }
+        Ok(unmapped)
+    }
+
+    /// Gives back reservations taken for a write that then failed.
+    fn unreserve_blocks(&self, blocks: &[u64]) {
+        if blocks.is_empty() {
+            return;
+        }
+        {
+            let mut state = self.cache.lock();
+            for block in blocks {
+                state.reserved.remove(block);
+            }
+        }
+        self.pool.unreserve(blocks.len() as u64 * self.block_bytes());
+    }
+
+    /// A write that bypasses the cache goes to its place directly.
+    async fn write_through(&self, offset: u64, data: IoBuf, durable: bool) -> BlockResult<()> {
+        let appends = self.pool.log_appends();
+        let end = offset + data.len() as u64;
+        // The blocks it will allocate are reserved first, like a cached
+        // write's: space promised to cached writes is never taken. Slots
+        // freed by trims are reusable only once committed: on a full pool,
+        // commit them once and try again.
+        let mut committed_for_space = false;
+        let (guards, reserved) = loop {
+            let guards = self.clear_cached(offset, data.len() as u64).await?;
+            match self.reserve_unmapped(offset, end) {
+                Ok(reserved) => break (guards, reserved),
+                Err(BlockError::NoSpace) if !committed_for_space && self.pool.log.has_pending_frees() => {
+                    drop(guards);
+                    committed_for_space = true;
+                    self.pool.commit_quiet().await.map_err(pool_error)?;
+                }
+                Err(e) => return Err(e),
+            }
+        };
+        let result = self.write_locked(offset, data).await;
+        // Allocated now (or failed): the promise is no longer needed.
+        self.unreserve_blocks(&reserved);
+        drop(guards);
+        self.finish(result, durable, appends).await
+    }
+
+    /// FLUSH: makes every write completed before it durable. The cache's
+    /// unlogged sectors go to the intent log in one group commit, or, when
+    /// they are many (or `logbias=throughput`), to their place.
+    pub(super) async fn flush_cached(&self) -> BlockResult<()> {
+        let per_block = self.sectors_per_block();
+        let sectors: Vec<u64> = self
+            .cache
+            .lock()
+            .entries
+            .iter()
+            .filter(|(_, e)| e.unlogged)
+            .map(|(s, _)| *s)
+            .collect();
+        if sectors.is_empty() {
+            return self.pool.commit().await.map_err(pool_error);
+        }
+        let mut blocks: Vec<u64> = sectors.iter().map(|s| s / per_block).collect();
+        blocks.dedup();
+        let bytes = sectors.len() as u64 * (SECTOR_BYTES + 64);
+        if self.log_throughput.load(Ordering::Acquire) || bytes > self.pool.log.room() / 2 {
+            for batch in blocks.chunks(512) {
+                self.destage_blocks(batch).await?;
+            }
+            return self.pool.commit().await.map_err(pool_error);
+        }
+        let guards = self.lock_blocks_shared(&blocks).await;
+        let gate = self.pool.enter_write().await;
+        let bound = self.pool.log.next_lsn();
+        let ordinal = self.pool.cache.next_ordinal();
+        let mut records = Vec::new();
+        {
+            let mut state = self.cache.lock();
+            for sector in sectors {
+                let Some(entry) = state.entries.get_mut(&sector) else {
+                    continue;
+                };
+                if !entry.unlogged {
+                    continue;
+                }
+                let mut data = vec![0u8; SECTOR_BYTES as usize];
+                // SAFETY: the entry is in the map under its lock, which we
+                // hold, and the block locks keep it from being released.
+                unsafe { self.pool.cache.ram.read(entry.slot, 0, &mut data) };
+                records.push(Record::Data {
+                    volume: self.id,
+                    sector,
+                    crc: entry.crc,
+                    data: Arc::from(data),
+                });
+                entry.unlogged = false;
+                if entry.logged_at == 0 {
+                    entry.log_lsn = bound;
+                }
+                entry.logged_at = ordinal;
+            }
+        }
+        self.pool
+            .cache
+            .logged_bytes
+            .fetch_add(records.len() as u64 * SECTOR_BYTES, Ordering::Relaxed);
+        self.pool.log.append_all(records);
+        drop(gate);
+        drop(guards);
+        self.pool.commit().await.map_err(pool_error)
+    }
+}
