@@ -417,8 +417,17 @@ impl Log {
             return Ok(Vec::new());
         }
         let covering = self.tickets_issued.load(Ordering::Acquire);
-        before_write().await?;
+        // The records first, then the data flush: a record appended while
+        // the flush is in flight may belong to a write that completed after
+        // the flush was issued, so it waits for the next commit (taking the
+        // records after the flush committed such mappings with their data
+        // not yet durable). Every covered ticket's records are pending by
+        // now: a writer appends before it takes its ticket.
         let (records, frees) = self.take_pending(reserve, false)?.unwrap_or_default();
+        if let Err(e) = before_write().await {
+            self.restore_pending(records, frees);
+            return Err(e.into());
+        }
         if !records.is_empty() {
             if let Err(e) = self.write_blocks(&records, true, 0).await {
                 self.restore_pending(records, frees);

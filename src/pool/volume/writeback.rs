@@ -136,9 +136,16 @@ impl EngineVolume {
                 let Some(current) = state.entries.get_mut(sector) else {
                     continue;
                 };
-                if current.seq == entry.seq {
+                if current.seq == entry.seq && current.logged_at == entry.logged_at {
                     freed.push(current.slot);
                     state.entries.remove(sector);
+                } else if current.seq == entry.seq {
+                    // Logged meanwhile (a FLUSH between our two locked
+                    // phases): its new Data record comes after our Written
+                    // record, so recovery would replay it over whatever
+                    // later trims or overwrites do. Keep the entry: the next
+                    // destage writes it again and supersedes that record.
+                    current.since = now;
                 } else {
                     // Rewritten meanwhile: what it logged before is superseded.
                     if current.logged_at == entry.logged_at {
