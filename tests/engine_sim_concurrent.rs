@@ -24,7 +24,7 @@
 
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 
@@ -45,6 +45,9 @@ const WORKERS: usize = 3;
 const OPERATIONS_PER_WORKER: usize = 10;
 /// Rounds of concurrent work per seed; each may end in a crash.
 const ROUNDS: usize = 3;
+/// The crasher's turns before the power fails are drawn below this (a
+/// round takes a few hundred, so most rounds crash with work in flight).
+const CRASH_WITHIN_TURNS: u64 = 400;
 /// The acknowledgement time of a write not (yet) acknowledged.
 const NOT_ACKED: u64 = u64::MAX;
 
@@ -256,7 +259,10 @@ fn tag_of_bytes(bytes: &[u8]) -> Option<u64> {
     if tag == 0 {
         return words.all(|word| word == 0).then_some(0);
     }
-    words.zip(filler(tag)).all(|(word, expected)| word == expected).then_some(tag)
+    words
+        .zip(filler(tag))
+        .all(|(word, expected)| word == expected)
+        .then_some(tag)
 }
 
 /// Write `id`'s tag for a global sector: names the write and the sector
@@ -315,17 +321,27 @@ struct Shared {
     /// Writes and zeroing are durable once acknowledged (kill -9, not power loss).
     process_kill: bool,
     finished: Arc<AtomicUsize>,
+    /// Set by the crasher when the power fails: from then on the tasks
+    /// record nothing (whatever they were doing was cut off).
+    crashed: Arc<AtomicBool>,
 }
 
 impl Shared {
     fn model(&self) -> std::sync::MutexGuard<'_, Model> {
         self.model.lock().unwrap_or_else(|e| e.into_inner())
     }
+
+    fn crashed(&self) -> bool {
+        self.crashed.load(Ordering::SeqCst)
+    }
 }
 
 /// A client: random operations on random volumes.
 async fn worker(shared: Shared, mut rng: SimRng, name: usize) {
     for _ in 0..OPERATIONS_PER_WORKER {
+        if shared.crashed() {
+            break;
+        }
         let volume_index = rng.below(VOLUMES as u64) as usize;
         let volume = &shared.volumes[volume_index];
         let base = volume_index * SECTORS_PER_VOLUME;
@@ -349,6 +365,9 @@ async fn worker(shared: Shared, mut rng: SimRng, name: usize) {
                     fill_sector(sector, tag_for(id, first + i));
                 }
                 let result = volume.write(offset, buf, fua).await;
+                if shared.crashed() {
+                    break;
+                }
                 if result.is_ok() {
                     let mut model = shared.model();
                     model.event(format!("w{name} write id={id} done"));
@@ -365,6 +384,9 @@ async fn worker(shared: Shared, mut rng: SimRng, name: usize) {
                     model.tick()
                 };
                 let (buf, result) = volume.read(offset, IoBuf::new(length as usize)).await;
+                if shared.crashed() {
+                    break;
+                }
                 if result.is_ok() {
                     let mut model = shared.model();
                     let completed = model.tick();
@@ -409,6 +431,9 @@ async fn worker(shared: Shared, mut rng: SimRng, name: usize) {
                     };
                     volume.write_zeroes(offset, length, flags).await
                 };
+                if shared.crashed() {
+                    break;
+                }
                 if result.is_ok() {
                     let mut model = shared.model();
                     model.event(format!("w{name} zeroing t={issued} done"));
@@ -423,6 +448,9 @@ async fn worker(shared: Shared, mut rng: SimRng, name: usize) {
                     model.tick()
                 };
                 let result = volume.flush().await;
+                if shared.crashed() {
+                    break;
+                }
                 if result.is_ok() {
                     let mut model = shared.model();
                     model.event(format!("w{name} flush t={issued} done"));
@@ -451,11 +479,16 @@ async fn worker(shared: Shared, mut rng: SimRng, name: usize) {
 async fn maintenance(shared: Shared, mut rng: SimRng) {
     for _ in 0..4 {
         turns(rng.range(0, 40)).await;
-        let (what, result) = match rng.below(3) {
-            0 => ("destage all", shared.pool.destage_all().await),
-            1 => ("destage logged", shared.pool.destage_logged().await),
-            _ => ("checkpoint", shared.pool.checkpoint().await),
+        let what = ["destage all", "destage logged", "checkpoint"][rng.below(3) as usize];
+        shared.model().event(format!("maintenance: {what}"));
+        let result = match what {
+            "destage all" => shared.pool.destage_all().await,
+            "destage logged" => shared.pool.destage_logged().await,
+            _ => shared.pool.checkpoint().await,
         };
+        if shared.crashed() {
+            break;
+        }
         let mut model = shared.model();
         match result {
             Ok(()) => model.event(format!("maintenance: {what} done")),
@@ -466,6 +499,29 @@ async fn maintenance(shared: Shared, mut rng: SimRng) {
         }
     }
     shared.finished.fetch_add(1, Ordering::SeqCst);
+}
+
+/// Fails the power after `crash_after` of its turns unless every other task
+/// finished first. Being a task itself, each of its turns lets every other
+/// runnable task take one step, so the crash lands between any two steps of
+/// the engine's work. Returns whether it crashed.
+async fn crasher(shared: Shared, devices: Vec<SimDevice>, mut rng: SimRng, crash_after: u64) -> bool {
+    let mut taken = 0;
+    while shared.finished.load(Ordering::SeqCst) < WORKERS + 1 && taken < crash_after {
+        turns(1).await;
+        taken += 1;
+    }
+    if shared.finished.load(Ordering::SeqCst) == WORKERS + 1 {
+        return false;
+    }
+    shared.crashed.store(true, Ordering::SeqCst);
+    shared
+        .model()
+        .event(format!("crash after {taken} turns, with operations in flight"));
+    for device in &devices {
+        device.crash_with(&mut rng);
+    }
+    true
 }
 
 struct Harness {
@@ -479,7 +535,6 @@ struct Harness {
     pool: Option<Arc<Pool>>,
     volumes: Vec<Arc<EngineVolume>>,
     model: Arc<Mutex<Model>>,
-    crashes: usize,
 }
 
 impl Harness {
@@ -490,7 +545,11 @@ impl Harness {
     fn fail(&self, message: &str) -> ! {
         let model = self.model();
         // All kept events when replaying one seed, the last 60 otherwise.
-        let shown = if std::env::var("STRATA_SIM_SEED").is_ok() { usize::MAX } else { 60 };
+        let shown = if std::env::var("STRATA_SIM_SEED").is_ok() {
+            usize::MAX
+        } else {
+            60
+        };
         let recent: Vec<&str> = model.events.iter().rev().take(shown).map(String::as_str).collect();
         panic!(
             "seed {} failed: {message}\nlast events (newest first):\n  {}\nreplay: STRATA_SIM_SEED={} cargo test \
@@ -532,34 +591,21 @@ impl Harness {
             model: self.model.clone(),
             process_kill: self.process_kill,
             finished: finished.clone(),
+            crashed: Arc::new(AtomicBool::new(false)),
         };
         let mut tasks = tokio::task::JoinSet::new();
         for name in 0..WORKERS {
             tasks.spawn(worker(shared.clone(), self.rng.fork(), name));
         }
         tasks.spawn(maintenance(shared.clone(), self.rng.fork()));
-        drop(shared);
-        let crash_after = self.rng.below(120);
-        let mut turns_taken = 0;
-        while finished.load(Ordering::SeqCst) < WORKERS + 1 && turns_taken < crash_after {
-            turns(1).await;
-            turns_taken += 1;
-        }
-        let all_done = finished.load(Ordering::SeqCst) == WORKERS + 1;
-        let last = round + 1 == ROUNDS;
-        let crash = !all_done || last || self.rng.chance(0.5);
-        if crash {
-            add(
-                if all_done {
-                    &totals::CRASHES_IDLE
-                } else {
-                    &totals::CRASHES_IN_FLIGHT
-                },
-                1,
-            );
-            // The power fails now, with whatever is in flight; no task runs
-            // again (aborted tasks are dropped, never polled).
-            self.crash_devices(&format!("round {round} after {turns_taken} turns, all done: {all_done}"));
+        let crash_after = self.rng.below(CRASH_WITHIN_TURNS);
+        let crashed_in_flight = tokio::spawn(crasher(shared, self.devices.clone(), self.rng.fork(), crash_after))
+            .await
+            .unwrap_or_else(|e| self.fail(&format!("the crasher failed: {e}")));
+        if crashed_in_flight {
+            add(&totals::CRASHES_IN_FLIGHT, 1);
+            // Whatever the tasks were doing is cut off: aborted tasks are
+            // dropped at their next turn, never polled again.
             tasks.abort_all();
         }
         while let Some(joined) = tasks.join_next().await {
@@ -578,22 +624,25 @@ impl Harness {
         if let Some(failure) = self.model().failure.clone() {
             self.fail(&failure);
         }
-        if crash {
+        // When everything finished first, the power fails with nothing in
+        // flight (always after the last round, else sometimes).
+        let idle_crash = !crashed_in_flight && (round + 1 == ROUNDS || self.rng.chance(0.5));
+        if idle_crash {
+            add(&totals::CRASHES_IDLE, 1);
+            self.model()
+                .event(format!("crash after round {round}, with nothing in flight"));
+            for device in &self.devices {
+                device.crash_with(&mut self.rng);
+            }
+        }
+        if crashed_in_flight || idle_crash {
             self.recover().await;
         }
     }
 
-    fn crash_devices(&mut self, why: &str) {
-        self.model().event(format!("crash ({why})"));
-        for device in &self.devices {
-            device.crash_with(&mut self.rng);
-        }
-        self.crashes += 1;
-    }
-
     /// Drops the dead pool, reopens and checks every sector of every volume.
     async fn recover(&mut self) {
-            self.volumes.clear();
+        self.volumes.clear();
         self.pool = None;
         if !self.process_kill {
             // Power loss: RAM forgets everything.
@@ -651,10 +700,15 @@ async fn run_seed(seed: u64) -> u64 {
     }
     let volblocksizes = [[4096u32, 16384, 65536][rng.below(3) as usize], 4096];
     let process_kill = rng.chance(0.25);
-    let delays = SimDelays {
+    let mut delays = SimDelays {
         probability: [0.3, 0.7, 1.0][rng.below(3) as usize],
         max_yields: [2, 8, 24][rng.below(3) as usize],
     };
+    if std::env::var_os("STRATA_SIM_NO_DELAYS").is_some() {
+        // To tell whether a failure needs the device's reordering: the
+        // tasks still interleave at the engine's own await points.
+        delays.probability = 0.0;
+    }
     let ram = HeapImage::new(MIN_RAM_BYTES);
     let new_devices = devices
         .iter()
@@ -685,7 +739,6 @@ async fn run_seed(seed: u64) -> u64 {
         pool: None,
         volumes: Vec::new(),
         model,
-        crashes: 0,
     };
     match Pool::create_with("sim", 1 << 20, new_devices, options).await {
         Ok(pool) => drop(pool),
@@ -724,7 +777,15 @@ fn runtime() -> tokio::runtime::Runtime {
         .unwrap()
 }
 
+// BUG (found by this test; seeds 114, 118 and 138 of the default 200): a
+// FLUSH that runs while a destage waits for its commit logs Data records for
+// sectors the destage then frees, so those records stay live with nothing
+// superseding them, and after a power loss recovery puts the destaged data
+// back over a later trim or overwrite. Minimal reproduction:
+// `a_flush_racing_a_destage_is_not_undone_by_recovery` below. Un-ignore both
+// once `EngineVolume::destage_blocks` handles it.
 #[test]
+#[ignore = "bug: a FLUSH racing a destage leaves live Data records that recovery replays over later trims/overwrites"]
 fn concurrent_clients_destage_and_checkpoints_never_lose_acknowledged_writes() {
     if let Ok(seed) = std::env::var("STRATA_SIM_SEED") {
         let seed: u64 = seed.parse().expect("STRATA_SIM_SEED is a number");
@@ -764,7 +825,10 @@ fn concurrent_clients_destage_and_checkpoints_never_lose_acknowledged_writes() {
     );
     if seeds >= 50 {
         assert!(in_flight >= seeds, "most rounds should crash with operations in flight");
-        assert!(uncertain > 0 && newer > 0, "crashes should leave some sectors undecided");
+        assert!(
+            uncertain > 0 && newer > 0,
+            "crashes should leave some sectors undecided"
+        );
     }
 }
 
@@ -777,4 +841,73 @@ fn a_seed_replays_the_same_interleaving() {
         let second = runtime().block_on(run_seed(seed));
         assert_eq!(first, second, "seed {seed} interleaved differently on a second run");
     }
+}
+
+/// The bug the concurrent simulation found, reduced: a 4 KiB write sits in
+/// the RAM tier; a destage and a FLUSH of the volume run at once (the device
+/// completes after one scheduler turn, so the destage's commit waits and the
+/// FLUSH runs between its two locked phases: it logs the sector as a Data
+/// record, and the destage then frees the sector anyway); the sector is then
+/// trimmed, or overwritten and destaged, and flushed. After a power loss it
+/// must read as the trim or the overwrite left it; recovery instead replays
+/// the stale Data record and returns the first write's data.
+#[test]
+#[ignore = "bug: a FLUSH racing a destage leaves live Data records that recovery replays over later trims/overwrites"]
+fn a_flush_racing_a_destage_is_not_undone_by_recovery() {
+    async fn run(trim: bool) -> Result<(), String> {
+        let device = SimDevice::new(128 << 20, 1);
+        let ram = HeapImage::new(MIN_RAM_BYTES);
+        let options = || PoolOptions {
+            ram: Some(RamSource::Heap(ram.clone())),
+            background: false,
+            ..PoolOptions::default()
+        };
+        let new_device = NewDevice {
+            device: device.as_device(),
+            role: Role::Fast,
+        };
+        drop(
+            Pool::create_with("sim", 1 << 20, vec![new_device], options())
+                .await
+                .unwrap(),
+        );
+        let pool = Pool::open_with(vec![device.as_device()], options()).await.unwrap();
+        let volume = pool.open_volume(1, 1 << 20, 4096).unwrap();
+        volume.write(0, IoBuf::copy_from(&[0xAB; 4096]), false).await.unwrap();
+        device.set_delays(SimDelays::always(1));
+        let (destaged, flushed) = tokio::join!(pool.destage_all(), volume.flush());
+        destaged.unwrap();
+        flushed.unwrap();
+        let expected = if trim {
+            volume.trim(0, 4096, false).await.unwrap();
+            0
+        } else {
+            volume.write(0, IoBuf::copy_from(&[0xCD; 4096]), false).await.unwrap();
+            pool.destage_all().await.unwrap();
+            0xCD
+        };
+        volume.flush().await.unwrap();
+        device.set_delays(SimDelays::default());
+        device.crash();
+        drop(volume);
+        drop(pool);
+        ram.wipe();
+        let pool = Pool::open_with(vec![device.as_device()], options()).await.unwrap();
+        let volume = pool.open_volume(1, 1 << 20, 4096).unwrap();
+        let (buf, result) = volume.read(0, IoBuf::new(4096)).await;
+        result.unwrap();
+        match buf.payload().iter().find(|&&byte| byte != expected) {
+            None => Ok(()),
+            Some(byte) => Err(format!(
+                "after {} and a flush the sector holds {byte:#x}, not {expected:#x}",
+                if trim { "a trim" } else { "an overwrite and a destage" }
+            )),
+        }
+    }
+    let runtime = runtime();
+    let failures: Vec<String> = [true, false]
+        .into_iter()
+        .filter_map(|trim| runtime.block_on(run(trim)).err())
+        .collect();
+    assert!(failures.is_empty(), "{failures:#?}");
 }
