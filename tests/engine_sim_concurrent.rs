@@ -18,9 +18,11 @@
 //!
 //! Everything runs on one current-thread runtime with paused time, so a seed
 //! replays exactly: a failure prints its seed, and
-//! `STRATA_SIM_SEED=<seed> cargo test --test engine_sim_concurrent -- --nocapture`
-//! replays that run. `STRATA_SIM_SEEDS=N` sets how many seeds run (default
-//! 200).
+//! `STRATA_SIM_SEED=<seed> cargo test --test engine_sim_concurrent -- --include-ignored --nocapture concurrent_clients`
+//! replays that run, printing every event kept. `STRATA_SIM_SEEDS=N` sets
+//! how many seeds run (default 200). `STRATA_SIM_NO_DELAYS=1` turns the
+//! devices' delays off, to tell whether a failure needs their reordering
+//! (the tasks still interleave at the engine's own await points).
 
 use std::future::Future;
 use std::pin::Pin;
@@ -546,7 +548,7 @@ impl Harness {
         let recent: Vec<&str> = model.events.iter().rev().take(shown).map(String::as_str).collect();
         panic!(
             "seed {} failed: {message}\nlast events (newest first):\n  {}\nreplay: STRATA_SIM_SEED={} cargo test \
-             --test engine_sim_concurrent -- --nocapture",
+             --test engine_sim_concurrent -- --include-ignored --nocapture concurrent_clients",
             self.seed,
             recent.join("\n  "),
             self.seed
