@@ -9,9 +9,21 @@
 //! dropped, applied, or torn at 512-byte sector granularity (some sectors
 //! new, some old), and the visible image becomes the durable one.
 //!
-//! Every random choice comes from one seeded [`SimRng`], every future is
-//! ready when returned, and each operation takes effect when it is called,
-//! so a single-threaded test replays exactly from its seed.
+//! Every random choice comes from one seeded [`SimRng`]. By default every
+//! future is ready when returned and each operation takes effect when it is
+//! called, so a single-threaded test replays exactly from its seed.
+//!
+//! Completion delays ([`SimDelays`], off by default) make the device
+//! concurrent: a delayed operation's future returns `Pending` a seeded
+//! number of times (waking itself each time, so it needs no timer and no
+//! runtime) and takes effect only when it completes. Operations issued
+//! together therefore complete, and take effect, in a seeded order that
+//! differs from the order they were issued in, as on a real device with a
+//! queue. The contract is kept exactly: a write is visible once its future
+//! completes (not before), and a flush makes durable the writes that
+//! completed before the flush was *called* — a write that completes while a
+//! delayed flush is in flight stays volatile. Under a current-thread runtime
+//! the interleaving is a function of the seed.
 //!
 //! Faults (all off by default, adjustable at runtime): EIO on read, write or
 //! flush; misdirected writes (the data lands at another aligned offset, and
@@ -123,6 +135,49 @@ pub struct SimFaults {
     pub misdirect: f64,
     /// A discard does nothing (the contract allows old contents to remain).
     pub discard_ignored: f64,
+}
+
+/// Seeded completion delays, per operation; off by default.
+///
+/// A delayed operation (read, write, flush or discard) completes after
+/// `1..=max_yields` polls that return `Pending`, and takes effect then.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct SimDelays {
+    /// Probability that an operation is delayed at all (0 draws nothing from
+    /// the device's PRNG, so seeds without delays replay as before).
+    pub probability: f64,
+    /// Most yields a delayed operation waits (at least 1 is used).
+    pub max_yields: u32,
+}
+
+impl SimDelays {
+    /// Every operation delayed by 1 to `max_yields` yields.
+    pub fn always(max_yields: u32) -> Self {
+        SimDelays {
+            probability: 1.0,
+            max_yields,
+        }
+    }
+}
+
+/// A future that returns `Pending` `remaining` times, waking its own task
+/// each time: a delay measured in scheduler turns, deterministic under a
+/// current-thread runtime and harmless under a plain `block_on` loop.
+struct Yields {
+    remaining: u32,
+}
+
+impl std::future::Future for Yields {
+    type Output = ();
+
+    fn poll(mut self: std::pin::Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> std::task::Poll<()> {
+        if self.remaining == 0 {
+            return std::task::Poll::Ready(());
+        }
+        self.remaining -= 1;
+        cx.waker().wake_by_ref();
+        std::task::Poll::Pending
+    }
 }
 
 /// Relative weights of a pending write's fate at a crash.
@@ -281,6 +336,8 @@ impl PartialEq for SimImage {
 
 /// A write (or a discard, `data: None`) not yet covered by a flush.
 struct Pending {
+    /// Completion order: the write completed as the `seq`-th one (from 0).
+    seq: u64,
     offset: u64,
     length: u64,
     data: Option<Vec<u8>>,
@@ -312,12 +369,29 @@ struct SimState {
     pending: Vec<Pending>,
     rng: SimRng,
     faults: SimFaults,
+    delays: SimDelays,
+    /// Writes and discards completed so far: the next one's [`Pending::seq`].
+    completed: u64,
     crash_model: CrashModel,
     stats: SimStats,
     sticky: Option<String>,
     misdirected: Vec<MisdirectedWrite>,
     /// Simulated power losses so far.
     power_cycles: u64,
+}
+
+impl SimState {
+    /// Records a completed write or discard as not yet durable.
+    fn push_pending(&mut self, offset: u64, length: u64, data: Option<Vec<u8>>) {
+        let seq = self.completed;
+        self.completed += 1;
+        self.pending.push(Pending {
+            seq,
+            offset,
+            length,
+            data,
+        });
+    }
 }
 
 struct SimInner {
@@ -370,6 +444,8 @@ impl SimDevice {
                     pending: Vec::new(),
                     rng: SimRng::new(config.seed),
                     faults: SimFaults::default(),
+                    delays: SimDelays::default(),
+                    completed: 0,
                     crash_model: CrashModel::default(),
                     stats: SimStats::default(),
                     sticky: None,
@@ -413,6 +489,15 @@ impl SimDevice {
 
     pub fn set_faults(&self, faults: SimFaults) {
         self.state().faults = faults;
+    }
+
+    pub fn delays(&self) -> SimDelays {
+        self.state().delays
+    }
+
+    /// Turns seeded completion delays on (or off, with the default).
+    pub fn set_delays(&self, delays: SimDelays) {
+        self.state().delays = delays;
     }
 
     pub fn set_crash_model(&self, model: CrashModel) {
@@ -575,11 +660,7 @@ impl SimDevice {
                     let piece = data[start..start + SECTOR_BYTES as usize].to_vec();
                     let at = offset + sector * SECTOR_BYTES;
                     state.visible.write(at, &piece);
-                    state.pending.push(Pending {
-                        offset: at,
-                        length: SECTOR_BYTES,
-                        data: Some(piece),
-                    });
+                    state.push_pending(at, SECTOR_BYTES, Some(piece));
                 }
             }
             state.stats.injected_errors += 1;
@@ -609,23 +690,18 @@ impl SimDevice {
             }
         }
         state.visible.write(target, data);
-        state.pending.push(Pending {
-            offset: target,
-            length: data.len() as u64,
-            data: Some(data.to_vec()),
-        });
+        state.push_pending(target, data.len() as u64, Some(data.to_vec()));
         Ok(())
     }
 
-    fn do_flush(&self) -> DeviceResult<()> {
-        self.do_flush_range(0, u64::MAX)
-    }
-
     /// A flush of `[offset, offset + length)`: the pending writes inside it
-    /// become durable, the others stay pending. If a pending write straddles
-    /// the range's edge, everything is flushed (a device may flush more than
-    /// asked; splitting it could reorder overlapping writes).
-    fn do_flush_range(&self, offset: u64, length: u64) -> DeviceResult<()> {
+    /// that completed before the flush was called (`seq < upto`) become
+    /// durable, the others stay pending. If such a write straddles the
+    /// range's edge, all of them are flushed (a device may flush more than
+    /// asked; splitting it could reorder overlapping writes). Writes that
+    /// completed later are newer than every write flushed here, so leaving
+    /// them pending reorders nothing.
+    fn do_flush_range(&self, offset: u64, length: u64, upto: u64) -> DeviceResult<()> {
         let info = &self.inner.info;
         let mut state = self.state();
         self.check_powered(&state)?;
@@ -648,11 +724,12 @@ impl SimDevice {
         let end = offset.saturating_add(length);
         let inside = |w: &Pending| w.offset >= offset && w.offset + w.length <= end;
         let outside = |w: &Pending| w.offset + w.length <= offset || w.offset >= end;
+        let covered = |w: &Pending| w.seq < upto;
         let state = &mut *state;
-        let whole = state.pending.iter().any(|w| !inside(w) && !outside(w));
+        let whole = state.pending.iter().any(|w| covered(w) && !inside(w) && !outside(w));
         let (durable, still): (Vec<Pending>, Vec<Pending>) = std::mem::take(&mut state.pending)
             .into_iter()
-            .partition(|w| whole || inside(w));
+            .partition(|w| covered(w) && (whole || inside(w)));
         for write in &durable {
             write.apply(&mut state.durable);
         }
@@ -677,12 +754,45 @@ impl SimDevice {
             return Ok(());
         }
         state.visible.zero(offset, length);
-        state.pending.push(Pending {
-            offset,
-            length,
-            data: None,
-        });
+        state.push_pending(offset, length, None);
         Ok(())
+    }
+}
+
+/// How an operation runs: at once, or after a delay on a handle bound to
+/// the power cycle it was issued in.
+enum Issue {
+    Now,
+    /// Wait `yields` turns, then run on `handle`; `completed` is the
+    /// device's count of completed writes when the operation was issued
+    /// (what a flush covers).
+    Delayed {
+        yields: u32,
+        handle: SimDevice,
+        completed: u64,
+    },
+}
+
+impl SimDevice {
+    /// Decides (from the device's PRNG, drawing nothing when delays are
+    /// off) whether an operation issued now is delayed, and by how much.
+    fn issue(&self) -> Issue {
+        let mut state = self.state();
+        let delays = state.delays;
+        if !state.rng.chance(delays.probability) {
+            return Issue::Now;
+        }
+        let yields = state.rng.range(1, u64::from(delays.max_yields.max(1)) + 1) as u32;
+        Issue::Delayed {
+            yields,
+            // An operation issued before a crash fails when it completes
+            // after it, even on the harness's own handle.
+            handle: SimDevice {
+                inner: self.inner.clone(),
+                power_cycle: Some(self.power_cycle.unwrap_or(state.power_cycles)),
+            },
+            completed: state.completed,
+        }
     }
 }
 
@@ -692,25 +802,63 @@ impl Device for SimDevice {
     }
 
     fn read(&self, offset: u64, mut buf: IoBuf) -> BoxFuture<'_, (IoBuf, DeviceResult<()>)> {
-        let result = self.do_read(offset, &mut buf);
-        Box::pin(std::future::ready((buf, result)))
+        match self.issue() {
+            Issue::Now => {
+                let result = self.do_read(offset, &mut buf);
+                Box::pin(std::future::ready((buf, result)))
+            }
+            Issue::Delayed { yields, handle, .. } => Box::pin(async move {
+                Yields { remaining: yields }.await;
+                let result = handle.do_read(offset, &mut buf);
+                (buf, result)
+            }),
+        }
     }
 
     fn write(&self, offset: u64, buf: IoBuf) -> BoxFuture<'_, (IoBuf, DeviceResult<()>)> {
-        let result = self.do_write(offset, buf.payload());
-        Box::pin(std::future::ready((buf, result)))
+        match self.issue() {
+            Issue::Now => {
+                let result = self.do_write(offset, buf.payload());
+                Box::pin(std::future::ready((buf, result)))
+            }
+            Issue::Delayed { yields, handle, .. } => Box::pin(async move {
+                Yields { remaining: yields }.await;
+                let result = handle.do_write(offset, buf.payload());
+                (buf, result)
+            }),
+        }
     }
 
     fn flush(&self) -> BoxFuture<'_, DeviceResult<()>> {
-        Box::pin(std::future::ready(self.do_flush()))
+        self.flush_range(0, u64::MAX)
     }
 
     fn flush_range(&self, offset: u64, length: u64) -> BoxFuture<'_, DeviceResult<()>> {
-        Box::pin(std::future::ready(self.do_flush_range(offset, length)))
+        match self.issue() {
+            Issue::Now => {
+                let upto = self.state().completed;
+                Box::pin(std::future::ready(self.do_flush_range(offset, length, upto)))
+            }
+            // Covers only the writes completed before this call.
+            Issue::Delayed {
+                yields,
+                handle,
+                completed,
+            } => Box::pin(async move {
+                Yields { remaining: yields }.await;
+                handle.do_flush_range(offset, length, completed)
+            }),
+        }
     }
 
     fn discard(&self, offset: u64, length: u64) -> BoxFuture<'_, DeviceResult<()>> {
-        Box::pin(std::future::ready(self.do_discard(offset, length)))
+        match self.issue() {
+            Issue::Now => Box::pin(std::future::ready(self.do_discard(offset, length))),
+            Issue::Delayed { yields, handle, .. } => Box::pin(async move {
+                Yields { remaining: yields }.await;
+                handle.do_discard(offset, length)
+            }),
+        }
     }
 }
 
@@ -1038,6 +1186,107 @@ mod tests {
             mixed_torn_write_seen,
             "some write must have been torn into old and new sectors"
         );
+    }
+
+    /// Polls each future in turn, round robin, until all are done, and
+    /// returns their indexes in completion order with their outputs (a
+    /// minimal deterministic executor: the sim's delays wake themselves).
+    fn complete_all<T>(futures: Vec<BoxFuture<'_, T>>) -> Vec<(usize, T)> {
+        let mut cx = Context::from_waker(Waker::noop());
+        let mut futures: Vec<Option<BoxFuture<'_, T>>> = futures.into_iter().map(Some).collect();
+        let mut done = Vec::new();
+        while done.len() < futures.len() {
+            for (index, slot) in futures.iter_mut().enumerate() {
+                if let Some(fut) = slot {
+                    if let Poll::Ready(value) = fut.as_mut().poll(&mut cx) {
+                        done.push((index, value));
+                        *slot = None;
+                    }
+                }
+            }
+        }
+        done
+    }
+
+    #[test]
+    fn delayed_writes_complete_out_of_order_and_take_effect_when_they_complete() {
+        let order = |seed: u64| {
+            let dev = SimDevice::new(1 << 20, seed);
+            dev.set_delays(SimDelays::always(8));
+            let writes: Vec<BoxFuture<'_, _>> = (0..8u8)
+                .map(|i| dev.write(u64::from(i) * 4096, IoBuf::copy_from(&[i + 1; 4096])))
+                .collect();
+            assert_eq!(dev.pending_writes(), 0, "nothing takes effect before it completes");
+            assert_eq!(dev.read_visible(0, 4096), vec![0; 4096]);
+            let done = complete_all(writes);
+            for (_, (_, result)) in &done {
+                result.as_ref().unwrap();
+            }
+            assert_eq!(dev.pending_writes(), 8);
+            for i in 0..8u8 {
+                assert_eq!(dev.read_visible(u64::from(i) * 4096, 4096), vec![i + 1; 4096]);
+            }
+            done.into_iter().map(|(index, _)| index).collect::<Vec<_>>()
+        };
+        let a = order(5);
+        assert_eq!(a, order(5), "the same seed completes in the same order");
+        let reordered = (0..20).map(order).filter(|o| o.windows(2).any(|w| w[0] > w[1])).count();
+        assert!(reordered >= 15, "most seeds reorder completions ({reordered} of 20)");
+        // Overlapping writes: the one that completes last wins.
+        let dev = SimDevice::new(1 << 20, 3);
+        dev.set_delays(SimDelays::always(16));
+        let writes: Vec<BoxFuture<'_, _>> = (1..=6u8).map(|i| dev.write(0, IoBuf::copy_from(&[i; 512]))).collect();
+        let last = complete_all(writes).last().unwrap().0 as u8 + 1;
+        assert_eq!(dev.read_visible(0, 512), vec![last; 512]);
+    }
+
+    #[test]
+    fn a_delayed_flush_covers_only_writes_completed_before_it_was_called() {
+        let drop_all = CrashModel {
+            drop_weight: 1,
+            apply_weight: 0,
+            tear_weight: 0,
+        };
+        for seed in 0..50 {
+            let dev = SimDevice::new(1 << 20, seed);
+            dev.set_crash_model(drop_all);
+            write(&dev, 0, &[1; 4096]).unwrap();
+            dev.set_delays(SimDelays::always(4));
+            // A write issued before the flush, completing after it was called.
+            let late = dev.write(4096, IoBuf::copy_from(&[2; 4096]));
+            let flush = dev.flush();
+            let results = complete_all(vec![Box::pin(async move { late.await.1 }) as BoxFuture<'_, _>, flush]);
+            for (_, result) in results {
+                result.unwrap();
+            }
+            dev.set_delays(SimDelays::default());
+            assert_eq!(dev.pending_writes(), 1, "seed {seed}: the late write stays volatile");
+            assert_eq!(read(&dev, 4096, 4096).unwrap(), vec![2; 4096], "but visible");
+            dev.crash();
+            assert_eq!(read(&dev, 0, 4096).unwrap(), vec![1; 4096], "seed {seed}: flushed");
+            assert_eq!(read(&dev, 4096, 4096).unwrap(), vec![0; 4096], "seed {seed}: dropped");
+        }
+    }
+
+    #[test]
+    fn an_operation_in_flight_at_a_crash_fails_and_changes_nothing() {
+        let dev = SimDevice::new(1 << 20, 4);
+        dev.set_delays(SimDelays::always(3));
+        let handle = dev.as_device();
+        let mut cx = Context::from_waker(Waker::noop());
+        let mut in_flight = handle.write(0, IoBuf::copy_from(&[7; 512]));
+        assert!(in_flight.as_mut().poll(&mut cx).is_pending());
+        let mut own = dev.write(512, IoBuf::copy_from(&[8; 512]));
+        assert!(own.as_mut().poll(&mut cx).is_pending());
+        dev.crash();
+        // Both fail: the pool's handle belongs to the old power cycle, and
+        // the harness's write was issued in it.
+        for (_, (_, result)) in complete_all(vec![in_flight, own]) {
+            assert!(matches!(result, Err(DeviceError::Failed { .. })), "{result:?}");
+        }
+        dev.set_delays(SimDelays::default());
+        assert_eq!(read(&dev, 0, 1024).unwrap(), vec![0; 1024]);
+        assert_eq!(dev.pending_writes(), 0);
     }
 
     #[test]
