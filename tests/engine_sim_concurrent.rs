@@ -18,7 +18,7 @@
 //!
 //! Everything runs on one current-thread runtime with paused time, so a seed
 //! replays exactly: a failure prints its seed, and
-//! `STRATA_SIM_SEED=<seed> cargo test --test engine_sim_concurrent -- --include-ignored --nocapture concurrent_clients`
+//! `STRATA_SIM_SEED=<seed> cargo test --test engine_sim_concurrent -- --nocapture concurrent_clients`
 //! replays that run, printing every event kept. `STRATA_SIM_SEEDS=N` sets
 //! how many seeds run (default 200). `STRATA_SIM_NO_DELAYS=1` turns the
 //! devices' delays off, to tell whether a failure needs their reordering
@@ -548,7 +548,7 @@ impl Harness {
         let recent: Vec<&str> = model.events.iter().rev().take(shown).map(String::as_str).collect();
         panic!(
             "seed {} failed: {message}\nlast events (newest first):\n  {}\nreplay: STRATA_SIM_SEED={} cargo test \
-             --test engine_sim_concurrent -- --include-ignored --nocapture concurrent_clients",
+             --test engine_sim_concurrent -- --nocapture concurrent_clients",
             self.seed,
             recent.join("\n  "),
             self.seed
@@ -636,7 +636,20 @@ impl Harness {
     /// Drops the dead pool, reopens and checks every sector of every volume.
     async fn recover(&mut self) {
         self.volumes.clear();
-        self.pool = None;
+        let old_pool = self.pool.take().map(|pool| Arc::downgrade(&pool));
+        // Aborted tasks drop their handles when the runtime next runs them:
+        // the dead pool must be gone before its RAM is wiped or reused.
+        if let Some(old_pool) = old_pool {
+            for _ in 0..10_000 {
+                if old_pool.strong_count() == 0 {
+                    break;
+                }
+                tokio::task::yield_now().await;
+            }
+            if old_pool.strong_count() != 0 {
+                self.fail("the crashed pool is still referenced after its tasks ended");
+            }
+        }
         if !self.process_kill {
             // Power loss: RAM forgets everything.
             self.ram.wipe();
@@ -726,7 +739,7 @@ async fn run_seed(seed: u64) -> u64 {
         rng,
         devices,
         delays,
-        ram: ram.clone(),
+        ram,
         process_kill,
         volblocksizes,
         pool: None,
@@ -770,13 +783,12 @@ fn runtime() -> tokio::runtime::Runtime {
         .unwrap()
 }
 
-// Two engine bugs this test found (each with a minimal reproduction below;
-// un-ignore all three once both are fixed). Failing seeds of the default 200:
+// Two engine bugs this test found, both fixed (each keeps a minimal
+// reproduction below). Seeds that failed before the fixes:
 // - a FLUSH racing a destage: 104, 118 (stale data back over a later trim);
 // - a commit taking records appended during its data flush: 96, 199 (a
 //   sector holds another block's data after the crash).
 #[test]
-#[ignore = "engine bugs: a FLUSH racing a destage; a commit racing a data write (see the comment above)"]
 fn concurrent_clients_destage_and_checkpoints_never_lose_acknowledged_writes() {
     if let Ok(seed) = std::env::var("STRATA_SIM_SEED") {
         let seed: u64 = seed.parse().expect("STRATA_SIM_SEED is a number");
@@ -843,7 +855,6 @@ fn a_seed_replays_the_same_interleaving() {
 /// must read as the trim or the overwrite left it; recovery instead replays
 /// the stale Data record and returns the first write's data.
 #[test]
-#[ignore = "bug: a FLUSH racing a destage leaves live Data records that recovery replays over later trims/overwrites"]
 fn a_flush_racing_a_destage_is_not_undone_by_recovery() {
     async fn run(trim: bool) -> Result<(), String> {
         let device = SimDevice::new(128 << 20, 1);
@@ -914,7 +925,6 @@ fn a_flush_racing_a_destage_is_not_undone_by_recovery() {
 /// (or, when the slot was reused, another block's data), where the contract
 /// allows only the old contents or the new.
 #[test]
-#[ignore = "bug: Log::commit takes the pending records after the data flush, committing mappings whose data is not durable"]
 fn a_commit_racing_a_data_write_never_maps_undurable_data() {
     async fn run() -> Result<(), String> {
         let device = SimDevice::new(128 << 20, 0);
