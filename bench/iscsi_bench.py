@@ -16,7 +16,9 @@ Server CPU per operation is utime+stime of the server process (all threads,
 from /proc/PID/stat) over the run, divided by the operations completed.
 
 Usage: bench/iscsi_bench.py [--runtime S] [--count N] [--size-mib N] [--only strata,tgt-file,tgt-null]
-                            [--json PATH]
+                            [--json PATH] [--baseline PATH]
+--baseline adds a second strata, "strata-base", run from another binary (an
+older build) in the same run: before/after side by side.
 Needs root (tgtd), libiscsi-bin (iscsi-perf), tgt, qemu-utils with iscsi://
 support (qemu-block-extra) and libnbd-bin (nbdcopy, to fill the strata volume).
 Prints a Markdown table.
@@ -84,11 +86,11 @@ def stop(proc, signals=(signal.SIGTERM,), wait=20):
 class Strata:
     name = "strata"
 
-    def __init__(self, work, seed, size):
-        self.data_dir = os.path.join(work, "strata-data")
+    def __init__(self, work, seed, size, binary=STRATA, data="strata-data"):
+        self.data_dir = os.path.join(work, data)
         self.iscsi, self.nbd, self.api = free_port(), free_port(), free_port()
         self.proc = subprocess.Popen(
-            [STRATA, "serve", "--data-dir", self.data_dir, "--nbd", f"127.0.0.1:{self.nbd}",
+            [binary, "serve", "--data-dir", self.data_dir, "--nbd", f"127.0.0.1:{self.nbd}",
              "--api", f"127.0.0.1:{self.api}", "--iscsi", f"127.0.0.1:{self.iscsi}"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=dict(os.environ, STRATA_LOG="warn"))
         for port in (self.api, self.nbd, self.iscsi):
@@ -184,6 +186,7 @@ def main():
     parser.add_argument("--size-mib", type=int, default=1024)
     parser.add_argument("--only", default="", help="comma-separated: strata,tgt-file,tgt-null")
     parser.add_argument("--json", default="", help="also write the results as JSON here")
+    parser.add_argument("--baseline", default="", help="another strata binary to run side by side (before/after)")
     options = parser.parse_args()
     for tool in ["iscsi-perf", "qemu-img", "tgtd", "tgtadm", "nbdcopy"]:
         if not shutil.which(tool):
@@ -206,13 +209,19 @@ def main():
         ("4K write QD32 (qemu-img bench)", lambda url: write(url, options.count)),
     ]
     results = {}
-    strata = tgt = None
+    strata = base = tgt = None
+    if options.baseline:
+        wanted.append("strata-base")
     try:
         strata = Strata(work, seed, size)
+        if options.baseline:
+            base = Strata(work, seed, size, options.baseline, "strata-base")
         tgt = Tgt(work, seed)
         os.unlink(seed)
-        peers = [("strata", strata.pid, strata.url), ("tgt-file", tgt.pid, tgt.url("file")),
-                 ("tgt-null", tgt.pid, tgt.url("null"))]
+        peers = [("strata", strata.pid, strata.url)]
+        if base:
+            peers.append(("strata-base", base.pid, base.url))
+        peers += [("tgt-file", tgt.pid, tgt.url("file")), ("tgt-null", tgt.pid, tgt.url("null"))]
         peers = [p for p in peers if p[0] in wanted]
         # Interleave servers within each workload, so a slow phase of a noisy
         # machine is shared rather than hitting one server only.
@@ -225,6 +234,8 @@ def main():
     finally:
         if strata:
             strata.stop()
+        if base:
+            base.stop()
         if tgt:
             tgt.stop()
         shutil.rmtree(work, ignore_errors=True)

@@ -8,7 +8,9 @@ workload; the server's CPU time (utime+stime from /proc/PID/stat) over the run
 is divided by the operations fio completed.
 
 Usage: bench/nbd_bench.py [--runtime SECONDS] [--size-mib N] [--repeat N] [--only NAME,...]
-                          [--workloads SUBSTRING,...]
+                          [--workloads SUBSTRING,...] [--baseline PATH]
+--baseline adds a second strata, "strata (base)", run from another binary
+(an older build) in the same rounds: before/after in one run.
 Every server runs at once; each workload goes round the servers --repeat
 times (interleaved, so the shared machine's slow phases hit all alike) and
 each cell is the median of its rounds. Before each run every server's dirty
@@ -141,6 +143,7 @@ def main():
     parser.add_argument("--only", default="")
     parser.add_argument("--repeat", type=int, default=3, help="rounds per workload (median reported)")
     parser.add_argument("--workloads", default="", help="comma-separated substrings: run only matching workloads")
+    parser.add_argument("--baseline", default="", help="another strata binary to run side by side (before/after)")
     options = parser.parse_args()
     for tool in ["fio", "nbdkit", "qemu-nbd", "nbdcopy"]:
         if not shutil.which(tool):
@@ -156,22 +159,28 @@ def main():
             f.write(os.urandom(1 << 20))
 
     # strata: a volume of the same size, filled with the same bytes.
-    data_dir = os.path.join(work, "strata-data")
-    api = free_port()
-    strata = Peer("strata", lambda p: [STRATA, "serve", "--data-dir", data_dir, "--nbd", f"127.0.0.1:{p}",
-                                        "--api", f"127.0.0.1:{api}", "--iscsi", "127.0.0.1:0"],
-                  lambda p: f"nbd://127.0.0.1:{p}/default/bench", env={"STRATA_LOG": "warn"})
-    strata.start()
-    wait_port(api)
-    body = json.dumps({"name": "default/bench", "size": size})
-    subprocess.run(["curl", "-sf", *auth_args(api, data_dir), "-X", "POST", "-H", "Content-Type: application/json",
-                    "-d", body, f"http://127.0.0.1:{api}/v1/volumes"], check=True, capture_output=True)
-    subprocess.run(["nbdcopy", "--flush", seed, strata.uri], check=True)
+    def start_strata(name, binary, data_dir):
+        api = free_port()
+        peer = Peer(name, lambda p: [binary, "serve", "--data-dir", data_dir, "--nbd", f"127.0.0.1:{p}",
+                                     "--api", f"127.0.0.1:{api}", "--iscsi", "127.0.0.1:0"],
+                    lambda p: f"nbd://127.0.0.1:{p}/default/bench", env={"STRATA_LOG": "warn"})
+        peer.api = api
+        peer.start()
+        wait_port(api)
+        body = json.dumps({"name": "default/bench", "size": size})
+        subprocess.run(["curl", "-sf", *auth_args(api, data_dir), "-X", "POST", "-H", "Content-Type: application/json",
+                        "-d", body, f"http://127.0.0.1:{api}/v1/volumes"], check=True, capture_output=True)
+        subprocess.run(["nbdcopy", "--flush", seed, peer.uri], check=True)
+        return peer
+
+    strata = start_strata("strata", STRATA, os.path.join(work, "strata-data"))
+    stratas = [strata]
+    if options.baseline:
+        stratas.append(start_strata("strata (base)", options.baseline, os.path.join(work, "strata-base")))
 
     peer_file = os.path.join(work, "peer.img")
     shutil.copyfile(seed, peer_file)
-    peers = [
-        strata,
+    peers = stratas + [
         Peer("nbdkit file", lambda p: ["nbdkit", "-f", "-i", "127.0.0.1", "-p", str(p), "file", peer_file],
              lambda p: f"nbd://127.0.0.1:{p}/"),
         Peer("nbdkit null", lambda p: ["nbdkit", "-f", "-i", "127.0.0.1", "-p", str(p), "null", f"size={size}"],
@@ -199,7 +208,8 @@ def main():
             samples = {peer.name: [] for peer in peers}
             for _ in range(options.repeat):
                 for peer in peers:
-                    settle(api)
+                    for each in stratas:
+                        settle(each.api)
                     sample = measure(peer, workload, options.runtime, options.size_mib)
                     samples[peer.name].append(sample)
                     print(f"{peer.name:12} {workload[0]:18} {sample}", file=sys.stderr)

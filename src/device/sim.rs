@@ -537,7 +537,9 @@ impl SimDevice {
         self.state().durable.clone()
     }
 
-    pub fn read_visible(&self, offset: u64, len: usize) -> Vec<u8> {
+    /// What a read would return now (the unit tests' view of the device).
+    #[cfg(test)]
+    fn read_visible(&self, offset: u64, len: usize) -> Vec<u8> {
         self.state().visible.read(offset, len)
     }
 
