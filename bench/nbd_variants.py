@@ -5,13 +5,15 @@ than the machine's run-to-run swing.
 
 Usage: bench/nbd_variants.py ROUNDS RW NAME[:VAR=VALUE,...] ...
   RW: read | write (1M sequential, QD4, 4 s per round)
+      randread | randwrite (4K random, QD32, 4 s per round)
   NAME "nbdkit" runs nbdkit-file; any other NAME runs strata with the
   variables given (STRATA_BIN picks the binary; BIN=path per variant).
 e.g. bench/nbd_variants.py 8 read nbdkit default "small:STRATA_NBD_SNDBUF=524288"
 
 Every server gets a 1 GiB volume (or file) of the same random data, listens
 on an ephemeral 127.0.0.1 port and is stopped by PID. Each round runs fio's
-nbd engine once against every server in turn; the medians of MiB/s and of
+nbd engine once against every server in turn (the order reversed every
+other round, so going first or last in a round favours no one); the medians of MiB/s and of
 server CPU per operation (utime+stime over the run / operations) are printed.
 """
 import json, os, shutil, socket, statistics, subprocess, sys, tempfile, time
@@ -71,7 +73,8 @@ def start(name, env, work, seed):
 
 
 def main():
-    if len(sys.argv) < 4 or sys.argv[2] not in ("read", "write"):
+    shapes = {"read": ("1m", 4), "write": ("1m", 4), "randread": ("4k", 32), "randwrite": ("4k", 32)}
+    if len(sys.argv) < 4 or sys.argv[2] not in shapes:
         sys.exit(__doc__)
     rounds, rw, specs = int(sys.argv[1]), sys.argv[2], sys.argv[3:]
     work = tempfile.mkdtemp(prefix="strata-variants.")
@@ -85,17 +88,18 @@ def main():
             proc, uri = start(name, env, work, seed)
             servers.append((name, proc, uri, []))
         subprocess.run(["sync"])
+        block, depth = shapes[rw]
         for round_ in range(rounds):
-            for name, proc, uri, results in servers:
+            for name, proc, uri, results in (servers if round_ % 2 == 0 else servers[::-1]):
                 before = cpu_seconds(proc.pid)
                 out = subprocess.run(["fio", "--name=b", "--ioengine=nbd", f"--uri={uri}", "--size=1g",
                                       "--time_based", "--runtime=4", "--norandommap", "--randrepeat=0",
-                                      f"--rw={rw}", "--bs=1m", "--iodepth=4", "--output-format=json"],
+                                      f"--rw={rw}", f"--bs={block}", f"--iodepth={depth}", "--output-format=json"],
                                      capture_output=True, text=True, check=True).stdout
                 used = cpu_seconds(proc.pid) - before
-                job = json.loads(out[out.index("{"):])["jobs"][0][rw]
+                job = json.loads(out[out.index("{"):])["jobs"][0]["write" if "write" in rw else "read"]
                 results.append((job["bw_bytes"] / 2**20, used * 1e6 / job["total_ios"]))
-                if rw == "write":
+                if "write" in rw:
                     subprocess.run(["sync"])
             print(f"round {round_}: " + "  ".join(f"{n} {r[-1][0]:.0f}" for n, _, _, r in servers), flush=True)
     finally:
@@ -105,7 +109,7 @@ def main():
         shutil.rmtree(work, ignore_errors=True)
     for name, _, _, results in servers:
         rates = [r[0] for r in results]
-        print(f"{name:16} median {statistics.median(rates):6.0f} MiB/s (min {min(rates):.0f}, max {max(rates):.0f}), "
+        print(f"{name:16} median {statistics.median(rates):6.1f} MiB/s (min {min(rates):.1f}, max {max(rates):.1f}), "
               f"server {statistics.median(r[1] for r in results):.0f} µs CPU/op")
 
 
