@@ -2,6 +2,7 @@
 //! iSCSI (NFSv3 to come). See ARCHITECTURE.md for the layers.
 
 pub mod admin;
+pub mod bytes;
 pub mod checksum;
 pub mod daemon;
 pub mod device;

@@ -8,6 +8,7 @@
 //! new block, so a committed block is never rewritten (a torn rewrite could
 //! otherwise destroy records that were already acknowledged).
 
+use crate::sync::LockOrAbort;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -136,16 +137,8 @@ impl Record {
     /// Decodes one record; `None` on a malformed one (the block is then
     /// treated as the end of the log).
     fn decode(bytes: &[u8]) -> Option<(Record, usize)> {
-        let u32_at = |at: usize| {
-            bytes
-                .get(at..at + 4)
-                .map(|s| u32::from_le_bytes(s.try_into().unwrap_or([0; 4])))
-        };
-        let u64_at = |at: usize| {
-            bytes
-                .get(at..at + 8)
-                .map(|s| u64::from_le_bytes(s.try_into().unwrap_or([0; 8])))
-        };
+        let u32_at = |at: usize| crate::bytes::u32_at(bytes, at);
+        let u64_at = |at: usize| crate::bytes::u64_at(bytes, at);
         match bytes.first()? {
             1 => Some((
                 Record::Dirty {
@@ -278,7 +271,7 @@ impl Log {
 
     /// Queues a record; it becomes durable with the next commit.
     pub fn append(&self, record: Record) {
-        let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+        let mut pending = self.pending.lock_or_abort();
         if let Record::Map { volume, block, new, .. } = &record {
             if *new != 0 {
                 let index = pending.records.len();
@@ -305,7 +298,7 @@ impl Log {
         volume: u32,
         overwrites: impl IntoIterator<Item = (u64, usize, &'a [u32])>,
     ) -> usize {
-        let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+        let mut pending = self.pending.lock_or_abort();
         if pending.allocations.is_empty() {
             return 0;
         }
@@ -334,7 +327,7 @@ impl Log {
     /// once the record is durable (reusing it earlier could let a crash
     /// resurrect the old mapping over someone else's data).
     pub fn append_free(&self, record: Record, slot: (u8, u64)) {
-        let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+        let mut pending = self.pending.lock_or_abort();
         pending.bytes += record.encoded_len();
         self.pending_bytes.store(pending.bytes, Ordering::Relaxed);
         pending.records.push(record);
@@ -345,7 +338,7 @@ impl Log {
 
     /// Queues records (in order) under one lock.
     pub fn append_all(&self, records: Vec<Record>) {
-        let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+        let mut pending = self.pending.lock_or_abort();
         let count = records.len() as u64;
         for record in records {
             if let Record::Map { volume, block, new, .. } = &record {
@@ -365,7 +358,7 @@ impl Log {
     /// Bytes a commit may still add before the log counts as full (pending
     /// records included).
     pub fn room(&self) -> u64 {
-        let pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+        let pending = self.pending.lock_or_abort();
         let used =
             self.next_lsn() - self.tail_lsn.load(Ordering::Acquire) + blocks_needed(&pending.records) * LOG_BLOCK_BYTES;
         (self.len / 4 * 3).saturating_sub(used)
@@ -379,7 +372,7 @@ impl Log {
     /// Bytes of records waiting for a commit.
     /// Whether slots wait for a commit to become free again.
     pub fn has_pending_frees(&self) -> bool {
-        !self.pending.lock().unwrap_or_else(|e| e.into_inner()).frees.is_empty()
+        !self.pending.lock_or_abort().frees.is_empty()
     }
 
     pub fn pending_bytes(&self) -> usize {
@@ -466,7 +459,7 @@ impl Log {
     /// returns `None` when a record needs durable data before it.
     #[allow(clippy::type_complexity)]
     fn take_pending(&self, reserve: bool, only_marks: bool) -> Result<Option<(Vec<Record>, Vec<(u8, u64)>)>, LogError> {
-        let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+        let mut pending = self.pending.lock_or_abort();
         if only_marks && pending.records.iter().any(Record::needs_durable_data) {
             return Ok(None);
         }
@@ -489,7 +482,7 @@ impl Log {
     /// Puts records whose write failed back in front, so a later commit
     /// retries them.
     fn restore_pending(&self, records: Vec<Record>, frees: Vec<(u8, u64)>) {
-        let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+        let mut pending = self.pending.lock_or_abort();
         let mut restored = records;
         restored.append(&mut pending.records);
         pending.bytes = restored.iter().map(Record::encoded_len).sum();
@@ -590,7 +583,7 @@ impl Log {
     pub async fn stage(&self) -> Result<(), LogError> {
         let _guard = self.commit_lock.lock().await;
         let (records, staged, version) = {
-            let pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+            let pending = self.pending.lock_or_abort();
             if pending.staged == pending.records.len() {
                 return Ok(());
             }
@@ -608,7 +601,7 @@ impl Log {
             .rposition(|block| block.first_record <= staged)
             .unwrap_or(0);
         self.write_blocks(&records, false, first).await?;
-        let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+        let mut pending = self.pending.lock_or_abort();
         // Only if nothing changed meanwhile: a record updated after the copy
         // (an in-place overwrite of a pending allocation) must be restaged.
         if pending.version == version {
@@ -804,17 +797,19 @@ fn encode_block(out: &mut [u8], lsn: u64, pool_tag: u64, body: &[u8], committed:
 /// (Data records without their payloads), whether a commit wrote it, and how
 /// many payload blocks follow it.
 fn decode_block(block: &[u8], lsn: u64, pool_tag: u64) -> Option<(Vec<Record>, bool, usize)> {
-    let u32_at = |at: usize| u32::from_le_bytes(block[at..at + 4].try_into().unwrap_or([0; 4]));
-    let u64_at = |at: usize| u64::from_le_bytes(block[at..at + 8].try_into().unwrap_or([0; 8]));
-    if block.len() != LOG_BLOCK_BYTES as usize
-        || u32_at(0) != MAGIC
-        || u64_at(8) != lsn
-        || u64_at(16) != pool_tag
-        || crate::checksum::crc32c(&block[8..]) != u32_at(4)
+    if block.len() != LOG_BLOCK_BYTES as usize {
+        return None;
+    }
+    let u32_at = |at: usize| crate::bytes::u32_at(block, at);
+    let u64_at = |at: usize| crate::bytes::u64_at(block, at);
+    if u32_at(0)? != MAGIC
+        || u64_at(8)? != lsn
+        || u64_at(16)? != pool_tag
+        || crate::checksum::crc32c(&block[8..]) != u32_at(4)?
     {
         return None;
     }
-    let used = u32_at(24) as usize;
+    let used = u32_at(24)? as usize;
     let body = block.get(HEADER_BYTES..HEADER_BYTES + used)?;
     let mut records = Vec::new();
     let mut at = 0;
@@ -823,11 +818,12 @@ fn decode_block(block: &[u8], lsn: u64, pool_tag: u64) -> Option<(Vec<Record>, b
         records.push(record);
         at += length;
     }
-    let payloads = (u32_at(28) >> PAYLOAD_SHIFT) as usize;
+    let flags = u32_at(28)?;
+    let payloads = (flags >> PAYLOAD_SHIFT) as usize;
     if records.iter().filter(|r| matches!(r, Record::Data { .. })).count() != payloads {
         return None;
     }
-    Some((records, u32_at(28) & FLAG_COMMITTED != 0, payloads))
+    Some((records, flags & FLAG_COMMITTED != 0, payloads))
 }
 
 #[cfg(test)]

@@ -8,6 +8,7 @@
 //! checkpoint writes them. The pool bounds the number of dirty pages by
 //! checkpointing when there are too many.
 
+use crate::sync::LockOrAbort;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -23,8 +24,11 @@ const SHARDS: usize = 16;
 /// A page kind: how it is stored and what it holds.
 pub trait Page: Send + Sync + 'static {
     const TABLE: TableDefinition<'static, (u32, u64), &'static [u8]>;
-    /// Decodes a stored page, or makes an empty one (`None`).
-    fn decode(bytes: Option<&[u8]>) -> Self;
+    /// Decodes a stored page, or makes an empty one (`None`). A stored page
+    /// of the wrong length is an error naming it, never a page of zeros.
+    fn decode(bytes: Option<&[u8]>) -> Result<Self, String>
+    where
+        Self: Sized;
     fn encode(&self) -> Vec<u8>;
     fn dirty_flag(&self) -> &AtomicBool;
 }
@@ -38,20 +42,15 @@ pub struct MapPage {
 impl Page for MapPage {
     const TABLE: TableDefinition<'static, (u32, u64), &'static [u8]> = MAP_PAGES;
 
-    fn decode(bytes: Option<&[u8]>) -> Self {
-        let entries = (0..MAP_ENTRIES_PER_PAGE as usize)
-            .map(|i| {
-                let value = bytes
-                    .and_then(|b| b.get(i * 8..i * 8 + 8))
-                    .map(|s| u64::from_le_bytes(s.try_into().unwrap_or([0; 8])))
-                    .unwrap_or(0);
-                AtomicU64::new(value)
-            })
-            .collect();
-        MapPage {
-            entries,
+    fn decode(bytes: Option<&[u8]>) -> Result<Self, String> {
+        let words: Vec<[u8; 8]> = stored_words("map", bytes, MAP_ENTRIES_PER_PAGE as usize)?;
+        Ok(MapPage {
+            entries: words
+                .into_iter()
+                .map(|w| AtomicU64::new(u64::from_le_bytes(w)))
+                .collect(),
             dirty: AtomicBool::new(false),
-        }
+        })
     }
 
     fn encode(&self) -> Vec<u8> {
@@ -75,20 +74,15 @@ pub struct CrcPage {
 impl Page for CrcPage {
     const TABLE: TableDefinition<'static, (u32, u64), &'static [u8]> = CRC_PAGES;
 
-    fn decode(bytes: Option<&[u8]>) -> Self {
-        let crcs = (0..CRCS_PER_PAGE as usize)
-            .map(|i| {
-                let value = bytes
-                    .and_then(|b| b.get(i * 4..i * 4 + 4))
-                    .map(|s| u32::from_le_bytes(s.try_into().unwrap_or([0; 4])))
-                    .unwrap_or(0);
-                AtomicU32::new(value)
-            })
-            .collect();
-        CrcPage {
-            crcs,
+    fn decode(bytes: Option<&[u8]>) -> Result<Self, String> {
+        let words: Vec<[u8; 4]> = stored_words("checksum", bytes, CRCS_PER_PAGE as usize)?;
+        Ok(CrcPage {
+            crcs: words
+                .into_iter()
+                .map(|w| AtomicU32::new(u32::from_le_bytes(w)))
+                .collect(),
             dirty: AtomicBool::new(false),
-        }
+        })
     }
 
     fn encode(&self) -> Vec<u8> {
@@ -101,6 +95,25 @@ impl Page for CrcPage {
     fn dirty_flag(&self) -> &AtomicBool {
         &self.dirty
     }
+}
+
+/// The `count` little-endian words of a stored page (all zero for a page
+/// never stored); a stored page of any other length is an error.
+fn stored_words<const N: usize>(what: &str, bytes: Option<&[u8]>, count: usize) -> Result<Vec<[u8; N]>, String> {
+    let Some(bytes) = bytes else {
+        return Ok(vec![[0; N]; count]);
+    };
+    if bytes.len() != count * N {
+        return Err(format!(
+            "stored {what} page is {} bytes, not {} ({count} entries of {N} bytes)",
+            bytes.len(),
+            count * N
+        ));
+    }
+    Ok(bytes
+        .chunks_exact(N)
+        .map(|word| word.try_into().expect("chunks_exact yields N bytes"))
+        .collect())
 }
 
 pub type PageKey = (u32, u64);
@@ -125,9 +138,7 @@ impl<P: Page> PageCache<P> {
 
     fn shard(&self, key: PageKey) -> std::sync::MutexGuard<'_, HashMap<PageKey, Arc<P>>> {
         let hash = (key.0 as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ key.1.wrapping_mul(0xff51_afd7_ed55_8ccd);
-        self.shards[(hash >> 32) as usize % SHARDS]
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
+        self.shards[(hash >> 32) as usize % SHARDS].lock_or_abort()
     }
 
     /// The page, from the cache or loaded from the store.
@@ -136,7 +147,7 @@ impl<P: Page> PageCache<P> {
             return Ok(page.clone());
         }
         let stored = read_page(db, P::TABLE, key)?;
-        let page = Arc::new(P::decode(stored.as_deref()));
+        let page = Arc::new(P::decode(stored.as_deref()).map_err(|e| format!("{e} (key {key:?})"))?);
         let mut shard = self.shard(key);
         if let Some(existing) = shard.get(&key) {
             return Ok(existing.clone());
@@ -172,7 +183,7 @@ impl<P: Page> PageCache<P> {
     pub fn take_dirty(&self) -> Vec<TakenPage<P>> {
         let mut taken = Vec::new();
         for shard in &self.shards {
-            let shard = shard.lock().unwrap_or_else(|e| e.into_inner());
+            let shard = shard.lock_or_abort();
             for (key, page) in shard.iter() {
                 if page.dirty_flag().swap(false, Ordering::AcqRel) {
                     self.dirty_pages.fetch_sub(1, Ordering::Relaxed);
@@ -192,7 +203,7 @@ impl<P: Page> PageCache<P> {
     /// Drops every cached page whose key's first part is `owner` (a destroyed volume).
     pub fn forget_owner(&self, owner: u32) {
         for shard in &self.shards {
-            let mut shard = shard.lock().unwrap_or_else(|e| e.into_inner());
+            let mut shard = shard.lock_or_abort();
             shard.retain(|key, page| {
                 let keep = key.0 != owner;
                 if !keep && page.dirty_flag().swap(false, Ordering::AcqRel) {
@@ -207,22 +218,13 @@ impl<P: Page> PageCache<P> {
     pub fn keys(&self) -> Vec<PageKey> {
         self.shards
             .iter()
-            .flat_map(|s| {
-                s.lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .keys()
-                    .copied()
-                    .collect::<Vec<_>>()
-            })
+            .flat_map(|s| s.lock_or_abort().keys().copied().collect::<Vec<_>>())
             .collect()
     }
 
     /// Number of cached pages.
     pub fn len(&self) -> usize {
-        self.shards
-            .iter()
-            .map(|s| s.lock().unwrap_or_else(|e| e.into_inner()).len())
-            .sum()
+        self.shards.iter().map(|s| s.lock_or_abort().len()).sum()
     }
 
     pub fn is_empty(&self) -> bool {
@@ -240,5 +242,34 @@ fn evict<P: Page>(shard: &mut HashMap<PageKey, Arc<P>>) {
         .collect();
     for key in victims {
         shard.remove(&key);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_stored_page_of_the_wrong_length_is_an_error_not_zeros() {
+        // A map page with one entry fewer than it should have: its last
+        // entry used to decode as unmapped.
+        let mut bytes = Vec::new();
+        for i in 0..MAP_ENTRIES_PER_PAGE {
+            bytes.extend_from_slice(&(i | 1 << 63).to_le_bytes());
+        }
+        let page = MapPage::decode(Some(&bytes)).unwrap();
+        assert_eq!(page.entries[5].load(Ordering::Relaxed), 5 | 1 << 63);
+        assert_eq!(page.encode(), bytes);
+        let error = MapPage::decode(Some(&bytes[..bytes.len() - 8]))
+            .err()
+            .expect("short page refused");
+        assert!(error.contains("map page is 2040 bytes, not 2048"), "{error}");
+        assert!(MapPage::decode(Some(&[0u8; 2049])).is_err());
+        let error = CrcPage::decode(Some(&[0u8; 10])).err().expect("short page refused");
+        assert!(error.contains("checksum page is 10 bytes"), "{error}");
+        // A page never stored is empty.
+        let empty = CrcPage::decode(None).unwrap();
+        assert!(empty.crcs.iter().all(|c| c.load(Ordering::Relaxed) == 0));
+        assert_eq!(empty.crcs.len(), CRCS_PER_PAGE as usize);
     }
 }

@@ -8,6 +8,7 @@
 //! Region layout (docs/FORMAT.md): a 4 KiB header holding redb's current
 //! length, then redb's bytes.
 
+use crate::sync::LockOrAbort;
 use std::future::Future;
 use std::io;
 use std::pin::pin;
@@ -115,8 +116,9 @@ impl RegionBackend {
         result.map_err(to_io)?;
         let header = buf.payload();
         let len = if header[0..8] == HEADER_MAGIC {
-            let stored = u64::from_le_bytes(header[8..16].try_into().unwrap_or([0; 8]));
-            let crc = u32::from_le_bytes(header[16..20].try_into().unwrap_or([0; 4]));
+            let damaged = || io::Error::new(io::ErrorKind::InvalidData, "metadata region header is damaged");
+            let stored = crate::bytes::u64_at(header, 8).ok_or_else(damaged)?;
+            let crc = crate::bytes::u32_at(header, 16).ok_or_else(damaged)?;
             if crate::checksum::crc32c(&header[0..16]) != crc {
                 return Err(io::Error::new(
                     io::ErrorKind::InvalidData,
@@ -185,7 +187,7 @@ impl RegionBackend {
 
 impl StorageBackend for RegionBackend {
     fn len(&self) -> io::Result<u64> {
-        Ok(*self.state.lock().unwrap_or_else(|e| e.into_inner()))
+        Ok(*self.state.lock_or_abort())
     }
 
     fn read(&self, offset: u64, len: usize) -> io::Result<Vec<u8>> {
@@ -201,7 +203,7 @@ impl StorageBackend for RegionBackend {
     }
 
     fn set_len(&self, len: u64) -> io::Result<()> {
-        let mut current = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let mut current = self.state.lock_or_abort();
         if len > self.capacity {
             return Err(io::Error::new(
                 io::ErrorKind::StorageFull,
@@ -230,7 +232,7 @@ impl StorageBackend for RegionBackend {
     }
 
     fn write(&self, offset: u64, data: &[u8]) -> io::Result<()> {
-        let _serialise = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let _serialise = self.state.lock_or_abort();
         self.write_range(offset, data)
     }
 }

@@ -168,7 +168,9 @@ impl Pool {
             if cached.contains(&key.value()) {
                 continue;
             }
-            total += count_page(&MapPage::decode(Some(value.value())).entries);
+            let page = MapPage::decode(Some(value.value()))
+                .map_err(|e| PoolError::Meta(format!("{e} (volume {id}, page {})", key.value().1)))?;
+            total += count_page(&page.entries);
         }
         Ok(total)
     }

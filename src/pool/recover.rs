@@ -326,7 +326,7 @@ impl Pool {
         allocator.take_dirty();
 
         let log_device = devices[superblock.log_device as usize].device.clone();
-        let pool_tag = u64::from_le_bytes(superblock.pool_uuid[0..8].try_into().unwrap_or([0; 8]));
+        let pool_tag = pool_tag(&superblock.pool_uuid);
         let (records, end_lsn, valid_end) = Log::replay(
             &log_device,
             superblock.log_offset,
@@ -527,4 +527,12 @@ impl Pool {
         }
         Ok(())
     }
+}
+
+/// The tag every log block of the pool carries: the first 8 bytes of its
+/// UUID.
+fn pool_tag(uuid: &[u8; 16]) -> u64 {
+    let mut tag = [0u8; 8];
+    tag.copy_from_slice(&uuid[..8]);
+    u64::from_le_bytes(tag)
 }

@@ -102,12 +102,16 @@ fn put_u64(out: &mut [u8], at: usize, value: u64) {
     out[at..at + 8].copy_from_slice(&value.to_le_bytes());
 }
 
-fn get_u32(bytes: &[u8], at: usize) -> u32 {
-    u32::from_le_bytes(bytes[at..at + 4].try_into().unwrap_or([0; 4]))
+fn get_u32(bytes: &[u8], at: usize) -> Result<u32, SuperblockError> {
+    crate::bytes::u32_at(bytes, at).ok_or_else(|| truncated(at))
 }
 
-fn get_u64(bytes: &[u8], at: usize) -> u64 {
-    u64::from_le_bytes(bytes[at..at + 8].try_into().unwrap_or([0; 8]))
+fn get_u64(bytes: &[u8], at: usize) -> Result<u64, SuperblockError> {
+    crate::bytes::u64_at(bytes, at).ok_or_else(|| truncated(at))
+}
+
+fn truncated(at: usize) -> SuperblockError {
+    SuperblockError::Invalid(format!("superblock ends before its field at byte {at}"))
 }
 
 impl Superblock {
@@ -153,10 +157,10 @@ impl Superblock {
         if bytes.len() < SUPERBLOCK_BYTES || bytes[0..8] != MAGIC {
             return Err(SuperblockError::NotStrata);
         }
-        if crate::checksum::crc32c(&bytes[..CRC_OFFSET]) != get_u32(bytes, CRC_OFFSET) {
+        if crate::checksum::crc32c(&bytes[..CRC_OFFSET]) != get_u32(bytes, CRC_OFFSET)? {
             return Err(SuperblockError::Damaged);
         }
-        let version = get_u32(bytes, 8);
+        let version = get_u32(bytes, 8)?;
         if version != FORMAT_VERSION {
             return Err(SuperblockError::Version(version));
         }
@@ -171,10 +175,10 @@ impl Superblock {
                 SuperblockError::Invalid(format!("member {index} has unknown role {}", bytes[at + 16]))
             })?;
             members.push(Member {
-                uuid: bytes[at..at + 16].try_into().unwrap_or([0; 16]),
+                uuid: crate::bytes::array_at(bytes, at).ok_or_else(|| truncated(at))?,
                 role,
                 index: bytes[at + 17],
-                size_bytes: get_u64(bytes, at + 24),
+                size_bytes: get_u64(bytes, at + 24)?,
             });
         }
         let name_end = bytes[96..96 + NAME_BYTES]
@@ -184,18 +188,18 @@ impl Superblock {
         let pool_name = String::from_utf8(bytes[96..96 + name_end].to_vec())
             .map_err(|_| SuperblockError::Invalid("pool name is not UTF-8".into()))?;
         let superblock = Superblock {
-            pool_uuid: bytes[16..32].try_into().unwrap_or([0; 16]),
+            pool_uuid: crate::bytes::array_at(bytes, 16).ok_or_else(|| truncated(16))?,
             pool_name,
-            generation: get_u64(bytes, 32),
-            created_unix: get_u64(bytes, 40),
-            chunk_bytes: get_u32(bytes, 48),
+            generation: get_u64(bytes, 32)?,
+            created_unix: get_u64(bytes, 40)?,
+            chunk_bytes: get_u32(bytes, 48)?,
             device_index: bytes[52],
             meta_device: bytes[54],
             log_device: bytes[55],
-            meta_offset: get_u64(bytes, 56),
-            meta_bytes: get_u64(bytes, 64),
-            log_offset: get_u64(bytes, 72),
-            log_bytes: get_u64(bytes, 80),
+            meta_offset: get_u64(bytes, 56)?,
+            meta_bytes: get_u64(bytes, 64)?,
+            log_offset: get_u64(bytes, 72)?,
+            log_bytes: get_u64(bytes, 80)?,
             members,
         };
         superblock.check()?;
