@@ -2,6 +2,7 @@
 //! pool device), the bounded page caches over it, and the log.
 
 pub mod catalog;
+pub mod fuzzing;
 pub mod log;
 pub mod pages;
 pub mod store;
