@@ -10,9 +10,9 @@ use std::sync::Arc;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
+use crate::control::manager::VolumeManager;
 use crate::device::DeviceWraps;
 use crate::frontend::{iscsi, nbd};
-use crate::volume::manager::VolumeManager;
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct ServeArgs {
@@ -82,9 +82,6 @@ pub struct ApiSecurityArgs {
     #[arg(long)]
     pub metrics_auth: bool,
 }
-
-/// Sender side of the shutdown signal every listener watches.
-pub type Shutdown = watch::Receiver<bool>;
 
 pub fn run(args: ServeArgs) -> ExitCode {
     tune_allocator();

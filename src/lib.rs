@@ -1,9 +1,13 @@
 //! strata: a storage server that serves thin block volumes over NBD and
 //! iSCSI (NFSv3 to come). See ARCHITECTURE.md for the layers.
 
+// Every `unsafe` block says why it is sound.
+#![deny(clippy::undocumented_unsafe_blocks)]
+
 pub mod admin;
 pub mod bytes;
 pub mod checksum;
+pub mod control;
 pub mod daemon;
 pub mod device;
 pub mod frontend;

@@ -102,7 +102,7 @@ fn ram_tier_file_lives_in_tmpfs_survives_kill9_and_goes_at_clean_shutdown() {
     let dir = tempfile::tempdir().unwrap();
     let data = dir.path().join("data");
     let mut server = Server::start_with_ram_dir(&data, None);
-    let key = strata::volume::manager::ram_file_key(&data, "default");
+    let key = strata::control::manager::ram_file_key(&data, "default");
     let shm = std::path::PathBuf::from(format!("/dev/shm/strata-{key}.ram"));
     let local = data.join("pools/default/ram.tier");
     // The daemon checked for room before choosing; 256 MiB of tier plus

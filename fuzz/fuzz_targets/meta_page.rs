@@ -1,6 +1,6 @@
-//! Fuzzes the page decoder (see src/meta/fuzzing.rs).
+//! Fuzzes the page decoder (see src/pool/fuzzing.rs).
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
 
-fuzz_target!(|data: &[u8]| strata::meta::fuzzing::page_input(data));
+fuzz_target!(|data: &[u8]| strata::pool::fuzzing::page_input(data));

@@ -19,9 +19,9 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 
 use super::auth::{authenticate, ApiAuth};
-use crate::meta::catalog::DeviceRecord;
+use crate::control::catalog::DeviceRecord;
+use crate::control::manager::{role_for_add, AdminError, PoolStatus, VolumeInfo, VolumeManager};
 use crate::units::parse_size;
-use crate::volume::manager::{role_for_add, AdminError, PoolStatus, VolumeInfo, VolumeManager};
 
 /// Content type of the Prometheus text exposition format.
 pub const METRICS_CONTENT_TYPE: &str = "text/plain; version=0.0.4";

@@ -11,8 +11,8 @@ use std::process::ExitCode;
 use serde::de::DeserializeOwned;
 use serde_json::{json, Value};
 
+use crate::control::manager::{role_for_add, split_volume_name, validate_component, PoolStatus, VolumeInfo};
 use crate::units::{format_size, parse_size};
-use crate::volume::manager::{role_for_add, split_volume_name, validate_component, PoolStatus, VolumeInfo};
 use crate::volume::props::{split_assignment, PropError, PropertyRow};
 
 /// Options every admin subcommand accepts (anywhere after `volume`/`pool`).

@@ -18,9 +18,9 @@ use tokio::net::{TcpListener, UnixListener};
 
 use super::auth::Caller;
 use super::Io;
-use crate::daemon::Shutdown;
 use crate::frontend::limits::ConnectionLimits;
 use crate::frontend::Connections;
+use crate::frontend::Shutdown;
 
 /// A client has this long to complete TLS and then to send each request's
 /// headers; a slow or idle one is cut.
@@ -77,6 +77,7 @@ pub fn group_id(group: &str) -> Result<u32, String> {
         return Ok(gid);
     }
     let name = std::ffi::CString::new(group).map_err(|_| format!("invalid group name '{group}'"))?;
+    // SAFETY: `libc::group` is plain C data; all zeros is a valid value.
     let mut entry: libc::group = unsafe { std::mem::zeroed() };
     let mut buffer = vec![0 as libc::c_char; 16 * 1024];
     let mut result: *mut libc::group = std::ptr::null_mut();

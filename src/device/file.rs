@@ -22,7 +22,8 @@ use std::os::unix::fs::{FileExt, FileTypeExt, MetadataExt, OpenOptionsExt};
 use std::path::Path;
 use std::sync::Arc;
 
-use super::engine::{run_blocking, EngineChoice, IoEngine};
+use super::blocking::run_blocking;
+use super::engine::{EngineChoice, IoEngine};
 use super::mapped::Mapping;
 use super::{check_request, BoxFuture, Device, DeviceError, DeviceInfo, DeviceResult, IoBuf, StickyError};
 

@@ -9,6 +9,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::OnceLock;
 
+mod blocking;
 pub mod engine;
 pub mod file;
 pub mod mapped;

@@ -15,7 +15,7 @@ use std::os::unix::fs::FileExt;
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Arc;
 
-use super::engine::run_blocking;
+use super::blocking::run_blocking;
 use super::IoBuf;
 
 /// Fast-path switches of the threads engine. Not a user knob: the defaults

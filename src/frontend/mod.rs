@@ -9,6 +9,10 @@ pub mod outbox;
 
 use std::time::Duration;
 
+/// The receiving side of the shutdown signal every listener watches (the
+/// daemon holds the sender): `true` once the daemon is stopping.
+pub type Shutdown = tokio::sync::watch::Receiver<bool>;
+
 /// How long a stopping server waits for its connections to finish the
 /// requests they have in flight and send their replies, before it flushes
 /// the pools and exits.

@@ -775,13 +775,13 @@ fn blocks_needed(records: &[Record]) -> u64 {
     blocks
 }
 
-/// The seed writer of `meta::fuzzing` encodes records with this.
+/// The seed writer of `pool::fuzzing` encodes records with this.
 #[cfg(test)]
 pub(crate) fn encode_record_for_fuzzing(record: &Record, out: &mut Vec<u8>) {
     record.encode(out);
 }
 
-/// Fuzz entry point (see `meta::fuzzing`): `data` becomes the body and
+/// Fuzz entry point (see `pool::fuzzing`): `data` becomes the body and
 /// flags of a block with a valid header and checksum, so the record decoder
 /// is reached; whatever decodes must encode back to the same body.
 #[doc(hidden)]

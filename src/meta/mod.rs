@@ -1,8 +1,6 @@
-//! Metadata: the catalog of pools and volumes, the metadata store (redb on a
-//! pool device), the bounded page caches over it, and the log.
+//! On-disk metadata of a pool: the metadata store (redb on a pool device),
+//! the bounded page caches over it, and the intent log.
 
-pub mod catalog;
-pub mod fuzzing;
 pub mod log;
 pub mod pages;
 pub mod store;

@@ -24,6 +24,7 @@ pub mod cache;
 mod checkpoint;
 mod commit;
 mod destage;
+pub mod fuzzing;
 pub mod grow;
 pub mod ram;
 pub mod readcache;

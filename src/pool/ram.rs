@@ -40,6 +40,7 @@ pub struct HeapImage {
 
 // SAFETY: the image is plain memory; `RamTier` coordinates access to it.
 unsafe impl Send for HeapImage {}
+// SAFETY: as for `Send` just above.
 unsafe impl Sync for HeapImage {}
 
 impl HeapImage {
@@ -135,6 +136,7 @@ enum SlotState {
 // and only read or freed under the owning volume's stripe locks (see
 // `pool::cache`); the free list is behind a mutex.
 unsafe impl Send for RamTier {}
+// SAFETY: as for `Send` just above.
 unsafe impl Sync for RamTier {}
 
 fn slots_for(bytes: u64) -> u32 {
@@ -555,6 +557,7 @@ fn free_bytes(dir: &Path) -> Option<(u64, bool)> {
     let path = std::ffi::CString::new(dir.as_os_str().as_bytes()).ok()?;
     // SAFETY: statfs fills the zeroed struct; `path` is a valid C string.
     let mut stats: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
     if unsafe { libc::statfs(path.as_ptr(), &mut stats) } != 0 {
         return None;
     }
@@ -649,11 +652,13 @@ mod tests {
         let slots = tier.allocate(3).unwrap();
         let a = vec![1u8; SLOT_BYTES];
         let b = vec![2u8; SLOT_BYTES];
-        // SAFETY (all three): freshly allocated slots, written once.
+        // SAFETY: a freshly allocated slot, written once.
         unsafe { tier.write(slots[0], 1, 10, 1, &a, crate::checksum::crc32c(&a)) };
         // A newer copy of the same sector whose old copy was never freed.
+        // SAFETY: a freshly allocated slot, written once.
         unsafe { tier.write(slots[1], 1, 10, 2, &b, crate::checksum::crc32c(&b)) };
         // A torn slot: wrong checksum.
+        // SAFETY: a freshly allocated slot, written once.
         unsafe { tier.write(slots[2], 1, 11, 3, &a, 0xdead) };
         drop(tier);
         let (tier, survivors, intact) = RamTier::open(&source(), &uuid).unwrap();

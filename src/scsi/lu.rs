@@ -18,8 +18,8 @@ use super::cdb::{Command, PageControl};
 use super::pages::{self, ModeValues, UnitInfo, BLOCK_BYTES};
 use super::pr;
 use super::sense::{sense_for, status, Sense};
-use crate::admin::metrics::{Op, Protocol};
-use crate::volume::manager::VolumeManager;
+use crate::control::manager::VolumeManager;
+use crate::volume::stats::{Op, Protocol};
 use crate::volume::{BlockResult, IoBuf, Volume, ZeroFlags};
 
 /// Identifies an I_T nexus: the initiator port (`name,i,0xISID`).

@@ -7,16 +7,16 @@
 //! The backing is the storage engine's thin volume
 //! ([`crate::pool::volume::EngineVolume`]); frontends never see it.
 
-pub mod manager;
 pub mod props;
+pub mod stats;
 
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use crate::admin::metrics::VolumeStats;
 use props::{SyncMode, VolumeProps};
+use stats::VolumeStats;
 
 /// A boxed future, so that [`BlockDevice`] stays object safe.
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;

@@ -22,7 +22,7 @@ use super::login::{Login, Negotiated, Next, SessionType};
 use super::pdu::{self, op, reject, Bhs, Framing, Layout, Pdu, BHS_BYTES, RESERVED_TAG};
 use super::server::Registry;
 use super::text::{self, Params, TARGET_MAX_RECV_DATA_SEGMENT};
-use crate::daemon::Shutdown;
+use crate::frontend::Shutdown;
 use crate::scsi::cdb::{self, Command, Transfer};
 use crate::scsi::lu::{LogicalUnit, Nexus, Outcome, ResetKind};
 use crate::scsi::pages::{self, BLOCK_BYTES};

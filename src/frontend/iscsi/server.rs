@@ -9,10 +9,10 @@ use std::sync::{Arc, Mutex};
 use tokio::net::TcpListener;
 
 use super::login::Directory;
-use crate::daemon::Shutdown;
+use crate::control::manager::VolumeManager;
 use crate::frontend::limits::ConnectionLimits;
+use crate::frontend::Shutdown;
 use crate::scsi::lu::LogicalUnit;
-use crate::volume::manager::VolumeManager;
 use crate::volume::props::{IscsiAccess, StoredProps};
 use crate::volume::Volume;
 

@@ -31,13 +31,13 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use super::proto::{self, cflag, chunk, cmd, info, opt, rep, ClientOption, Negotiated, Request};
 use super::tls::{self, Access, NbdTls, Peer, TlsMode};
-use crate::admin::metrics::{Op, Protocol};
-use crate::daemon::Shutdown;
+use crate::control::manager::{VolumeManager, DEFAULT_POOL, DEFAULT_VOLUME};
 use crate::frontend::lane::Lane;
 use crate::frontend::limits::ConnectionLimits;
 use crate::frontend::outbox::{Outbox, ReplySocket};
 use crate::frontend::Connections;
-use crate::volume::manager::{VolumeManager, DEFAULT_POOL, DEFAULT_VOLUME};
+use crate::frontend::Shutdown;
+use crate::volume::stats::{Op, Protocol};
 use crate::volume::{full_name, BlockError, IoBuf, Volume, ZeroFlags, MAX_REQUEST_BYTES};
 
 /// Options one connection may send before it is considered abusive.

@@ -12,17 +12,17 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use super::props::{
-    canonical_value, IscsiAccess, IscsiAuthMode, PropError, PropertyRow, StoredProps, DEFAULT_VOLBLOCKSIZE,
-};
-use super::{full_name, Volume};
+use super::catalog::{sync_dir, Catalog, DeviceRecord, PoolRecord, VolumeRecord};
 use crate::device::{create_file, open_device, DeviceOptions};
 use crate::device::{Device, DeviceError, DeviceWraps};
-use crate::meta::catalog::{sync_dir, Catalog, DeviceRecord, PoolRecord, VolumeRecord};
 use crate::pool::ram::{self, RamSource, MIN_RAM_BYTES};
 use crate::pool::superblock::Role;
 use crate::pool::volume::EngineVolume;
 use crate::pool::{DeviceStatus, NewDevice, Pool, PoolError, PoolOptions, DEFAULT_CHUNK_BYTES};
+use crate::volume::props::{
+    canonical_value, IscsiAccess, IscsiAuthMode, PropError, PropertyRow, StoredProps, DEFAULT_VOLBLOCKSIZE,
+};
+use crate::volume::{full_name, Volume};
 
 pub const DEFAULT_POOL: &str = "default";
 pub const DEFAULT_VOLUME: &str = "vol0";
@@ -188,7 +188,7 @@ impl VolumeManager {
     pub async fn open_with_wraps(data_dir: &Path, wraps: DeviceWraps) -> Result<Self, AdminError> {
         make_private_dir(data_dir)?;
         let lock = lock_data_dir(data_dir)?;
-        let catalog_path = data_dir.join(crate::meta::catalog::CATALOG_FILE);
+        let catalog_path = data_dir.join(crate::control::catalog::CATALOG_FILE);
         if catalog_path.exists() {
             crate::private::tighten(&catalog_path).map_err(AdminError::Internal)?;
         }

@@ -1,12 +1,12 @@
-//! Fuzz entry points for the on-disk decoders (log blocks, superblocks,
-//! map and checksum pages), shared by the `cargo fuzz` targets in `fuzz/`
+//! Fuzz entry points for the pool's on-disk decoders (log blocks,
+//! superblocks, map and checksum pages), shared by the `cargo fuzz` targets in `fuzz/`
 //! and by the regression test that replays `fuzz/corpus-seeds/`. Each one
 //! fixes up what a random input cannot get right by chance (magic numbers,
 //! checksums) so the decoder's real work is reached, and checks that what
 //! decodes encodes back to the same bytes.
 
+use super::superblock::{Superblock, MAGIC, SUPERBLOCK_BYTES};
 use crate::meta::pages::{CrcPage, MapPage, Page};
-use crate::pool::superblock::{Superblock, MAGIC, SUPERBLOCK_BYTES};
 
 /// The log block decoder: records, flags, payload counts.
 pub fn log_block_input(data: &[u8]) {

@@ -1,0 +1,7 @@
+//! The control plane: pools and volumes by name (`manager`), and the catalog
+//! that records them (`catalog.json`). The admin API and the frontends go
+//! through the manager to find a volume; after that a connection holds the
+//! volume itself and the control plane is off its data path.
+
+pub mod catalog;
+pub mod manager;
