@@ -8,6 +8,7 @@
 //! checkpoint writes them. The pool bounds the number of dirty pages by
 //! checkpointing when there are too many.
 
+use super::MetaError;
 use crate::sync::LockOrAbort;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
@@ -26,7 +27,7 @@ pub trait Page: Send + Sync + 'static {
     const TABLE: TableDefinition<'static, (u32, u64), &'static [u8]>;
     /// Decodes a stored page, or makes an empty one (`None`). A stored page
     /// of the wrong length is an error naming it, never a page of zeros.
-    fn decode(bytes: Option<&[u8]>) -> Result<Self, String>
+    fn decode(bytes: Option<&[u8]>) -> Result<Self, MetaError>
     where
         Self: Sized;
     fn encode(&self) -> Vec<u8>;
@@ -42,7 +43,7 @@ pub struct MapPage {
 impl Page for MapPage {
     const TABLE: TableDefinition<'static, (u32, u64), &'static [u8]> = MAP_PAGES;
 
-    fn decode(bytes: Option<&[u8]>) -> Result<Self, String> {
+    fn decode(bytes: Option<&[u8]>) -> Result<Self, MetaError> {
         let words: Vec<[u8; 8]> = stored_words("map", bytes, MAP_ENTRIES_PER_PAGE as usize)?;
         Ok(MapPage {
             entries: words
@@ -74,7 +75,7 @@ pub struct CrcPage {
 impl Page for CrcPage {
     const TABLE: TableDefinition<'static, (u32, u64), &'static [u8]> = CRC_PAGES;
 
-    fn decode(bytes: Option<&[u8]>) -> Result<Self, String> {
+    fn decode(bytes: Option<&[u8]>) -> Result<Self, MetaError> {
         let words: Vec<[u8; 4]> = stored_words("checksum", bytes, CRCS_PER_PAGE as usize)?;
         Ok(CrcPage {
             crcs: words
@@ -99,16 +100,16 @@ impl Page for CrcPage {
 
 /// The `count` little-endian words of a stored page (all zero for a page
 /// never stored); a stored page of any other length is an error.
-fn stored_words<const N: usize>(what: &str, bytes: Option<&[u8]>, count: usize) -> Result<Vec<[u8; N]>, String> {
+fn stored_words<const N: usize>(what: &str, bytes: Option<&[u8]>, count: usize) -> Result<Vec<[u8; N]>, MetaError> {
     let Some(bytes) = bytes else {
         return Ok(vec![[0; N]; count]);
     };
     if bytes.len() != count * N {
-        return Err(format!(
+        return Err(MetaError::Corrupt(format!(
             "stored {what} page is {} bytes, not {} ({count} entries of {N} bytes)",
             bytes.len(),
             count * N
-        ));
+        )));
     }
     Ok(bytes
         .chunks_exact(N)
@@ -142,12 +143,15 @@ impl<P: Page> PageCache<P> {
     }
 
     /// The page, from the cache or loaded from the store.
-    pub fn get(&self, db: &redb::Database, key: PageKey) -> Result<Arc<P>, String> {
+    pub fn get(&self, db: &redb::Database, key: PageKey) -> Result<Arc<P>, MetaError> {
         if let Some(page) = self.shard(key).get(&key) {
             return Ok(page.clone());
         }
         let stored = read_page(db, P::TABLE, key)?;
-        let page = Arc::new(P::decode(stored.as_deref()).map_err(|e| format!("{e} (key {key:?})"))?);
+        let page = Arc::new(P::decode(stored.as_deref()).map_err(|e| match e {
+            MetaError::Corrupt(what) => MetaError::Corrupt(format!("{what} (key {key:?})")),
+            other => other,
+        })?);
         let mut shard = self.shard(key);
         if let Some(existing) = shard.get(&key) {
             return Ok(existing.clone());
@@ -263,9 +267,14 @@ mod tests {
         let error = MapPage::decode(Some(&bytes[..bytes.len() - 8]))
             .err()
             .expect("short page refused");
+        assert!(matches!(error, MetaError::Corrupt(_)));
+        let error = error.to_string();
         assert!(error.contains("map page is 2040 bytes, not 2048"), "{error}");
         assert!(MapPage::decode(Some(&[0u8; 2049])).is_err());
-        let error = CrcPage::decode(Some(&[0u8; 10])).err().expect("short page refused");
+        let error = CrcPage::decode(Some(&[0u8; 10]))
+            .err()
+            .expect("short page refused")
+            .to_string();
         assert!(error.contains("checksum page is 10 bytes"), "{error}");
         // A page never stored is empty.
         let empty = CrcPage::decode(None).unwrap();

@@ -8,6 +8,7 @@
 //! Region layout (docs/FORMAT.md): a 4 KiB header holding redb's current
 //! length, then redb's bytes.
 
+use super::MetaError;
 use crate::sync::LockOrAbort;
 use std::future::Future;
 use std::io;
@@ -244,17 +245,16 @@ pub fn open_database(
     capacity: u64,
     cache_bytes: usize,
     written: Arc<AtomicU64>,
-) -> Result<redb::Database, String> {
-    let backend =
-        RegionBackend::open(device, offset, capacity, written).map_err(|e| format!("metadata region: {e}"))?;
+) -> Result<redb::Database, MetaError> {
+    let backend = RegionBackend::open(device, offset, capacity, written)
+        .map_err(|e| MetaError::Failed(format!("metadata region: {e}")))?;
     let db = redb::Builder::new()
         .set_cache_size(cache_bytes)
-        .create_with_backend(backend)
-        .map_err(|e| format!("metadata store: {e}"))?;
+        .create_with_backend(backend)?;
     // Make sure every table exists so readers never see "table missing".
-    let txn = db.begin_write().map_err(|e| format!("metadata store: {e}"))?;
+    let txn = db.begin_write()?;
     {
-        let open = |result: Result<(), redb::TableError>| result.map_err(|e| format!("metadata store: {e}"));
+        let open = |result: Result<(), redb::TableError>| result.map_err(MetaError::from);
         open(txn.open_table(MAP_PAGES).map(|_| ()))?;
         open(txn.open_table(CRC_PAGES).map(|_| ()))?;
         open(txn.open_table(CHUNKS).map(|_| ()))?;
@@ -262,19 +262,15 @@ pub fn open_database(
         open(txn.open_table(DESTROYED).map(|_| ()))?;
         open(txn.open_table(STATE).map(|_| ()))?;
     }
-    txn.commit().map_err(|e| format!("metadata store: {e}"))?;
+    txn.commit()?;
     Ok(db)
 }
 
 /// Reads one scalar from the STATE table (0 when absent).
-pub fn read_state(db: &redb::Database, key: &str) -> Result<u64, String> {
-    let txn = db.begin_read().map_err(|e| e.to_string())?;
-    let table = txn.open_table(STATE).map_err(|e| e.to_string())?;
-    Ok(table
-        .get(key)
-        .map_err(|e| e.to_string())?
-        .map(|v| v.value())
-        .unwrap_or(0))
+pub fn read_state(db: &redb::Database, key: &str) -> Result<u64, MetaError> {
+    let txn = db.begin_read().map_err(MetaError::from)?;
+    let table = txn.open_table(STATE).map_err(MetaError::from)?;
+    Ok(table.get(key).map_err(MetaError::from)?.map(|v| v.value()).unwrap_or(0))
 }
 
 /// Reads one page blob.
@@ -282,7 +278,7 @@ pub fn read_page(
     db: &redb::Database,
     table: TableDefinition<(u32, u64), &[u8]>,
     key: (u32, u64),
-) -> Result<Option<Vec<u8>>, String> {
+) -> Result<Option<Vec<u8>>, MetaError> {
     blocking_section(|| read_page_now(db, table, key))
 }
 
@@ -290,9 +286,9 @@ fn read_page_now(
     db: &redb::Database,
     table: TableDefinition<(u32, u64), &[u8]>,
     key: (u32, u64),
-) -> Result<Option<Vec<u8>>, String> {
-    let txn = db.begin_read().map_err(|e| e.to_string())?;
-    let table = txn.open_table(table).map_err(|e| e.to_string())?;
-    let value = table.get(key).map_err(|e| e.to_string())?;
+) -> Result<Option<Vec<u8>>, MetaError> {
+    let txn = db.begin_read().map_err(MetaError::from)?;
+    let table = txn.open_table(table).map_err(MetaError::from)?;
+    let value = table.get(key).map_err(MetaError::from)?;
     Ok(value.map(|v| v.value().to_vec()))
 }

@@ -45,18 +45,18 @@ pub mod map_entry {
 }
 
 impl Pool {
-    pub(crate) fn map_page(&self, volume: u32, block: u64) -> Result<Arc<MapPage>, String> {
+    pub(crate) fn map_page(&self, volume: u32, block: u64) -> Result<Arc<MapPage>, MetaError> {
         self.map_pages.get(&self.db, (volume, block / MAP_ENTRIES_PER_PAGE))
     }
 
-    pub(crate) fn lookup(&self, volume: u32, block: u64) -> Result<u64, String> {
+    pub(crate) fn lookup(&self, volume: u32, block: u64) -> Result<u64, MetaError> {
         let page = self.map_page(volume, block)?;
         Ok(page.entries[(block % MAP_ENTRIES_PER_PAGE) as usize].load(Ordering::Acquire))
     }
 
     /// The map entries of blocks `first..=last`, one page lookup per map
     /// page rather than per block (a megabyte request covers 64 blocks).
-    pub(crate) fn lookup_range(&self, volume: u32, first: u64, last: u64) -> Result<Vec<u64>, String> {
+    pub(crate) fn lookup_range(&self, volume: u32, first: u64, last: u64) -> Result<Vec<u64>, MetaError> {
         let mut entries = Vec::with_capacity((last - first + 1) as usize);
         let mut block = first;
         while block <= last {
@@ -73,12 +73,12 @@ impl Pool {
         Ok(entries)
     }
 
-    pub(crate) fn set_mapping(&self, volume: u32, block: u64, entry: u64) -> Result<(), String> {
+    pub(crate) fn set_mapping(&self, volume: u32, block: u64, entry: u64) -> Result<(), MetaError> {
         #[cfg(test)]
         if self.fail_mapping_after.fetch_sub(1, Ordering::AcqRel) == 0 {
-            return Err(format!(
+            return Err(MetaError::Failed(format!(
                 "injected: map page of volume {volume} block {block} cannot be loaded"
-            ));
+            )));
         }
         let page = self.map_page(volume, block)?;
         page.entries[(block % MAP_ENTRIES_PER_PAGE) as usize].store(entry, Ordering::Release);
@@ -86,13 +86,13 @@ impl Pool {
         Ok(())
     }
 
-    fn crc_page(&self, device: u8, sector: u64) -> Result<Arc<CrcPage>, String> {
+    fn crc_page(&self, device: u8, sector: u64) -> Result<Arc<CrcPage>, MetaError> {
         self.crc_pages.get(&self.db, (device as u32, sector / CRCS_PER_PAGE))
     }
 
     /// The stored checksums of `count` sectors from `offset`, one page
     /// lookup per checksum page rather than per sector.
-    pub(crate) fn crcs(&self, device: u8, offset: u64, count: usize) -> Result<Vec<u32>, String> {
+    pub(crate) fn crcs(&self, device: u8, offset: u64, count: usize) -> Result<Vec<u32>, MetaError> {
         let mut crcs = Vec::with_capacity(count);
         let mut sector = offset >> SECTOR_SHIFT;
         while crcs.len() < count {
@@ -109,7 +109,7 @@ impl Pool {
         Ok(crcs)
     }
 
-    pub(crate) fn set_crc(&self, device: u8, offset: u64, crc: u32) -> Result<(), String> {
+    pub(crate) fn set_crc(&self, device: u8, offset: u64, crc: u32) -> Result<(), MetaError> {
         let sector = offset >> SECTOR_SHIFT;
         let page = self.crc_page(device, sector)?;
         page.crcs[(sector % CRCS_PER_PAGE) as usize].store(crc, Ordering::Release);
@@ -119,7 +119,7 @@ impl Pool {
 
     /// Sets the checksums of consecutive sectors from `offset`, one page
     /// lookup per checksum page rather than per sector.
-    pub(crate) fn set_crcs(&self, device: u8, offset: u64, crcs: &[u32]) -> Result<(), String> {
+    pub(crate) fn set_crcs(&self, device: u8, offset: u64, crcs: &[u32]) -> Result<(), MetaError> {
         let first = offset >> SECTOR_SHIFT;
         let mut index = 0;
         while index < crcs.len() {
@@ -158,18 +158,17 @@ impl Pool {
         for key in &cached {
             total += count_page(&self.map_pages.get(&self.db, *key).map_err(PoolError::Meta)?.entries);
         }
-        let txn = self.db.begin_read().map_err(|e| PoolError::Meta(e.to_string()))?;
-        let table = txn.open_table(MAP_PAGES).map_err(|e| PoolError::Meta(e.to_string()))?;
-        for row in table
-            .range((id, 0)..=(id, u64::MAX))
-            .map_err(|e| PoolError::Meta(e.to_string()))?
-        {
-            let (key, value) = row.map_err(|e| PoolError::Meta(e.to_string()))?;
+        let txn = self.db.begin_read().map_err(MetaError::from)?;
+        let table = txn.open_table(MAP_PAGES).map_err(MetaError::from)?;
+        for row in table.range((id, 0)..=(id, u64::MAX)).map_err(MetaError::from)? {
+            let (key, value) = row.map_err(MetaError::from)?;
             if cached.contains(&key.value()) {
                 continue;
             }
-            let page = MapPage::decode(Some(value.value()))
-                .map_err(|e| PoolError::Meta(format!("{e} (volume {id}, page {})", key.value().1)))?;
+            let page = MapPage::decode(Some(value.value())).map_err(|e| match e {
+                MetaError::Corrupt(what) => MetaError::Corrupt(format!("{what} (volume {id}, page {})", key.value().1)),
+                other => other,
+            })?;
             total += count_page(&page.entries);
         }
         Ok(total)

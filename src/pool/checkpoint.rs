@@ -23,10 +23,10 @@ fn write_pages<P: Page>(
     txn: &redb::WriteTransaction,
     definition: TableDefinition<(u32, u64), &[u8]>,
     pages: &[TakenPage<P>],
-) -> Result<(), String> {
-    let mut table = txn.open_table(definition).map_err(|e| e.to_string())?;
+) -> Result<(), MetaError> {
+    let mut table = txn.open_table(definition)?;
     for (key, bytes, _) in pages {
-        table.insert(*key, bytes.as_slice()).map_err(|e| e.to_string())?;
+        table.insert(*key, bytes.as_slice())?;
     }
     Ok(())
 }
@@ -110,7 +110,7 @@ impl Pool {
                 self.allocator
                     .lock_or_abort()
                     .restore_dirty(chunks.iter().map(|(key, _)| *key));
-                Err(PoolError::Meta(format!("checkpoint failed: {e}")))
+                Err(PoolError::Meta(MetaError::Failed(format!("checkpoint failed: {e}"))))
             }
         }
     }
@@ -125,56 +125,53 @@ impl Pool {
         destroyed: &[u32],
         (lsn, data_tail): (u64, u64),
         epoch: u32,
-    ) -> Result<(), String> {
+    ) -> Result<(), MetaError> {
         // The store's backend blocks on device I/O; the simulator's devices
         // complete at once and real engines complete on their own threads.
-        let txn = self.db.begin_write().map_err(|e| e.to_string())?;
+        let txn = self.db.begin_write()?;
         {
-            let mut table = txn.open_table(MAP_PAGES).map_err(|e| e.to_string())?;
+            let mut table = txn.open_table(MAP_PAGES)?;
             for (key, bytes, _) in map {
-                table.insert(*key, bytes.as_slice()).map_err(|e| e.to_string())?;
+                table.insert(*key, bytes.as_slice())?;
             }
             for volume in destroyed {
                 let keys: Vec<(u32, u64)> = table
-                    .range((*volume, 0)..=(*volume, u64::MAX))
-                    .map_err(|e| e.to_string())?
+                    .range((*volume, 0)..=(*volume, u64::MAX))?
                     .filter_map(|row| row.ok().map(|(k, _)| k.value()))
                     .collect();
                 for key in keys {
-                    table.remove(key).map_err(|e| e.to_string())?;
+                    table.remove(key)?;
                 }
             }
         }
         write_pages(&txn, CRC_PAGES, crcs)?;
         {
-            let mut table = txn.open_table(CHUNKS).map_err(|e| e.to_string())?;
+            let mut table = txn.open_table(CHUNKS)?;
             for ((device, chunk), state) in chunks {
                 match state {
                     Some(state) => {
-                        table
-                            .insert((*device as u32, *chunk), state.encode().as_slice())
-                            .map_err(|e| e.to_string())?;
+                        table.insert((*device as u32, *chunk), state.encode().as_slice())?;
                     }
                     None => {
-                        table.remove((*device as u32, *chunk)).map_err(|e| e.to_string())?;
+                        table.remove((*device as u32, *chunk))?;
                     }
                 }
             }
         }
         {
-            let mut table = txn.open_table(SUSPECT).map_err(|e| e.to_string())?;
-            table.retain(|_, _| false).map_err(|e| e.to_string())?;
+            let mut table = txn.open_table(SUSPECT)?;
+            table.retain(|_, _| false)?;
             for (device, chunk) in suspect {
-                table.insert((*device as u32, *chunk), 0).map_err(|e| e.to_string())?;
+                table.insert((*device as u32, *chunk), 0)?;
             }
         }
         {
-            let mut table = txn.open_table(STATE).map_err(|e| e.to_string())?;
-            table.insert("checkpoint_lsn", lsn).map_err(|e| e.to_string())?;
-            table.insert("data_tail", data_tail).map_err(|e| e.to_string())?;
-            table.insert("has_data_tail", 1).map_err(|e| e.to_string())?;
-            table.insert("epoch", epoch as u64).map_err(|e| e.to_string())?;
+            let mut table = txn.open_table(STATE)?;
+            table.insert("checkpoint_lsn", lsn)?;
+            table.insert("data_tail", data_tail)?;
+            table.insert("has_data_tail", 1)?;
+            table.insert("epoch", epoch as u64)?;
         }
-        txn.commit().map_err(|e| e.to_string())
+        txn.commit().map_err(MetaError::from)
     }
 }

@@ -180,6 +180,10 @@ impl Pool {
 fn block_error(error: crate::volume::BlockError) -> PoolError {
     match error {
         crate::volume::BlockError::NoSpace => PoolError::Invalid("no space left in the pool".into()),
-        other => PoolError::Meta(other.to_string()),
+        crate::volume::BlockError::Io(error) => PoolError::Device {
+            device: "pool".into(),
+            reason: format!("destage: {error}"),
+        },
+        other => PoolError::Invalid(format!("destage: {other}")),
     }
 }

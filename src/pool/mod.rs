@@ -49,6 +49,7 @@ use crate::device::{Device, DeviceError, IoBuf};
 use crate::meta::log::{Log, LogError, Record};
 use crate::meta::pages::{CrcPage, MapPage, Page, PageCache, TakenPage, CRCS_PER_PAGE, MAP_ENTRIES_PER_PAGE};
 use crate::meta::store::{self, CHUNKS, CRC_PAGES, MAP_PAGES, STATE, SUSPECT};
+use crate::meta::MetaError;
 use crate::sync::LockOrAbort;
 use alloc::{Allocator, ChunkState, DeviceSpace};
 use superblock::{Member, Role, Superblock, SUPERBLOCK_BYTES, SUPERBLOCK_OFFSETS};
@@ -121,7 +122,7 @@ pub enum PoolError {
     #[error("{0}")]
     Invalid(String),
     #[error("metadata: {0}")]
-    Meta(String),
+    Meta(#[from] MetaError),
     #[error(transparent)]
     Io(#[from] DeviceError),
     #[error(transparent)]

@@ -305,20 +305,23 @@ impl Pool {
         let mut allocator = Allocator::new(superblock.chunk_bytes, spaces);
         let mut suspect = HashSet::new();
         {
-            let txn = db.begin_read().map_err(|e| PoolError::Meta(e.to_string()))?;
-            let chunks = txn.open_table(CHUNKS).map_err(|e| PoolError::Meta(e.to_string()))?;
-            for row in chunks.iter().map_err(|e| PoolError::Meta(e.to_string()))? {
-                let (key, value) = row.map_err(|e| PoolError::Meta(e.to_string()))?;
+            let txn = db.begin_read().map_err(MetaError::from)?;
+            let chunks = txn.open_table(CHUNKS).map_err(MetaError::from)?;
+            for row in chunks.iter().map_err(MetaError::from)? {
+                let (key, value) = row.map_err(MetaError::from)?;
                 let (device, chunk_index) = key.value();
-                let state = ChunkState::decode(value.value())
-                    .ok_or_else(|| PoolError::Meta(format!("damaged chunk record {device}/{chunk_index}")))?;
-                allocator
-                    .load_chunk(device as u8, chunk_index, state)
-                    .map_err(|e| PoolError::Meta(format!("chunk record {device}/{chunk_index}: {e}")))?;
+                let state = ChunkState::decode(value.value()).ok_or_else(|| {
+                    PoolError::Meta(MetaError::Corrupt(format!(
+                        "damaged chunk record {device}/{chunk_index}"
+                    )))
+                })?;
+                allocator.load_chunk(device as u8, chunk_index, state).map_err(|e| {
+                    PoolError::Meta(MetaError::Corrupt(format!("chunk record {device}/{chunk_index}: {e}")))
+                })?;
             }
-            let table = txn.open_table(SUSPECT).map_err(|e| PoolError::Meta(e.to_string()))?;
-            for row in table.iter().map_err(|e| PoolError::Meta(e.to_string()))? {
-                let (key, _) = row.map_err(|e| PoolError::Meta(e.to_string()))?;
+            let table = txn.open_table(SUSPECT).map_err(MetaError::from)?;
+            for row in table.iter().map_err(MetaError::from)? {
+                let (key, _) = row.map_err(MetaError::from)?;
                 let (device, chunk_index) = key.value();
                 suspect.insert((device as u8, chunk_index));
             }
@@ -510,9 +513,9 @@ impl Pool {
                         // Already used if the checkpoint came after this record.
                         Ok(()) | Err(alloc::AllocError::AlreadyUsed { .. }) => {}
                         Err(e) => {
-                            return Err(PoolError::Meta(format!(
+                            return Err(PoolError::Meta(MetaError::Corrupt(format!(
                                 "log record mapping volume {volume} block {block}: {e}"
-                            )))
+                            ))))
                         }
                     }
                     drop(allocator);

@@ -94,13 +94,10 @@ impl Pool {
     pub(super) fn free_volume_blocks(&self, id: u32, replaying: Replaying) -> Result<(), PoolError> {
         let mut keys: HashSet<(u32, u64)> = HashSet::new();
         {
-            let txn = self.db.begin_read().map_err(|e| PoolError::Meta(e.to_string()))?;
-            let table = txn.open_table(MAP_PAGES).map_err(|e| PoolError::Meta(e.to_string()))?;
-            for row in table
-                .range((id, 0)..=(id, u64::MAX))
-                .map_err(|e| PoolError::Meta(e.to_string()))?
-            {
-                let (key, _) = row.map_err(|e| PoolError::Meta(e.to_string()))?;
+            let txn = self.db.begin_read().map_err(MetaError::from)?;
+            let table = txn.open_table(MAP_PAGES).map_err(MetaError::from)?;
+            for row in table.range((id, 0)..=(id, u64::MAX)).map_err(MetaError::from)? {
+                let (key, _) = row.map_err(MetaError::from)?;
                 keys.insert(key.value());
             }
         }

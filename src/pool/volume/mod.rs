@@ -27,6 +27,7 @@ use super::cache::{Entry, VolumeCache};
 use super::{map_entry, Pool, PoolError, SECTOR_BYTES};
 use crate::device::{DeviceError, IoBuf};
 use crate::meta::log::Record;
+use crate::meta::MetaError;
 use crate::volume::{BlockDevice, BlockError, BlockResult, BoxFuture, Capabilities, Extent, ZeroFlags};
 
 const STRIPES: usize = 1024;
@@ -65,7 +66,7 @@ fn io_error(error: DeviceError) -> BlockError {
     }
 }
 
-fn meta_error(error: String) -> BlockError {
+fn meta_error(error: MetaError) -> BlockError {
     BlockError::Io(std::io::Error::other(format!("metadata: {error}")))
 }
 
@@ -110,7 +111,7 @@ impl EngineVolume {
     }
 
     /// The block-map entry of logical block `block` (see `pool::map_entry`).
-    pub fn lookup_entry(&self, block: u64) -> Result<u64, String> {
+    pub fn lookup_entry(&self, block: u64) -> Result<u64, MetaError> {
         self.pool.lookup(self.id, block)
     }
 

@@ -430,7 +430,7 @@ impl EngineVolume {
     /// Records one completed device write: its sectors' checksums, then a
     /// map entry and log record for each block it newly placed. On an error
     /// the new blocks not mapped yet are given back to the allocator.
-    fn account_write(&self, write: &PlannedWrite) -> Result<(), String> {
+    fn account_write(&self, write: &PlannedWrite) -> Result<(), MetaError> {
         if let Err(e) = self.pool.set_crcs(write.device, write.offset, &write.crcs) {
             write.release_new_slots(&self.pool);
             return Err(e);
