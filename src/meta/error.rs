@@ -31,7 +31,14 @@ macro_rules! from_redb {
     )*};
 }
 
-from_redb!(Error, DatabaseError, TransactionError, TableError, StorageError, CommitError);
+from_redb!(
+    Error,
+    DatabaseError,
+    TransactionError,
+    TableError,
+    StorageError,
+    CommitError
+);
 
 #[cfg(test)]
 mod tests {
