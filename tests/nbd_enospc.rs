@@ -284,3 +284,105 @@ fn a_full_pool_fails_only_the_writes_that_need_space() {
     let status = pool_json(&server);
     assert_eq!(status["volumes"], 1, "{status}");
 }
+
+/// Unmounts the tmpfs when the test ends, however it ends.
+struct Mount(std::path::PathBuf);
+
+impl Drop for Mount {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg("-l").arg(&self.0).status();
+    }
+}
+
+/// The file system under the pool fills before the pool does (sparse
+/// device files on a 160 MiB tmpfs, a pool of 400 MiB): the write that
+/// needs space gets ENOSPC, never EIO; the device does not turn read-only
+/// (overwrites of written blocks keep working); after a TRIM the freed
+/// places take new writes, with no restart; a kill -9 loses nothing
+/// acknowledged.
+#[test]
+fn a_full_file_system_under_the_pool_fails_only_the_writes_that_need_space() {
+    require_tool("qemu-io");
+    let dir = tempfile::tempdir().unwrap();
+    let fs = dir.path().join("fs");
+    std::fs::create_dir(&fs).unwrap();
+    let mounted = Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "size=160m", "tmpfs"])
+        .arg(&fs)
+        .status()
+        .expect("run mount");
+    assert!(
+        mounted.success(),
+        "this test mounts a small tmpfs and needs root (CI runs as root)"
+    );
+    let _mount = Mount(fs.clone());
+    // 97 MiB of chunk 0, metadata and log, then 400 MiB of data space.
+    let fast = common::sparse_file(&fs, "fast.img", 97 * MIB + 400 * MIB);
+    let data = dir.path().join("data");
+    let ram = dir.path().join("ram");
+    std::fs::create_dir(&ram).unwrap();
+    let mut server = Server::start_with_ram_dir(&data, Some(&ram));
+    cli_ok(&server, &["pool", "create", "tank", "--fast", &fast]);
+    cli_ok(&server, &["volume", "create", "tank/big", "--size", "1G"]);
+    let big = server.uri("tank/big");
+
+    let mut acknowledged = 0u64;
+    let failure = loop {
+        assert!(acknowledged < 400, "wrote more than the file system holds");
+        let (ok, text) = qemu_io(
+            &big,
+            &[format!(
+                "write -P {:#x} {} {MIB}",
+                pattern(acknowledged),
+                acknowledged * MIB
+            )],
+        );
+        if ok && text.contains("wrote 1048576/1048576 bytes") {
+            acknowledged += 1;
+        } else {
+            break text;
+        }
+    };
+    eprintln!("{acknowledged} MiB acknowledged before the file system was full; then:\n{failure}");
+    assert!(failure.contains("No space left on device"), "{failure}");
+    assert!(!failure.contains("Input/output error"), "{failure}");
+    assert!(
+        acknowledged >= 16,
+        "the file system filled too early: {acknowledged} MiB"
+    );
+    // The pool itself had room: this was the file system.
+    assert!(pool_json(&server)["available_bytes"].as_u64().unwrap() > 100 * MIB);
+
+    // Still full: the same answer again, never EIO.
+    let mut raw = Nbd::connect(&server.nbd, "tank/big");
+    assert_eq!(raw.write(900 * MIB, &vec![0x99; 1 << 20]), ENOSPC);
+    // Overwrites of written blocks need no new space: they work, and the
+    // device did not turn read-only.
+    assert_eq!(raw.write(0, &vec![0x77; 1 << 20]), 0);
+    assert_eq!(raw.flush(), 0);
+    assert!(raw.read(0, 4096).iter().all(|&b| b == 0x77));
+    drop(raw);
+    qemu_io_ok(&big, &[format!("read -P {:#x} {MIB} {MIB}", pattern(1))]);
+
+    // TRIM frees places; new writes take them, with no restart.
+    qemu_io_ok(&big, &[format!("discard {} {}", 2 * MIB, 8 * MIB), "flush".into()]);
+    qemu_io_ok(
+        &big,
+        &[format!("write -P 0x5a {} {}", 950 * MIB, 4 * MIB), "flush".into()],
+    );
+
+    // kill -9, restart: everything acknowledged is there.
+    server.kill9();
+    let server = Server::start_with_ram_dir(&data, Some(&ram));
+    let big = server.uri("tank/big");
+    qemu_io_ok(
+        &big,
+        &[
+            "read -P 0x77 0 1M".into(),
+            format!("read -P 0x5a {} {}", 950 * MIB, 4 * MIB),
+        ],
+    );
+    for i in (1..2).chain(10..acknowledged) {
+        qemu_io_ok(&big, &[format!("read -P {:#x} {} {MIB}", pattern(i), i * MIB)]);
+    }
+}

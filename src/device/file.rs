@@ -356,8 +356,17 @@ impl FileDevice {
         self.sticky.check(&self.info.name)
     }
 
+    /// A failed write or flush: sticky (see [`StickyError`]), except a
+    /// write the file system refused for lack of space (ENOSPC, EDQUOT).
+    /// That write was refused when it was issued, so no completed write
+    /// was lost: it fails alone, and writes that need no new space (and
+    /// any write once space is freed) go on. A flush failure is always
+    /// sticky, whatever its errno.
     fn fail(&self, what: &str, offset: u64, source: io::Error) -> DeviceError {
-        self.sticky.set(format!("{what} at offset {offset} failed: {source}"));
+        let no_space = matches!(source.raw_os_error(), Some(libc::ENOSPC) | Some(libc::EDQUOT));
+        if !(no_space && what == "write") {
+            self.sticky.set(format!("{what} at offset {offset} failed: {source}"));
+        }
         io_error(&self.info.name, offset, source)
     }
 }

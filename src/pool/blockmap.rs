@@ -139,6 +139,13 @@ impl Pool {
         Ok(())
     }
 
+    /// Marks the chunk holding `offset` suspect: its checksums may describe
+    /// the data before or after a write that failed part way.
+    pub(crate) fn mark_suspect(&self, device: u8, offset: u64) {
+        let chunk = offset / self.chunk_bytes as u64;
+        self.suspect.lock_or_abort().insert((device, chunk));
+    }
+
     pub(crate) fn is_suspect(&self, device: u8, offset: u64) -> bool {
         let chunk = offset / self.chunk_bytes as u64;
         self.suspect.lock_or_abort().contains(&(device, chunk))

@@ -401,6 +401,14 @@ impl EngineVolume {
                 Err(e) => {
                     pool_device.counters.write_errors.fetch_add(1, Ordering::Relaxed);
                     write.release_new_slots(&self.pool);
+                    // An overwrite in place may have reached the device in
+                    // part (a file system out of space refuses the rest):
+                    // its chunk's checksums are not trusted until the data
+                    // is read (and the checksums repaired from it) or
+                    // rewritten, as after a crash.
+                    for part in write.parts.iter().filter(|part| part.new_block.is_none()) {
+                        self.pool.mark_suspect(write.device, part.offset);
+                    }
                     failure = Some(io_error(e));
                 }
             }
