@@ -179,7 +179,11 @@ impl Pool {
 
 fn block_error(error: crate::volume::BlockError) -> PoolError {
     match error {
-        crate::volume::BlockError::NoSpace => PoolError::Invalid("no space left in the pool".into()),
+        crate::volume::BlockError::NoSpace => PoolError::Invalid(
+            "no space left to place cached data (in the pool, or on the file system under its devices); \
+             it stays in the RAM cache (and in the intent log once flushed) until space is freed"
+                .into(),
+        ),
         crate::volume::BlockError::Io(error) => PoolError::Device {
             device: "pool".into(),
             reason: format!("destage: {error}"),

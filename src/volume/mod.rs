@@ -80,7 +80,7 @@ pub enum BlockError {
     Misaligned { offset: u64, length: u64, alignment: u32 },
     #[error("request of {length} bytes exceeds the maximum of {max} bytes")]
     TooLarge { length: u64, max: u32 },
-    #[error("no space left in the pool")]
+    #[error("no space left (in the pool, or on the file system under its devices)")]
     NoSpace,
     #[error("zeroing cannot be done quickly")]
     NotFast,
