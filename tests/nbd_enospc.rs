@@ -321,10 +321,50 @@ fn a_full_file_system_under_the_pool_fails_only_the_writes_that_need_space() {
     let data = dir.path().join("data");
     let ram = dir.path().join("ram");
     std::fs::create_dir(&ram).unwrap();
-    let mut server = Server::start_with_ram_dir(&data, Some(&ram));
-    cli_ok(&server, &["pool", "create", "tank", "--fast", &fast]);
+    let log = dir.path().join("daemon.log");
+    let mut server = Server::start_logged(&data, Some(&ram), &[], Some(&log));
+    let created = cli(&server, &["pool", "create", "tank", "--fast", &fast]);
+    assert!(created.status.success());
+    let said = String::from_utf8_lossy(&created.stderr);
+    assert!(
+        said.contains("warning:") && said.contains("more than it can hold"),
+        "pool create said: {said}"
+    );
     cli_ok(&server, &["volume", "create", "tank/big", "--size", "1G"]);
     let big = server.uri("tank/big");
+
+    // Seen coming before anything is written: the sparse device may grow
+    // by more than its file system holds.
+    let status = cli_ok(&server, &["pool", "status", "tank"]);
+    assert!(
+        status.contains("warning:") && status.contains("will fail with ENOSPC"),
+        "{status}"
+    );
+    let device = &pool_json(&server)["devices"][0];
+    let free = device["backing"]["fs_free_bytes"]
+        .as_u64()
+        .expect("backing space in pool status --json");
+    assert!(
+        free < 160 * MIB && device["unbackable_bytes"].as_u64().unwrap() > 0,
+        "{device}"
+    );
+    let metrics = common::http(&server.api, "GET", "/metrics", "");
+    assert!(
+        metrics.contains("strata_device_fs_free_bytes{pool=\"tank\""),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("strata_device_unbackable_bytes{pool=\"tank\""),
+        "{metrics}"
+    );
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while !std::fs::read_to_string(&log)
+        .unwrap_or_default()
+        .contains("will fail with ENOSPC")
+    {
+        assert!(std::time::Instant::now() < deadline, "no warning in the daemon's log");
+        std::thread::sleep(Duration::from_millis(100));
+    }
 
     let mut acknowledged = 0u64;
     let failure = loop {

@@ -212,7 +212,8 @@ async fn index() -> Json<Value> {
 }
 
 async fn metrics(State(manager): State<Manager>) -> Response {
-    let body = super::metrics::render(&manager.volumes());
+    let pools = blocking(&manager, |m| Ok(m.pool_status())).await.unwrap_or_default();
+    let body = super::metrics::render(&manager.volumes()) + &super::metrics::render_backing(&pools);
     ([(header::CONTENT_TYPE, METRICS_CONTENT_TYPE)], body).into_response()
 }
 

@@ -429,6 +429,11 @@ fn run_pool(args: PoolArgs) -> CliResult<String> {
             let client = Client::new(&args.client)?;
             let body = json!({ "name": name, "devices": devices, "chunk_bytes": chunk_bytes, "ram_bytes": ram_bytes, "force": force });
             let status: PoolStatus = client.send("POST", "/v1/pools", Some(body))?;
+            // Sparse device files that promise more than their file system
+            // holds: said now, not when a write fails.
+            for warning in status.devices.iter().filter_map(|d| d.backing_warning()) {
+                eprintln!("strata: warning: {warning}");
+            }
             Ok(if output.json { pretty(&status) } else { String::new() })
         }
         PoolCommand::AddDevice {
@@ -658,6 +663,8 @@ fn pool_table(pools: &[PoolStatus]) -> String {
         ("WRITE", Right),
         ("CKSUM", Right),
         ("ENGINE", Left),
+        ("FS_FREE", Right),
+        ("UNBACKED", Right),
     ];
     let device_rows: Vec<Vec<String>> = pools
         .iter()
@@ -674,6 +681,9 @@ fn pool_table(pools: &[PoolStatus]) -> String {
                     d.write_errors.to_string(),
                     d.checksum_errors.to_string(),
                     d.engine.clone(),
+                    d.backing.map_or("-".into(), |b| format_size(b.fs_free_bytes)),
+                    d.backing
+                        .map_or("-".into(), |b| format_size(d.size_bytes.saturating_sub(b.backed_bytes))),
                 ]
             })
         })
@@ -684,6 +694,17 @@ fn pool_table(pools: &[PoolStatus]) -> String {
         }
         out.push('\n');
         out.push_str(&table(&device_headers, &device_rows));
+    }
+    // The file system under a sparse device cannot hold what the device
+    // may still ask of it, or is nearly full.
+    for warning in pools
+        .iter()
+        .flat_map(|p| p.devices.iter().filter_map(|d| d.backing_warning()))
+    {
+        if !out.ends_with('\n') {
+            out.push('\n');
+        }
+        out.push_str(&format!("warning: {warning}\n"));
     }
     out
 }

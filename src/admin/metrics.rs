@@ -79,3 +79,44 @@ pub fn render(volumes: &[Arc<Volume>]) -> String {
     }
     out
 }
+
+/// Gauges of the file systems under sparse file devices (the space a thin
+/// pool stands on): free bytes, and the bytes each device file may still
+/// grow by that its file system could not hold now.
+pub fn render_backing(pools: &[crate::control::manager::PoolStatus]) -> String {
+    let mut out = String::new();
+    type Gauge = fn(&crate::pool::DeviceStatus) -> Option<u64>;
+    let gauges: [(&str, &str, Gauge); 3] = [
+        (
+            "strata_device_fs_free_bytes",
+            "Free bytes of the file system under a file device.",
+            |d| d.backing.map(|b| b.fs_free_bytes),
+        ),
+        (
+            "strata_device_unbacked_bytes",
+            "Bytes a sparse device file may still grow by.",
+            |d| d.backing.map(|b| d.size_bytes.saturating_sub(b.backed_bytes)),
+        ),
+        (
+            "strata_device_unbackable_bytes",
+            "Bytes a sparse device file may still grow by that its file system could not hold now.",
+            |d| d.backing.map(|_| d.unbackable_bytes),
+        ),
+    ];
+    for (name, help, value) in gauges {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge");
+        for pool in pools {
+            for device in &pool.devices {
+                if let Some(value) = value(device) {
+                    let _ = writeln!(
+                        out,
+                        "{name}{{pool=\"{}\",device=\"{}\"}} {value}",
+                        escape_label(&pool.name),
+                        escape_label(&device.name)
+                    );
+                }
+            }
+        }
+    }
+    out
+}

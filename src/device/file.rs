@@ -25,7 +25,9 @@ use std::sync::Arc;
 use super::blocking::run_blocking;
 use super::engine::{EngineChoice, IoEngine};
 use super::mapped::Mapping;
-use super::{check_request, BoxFuture, Device, DeviceError, DeviceInfo, DeviceResult, IoBuf, StickyError};
+use super::{
+    check_request, BackingSpace, BoxFuture, Device, DeviceError, DeviceInfo, DeviceResult, IoBuf, StickyError,
+};
 
 /// `BLKGETSIZE64 = _IOR(0x12, 114, size_t)`: device size in bytes.
 const BLKGETSIZE64: libc::c_ulong = 0x8008_1272;
@@ -449,6 +451,13 @@ impl Device for FileDevice {
             .map(|result| result.map_err(|e| self.fail("write", offset, e)))
     }
 
+    fn backing_space(&self) -> Option<BackingSpace> {
+        if self.is_block_device {
+            return None;
+        }
+        backing_space(&self.file).ok()
+    }
+
     fn read_now_summed(&self, offset: u64, dst: &mut [u8], sums: &mut [u32]) -> bool {
         match &self.mapping {
             Some(mapping) => {
@@ -517,6 +526,26 @@ impl Device for FileDevice {
             }
         })
     }
+}
+
+/// The file's allocated bytes and its file system's free and total bytes,
+/// through the open descriptor.
+fn backing_space(file: &File) -> io::Result<BackingSpace> {
+    use std::os::unix::fs::MetadataExt;
+    let metadata = file.metadata()?;
+    let backed_bytes = metadata.blocks() * 512;
+    // SAFETY: `statvfs` is plain C data; all zeros is a valid value.
+    let mut stats: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: fstatvfs fills `stats` for a descriptor we own.
+    if unsafe { libc::fstatvfs(file.as_raw_fd(), &mut stats) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(BackingSpace {
+        backed_bytes,
+        fs_free_bytes: stats.f_bavail as u64 * stats.f_frsize as u64,
+        fs_size_bytes: stats.f_blocks as u64 * stats.f_frsize as u64,
+        fs_id: metadata.dev(),
+    })
 }
 
 fn discard_range(file: &File, is_block_device: bool, offset: u64, length: u64) -> io::Result<()> {

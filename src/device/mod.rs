@@ -383,6 +383,21 @@ impl DeviceError {
 
 pub type DeviceResult<T> = Result<T, DeviceError>;
 
+/// The space a file device stands on (see [`Device::backing_space`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct BackingSpace {
+    /// Bytes of the file the file system has allocated.
+    pub backed_bytes: u64,
+    /// Free bytes of the file system (for unprivileged users, as `df`).
+    pub fs_free_bytes: u64,
+    /// Size of that file system.
+    pub fs_size_bytes: u64,
+    /// Which file system (`st_dev` of the file): devices on the same one
+    /// share its free space.
+    #[serde(default)]
+    pub fs_id: u64,
+}
+
 /// Static facts about a device.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DeviceInfo {
@@ -452,6 +467,13 @@ pub trait Device: Send + Sync {
     /// are cached). `None`: it cannot, and the caller reads into an owned
     /// buffer with [`Device::read`] (`dst` may have been written to).
     fn read_now(&self, _offset: u64, _dst: &mut [u8]) -> Option<DeviceResult<()>> {
+        None
+    }
+
+    /// For a sparse file: how much of it the file system has allocated, and
+    /// the free space of that file system (`None` for block devices and
+    /// simulated ones, which have all their space).
+    fn backing_space(&self) -> Option<BackingSpace> {
         None
     }
 

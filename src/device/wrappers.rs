@@ -64,6 +64,10 @@ impl Device for DelayDevice {
         &self.info
     }
 
+    fn backing_space(&self) -> Option<super::BackingSpace> {
+        self.inner.backing_space()
+    }
+
     fn read(&self, offset: u64, buf: IoBuf) -> BoxFuture<'_, (IoBuf, DeviceResult<()>)> {
         Box::pin(async move {
             if let Err(e) = check_request(&self.info, offset, buf.len() as u64) {
@@ -187,6 +191,10 @@ impl ThrottleDevice {
 impl Device for ThrottleDevice {
     fn info(&self) -> &DeviceInfo {
         &self.info
+    }
+
+    fn backing_space(&self) -> Option<super::BackingSpace> {
+        self.inner.backing_space()
     }
 
     fn read(&self, offset: u64, buf: IoBuf) -> BoxFuture<'_, (IoBuf, DeviceResult<()>)> {
@@ -374,6 +382,10 @@ impl ErrorDevice {
 impl Device for ErrorDevice {
     fn info(&self) -> &DeviceInfo {
         &self.info
+    }
+
+    fn backing_space(&self) -> Option<super::BackingSpace> {
+        self.inner.backing_space()
     }
 
     fn read(&self, offset: u64, buf: IoBuf) -> BoxFuture<'_, (IoBuf, DeviceResult<()>)> {

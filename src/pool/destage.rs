@@ -150,9 +150,16 @@ impl Pool {
         handle.spawn(async move {
             let mut tick = tokio::time::interval(Duration::from_millis(200));
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            let mut ticks = 0u64;
+            let mut warned = std::collections::HashSet::new();
             loop {
                 tick.tick().await;
                 let Some(pool) = weak.upgrade() else { return };
+                // Every 10 s: the file systems under sparse devices.
+                if ticks.is_multiple_of(50) {
+                    pool.warn_about_backing(&mut warned);
+                }
+                ticks += 1;
                 let total = pool.cache.ram.total_slots();
                 let result = async {
                     while pool.cache.ram.free_slots() < total / 2 {
@@ -174,6 +181,25 @@ impl Pool {
                 }
             }
         });
+    }
+}
+
+impl Pool {
+    /// Logs a warning when the file system under a sparse device falls below
+    /// what the device may still ask of it, or below 10 % free; once per
+    /// device until it recovers (then an info line).
+    fn warn_about_backing(&self, warned: &mut std::collections::HashSet<u8>) {
+        for device in self.status() {
+            match device.backing_warning() {
+                Some(warning) if warned.insert(device.index) => {
+                    tracing::warn!("pool {}: {warning}", self.name)
+                }
+                None if warned.remove(&device.index) => {
+                    tracing::info!("pool {}: {}: its file system has room again", self.name, device.name)
+                }
+                _ => {}
+            }
+        }
     }
 }
 

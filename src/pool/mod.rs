@@ -45,7 +45,7 @@ use std::sync::{Arc, Mutex};
 
 use redb::{ReadableTable, TableDefinition};
 
-use crate::device::{Device, DeviceError, IoBuf};
+use crate::device::{BackingSpace, Device, DeviceError, IoBuf};
 use crate::meta::log::{Log, LogError, Record};
 use crate::meta::pages::{CrcPage, MapPage, Page, PageCache, TakenPage, CRCS_PER_PAGE, MAP_ENTRIES_PER_PAGE};
 use crate::meta::store::{self, CHUNKS, CRC_PAGES, MAP_PAGES, STATE, SUSPECT};
@@ -181,6 +181,44 @@ pub struct DeviceStatus {
     pub write_errors: u64,
     pub checksum_errors: u64,
     pub repaired_after_crash: u64,
+    /// A sparse file device: what its file system has allocated of it and
+    /// has free (see [`BackingSpace`]).
+    #[serde(default)]
+    pub backing: Option<BackingSpace>,
+    /// How much more the pool's device files on this device's file system
+    /// may still grow by than that file system has free (0 when it can hold
+    /// them all, or for block devices).
+    #[serde(default)]
+    pub unbackable_bytes: u64,
+}
+
+impl DeviceStatus {
+    /// Why the file system under this device needs attention, if it does:
+    /// less free space than the device could still ask of it, or under 10 %.
+    pub fn backing_warning(&self) -> Option<String> {
+        let backing = self.backing?;
+        let unbacked = self.size_bytes.saturating_sub(backing.backed_bytes);
+        let low = backing.fs_free_bytes < backing.fs_size_bytes / 10;
+        if self.unbackable_bytes == 0 && !low {
+            return None;
+        }
+        Some(format!(
+            "{}: its file system has {} free of {}; this device file may still grow by {}{}",
+            self.name,
+            crate::units::format_size(backing.fs_free_bytes),
+            crate::units::format_size(backing.fs_size_bytes),
+            crate::units::format_size(unbacked),
+            if self.unbackable_bytes > 0 {
+                format!(
+                    "; with the pool's other files there, {} more than it can hold: \
+                     writes into new space will fail with ENOSPC once it is full",
+                    crate::units::format_size(self.unbackable_bytes)
+                )
+            } else {
+                String::new()
+            }
+        ))
+    }
 }
 
 /// Metadata I/O counters (for the "metadata bytes per write" benchmark).
@@ -279,7 +317,8 @@ impl Pool {
 
     pub fn status(&self) -> Vec<DeviceStatus> {
         let allocator = self.allocator.lock_or_abort();
-        self.devices
+        let mut statuses: Vec<DeviceStatus> = self
+            .devices
             .iter()
             .map(|d| {
                 let space = allocator.devices().iter().find(|s| s.index == d.member.index);
@@ -295,9 +334,33 @@ impl Pool {
                     write_errors: d.counters.write_errors.load(Ordering::Relaxed),
                     checksum_errors: d.counters.checksum_errors.load(Ordering::Relaxed),
                     repaired_after_crash: d.counters.repaired_after_crash.load(Ordering::Relaxed),
+                    backing: d.device.backing_space(),
+                    unbackable_bytes: 0,
                 }
             })
-            .collect()
+            .collect();
+        drop(allocator);
+        // Devices on one file system share its free space: what all of
+        // them may still grow by, past that free space, is its shortfall.
+        let shortfall = |fs_id: u64| {
+            let mut unbacked = 0u64;
+            let mut free = 0u64;
+            for device in &statuses {
+                if let Some(backing) = device.backing.filter(|b| b.fs_id == fs_id) {
+                    unbacked += device.size_bytes.saturating_sub(backing.backed_bytes);
+                    free = backing.fs_free_bytes;
+                }
+            }
+            unbacked.saturating_sub(free)
+        };
+        let shortfalls: Vec<u64> = statuses
+            .iter()
+            .map(|d| d.backing.map_or(0, |b| shortfall(b.fs_id)))
+            .collect();
+        for (status, shortfall) in statuses.iter_mut().zip(shortfalls) {
+            status.unbackable_bytes = shortfall;
+        }
+        statuses
     }
 
     pub fn meta_counters(&self) -> MetaCounters {
