@@ -39,6 +39,8 @@ pub struct Server {
     /// `127.0.0.1:PORT` of the iSCSI target.
     pub iscsi: String,
     pub data_dir: PathBuf,
+    /// What the daemon prints on stdout after its listening lines.
+    stdout: mpsc::Receiver<String>,
 }
 
 impl Server {
@@ -126,6 +128,7 @@ impl Server {
             api,
             iscsi: iscsi.unwrap(),
             data_dir: data_dir.to_path_buf(),
+            stdout: received,
         }
     }
 
@@ -160,6 +163,18 @@ impl Server {
         // SAFETY: kill(2) on our own child's pid with a valid signal number.
         unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
         self.wait(Duration::from_secs(30))
+    }
+
+    /// SIGTERM, wait for the exit status and for what the daemon printed
+    /// on stdout since it started listening (its last words).
+    pub fn stop_saying(&mut self) -> (ExitStatus, String) {
+        let status = self.stop();
+        let mut said = String::new();
+        while let Ok(line) = self.stdout.recv_timeout(Duration::from_secs(5)) {
+            said.push_str(&line);
+            said.push('\n');
+        }
+        (status, said)
     }
 
     /// SIGKILL (a crash), then reap.
