@@ -680,7 +680,7 @@ fn pool_status() {
 
     let all = server.cli(&["pool", "status", "--json"]).json();
     assert_eq!(all.as_array().unwrap().len(), 1);
-    let mut one = server.cli(&["pool", "status", "default", "-o", "json"]).json();
+    let one = server.cli(&["pool", "status", "default", "-o", "json"]).json();
     assert!(one["available_bytes"].as_u64().unwrap() > 0);
     // Free space moves with everything else on the file system; the rest must match.
     let mut first = still(all[0].clone());
