@@ -27,7 +27,7 @@ impl<T> LockOrAbort<T> for Mutex<T> {
 }
 
 #[cold]
-fn poisoned() -> ! {
+pub(crate) fn poisoned() -> ! {
     let message = "a thread panicked while updating engine state (a poisoned lock); \
                    stopping so that the next start recovers from the intent log";
     tracing::error!("{message}");

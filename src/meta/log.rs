@@ -52,7 +52,45 @@ pub enum Record {
     /// Sectors `[first_sector, first_sector + count)` of `volume` were written
     /// in place: older `Data` records for them are superseded.
     Written { volume: u32, first_sector: u64, count: u32 },
+    /// Snapshots taken together (one consistency point): the pool's
+    /// snapshot generation became `generation`.
+    Snapshot {
+        generation: u64,
+        created_unix: u64,
+        snapshots: Vec<SnapshotEntry>,
+    },
+    /// Map page `page` of `volume` was copied into its newest snapshot
+    /// `snapshot` before a change: the copy is the snapshot's page, every
+    /// valid entry of the volume's page is now shared, and the page is born
+    /// at `generation`.
+    CopyPage {
+        volume: u32,
+        page: u64,
+        snapshot: u32,
+        generation: u64,
+    },
+    /// Snapshot `snapshot` is deleted: what only it mapped is freed.
+    DestroySnapshot { snapshot: u32 },
 }
+
+/// One snapshot of a [`Record::Snapshot`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SnapshotEntry {
+    pub volume: u32,
+    pub snapshot: u32,
+    /// The volume's mapped blocks when the snapshot was taken.
+    pub mapped_blocks: u64,
+    /// The volume's size then.
+    pub size_bytes: u64,
+    /// At most [`MAX_SNAPSHOT_NAME`] bytes of UTF-8.
+    pub name: String,
+}
+
+/// Longest snapshot name, in bytes.
+pub const MAX_SNAPSHOT_NAME: usize = 64;
+/// Most snapshots one record (one atomic `snapshot create`) holds: with the
+/// longest names it still fits a log block.
+pub const MAX_SNAPSHOTS_PER_RECORD: usize = 32;
 
 impl Record {
     /// Whether the record may be durable only once data written before it
@@ -62,7 +100,12 @@ impl Record {
         match self {
             Record::Map { new, .. } => *new != 0,
             Record::Written { .. } => true,
-            Record::Dirty { .. } | Record::Destroy { .. } | Record::Data { .. } => false,
+            Record::Dirty { .. }
+            | Record::Destroy { .. }
+            | Record::Data { .. }
+            | Record::Snapshot { .. }
+            | Record::CopyPage { .. }
+            | Record::DestroySnapshot { .. } => false,
         }
     }
 
@@ -73,6 +116,9 @@ impl Record {
             Record::Destroy { .. } => 5,
             Record::Data { .. } => 17,
             Record::Written { .. } => 17,
+            Record::Snapshot { snapshots, .. } => 18 + snapshots.iter().map(|s| 25 + s.name.len()).sum::<usize>(),
+            Record::CopyPage { .. } => 25,
+            Record::DestroySnapshot { .. } => 5,
         }
     }
 
@@ -131,6 +177,42 @@ impl Record {
                 out.extend_from_slice(&first_sector.to_le_bytes());
                 out.extend_from_slice(&count.to_le_bytes());
             }
+            Record::Snapshot {
+                generation,
+                created_unix,
+                snapshots,
+            } => {
+                assert!(!snapshots.is_empty() && snapshots.len() <= MAX_SNAPSHOTS_PER_RECORD);
+                out.push(6);
+                out.extend_from_slice(&generation.to_le_bytes());
+                out.extend_from_slice(&created_unix.to_le_bytes());
+                out.push(snapshots.len() as u8);
+                for entry in snapshots {
+                    assert!(entry.name.len() <= MAX_SNAPSHOT_NAME);
+                    out.extend_from_slice(&entry.volume.to_le_bytes());
+                    out.extend_from_slice(&entry.snapshot.to_le_bytes());
+                    out.extend_from_slice(&entry.mapped_blocks.to_le_bytes());
+                    out.extend_from_slice(&entry.size_bytes.to_le_bytes());
+                    out.push(entry.name.len() as u8);
+                    out.extend_from_slice(entry.name.as_bytes());
+                }
+            }
+            Record::CopyPage {
+                volume,
+                page,
+                snapshot,
+                generation,
+            } => {
+                out.push(7);
+                out.extend_from_slice(&volume.to_le_bytes());
+                out.extend_from_slice(&page.to_le_bytes());
+                out.extend_from_slice(&snapshot.to_le_bytes());
+                out.extend_from_slice(&generation.to_le_bytes());
+            }
+            Record::DestroySnapshot { snapshot } => {
+                out.push(8);
+                out.extend_from_slice(&snapshot.to_le_bytes());
+            }
         }
     }
 
@@ -181,6 +263,45 @@ impl Record {
                 },
                 17,
             )),
+            6 => {
+                let count = *bytes.get(17)? as usize;
+                if count == 0 || count > MAX_SNAPSHOTS_PER_RECORD {
+                    return None;
+                }
+                let mut at = 18;
+                let mut snapshots = Vec::with_capacity(count);
+                for _ in 0..count {
+                    let length = *bytes.get(at + 24)? as usize;
+                    if length > MAX_SNAPSHOT_NAME {
+                        return None;
+                    }
+                    let name = std::str::from_utf8(bytes.get(at + 25..at + 25 + length)?).ok()?;
+                    snapshots.push(SnapshotEntry {
+                        volume: u32_at(at)?,
+                        snapshot: u32_at(at + 4)?,
+                        mapped_blocks: u64_at(at + 8)?,
+                        size_bytes: u64_at(at + 16)?,
+                        name: name.to_string(),
+                    });
+                    at += 25 + length;
+                }
+                let record = Record::Snapshot {
+                    generation: u64_at(1)?,
+                    created_unix: u64_at(9)?,
+                    snapshots,
+                };
+                Some((record, at))
+            }
+            7 => Some((
+                Record::CopyPage {
+                    volume: u32_at(1)?,
+                    page: u64_at(5)?,
+                    snapshot: u32_at(13)?,
+                    generation: u64_at(17)?,
+                },
+                25,
+            )),
+            8 => Some((Record::DestroySnapshot { snapshot: u32_at(1)? }, 5)),
             _ => None,
         }
     }
@@ -332,6 +453,17 @@ impl Log {
         self.pending_bytes.store(pending.bytes, Ordering::Relaxed);
         pending.records.push(record);
         pending.frees.push(slot);
+        pending.version += 1;
+        self.appended.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Queues a record that frees several slots once it is durable.
+    pub fn append_frees(&self, record: Record, slots: Vec<(u8, u64)>) {
+        let mut pending = self.pending.lock_or_abort();
+        pending.bytes += record.encoded_len();
+        self.pending_bytes.store(pending.bytes, Ordering::Relaxed);
+        pending.records.push(record);
+        pending.frees.extend(slots);
         pending.version += 1;
         self.appended.fetch_add(1, Ordering::Relaxed);
     }
@@ -885,7 +1017,39 @@ mod tests {
                 crcs: vec![],
             },
             Record::Destroy { volume: 4 },
+            Record::Snapshot {
+                generation: 3,
+                created_unix: 1_700_000_000,
+                snapshots: vec![
+                    SnapshotEntry {
+                        volume: 3,
+                        snapshot: 0x8000_0001,
+                        mapped_blocks: 12,
+                        size_bytes: 1 << 30,
+                        name: "before-upgrade".into(),
+                    },
+                    SnapshotEntry {
+                        volume: 4,
+                        snapshot: 0x8000_0002,
+                        mapped_blocks: 0,
+                        size_bytes: 4096,
+                        name: "é".into(),
+                    },
+                ],
+            },
+            Record::CopyPage {
+                volume: 3,
+                page: 1,
+                snapshot: 0x8000_0001,
+                generation: 3,
+            },
+            Record::DestroySnapshot { snapshot: 0x8000_0002 },
         ];
+        for record in &records {
+            let mut one = Vec::new();
+            record.encode(&mut one);
+            assert_eq!(one.len(), record.encoded_len(), "{record:?}");
+        }
         let mut body = Vec::new();
         for r in &records {
             r.encode(&mut body);

@@ -38,12 +38,48 @@ pub trait Page: Send + Sync + 'static {
 pub struct MapPage {
     pub entries: Box<[AtomicU64]>,
     dirty: AtomicBool,
+    /// The pool's snapshot generation when this page was last made the
+    /// volume's own (created, or copied into the volume's newest snapshot
+    /// before a change): a page born before the volume's newest snapshot is
+    /// shared with it, and copied before it changes (`pool/snapshots.rs`).
+    /// 0 for pages of pools that never had a snapshot.
+    pub birth: AtomicU64,
+    /// Whether the page exists (stored, or made since): a snapshot that
+    /// does not have a page sees its newer neighbour's.
+    pub present: AtomicBool,
 }
+
+impl MapPage {
+    /// A page holding `entries` (a copy), born at `birth`.
+    pub fn copied(entries: &[AtomicU64], birth: u64) -> Self {
+        MapPage {
+            entries: entries
+                .iter()
+                .map(|e| AtomicU64::new(e.load(Ordering::Acquire)))
+                .collect(),
+            dirty: AtomicBool::new(false),
+            birth: AtomicU64::new(birth),
+            present: AtomicBool::new(true),
+        }
+    }
+}
+
+/// Bytes of a stored map page: its entries, then (pages of pools with
+/// snapshots) its birth generation.
+const MAP_PAGE_BYTES: usize = MAP_ENTRIES_PER_PAGE as usize * 8;
 
 impl Page for MapPage {
     const TABLE: TableDefinition<'static, (u32, u64), &'static [u8]> = MAP_PAGES;
 
     fn decode(bytes: Option<&[u8]>) -> Result<Self, MetaError> {
+        // A page with a birth carries it in 8 bytes after its entries.
+        let (bytes, birth) = match bytes {
+            Some(bytes) if bytes.len() == MAP_PAGE_BYTES + 8 => (
+                Some(&bytes[..MAP_PAGE_BYTES]),
+                crate::bytes::u64_at(bytes, MAP_PAGE_BYTES).unwrap_or_default(),
+            ),
+            other => (other, 0),
+        };
         let words: Vec<[u8; 8]> = stored_words("map", bytes, MAP_ENTRIES_PER_PAGE as usize)?;
         Ok(MapPage {
             entries: words
@@ -51,14 +87,23 @@ impl Page for MapPage {
                 .map(|w| AtomicU64::new(u64::from_le_bytes(w)))
                 .collect(),
             dirty: AtomicBool::new(false),
+            birth: AtomicU64::new(birth),
+            present: AtomicBool::new(bytes.is_some()),
         })
     }
 
     fn encode(&self) -> Vec<u8> {
-        self.entries
+        let mut out: Vec<u8> = self
+            .entries
             .iter()
             .flat_map(|e| e.load(Ordering::Acquire).to_le_bytes())
-            .collect()
+            .collect();
+        // Pools that never had a snapshot keep the original layout.
+        let birth = self.birth.load(Ordering::Acquire);
+        if birth != 0 {
+            out.extend_from_slice(&birth.to_le_bytes());
+        }
+        out
     }
 
     fn dirty_flag(&self) -> &AtomicBool {
@@ -271,6 +316,14 @@ mod tests {
         let error = error.to_string();
         assert!(error.contains("map page is 2040 bytes, not 2048"), "{error}");
         assert!(MapPage::decode(Some(&[0u8; 2049])).is_err());
+        // A page with a birth generation: 8 more bytes.
+        let mut born = bytes.clone();
+        born.extend_from_slice(&7u64.to_le_bytes());
+        let page = MapPage::decode(Some(&born)).unwrap();
+        assert_eq!(page.birth.load(Ordering::Relaxed), 7);
+        assert!(page.present.load(Ordering::Relaxed));
+        assert_eq!(page.encode(), born);
+        assert!(!MapPage::decode(None).unwrap().present.load(Ordering::Relaxed));
         let error = CrcPage::decode(Some(&[0u8; 10]))
             .err()
             .expect("short page refused")

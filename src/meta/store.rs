@@ -33,6 +33,9 @@ pub const SUSPECT: TableDefinition<(u32, u64), u8> = TableDefinition::new("suspe
 pub const DESTROYED: TableDefinition<u32, u8> = TableDefinition::new("destroyed");
 /// Scalars: "checkpoint_lsn", "epoch".
 pub const STATE: TableDefinition<&str, u64> = TableDefinition::new("state");
+/// Snapshots: id → volume, generation, creation time, mapped blocks, size
+/// and name (`pool/snapshots.rs`).
+pub const SNAPSHOTS: TableDefinition<u32, &[u8]> = TableDefinition::new("snapshots");
 
 const HEADER_BYTES: u64 = 4096;
 const HEADER_MAGIC: [u8; 8] = *b"STRATAMR";
@@ -296,6 +299,7 @@ pub fn open_database(
         open(txn.open_table(CHUNKS).map(|_| ()))?;
         open(txn.open_table(SUSPECT).map(|_| ()))?;
         open(txn.open_table(DESTROYED).map(|_| ()))?;
+        open(txn.open_table(SNAPSHOTS).map(|_| ()))?;
         open(txn.open_table(STATE).map(|_| ()))?;
     }
     txn.commit()?;

@@ -14,7 +14,17 @@ pub mod map_entry {
     const DEVICE_MASK: u64 = 0xff << DEVICE_SHIFT;
     /// Reserved for snapshots and clones (ARCHITECTURE.md, last section).
     pub const RESERVED: u64 = 0x7f << 56;
+    /// The slot is also mapped by a snapshot of the volume: a write to the
+    /// block goes to a new slot (copy-on-write), and an unmap or overwrite
+    /// does not free it (`pool/snapshots.rs`).
+    pub const SHARED: u64 = 1 << 62;
     pub const VALID: u64 = 1 << 63;
+    const _: () = assert!(SHARED & RESERVED == SHARED);
+
+    /// Whether two entries map the same slot (whatever their flags).
+    pub fn same_slot(a: u64, b: u64) -> bool {
+        a & VALID != 0 && b & VALID != 0 && a & !RESERVED == b & !RESERVED
+    }
 
     // The fields are disjoint and cover the word exactly.
     const _: () = assert!(OFFSET_MASK & DEVICE_MASK == 0 && (OFFSET_MASK | DEVICE_MASK) & (RESERVED | VALID) == 0);
@@ -45,13 +55,36 @@ pub mod map_entry {
 }
 
 impl Pool {
+    /// The map page of a volume (never of a snapshot: see `view_page`).
     pub(crate) fn map_page(&self, volume: u32, block: u64) -> Result<Arc<MapPage>, MetaError> {
+        debug_assert!(!snapshots::is_snapshot_id(volume), "map_page of snapshot {volume:#x}");
         self.map_pages.get(&self.db, (volume, block / MAP_ENTRIES_PER_PAGE))
     }
 
+    /// Reads entries of the page that `owner` (a volume or a snapshot)
+    /// sees at `index`. A snapshot may see its newer neighbour's page,
+    /// which can be copied into it and then changed while it is read: the
+    /// read is repeated until the page it was served from is still the one
+    /// the snapshot sees afterwards (the copy is installed before the
+    /// change, so a read that saw the change sees the copy then).
+    fn read_view<T>(&self, owner: u32, index: u64, read: impl Fn(&MapPage) -> T) -> Result<T, MetaError> {
+        if !snapshots::is_snapshot_id(owner) {
+            let page = self.map_pages.get(&self.db, (owner, index))?;
+            return Ok(read(&page));
+        }
+        loop {
+            let page = self.snapshot_page(owner, index)?;
+            let value = read(&page);
+            if Arc::ptr_eq(&page, &self.snapshot_page(owner, index)?) {
+                return Ok(value);
+            }
+        }
+    }
+
     pub(crate) fn lookup(&self, volume: u32, block: u64) -> Result<u64, MetaError> {
-        let page = self.map_page(volume, block)?;
-        Ok(page.entries[(block % MAP_ENTRIES_PER_PAGE) as usize].load(Ordering::Acquire))
+        self.read_view(volume, block / MAP_ENTRIES_PER_PAGE, |page| {
+            page.entries[(block % MAP_ENTRIES_PER_PAGE) as usize].load(Ordering::Acquire)
+        })
     }
 
     /// The map entries of blocks `first..=last`, one page lookup per map
@@ -60,14 +93,15 @@ impl Pool {
         let mut entries = Vec::with_capacity((last - first + 1) as usize);
         let mut block = first;
         while block <= last {
-            let page = self.map_page(volume, block)?;
             let within = (block % MAP_ENTRIES_PER_PAGE) as usize;
             let count = (MAP_ENTRIES_PER_PAGE as usize - within).min((last - block + 1) as usize);
-            entries.extend(
+            let part = self.read_view(volume, block / MAP_ENTRIES_PER_PAGE, |page| {
                 page.entries[within..within + count]
                     .iter()
-                    .map(|e| e.load(Ordering::Acquire)),
-            );
+                    .map(|e| e.load(Ordering::Acquire))
+                    .collect::<Vec<u64>>()
+            })?;
+            entries.extend(part);
             block += count as u64;
         }
         Ok(entries)
@@ -80,6 +114,7 @@ impl Pool {
                 "injected: map page of volume {volume} block {block} cannot be loaded"
             )));
         }
+        assert!(!snapshots::is_snapshot_id(volume), "a snapshot's map is read-only");
         let page = self.map_page(volume, block)?;
         page.entries[(block % MAP_ENTRIES_PER_PAGE) as usize].store(entry, Ordering::Release);
         self.map_pages.mark_dirty(&page);

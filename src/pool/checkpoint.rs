@@ -86,11 +86,21 @@ impl Pool {
         // Data records are appended under the gate, so none is in flight.
         let data_tail = self.cache.oldest_log_lsn().map_or(lsn, |oldest| oldest.min(lsn));
         let destroyed: Vec<u32> = self.destroyed.lock_or_abort().iter().copied().collect();
+        let snapshots = self.take_snapshot_state();
         drop(gate);
 
         let pages = (map.len() + crcs.len()) as u64;
         let result = store::blocking_section(|| {
-            self.write_checkpoint(&map, &crcs, &chunks, &suspect, &destroyed, (lsn, data_tail), epoch)
+            self.write_checkpoint(
+                &map,
+                &crcs,
+                &chunks,
+                &suspect,
+                &destroyed,
+                snapshots.as_ref(),
+                (lsn, data_tail),
+                epoch,
+            )
         });
         match result {
             Ok(()) => {
@@ -110,6 +120,9 @@ impl Pool {
                 self.allocator
                     .lock_or_abort()
                     .restore_dirty(chunks.iter().map(|(key, _)| *key));
+                if snapshots.is_some() {
+                    self.restore_snapshot_state();
+                }
                 Err(PoolError::Meta(MetaError::Failed(format!("checkpoint failed: {e}"))))
             }
         }
@@ -123,6 +136,7 @@ impl Pool {
         chunks: &[((u8, u64), Option<ChunkState>)],
         suspect: &[(u8, u64)],
         destroyed: &[u32],
+        snapshots: Option<&(Vec<snapshots::SnapshotInfo>, u64, u32)>,
         (lsn, data_tail): (u64, u64),
         epoch: u32,
     ) -> Result<(), MetaError> {
@@ -164,6 +178,9 @@ impl Pool {
             for (device, chunk) in suspect {
                 table.insert((*device as u32, *chunk), 0)?;
             }
+        }
+        if let Some((all, generation, next_id)) = snapshots {
+            snapshots::save(&txn, all, *generation, *next_id)?;
         }
         {
             let mut table = txn.open_table(STATE)?;

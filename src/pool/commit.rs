@@ -40,7 +40,8 @@ impl Pool {
 
     pub(crate) fn log_mapping(&self, record: Record) {
         match &record {
-            Record::Map { old, .. } if *old & map_entry::VALID != 0 => {
+            // A slot a snapshot shares is not freed by the volume's change.
+            Record::Map { old, .. } if *old & map_entry::VALID != 0 && *old & map_entry::SHARED == 0 => {
                 let slot = map_entry::decode(*old).unwrap_or((0, 0));
                 self.log.append_free(record, slot);
             }

@@ -30,6 +30,7 @@ pub mod ram;
 pub mod readcache;
 mod recover;
 mod scrub;
+pub mod snapshots;
 pub mod superblock;
 pub mod volume;
 mod volumes;
@@ -273,6 +274,12 @@ pub struct Pool {
     /// writes bypass the cache, so none is acknowledged into RAM that could
     /// not be placed later (see `Pool::space_short`).
     space_short: std::sync::atomic::AtomicBool,
+    /// Snapshots of the pool's volumes (`pool/snapshots.rs`).
+    snapshots: std::sync::RwLock<snapshots::Snapshots>,
+    /// Whether there are any: writes skip the snapshot checks when not.
+    has_snapshots: std::sync::atomic::AtomicBool,
+    /// Serialises copying a map page into a snapshot.
+    page_copy: Mutex<()>,
     /// Data-device writes completed, and how many of them a flush covered:
     /// a commit flushes the data devices only when they differ.
     data_writes: AtomicU64,

@@ -286,6 +286,7 @@ impl Pool {
                 .min(checkpoint_lsn),
         };
         let epoch = store::read_state(&db, "epoch").map_err(PoolError::Meta)? as u32;
+        let snapshots = snapshots::load(&db).map_err(PoolError::Meta)?;
 
         // Space: every data device minus chunk 0 and the metadata/log regions.
         let spaces = devices
@@ -409,6 +410,9 @@ impl Pool {
             read_cache: readcache::ReadCache::new(options.read_cache_bytes),
             reserved_bytes: AtomicU64::new(0),
             space_short: std::sync::atomic::AtomicBool::new(false),
+            has_snapshots: std::sync::atomic::AtomicBool::new(!snapshots.is_empty()),
+            snapshots: std::sync::RwLock::new(snapshots),
+            page_copy: Mutex::new(()),
             data_writes: AtomicU64::new(0),
             data_flushed: AtomicU64::new(0),
             data_tail: AtomicU64::new(data_tail),
@@ -505,8 +509,11 @@ impl Pool {
                 self.map_pages.mark_dirty(&page);
                 let mut allocator = self.allocator.lock_or_abort();
                 if let Some((device, offset)) = map_entry::decode(old) {
-                    // Already free if the checkpoint came after this record.
-                    let _ = allocator.free(device, offset);
+                    // Already free if the checkpoint came after this record;
+                    // a slot a snapshot shares stays.
+                    if old & map_entry::SHARED == 0 {
+                        let _ = allocator.free(device, offset);
+                    }
                 }
                 if let Some((device, offset)) = map_entry::decode(new) {
                     let slot_shift = (crcs.len().max(1) as u64 * SECTOR_BYTES).trailing_zeros() as u8;
@@ -528,6 +535,26 @@ impl Pool {
             }
             Record::Destroy { volume } => self.free_volume_blocks(volume, Replaying::Yes)?,
             Record::Data { .. } | Record::Written { .. } => {}
+            Record::Snapshot {
+                generation,
+                created_unix,
+                snapshots,
+            } => self.apply_snapshot_record(generation, created_unix, snapshots),
+            Record::CopyPage {
+                volume,
+                page,
+                snapshot,
+                generation,
+            } => self
+                .apply_copy_page(volume, page, snapshot, generation)
+                .map_err(PoolError::Meta)?,
+            Record::DestroySnapshot { snapshot } => {
+                let mut allocator = self.allocator.lock_or_abort();
+                for (device, offset) in self.apply_destroy_snapshot(snapshot)? {
+                    // Already free if the checkpoint came after this record.
+                    let _ = allocator.free(device, offset);
+                }
+            }
         }
         Ok(())
     }

@@ -37,6 +37,20 @@ impl Pool {
         Ok(engine)
     }
 
+    /// Opens snapshot `id` (read-only) of a volume of `volblocksize`.
+    pub fn open_snapshot(self: &Arc<Self>, id: u32, volblocksize: u32) -> Result<Arc<volume::EngineVolume>, PoolError> {
+        let info = self
+            .snapshot(id)
+            .ok_or_else(|| PoolError::Invalid(format!("no snapshot {id:#x}")))?;
+        Ok(Arc::new(volume::EngineVolume::new(
+            self.clone(),
+            id,
+            info.size_bytes,
+            volblocksize,
+            info.mapped_blocks,
+        )))
+    }
+
     /// Reserves pool space again for the unmapped blocks that the cache
     /// holds dirty sectors of after a restart (restored from the RAM tier or
     /// the intent log). They were accepted, with space reserved, before the
@@ -77,6 +91,9 @@ impl Pool {
     /// Destroys volume `id`: frees every block once the record saying so is
     /// durable; the next checkpoint deletes its pages.
     pub async fn destroy_volume(&self, id: u32) -> Result<(), PoolError> {
+        if self.snapshots_read().has_volume(id) {
+            return Err(PoolError::Invalid("the volume has snapshots: delete them first".into()));
+        }
         self.engines.lock_or_abort().remove(&id);
         let (_, reserved_bytes) = self.cache.forget_volume(id);
         self.read_cache.invalidate_volume(id);

@@ -53,6 +53,11 @@ pub struct EngineVolume {
     /// `logbias=throughput`: synchronous writes go to their place, not to
     /// the intent log.
     log_throughput: AtomicBool,
+    /// Held shared by every write, trim and zeroing for its whole length,
+    /// exclusively while a snapshot of the volume is taken or deleted (so a
+    /// write is wholly before or wholly after the snapshot). Destaging does
+    /// not take it: the snapshot destages the cache itself.
+    barrier: tokio::sync::RwLock<()>,
 }
 
 // The checksums a frontend computes as a payload arrives are sector checksums.
@@ -106,8 +111,18 @@ impl EngineVolume {
             mapped_blocks: AtomicU64::new(mapped_blocks),
             cache,
             log_throughput: AtomicBool::new(false),
+            barrier: tokio::sync::RwLock::new(()),
             pool,
         }
+    }
+
+    pub(crate) fn barrier(&self) -> &tokio::sync::RwLock<()> {
+        &self.barrier
+    }
+
+    /// Whether this is a snapshot (read-only).
+    pub fn is_snapshot(&self) -> bool {
+        super::snapshots::is_snapshot_id(self.id)
     }
 
     /// The block-map entry of logical block `block` (see `pool::map_entry`).
@@ -270,7 +285,13 @@ impl BlockDevice for EngineVolume {
 
     fn write(&self, offset: u64, data: IoBuf, fua: bool) -> BoxFuture<'_, BlockResult<()>> {
         self.assert_in_range(offset, data.len() as u64);
-        Box::pin(self.write_cached(offset, data, fua))
+        Box::pin(async move {
+            if self.is_snapshot() {
+                return Err(BlockError::ReadOnly);
+            }
+            let _barrier = self.barrier.read().await;
+            self.write_cached(offset, data, fua).await
+        })
     }
 
     fn flush(&self) -> BoxFuture<'_, BlockResult<()>> {
@@ -284,6 +305,10 @@ impl BlockDevice for EngineVolume {
     fn trim(&self, offset: u64, length: u64, fua: bool) -> BoxFuture<'_, BlockResult<()>> {
         self.assert_in_range(offset, length);
         Box::pin(async move {
+            if self.is_snapshot() {
+                return Err(BlockError::ReadOnly);
+            }
+            let _barrier = self.barrier.read().await;
             let appends = self.pool.log_appends();
             let _guards = self.clear_cached(offset, length).await?;
             let result = self.trim_locked(offset, length).await;
@@ -295,6 +320,10 @@ impl BlockDevice for EngineVolume {
     fn write_zeroes(&self, offset: u64, length: u64, flags: ZeroFlags) -> BoxFuture<'_, BlockResult<()>> {
         self.assert_in_range(offset, length);
         Box::pin(async move {
+            if self.is_snapshot() {
+                return Err(BlockError::ReadOnly);
+            }
+            let _barrier = self.barrier.read().await;
             if !flags.may_trim && flags.fast_only {
                 return Err(BlockError::NotFast);
             }

@@ -51,6 +51,9 @@ struct Part {
     sectors: std::ops::Range<usize>,
     /// Set for a newly allocated block: its logical block number.
     new_block: Option<u64>,
+    /// For a new block: the map entry it replaces (a slot a snapshot
+    /// shares; 0 for a first write).
+    replaces: u64,
 }
 
 impl PlannedWrite {
@@ -86,6 +89,7 @@ impl PlannedWrite {
             offset: piece.offset,
             sectors: start..self.crcs.len(),
             new_block: piece.new_block.then_some(piece.block),
+            replaces: piece.replaces,
         });
         None
     }
@@ -105,6 +109,7 @@ impl PlannedWrite {
                 offset: piece.offset,
                 sectors: 0..sums.len(),
                 new_block: piece.new_block.then_some(piece.block),
+                replaces: piece.replaces,
             }],
             crcs: sums,
             data: piece.data,
@@ -120,6 +125,8 @@ struct Piece {
     block: u64,
     first_sector: usize,
     new_block: bool,
+    /// See [`Part::replaces`].
+    replaces: u64,
 }
 
 /// The sector checksums of ranges of a request's payload: the ones
@@ -250,8 +257,9 @@ impl EngineVolume {
             let step = (self.block_bytes() - within).min(end - position);
             let at = (position - offset) as usize;
             let source = &data[at..at + step as usize];
+            let shared = entries[index] & map_entry::SHARED != 0;
             let piece = match map_entry::decode(entries[index]) {
-                Some((device, base)) => {
+                Some((device, base)) if !shared => {
                     // Overwrite in place, widened to whole sectors.
                     let start = within / SECTOR_BYTES * SECTOR_BYTES;
                     let stop = (within + step).div_ceil(SECTOR_BYTES) * SECTOR_BYTES;
@@ -283,10 +291,14 @@ impl EngineVolume {
                         block,
                         first_sector: (start / SECTOR_BYTES) as usize,
                         new_block: false,
+                        replaces: 0,
                     }
                 }
-                None => {
-                    // First write: allocate and write the whole block.
+                old => {
+                    // First write (allocate and write the whole block), or
+                    // a write to a block a snapshot shares: the same into a
+                    // new slot, the rest of the block copied from the old
+                    // one, which stays the snapshot's.
                     if hint.is_none() {
                         hint = self.first_hint(offset, entries.len() as u64)?;
                     }
@@ -299,7 +311,25 @@ impl EngineVolume {
                     let whole = if step == self.block_bytes() {
                         Payload::Source(at..at + step as usize)
                     } else {
-                        let mut whole = IoBuf::new(self.block_bytes() as usize);
+                        let mut whole = match old {
+                            Some((old_device, old_base)) => {
+                                let logical = block << self.block_shift;
+                                match self
+                                    .read_sectors(old_device, old_base, self.block_bytes(), logical, true)
+                                    .await
+                                {
+                                    Ok(whole) => whole,
+                                    Err(e) => {
+                                        self.pool.release_unused(device, base);
+                                        for write in &planned {
+                                            write.release_new_slots(&self.pool);
+                                        }
+                                        return Err(e);
+                                    }
+                                }
+                            }
+                            None => IoBuf::new(self.block_bytes() as usize),
+                        };
                         whole.payload_mut()[within as usize..(within + step) as usize].copy_from_slice(source);
                         Payload::Owned(whole)
                     };
@@ -311,6 +341,7 @@ impl EngineVolume {
                         block,
                         first_sector: 0,
                         new_block: true,
+                        replaces: entries[index],
                     }
                 }
             };
@@ -342,6 +373,13 @@ impl EngineVolume {
             if self.pool.epoch() == epoch {
                 break gate;
             }
+        };
+        // Pages shared with a snapshot are copied into it first; their
+        // entries are then shared, and those blocks go to new slots.
+        let entries = if self.make_private(first, last)? {
+            self.pool.lookup_range(self.id, first, last).map_err(meta_error)?
+        } else {
+            entries
         };
         let planned = self.plan(offset, data.payload(), data.piece_crcs(), &entries).await?;
         // New blocks land in chunks that may hold mapped data of other
@@ -464,11 +502,27 @@ impl EngineVolume {
                 volume: self.id,
                 block,
                 new: entry,
-                old: 0,
+                old: part.replaces,
                 crcs: write.crcs[part.sectors.clone()].to_vec(),
             });
         }
         Ok(())
+    }
+
+    /// Makes the map pages of blocks `first..=last` the volume's own (see
+    /// `Pool::ensure_private`); true if the volume has snapshots (its
+    /// entries may have become shared: look them up again). Caller holds
+    /// the write gate.
+    fn make_private(&self, first: u64, last: u64) -> BlockResult<bool> {
+        if !self.pool.has_snapshots() {
+            return Ok(false);
+        }
+        let mut block = first;
+        while block <= last {
+            self.pool.ensure_private(self.id, block).map_err(meta_error)?;
+            block = (block / crate::pool::MAP_ENTRIES_PER_PAGE + 1) * crate::pool::MAP_ENTRIES_PER_PAGE;
+        }
+        Ok(true)
     }
 
     /// Unmaps whole blocks and zeroes partial ones in `[offset, offset + length)`.
@@ -484,6 +538,12 @@ impl EngineVolume {
                 if step == self.block_bytes() {
                     self.invalidate_read_cache(position, step);
                     let _gate = self.pool.enter_write().await;
+                    // A slot a snapshot shares is unmapped, not freed.
+                    let entry = if self.make_private(block, block)? {
+                        self.pool.lookup(self.id, block).map_err(meta_error)?
+                    } else {
+                        entry
+                    };
                     self.pool.set_mapping(self.id, block, 0).map_err(meta_error)?;
                     self.mapped_blocks.fetch_sub(1, Ordering::Relaxed);
                     self.pool.log_mapping(Record::Map {
@@ -566,6 +626,7 @@ mod tests {
                     offset,
                     sectors: 0..crcs.len(),
                     new_block: None,
+                    replaces: 0,
                 }],
                 crcs,
                 data,
