@@ -187,10 +187,18 @@ impl Pool {
 impl Pool {
     /// Logs a warning when the file system under a sparse device falls below
     /// what the device may still ask of it, or below 10 % free; once per
-    /// device until it recovers (then an info line).
+    /// device until it recovers (then an info line). Also keeps
+    /// [`Pool::backing_space_low`] (any device warned about).
     fn warn_about_backing(&self, warned: &mut std::collections::HashSet<u8>) {
-        for device in self.status() {
-            match device.backing_warning() {
+        let warnings: Vec<_> = self
+            .status()
+            .into_iter()
+            .map(|device| (device.backing_warning(), device))
+            .collect();
+        // Before the log lines, so whoever sees them sees the flag too.
+        self.set_backing_space_low(warnings.iter().any(|(warning, _)| warning.is_some()));
+        for (warning, device) in warnings {
+            match warning {
                 Some(warning) if warned.insert(device.index) => {
                     tracing::warn!("pool {}: {warning}", self.name)
                 }

@@ -260,6 +260,11 @@ pub struct Pool {
     checkpoints: AtomicU64,
     checkpoint_pages: AtomicU64,
     checkpoint_scheduled: std::sync::atomic::AtomicBool,
+    /// The file system under a sparse device has less free space than the
+    /// pool's files there may still grow by, or under 10 % free (any
+    /// device's [`DeviceStatus::backing_warning`]). Kept by the destager's
+    /// periodic check, read per SCSI command (thin provisioning threshold).
+    backing_low: std::sync::atomic::AtomicBool,
     store_bytes: Arc<AtomicU64>,
     pub(crate) data_bytes: AtomicU64,
     /// The write-back cache in the RAM tier.
@@ -383,6 +388,16 @@ impl Pool {
     // ---- durability --------------------------------------------------------------
 
     // ---- volumes -------------------------------------------------------------------
+
+    /// Whether the space under the pool's sparse device files is low, as of
+    /// the destager's last check (every 10 s): one atomic load.
+    pub fn backing_space_low(&self) -> bool {
+        self.backing_low.load(Ordering::Relaxed)
+    }
+
+    pub(crate) fn set_backing_space_low(&self, low: bool) {
+        self.backing_low.store(low, Ordering::Relaxed);
+    }
 
     /// The device holding the metadata store.
     pub fn meta_device(&self) -> u8 {
