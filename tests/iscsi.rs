@@ -72,9 +72,15 @@ fn iscsi_inq_reads_standard_and_vpd_pages() {
     let server = start_server();
     let out = run("iscsi-inq", &[&url(&server, TARGET)]);
     assert!(out.contains("STRATA"), "{out}");
-    for page in ["0x80", "0x83", "0xb0", "0xb2"] {
+    // iscsi-inq reads the page code with atoi: decimal (0x80 would be 0).
+    for (page, says) in [
+        ("128", "Unit Serial Number:"),
+        ("131", "Designator Type:"),
+        ("176", "maximum transfer length:"),
+        ("178", "Threshold Exponent:11"),
+    ] {
         let out = run("iscsi-inq", &["-e", "1", "-c", page, &url(&server, TARGET)]);
-        assert!(!out.is_empty(), "page {page}");
+        assert!(out.contains(says), "page {page}: {out}");
     }
 }
 
