@@ -219,13 +219,21 @@ async fn serve(args: ServeArgs) -> Result<(), String> {
     let _ = nbd_task.await;
     let _ = iscsi_task.await;
     let _ = api_task.await;
-    manager.flush_all().await;
-    manager.close().await;
+    let mut untold = manager.flush_all().await;
+    untold.extend(manager.close().await);
     // stdout may be closed by now (a supervisor that stopped reading); never panic on it.
-    let _ = writeln!(
-        std::io::stdout(),
-        "strata: stopped ({signal}); all acknowledged writes flushed"
-    );
+    let _ = if untold.is_empty() {
+        writeln!(
+            std::io::stdout(),
+            "strata: stopped ({signal}); all acknowledged writes flushed"
+        )
+    } else {
+        writeln!(
+            std::io::stdout(),
+            "strata: stopped ({signal}); not everything reached its place:\n  {}",
+            untold.join("\n  ")
+        )
+    };
     Ok(())
 }
 

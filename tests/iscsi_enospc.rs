@@ -44,9 +44,9 @@ fn assert_soft_threshold_announced(address: SocketAddr) {
 fn a_full_file_system_under_the_pool_fails_only_the_writes_that_need_space() {
     require_tool("qemu-io");
     require_tool("iscsi-inq");
-    let setup = common::full_fs_setup();
-    let (fast, data, ram, log) = (&setup.fast, &setup.data, &setup.ram, &setup.log);
-    let mut server = setup.server;
+    let small = common::SmallFs::mount();
+    let (data, ram, log, fast) = (&small.data, &small.ram, &small.log, &small.fast);
+    let mut server = Server::start_logged(data, Some(ram), &[], Some(log));
     assert!(cli(&server, &["pool", "create", "tank", "--fast", fast])
         .status
         .success());
@@ -117,7 +117,7 @@ fn a_full_file_system_under_the_pool_fails_only_the_writes_that_need_space() {
     // kill -9, restart: everything acknowledged is there, and the restarted
     // target announces the soft threshold again.
     server.kill9();
-    let server = start(data, ram, &setup.dir.path().join("daemon2.log"));
+    let server = start(data, ram, &small.dir.path().join("daemon2.log"));
     assert_soft_threshold_announced(server.iscsi.parse().unwrap());
     let url = format!("iscsi://{}/{TARGET}/0", server.iscsi);
     let mut reads: Vec<String> = (10..acknowledged)

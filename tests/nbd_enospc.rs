@@ -233,9 +233,9 @@ fn a_full_pool_fails_only_the_writes_that_need_space() {
 #[test]
 fn a_full_file_system_under_the_pool_fails_only_the_writes_that_need_space() {
     require_tool("qemu-io");
-    let setup = common::full_fs_setup();
-    let (fast, data, ram, log) = (&setup.fast, &setup.data, &setup.ram, &setup.log);
-    let mut server = setup.server;
+    let small = common::SmallFs::mount();
+    let (data, ram, log, fast) = (&small.data, &small.ram, &small.log, &small.fast);
+    let mut server = Server::start_logged(data, Some(ram), &[], Some(log));
     let created = cli(&server, &["pool", "create", "tank", "--fast", fast]);
     assert!(created.status.success());
     let said = String::from_utf8_lossy(&created.stderr);
@@ -261,6 +261,13 @@ fn a_full_file_system_under_the_pool_fails_only_the_writes_that_need_space() {
         free < 160 * MIB && device["unbackable_bytes"].as_u64().unwrap() > 0,
         "{device}"
     );
+    // The log (64 MiB) and the metadata region (32 MiB here: smaller than
+    // the store's headroom) are allocated on the file system from the
+    // start: they never need space that may not be there.
+    assert!(
+        device["backing"]["backed_bytes"].as_u64().unwrap() >= 64 * MIB + 32 * MIB,
+        "{device}"
+    );
     let metrics = common::http(&server.api, "GET", "/metrics", "");
     assert!(
         metrics.contains("strata_device_fs_free_bytes{pool=\"tank\""),
@@ -282,6 +289,29 @@ fn a_full_file_system_under_the_pool_fails_only_the_writes_that_need_space() {
     assert_eq!(raw.write(0, &vec![0x77; 1 << 20]), 0);
     assert_eq!(raw.flush(), 0);
     assert!(raw.read(0, 4096).iter().all(|&b| b == 0x77));
+    // Small writes, which the RAM cache would take, into new space: they
+    // fail now rather than being acknowledged into RAM with no place to go;
+    // small overwrites still work, and nothing is left dirty that a flush
+    // or `pool sync` could not place.
+    // (The file system may still have a few pages: the first ones can
+    // succeed, and must then read back.)
+    let mut placed = Vec::new();
+    for i in 0..64 {
+        match raw.write(700 * MIB + i * 65536, &[0x44; 4096]) {
+            0 => placed.push(i),
+            error => assert_eq!(error, ENOSPC, "small write {i}"),
+        }
+    }
+    assert!(placed.len() < 64, "every small write into new space succeeded");
+    for i in 0..64 {
+        assert_eq!(raw.write(i * 4096, &[0x77; 4096]), 0, "small overwrite {i}");
+    }
+    assert_eq!(raw.flush(), 0);
+    cli_ok(&server, &["pool", "sync", "tank"]);
+    for i in placed {
+        assert!(raw.read(700 * MIB + i * 65536, 4096).iter().all(|&b| b == 0x44));
+    }
+    assert_eq!(pool_json(&server)["cache"]["dirty_bytes"].as_u64(), Some(0));
     drop(raw);
     qemu_io_ok(&big, &[format!("read -P {:#x} {MIB} {MIB}", pattern(1))]);
 
@@ -306,4 +336,77 @@ fn a_full_file_system_under_the_pool_fails_only_the_writes_that_need_space() {
     for i in (1..2).chain(10..acknowledged) {
         qemu_io_ok(&big, &[format!("read -P {:#x} {} {MIB}", pattern(i), i * MIB)]);
     }
+}
+
+/// Small writes cached in RAM before the file system under the pool filled
+/// find no place when they are destaged: they stay in the RAM cache and,
+/// once flushed, in the intent log; `pool sync` says so, the shutdown says
+/// so (not "all flushed"), the next start replays them, and once space is
+/// freed they reach their place.
+#[test]
+fn cached_writes_that_find_no_place_stay_logged_and_the_shutdown_says_so() {
+    require_tool("qemu-io");
+    let small = common::SmallFs::mount();
+    let mut server = Server::start_logged(&small.data, Some(&small.ram), &[], Some(&small.log));
+    cli_ok(&server, &["pool", "create", "tank", "--fast", &small.fast]);
+    cli_ok(&server, &["volume", "create", "tank/big", "--size", "1G"]);
+    let mut raw = Nbd::connect(&server.nbd, "tank/big");
+    // Into the RAM cache (new blocks, 4 KiB each), then into the log.
+    for i in 0..64 {
+        assert_eq!(raw.write(600 * MIB + i * 65536, &[0x61; 4096]), 0);
+    }
+    assert_eq!(raw.flush(), 0);
+    // Large writes go to their place and fill the file system first.
+    let mut filled = 0u64;
+    while raw.write(filled * MIB, &vec![pattern(filled); MIB as usize]) == 0 {
+        filled += 1;
+        assert!(filled < 400, "wrote more than the file system holds");
+    }
+    assert!(filled >= 16, "the file system filled too early: {filled} MiB");
+    assert_eq!(raw.flush(), 0, "everything acknowledged is logged or placed");
+    drop(raw);
+    let sync = cli(&server, &["pool", "sync", "tank"]);
+    let said = String::from_utf8_lossy(&sync.stderr);
+    assert!(
+        !sync.status.success() && said.contains("stays in the RAM cache"),
+        "pool sync: {said}"
+    );
+
+    let (status, said) = server.stop_saying();
+    assert!(status.success(), "{status:?}: {said}");
+    assert!(
+        said.contains("not everything reached its place")
+            && said.contains("pool tank:")
+            && said.contains("the next start replays them")
+            && !said.contains("all acknowledged writes flushed"),
+        "the daemon's last words: {said}"
+    );
+
+    let mut server = Server::start_with_ram_dir(&small.data, Some(&small.ram));
+    let big = server.uri("tank/big");
+    let reads: Vec<String> = (0..64)
+        .map(|i| format!("read -P 0x61 {} 4k", 600 * MIB + i * 65536))
+        .chain((0..filled).map(|i| format!("read -P {:#x} {} {MIB}", pattern(i), i * MIB)))
+        .collect();
+    qemu_io_ok(&big, &reads);
+
+    // Room again: the cached writes reach their place, and a stop says
+    // everything was flushed.
+    qemu_io_ok(&big, &[format!("discard 0 {}", 16 * MIB), "flush".into()]);
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while !cli(&server, &["pool", "sync", "tank"]).status.success() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the cached writes found no place after a TRIM: {}\n{}",
+            String::from_utf8_lossy(&cli(&server, &["pool", "sync", "tank"]).stderr),
+            cli_ok(&server, &["pool", "status", "tank"])
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    assert_eq!(pool_json(&server)["cache"]["dirty_bytes"].as_u64(), Some(0));
+    let (status, said) = server.stop_saying();
+    assert!(
+        status.success() && said.contains("all acknowledged writes flushed"),
+        "{status:?}: {said}"
+    );
 }

@@ -526,8 +526,10 @@ impl VolumeManager {
             .ok_or_else(|| AdminError::Internal(format!("pool '{pool_name}' vanished")))
     }
 
-    /// Checkpoints every pool so the next start replays nothing (clean shutdown).
-    pub async fn close(&self) {
+    /// Checkpoints every pool so the next start replays nothing (clean
+    /// shutdown). Returns what did not reach its place, one line per pool
+    /// (empty when everything did).
+    pub async fn close(&self) -> Vec<String> {
         let pools: Vec<Arc<Pool>> = self
             .pools
             .read()
@@ -535,16 +537,32 @@ impl VolumeManager {
             .values()
             .cloned()
             .collect();
+        let mut untold = Vec::new();
         for pool in pools {
+            let mut said = Vec::new();
             if let Err(e) = pool.destage_all().await {
                 tracing::error!("pool {}: destaging at shutdown failed: {e}", pool.name());
+                said.push(format!(
+                    "{} of cached writes stay in the RAM tier file and the intent log (not placed: {e})",
+                    crate::units::format_size(pool.cache_stats().dirty_bytes)
+                ));
             }
             if let Err(e) = pool.checkpoint().await {
                 tracing::error!("pool {}: final checkpoint failed: {e}", pool.name());
+                said.push(format!(
+                    "not checkpointed ({e}): the intent log holds every change since the last checkpoint"
+                ));
+            }
+            if pool.cache.ram.remove_file_if_clean() || said.is_empty() {
                 continue;
             }
-            pool.cache.ram.remove_file_if_clean();
+            untold.push(format!(
+                "pool {}: {}; the next start replays them",
+                pool.name(),
+                said.join("; ")
+            ));
         }
+        untold
     }
 
     pub fn data_dir(&self) -> &Path {
@@ -914,12 +932,21 @@ impl VolumeManager {
     }
 
     /// Makes every acknowledged write durable (used at shutdown).
-    pub async fn flush_all(&self) {
+    /// Flushes every open volume (shutdown); returns a line for each
+    /// volume whose flush failed.
+    pub async fn flush_all(&self) -> Vec<String> {
+        let mut failed = Vec::new();
         for volume in self.volumes() {
             if let Err(e) = volume.flush().await {
                 tracing::error!("flush of {} at shutdown failed: {e}", volume.full_name());
+                failed.push(format!(
+                    "volume {}: flush failed ({e}): its writes acknowledged since its last flush are only \
+                     in the RAM tier file (kept across a restart of the daemon, lost if the machine restarts)",
+                    volume.full_name()
+                ));
             }
         }
+        failed
     }
 }
 

@@ -458,6 +458,23 @@ impl Device for FileDevice {
         backing_space(&self.file).ok()
     }
 
+    fn preallocate(&self, offset: u64, length: u64) -> DeviceResult<()> {
+        if self.is_block_device {
+            return Ok(());
+        }
+        check_request(&self.info, offset, length)?;
+        // SAFETY: fallocate takes no pointers.
+        let rc = unsafe { libc::fallocate(self.file.as_raw_fd(), 0, offset as libc::off_t, length as libc::off_t) };
+        if rc != 0 {
+            return Err(DeviceError::Io {
+                device: self.info.name.clone(),
+                offset,
+                source: io::Error::last_os_error(),
+            });
+        }
+        Ok(())
+    }
+
     fn read_now_summed(&self, offset: u64, dst: &mut [u8], sums: &mut [u32]) -> bool {
         match &self.mapping {
             Some(mapping) => {

@@ -477,6 +477,14 @@ pub trait Device: Send + Sync {
         None
     }
 
+    /// Makes the file system under a sparse file back `[offset, +length)`
+    /// now (`fallocate`), so writes there can never fail for lack of space;
+    /// ranges already backed are left as they are. A no-op for block
+    /// devices and simulated ones.
+    fn preallocate(&self, _offset: u64, _length: u64) -> DeviceResult<()> {
+        Ok(())
+    }
+
     /// Like [`Device::read_now`] for whole 4 KiB sectors
     /// ([`crate::checksum::SUM_SECTOR_BYTES`]), and each sector's CRC-32C
     /// into `sums` (one slot per sector), computed in the same pass over the

@@ -68,6 +68,10 @@ impl Device for DelayDevice {
         self.inner.backing_space()
     }
 
+    fn preallocate(&self, offset: u64, length: u64) -> super::DeviceResult<()> {
+        self.inner.preallocate(offset, length)
+    }
+
     fn read(&self, offset: u64, buf: IoBuf) -> BoxFuture<'_, (IoBuf, DeviceResult<()>)> {
         Box::pin(async move {
             if let Err(e) = check_request(&self.info, offset, buf.len() as u64) {
@@ -195,6 +199,10 @@ impl Device for ThrottleDevice {
 
     fn backing_space(&self) -> Option<super::BackingSpace> {
         self.inner.backing_space()
+    }
+
+    fn preallocate(&self, offset: u64, length: u64) -> super::DeviceResult<()> {
+        self.inner.preallocate(offset, length)
     }
 
     fn read(&self, offset: u64, buf: IoBuf) -> BoxFuture<'_, (IoBuf, DeviceResult<()>)> {
@@ -386,6 +394,10 @@ impl Device for ErrorDevice {
 
     fn backing_space(&self) -> Option<super::BackingSpace> {
         self.inner.backing_space()
+    }
+
+    fn preallocate(&self, offset: u64, length: u64) -> super::DeviceResult<()> {
+        self.inner.preallocate(offset, length)
     }
 
     fn read(&self, offset: u64, buf: IoBuf) -> BoxFuture<'_, (IoBuf, DeviceResult<()>)> {

@@ -91,7 +91,16 @@ pub struct RegionBackend {
     state: Mutex<u64>,
     /// Bytes written to the device (metadata cost accounting).
     written: Arc<AtomicU64>,
+    /// How far (region-relative, after the header) the file system under
+    /// a sparse device file is known to back the region.
+    backed: AtomicU64,
 }
+
+/// How much of the region beyond redb's length is kept allocated on the
+/// file system under a sparse device file: the store can grow by this much
+/// while that file system is full (checkpoints keep working), and the
+/// allocation is topped up as it grows.
+pub const HEADROOM_BYTES: u64 = 64 << 20;
 
 impl std::fmt::Debug for RegionBackend {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -135,14 +144,40 @@ impl RegionBackend {
                 "metadata region has no valid header",
             ));
         };
-        Ok(RegionBackend {
+        let region = RegionBackend {
             device,
             offset,
             capacity: capacity - HEADER_BYTES,
             block,
             state: Mutex::new(len),
             written,
-        })
+            backed: AtomicU64::new(0),
+        };
+        region.keep_headroom(len);
+        Ok(region)
+    }
+
+    /// Makes the file system back the region up to `len` plus
+    /// [`HEADROOM_BYTES`]. A file system too full for that is logged, not
+    /// fatal: the headroom already backed is what the store may still use.
+    fn keep_headroom(&self, len: u64) {
+        let target = (len + HEADROOM_BYTES).min(self.capacity);
+        let backed = self.backed.load(Ordering::Acquire);
+        if target <= backed {
+            return;
+        }
+        // From the region's start (the header too): ranges already backed
+        // cost the file system nothing.
+        match self.device.preallocate(self.offset, HEADER_BYTES + target) {
+            Ok(()) => self.backed.store(target, Ordering::Release),
+            Err(e) => tracing::warn!(
+                "metadata region: cannot reserve {} bytes beyond the store's {} on {}: {e}; \
+                 checkpoints will fail once the store grows past what is backed",
+                target - len,
+                len,
+                self.device.info().name
+            ),
+        }
     }
 
     fn write_header(&self, len: u64) -> io::Result<()> {
@@ -222,6 +257,7 @@ impl StorageBackend for RegionBackend {
                 at += step as u64;
             }
             block_on(self.device.flush()).map_err(to_io)?;
+            self.keep_headroom(len);
         }
         self.write_header(len)?;
         *current = len;

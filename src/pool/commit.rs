@@ -203,12 +203,51 @@ impl Pool {
         if frees.is_empty() {
             return;
         }
+        self.punch_holes(&frees).await;
         let mut allocator = self.allocator.lock_or_abort();
         for (device, offset) in frees {
             assert!(
                 allocator.free(device, offset),
                 "slot {device}/{offset} replaced by a committed write was not in use"
             );
+        }
+    }
+
+    /// Gives the space of slots about to be freed back to the file system
+    /// under sparse device files (punches holes), so a TRIM or a destroyed
+    /// volume makes room on a full disk. Called after the commit that frees
+    /// them and before the allocator may hand them out again (a punch after
+    /// reuse would destroy new data). A failed punch costs only the space.
+    pub(super) async fn punch_holes(&self, slots: &[(u8, u64)]) {
+        let chunk_shift = self.chunk_bytes.trailing_zeros();
+        let mut ranges: Vec<(u8, u64, u64)> = {
+            let allocator = self.allocator.lock_or_abort();
+            slots
+                .iter()
+                .filter_map(|&(device, offset)| {
+                    let (slot_shift, _) = allocator.slot_shift_of(device, offset >> chunk_shift)?;
+                    Some((device, offset, 1u64 << slot_shift))
+                })
+                .collect()
+        };
+        ranges.sort_unstable();
+        let mut merged: Vec<(u8, u64, u64)> = Vec::with_capacity(ranges.len());
+        for (device, offset, length) in ranges {
+            match merged.last_mut() {
+                Some(last) if last.0 == device && last.1 + last.2 == offset => last.2 += length,
+                _ => merged.push((device, offset, length)),
+            }
+        }
+        for (index, offset, length) in merged {
+            let Some(device) = self.devices.get(index as usize) else {
+                continue;
+            };
+            if !device.device.info().regular_file {
+                continue;
+            }
+            if let Err(e) = device.device.discard(offset, length).await {
+                tracing::debug!("pool {}: punching a hole for freed space failed: {e}", self.name);
+            }
         }
     }
 }

@@ -57,6 +57,62 @@ impl Pool {
         engines
     }
 
+    /// Destages `blocks` of one volume; running out of space there makes
+    /// the pool short of space (see [`Pool::space_short`]).
+    async fn destage(&self, engine: &EngineVolume, blocks: &[u64]) -> Result<(), PoolError> {
+        let result = engine.destage_blocks(blocks).await;
+        if matches!(result, Err(crate::volume::BlockError::NoSpace)) {
+            self.note_no_space();
+        }
+        result.map_err(block_error)
+    }
+
+    /// A write to a device failed for lack of space. Until the destager
+    /// sees room again, writes bypass the RAM cache: a write that needs new
+    /// space then fails with ENOSPC when it is made, instead of being
+    /// acknowledged into RAM and finding no place later.
+    pub(crate) fn note_no_space(&self) {
+        if !self.space_short.swap(true, Ordering::AcqRel) {
+            tracing::warn!(
+                "pool {}: a write found no space (in the pool or on the file system under its devices); \
+                 writes bypass the RAM cache until there is room again",
+                self.name
+            );
+        }
+    }
+
+    /// Whether writes bypass the cache for lack of space.
+    pub(crate) fn space_short(&self) -> bool {
+        self.space_short.load(Ordering::Acquire)
+    }
+
+    /// Decides, from what is free, whether the pool is short of space:
+    /// it is while any file device's file system has less free than the
+    /// cached writes still waiting for a place plus a margin (5 % of it, at
+    /// most 64 MiB), or the pool less than those writes. A shortage a
+    /// failed write declared ends only here, once there is room.
+    fn recheck_space(&self) {
+        let waiting = self.reserved_bytes.load(Ordering::Acquire);
+        let pool_room = {
+            let allocator = self.allocator.lock_or_abort();
+            Self::unallocated(&allocator, self.chunk_bytes)
+        };
+        let roomy = pool_room > waiting
+            && self.status().iter().all(|d| {
+                d.backing
+                    .is_none_or(|b| b.fs_free_bytes >= waiting + (b.fs_size_bytes / 20).min(64 << 20))
+            });
+        if roomy && self.space_short.swap(false, Ordering::AcqRel) {
+            tracing::info!("pool {}: there is room again; writes use the RAM cache", self.name);
+        } else if !roomy && !self.space_short.swap(true, Ordering::AcqRel) {
+            tracing::warn!(
+                "pool {}: nearly out of space (in the pool or on the file system under its devices); \
+                 writes bypass the RAM cache until there is room again",
+                self.name
+            );
+        }
+    }
+
     /// Read cache counters.
     pub fn read_cache_stats(&self) -> super::readcache::ReadCacheStats {
         self.read_cache.stats()
@@ -72,7 +128,7 @@ impl Pool {
         for engine in self.engines() {
             let blocks = engine.cached_blocks(|e| e.logged_at != 0, usize::MAX);
             for batch in blocks.chunks(DESTAGE_BATCH_BLOCKS) {
-                engine.destage_blocks(batch).await.map_err(block_error)?;
+                self.destage(&engine, batch).await?;
             }
         }
         Ok(())
@@ -86,7 +142,7 @@ impl Pool {
                 if blocks.is_empty() {
                     break;
                 }
-                engine.destage_blocks(&blocks).await.map_err(block_error)?;
+                self.destage(&engine, &blocks).await?;
             }
         }
         Ok(())
@@ -112,7 +168,7 @@ impl Pool {
             if blocks.is_empty() {
                 continue;
             }
-            engine.destage_blocks(&blocks).await.map_err(block_error)?;
+            self.destage(engine, &blocks).await?;
             return Ok(blocks.len());
         }
         Ok(0)
@@ -152,6 +208,7 @@ impl Pool {
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             let mut ticks = 0u64;
             let mut warned = std::collections::HashSet::new();
+            let mut failing = false;
             loop {
                 tick.tick().await;
                 let Some(pool) = weak.upgrade() else { return };
@@ -160,6 +217,7 @@ impl Pool {
                     pool.warn_about_backing(&mut warned);
                 }
                 ticks += 1;
+                pool.recheck_space();
                 let total = pool.cache.ram.total_slots();
                 let result = async {
                     while pool.cache.ram.free_slots() < total / 2 {
@@ -175,9 +233,20 @@ impl Pool {
                     Ok::<(), PoolError>(())
                 }
                 .await;
-                if let Err(e) = result {
-                    tracing::error!("pool {}: destaging failed: {e}", pool.name);
-                    tokio::time::sleep(Duration::from_secs(1)).await;
+                match result {
+                    // Once per streak: a full disk would otherwise log a line a second.
+                    Err(e) => {
+                        if !failing {
+                            tracing::error!("pool {}: destaging failed: {e}; retrying every second", pool.name);
+                            failing = true;
+                        }
+                        tokio::time::sleep(Duration::from_secs(1)).await;
+                    }
+                    Ok(()) if failing => {
+                        tracing::info!("pool {}: destaging works again", pool.name);
+                        failing = false;
+                    }
+                    Ok(()) => {}
                 }
             }
         });

@@ -273,6 +273,11 @@ pub struct Pool {
     pub(crate) read_cache: readcache::ReadCache,
     /// Pool space promised to cached writes into unmapped blocks.
     reserved_bytes: AtomicU64,
+    /// A device write failed for lack of space (the pool's, or the file
+    /// system's under a file device): until the destager sees room again,
+    /// writes bypass the cache, so none is acknowledged into RAM that could
+    /// not be placed later (see `Pool::space_short`).
+    space_short: std::sync::atomic::AtomicBool,
     /// Data-device writes completed, and how many of them a flush covered:
     /// a commit flushes the data devices only when they differ.
     data_writes: AtomicU64,

@@ -409,6 +409,7 @@ impl Pool {
             cache: write_cache,
             read_cache: readcache::ReadCache::new(options.read_cache_bytes),
             reserved_bytes: AtomicU64::new(0),
+            space_short: std::sync::atomic::AtomicBool::new(false),
             data_writes: AtomicU64::new(0),
             data_flushed: AtomicU64::new(0),
             data_tail: AtomicU64::new(data_tail),

@@ -83,15 +83,31 @@ impl Pool {
         self.unreserve(reserved_bytes);
         self.log.append(Record::Destroy { volume: id });
         self.commit().await?;
+        // Nothing maps its slots now and nothing can allocate them until
+        // they are freed: give their space back to the file system first.
+        let slots = self.volume_slots(id)?;
+        self.punch_holes(&slots).await;
         let _gate = self.gate.write().await;
         self.free_volume_blocks(id, Replaying::No)?;
         Ok(())
     }
 
-    /// Frees every block a volume maps. Replaying the log, a block may
-    /// already be free (the checkpoint came after the record); otherwise a
-    /// block that is not in use is a double mapping, and stops the engine.
-    pub(super) fn free_volume_blocks(&self, id: u32, replaying: Replaying) -> Result<(), PoolError> {
+    /// The slots volume `id` maps.
+    fn volume_slots(&self, id: u32) -> Result<Vec<(u8, u64)>, PoolError> {
+        let mut slots = Vec::new();
+        for key in self.volume_page_keys(id)? {
+            let page = self.map_pages.get(&self.db, key).map_err(PoolError::Meta)?;
+            slots.extend(
+                page.entries
+                    .iter()
+                    .filter_map(|e| map_entry::decode(e.load(Ordering::Acquire))),
+            );
+        }
+        Ok(slots)
+    }
+
+    /// The keys of volume `id`'s map pages, stored or cached.
+    fn volume_page_keys(&self, id: u32) -> Result<HashSet<(u32, u64)>, PoolError> {
         let mut keys: HashSet<(u32, u64)> = HashSet::new();
         {
             let txn = self.db.begin_read().map_err(MetaError::from)?;
@@ -106,6 +122,14 @@ impl Pool {
                 keys.insert((owner, page));
             }
         }
+        Ok(keys)
+    }
+
+    /// Frees every block a volume maps. Replaying the log, a block may
+    /// already be free (the checkpoint came after the record); otherwise a
+    /// block that is not in use is a double mapping, and stops the engine.
+    pub(super) fn free_volume_blocks(&self, id: u32, replaying: Replaying) -> Result<(), PoolError> {
+        let keys = self.volume_page_keys(id)?;
         let mut allocator = self.allocator.lock_or_abort();
         for key in keys {
             let page = self.map_pages.get(&self.db, key).map_err(PoolError::Meta)?;

@@ -41,6 +41,8 @@ pub struct Server {
     /// `127.0.0.1:PORT` of the iSCSI target.
     pub iscsi: String,
     pub data_dir: PathBuf,
+    /// What the daemon prints on stdout after its listening lines.
+    stdout: mpsc::Receiver<String>,
 }
 
 impl Server {
@@ -128,6 +130,7 @@ impl Server {
             api,
             iscsi: iscsi.unwrap(),
             data_dir: data_dir.to_path_buf(),
+            stdout: received,
         }
     }
 
@@ -162,6 +165,18 @@ impl Server {
         // SAFETY: kill(2) on our own child's pid with a valid signal number.
         unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
         self.wait(Duration::from_secs(30))
+    }
+
+    /// SIGTERM, wait for the exit status and for what the daemon printed
+    /// on stdout since it started listening (its last words).
+    pub fn stop_saying(&mut self) -> (ExitStatus, String) {
+        let status = self.stop();
+        let mut said = String::new();
+        while let Ok(line) = self.stdout.recv_timeout(Duration::from_secs(5)) {
+            said.push_str(&line);
+            said.push('\n');
+        }
+        (status, said)
     }
 
     /// SIGKILL (a crash), then reap.
@@ -414,27 +429,44 @@ pub fn fill_until_failure(uri: &str, limit_mib: u64) -> (u64, String) {
     }
 }
 
-/// A daemon whose pool `tank` will sit on a full file system: a 160 MiB
-/// tmpfs holding a sparse fast device file of 97 MiB (chunk 0, metadata,
-/// log) + 400 MiB of data space. The daemon logs to `log` at info; its RAM
-/// tier files are in `ram`. The pool is not created yet.
-pub struct FullFsSetup {
-    pub server: Server,
-    /// The fast device file, for `pool create tank --fast`.
+/// A 160 MiB tmpfs mounted for one test (unmounted when dropped), holding
+/// a sparse 497 MiB device file: 97 MiB of chunk 0, metadata and log, then
+/// 400 MiB of data space. The daemon's data and RAM directories are beside
+/// it, on the ordinary file system.
+pub struct SmallFs {
+    _mount: Mount,
+    /// The device file, for `pool create tank --fast`.
     pub fast: String,
     pub data: PathBuf,
     pub ram: PathBuf,
+    /// Where the test has the daemon log (`Server::start_logged`).
     pub log: PathBuf,
-    // Unmounted before the directory holding it is removed.
-    _mount: Mount,
     pub dir: tempfile::TempDir,
 }
 
-/// Fills `uri` (a volume of `server`'s pool `tank`, set up by
-/// [`full_fs_setup`]) until the file system under the pool is full: the
-/// failing write must be ENOSPC, never EIO, and come neither too early nor
-/// while the pool itself is short. Returns how many MiB were acknowledged
-/// (see [`fill_until_failure`]).
+impl SmallFs {
+    pub fn mount() -> SmallFs {
+        let dir = tempfile::tempdir().unwrap();
+        let fs = dir.path().join("fs");
+        let mount = mount_tmpfs(&fs, "160m");
+        let ram = dir.path().join("ram");
+        std::fs::create_dir(&ram).unwrap();
+        SmallFs {
+            _mount: mount,
+            fast: sparse_file(&fs, "fast.img", (97 + 400) << 20),
+            data: dir.path().join("data"),
+            ram,
+            log: dir.path().join("daemon.log"),
+            dir,
+        }
+    }
+}
+
+/// Fills `uri` (a volume of `server`'s pool `tank` on a [`SmallFs`]) until
+/// the file system under the pool is full: the failing write must be
+/// ENOSPC, never EIO, and come neither too early nor while the pool itself
+/// is short. Returns how many MiB were acknowledged (see
+/// [`fill_until_failure`]).
 pub fn fill_full_fs(server: &Server, uri: &str) -> u64 {
     let (acknowledged, failure) = fill_until_failure(uri, 399);
     eprintln!("{acknowledged} MiB acknowledged before the file system was full; then:\n{failure}");
@@ -448,25 +480,4 @@ pub fn fill_full_fs(server: &Server, uri: &str) -> u64 {
     let available = pool_json(server, "tank")["available_bytes"].as_u64().unwrap();
     assert!(available > 100 << 20, "{available}");
     acknowledged
-}
-
-pub fn full_fs_setup() -> FullFsSetup {
-    let dir = tempfile::tempdir().unwrap();
-    let fs = dir.path().join("fs");
-    let mount = mount_tmpfs(&fs, "160m");
-    let fast = sparse_file(&fs, "fast.img", (97 + 400) << 20);
-    let data = dir.path().join("data");
-    let ram = dir.path().join("ram");
-    std::fs::create_dir(&ram).unwrap();
-    let log = dir.path().join("daemon.log");
-    let server = Server::start_logged(&data, Some(&ram), &[], Some(&log));
-    FullFsSetup {
-        server,
-        fast,
-        data,
-        ram,
-        log,
-        _mount: mount,
-        dir,
-    }
 }

@@ -197,9 +197,12 @@ impl EngineVolume {
         // dirty: the destager is behind, and making writers wait for it
         // would be slower than writing through.
         let ram = &self.pool.cache.ram;
+        // And so do all writes while the pool is short of space: a write
+        // that needs new space then fails now, not after its acknowledgement.
         if count * SECTOR_BYTES as usize >= WRITE_AROUND_BYTES
             || count > ram.total_slots() / 4
             || (!durable && ram.free_slots() < ram.total_slots() / 2)
+            || self.pool.space_short()
         {
             return self.write_through(offset, data, durable).await;
         }
@@ -357,6 +360,9 @@ impl EngineVolume {
             }
         };
         let result = self.write_locked(offset, data).await;
+        if matches!(result, Err(BlockError::NoSpace)) {
+            self.pool.note_no_space();
+        }
         // Allocated now (or failed): the promise is no longer needed.
         self.unreserve_blocks(&reserved);
         drop(guards);
