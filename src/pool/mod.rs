@@ -193,12 +193,17 @@ pub struct DeviceStatus {
 }
 
 impl DeviceStatus {
+    /// The file system under this sparse device file has under 10 % free.
+    pub fn backing_low(&self) -> bool {
+        self.backing.is_some_and(|b| b.fs_free_bytes < b.fs_size_bytes / 10)
+    }
+
     /// Why the file system under this device needs attention, if it does:
     /// less free space than the device could still ask of it, or under 10 %.
     pub fn backing_warning(&self) -> Option<String> {
         let backing = self.backing?;
         let unbacked = self.size_bytes.saturating_sub(backing.backed_bytes);
-        let low = backing.fs_free_bytes < backing.fs_size_bytes / 10;
+        let low = self.backing_low();
         if self.unbackable_bytes == 0 && !low {
             return None;
         }
