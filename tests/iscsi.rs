@@ -4,7 +4,7 @@
 //! tool fails its test: CI must install `libiscsi-bin`, `qemu-utils` and
 //! `qemu-block-extra`.
 
-use std::io::{Read, Write};
+use std::io::Write;
 use std::net::{SocketAddr, TcpStream};
 use std::process::Command;
 use std::time::Duration;
@@ -13,10 +13,13 @@ use strata::frontend::iscsi::pdu::{self, op, Bhs};
 
 mod common;
 
+use common::iscsi::{login_request, read_response};
+
 const TARGET: &str = "iqn.2026-11.io.strata:default.vol0";
 const SMALL_TARGET: &str = "iqn.2026-11.io.strata:default.small";
 
-/// The real daemon on ephemeral ports, with an extra 64 MiB volume.
+/// The real daemon on ephemeral ports, with an extra 64 MiB volume and a
+/// small default pool (see `common::small_default_pool`).
 struct IscsiServer {
     _dir: tempfile::TempDir,
     _daemon: common::Server,
@@ -25,6 +28,7 @@ struct IscsiServer {
 
 fn start_server() -> IscsiServer {
     let dir = tempfile::tempdir().expect("temp dir");
+    common::small_default_pool(dir.path());
     let daemon = common::Server::start(dir.path());
     daemon.create_volume("default/small", "64M");
     let address = daemon.iscsi.parse().expect("iscsi address");
@@ -68,9 +72,15 @@ fn iscsi_inq_reads_standard_and_vpd_pages() {
     let server = start_server();
     let out = run("iscsi-inq", &[&url(&server, TARGET)]);
     assert!(out.contains("STRATA"), "{out}");
-    for page in ["0x80", "0x83", "0xb0", "0xb2"] {
+    // iscsi-inq reads the page code with atoi: decimal (0x80 would be 0).
+    for (page, says) in [
+        ("128", "Unit Serial Number:"),
+        ("131", "Designator Type:"),
+        ("176", "maximum transfer length:"),
+        ("178", "Threshold Exponent:11"),
+    ] {
         let out = run("iscsi-inq", &["-e", "1", "-c", page, &url(&server, TARGET)]);
-        assert!(!out.is_empty(), "page {page}");
+        assert!(out.contains(says), "page {page}: {out}");
     }
 }
 
@@ -204,45 +214,15 @@ fn iscsi_test_cu_full_suite() {
 // ---------------------------------------------------------------------------
 // Raw-socket regression cases (known CVEs of other targets).
 
-fn login_request(text: &str, flags: u8) -> Vec<u8> {
-    let mut bhs = Bhs::new(op::LOGIN | 0x40);
-    bhs.0[1] = flags;
-    bhs.0[8..14].copy_from_slice(&[0x80, 0, 0, 0, 0, 1]);
-    bhs.set_u32(16, 1);
-    pdu::encode(&bhs, text.as_bytes(), false, false)
-}
-
-fn read_response(stream: &mut TcpStream) -> Option<(Bhs, Vec<u8>)> {
-    let mut header = [0u8; 48];
-    stream.read_exact(&mut header).ok()?;
-    let bhs = Bhs(header);
-    let len = bhs.data_segment_len() as usize;
-    let mut data = vec![0u8; len + pdu::padding_for(len)];
-    stream.read_exact(&mut data).ok()?;
-    data.truncate(len);
-    Some((bhs, data))
-}
-
 fn connect(server: &IscsiServer) -> TcpStream {
-    let stream = TcpStream::connect(server.address).expect("connect");
-    stream.set_read_timeout(Some(Duration::from_secs(5))).expect("timeout");
-    stream
+    common::iscsi::connect(server.address)
 }
 
-/// Logs in to `target` straight to the full feature phase.
+/// Logs in to `target` straight to the full feature phase and clears unit
+/// attentions (e.g. the thin provisioning threshold's, when the disk under
+/// the default pool's sparse files is low) with immediate TEST UNIT READYs.
 fn login(server: &IscsiServer, target: &str) -> TcpStream {
-    let mut stream = connect(server);
-    let text = format!("InitiatorName=iqn.test:raw\0TargetName={target}\0AuthMethod=None\0");
-    stream.write_all(&login_request(&text, 0x81)).expect("send");
-    let (bhs, _) = read_response(&mut stream).expect("login response");
-    assert_eq!(bhs.0[36], 0, "login status class");
-    stream
-        .write_all(&login_request("MaxRecvDataSegmentLength=8192\0", 0x87))
-        .expect("send");
-    let (bhs, _) = read_response(&mut stream).expect("login response");
-    assert_eq!(bhs.0[36], 0, "login status class");
-    assert_eq!(bhs.0[1] & 0x83, 0x83, "transit to full feature phase");
-    stream
+    common::iscsi::login(server.address, target)
 }
 
 /// A WRITE(10) command PDU (CmdSN 0, F=1, no immediate data) for `blocks`
@@ -372,6 +352,7 @@ fn a_stop_answers_the_commands_in_flight_before_the_final_flush() {
     // The pool first, then the same pool with every write and flush of its
     // fast device taking 150 ms, so that a FUA write is in flight at the stop.
     let dir = tempfile::tempdir().expect("temp dir");
+    common::small_default_pool(dir.path());
     let mut daemon = common::Server::start(dir.path());
     assert!(daemon.stop().success());
     let fast = dir.path().join("pools/default/fast.dev");

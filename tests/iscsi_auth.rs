@@ -7,7 +7,7 @@
 //! fails its test.
 
 use std::collections::HashMap;
-use std::io::{Read, Write};
+use std::io::Write;
 use std::net::TcpStream;
 use std::process::{Command, Output};
 use std::time::Duration;
@@ -17,6 +17,8 @@ use strata::frontend::iscsi::pdu::{self, op, Bhs};
 use strata::frontend::iscsi::text;
 
 mod common;
+
+use common::iscsi::read_response;
 
 const TARGET: &str = "iqn.2026-11.io.strata:default.vol0";
 const OPEN_TARGET: &str = "iqn.2026-11.io.strata:default.open";
@@ -229,17 +231,6 @@ fn login_pdu(text: &str, flags: u8) -> Vec<u8> {
     bhs.0[8..14].copy_from_slice(&[0x80, 0, 0, 0, 0, 9]);
     bhs.set_u32(16, 1);
     pdu::encode(&bhs, text.as_bytes(), false, false)
-}
-
-fn read_response(stream: &mut TcpStream) -> Option<(Bhs, Vec<u8>)> {
-    let mut header = [0u8; 48];
-    stream.read_exact(&mut header).ok()?;
-    let bhs = Bhs(header);
-    let len = bhs.data_segment_len() as usize;
-    let mut data = vec![0u8; len + pdu::padding_for(len)];
-    stream.read_exact(&mut data).ok()?;
-    data.truncate(len);
-    Some((bhs, data))
 }
 
 fn status_of(bhs: &Bhs) -> u16 {

@@ -6,10 +6,9 @@
 
 mod common;
 
-use common::{require_tool, Server};
+use common::{cli, cli_ok, qemu_io, qemu_io_ok, require_tool, Server};
 use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::process::Command;
 use std::time::Duration;
 
 const MIB: u64 = 1 << 20;
@@ -22,55 +21,11 @@ const POOL_DATA: u64 = 32 * MIB;
 const OTHER_DATA: u64 = 2 * MIB;
 const ENOSPC: u32 = 28;
 
-fn cli(server: &Server, args: &[&str]) -> std::process::Output {
-    Command::new(env!("CARGO_BIN_EXE_strata"))
-        .args(args)
-        .arg("--data-dir")
-        .arg(&server.data_dir)
-        .output()
-        .unwrap()
-}
-
-fn cli_ok(server: &Server, args: &[&str]) -> String {
-    let output = cli(server, args);
-    assert!(
-        output.status.success(),
-        "strata {args:?}: {}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    String::from_utf8_lossy(&output.stdout).into_owned()
-}
-
-/// Runs qemu-io with `commands` on `uri`: (exit status success, stdout + stderr).
-fn qemu_io(uri: &str, commands: &[String]) -> (bool, String) {
-    let mut command = Command::new("qemu-io");
-    command.args(["-f", "raw"]);
-    for c in commands {
-        command.arg("-c").arg(c);
-    }
-    let output = command.arg(uri).output().expect("run qemu-io");
-    let text = String::from_utf8_lossy(&output.stdout).to_string() + &String::from_utf8_lossy(&output.stderr);
-    (output.status.success(), text)
-}
-
-/// qemu-io that must succeed with no failed command or pattern mismatch.
-fn qemu_io_ok(uri: &str, commands: &[String]) -> String {
-    let (ok, text) = qemu_io(uri, commands);
-    assert!(
-        ok && !text.contains("failed") && !text.contains("error"),
-        "qemu-io {commands:?} on {uri}:\n{text}"
-    );
-    text
-}
-
 fn pool_json(server: &Server) -> serde_json::Value {
-    serde_json::from_str(&cli_ok(server, &["pool", "status", "tank", "--json"])).unwrap()
+    common::pool_json(server, "tank")
 }
 
-/// The pattern byte of the i-th MiB written to `tank/big`.
-fn pattern(i: u64) -> u8 {
-    0x40 + i as u8
-}
+use common::fill_pattern as pattern;
 
 /// A minimal NBD client (fixed newstyle, NBD_OPT_EXPORT_NAME, simple
 /// replies), to see the exact error number on the wire.
@@ -159,23 +114,7 @@ fn a_full_pool_fails_only_the_writes_that_need_space() {
     qemu_io_ok(&other, &[format!("write -P 0x0f 0 {OTHER_DATA}"), "flush".into()]);
 
     // Fill tank/big 1 MiB at a time, one client each, until a write fails.
-    let mut acknowledged = 0u64;
-    let failure = loop {
-        assert!(acknowledged * MIB <= POOL_DATA, "wrote more than the pool holds");
-        let (ok, text) = qemu_io(
-            &big,
-            &[format!(
-                "write -P {:#x} {} {MIB}",
-                pattern(acknowledged),
-                acknowledged * MIB
-            )],
-        );
-        if ok && text.contains("wrote 1048576/1048576 bytes") {
-            acknowledged += 1;
-        } else {
-            break text;
-        }
-    };
+    let (acknowledged, failure) = common::fill_until_failure(&big, POOL_DATA / MIB);
     eprintln!("{acknowledged} MiB acknowledged before the pool was full; then:\n{failure}");
     assert!(
         failure.contains("No space left on device"),
@@ -285,56 +224,6 @@ fn a_full_pool_fails_only_the_writes_that_need_space() {
     assert_eq!(status["volumes"], 1, "{status}");
 }
 
-/// Unmounts the tmpfs when the test ends, however it ends.
-struct Mount(std::path::PathBuf);
-
-impl Drop for Mount {
-    fn drop(&mut self) {
-        let _ = Command::new("umount").arg("-l").arg(&self.0).status();
-    }
-}
-
-/// A 160 MiB tmpfs mounted for one test (unmounted when dropped), holding
-/// a sparse 497 MiB device file: 97 MiB of chunk 0, metadata and log, then
-/// 400 MiB of data space. The daemon's data and RAM directories are beside
-/// it, on the ordinary file system.
-struct SmallFs {
-    _mount: Mount,
-    fast: String,
-    data: std::path::PathBuf,
-    ram: std::path::PathBuf,
-    log: std::path::PathBuf,
-    _dir: tempfile::TempDir,
-}
-
-impl SmallFs {
-    fn mount() -> SmallFs {
-        let dir = tempfile::tempdir().unwrap();
-        let fs = dir.path().join("fs");
-        std::fs::create_dir(&fs).unwrap();
-        let mounted = Command::new("mount")
-            .args(["-t", "tmpfs", "-o", "size=160m", "tmpfs"])
-            .arg(&fs)
-            .status()
-            .expect("run mount");
-        assert!(
-            mounted.success(),
-            "this test mounts a small tmpfs and needs root (CI runs as root)"
-        );
-        let mount = Mount(fs.clone());
-        let ram = dir.path().join("ram");
-        std::fs::create_dir(&ram).unwrap();
-        SmallFs {
-            _mount: mount,
-            fast: common::sparse_file(&fs, "fast.img", 97 * MIB + 400 * MIB),
-            data: dir.path().join("data"),
-            ram,
-            log: dir.path().join("daemon.log"),
-            _dir: dir,
-        }
-    }
-}
-
 /// The file system under the pool fills before the pool does (sparse
 /// device files on a 160 MiB tmpfs, a pool of 400 MiB): the write that
 /// needs space gets ENOSPC, never EIO; the device does not turn read-only
@@ -344,7 +233,7 @@ impl SmallFs {
 #[test]
 fn a_full_file_system_under_the_pool_fails_only_the_writes_that_need_space() {
     require_tool("qemu-io");
-    let small = SmallFs::mount();
+    let small = common::SmallFs::mount();
     let (data, ram, log, fast) = (&small.data, &small.ram, &small.log, &small.fast);
     let mut server = Server::start_logged(data, Some(ram), &[], Some(log));
     let created = cli(&server, &["pool", "create", "tank", "--fast", fast]);
@@ -388,41 +277,9 @@ fn a_full_file_system_under_the_pool_fails_only_the_writes_that_need_space() {
         metrics.contains("strata_device_unbackable_bytes{pool=\"tank\""),
         "{metrics}"
     );
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    while !std::fs::read_to_string(log)
-        .unwrap_or_default()
-        .contains("will fail with ENOSPC")
-    {
-        assert!(std::time::Instant::now() < deadline, "no warning in the daemon's log");
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    common::wait_for_log(log, "will fail with ENOSPC");
 
-    let mut acknowledged = 0u64;
-    let failure = loop {
-        assert!(acknowledged < 400, "wrote more than the file system holds");
-        let (ok, text) = qemu_io(
-            &big,
-            &[format!(
-                "write -P {:#x} {} {MIB}",
-                pattern(acknowledged),
-                acknowledged * MIB
-            )],
-        );
-        if ok && text.contains("wrote 1048576/1048576 bytes") {
-            acknowledged += 1;
-        } else {
-            break text;
-        }
-    };
-    eprintln!("{acknowledged} MiB acknowledged before the file system was full; then:\n{failure}");
-    assert!(failure.contains("No space left on device"), "{failure}");
-    assert!(!failure.contains("Input/output error"), "{failure}");
-    assert!(
-        acknowledged >= 16,
-        "the file system filled too early: {acknowledged} MiB"
-    );
-    // The pool itself had room: this was the file system.
-    assert!(pool_json(&server)["available_bytes"].as_u64().unwrap() > 100 * MIB);
+    let acknowledged = common::fill_full_fs(&server, &big);
 
     // Still full: the same answer again, never EIO.
     let mut raw = Nbd::connect(&server.nbd, "tank/big");
@@ -489,7 +346,7 @@ fn a_full_file_system_under_the_pool_fails_only_the_writes_that_need_space() {
 #[test]
 fn cached_writes_that_find_no_place_stay_logged_and_the_shutdown_says_so() {
     require_tool("qemu-io");
-    let small = SmallFs::mount();
+    let small = common::SmallFs::mount();
     let mut server = Server::start_logged(&small.data, Some(&small.ram), &[], Some(&small.log));
     cli_ok(&server, &["pool", "create", "tank", "--fast", &small.fast]);
     cli_ok(&server, &["volume", "create", "tank/big", "--size", "1G"]);

@@ -7,7 +7,7 @@
 
 mod common;
 
-use common::{require_tool, run, Server};
+use common::{cli, require_tool, run, Server};
 use std::process::Command;
 use std::sync::Arc;
 
@@ -19,15 +19,6 @@ use strata::pool::{map_entry, NewDevice, Pool, PoolError};
 use strata::volume::{BlockDevice, BlockError, IoBuf};
 
 const MIB: u64 = 1 << 20;
-
-fn cli(server: &Server, args: &[&str]) -> std::process::Output {
-    Command::new(env!("CARGO_BIN_EXE_strata"))
-        .args(args)
-        .arg("--data-dir")
-        .arg(&server.data_dir)
-        .output()
-        .unwrap()
-}
 
 #[test]
 fn pool_create_serve_and_reopen() {

@@ -97,8 +97,11 @@ impl Pool {
             let allocator = self.allocator.lock_or_abort();
             Self::unallocated(&allocator, self.chunk_bytes)
         };
+        let status = self.status();
+        // The soft threshold (iSCSI's unit attention) follows within one tick.
+        self.set_backing_space_low(status.iter().any(|d| d.backing_low()));
         let roomy = pool_room > waiting
-            && self.status().iter().all(|d| {
+            && status.iter().all(|d| {
                 d.backing
                     .is_none_or(|b| b.fs_free_bytes >= waiting + (b.fs_size_bytes / 20).min(64 << 20))
             });
@@ -256,10 +259,21 @@ impl Pool {
 impl Pool {
     /// Logs a warning when the file system under a sparse device falls below
     /// what the device may still ask of it, or below 10 % free; once per
-    /// device until it recovers (then an info line).
+    /// device until it recovers (then an info line). Also keeps
+    /// [`Pool::backing_space_low`]: any device's file system under 10 %
+    /// free. Overcommit alone (sparse files that could outgrow their file
+    /// system, the default pool's normal state) is said in the log and in
+    /// `pool status`, not announced to every initiator.
     fn warn_about_backing(&self, warned: &mut std::collections::HashSet<u8>) {
-        for device in self.status() {
-            match device.backing_warning() {
+        let warnings: Vec<_> = self
+            .status()
+            .into_iter()
+            .map(|device| (device.backing_warning(), device))
+            .collect();
+        // Before the log lines, so whoever sees them sees the flag too.
+        self.set_backing_space_low(warnings.iter().any(|(_, device)| device.backing_low()));
+        for (warning, device) in warnings {
+            match warning {
                 Some(warning) if warned.insert(device.index) => {
                     tracing::warn!("pool {}: {warning}", self.name)
                 }

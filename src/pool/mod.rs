@@ -194,12 +194,17 @@ pub struct DeviceStatus {
 }
 
 impl DeviceStatus {
+    /// The file system under this sparse device file has under 10 % free.
+    pub fn backing_low(&self) -> bool {
+        self.backing.is_some_and(|b| b.fs_free_bytes < b.fs_size_bytes / 10)
+    }
+
     /// Why the file system under this device needs attention, if it does:
     /// less free space than the device could still ask of it, or under 10 %.
     pub fn backing_warning(&self) -> Option<String> {
         let backing = self.backing?;
         let unbacked = self.size_bytes.saturating_sub(backing.backed_bytes);
-        let low = backing.fs_free_bytes < backing.fs_size_bytes / 10;
+        let low = self.backing_low();
         if self.unbackable_bytes == 0 && !low {
             return None;
         }
@@ -261,6 +266,11 @@ pub struct Pool {
     checkpoints: AtomicU64,
     checkpoint_pages: AtomicU64,
     checkpoint_scheduled: std::sync::atomic::AtomicBool,
+    /// The file system under a sparse device has less free space than the
+    /// pool's files there may still grow by, or under 10 % free (any
+    /// device's [`DeviceStatus::backing_warning`]). Kept by the destager's
+    /// periodic check, read per SCSI command (thin provisioning threshold).
+    backing_low: std::sync::atomic::AtomicBool,
     store_bytes: Arc<AtomicU64>,
     pub(crate) data_bytes: AtomicU64,
     /// The write-back cache in the RAM tier.
@@ -395,6 +405,16 @@ impl Pool {
     // ---- durability --------------------------------------------------------------
 
     // ---- volumes -------------------------------------------------------------------
+
+    /// Whether the space under the pool's sparse device files is low, as of
+    /// the destager's last check (every 10 s): one atomic load.
+    pub fn backing_space_low(&self) -> bool {
+        self.backing_low.load(Ordering::Relaxed)
+    }
+
+    pub(crate) fn set_backing_space_low(&self, low: bool) {
+        self.backing_low.store(low, Ordering::Relaxed);
+    }
 
     /// The device holding the metadata store.
     pub fn meta_device(&self) -> u8 {

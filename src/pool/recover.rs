@@ -404,6 +404,7 @@ impl Pool {
             checkpoints: AtomicU64::new(0),
             checkpoint_pages: AtomicU64::new(0),
             checkpoint_scheduled: std::sync::atomic::AtomicBool::new(false),
+            backing_low: std::sync::atomic::AtomicBool::new(false),
             store_bytes,
             data_bytes: AtomicU64::new(0),
             cache: write_cache,

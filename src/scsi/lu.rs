@@ -114,6 +114,10 @@ pub struct LogicalUnit {
     /// Fast-path hints: set whenever `state` has attentions or reservations.
     attention_pending: AtomicBool,
     reserved: AtomicBool,
+    /// The pool's backing space was low at the last command: the thin
+    /// provisioning soft threshold's unit attention has been established
+    /// for this crossing (raised again only after it cleared).
+    threshold_reached: AtomicBool,
     state: Mutex<SharedState>,
     /// Where persistent reservations are saved (`None`: kept in memory).
     reservations_path: Option<PathBuf>,
@@ -150,6 +154,7 @@ impl LogicalUnit {
             write_gate: tokio::sync::RwLock::new(()),
             attention_pending: AtomicBool::new(false),
             reserved: AtomicBool::new(reserved),
+            threshold_reached: AtomicBool::new(false),
             state: Mutex::new(state),
             reservations_path,
         }
@@ -215,6 +220,32 @@ impl LogicalUnit {
         self.refresh_flags(&state);
     }
 
+    /// Follows the pool's backing-space condition (one atomic load per
+    /// command): when it turns on, every logged-in I_T nexus gets the
+    /// THIN PROVISIONING SOFT THRESHOLD REACHED unit attention (SITUA is
+    /// zero), once per crossing.
+    fn follow_soft_threshold(&self) {
+        let low = self.volume.backing_space_low();
+        if low == self.threshold_reached.load(Ordering::Acquire) {
+            return;
+        }
+        let mut state = self.state();
+        if self.threshold_reached.swap(low, Ordering::AcqRel) == low || !low {
+            return;
+        }
+        tracing::warn!(
+            "{}: thin provisioning soft threshold reached (the file system under the pool is low on space); \
+             unit attention for {} initiator(s)",
+            self.volume.full_name(),
+            state.nexuses.len()
+        );
+        let nexuses = state.nexuses.clone();
+        for nexus in nexuses {
+            push_attention(&mut state, &nexus, Sense::THIN_PROVISIONING_SOFT_THRESHOLD_REACHED);
+        }
+        self.refresh_flags(&state);
+    }
+
     fn refresh_flags(&self, state: &SharedState) {
         let pending = state.attentions.values().any(|q| !q.is_empty());
         self.attention_pending.store(pending, Ordering::Release);
@@ -251,6 +282,7 @@ impl LogicalUnit {
     /// Executes `command` for `nexus`. `data_out` holds exactly the bytes the
     /// command's [`Command::transfer`] asked for.
     pub async fn execute(&self, nexus: &Nexus, command: &Command, data_out: Vec<u8>) -> Outcome {
+        self.follow_soft_threshold();
         let exempt_from_attention = matches!(
             command,
             Command::Inquiry { .. } | Command::ReportLuns { .. } | Command::RequestSense { .. }
@@ -339,20 +371,20 @@ impl LogicalUnit {
                 subpage,
                 alloc_len,
             } => {
-                if subpage != 0 && subpage != 0xff {
-                    return Outcome::check(Sense::INVALID_FIELD_IN_CDB.in_cdb(3, None));
-                }
                 let values = match pc {
                     PageControl::Current | PageControl::Saved => ModeValues::Current,
                     PageControl::Changeable => ModeValues::Changeable,
                     PageControl::Default => ModeValues::Default,
                 };
                 let info = self.unit_info();
-                match pages::mode_pages(&info, page, values) {
+                match pages::mode_pages(&info, page, subpage, values) {
                     Some(body) => Outcome::good(allocated(
                         pages::mode_sense_data(&info, ten, dbd, llbaa, &body),
                         alloc_len,
                     )),
+                    None if subpage != 0 && pages::known_page(page) => {
+                        Outcome::check(Sense::INVALID_FIELD_IN_CDB.in_cdb(3, None))
+                    }
                     None => Outcome::check(Sense::INVALID_FIELD_IN_CDB.in_cdb(2, Some(5))),
                 }
             }
@@ -721,20 +753,32 @@ impl LogicalUnit {
             }
             let page = params[at] & 0x3f;
             let subpage_format = params[at] & 0x40 != 0;
-            if subpage_format {
-                return Outcome::check(Sense::INVALID_FIELD_IN_PARAMETER_LIST);
-            }
-            let len = params[at + 1] as usize + 2;
+            let (subpage, header, len) = if subpage_format {
+                if params.len() - at < 4 {
+                    return Outcome::check(Sense::PARAMETER_LIST_LENGTH_ERROR);
+                }
+                let len = u16::from_be_bytes([params[at + 2], params[at + 3]]) as usize + 4;
+                (params[at + 1], 4, len)
+            } else {
+                (0, 2, params[at + 1] as usize + 2)
+            };
             if at + len > params.len() {
                 return Outcome::check(Sense::PARAMETER_LIST_LENGTH_ERROR);
             }
             let body = &params[at..at + len];
-            let (current, changeable) = match page {
-                pages::CACHING_PAGE => (
+            let (current, changeable) = match (page, subpage) {
+                // Nothing in it is changeable: the same values are accepted,
+                // any change is refused (SPC-4 6.11).
+                (pages::LBP_PAGE, pages::LBP_SUBPAGE) if subpage_format && info.caps.can_trim => (
+                    pages::lbp_page(&info, ModeValues::Current),
+                    pages::lbp_page(&info, ModeValues::Changeable),
+                ),
+                _ if subpage_format => return Outcome::check(Sense::INVALID_FIELD_IN_PARAMETER_LIST),
+                (pages::CACHING_PAGE, _) => (
                     pages::caching_page(&info, ModeValues::Current),
                     pages::caching_page(&info, ModeValues::Changeable),
                 ),
-                pages::CONTROL_PAGE => (
+                (pages::CONTROL_PAGE, _) => (
                     pages::control_page(ModeValues::Current),
                     pages::control_page(ModeValues::Changeable),
                 ),
@@ -744,7 +788,7 @@ impl LogicalUnit {
                 return Outcome::check(Sense::INVALID_FIELD_IN_PARAMETER_LIST);
             }
             // Every bit outside the changeable mask must keep its current value.
-            for i in 2..body.len() {
+            for i in header..body.len() {
                 if (body[i] ^ current[i]) & !changeable[i] != 0 {
                     return Outcome::check(Sense::INVALID_FIELD_IN_PARAMETER_LIST);
                 }
@@ -834,4 +878,165 @@ fn push_attention(state: &mut SharedState, nexus: &Nexus, sense: Sense) {
 /// Offset of the first byte where `a` and `b` differ.
 fn first_difference(a: &[u8], b: &[u8]) -> Option<usize> {
     a.iter().zip(b.iter()).position(|(x, y)| x != y)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::volume::props::{LogBias, SyncMode, VolumeProps};
+    use crate::volume::{BlockDevice, BlockError, BoxFuture, Capabilities, Extent};
+
+    /// A backing whose only behaviour is the backing-space flag.
+    struct Backing {
+        low: AtomicBool,
+    }
+
+    impl BlockDevice for Backing {
+        fn capabilities(&self) -> Capabilities {
+            Capabilities::thin_for_tests()
+        }
+        fn size_bytes(&self) -> u64 {
+            1 << 20
+        }
+        fn read(&self, _offset: u64, buf: IoBuf) -> BoxFuture<'_, (IoBuf, BlockResult<()>)> {
+            Box::pin(async move { (buf, Err(BlockError::NotSupported("test"))) })
+        }
+        fn write(&self, _offset: u64, _data: IoBuf, _fua: bool) -> BoxFuture<'_, BlockResult<()>> {
+            Box::pin(async { Err(BlockError::NotSupported("test")) })
+        }
+        fn flush(&self) -> BoxFuture<'_, BlockResult<()>> {
+            Box::pin(async { Ok(()) })
+        }
+        fn trim(&self, _offset: u64, _length: u64, _fua: bool) -> BoxFuture<'_, BlockResult<()>> {
+            Box::pin(async { Ok(()) })
+        }
+        fn write_zeroes(&self, _offset: u64, _length: u64, _flags: ZeroFlags) -> BoxFuture<'_, BlockResult<()>> {
+            Box::pin(async { Ok(()) })
+        }
+        fn cache(&self, _offset: u64, _length: u64) -> BoxFuture<'_, BlockResult<()>> {
+            Box::pin(async { Ok(()) })
+        }
+        fn block_status(&self, _offset: u64, _length: u64) -> BoxFuture<'_, BlockResult<Vec<Extent>>> {
+            Box::pin(async { Ok(Vec::new()) })
+        }
+        fn resize(&self, _new_size_bytes: u64) -> BlockResult<()> {
+            Ok(())
+        }
+        fn backing_space_low(&self) -> bool {
+            self.low.load(Ordering::Relaxed)
+        }
+    }
+
+    fn run(unit: &LogicalUnit, nexus: &Nexus, command: Command, data_out: Vec<u8>) -> Outcome {
+        let runtime = tokio::runtime::Builder::new_current_thread().build().unwrap();
+        runtime.block_on(unit.execute(nexus, &command, data_out))
+    }
+
+    fn tur(unit: &LogicalUnit, nexus: &Nexus) -> Option<Sense> {
+        run(unit, nexus, Command::TestUnitReady, Vec::new()).sense
+    }
+
+    fn unit(backing: Arc<Backing>) -> LogicalUnit {
+        let props = VolumeProps {
+            volsize: 1 << 20,
+            volblocksize: 4096,
+            sync: SyncMode::Standard,
+            logbias: LogBias::Latency,
+            wce: true,
+        };
+        let volume = Arc::new(Volume::new("tank", "vol", backing, &props));
+        LogicalUnit::new(volume, None, "iqn.test:tank.vol")
+    }
+
+    #[test]
+    fn lbp_mode_page_is_sensed_and_refuses_changes() {
+        let unit = unit(Arc::new(Backing {
+            low: AtomicBool::new(false),
+        }));
+        let nexus: Nexus = "a".into();
+        unit.attach(&nexus);
+        let sense = |page, subpage| Command::ModeSense {
+            ten: false,
+            dbd: true,
+            llbaa: false,
+            pc: PageControl::Current,
+            page,
+            subpage,
+            alloc_len: 255,
+        };
+        let outcome = run(&unit, &nexus, sense(0x1c, 0x02), Vec::new());
+        assert_eq!(outcome.status, status::GOOD);
+        let page = outcome.data[4..].to_vec();
+        assert_eq!((page[0], page[1], page.len()), (0x5c, 0x02, 24));
+        // A subpage we lack points at the SUBPAGE CODE; a page we lack
+        // (0x1c subpage 0 is informational exceptions control) at the PAGE CODE.
+        let refused = run(&unit, &nexus, sense(0x08, 0x01), Vec::new());
+        assert_eq!(refused.sense, Some(Sense::INVALID_FIELD_IN_CDB.in_cdb(3, None)));
+        let refused = run(&unit, &nexus, sense(0x1c, 0x00), Vec::new());
+        assert_eq!(refused.sense, Some(Sense::INVALID_FIELD_IN_CDB.in_cdb(2, Some(5))));
+        // MODE SELECT(6): the page as it is is accepted, a change is not.
+        let select = |page: &[u8]| {
+            let mut params = vec![0u8; 4];
+            params.extend_from_slice(page);
+            let command = Command::ModeSelect {
+                ten: false,
+                pf: true,
+                sp: false,
+                param_len: params.len() as u32,
+            };
+            run(&unit, &nexus, command, params)
+        };
+        assert_eq!(select(&page).status, status::GOOD);
+        let mut changed = page.clone();
+        changed[4] |= 0x01; // SITUA
+        assert_eq!(select(&changed).sense, Some(Sense::INVALID_FIELD_IN_PARAMETER_LIST));
+        let mut changed = page.clone();
+        changed[23] ^= 0x01; // THRESHOLD COUNT
+        assert_eq!(select(&changed).sense, Some(Sense::INVALID_FIELD_IN_PARAMETER_LIST));
+        assert_eq!(
+            select(&page[..20]).sense,
+            Some(Sense::PARAMETER_LIST_LENGTH_ERROR),
+            "shorter than its PAGE LENGTH"
+        );
+    }
+
+    #[test]
+    fn soft_threshold_attention_reaches_every_nexus_once_per_crossing() {
+        let backing = Arc::new(Backing {
+            low: AtomicBool::new(false),
+        });
+        let unit = unit(backing.clone());
+        let (a, b): (Nexus, Nexus) = ("a".into(), "b".into());
+        unit.attach(&a);
+        unit.attach(&b);
+        assert_eq!(tur(&unit, &a), None);
+        let soft = Some(Sense::THIN_PROVISIONING_SOFT_THRESHOLD_REACHED);
+        for _ in 0..2 {
+            backing.low.store(true, Ordering::Relaxed);
+            assert_eq!(tur(&unit, &a), soft);
+            assert_eq!(tur(&unit, &a), None, "once");
+            // INQUIRY does not report it; the next other command does.
+            let inquiry = Command::Inquiry {
+                evpd: false,
+                page: 0,
+                alloc_len: 96,
+            };
+            assert_eq!(run(&unit, &b, inquiry, Vec::new()).status, status::GOOD);
+            assert_eq!(tur(&unit, &b), soft);
+            assert_eq!(tur(&unit, &b), None);
+            // A nexus that logs in later does not get it.
+            let c: Nexus = "c".into();
+            unit.attach(&c);
+            assert_eq!(tur(&unit, &c), None);
+            unit.detach(&c);
+            // Still low: nothing new. Cleared: nothing. Back: raised again.
+            assert_eq!(tur(&unit, &a), None);
+            backing.low.store(false, Ordering::Relaxed);
+            assert_eq!(tur(&unit, &a), None);
+            assert_eq!(tur(&unit, &b), None);
+        }
+        let fixed = Sense::THIN_PROVISIONING_SOFT_THRESHOLD_REACHED.to_fixed();
+        assert_eq!((fixed[2], fixed[12], fixed[13]), (0x6, 0x38, 0x07));
+        assert_eq!(&fixed[3..7], &[0, 0, 0, 16], "INFORMATION: the descriptor's offset");
+    }
 }

@@ -103,6 +103,9 @@ pub fn vpd_page(page: u8, unit: &UnitInfo) -> Option<Vec<u8>> {
         0xb2 => {
             let mut body = vec![0u8; 4];
             if unit.caps.can_trim {
+                // Threshold sets of 2^THRESHOLD EXPONENT blocks count the
+                // soft threshold of the Logical Block Provisioning mode page.
+                body[0] = threshold_exponent(unit.capacity_blocks);
                 // LBPU, LBPWS, LBPWS10, LBPRZ.
                 body[1] = 0x80 | 0x40 | 0x20 | 0x04;
                 body[2] = 0x02; // thin provisioned
@@ -180,9 +183,32 @@ pub fn read_capacity16(unit: &UnitInfo) -> Vec<u8> {
     data
 }
 
+/// Smallest threshold exponent: threshold sets of 1 MiB (2^11 blocks).
+const MIN_THRESHOLD_EXPONENT: u8 = 11;
+
+/// The THRESHOLD EXPONENT of the Logical Block Provisioning VPD page (SBC-4
+/// 6.6.7): a threshold set is 2^exponent blocks; 1 MiB, or more when the
+/// capacity in threshold sets would not fit the 32-bit THRESHOLD COUNT.
+pub fn threshold_exponent(capacity_blocks: u64) -> u8 {
+    let mut exponent = MIN_THRESHOLD_EXPONENT;
+    while capacity_blocks >> exponent > u32::MAX as u64 {
+        exponent += 1;
+    }
+    exponent
+}
+
 pub const CACHING_PAGE: u8 = 0x08;
 pub const CONTROL_PAGE: u8 = 0x0a;
+/// The Logical Block Provisioning mode page is page 0x1c, subpage 0x02.
+pub const LBP_PAGE: u8 = 0x1c;
+pub const LBP_SUBPAGE: u8 = 0x02;
 pub const ALL_PAGES: u8 = 0x3f;
+/// As a subpage code: every subpage of the page(s).
+pub const ALL_SUBPAGES: u8 = 0xff;
+/// Byte offset of the soft threshold descriptor in the Logical Block
+/// Provisioning mode page: the INFORMATION field of the unit attention
+/// that reports it (SBC-4 4.7.3.7.6).
+pub const SOFT_THRESHOLD_DESCRIPTOR_OFFSET: u64 = 16;
 
 /// Which mode-page values to build.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -226,18 +252,55 @@ pub fn control_page(values: ModeValues) -> Vec<u8> {
     page
 }
 
-/// The pages MODE SENSE returns for `page`, or `None` if unsupported.
-pub fn mode_pages(unit: &UnitInfo, page: u8, values: ModeValues) -> Option<Vec<u8>> {
-    match page {
-        CACHING_PAGE => Some(caching_page(unit, values)),
-        CONTROL_PAGE => Some(control_page(values)),
-        ALL_PAGES => {
+/// The Logical Block Provisioning mode page (SBC-4 6.5.9), thin volumes
+/// only: SITUA zero (the soft threshold's unit attention goes to every
+/// I_T nexus) and one soft threshold descriptor on the availability of
+/// LBA mapping resources (resource 01h, type 000b, armed decreasing 000b),
+/// centred at 10 % of the capacity in threshold sets. Nothing in it is
+/// changeable: the threshold is the pool's (see docs/ISCSI.md).
+pub fn lbp_page(unit: &UnitInfo, values: ModeValues) -> Vec<u8> {
+    let mut page = vec![0u8; 24];
+    page[0] = 0x40 | LBP_PAGE; // SPF: the subpage format
+    page[1] = LBP_SUBPAGE;
+    let length = (page.len() - 4) as u16;
+    page[2..4].copy_from_slice(&length.to_be_bytes());
+    if values != ModeValues::Changeable {
+        let at = SOFT_THRESHOLD_DESCRIPTOR_OFFSET as usize;
+        // ENABLED, THRESHOLD TYPE 000b (soft), THRESHOLD ARMING 000b.
+        page[at] = 0x80;
+        // THRESHOLD RESOURCE: available LBA mapping resources.
+        page[at + 1] = 0x01;
+        let sets = unit.capacity_blocks >> threshold_exponent(unit.capacity_blocks);
+        let count = u32::try_from(sets / 10).unwrap_or(u32::MAX);
+        page[at + 4..at + 8].copy_from_slice(&count.to_be_bytes());
+    }
+    page
+}
+
+/// The pages MODE SENSE returns for `page` and `subpage`, or `None` if
+/// unsupported.
+pub fn mode_pages(unit: &UnitInfo, page: u8, subpage: u8, values: ModeValues) -> Option<Vec<u8>> {
+    let lbp = unit.caps.can_trim;
+    match (page, subpage) {
+        (CACHING_PAGE, 0 | ALL_SUBPAGES) => Some(caching_page(unit, values)),
+        (CONTROL_PAGE, 0 | ALL_SUBPAGES) => Some(control_page(values)),
+        (LBP_PAGE, LBP_SUBPAGE | ALL_SUBPAGES) if lbp => Some(lbp_page(unit, values)),
+        (ALL_PAGES, 0 | ALL_SUBPAGES) => {
             let mut all = caching_page(unit, values);
             all.extend(control_page(values));
+            if subpage == ALL_SUBPAGES && lbp {
+                all.extend(lbp_page(unit, values));
+            }
             Some(all)
         }
         _ => None,
     }
+}
+
+/// Whether MODE SENSE knows `page` at all (for pointing a refusal at the
+/// subpage rather than the page code).
+pub fn known_page(page: u8) -> bool {
+    matches!(page, CACHING_PAGE | CONTROL_PAGE | LBP_PAGE | ALL_PAGES)
 }
 
 /// The mode parameter header, optional block descriptor and `pages`.
@@ -282,22 +345,7 @@ mod tests {
     fn unit() -> UnitInfo {
         UnitInfo {
             capacity_blocks: 2048,
-            caps: Capabilities {
-                can_flush: true,
-                can_fua: true,
-                can_trim: true,
-                can_zero: true,
-                can_fast_zero: true,
-                can_cache: true,
-                can_block_status: true,
-                read_only: false,
-                rotational: false,
-                volatile_write_cache: true,
-                flush_covers_all_handles: true,
-                min_block_bytes: 512,
-                preferred_block_bytes: 4096,
-                max_request_bytes: 32 << 20,
-            },
+            caps: Capabilities::thin_for_tests(),
             wce: true,
             naa: naa_for("default/vol0"),
             serial: "0123456789abcdef".into(),
@@ -319,6 +367,36 @@ mod tests {
         assert_eq!(caching_page(&info, ModeValues::Current)[2] & 0x04, 0x04);
         info.wce = false;
         assert_eq!(caching_page(&info, ModeValues::Current)[2] & 0x04, 0);
+    }
+
+    #[test]
+    fn lbp_vpd_page_and_mode_page_describe_the_soft_threshold() {
+        let info = unit();
+        let vpd = vpd_page(0xb2, &info).unwrap();
+        assert_eq!(vpd[4], 11, "threshold sets of 1 MiB");
+        assert_eq!(vpd[6] & 0x07, 0x02, "thin provisioned");
+        let page = lbp_page(&info, ModeValues::Current);
+        assert_eq!((page[0], page[1]), (0x5c, 0x02));
+        assert_eq!(u16::from_be_bytes([page[2], page[3]]) as usize, page.len() - 4);
+        assert_eq!(page[4] & 0x01, 0, "SITUA: every I_T nexus");
+        assert_eq!(&page[16..20], &[0x80, 0x01, 0, 0]);
+        let mut big = unit();
+        big.capacity_blocks = 1 << 31; // 1 TiB
+        let page = lbp_page(&big, ModeValues::Current);
+        assert_eq!(u32::from_be_bytes(page[20..24].try_into().unwrap()), (1 << 20) / 10);
+        assert!(lbp_page(&info, ModeValues::Changeable)[4..].iter().all(|&b| b == 0));
+        assert_eq!(threshold_exponent(u64::MAX >> 9), 23);
+        // Only with subpages asked for, and after the pages without.
+        let all = mode_pages(&info, ALL_PAGES, 0, ModeValues::Current).unwrap();
+        let with_subpages = mode_pages(&info, ALL_PAGES, ALL_SUBPAGES, ModeValues::Current).unwrap();
+        assert_eq!(&with_subpages[..all.len()], &all[..]);
+        assert_eq!(with_subpages[all.len()], 0x5c);
+        assert!(mode_pages(&info, LBP_PAGE, 0, ModeValues::Current).is_none());
+        assert!(mode_pages(&info, CACHING_PAGE, 1, ModeValues::Current).is_none());
+        let mut thick = unit();
+        thick.caps.can_trim = false;
+        assert!(mode_pages(&thick, LBP_PAGE, LBP_SUBPAGE, ModeValues::Current).is_none());
+        assert_eq!(vpd_page(0xb2, &thick).unwrap()[4], 0);
     }
 
     #[test]

@@ -77,6 +77,10 @@ impl Sense {
     pub const RESERVATIONS_RELEASED: Sense = Sense::new(key::UNIT_ATTENTION, 0x2a, 0x04);
     pub const REGISTRATIONS_PREEMPTED: Sense = Sense::new(key::UNIT_ATTENTION, 0x2a, 0x05);
     pub const CAPACITY_DATA_CHANGED: Sense = Sense::new(key::UNIT_ATTENTION, 0x2a, 0x09);
+    /// THIN PROVISIONING SOFT THRESHOLD REACHED; INFORMATION: the byte
+    /// offset of the threshold descriptor in its mode page (SBC-4 4.7.3.7.6).
+    pub const THIN_PROVISIONING_SOFT_THRESHOLD_REACHED: Sense =
+        Sense::new(key::UNIT_ATTENTION, 0x38, 0x07).with_information(super::pages::SOFT_THRESHOLD_DESCRIPTOR_OFFSET);
     pub const COMMANDS_CLEARED_BY_ANOTHER_INITIATOR: Sense = Sense::new(key::UNIT_ATTENTION, 0x2f, 0x00);
     pub const INSUFFICIENT_REGISTRATION_RESOURCES: Sense = Sense::new(key::ILLEGAL_REQUEST, 0x55, 0x04);
 

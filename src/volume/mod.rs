@@ -50,6 +50,30 @@ pub struct Capabilities {
     pub max_request_bytes: u32,
 }
 
+#[cfg(test)]
+impl Capabilities {
+    /// A thin, writable, non-rotational device with a volatile write cache
+    /// and 4 KiB preferred blocks (unit tests of what is derived from it).
+    pub(crate) fn thin_for_tests() -> Self {
+        Capabilities {
+            can_flush: true,
+            can_fua: true,
+            can_trim: true,
+            can_zero: true,
+            can_fast_zero: true,
+            can_cache: true,
+            can_block_status: true,
+            read_only: false,
+            rotational: false,
+            volatile_write_cache: true,
+            flush_covers_all_handles: true,
+            min_block_bytes: 512,
+            preferred_block_bytes: 4096,
+            max_request_bytes: 32 << 20,
+        }
+    }
+}
+
 /// One run of a [`BlockDevice::block_status`] answer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Extent {
@@ -129,6 +153,14 @@ pub trait BlockDevice: Send + Sync {
     /// `logbias=throughput` (true) or `latency`: where synchronous writes go
     /// first. Backings without an intent log ignore it.
     fn set_log_throughput(&self, _throughput: bool) {}
+
+    /// Whether the space the backing draws on is running low (for the
+    /// engine: the file system under the pool's sparse device files, as
+    /// `pool status` warns). Called per SCSI command: must be as cheap as
+    /// an atomic load, never compute anything.
+    fn backing_space_low(&self) -> bool {
+        false
+    }
 }
 
 /// `pool/name`, the name a volume is exported under.
@@ -209,6 +241,12 @@ impl Volume {
         self.wce.store(props.wce as u8, Ordering::Release);
         self.backing
             .set_log_throughput(props.logbias == props::LogBias::Throughput);
+    }
+
+    /// Whether the space under the volume's pool is running low (see
+    /// [`BlockDevice::backing_space_low`]); cheap enough for every command.
+    pub fn backing_space_low(&self) -> bool {
+        self.backing.backing_space_low()
     }
 
     /// Number of frontend handles (NBD connections) open on this volume.

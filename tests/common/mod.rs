@@ -2,6 +2,8 @@
 //! ephemeral loopback ports, stop it by PID, and run external clients.
 #![allow(dead_code)]
 
+pub mod iscsi;
+
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Output, Stdio};
@@ -215,6 +217,19 @@ pub fn sparse_file(dir: &Path, name: &str, bytes: u64) -> String {
     path.display().to_string()
 }
 
+/// Creates the default pool's device files in `data_dir` before the first
+/// start, small (1 GiB fast, 2 GiB capacity; the daemon takes the files it
+/// finds): its usual 80 GiB of sparse files are more than many machines
+/// have free, which makes the pool's backing space low, and every iSCSI LU
+/// of the pool then reports the thin provisioning soft threshold (a unit
+/// attention) at its first command.
+pub fn small_default_pool(data_dir: &Path) {
+    let directory = data_dir.join("pools/default");
+    std::fs::create_dir_all(&directory).unwrap();
+    sparse_file(&directory, "fast.dev", 1 << 30);
+    sparse_file(&directory, "capacity.dev", 2 << 30);
+}
+
 /// Panics (never skips) when an external client the tests rely on is missing.
 pub fn require_tool(name: &str) {
     let found = std::env::var_os("PATH")
@@ -298,3 +313,171 @@ pub const FIO_KILL_LOAD: &[&str] = &[
     "--offset_increment=128m",
     "--group_reporting",
 ];
+
+/// Runs `strata ARGS --data-dir DIR` against `server`'s data directory.
+pub fn cli(server: &Server, args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_strata"))
+        .args(args)
+        .arg("--data-dir")
+        .arg(&server.data_dir)
+        .output()
+        .unwrap()
+}
+
+/// [`cli`] that must succeed; returns its stdout.
+pub fn cli_ok(server: &Server, args: &[&str]) -> String {
+    let output = cli(server, args);
+    assert!(
+        output.status.success(),
+        "strata {args:?}: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    String::from_utf8_lossy(&output.stdout).into_owned()
+}
+
+/// `strata pool status POOL --json`.
+pub fn pool_json(server: &Server, pool: &str) -> serde_json::Value {
+    serde_json::from_str(&cli_ok(server, &["pool", "status", pool, "--json"])).unwrap()
+}
+
+/// Runs qemu-io with `commands` on `uri` (nbd:// or iscsi://): (exit
+/// status success, stdout + stderr).
+pub fn qemu_io(uri: &str, commands: &[String]) -> (bool, String) {
+    let mut command = Command::new("qemu-io");
+    command.args(["-f", "raw"]);
+    for c in commands {
+        command.arg("-c").arg(c);
+    }
+    let output = command.arg(uri).output().expect("run qemu-io");
+    let text = String::from_utf8_lossy(&output.stdout).to_string() + &String::from_utf8_lossy(&output.stderr);
+    (output.status.success(), text)
+}
+
+/// qemu-io that must succeed with no failed command or pattern mismatch.
+pub fn qemu_io_ok(uri: &str, commands: &[String]) -> String {
+    let (ok, text) = qemu_io(uri, commands);
+    assert!(
+        ok && !text.contains("failed") && !text.contains("error"),
+        "qemu-io {commands:?} on {uri}:\n{text}"
+    );
+    text
+}
+
+/// A tmpfs mounted for a test; unmounted when dropped, however the test ends.
+pub struct Mount(PathBuf);
+
+impl Drop for Mount {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg("-l").arg(&self.0).status();
+    }
+}
+
+/// Mounts a tmpfs of `size` (like "160m") at `path`, creating the directory.
+/// Needs root, as CI has.
+pub fn mount_tmpfs(path: &Path, size: &str) -> Mount {
+    std::fs::create_dir_all(path).unwrap();
+    let mounted = Command::new("mount")
+        .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
+        .arg(path)
+        .status()
+        .expect("run mount");
+    assert!(
+        mounted.success(),
+        "this test mounts a small tmpfs and needs root (CI runs as root)"
+    );
+    Mount(path.to_path_buf())
+}
+
+/// Waits up to 30 s for `text` to appear in the daemon's log file.
+pub fn wait_for_log(log: &Path, text: &str) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while !std::fs::read_to_string(log).unwrap_or_default().contains(text) {
+        assert!(std::time::Instant::now() < deadline, "no '{text}' in the daemon's log");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// The pattern byte of the i-th MiB [`fill_until_failure`] writes.
+pub fn fill_pattern(i: u64) -> u8 {
+    0x40 + i as u8
+}
+
+/// Writes MiB after MiB from offset 0 with qemu-io on `uri` (one client
+/// each, MiB i holding [`fill_pattern`]`(i)`) until a write fails; returns
+/// how many were acknowledged and the failing qemu-io's output. Panics if
+/// more than `limit_mib` are acknowledged.
+pub fn fill_until_failure(uri: &str, limit_mib: u64) -> (u64, String) {
+    let mut acknowledged = 0u64;
+    loop {
+        assert!(
+            acknowledged <= limit_mib,
+            "wrote more than {limit_mib} MiB: more than there is room for"
+        );
+        let (ok, text) = qemu_io(
+            uri,
+            &[format!(
+                "write -P {:#x} {} 1M",
+                fill_pattern(acknowledged),
+                acknowledged << 20
+            )],
+        );
+        if ok && text.contains("wrote 1048576/1048576 bytes") {
+            acknowledged += 1;
+        } else {
+            return (acknowledged, text);
+        }
+    }
+}
+
+/// A 160 MiB tmpfs mounted for one test (unmounted when dropped), holding
+/// a sparse 497 MiB device file: 97 MiB of chunk 0, metadata and log, then
+/// 400 MiB of data space. The daemon's data and RAM directories are beside
+/// it, on the ordinary file system.
+pub struct SmallFs {
+    _mount: Mount,
+    /// The device file, for `pool create tank --fast`.
+    pub fast: String,
+    pub data: PathBuf,
+    pub ram: PathBuf,
+    /// Where the test has the daemon log (`Server::start_logged`).
+    pub log: PathBuf,
+    pub dir: tempfile::TempDir,
+}
+
+impl SmallFs {
+    pub fn mount() -> SmallFs {
+        let dir = tempfile::tempdir().unwrap();
+        let fs = dir.path().join("fs");
+        let mount = mount_tmpfs(&fs, "160m");
+        let ram = dir.path().join("ram");
+        std::fs::create_dir(&ram).unwrap();
+        SmallFs {
+            _mount: mount,
+            fast: sparse_file(&fs, "fast.img", (97 + 400) << 20),
+            data: dir.path().join("data"),
+            ram,
+            log: dir.path().join("daemon.log"),
+            dir,
+        }
+    }
+}
+
+/// Fills `uri` (a volume of `server`'s pool `tank` on a [`SmallFs`]) until
+/// the file system under the pool is full: the failing write must be
+/// ENOSPC, never EIO, and come neither too early nor while the pool itself
+/// is short. Returns how many MiB were acknowledged (see
+/// [`fill_until_failure`]).
+pub fn fill_full_fs(server: &Server, uri: &str) -> u64 {
+    let (acknowledged, failure) = fill_until_failure(uri, 399);
+    eprintln!("{acknowledged} MiB acknowledged before the file system was full; then:\n{failure}");
+    assert!(failure.contains("No space left on device"), "{failure}");
+    assert!(!failure.contains("Input/output error"), "{failure}");
+    assert!(
+        acknowledged >= 16,
+        "the file system filled too early: {acknowledged} MiB"
+    );
+    // The pool itself had room: this was the file system.
+    let available = pool_json(server, "tank")["available_bytes"].as_u64().unwrap();
+    assert!(available > 100 << 20, "{available}");
+    acknowledged
+}

@@ -302,6 +302,10 @@ impl BlockDevice for EngineVolume {
         self.log_throughput.store(throughput, Ordering::Release);
     }
 
+    fn backing_space_low(&self) -> bool {
+        self.pool.backing_space_low()
+    }
+
     fn trim(&self, offset: u64, length: u64, fua: bool) -> BoxFuture<'_, BlockResult<()>> {
         self.assert_in_range(offset, length);
         Box::pin(async move {
