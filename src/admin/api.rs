@@ -20,7 +20,7 @@ use serde_json::{json, Value};
 
 use super::auth::{authenticate, ApiAuth};
 use crate::control::catalog::DeviceRecord;
-use crate::control::manager::{role_for_add, AdminError, PoolStatus, VolumeInfo, VolumeManager};
+use crate::control::manager::{role_for_add, AdminError, PoolStatus, SnapshotView, VolumeInfo, VolumeManager};
 use crate::units::parse_size;
 
 /// Content type of the Prometheus text exposition format.
@@ -379,6 +379,47 @@ async fn delete_volume(
     Ok(StatusCode::NO_CONTENT)
 }
 
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SnapshotRequest {
+    /// `pool/volume@snapshot` names, taken at one consistency point.
+    names: Vec<String>,
+}
+
+#[derive(Debug, Deserialize)]
+struct SnapshotQuery {
+    /// `pool/volume`: only its snapshots.
+    volume: Option<String>,
+}
+
+async fn list_snapshots(
+    State(manager): State<Manager>,
+    query: Result<Query<SnapshotQuery>, QueryRejection>,
+) -> ApiResult<Json<Vec<SnapshotView>>> {
+    let Query(query) = query?;
+    blocking(&manager, move |m| m.list_snapshots(query.volume.as_deref()))
+        .await
+        .map(Json)
+}
+
+async fn create_snapshots(
+    State(manager): State<Manager>,
+    body: Result<Json<SnapshotRequest>, JsonRejection>,
+) -> ApiResult<(StatusCode, Json<Vec<SnapshotView>>)> {
+    let Json(request) = body?;
+    let taken = blocking(&manager, move |m| m.create_snapshots(&request.names)).await?;
+    Ok((StatusCode::CREATED, Json(taken)))
+}
+
+async fn delete_snapshot(
+    State(manager): State<Manager>,
+    path: Result<Path<(String, String)>, PathRejection>,
+) -> ApiResult<StatusCode> {
+    let Path((pool, name)) = path?;
+    blocking(&manager, move |m| m.delete_snapshot(&full_name(&pool, &name))).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
 /// The daemon-wide iSCSI settings (`discovery_auth`, ...), secrets masked.
 async fn get_iscsi(State(manager): State<Manager>) -> ApiResult<Json<Value>> {
     let rows = blocking(&manager, |m| Ok(m.iscsi_settings())).await?;
@@ -425,6 +466,8 @@ pub fn router(manager: Arc<VolumeManager>, auth: Arc<ApiAuth>) -> Router {
             get(get_volume).patch(set_volume).delete(delete_volume),
         )
         .route("/v1/volumes/:pool/:name/resize", post(resize_volume))
+        .route("/v1/snapshots", get(list_snapshots).post(create_snapshots))
+        .route("/v1/snapshots/:pool/:name", axum::routing::delete(delete_snapshot))
         .route("/v1/iscsi", get(get_iscsi).patch(set_iscsi))
         .fallback(no_such_endpoint)
         .method_not_allowed_fallback(method_not_allowed)

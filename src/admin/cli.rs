@@ -11,7 +11,9 @@ use std::process::ExitCode;
 use serde::de::DeserializeOwned;
 use serde_json::{json, Value};
 
-use crate::control::manager::{role_for_add, split_volume_name, validate_component, PoolStatus, VolumeInfo};
+use crate::control::manager::{
+    role_for_add, split_snapshot_name, split_volume_name, validate_component, PoolStatus, SnapshotView, VolumeInfo,
+};
 use crate::units::{format_size, parse_size};
 use crate::volume::props::{split_assignment, PropError, PropertyRow};
 
@@ -64,6 +66,39 @@ pub enum AdminCommand {
     Pool(PoolArgs),
     /// Daemon-wide iSCSI settings: CHAP for discovery sessions.
     Iscsi(IscsiArgs),
+    /// Take, list and delete snapshots (read-only images of volumes,
+    /// exported over NBD as POOL/VOLUME@SNAPSHOT).
+    Snapshot(SnapshotArgs),
+}
+
+#[derive(Debug, clap::Args)]
+pub struct SnapshotArgs {
+    #[command(flatten)]
+    pub client: ClientOptions,
+    #[command(subcommand)]
+    pub command: SnapshotCommand,
+}
+
+#[derive(Debug, clap::Subcommand)]
+pub enum SnapshotCommand {
+    /// Take snapshots, all at one consistency point (volumes of one pool).
+    Create {
+        /// POOL/VOLUME@SNAPSHOT names.
+        #[arg(required = true)]
+        names: Vec<String>,
+    },
+    /// List snapshots (all, or those of one volume).
+    #[command(visible_alias = "ls")]
+    List {
+        /// POOL/VOLUME whose snapshots to show.
+        volume: Option<String>,
+    },
+    /// Delete a snapshot (refused while its export has clients).
+    #[command(visible_alias = "destroy")]
+    Delete {
+        /// POOL/VOLUME@SNAPSHOT
+        name: String,
+    },
 }
 
 #[derive(Debug, clap::Args)]
@@ -241,6 +276,7 @@ pub fn run(command: AdminCommand) -> ExitCode {
         AdminCommand::Volume(args) => run_volume(args),
         AdminCommand::Pool(args) => run_pool(args),
         AdminCommand::Iscsi(args) => run_iscsi(args),
+        AdminCommand::Snapshot(args) => run_snapshot(args),
     };
     match result {
         Ok(output) => {
@@ -581,6 +617,86 @@ fn volume_table(volumes: &[VolumeInfo]) -> String {
     table(&headers, &rows)
 }
 
+fn run_snapshot(args: SnapshotArgs) -> CliResult<String> {
+    let output = parse_options(&args.client, false)?;
+    let client = Client::new(&args.client)?;
+    match args.command {
+        SnapshotCommand::Create { names } => {
+            for name in &names {
+                split_snapshot_name(name)?;
+            }
+            let taken: Vec<SnapshotView> = client.send("POST", "/v1/snapshots", Some(json!({ "names": names })))?;
+            Ok(if output.json { pretty(&taken) } else { String::new() })
+        }
+        SnapshotCommand::List { volume } => {
+            let path = match &volume {
+                Some(name) => {
+                    split_volume_name(name)?;
+                    format!("/v1/snapshots?volume={name}")
+                }
+                None => "/v1/snapshots".to_string(),
+            };
+            let snapshots: Vec<SnapshotView> = client.get(&path)?;
+            Ok(if output.json {
+                pretty(&snapshots)
+            } else {
+                snapshot_table(&snapshots)
+            })
+        }
+        SnapshotCommand::Delete { name } => {
+            split_snapshot_name(&name)?;
+            client.send_empty("DELETE", &format!("/v1/snapshots/{name}"))?;
+            Ok(String::new())
+        }
+    }
+}
+
+fn snapshot_table(snapshots: &[SnapshotView]) -> String {
+    use Align::*;
+    let headers = [
+        ("NAME", Left),
+        ("CREATED", Left),
+        ("VOLSIZE", Right),
+        ("REFERENCED", Right),
+        ("CONNECTIONS", Right),
+    ];
+    let rows: Vec<Vec<String>> = snapshots
+        .iter()
+        .map(|s| {
+            vec![
+                s.name.clone(),
+                format_unix_time(s.created_unix),
+                format_size(s.size_bytes),
+                format_size(s.referenced_bytes),
+                s.connections.to_string(),
+            ]
+        })
+        .collect();
+    table(&headers, &rows)
+}
+
+/// `2026-11-25 06:40:12` (UTC) for a Unix time.
+fn format_unix_time(unix: u64) -> String {
+    let days = (unix / 86_400) as i64;
+    let seconds = unix % 86_400;
+    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!(
+        "{year:04}-{month:02}-{day:02} {:02}:{:02}:{:02}",
+        seconds / 3600,
+        seconds % 3600 / 60,
+        seconds % 60
+    )
+}
+
 fn run_iscsi(args: IscsiArgs) -> CliResult<String> {
     let output = parse_options(&args.client, false)?;
     let answer: Value = match args.command {
@@ -789,6 +905,14 @@ impl Client {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn unix_times_read_as_utc_dates() {
+        assert_eq!(format_unix_time(0), "1970-01-01 00:00:00");
+        assert_eq!(format_unix_time(951_782_400), "2000-02-29 00:00:00");
+        assert_eq!(format_unix_time(1_795_593_599), "2026-11-25 07:59:59");
+        assert_eq!(format_unix_time(4_107_542_400), "2100-03-01 00:00:00");
+    }
 
     #[test]
     fn tables_align() {

@@ -24,6 +24,9 @@ use crate::volume::props::{
 };
 use crate::volume::{full_name, Volume};
 
+mod snapshots;
+pub use snapshots::{split_snapshot_name, SnapshotView};
+
 pub const DEFAULT_POOL: &str = "default";
 pub const DEFAULT_VOLUME: &str = "vol0";
 pub const DEFAULT_VOLUME_BYTES: u64 = 10 << 30;
@@ -134,6 +137,8 @@ pub struct VolumeManager {
     runtime: tokio::runtime::Handle,
     /// Wrappers stacked on chosen devices as they are opened (`--wrap`).
     wraps: DeviceWraps,
+    /// Read-only volumes of snapshots opened for exports, by `pool/vol@snap`.
+    snapshot_views: Mutex<HashMap<String, std::sync::Weak<Volume>>>,
     /// Held open (and `flock`ed) so a second daemon on the same directory is refused.
     _lock: File,
 }
@@ -273,6 +278,7 @@ impl VolumeManager {
             pools: RwLock::new(pools),
             runtime: tokio::runtime::Handle::current(),
             wraps,
+            snapshot_views: Mutex::new(HashMap::new()),
             _lock: lock,
         })
     }
@@ -569,8 +575,12 @@ impl VolumeManager {
         &self.data_dir
     }
 
-    /// The open volume called `pool/name`.
+    /// The open volume called `pool/name`, or the read-only volume of
+    /// snapshot `pool/name@snapshot`.
     pub fn lookup(&self, name: &str) -> Option<Arc<Volume>> {
+        if name.contains('@') {
+            return self.snapshot_volume(name);
+        }
         self.volumes
             .read()
             .unwrap_or_else(|e| e.into_inner())
@@ -660,8 +670,11 @@ impl VolumeManager {
         (access.auth != IscsiAuthMode::None).then_some(access)
     }
 
+    /// A snapshot (`pool/name@snapshot`) has its volume's: who may read it
+    /// is who may use the volume.
     pub fn stored_props(&self, name: &str) -> Option<StoredProps> {
-        let (pool, short) = split_volume_name(name).ok()?;
+        let volume = name.split_once('@').map_or(name, |(volume, _)| volume);
+        let (pool, short) = split_volume_name(volume).ok()?;
         let catalog = self.catalog();
         catalog
             .pools
@@ -838,6 +851,14 @@ impl VolumeManager {
             if connections > 0 {
                 return Err(AdminError::Busy(format!(
                     "volume '{name}' is busy: {connections} client connection(s) open"
+                )));
+            }
+        }
+        if let Some(pool_handle) = self.pool(pool) {
+            let snapshots = pool_handle.snapshots().iter().filter(|s| s.volume == record.id).count();
+            if snapshots > 0 {
+                return Err(AdminError::Busy(format!(
+                    "volume '{name}' has {snapshots} snapshot(s): delete them first (strata snapshot list {name})"
                 )));
             }
         }

@@ -363,6 +363,23 @@ pub fn qemu_io_ok(uri: &str, commands: &[String]) -> String {
     text
 }
 
+/// `qemu_io_ok` opening the export read-only (`-r`: a snapshot).
+pub fn qemu_io_read_only(uri: &str, commands: &[String]) -> String {
+    let mut command = Command::new("qemu-io");
+    command.args(["-r", "-f", "raw"]);
+    for c in commands {
+        command.arg("-c").arg(c);
+    }
+    let output = command.arg(uri).output().expect("run qemu-io");
+    let text = String::from_utf8_lossy(&output.stdout).to_string() + &String::from_utf8_lossy(&output.stderr);
+    let ok = output.status.success();
+    assert!(
+        ok && !text.contains("failed") && !text.contains("error"),
+        "qemu-io {commands:?} on {uri}:\n{text}"
+    );
+    text
+}
+
 /// A tmpfs mounted for a test; unmounted when dropped, however the test ends.
 pub struct Mount(PathBuf);
 

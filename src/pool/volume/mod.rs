@@ -253,15 +253,16 @@ impl EngineVolume {
 
 impl BlockDevice for EngineVolume {
     fn capabilities(&self) -> Capabilities {
+        let writable = !self.is_snapshot();
         Capabilities {
             can_flush: true,
-            can_fua: true,
-            can_trim: true,
-            can_zero: true,
-            can_fast_zero: true,
+            can_fua: writable,
+            can_trim: writable,
+            can_zero: writable,
+            can_fast_zero: writable,
             can_cache: true,
             can_block_status: true,
-            read_only: false,
+            read_only: !writable,
             rotational: self.pool.rotational(),
             // Completed writes are durable only after a flush (device caches,
             // page cache, and the log's group commit).

@@ -1,0 +1,244 @@
+//! Snapshots as the admin sees them: `POOL/VOL@SNAP` names, the commands
+//! and API calls, and read-only snapshot volumes for the frontends. The
+//! engine keeps the snapshots themselves (`pool/snapshots.rs`); the catalog
+//! does not list them.
+
+use super::*;
+use crate::pool::snapshots::{SnapshotInfo, SnapshotRequest};
+use std::sync::Weak;
+
+/// What `snapshot list` shows.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SnapshotView {
+    /// `pool/volume@snapshot`
+    pub name: String,
+    pub pool: String,
+    /// `pool/volume`
+    pub volume: String,
+    pub snapshot: String,
+    pub created_unix: u64,
+    /// The volume's size when the snapshot was taken.
+    pub size_bytes: u64,
+    /// The blocks the snapshot maps, in bytes.
+    pub referenced_bytes: u64,
+    /// Open connections to its read-only export.
+    pub connections: usize,
+}
+
+/// Splits `pool/volume@snapshot` and validates its parts.
+pub fn split_snapshot_name(text: &str) -> Result<(&str, &str, &str), AdminError> {
+    let (volume, snapshot) = text
+        .split_once('@')
+        .ok_or_else(|| AdminError::Invalid(format!("invalid snapshot name '{text}': expected POOL/VOLUME@SNAPSHOT")))?;
+    let (pool, name) = split_volume_name(volume)?;
+    validate_component("snapshot", snapshot)?;
+    if snapshot.len() > crate::meta::log::MAX_SNAPSHOT_NAME {
+        return Err(AdminError::Invalid(format!(
+            "invalid snapshot name '{snapshot}': at most {} bytes",
+            crate::meta::log::MAX_SNAPSHOT_NAME
+        )));
+    }
+    Ok((pool, name, snapshot))
+}
+
+fn pool_error(error: PoolError) -> AdminError {
+    match error {
+        PoolError::Invalid(message) if message.ends_with("exists") => AdminError::AlreadyExists(message),
+        PoolError::Invalid(message) => AdminError::Invalid(message),
+        other => AdminError::Internal(other.to_string()),
+    }
+}
+
+impl VolumeManager {
+    /// Takes snapshots `POOL/VOL@SNAP...` of volumes of one pool, at one
+    /// consistency point.
+    pub fn create_snapshots(&self, names: &[String]) -> Result<Vec<SnapshotView>, AdminError> {
+        if names.is_empty() {
+            return Err(AdminError::Invalid("name at least one POOL/VOLUME@SNAPSHOT".into()));
+        }
+        let catalog = self.catalog();
+        let mut parsed = Vec::with_capacity(names.len());
+        for name in names {
+            parsed.push(split_snapshot_name(name)?);
+        }
+        let pool_name = parsed[0].0;
+        if parsed.iter().any(|(pool, _, _)| *pool != pool_name) {
+            return Err(AdminError::Invalid(
+                "snapshots taken together must be of volumes of one pool".into(),
+            ));
+        }
+        let pool = self
+            .pool(pool_name)
+            .ok_or_else(|| AdminError::NotFound(format!("pool '{pool_name}' does not exist")))?;
+        let engines = self.engines.read().unwrap_or_else(|e| e.into_inner());
+        let mut volumes = Vec::with_capacity(parsed.len());
+        for (pool, volume, _) in &parsed {
+            let full = full_name(pool, volume);
+            volumes.push(
+                engines
+                    .get(&full)
+                    .cloned()
+                    .ok_or_else(|| AdminError::NotFound(format!("volume '{full}' does not exist")))?,
+            );
+        }
+        drop(engines);
+        let requests: Vec<SnapshotRequest<'_>> = volumes
+            .iter()
+            .zip(&parsed)
+            .map(|(volume, (_, _, snapshot))| SnapshotRequest {
+                volume,
+                name: snapshot.to_string(),
+            })
+            .collect();
+        let taken = self
+            .runtime
+            .block_on(pool.create_snapshots(&requests))
+            .map_err(pool_error)?;
+        for info in &taken {
+            tracing::info!("snapshot {} taken", self.snapshot_name(&catalog, pool_name, info));
+        }
+        Ok(taken
+            .iter()
+            .map(|info| self.snapshot_view(&catalog, pool_name, &pool, info))
+            .collect())
+    }
+
+    /// Every snapshot, or those of volume `POOL/VOL`, oldest first per volume.
+    pub fn list_snapshots(&self, volume: Option<&str>) -> Result<Vec<SnapshotView>, AdminError> {
+        let catalog = self.catalog();
+        let wanted = match volume {
+            Some(name) => {
+                let (pool, short) = split_volume_name(name)?;
+                let id = catalog
+                    .pools
+                    .get(pool)
+                    .and_then(|p| p.volumes.get(short))
+                    .ok_or_else(|| AdminError::NotFound(format!("volume '{name}' does not exist")))?
+                    .id;
+                Some((pool, id))
+            }
+            None => None,
+        };
+        let mut views = Vec::new();
+        for pool_name in catalog.pools.keys() {
+            if wanted.is_some_and(|(pool, _)| pool != pool_name) {
+                continue;
+            }
+            let Some(pool) = self.pool(pool_name) else { continue };
+            for info in pool.snapshots() {
+                if wanted.is_some_and(|(_, id)| id != info.volume) {
+                    continue;
+                }
+                views.push(self.snapshot_view(&catalog, pool_name, &pool, &info));
+            }
+        }
+        views.sort_by(|a, b| a.volume.cmp(&b.volume));
+        Ok(views)
+    }
+
+    /// Deletes snapshot `POOL/VOL@SNAP`; refused while its export has
+    /// clients.
+    pub fn delete_snapshot(&self, name: &str) -> Result<(), AdminError> {
+        let catalog = self.catalog();
+        let (pool_name, _, _) = split_snapshot_name(name)?;
+        let (pool, info) = self.find_snapshot(&catalog, name)?;
+        if let Some(view) = self.open_snapshot_view(name) {
+            let connections = view.open_handles();
+            if connections > 0 {
+                return Err(AdminError::Busy(format!(
+                    "snapshot '{name}' is busy: {connections} client connection(s) open"
+                )));
+            }
+            view.mark_deleted();
+        }
+        self.snapshot_views
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(name);
+        self.runtime
+            .block_on(pool.destroy_snapshot(info.id))
+            .map_err(pool_error)?;
+        tracing::info!("snapshot {} deleted", self.snapshot_name(&catalog, pool_name, &info));
+        Ok(())
+    }
+
+    /// The read-only volume of snapshot `POOL/VOL@SNAP`, for an export.
+    pub(super) fn snapshot_volume(&self, name: &str) -> Option<Arc<Volume>> {
+        if let Some(open) = self.open_snapshot_view(name) {
+            return Some(open);
+        }
+        let catalog = self.catalog();
+        let (pool_name, short, _) = split_snapshot_name(name).ok()?;
+        let (pool, info) = self.find_snapshot(&catalog, name).ok()?;
+        let record = catalog.pools.get(pool_name)?.volumes.get(short)?;
+        let props = record.props.effective();
+        let engine = pool.open_snapshot(info.id, props.volblocksize).ok()?;
+        let short_name = name.split_once('/')?.1;
+        let volume = Arc::new(Volume::new(pool_name, short_name, engine, &props));
+        self.snapshot_views
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(name.to_string(), Arc::downgrade(&volume));
+        Some(volume)
+    }
+
+    fn open_snapshot_view(&self, name: &str) -> Option<Arc<Volume>> {
+        self.snapshot_views
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(name)
+            .and_then(Weak::upgrade)
+    }
+
+    fn find_snapshot(&self, catalog: &Catalog, name: &str) -> Result<(Arc<Pool>, SnapshotInfo), AdminError> {
+        let (pool_name, short, snapshot) = split_snapshot_name(name)?;
+        let missing = || AdminError::NotFound(format!("snapshot '{name}' does not exist"));
+        let id = catalog
+            .pools
+            .get(pool_name)
+            .and_then(|p| p.volumes.get(short))
+            .ok_or_else(missing)?
+            .id;
+        let pool = self.pool(pool_name).ok_or_else(missing)?;
+        let info = pool
+            .snapshots()
+            .into_iter()
+            .find(|s| s.volume == id && s.name == snapshot)
+            .ok_or_else(missing)?;
+        Ok((pool, info))
+    }
+
+    fn volume_name_of(catalog: &Catalog, pool: &str, id: u32) -> String {
+        catalog
+            .pools
+            .get(pool)
+            .and_then(|p| p.volumes.iter().find(|(_, record)| record.id == id))
+            .map(|(name, _)| full_name(pool, name))
+            .unwrap_or_else(|| format!("{pool}/#{id}"))
+    }
+
+    fn snapshot_name(&self, catalog: &Catalog, pool: &str, info: &SnapshotInfo) -> String {
+        format!("{}@{}", Self::volume_name_of(catalog, pool, info.volume), info.name)
+    }
+
+    fn snapshot_view(&self, catalog: &Catalog, pool_name: &str, pool: &Pool, info: &SnapshotInfo) -> SnapshotView {
+        let volume = Self::volume_name_of(catalog, pool_name, info.volume);
+        let name = format!("{volume}@{}", info.name);
+        let volblocksize = catalog
+            .pools
+            .get(pool_name)
+            .and_then(|p| p.volumes.values().find(|r| r.id == info.volume))
+            .map_or(0, |r| r.props.volblocksize as u64);
+        let _ = pool;
+        SnapshotView {
+            connections: self.open_snapshot_view(&name).map_or(0, |v| v.open_handles()),
+            name,
+            pool: pool_name.to_string(),
+            volume,
+            snapshot: info.name.clone(),
+            created_unix: info.created_unix,
+            size_bytes: info.size_bytes,
+            referenced_bytes: info.mapped_blocks * volblocksize,
+        }
+    }
+}

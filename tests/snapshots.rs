@@ -1,0 +1,161 @@
+//! Snapshots through the CLI, the REST API and real NBD clients: a
+//! snapshot keeps the image it was taken of while the volume changes, is
+//! exported read-only as `POOL/VOLUME@SNAPSHOT`, survives a clean stop and
+//! a kill -9, blocks the deletion of its volume, and gives its space back
+//! when deleted.
+
+mod common;
+
+use common::{cli, cli_ok, pool_json, qemu_io, qemu_io_ok, qemu_io_read_only, require_tool, Server};
+
+const MIB: u64 = 1 << 20;
+
+fn used(server: &Server) -> u64 {
+    pool_json(server, "default")["devices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| d["used_bytes"].as_u64().unwrap())
+        .sum()
+}
+
+fn snapshots_json(server: &Server, volume: Option<&str>) -> Vec<serde_json::Value> {
+    let mut args = vec!["snapshot", "list", "--json"];
+    args.extend(volume);
+    serde_json::from_str::<serde_json::Value>(&cli_ok(server, &args))
+        .unwrap()
+        .as_array()
+        .unwrap()
+        .clone()
+}
+
+#[test]
+fn a_snapshot_keeps_its_image_while_the_volume_changes() {
+    require_tool("qemu-io");
+    require_tool("nbdinfo");
+    let dir = tempfile::tempdir().unwrap();
+    let mut server = Server::start(dir.path());
+    cli_ok(&server, &["volume", "create", "default/db", "--size", "64M"]);
+    cli_ok(&server, &["volume", "create", "default/logs", "--size", "16M"]);
+    let db = server.uri("default/db");
+    qemu_io_ok(&db, &["write -P 0xa1 0 8M".into(), "flush".into()]);
+    qemu_io_ok(
+        &server.uri("default/logs"),
+        &["write -P 0xb1 0 1M".into(), "flush".into()],
+    );
+    cli_ok(&server, &["pool", "sync", "default"]);
+    let before = used(&server);
+
+    // Two volumes at one consistency point.
+    cli_ok(
+        &server,
+        &["snapshot", "create", "default/db@before", "default/logs@before"],
+    );
+    let all = snapshots_json(&server, None);
+    assert_eq!(all.len(), 2, "{all:?}");
+    let listed = snapshots_json(&server, Some("default/db"));
+    assert_eq!(listed.len(), 1, "{listed:?}");
+    assert_eq!(listed[0]["name"], "default/db@before");
+    assert_eq!(listed[0]["referenced_bytes"].as_u64(), Some(8 * MIB));
+    assert_eq!(listed[0]["size_bytes"].as_u64(), Some(64 * MIB));
+    let table = cli_ok(&server, &["snapshot", "list"]);
+    assert!(
+        table.contains("default/logs@before") && table.contains("REFERENCED"),
+        "{table}"
+    );
+    // The same name again is refused; so is a bad one.
+    let again = cli(&server, &["snapshot", "create", "default/db@before"]);
+    assert!(!again.status.success());
+    assert!(String::from_utf8_lossy(&again.stderr).contains("exists"));
+    let bad = cli(&server, &["snapshot", "create", "default/db@no/slash"]);
+    assert!(!bad.status.success());
+
+    // The volume changes: whole blocks, a partial block, a trim.
+    qemu_io_ok(
+        &db,
+        &[
+            "write -P 0xa2 0 2M".into(),
+            "write -P 0xa3 4100k 4k".into(),
+            "discard 6M 1M".into(),
+            "write -P 0xa4 16M 1M".into(),
+            "flush".into(),
+        ],
+    );
+    qemu_io_ok(
+        &db,
+        &[
+            "read -P 0xa2 0 2M".into(),
+            "read -P 0xa1 2M 2M".into(),
+            "read -P 0xa3 4100k 4k".into(),
+            "read -P 0 6M 1M".into(),
+            "read -P 0xa4 16M 1M".into(),
+        ],
+    );
+    // The snapshot still reads as it was, and says it is read-only.
+    let snapshot = server.uri("default/db@before");
+    let image = ["read -P 0xa1 0 8M".to_string(), "read -P 0 8M 56M".to_string()];
+    qemu_io_read_only(&snapshot, &image);
+    let info = common::stdout_of(std::process::Command::new("nbdinfo").arg(&snapshot));
+    assert!(info.contains("is_read_only: true"), "{info}");
+    let (_, text) = qemu_io(&snapshot, &["write -P 0xff 0 4k".into()]);
+    assert!(
+        text.contains("Permission denied") || text.contains("Operation not permitted"),
+        "{text}"
+    );
+    qemu_io_read_only(&snapshot, &image);
+    // The blocks the volume changed are kept for the snapshot.
+    cli_ok(&server, &["pool", "sync", "default"]);
+    assert!(used(&server) >= before + 3 * MIB, "{} {}", used(&server), before);
+
+    // A volume with snapshots is not deleted.
+    let delete = cli(&server, &["volume", "delete", "default/db"]);
+    assert!(!delete.status.success());
+    assert!(String::from_utf8_lossy(&delete.stderr).contains("snapshot"));
+
+    // A clean stop and a crash keep both.
+    let (status, _) = server.stop_saying();
+    assert!(status.success());
+    let mut server = Server::start(dir.path());
+    qemu_io_read_only(&server.uri("default/db@before"), &image);
+    qemu_io_read_only(&server.uri("default/logs@before"), &["read -P 0xb1 0 1M".into()]);
+    qemu_io_ok(
+        &server.uri("default/db"),
+        &["write -P 0xa5 8M 1M".into(), "flush".into()],
+    );
+    server.kill9();
+    let server = Server::start(dir.path());
+    qemu_io_read_only(&server.uri("default/db@before"), &image);
+    let db = server.uri("default/db");
+    qemu_io_ok(
+        &db,
+        &[
+            "read -P 0xa2 0 2M".into(),
+            "read -P 0xa5 8M 1M".into(),
+            "read -P 0xa4 16M 1M".into(),
+        ],
+    );
+
+    // Deleted: gone from the list and the exports, its space given back,
+    // the volume untouched.
+    cli_ok(&server, &["pool", "sync", "default"]);
+    let with = used(&server);
+    cli_ok(&server, &["snapshot", "delete", "default/db@before"]);
+    cli_ok(&server, &["snapshot", "delete", "default/logs@before"]);
+    assert!(snapshots_json(&server, None).is_empty());
+    let (ok, _) = qemu_io(&server.uri("default/db@before"), &["read 0 4k".into()]);
+    assert!(!ok, "a deleted snapshot's export is gone");
+    cli_ok(&server, &["pool", "sync", "default"]);
+    assert!(used(&server) < with, "{} {}", used(&server), with);
+    qemu_io_ok(
+        &db,
+        &[
+            "read -P 0xa2 0 2M".into(),
+            "read -P 0xa1 2M 2M".into(),
+            "read -P 0 6M 1M".into(),
+            "read -P 0xa5 8M 1M".into(),
+        ],
+    );
+    let missing = cli(&server, &["snapshot", "delete", "default/db@before"]);
+    assert!(!missing.status.success());
+    cli_ok(&server, &["volume", "delete", "default/db"]);
+}
