@@ -120,6 +120,16 @@ impl EngineVolume {
         &self.barrier
     }
 
+    /// The barrier, shared: without an `.await` when free (see
+    /// [`Self::read_stripes`]: an awaited tokio lock spends the task's
+    /// cooperative budget, and a request that yields is spawned).
+    async fn enter_barrier(&self) -> RwLockReadGuard<'_, ()> {
+        match self.barrier.try_read() {
+            Ok(guard) => guard,
+            Err(_) => self.barrier.read().await,
+        }
+    }
+
     /// Whether this is a snapshot (read-only).
     pub fn is_snapshot(&self) -> bool {
         super::snapshots::is_snapshot_id(self.id)
@@ -290,7 +300,7 @@ impl BlockDevice for EngineVolume {
             if self.is_snapshot() {
                 return Err(BlockError::ReadOnly);
             }
-            let _barrier = self.barrier.read().await;
+            let _barrier = self.enter_barrier().await;
             self.write_cached(offset, data, fua).await
         })
     }
@@ -313,7 +323,7 @@ impl BlockDevice for EngineVolume {
             if self.is_snapshot() {
                 return Err(BlockError::ReadOnly);
             }
-            let _barrier = self.barrier.read().await;
+            let _barrier = self.enter_barrier().await;
             let appends = self.pool.log_appends();
             let _guards = self.clear_cached(offset, length).await?;
             let result = self.trim_locked(offset, length).await;
@@ -328,7 +338,7 @@ impl BlockDevice for EngineVolume {
             if self.is_snapshot() {
                 return Err(BlockError::ReadOnly);
             }
-            let _barrier = self.barrier.read().await;
+            let _barrier = self.enter_barrier().await;
             if !flags.may_trim && flags.fast_only {
                 return Err(BlockError::NotFast);
             }
