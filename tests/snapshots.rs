@@ -159,3 +159,57 @@ fn a_snapshot_keeps_its_image_while_the_volume_changes() {
     assert!(!missing.status.success());
     cli_ok(&server, &["volume", "delete", "default/db"]);
 }
+
+#[test]
+fn a_volume_rolls_back_to_a_snapshot() {
+    require_tool("qemu-io");
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(dir.path());
+    cli_ok(&server, &["volume", "create", "default/vm", "--size", "32M"]);
+    let vm = server.uri("default/vm");
+    qemu_io_ok(&vm, &["write -P 0xc1 0 4M".into(), "flush".into()]);
+    cli_ok(&server, &["snapshot", "create", "default/vm@golden"]);
+    qemu_io_ok(
+        &vm,
+        &[
+            "write -P 0xc2 1M 1M".into(),
+            "write -P 0xc2 8M 1M".into(),
+            "flush".into(),
+        ],
+    );
+    cli_ok(&server, &["snapshot", "create", "default/vm@patched"]);
+    // Cached, never flushed: undone by the rollback all the same.
+    qemu_io_ok(&vm, &["write -P 0xc3 0 4k".into(), "discard 2M 1M".into()]);
+
+    // Not past a newer snapshot without -r.
+    let refused = cli(&server, &["snapshot", "rollback", "default/vm@golden"]);
+    assert!(!refused.status.success());
+    let said = String::from_utf8_lossy(&refused.stderr);
+    assert!(said.contains("@patched") && said.contains("-r"), "{said}");
+
+    cli_ok(&server, &["snapshot", "rollback", "default/vm@patched"]);
+    qemu_io_ok(
+        &vm,
+        &[
+            "read -P 0xc1 0 1M".into(),
+            "read -P 0xc2 1M 1M".into(),
+            "read -P 0xc1 2M 2M".into(),
+            "read -P 0xc2 8M 1M".into(),
+        ],
+    );
+    cli_ok(&server, &["snapshot", "rollback", "-r", "default/vm@golden"]);
+    let left = snapshots_json(&server, Some("default/vm"));
+    assert_eq!(left.len(), 1, "{left:?}");
+    assert_eq!(left[0]["snapshot"], "golden");
+    let golden = ["read -P 0xc1 0 4M".to_string(), "read -P 0 4M 28M".to_string()];
+    qemu_io_ok(&vm, &golden);
+    // The volume goes on from there; the snapshot stays as it was.
+    qemu_io_ok(&vm, &["write -P 0xc4 0 64k".into(), "flush".into()]);
+    qemu_io_read_only(&server.uri("default/vm@golden"), &golden);
+    let mut server = server;
+    server.kill9();
+    let server = Server::start(dir.path());
+    let vm = server.uri("default/vm");
+    qemu_io_ok(&vm, &["read -P 0xc4 0 64k".into(), "read -P 0xc1 64k 3968k".into()]);
+    qemu_io_read_only(&server.uri("default/vm@golden"), &golden);
+}

@@ -411,6 +411,28 @@ async fn create_snapshots(
     Ok((StatusCode::CREATED, Json(taken)))
 }
 
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RollbackRequest {
+    /// Delete the snapshots newer than this one first (`-r`).
+    #[serde(default)]
+    destroy_newer: bool,
+}
+
+async fn rollback_snapshot(
+    State(manager): State<Manager>,
+    path: Result<Path<(String, String)>, PathRejection>,
+    body: Option<Json<RollbackRequest>>,
+) -> ApiResult<StatusCode> {
+    let Path((pool, name)) = path?;
+    let destroy_newer = body.map(|Json(b)| b.destroy_newer).unwrap_or(false);
+    blocking(&manager, move |m| {
+        m.rollback_snapshot(&full_name(&pool, &name), destroy_newer)
+    })
+    .await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
 async fn delete_snapshot(
     State(manager): State<Manager>,
     path: Result<Path<(String, String)>, PathRejection>,
@@ -468,6 +490,7 @@ pub fn router(manager: Arc<VolumeManager>, auth: Arc<ApiAuth>) -> Router {
         .route("/v1/volumes/:pool/:name/resize", post(resize_volume))
         .route("/v1/snapshots", get(list_snapshots).post(create_snapshots))
         .route("/v1/snapshots/:pool/:name", axum::routing::delete(delete_snapshot))
+        .route("/v1/snapshots/:pool/:name/rollback", post(rollback_snapshot))
         .route("/v1/iscsi", get(get_iscsi).patch(set_iscsi))
         .fallback(no_such_endpoint)
         .method_not_allowed_fallback(method_not_allowed)

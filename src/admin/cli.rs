@@ -99,6 +99,15 @@ pub enum SnapshotCommand {
         /// POOL/VOLUME@SNAPSHOT
         name: String,
     },
+    /// Roll a volume back to a snapshot: writes since are undone (refused
+    /// while the volume has clients).
+    Rollback {
+        /// POOL/VOLUME@SNAPSHOT
+        name: String,
+        /// Delete the snapshots newer than this one first.
+        #[arg(short = 'r')]
+        destroy_newer: bool,
+    },
 }
 
 #[derive(Debug, clap::Args)]
@@ -646,6 +655,12 @@ fn run_snapshot(args: SnapshotArgs) -> CliResult<String> {
         SnapshotCommand::Delete { name } => {
             split_snapshot_name(&name)?;
             client.send_empty("DELETE", &format!("/v1/snapshots/{name}"))?;
+            Ok(String::new())
+        }
+        SnapshotCommand::Rollback { name, destroy_newer } => {
+            split_snapshot_name(&name)?;
+            let body = json!({ "destroy_newer": destroy_newer });
+            client.call("POST", &format!("/v1/snapshots/{name}/rollback"), Some(body))?;
             Ok(String::new())
         }
     }

@@ -71,6 +71,10 @@ pub enum Record {
     },
     /// Snapshot `snapshot` is deleted: what only it mapped is freed.
     DestroySnapshot { snapshot: u32 },
+    /// Volume `volume` is rolled back to its newest snapshot `snapshot`:
+    /// its map becomes the snapshot's view again; the slots only the volume
+    /// mapped are freed.
+    Rollback { volume: u32, snapshot: u32 },
 }
 
 /// One snapshot of a [`Record::Snapshot`].
@@ -105,7 +109,8 @@ impl Record {
             | Record::Data { .. }
             | Record::Snapshot { .. }
             | Record::CopyPage { .. }
-            | Record::DestroySnapshot { .. } => false,
+            | Record::DestroySnapshot { .. }
+            | Record::Rollback { .. } => false,
         }
     }
 
@@ -119,6 +124,7 @@ impl Record {
             Record::Snapshot { snapshots, .. } => 18 + snapshots.iter().map(|s| 25 + s.name.len()).sum::<usize>(),
             Record::CopyPage { .. } => 25,
             Record::DestroySnapshot { .. } => 5,
+            Record::Rollback { .. } => 9,
         }
     }
 
@@ -213,6 +219,11 @@ impl Record {
                 out.push(8);
                 out.extend_from_slice(&snapshot.to_le_bytes());
             }
+            Record::Rollback { volume, snapshot } => {
+                out.push(9);
+                out.extend_from_slice(&volume.to_le_bytes());
+                out.extend_from_slice(&snapshot.to_le_bytes());
+            }
         }
     }
 
@@ -302,6 +313,13 @@ impl Record {
                 25,
             )),
             8 => Some((Record::DestroySnapshot { snapshot: u32_at(1)? }, 5)),
+            9 => Some((
+                Record::Rollback {
+                    volume: u32_at(1)?,
+                    snapshot: u32_at(5)?,
+                },
+                9,
+            )),
             _ => None,
         }
     }
@@ -1044,6 +1062,10 @@ mod tests {
                 generation: 3,
             },
             Record::DestroySnapshot { snapshot: 0x8000_0002 },
+            Record::Rollback {
+                volume: 3,
+                snapshot: 0x8000_0001,
+            },
         ];
         for record in &records {
             let mut one = Vec::new();

@@ -549,6 +549,14 @@ impl Pool {
             } => self
                 .apply_copy_page(volume, page, snapshot, generation)
                 .map_err(PoolError::Meta)?,
+            Record::Rollback { volume, snapshot } => {
+                let freed = self.apply_rollback(volume, snapshot)?;
+                let mut allocator = self.allocator.lock_or_abort();
+                for (device, offset) in freed {
+                    // Already free if the checkpoint came after this record.
+                    let _ = allocator.free(device, offset);
+                }
+            }
             Record::DestroySnapshot { snapshot } => {
                 let mut allocator = self.allocator.lock_or_abort();
                 for (device, offset) in self.apply_destroy_snapshot(snapshot)? {

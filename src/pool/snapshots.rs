@@ -477,6 +477,75 @@ impl Pool {
         Ok(freed)
     }
 
+    /// Rolls `volume` back to `snapshot`, its newest snapshot: writes wait,
+    /// the volume's cached data goes to its place (and is then undone with
+    /// the rest), its map becomes the snapshot's view again, and the slots
+    /// only the volume mapped are freed once the record is durable.
+    pub async fn rollback(&self, volume: &Arc<volume::EngineVolume>, snapshot: u32) -> Result<(), PoolError> {
+        let id = volume.id();
+        {
+            let snapshots = self.snapshots_read();
+            match snapshots.by_id.get(&snapshot) {
+                Some(info) if info.volume == id => {}
+                _ => return Err(PoolError::Invalid(format!("no snapshot {snapshot:#x} of volume {id}"))),
+            }
+            if snapshots.newest(id).map(|(newest, _)| newest) != Some(snapshot) {
+                return Err(PoolError::Invalid(
+                    "more recent snapshots exist: delete them first".into(),
+                ));
+            }
+        }
+        let _barrier = volume.barrier().write().await;
+        loop {
+            let blocks = volume.cached_blocks(|_| true, 512);
+            if blocks.is_empty() {
+                break;
+            }
+            volume
+                .destage_blocks(&blocks)
+                .await
+                .map_err(|e| PoolError::Invalid(format!("placing cached writes before the rollback: {e}")))?;
+        }
+        {
+            let _gate = self.gate.read().await;
+            let freed = self.apply_rollback(id, snapshot)?;
+            self.log.append_frees(Record::Rollback { volume: id, snapshot }, freed);
+        }
+        self.read_cache.invalidate_volume(id);
+        volume.recount_mapped(self.count_mapped_blocks(id)?);
+        self.commit().await
+    }
+
+    /// The work of a rollback (also replayed): every page the snapshot has
+    /// a copy of (the pages the volume changed since) becomes the volume's
+    /// again, its entries shared; returns the slots to free (those the
+    /// volume mapped and the snapshot does not: written after it, so no
+    /// snapshot shares them).
+    pub(super) fn apply_rollback(&self, volume: u32, snapshot: u32) -> Result<Vec<(u8, u64)>, PoolError> {
+        let mut freed = Vec::new();
+        for index in self.own_pages(snapshot)? {
+            let kept = self.map_pages.get(&self.db, (snapshot, index))?;
+            let live = self.map_pages.get(&self.db, (volume, index))?;
+            for (entry, kept) in live.entries.iter().zip(kept.entries.iter()) {
+                let now = entry.load(Ordering::Acquire);
+                let then = kept.load(Ordering::Acquire);
+                if now & map_entry::VALID != 0 && !map_entry::same_slot(now, then) {
+                    // Written after the snapshot: nothing else maps it.
+                    assert_eq!(now & map_entry::SHARED, 0, "a shared slot the snapshot does not map");
+                    freed.extend(map_entry::decode(now));
+                }
+                let restored = if then & map_entry::VALID != 0 {
+                    then | map_entry::SHARED
+                } else {
+                    0
+                };
+                entry.store(restored, Ordering::Release);
+            }
+            self.map_pages.mark_dirty(&live);
+        }
+        Ok(freed)
+    }
+
     /// The pages a snapshot has copies of (stored or made since).
     fn own_pages(&self, snapshot: u32) -> Result<Vec<u64>, MetaError> {
         let mut pages: std::collections::BTreeSet<u64> = std::collections::BTreeSet::new();
@@ -654,7 +723,7 @@ mod tests {
         let mut taken = 0;
         let mut ops: Vec<String> = Vec::new();
         for step in 0..120 {
-            let op = rng.below(20);
+            let op = rng.below(22);
             ops.push(format!("{op}"));
             match op {
                 0..=9 => {
@@ -704,6 +773,29 @@ mod tests {
                     volume = pool.open_volume(1, VOLUME, BLOCK).unwrap();
                 }
                 18 => pool.checkpoint().await.unwrap(),
+                19..=20 if !snapshots.is_empty() => {
+                    // Back to a snapshot; the newer ones are deleted first
+                    // (`rollback -r`).
+                    let at = rng.below(snapshots.len() as u64) as usize;
+                    for (name, _) in snapshots.drain(at + 1..) {
+                        let id = pool.snapshots().iter().find(|s| s.name == name).unwrap().id;
+                        pool.destroy_snapshot(id).await.unwrap();
+                    }
+                    let (name, image) = &snapshots[at];
+                    let id = pool.snapshots().iter().find(|s| &s.name == name).unwrap().id;
+                    pool.rollback(&volume, id).await.unwrap();
+                    model = image.clone();
+                    // Nothing cached is left after a rollback: what the
+                    // volume says it uses is what it maps.
+                    let mapped = pool
+                        .lookup_range(1, 0, VOLUME / BLOCK as u64 - 1)
+                        .unwrap()
+                        .iter()
+                        .filter(|e| *e & map_entry::VALID != 0)
+                        .count() as u64;
+                    assert_eq!(volume.used_bytes(), mapped * BLOCK as u64, "seed {seed} step {step}");
+                    ops.push(format!("rollback {name}"));
+                }
                 _ => {}
             }
             let now = read_all(&volume).await;

@@ -162,6 +162,74 @@ impl VolumeManager {
         Ok(())
     }
 
+    /// Rolls volume `POOL/VOL` back to snapshot `POOL/VOL@SNAP`. It must be
+    /// the newest, unless `destroy_newer` (`-r`), which deletes the newer
+    /// ones first. Refused while the volume (or a snapshot to delete) has
+    /// clients. The volume keeps its size.
+    pub fn rollback_snapshot(&self, name: &str, destroy_newer: bool) -> Result<(), AdminError> {
+        let (pool_name, short, _) = split_snapshot_name(name)?;
+        let volume_name = full_name(pool_name, short);
+        let catalog = self.catalog();
+        let (pool, info) = self.find_snapshot(&catalog, name)?;
+        if let Some(volume) = self.volumes.read().unwrap_or_else(|e| e.into_inner()).get(&volume_name) {
+            let connections = volume.open_handles();
+            if connections > 0 {
+                return Err(AdminError::Busy(format!(
+                    "volume '{volume_name}' is busy: {connections} client connection(s) open; disconnect them first"
+                )));
+            }
+        }
+        let newer: Vec<SnapshotInfo> = pool
+            .snapshots()
+            .into_iter()
+            .filter(|s| s.volume == info.volume && s.generation > info.generation)
+            .collect();
+        if !newer.is_empty() && !destroy_newer {
+            let names: Vec<String> = newer.iter().map(|s| format!("@{}", s.name)).collect();
+            return Err(AdminError::Invalid(format!(
+                "more recent snapshots of '{volume_name}' exist ({}): delete them, or roll back with -r to delete them",
+                names.join(", ")
+            )));
+        }
+        for snapshot in newer.iter().rev() {
+            let newer_name = format!("{volume_name}@{}", snapshot.name);
+            if self
+                .open_snapshot_view(&newer_name)
+                .is_some_and(|v| v.open_handles() > 0)
+            {
+                return Err(AdminError::Busy(format!(
+                    "snapshot '{newer_name}' is busy: its export has clients"
+                )));
+            }
+        }
+        for snapshot in newer.iter().rev() {
+            let newer_name = format!("{volume_name}@{}", snapshot.name);
+            if let Some(view) = self.open_snapshot_view(&newer_name) {
+                view.mark_deleted();
+            }
+            self.snapshot_views
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .remove(&newer_name);
+            self.runtime
+                .block_on(pool.destroy_snapshot(snapshot.id))
+                .map_err(pool_error)?;
+            tracing::info!("snapshot {newer_name} deleted (rollback -r)");
+        }
+        let engine = self
+            .engines
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&volume_name)
+            .cloned()
+            .ok_or_else(|| AdminError::NotFound(format!("volume '{volume_name}' does not exist")))?;
+        self.runtime
+            .block_on(pool.rollback(&engine, info.id))
+            .map_err(pool_error)?;
+        tracing::info!("volume {volume_name} rolled back to {name}");
+        Ok(())
+    }
+
     /// The read-only volume of snapshot `POOL/VOL@SNAP`, for an export.
     pub(super) fn snapshot_volume(&self, name: &str) -> Option<Arc<Volume>> {
         if let Some(open) = self.open_snapshot_view(name) {

@@ -130,6 +130,11 @@ impl EngineVolume {
         }
     }
 
+    /// Sets the mapped-block count (after a rollback changed the map).
+    pub(crate) fn recount_mapped(&self, blocks: u64) {
+        self.mapped_blocks.store(blocks, Ordering::Release);
+    }
+
     /// Whether this is a snapshot (read-only).
     pub fn is_snapshot(&self) -> bool {
         super::snapshots::is_snapshot_id(self.id)
