@@ -173,6 +173,21 @@ pub(super) fn save(
     Ok(())
 }
 
+/// Destages everything `volume` has in the RAM cache (its writes wait at
+/// the barrier, which the caller holds), before `what`.
+async fn place_cached(volume: &volume::EngineVolume, what: &str) -> Result<(), PoolError> {
+    loop {
+        let blocks = volume.cached_blocks(|_| true, 512);
+        if blocks.is_empty() {
+            return Ok(());
+        }
+        volume
+            .destage_blocks(&blocks)
+            .await
+            .map_err(|e| PoolError::Invalid(format!("placing cached writes before {what}: {e}")))?;
+    }
+}
+
 /// What a new snapshot needs from its volume.
 pub struct SnapshotRequest<'a> {
     pub volume: &'a Arc<volume::EngineVolume>,
@@ -250,16 +265,7 @@ impl Pool {
             barriers.push(volume.barrier().write().await);
         }
         for volume in &volumes {
-            loop {
-                let blocks = volume.cached_blocks(|_| true, 512);
-                if blocks.is_empty() {
-                    break;
-                }
-                volume
-                    .destage_blocks(&blocks)
-                    .await
-                    .map_err(|e| PoolError::Invalid(format!("placing cached writes before the snapshot: {e}")))?;
-            }
+            place_cached(volume, "the snapshot").await?;
         }
         let created_unix = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
@@ -496,16 +502,7 @@ impl Pool {
             }
         }
         let _barrier = volume.barrier().write().await;
-        loop {
-            let blocks = volume.cached_blocks(|_| true, 512);
-            if blocks.is_empty() {
-                break;
-            }
-            volume
-                .destage_blocks(&blocks)
-                .await
-                .map_err(|e| PoolError::Invalid(format!("placing cached writes before the rollback: {e}")))?;
-        }
+        place_cached(volume, "the rollback").await?;
         {
             let _gate = self.gate.read().await;
             let freed = self.apply_rollback(id, snapshot)?;
