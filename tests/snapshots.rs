@@ -103,9 +103,19 @@ fn a_snapshot_keeps_its_image_while_the_volume_changes() {
         "{text}"
     );
     qemu_io_read_only(&snapshot, &image);
-    // The blocks the volume changed are kept for the snapshot.
+    // The blocks the volume changed are kept for the snapshot: 2 MiB
+    // overwritten, one 16 KiB block written in part, 1 MiB trimmed.
     cli_ok(&server, &["pool", "sync", "default"]);
     assert!(used(&server) >= before + 3 * MIB, "{} {}", used(&server), before);
+    let listed = snapshots_json(&server, Some("default/db"));
+    assert_eq!(
+        listed[0]["used_bytes"].as_u64(),
+        Some(3 * MIB + 16 * 1024),
+        "{listed:?}"
+    );
+    assert_eq!(listed[0]["written_bytes"].as_u64(), Some(8 * MIB), "{listed:?}");
+    let logs = snapshots_json(&server, Some("default/logs"));
+    assert_eq!(logs[0]["used_bytes"].as_u64(), Some(0), "{logs:?}");
 
     // A volume with snapshots is not deleted.
     let delete = cli(&server, &["volume", "delete", "default/db"]);

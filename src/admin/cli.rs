@@ -672,7 +672,9 @@ fn snapshot_table(snapshots: &[SnapshotView]) -> String {
         ("NAME", Left),
         ("CREATED", Left),
         ("VOLSIZE", Right),
+        ("USED", Right),
         ("REFERENCED", Right),
+        ("WRITTEN", Right),
         ("CONNECTIONS", Right),
     ];
     let rows: Vec<Vec<String>> = snapshots
@@ -682,7 +684,9 @@ fn snapshot_table(snapshots: &[SnapshotView]) -> String {
                 s.name.clone(),
                 format_unix_time(s.created_unix),
                 format_size(s.size_bytes),
+                format_size(s.used_bytes),
                 format_size(s.referenced_bytes),
+                format_size(s.written_bytes),
                 s.connections.to_string(),
             ]
         })

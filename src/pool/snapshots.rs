@@ -543,6 +543,79 @@ impl Pool {
         Ok(freed)
     }
 
+    /// The space of `volume`'s snapshots, in blocks, oldest first: for each
+    /// (id, `used`: what deleting it would free, `written`: what it maps
+    /// that the snapshot before it does not — all it maps for the first).
+    /// Exact when no write to the volume runs meanwhile; a walk of the
+    /// snapshots' own pages, no data read.
+    pub fn snapshot_space(&self, volume: u32) -> Result<Vec<(u32, u64, u64)>, MetaError> {
+        let (ids, mapped): (Vec<u32>, Vec<u64>) = {
+            let snapshots = self.snapshots_read();
+            let ids = snapshots.by_volume.get(&volume).cloned().unwrap_or_default();
+            let mapped = ids.iter().map(|id| snapshots.by_id[id].mapped_blocks).collect();
+            (ids, mapped)
+        };
+        let mut space = Vec::with_capacity(ids.len());
+        for (k, &id) in ids.iter().enumerate() {
+            let older = k.checked_sub(1).map(|i| ids[i]);
+            let newer = ids.get(k + 1).copied();
+            let mut used = 0;
+            for index in self.own_pages(id)? {
+                let page = self.map_pages.get(&self.db, (id, index))?;
+                let older_page = match older {
+                    Some(older) => {
+                        let older_page = self.map_pages.get(&self.db, (older, index))?;
+                        if !older_page.present.load(Ordering::Acquire) {
+                            // Deleting would hand this page down, whole.
+                            continue;
+                        }
+                        Some(older_page)
+                    }
+                    None => None,
+                };
+                let next_page = match newer {
+                    Some(newer) => self.snapshot_page(newer, index)?,
+                    None => self.map_pages.get(&self.db, (volume, index))?,
+                };
+                for (i, entry) in page.entries.iter().enumerate() {
+                    let slot = entry.load(Ordering::Acquire);
+                    let elsewhere =
+                        |other: &MapPage| map_entry::same_slot(other.entries[i].load(Ordering::Acquire), slot);
+                    if slot & map_entry::VALID != 0
+                        && !older_page.as_deref().is_some_and(elsewhere)
+                        && !elsewhere(&next_page)
+                    {
+                        used += 1;
+                    }
+                }
+            }
+            let written = match older {
+                None => mapped[k],
+                // It differs from the older one only where that one has
+                // copies (the pages changed between them).
+                Some(older) => {
+                    let mut written = 0;
+                    for index in self.own_pages(older)? {
+                        let before = self.map_pages.get(&self.db, (older, index))?;
+                        let after = self.snapshot_page(id, index)?;
+                        written += after
+                            .entries
+                            .iter()
+                            .zip(before.entries.iter())
+                            .filter(|(a, b)| {
+                                let a = a.load(Ordering::Acquire);
+                                a & map_entry::VALID != 0 && !map_entry::same_slot(a, b.load(Ordering::Acquire))
+                            })
+                            .count() as u64;
+                    }
+                    written
+                }
+            };
+            space.push((id, used, written));
+        }
+        Ok(space)
+    }
+
     /// The pages a snapshot has copies of (stored or made since).
     fn own_pages(&self, snapshot: u32) -> Result<Vec<u64>, MetaError> {
         let mut pages: std::collections::BTreeSet<u64> = std::collections::BTreeSet::new();
@@ -689,6 +762,27 @@ mod tests {
         );
     }
 
+    /// `written` of each snapshot against a block-by-block comparison of
+    /// its view with the one before it.
+    fn check_written(pool: &Pool, volume: u32) {
+        let blocks = VOLUME / BLOCK as u64;
+        let space = pool.snapshot_space(volume).unwrap();
+        let mut before: Option<Vec<u64>> = None;
+        for (id, _, written) in space {
+            let view = pool.lookup_range(id, 0, blocks - 1).unwrap();
+            let expected = match &before {
+                None => view.iter().filter(|e| *e & map_entry::VALID != 0).count(),
+                Some(before) => view
+                    .iter()
+                    .zip(before)
+                    .filter(|(a, b)| *a & map_entry::VALID != 0 && !map_entry::same_slot(**a, **b))
+                    .count(),
+            };
+            assert_eq!(written, expected as u64, "written of snapshot {id:#x}");
+            before = Some(view);
+        }
+    }
+
     /// A random mix of writes (whole and partial blocks), trims, snapshot
     /// creations and deletions, and power losses after a commit, checked
     /// against a model of the volume and every snapshot, and against the
@@ -757,7 +851,31 @@ mod tests {
                     let at = rng.below(snapshots.len() as u64) as usize;
                     let (name, _) = snapshots.remove(at);
                     let id = pool.snapshots().iter().find(|s| s.name == name).unwrap().id;
+                    // `used` is exactly what the deletion frees (cached
+                    // writes placed first, so none lands meanwhile).
+                    volume.flush().await.unwrap();
+                    pool.destage_all().await.unwrap();
+                    pool.commit().await.unwrap();
+                    let space = pool.snapshot_space(1).unwrap();
+                    let used = space.iter().find(|s| s.0 == id).unwrap().1;
+                    // Nothing cached: what the volume says it uses is what
+                    // it maps (copies on write map no new block).
+                    let mapped = pool
+                        .lookup_range(1, 0, VOLUME / BLOCK as u64 - 1)
+                        .unwrap()
+                        .iter()
+                        .filter(|e| *e & map_entry::VALID != 0)
+                        .count() as u64;
+                    assert_eq!(volume.used_bytes(), mapped * BLOCK as u64, "seed {seed} step {step}");
+                    let placed = || pool.status().iter().map(|d| d.used_bytes).sum::<u64>();
+                    let before = placed();
                     pool.destroy_snapshot(id).await.unwrap();
+                    pool.commit().await.unwrap();
+                    assert_eq!(
+                        before - placed(),
+                        used * BLOCK as u64,
+                        "seed {seed} step {step}: what deleting {name} freed"
+                    );
                     ops.push(format!("delete {name}"));
                 }
                 17 => {
@@ -821,6 +939,7 @@ mod tests {
             }
             pool.commit().await.unwrap();
             check_space(&pool, 1);
+            check_written(&pool, 1);
         }
         // Every snapshot deleted: the pool holds the volume's blocks only,
         // and overwrites go in place again.

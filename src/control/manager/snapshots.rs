@@ -21,6 +21,11 @@ pub struct SnapshotView {
     pub size_bytes: u64,
     /// The blocks the snapshot maps, in bytes.
     pub referenced_bytes: u64,
+    /// What deleting it would free.
+    pub used_bytes: u64,
+    /// What it maps that the snapshot before it does not (all it maps, for
+    /// the volume's oldest).
+    pub written_bytes: u64,
     /// Open connections to its read-only export.
     pub connections: usize,
 }
@@ -97,9 +102,10 @@ impl VolumeManager {
         for info in &taken {
             tracing::info!("snapshot {} taken", self.snapshot_name(&catalog, pool_name, info));
         }
+        let mut space = HashMap::new();
         Ok(taken
             .iter()
-            .map(|info| self.snapshot_view(&catalog, pool_name, &pool, info))
+            .map(|info| self.snapshot_view(&catalog, pool_name, &pool, info, &mut space))
             .collect())
     }
 
@@ -120,6 +126,7 @@ impl VolumeManager {
             None => None,
         };
         let mut views = Vec::new();
+        let mut space = HashMap::new();
         for pool_name in catalog.pools.keys() {
             if wanted.is_some_and(|(pool, _)| pool != pool_name) {
                 continue;
@@ -129,7 +136,7 @@ impl VolumeManager {
                 if wanted.is_some_and(|(_, id)| id != info.volume) {
                     continue;
                 }
-                views.push(self.snapshot_view(&catalog, pool_name, &pool, &info));
+                views.push(self.snapshot_view(&catalog, pool_name, &pool, &info, &mut space));
             }
         }
         views.sort_by(|a, b| a.volume.cmp(&b.volume));
@@ -289,7 +296,15 @@ impl VolumeManager {
         format!("{}@{}", Self::volume_name_of(catalog, pool, info.volume), info.name)
     }
 
-    fn snapshot_view(&self, catalog: &Catalog, pool_name: &str, pool: &Pool, info: &SnapshotInfo) -> SnapshotView {
+    /// `space` keeps each volume's snapshot space (one walk per volume).
+    fn snapshot_view(
+        &self,
+        catalog: &Catalog,
+        pool_name: &str,
+        pool: &Pool,
+        info: &SnapshotInfo,
+        space: &mut HashMap<(String, u32), Vec<(u32, u64, u64)>>,
+    ) -> SnapshotView {
         let volume = Self::volume_name_of(catalog, pool_name, info.volume);
         let name = format!("{volume}@{}", info.name);
         let volblocksize = catalog
@@ -297,8 +312,22 @@ impl VolumeManager {
             .get(pool_name)
             .and_then(|p| p.volumes.values().find(|r| r.id == info.volume))
             .map_or(0, |r| r.props.volblocksize as u64);
-        let _ = pool;
+        let of_volume = space.entry((pool_name.to_string(), info.volume)).or_insert_with(|| {
+            match pool.snapshot_space(info.volume) {
+                Ok(space) => space,
+                Err(e) => {
+                    tracing::error!("space of the snapshots of {volume}: {e}");
+                    Vec::new()
+                }
+            }
+        });
+        let (used, written) = of_volume
+            .iter()
+            .find(|(id, _, _)| *id == info.id)
+            .map_or((0, 0), |(_, used, written)| (*used, *written));
         SnapshotView {
+            used_bytes: used * volblocksize,
+            written_bytes: written * volblocksize,
             connections: self.open_snapshot_view(&name).map_or(0, |v| v.open_handles()),
             name,
             pool: pool_name.to_string(),

@@ -497,7 +497,10 @@ impl EngineVolume {
                 }
                 return Err(e);
             }
-            self.mapped_blocks.fetch_add(1, Ordering::Relaxed);
+            // A block copied on write was mapped already.
+            if part.replaces == 0 {
+                self.mapped_blocks.fetch_add(1, Ordering::Relaxed);
+            }
             self.pool.log_mapping(Record::Map {
                 volume: self.id,
                 block,
