@@ -46,6 +46,9 @@ pub fn split_snapshot_name(text: &str) -> Result<(&str, &str, &str), AdminError>
     Ok((pool, name, snapshot))
 }
 
+/// Each volume's snapshot space (`Pool::snapshot_space`), by (pool, volume id).
+type SpaceByVolume = HashMap<(String, u32), Vec<(u32, u64, u64)>>;
+
 fn pool_error(error: PoolError) -> AdminError {
     match error {
         PoolError::Invalid(message) if message.ends_with("exists") => AdminError::AlreadyExists(message),
@@ -303,7 +306,7 @@ impl VolumeManager {
         pool_name: &str,
         pool: &Pool,
         info: &SnapshotInfo,
-        space: &mut HashMap<(String, u32), Vec<(u32, u64, u64)>>,
+        space: &mut SpaceByVolume,
     ) -> SnapshotView {
         let volume = Self::volume_name_of(catalog, pool_name, info.volume);
         let name = format!("{volume}@{}", info.name);
