@@ -58,6 +58,9 @@ fn a_snapshot_keeps_its_image_while_the_volume_changes() {
     assert_eq!(listed[0]["name"], "default/db@before");
     assert_eq!(listed[0]["referenced_bytes"].as_u64(), Some(8 * MIB));
     assert_eq!(listed[0]["size_bytes"].as_u64(), Some(64 * MIB));
+    // nbdinfo --list shows the snapshot exports after their volumes.
+    let list = common::stdout_of(std::process::Command::new("nbdinfo").args(["--list", &server.uri("")]));
+    assert!(list.contains("export=\"default/db@before\""), "{list}");
     let table = cli_ok(&server, &["snapshot", "list"]);
     assert!(
         table.contains("default/logs@before") && table.contains("REFERENCED"),

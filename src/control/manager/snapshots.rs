@@ -146,6 +146,31 @@ impl VolumeManager {
         Ok(views)
     }
 
+    /// The names (`POOL/VOL@SNAP`) of volume `POOL/VOL`'s snapshots, oldest
+    /// first (for export lists: no space computed).
+    pub fn snapshot_names(&self, volume: &str) -> Vec<String> {
+        let Ok((pool_name, short)) = split_volume_name(volume) else {
+            return Vec::new();
+        };
+        let Some(id) = self
+            .catalog()
+            .pools
+            .get(pool_name)
+            .and_then(|p| p.volumes.get(short))
+            .map(|record| record.id)
+        else {
+            return Vec::new();
+        };
+        let Some(pool) = self.pool(pool_name) else {
+            return Vec::new();
+        };
+        pool.snapshots()
+            .into_iter()
+            .filter(|s| s.volume == id)
+            .map(|s| format!("{volume}@{}", s.name))
+            .collect()
+    }
+
     /// Deletes snapshot `POOL/VOL@SNAP`; refused while its export has
     /// clients.
     pub fn delete_snapshot(&self, name: &str) -> Result<(), AdminError> {

@@ -688,11 +688,16 @@ async fn negotiate<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(
                 let visible = volumes
                     .iter()
                     .filter(|volume| export_access(manager, volume, peer) == Access::Allowed);
+                // Each volume, then its snapshots (read-only exports with
+                // the volume's access rules).
                 for volume in visible {
-                    let name = volume.full_name().as_bytes();
-                    let mut entry = (name.len() as u32).to_be_bytes().to_vec();
-                    entry.extend_from_slice(name);
-                    out.extend_from_slice(&reply(rep::SERVER, &entry));
+                    let mut names = vec![volume.full_name().to_string()];
+                    names.extend(manager.snapshot_names(volume.full_name()));
+                    for name in names {
+                        let mut entry = (name.len() as u32).to_be_bytes().to_vec();
+                        entry.extend_from_slice(name.as_bytes());
+                        out.extend_from_slice(&reply(rep::SERVER, &entry));
+                    }
                 }
                 out.extend_from_slice(&reply(rep::ACK, &[]));
                 writer.write_all(&out).await?;
