@@ -110,10 +110,13 @@ impl Snapshots {
     fn insert(&mut self, info: SnapshotInfo) {
         self.next_id = self.next_id.max((info.id & !SNAPSHOT_ID_BASE) + 1);
         self.generation = self.generation.max(info.generation);
+        // Oldest first. New snapshots and the store's rows (by id, given out
+        // in creation order) arrive in order: a push, not a sort per insert,
+        // so opening a pool with thousands of snapshots stays linear.
         let list = self.by_volume.entry(info.volume).or_default();
-        list.push(info.id);
         let by_id = &self.by_id;
-        list.sort_by_key(|id| by_id.get(id).map_or(info.generation, |s| s.generation));
+        let at = list.partition_point(|id| by_id[id].generation <= info.generation);
+        list.insert(at, info.id);
         self.by_id.insert(info.id, info);
         self.dirty = true;
     }
@@ -334,7 +337,7 @@ impl Pool {
         }
         let index = block / MAP_ENTRIES_PER_PAGE;
         let now = self.snapshots_read().generation;
-        self.copy_page_into(&page, volume, index, snapshot, now);
+        self.copy_page_into(&page, index, snapshot, now);
         self.log.append(Record::CopyPage {
             volume,
             page: index,
@@ -348,7 +351,7 @@ impl Pool {
     /// the volume's valid entries become shared, and its page is born now.
     /// The snapshot's page is installed before the volume's changes, so a
     /// reader of the snapshot that saw a change also sees the copy.
-    fn copy_page_into(&self, page: &MapPage, volume: u32, index: u64, snapshot: u32, generation: u64) {
+    fn copy_page_into(&self, page: &MapPage, index: u64, snapshot: u32, generation: u64) {
         let copy = self
             .map_pages
             .put((snapshot, index), MapPage::copied(&page.entries, generation));
@@ -361,7 +364,6 @@ impl Pool {
         }
         page.birth.store(generation, Ordering::Release);
         self.map_pages.mark_dirty(page);
-        let _ = volume;
     }
 
     /// The map page a snapshot sees at `index`: its own copy, else its
@@ -674,7 +676,7 @@ impl Pool {
             // The checkpoint already holds the copy.
             return Ok(());
         }
-        self.copy_page_into(&page, volume, index, snapshot, generation);
+        self.copy_page_into(&page, index, snapshot, generation);
         Ok(())
     }
 
@@ -760,6 +762,25 @@ mod tests {
             slots.len() as u64 * BLOCK as u64,
             "placed bytes against mapped slots"
         );
+    }
+
+    /// The bytes of the blocks volume 1 maps.
+    fn mapped_bytes(pool: &Pool) -> u64 {
+        let mapped = pool
+            .lookup_range(1, 0, VOLUME / BLOCK as u64 - 1)
+            .unwrap()
+            .iter()
+            .filter(|e| *e & map_entry::VALID != 0)
+            .count() as u64;
+        mapped * BLOCK as u64
+    }
+
+    fn id_of(pool: &Pool, name: &str) -> u32 {
+        pool.snapshots()
+            .iter()
+            .find(|s| s.name == name)
+            .expect("snapshot listed")
+            .id
     }
 
     /// `written` of each snapshot against a block-by-block comparison of
@@ -850,7 +871,7 @@ mod tests {
                 15..=16 if !snapshots.is_empty() => {
                     let at = rng.below(snapshots.len() as u64) as usize;
                     let (name, _) = snapshots.remove(at);
-                    let id = pool.snapshots().iter().find(|s| s.name == name).unwrap().id;
+                    let id = id_of(&pool, &name);
                     // `used` is exactly what the deletion frees (cached
                     // writes placed first, so none lands meanwhile).
                     volume.flush().await.unwrap();
@@ -860,13 +881,7 @@ mod tests {
                     let used = space.iter().find(|s| s.0 == id).unwrap().1;
                     // Nothing cached: what the volume says it uses is what
                     // it maps (copies on write map no new block).
-                    let mapped = pool
-                        .lookup_range(1, 0, VOLUME / BLOCK as u64 - 1)
-                        .unwrap()
-                        .iter()
-                        .filter(|e| *e & map_entry::VALID != 0)
-                        .count() as u64;
-                    assert_eq!(volume.used_bytes(), mapped * BLOCK as u64, "seed {seed} step {step}");
+                    assert_eq!(volume.used_bytes(), mapped_bytes(&pool), "seed {seed} step {step}");
                     let placed = || pool.status().iter().map(|d| d.used_bytes).sum::<u64>();
                     let before = placed();
                     pool.destroy_snapshot(id).await.unwrap();
@@ -893,22 +908,16 @@ mod tests {
                     // (`rollback -r`).
                     let at = rng.below(snapshots.len() as u64) as usize;
                     for (name, _) in snapshots.drain(at + 1..) {
-                        let id = pool.snapshots().iter().find(|s| s.name == name).unwrap().id;
+                        let id = id_of(&pool, &name);
                         pool.destroy_snapshot(id).await.unwrap();
                     }
                     let (name, image) = &snapshots[at];
-                    let id = pool.snapshots().iter().find(|s| &s.name == name).unwrap().id;
+                    let id = id_of(&pool, name);
                     pool.rollback(&volume, id).await.unwrap();
                     model = image.clone();
                     // Nothing cached is left after a rollback: what the
                     // volume says it uses is what it maps.
-                    let mapped = pool
-                        .lookup_range(1, 0, VOLUME / BLOCK as u64 - 1)
-                        .unwrap()
-                        .iter()
-                        .filter(|e| *e & map_entry::VALID != 0)
-                        .count() as u64;
-                    assert_eq!(volume.used_bytes(), mapped * BLOCK as u64, "seed {seed} step {step}");
+                    assert_eq!(volume.used_bytes(), mapped_bytes(&pool), "seed {seed} step {step}");
                     ops.push(format!("rollback {name}"));
                 }
                 _ => {}
