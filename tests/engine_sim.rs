@@ -499,7 +499,8 @@ impl Harness {
                 self.fail(format!("promote: {e}"));
             }
             self.check_image(&clone, &image, "the promoted clone").await;
-            self.check_image(&volume, &volume_image, "the volume, now a clone").await;
+            self.check_image(&volume, &volume_image, "the volume, now a clone")
+                .await;
             for at in 0..self.snapshots.len() {
                 self.check_snapshot(at).await;
             }

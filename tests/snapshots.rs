@@ -227,6 +227,22 @@ fn a_volume_rolls_back_to_a_snapshot() {
     qemu_io_read_only(&server.uri("default/vm@golden"), &golden);
 }
 
+/// A property's value as `volume get --json` gives it.
+fn property(server: &Server, volume: &str, name: &str) -> String {
+    let out = cli_ok(server, &["volume", "get", "--json", volume, name]);
+    let value: serde_json::Value = serde_json::from_str(&out).unwrap_or_else(|e| panic!("{e}: {out}"));
+    let rows = value
+        .as_array()
+        .cloned()
+        .unwrap_or_else(|| value["properties"].as_array().cloned().unwrap());
+    rows.iter()
+        .find(|r| r["property"] == name)
+        .unwrap_or_else(|| panic!("{name} in {out}"))["value"]
+        .as_str()
+        .unwrap()
+        .to_string()
+}
+
 fn origin_of(server: &Server, volume: &str) -> String {
     cli_ok(server, &["volume", "get", volume, "origin"])
 }
@@ -276,6 +292,14 @@ fn a_clone_shares_its_snapshot_and_a_promotion_frees_it_from_it() {
             "read -P 0xd1 1028k 3068k".into(),
         ],
     );
+    // Space as ZFS reports it: the clone owns its one copied block; the
+    // origin its first megabyte (rewritten after the snapshot), its
+    // snapshot the megabyte it replaced; three more are shared.
+    let space = |volume: &str| {
+        ["used", "referenced", "usedbydataset", "usedbysnapshots", "written"].map(|p| property(&server, volume, p))
+    };
+    assert_eq!(space("default/vm1"), ["16K", "4M", "16K", "0B", "16K"]);
+    assert_eq!(space("default/golden"), ["2M", "4M", "1M", "1M", "1M"]);
     // The origin and its snapshot did not change.
     qemu_io_ok(&golden, &["read -P 0xd2 0 1M".into(), "read -P 0xd1 1M 3M".into()]);
     qemu_io_read_only(&server.uri("default/golden@v1"), &["read -P 0xd1 0 4M".into()]);

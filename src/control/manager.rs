@@ -623,11 +623,18 @@ impl VolumeManager {
             .unwrap_or(0);
         let connections = self.lookup(name).map(|v| v.open_handles()).unwrap_or(0);
         let mut properties = record.props.rows();
-        properties.push(PropertyRow {
-            property: "origin".into(),
-            value: self.origin_name(catalog, pool, record.id).unwrap_or_else(|| "-".into()),
+        let fact = |property: &str, value: String| PropertyRow {
+            property: property.into(),
+            value,
             source: "-".into(),
-        });
+        };
+        properties.push(fact(
+            "origin",
+            self.origin_name(catalog, pool, record.id).unwrap_or_else(|| "-".into()),
+        ));
+        for (property, bytes) in self.space_rows(pool, record.id, record.props.volblocksize, used_bytes) {
+            properties.push(fact(property, crate::units::format_size(bytes)));
+        }
         Ok(VolumeInfo {
             name: name.to_string(),
             pool: pool.to_string(),

@@ -232,6 +232,21 @@ async fn place_cached(volume: &volume::EngineVolume, what: &str) -> Result<(), P
     }
 }
 
+/// A volume's space as ZFS reports it, in blocks (placed data only: writes
+/// still in the RAM cache are counted once placed).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct VolumeSpace {
+    /// What the volume maps that no snapshot and no origin does: what
+    /// deleting the volume alone would free (`usedbydataset`).
+    pub dataset: u64,
+    /// What only its snapshots map: what deleting all of them would free
+    /// (`usedbysnapshots`).
+    pub snapshots: u64,
+    /// What it maps that its newest snapshot (or, with none, its origin)
+    /// does not (`written`).
+    pub written: u64,
+}
+
 /// What a new snapshot needs from its volume.
 pub struct SnapshotRequest<'a> {
     pub volume: &'a Arc<volume::EngineVolume>,
@@ -721,6 +736,85 @@ impl Pool {
                 }
             };
             space.push((id, used, written));
+        }
+        Ok(space)
+    }
+
+    /// `volume`'s space: `usedbydataset`, `usedbysnapshots` and `written`
+    /// (`VolumeSpace`). A walk of the volume's and its snapshots' own map
+    /// pages (a slot is only ever mapped at one block number, so each
+    /// block is compared across them); no data read.
+    pub fn volume_space(&self, volume: u32) -> Result<VolumeSpace, MetaError> {
+        let (ids, origin) = {
+            let snapshots = self.snapshots_read();
+            let ids: Vec<u32> = snapshots.by_volume.get(&volume).cloned().unwrap_or_default();
+            (ids, snapshots.origin(volume))
+        };
+        let mut space = VolumeSpace::default();
+        let mut pages: std::collections::BTreeSet<u64> = self.own_pages(volume)?.into_iter().collect();
+        let mut owned: HashMap<u32, HashSet<u64>> = HashMap::new();
+        for id in &ids {
+            let own: HashSet<u64> = self.own_pages(*id)?.into_iter().collect();
+            pages.extend(own.iter().copied());
+            owned.insert(*id, own);
+        }
+        let newest = ids.last().copied();
+        for index in pages {
+            let live = self.view_entries(volume, index)?;
+            let base = match origin {
+                Some(origin) => Some(self.view_entries(origin, index)?),
+                None => None,
+            };
+            // The slots the snapshots map here that the volume does not.
+            let mut copies = Vec::new();
+            for id in &ids {
+                if owned[id].contains(&index) {
+                    copies.push(self.map_pages.get(&self.db, (*id, index))?);
+                }
+            }
+            // The newest snapshot sees the volume's page itself when it has
+            // no copy of it: then every block of it is shared.
+            let newest_sees_live = newest.is_some_and(|id| !owned[&id].contains(&index));
+            let newest_entries: Option<Vec<u64>> = match newest {
+                Some(id) => Some(self.view_entries(id, index)?),
+                None => base.clone(),
+            };
+            // A clone's page it has none of is its origin's.
+            let own_page = origin.is_none()
+                || self
+                    .map_pages
+                    .get(&self.db, (volume, index))?
+                    .present
+                    .load(Ordering::Acquire);
+            for (i, &slot) in live.iter().enumerate() {
+                let in_base = base.as_ref().is_some_and(|b| map_entry::same_slot(b[i], slot));
+                let in_snapshots = copies
+                    .iter()
+                    .any(|c| map_entry::same_slot(c.entries[i].load(Ordering::Acquire), slot));
+                if slot & map_entry::VALID != 0 && own_page && !newest_sees_live && !in_base && !in_snapshots {
+                    space.dataset += 1;
+                }
+                if slot & map_entry::VALID != 0
+                    && !newest_entries
+                        .as_ref()
+                        .is_some_and(|n| map_entry::same_slot(n[i], slot))
+                {
+                    space.written += 1;
+                }
+                let mut counted: Vec<u64> = Vec::new();
+                for copy in &copies {
+                    let theirs = copy.entries[i].load(Ordering::Acquire);
+                    if theirs & map_entry::VALID == 0
+                        || map_entry::same_slot(theirs, slot)
+                        || base.as_ref().is_some_and(|b| map_entry::same_slot(b[i], theirs))
+                        || counted.iter().any(|c| map_entry::same_slot(*c, theirs))
+                    {
+                        continue;
+                    }
+                    counted.push(theirs);
+                    space.snapshots += 1;
+                }
+            }
         }
         Ok(space)
     }
@@ -1684,6 +1778,7 @@ mod tests {
                     mapped_view_bytes(&pool, *id),
                     "volume {id} used; {context}"
                 );
+                check_volume_space(&pool, *id, &context);
             }
         }
         // Everything deleted, clones before the snapshots they depend on:
@@ -1706,6 +1801,54 @@ mod tests {
         pool.commit().await.unwrap();
         let placed: u64 = pool.status().iter().map(|d| d.used_bytes).sum();
         assert_eq!(placed, 0, "seed {seed}: space left after deleting everything");
+    }
+
+    /// `volume_space` against sets of slots: what the volume maps that no
+    /// snapshot of it and not its origin does; what its snapshots map that
+    /// neither does; what it maps that its newest snapshot (or origin) does
+    /// not.
+    fn check_volume_space(pool: &Pool, volume: u32, context: &str) {
+        let blocks = VOLUME / BLOCK as u64;
+        let slots = |owner: u32| -> HashSet<u64> {
+            pool.lookup_range(owner, 0, blocks - 1)
+                .unwrap()
+                .into_iter()
+                .filter(|e| e & map_entry::VALID != 0)
+                .map(|e| e & !map_entry::RESERVED)
+                .collect()
+        };
+        let live = slots(volume);
+        let origin = pool.origin_of(volume).map(slots).unwrap_or_default();
+        let ids: Vec<u32> = pool
+            .snapshots()
+            .iter()
+            .filter(|s| s.volume == volume)
+            .map(|s| s.id)
+            .collect();
+        let mut of_snapshots = HashSet::new();
+        for id in &ids {
+            of_snapshots.extend(slots(*id));
+        }
+        let newest = match ids.last() {
+            Some(id) => slots(*id),
+            None => origin.clone(),
+        };
+        let space = pool.volume_space(volume).unwrap();
+        let dataset = live
+            .iter()
+            .filter(|s| !of_snapshots.contains(s) && !origin.contains(s))
+            .count();
+        let snapshots = of_snapshots
+            .iter()
+            .filter(|s| !live.contains(s) && !origin.contains(s))
+            .count();
+        let written = live.iter().filter(|s| !newest.contains(s)).count();
+        assert_eq!(space.dataset, dataset as u64, "usedbydataset of {volume}; {context}");
+        assert_eq!(
+            space.snapshots, snapshots as u64,
+            "usedbysnapshots of {volume}; {context}"
+        );
+        assert_eq!(space.written, written as u64, "written of {volume}; {context}");
     }
 
     /// The bytes of the blocks `owner` sees mapped.

@@ -176,6 +176,43 @@ impl VolumeManager {
         Some(self.snapshot_name(catalog, pool_name, &origin))
     }
 
+    /// The space properties of volume `id`, as ZFS names them: `used`
+    /// (what deleting it and its snapshots would free), `referenced` (what
+    /// it maps, writes still in the RAM cache included), `usedbydataset`,
+    /// `usedbysnapshots` and `written` (since its newest snapshot, or its
+    /// origin). The last three count placed data: exact once the cache
+    /// settles (`pool sync`). A volume with no snapshot and no origin
+    /// shares nothing, and needs no map walk.
+    pub(super) fn space_rows(
+        &self,
+        pool_name: &str,
+        id: u32,
+        volblocksize: u32,
+        referenced: u64,
+    ) -> Vec<(&'static str, u64)> {
+        let block = volblocksize as u64;
+        let shares = self
+            .pool(pool_name)
+            .filter(|pool| pool.origin_of(id).is_some() || pool.snapshots().iter().any(|s| s.volume == id));
+        let (dataset, snapshots, written) = match shares {
+            None => (referenced, 0, referenced),
+            Some(pool) => match pool.volume_space(id) {
+                Ok(space) => (space.dataset * block, space.snapshots * block, space.written * block),
+                Err(e) => {
+                    tracing::error!("space of volume {pool_name}/#{id}: {e}");
+                    return Vec::new();
+                }
+            },
+        };
+        vec![
+            ("used", dataset + snapshots),
+            ("referenced", referenced),
+            ("usedbydataset", dataset),
+            ("usedbysnapshots", snapshots),
+            ("written", written),
+        ]
+    }
+
     /// Names for the clones (volume ids) that depend on a snapshot.
     pub(super) fn clone_names(catalog: &Catalog, pool_name: &str, ids: &[u32]) -> String {
         ids.iter()
