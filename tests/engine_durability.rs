@@ -102,6 +102,112 @@ fn kill9_loses_no_flushed_write_with_write_cache_and_fsync() {
     }
 }
 
+/// Snapshots acknowledged as taken and not acknowledged as deleted, and
+/// those acknowledged as deleted, by a thread that takes one every 200 ms
+/// and deletes all but the newest three until `stop` (or the daemon dies).
+fn snapshotter(
+    data_dir: std::path::PathBuf,
+    volume: &'static str,
+    prefix: String,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+) -> std::thread::JoinHandle<(Vec<String>, Vec<String>)> {
+    std::thread::spawn(move || {
+        let strata = |args: &[&str]| {
+            Command::new(env!("CARGO_BIN_EXE_strata"))
+                .args(args)
+                .arg("--data-dir")
+                .arg(&data_dir)
+                .output()
+                .unwrap()
+                .status
+                .success()
+        };
+        let (mut alive, mut deleted) = (Vec::new(), Vec::new());
+        let mut n = 0;
+        while !stop.load(std::sync::atomic::Ordering::Acquire) {
+            n += 1;
+            let name = format!("{volume}@{prefix}{n}");
+            if strata(&["snapshot", "create", &name]) {
+                alive.push(name);
+            }
+            while alive.len() > 3 {
+                let oldest = alive[0].clone();
+                if !strata(&["snapshot", "delete", &oldest]) {
+                    break;
+                }
+                deleted.push(alive.remove(0));
+            }
+            std::thread::sleep(std::time::Duration::from_millis(200));
+        }
+        (alive, deleted)
+    })
+}
+
+#[test]
+fn kill9_while_snapshots_come_and_go_loses_nothing_and_leaks_nothing() {
+    require_tool("fio");
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(dir.path());
+    server.create_volume("default/k9", VOLUME_BYTES);
+    let mut server = server;
+    let mut alive: Vec<String> = Vec::new();
+    for (cycle, seconds) in kill_seconds(&[3, 2]).into_iter().enumerate() {
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let taker = snapshotter(
+            dir.path().to_path_buf(),
+            "default/k9",
+            format!("c{cycle}-"),
+            stop.clone(),
+        );
+        server = kill_cycle(dir.path(), server, "default/k9", &["--fsync=1"], seconds);
+        stop.store(true, std::sync::atomic::Ordering::Release);
+        let (taken, deleted) = taker.join().unwrap();
+        let listed: Vec<String> = serde_json::from_str::<serde_json::Value>(&common::cli_ok(
+            &server,
+            &["snapshot", "list", "--json", "default/k9"],
+        ))
+        .unwrap()
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["name"].as_str().unwrap().to_string())
+        .collect();
+        alive.retain(|name| listed.contains(name));
+        for name in &taken {
+            assert!(
+                listed.contains(name),
+                "cycle {cycle}: acknowledged snapshot {name} is gone: {listed:?}"
+            );
+        }
+        for name in &deleted {
+            assert!(!listed.contains(name), "cycle {cycle}: deleted snapshot {name} is back");
+        }
+        assert!(!taken.is_empty(), "cycle {cycle}: no snapshot was taken during the run");
+        eprintln!(
+            "cycle {cycle}: {} snapshots kept, {} deleted, verified",
+            taken.len(),
+            deleted.len()
+        );
+        alive = listed;
+    }
+    // Every snapshot deleted, the cache placed: the pool holds exactly the
+    // volume's blocks.
+    for name in &alive {
+        common::cli_ok(&server, &["snapshot", "delete", name]);
+    }
+    common::cli_ok(&server, &["pool", "sync", "default"]);
+    let pool = common::pool_json(&server, "default");
+    let placed: u64 = pool["devices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| d["used_bytes"].as_u64().unwrap())
+        .sum();
+    let volume: serde_json::Value =
+        serde_json::from_str(&common::cli_ok(&server, &["volume", "get", "--json", "default/k9"])).unwrap();
+    assert_eq!(placed, volume["used_bytes"].as_u64().unwrap(), "space leaked: {pool}");
+}
+
 #[test]
 fn bit_rot_in_a_device_file_reads_as_eio_and_is_counted() {
     require_tool("qemu-io");
