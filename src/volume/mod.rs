@@ -249,7 +249,8 @@ impl Volume {
         self.backing.backing_space_low()
     }
 
-    /// Number of frontend handles (NBD connections) open on this volume.
+    /// Number of frontend handles (NBD connections, iSCSI sessions) open
+    /// on this volume.
     pub fn open_handles(&self) -> usize {
         self.open_handles.load(Ordering::Acquire)
     }
@@ -262,6 +263,12 @@ impl Volume {
 
     pub(crate) fn mark_deleted(&self) {
         self.deleted.store(true, Ordering::Release);
+    }
+
+    /// Whether the volume (or snapshot) was deleted: every request on it
+    /// fails with [`BlockError::Gone`].
+    pub fn is_deleted(&self) -> bool {
+        self.deleted.load(Ordering::Acquire)
     }
 
     /// The capabilities the frontends advertise: the backing's, adjusted for

@@ -189,6 +189,9 @@ pub async fn run(
         negotiated.isid.iter().map(|b| format!("{b:02x}")).collect::<String>()
     )
     .into();
+    // A session counts as a client of its volume (or snapshot), as an NBD
+    // connection does: deletion and rollback are refused while it lasts.
+    let _handle = unit.as_ref().map(|unit| unit.volume().open_handle());
     if let Some(unit) = &unit {
         unit.attach(&nexus);
     }
