@@ -261,3 +261,142 @@ fn every_snapshot_is_a_write_protected_iscsi_target_of_a_frozen_image() {
     let (ok, text) = tool("iscsi-inq", &[&snapshot_url]);
     assert!(!ok, "{text}");
 }
+
+/// `nbdinfo --map=CONTEXT`: (offset, length, flags) per line.
+fn map_of(context: &str, uri: &str) -> Vec<(u64, u64, u32)> {
+    let text = tool_ok("nbdinfo", &[&format!("--map={context}"), uri]);
+    text.lines()
+        .filter(|line| !line.trim().is_empty())
+        .map(|line| {
+            let words: Vec<&str> = line.split_whitespace().collect();
+            (
+                words[0].parse().unwrap(),
+                words[1].parse().unwrap(),
+                words[2].parse().unwrap(),
+            )
+        })
+        .collect()
+}
+
+/// The ranges a map flags with bit 0, merged.
+fn flagged(map: &[(u64, u64, u32)]) -> Vec<(u64, u64)> {
+    let mut ranges: Vec<(u64, u64)> = Vec::new();
+    for &(offset, length, flags) in map {
+        if flags & 1 == 0 {
+            continue;
+        }
+        match ranges.last_mut() {
+            Some((start, len)) if *start + *len == offset => *len += length,
+            _ => ranges.push((offset, length)),
+        }
+    }
+    ranges
+}
+
+#[test]
+fn a_snapshot_export_reports_the_blocks_changed_since_an_older_snapshot() {
+    for name in ["nbdinfo", "qemu-io", "qemu-img"] {
+        require_tool(name);
+    }
+    const K: u64 = 1024;
+    const M: u64 = 1 << 20;
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(dir.path());
+    // volblocksize 16K: changes are reported per 16 KiB block.
+    cli_ok(&server, &["volume", "create", "default/cbt", "--size", "16M"]);
+    let volume = server.uri("default/cbt");
+    qemu_io_ok(&volume, &["write -P 1 0 1M".into(), "write -P 1 4M 1M".into()]);
+    cli_ok(&server, &["snapshot", "create", "default/cbt@a"]);
+    // Between @a and @b: a partial block, new blocks, a trim of old ones,
+    // and a block rewritten with the same bytes (a new slot: reported).
+    qemu_io_ok(
+        &volume,
+        &[
+            "write -P 2 2052k 4k".into(),
+            "write -P 3 8M 64k".into(),
+            "discard 0 64k".into(),
+            "write -P 1 4M 16k".into(),
+        ],
+    );
+    cli_ok(&server, &["snapshot", "create", "default/cbt@b"]);
+    qemu_io_ok(&volume, &["write -P 4 12M 1M".into(), "write -P 5 100k 4k".into()]);
+    cli_ok(&server, &["snapshot", "create", "default/cbt@c"]);
+
+    let b = server.uri("default/cbt@b");
+    let expected_a_b = vec![(0, 64 * K), (2 * M, 16 * K), (4 * M, 16 * K), (8 * M, 64 * K)];
+    // The export lists its contexts: one pair per older snapshot.
+    let info = tool_ok("nbdinfo", &[&b]);
+    for context in ["base:allocation", "qemu:dirty-bitmap:a", "strata:changed:a"] {
+        assert!(info.contains(context), "{info}");
+    }
+    assert!(
+        !info.contains("dirty-bitmap:b") && !info.contains("dirty-bitmap:c"),
+        "{info}"
+    );
+    let qemu_map = map_of("qemu:dirty-bitmap:a", &b);
+    assert_eq!(flagged(&qemu_map), expected_a_b, "{qemu_map:?}");
+    assert_eq!(
+        qemu_map.iter().map(|m| m.1).sum::<u64>(),
+        16 * M,
+        "the map covers the export"
+    );
+    assert_eq!(flagged(&map_of("strata:changed:a", &b)), expected_a_b);
+    // Writes after @b are not in it; @c against @b shows only them, and
+    // against @a the union.
+    let c = server.uri("default/cbt@c");
+    assert_eq!(
+        flagged(&map_of("qemu:dirty-bitmap:b", &c)),
+        vec![(96 * K, 16 * K), (12 * M, M)]
+    );
+    assert_eq!(
+        flagged(&map_of("strata:changed:a", &c)),
+        vec![
+            (0, 64 * K),
+            (96 * K, 16 * K),
+            (2 * M, 16 * K),
+            (4 * M, 16 * K),
+            (8 * M, 64 * K),
+            (12 * M, M)
+        ]
+    );
+    // qemu's own NBD client reads the context as a dirty bitmap
+    // (x-dirty-bitmap reports dirty extents as "data": false).
+    let port = server.nbd.rsplit_once(':').unwrap().1;
+    let map = tool_ok(
+        "qemu-img",
+        &[
+            "map",
+            "--output=json",
+            "--image-opts",
+            &format!(
+                "driver=nbd,server.type=inet,server.host=127.0.0.1,server.port={port},export=default/cbt@b,x-dirty-bitmap=qemu:dirty-bitmap:a"
+            ),
+        ],
+    );
+    let extents: Vec<serde_json::Value> = serde_json::from_str(&map).unwrap();
+    let dirty: Vec<(u64, u64)> = extents
+        .iter()
+        .filter(|e| e["data"] == false)
+        .map(|e| (e["start"].as_u64().unwrap(), e["length"].as_u64().unwrap()))
+        .collect();
+    assert_eq!(dirty, expected_a_b, "{map}");
+
+    // Not offered: an unknown snapshot, a newer one, and any on the volume
+    // itself (its map is still changing).
+    for (context, uri) in [
+        ("qemu:dirty-bitmap:nosuch", &b),
+        ("strata:changed:c", &b),
+        ("qemu:dirty-bitmap:b", &b),
+        ("qemu:dirty-bitmap:a", &volume),
+    ] {
+        let (ok, text) = tool("nbdinfo", &[&format!("--map={context}"), uri]);
+        assert!(!ok && text.contains("does not support"), "{context} on {uri}: {text}");
+    }
+    // A deleted older snapshot: its context is gone from the export.
+    cli_ok(&server, &["snapshot", "delete", "default/cbt@a"]);
+    let info = tool_ok("nbdinfo", &[&c]);
+    assert!(
+        !info.contains("dirty-bitmap:a") && !info.contains("changed:a") && info.contains("qemu:dirty-bitmap:b"),
+        "{info}"
+    );
+}

@@ -265,6 +265,25 @@ impl VolumeManager {
         Ok(())
     }
 
+    /// The snapshots of the same volume older than `POOL/VOL@SNAP`, oldest
+    /// first, as (snapshot name, engine id): what its changed-block
+    /// contexts may compare with. Empty for a volume or an unknown name.
+    pub fn older_snapshots(&self, name: &str) -> Vec<(String, u32)> {
+        if !name.contains('@') {
+            return Vec::new();
+        }
+        let catalog = self.catalog();
+        let Ok((pool, info)) = self.find_snapshot(&catalog, name) else {
+            return Vec::new();
+        };
+        drop(catalog);
+        pool.snapshots()
+            .into_iter()
+            .filter(|s| s.volume == info.volume && s.generation < info.generation)
+            .map(|s| (s.name, s.id))
+            .collect()
+    }
+
     /// The read-only volume of snapshot `POOL/VOL@SNAP`, for an export.
     pub(super) fn snapshot_volume(&self, name: &str) -> Option<Arc<Volume>> {
         if let Some(open) = self.open_snapshot_view(name) {
