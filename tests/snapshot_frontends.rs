@@ -400,3 +400,119 @@ fn a_snapshot_export_reports_the_blocks_changed_since_an_older_snapshot() {
         "{info}"
     );
 }
+
+/// The volume's open connections (NBD and iSCSI), as `volume get` shows.
+fn connections(server: &Server, volume: &str) -> u64 {
+    let info: serde_json::Value = serde_json::from_str(&cli_ok(server, &["volume", "get", volume, "--json"])).unwrap();
+    info["connections"].as_u64().unwrap_or_else(|| panic!("{info}"))
+}
+
+fn wait_for_connections(server: &Server, volume: &str, count: u64) {
+    for _ in 0..1000 {
+        if connections(server, volume) == count {
+            return;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    panic!("{volume} never had {count} connections");
+}
+
+/// The connection was closed by the target: the next read sees the end of
+/// the stream (not a timeout: no hang).
+fn assert_closed(stream: &mut std::net::TcpStream) {
+    use std::io::Read;
+    let mut byte = [0u8; 1];
+    match stream.read(&mut byte) {
+        Ok(0) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => {}
+        other => panic!("the connection should be closed: {other:?}"),
+    }
+}
+
+#[test]
+fn rollback_is_refused_with_clients_and_force_drops_them_cleanly() {
+    for name in ["qemu-io", "iscsi-inq"] {
+        require_tool(name);
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(dir.path());
+    cli_ok(&server, &["volume", "create", "default/vol", "--size", "16M"]);
+    let volume = server.uri("default/vol");
+    qemu_io_ok(&volume, &["write -P 0xa1 0 4M".into()]);
+    cli_ok(&server, &["snapshot", "create", "default/vol@s1"]);
+    qemu_io_ok(&volume, &["write -P 0xb2 0 1M".into()]);
+    cli_ok(&server, &["snapshot", "create", "default/vol@t"]);
+    qemu_io_ok(&volume, &["write -P 0xc3 0 64k".into()]);
+
+    // Clients: qemu-io holding an NBD connection (it reads commands from
+    // its stdin), a raw iSCSI session on the volume's target and one on
+    // the newer snapshot's target.
+    let mut holder = Command::new("qemu-io")
+        .args(["-f", "raw", &volume])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start qemu-io");
+    let address: SocketAddr = server.iscsi.parse().unwrap();
+    let mut session = login(address, VOLUME_TARGET);
+    let newer_target = "iqn.2026-11.io.strata.snapshot:default.vol:t";
+    let mut newer_session = login(address, newer_target);
+    wait_for_connections(&server, "default/vol", 2);
+
+    // Refused, saying who is connected; nothing changes.
+    let refused = common::cli(&server, &["snapshot", "rollback", "-r", "default/vol@s1"]);
+    assert!(!refused.status.success());
+    let said = String::from_utf8_lossy(&refused.stderr);
+    assert!(
+        said.contains("1 NBD client(s) and 1 iSCSI session(s)") && said.contains("--force"),
+        "{said}"
+    );
+    let read = command(&mut session, 0x10, &[0x28, 0, 0, 0, 0, 0, 0, 0, 1, 0], 512);
+    assert_eq!(read.status, 0);
+    assert!(read.data.iter().all(|&b| b == 0xc3));
+
+    // --force drops them: each connection ends cleanly, the rollback and
+    // the deletion of the newer snapshot happen.
+    cli_ok(&server, &["snapshot", "rollback", "-r", "--force", "default/vol@s1"]);
+    assert_closed(&mut session);
+    assert_closed(&mut newer_session);
+    {
+        use std::io::Write;
+        let mut stdin = holder.stdin.take().unwrap();
+        writeln!(stdin, "read -P 0xa1 0 4k").unwrap();
+        writeln!(stdin, "quit").unwrap();
+    }
+    let output = holder.wait_with_output().unwrap();
+    let text = String::from_utf8_lossy(&output.stdout).to_string() + &String::from_utf8_lossy(&output.stderr);
+    assert!(
+        text.contains("read failed"),
+        "qemu-io kept a dropped connection:\n{text}"
+    );
+    assert_eq!(connections(&server, "default/vol"), 0);
+    qemu_io_ok(&volume, &["read -P 0xa1 0 4M".into(), "read -P 0 4M 12M".into()]);
+    let listed = cli_ok(&server, &["snapshot", "list", "default/vol"]);
+    assert!(
+        listed.contains("default/vol@s1") && !listed.contains("default/vol@t"),
+        "{listed}"
+    );
+    // The deleted snapshot's target is gone; the volume admits clients again.
+    let (ok, text) = tool("iscsi-inq", &[&iscsi_url(&server, newer_target)]);
+    assert!(!ok, "{text}");
+    tool_ok("iscsi-inq", &[&iscsi_url(&server, VOLUME_TARGET)]);
+
+    // The REST API's `force`.
+    qemu_io_ok(&volume, &["write -P 0xd4 0 64k".into()]);
+    let _session = login(address, VOLUME_TARGET);
+    wait_for_connections(&server, "default/vol", 1);
+    let response = common::http(&server.api, "POST", "/v1/snapshots/default/vol@s1/rollback", "{}");
+    assert!(response.starts_with("HTTP/1.1 409"), "{response}");
+    let response = common::http(
+        &server.api,
+        "POST",
+        "/v1/snapshots/default/vol@s1/rollback",
+        "{\"force\": true}",
+    );
+    assert!(response.starts_with("HTTP/1.1 204"), "{response}");
+    qemu_io_ok(&volume, &["read -P 0xa1 0 4M".into()]);
+}

@@ -143,6 +143,13 @@ impl Directory for Registry {
         let Some(volume) = self.volume_for(target_name) else {
             return Ok(None);
         };
+        if volume.is_evicting() {
+            // Answered 0x0300 (target error): try again after the rollback.
+            return Err(format!(
+                "{} is dropping its clients (a forced rollback)",
+                volume.full_name()
+            ));
+        }
         // Read at every login, so a changed property applies to the next one.
         Ok(self
             .manager

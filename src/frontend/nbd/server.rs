@@ -38,7 +38,7 @@ use crate::frontend::outbox::{Outbox, ReplySocket};
 use crate::frontend::Connections;
 use crate::frontend::Shutdown;
 use crate::volume::stats::{Op, Protocol};
-use crate::volume::{full_name, BlockError, IoBuf, Volume, ZeroFlags, MAX_REQUEST_BYTES};
+use crate::volume::{full_name, BlockError, Client, HandleGuard, IoBuf, Volume, ZeroFlags, MAX_REQUEST_BYTES};
 
 /// Options one connection may send before it is considered abusive.
 const MAX_OPTIONS_PER_CONNECTION: usize = 1024;
@@ -105,6 +105,8 @@ enum ConnectionError {
     ExportRefused(String),
     #[error("the connection's thread ended without a result (it panicked)")]
     ThreadLost,
+    #[error("export '{0}' is dropping its clients (a forced rollback): connection closed")]
+    Evicted(String),
 }
 
 /// Accepts NBD clients until `stop` turns true.
@@ -174,6 +176,12 @@ async fn handle_connection(
     else {
         return Ok(());
     };
+    // Counted as a client of the volume before transmission starts; a
+    // volume dropping its clients (`rollback --force`) takes no new one.
+    let Some(handle) = volume.try_open_handle(Client::Nbd) else {
+        return Err(ConnectionError::Evicted(volume.full_name().to_string()));
+    };
+    let evicted = volume.evicted();
 
     // Transmission runs on a thread of its own, on a blocking socket off
     // tokio's reactor: the TCP socket itself (`into_std` deregisters it),
@@ -204,20 +212,22 @@ async fn handle_connection(
     let runtime = tokio::runtime::Handle::current();
     let (done, finished) = tokio::sync::oneshot::channel();
     std::thread::Builder::new().name("strata-nbd".into()).spawn(move || {
-        let result = runtime.block_on(transmission(reader, replies, volume, negotiated, &idle));
+        let result = runtime.block_on(transmission(reader, replies, volume, handle, negotiated, &idle));
         let _ = done.send(result);
     })?;
     tokio::pin!(finished);
     let ended = tokio::select! {
         result = &mut finished => Some(result.unwrap_or(Err(ConnectionError::ThreadLost))),
         _ = stop.wait_for(|stopped| *stopped) => None,
+        () = evicted => None,
     };
     let result = match ended {
         Some(result) => result,
         None => {
-            // The server is stopping: end the reader's blocking receive as
-            // a client hang-up would. Requests in flight still finish and
-            // send their replies.
+            // The server is stopping, or the volume drops its clients: end
+            // the reader's blocking receive as a client hang-up would.
+            // Requests in flight still finish and send their replies, then
+            // the connection closes.
             watcher.shutdown(libc::SHUT_RD);
             finished.await.unwrap_or(Err(ConnectionError::ThreadLost))
         }
@@ -960,10 +970,10 @@ async fn transmission<R: AsyncRead + Unpin>(
     mut reader: BufReader<R>,
     socket: ReplySocket,
     volume: Arc<Volume>,
+    _handle: HandleGuard,
     negotiated: Negotiated,
     idle: &AtomicBool,
 ) -> Result<(), ConnectionError> {
-    let _handle = volume.open_handle();
     let (outbox, flusher) = Outbox::start(socket);
     let budget_units = IN_FLIGHT_BUDGET_BYTES / BUDGET_UNIT_BYTES;
     let budget = Arc::new(Semaphore::new(budget_units));
