@@ -224,6 +224,30 @@ impl VolumeManager {
             .collect()
     }
 
+    /// Every volume `POOL/VOL`, each followed by its snapshots
+    /// `POOL/VOL@SNAP` oldest first: every export, sorted by pool and
+    /// volume. One pass over each pool's snapshots (iSCSI logins and
+    /// discovery list them all).
+    pub fn export_names(&self) -> Vec<String> {
+        let catalog = self.catalog();
+        let mut names = Vec::new();
+        for (pool_name, record) in &catalog.pools {
+            let snapshots = self.pool(pool_name).map(|p| p.snapshots()).unwrap_or_default();
+            let mut by_volume: HashMap<u32, Vec<&str>> = HashMap::new();
+            for snapshot in &snapshots {
+                by_volume.entry(snapshot.volume).or_default().push(&snapshot.name);
+            }
+            for (name, volume) in &record.volumes {
+                let full = full_name(pool_name, name);
+                let snapshots = by_volume.get(&volume.id).into_iter().flatten();
+                let of_volume: Vec<String> = snapshots.map(|snapshot| format!("{full}@{snapshot}")).collect();
+                names.push(full);
+                names.extend(of_volume);
+            }
+        }
+        names
+    }
+
     /// Deletes snapshot `POOL/VOL@SNAP`; refused while its export has
     /// clients.
     pub fn delete_snapshot(&self, name: &str) -> Result<(), AdminError> {

@@ -66,19 +66,17 @@ impl Registry {
     }
 
     /// Every export (`pool/vol`, then its snapshots `pool/vol@snap`, oldest
-    /// first) with its target name, volumes sorted by name.
+    /// first) with its target name.
     fn exports(&self) -> Vec<(String, String)> {
-        let mut all = Vec::new();
-        for volume in self.manager.volumes() {
-            all.push((volume.full_name().to_string(), self.target_name(&volume)));
-            for snapshot in self.manager.snapshot_names(volume.full_name()) {
-                if let Some((pool, name)) = snapshot.split_once('/') {
-                    let target = self.name_of(pool, name);
-                    all.push((snapshot, target));
-                }
-            }
-        }
-        all
+        self.manager
+            .export_names()
+            .into_iter()
+            .filter_map(|export| {
+                let (pool, name) = export.split_once('/')?;
+                let target = self.name_of(pool, name);
+                Some((export, target))
+            })
+            .collect()
     }
 
     /// All target names: each volume's, then its snapshots'.
@@ -90,13 +88,24 @@ impl Registry {
     /// a snapshot's target has its volume's rules. When the access rules
     /// cannot be read, none.
     pub fn targets_for(&self, initiator: &str) -> Vec<String> {
+        // A volume's snapshots follow it: its rules are read once for all.
+        let mut last: Option<(String, bool)> = None;
         self.exports()
             .into_iter()
             .filter(|(export, _)| {
-                self.manager
-                    .stored_props(export)
+                let volume = export.split_once('@').map_or(export.as_str(), |(volume, _)| volume);
+                if let Some((name, allowed)) = &last {
+                    if name == volume {
+                        return *allowed;
+                    }
+                }
+                let allowed = self
+                    .manager
+                    .stored_props(volume)
                     .map(|p| p.iscsi_access().initiator_allowed(initiator))
-                    .unwrap_or(false)
+                    .unwrap_or(false);
+                last = Some((volume.to_string(), allowed));
+                allowed
             })
             .map(|(_, target)| target)
             .collect()
