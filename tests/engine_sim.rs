@@ -3,6 +3,10 @@
 //! operations and checked against a model of what must read back and what
 //! may survive a crash.
 //!
+//! Snapshots are part of the mix: taken, read back, deleted, rolled back
+//! to, and cloned (the clone written, promoted, promoted back and
+//! deleted); every snapshot must read back exactly after any crash.
+//!
 //! Every seed is independent; a failure prints its seed, and
 //! `STRATA_SIM_SEED=<seed> cargo test --release --test engine_sim -- --nocapture`
 //! replays exactly that run. `STRATA_SIM_SEEDS=N` sets how many seeds run
@@ -14,6 +18,7 @@ use std::sync::Arc;
 use strata::device::sim::{CrashModel, SimFaults};
 use strata::device::{Device, SimDevice, SimRng};
 use strata::pool::ram::{HeapImage, RamSource, MIN_RAM_BYTES};
+use strata::pool::snapshots::SnapshotRequest;
 use strata::pool::superblock::Role;
 use strata::pool::volume::EngineVolume;
 use strata::pool::{NewDevice, Pool, PoolOptions};
@@ -21,6 +26,10 @@ use strata::volume::{BlockDevice, BlockError, IoBuf, ZeroFlags};
 
 const SECTOR: u64 = 512;
 const VOLUME_ID: u32 = 7;
+/// The clone the clone operation makes (and deletes again).
+const CLONE_ID: u32 = 8;
+/// Snapshots of the volume kept at most.
+const MAX_SNAPSHOTS: usize = 4;
 /// Operations per seed (the same when replaying one seed).
 const OPERATIONS: usize = 120;
 
@@ -120,6 +129,12 @@ struct Harness {
     log_throughput: bool,
     next_write: u64,
     log: Vec<String>,
+    /// The volume's snapshots, oldest first: id and the tag of every sector.
+    snapshots: Vec<(u32, Vec<u64>)>,
+    snapshots_taken: u64,
+    /// A snapshot operation failed: after the next crash, the snapshots
+    /// are those the pool lists (with this one, named so, if it made it).
+    unsure: Option<Option<(String, Vec<u64>)>>,
 }
 
 impl Harness {
@@ -299,6 +314,214 @@ impl Harness {
         }
     }
 
+    fn pool(&self) -> Arc<Pool> {
+        self.pool.clone().expect("pool")
+    }
+
+    /// The tags a volume's sectors hold now, as the model says.
+    fn image(&self) -> Vec<u64> {
+        self.model.sectors.iter().map(|s| s.current).collect()
+    }
+
+    /// Reads all of `volume` (faults off) and compares it with `image`.
+    async fn check_image(&self, volume: &EngineVolume, image: &[u64], what: &str) {
+        let step = 256usize;
+        for first in (0..image.len()).step_by(step) {
+            let count = step.min(image.len() - first);
+            let (buf, result) = volume
+                .read(first as u64 * SECTOR, IoBuf::new(count * SECTOR as usize))
+                .await;
+            match result {
+                Ok(()) => {}
+                Err(BlockError::Io(_)) => return, // an injected read error
+                Err(e) => self.fail(format!("reading {what} at sector {first}: {e}")),
+            }
+            for (i, bytes) in buf.payload().chunks(SECTOR as usize).enumerate() {
+                if tag_of_bytes(bytes) != Some(image[first + i]) {
+                    self.fail(format!(
+                        "{what}: sector {} holds {:?}, expected {:#x}",
+                        first + i,
+                        tag_of_bytes(bytes),
+                        image[first + i]
+                    ));
+                }
+            }
+        }
+    }
+
+    async fn check_snapshot(&self, at: usize) {
+        let (id, image) = &self.snapshots[at];
+        let view = self
+            .pool()
+            .open_snapshot(*id, self.volblocksize)
+            .unwrap_or_else(|e| self.fail(format!("open snapshot {id:#x}: {e}")));
+        self.check_image(&view, image, &format!("snapshot {id:#x}")).await;
+    }
+
+    /// After a crash whose operation may or may not have reached the pool:
+    /// the model keeps the snapshots the pool has.
+    fn keep_listed_snapshots(&mut self) {
+        let listed: BTreeSet<u32> = self.pool().snapshots().iter().map(|s| s.id).collect();
+        self.snapshots.retain(|(id, _)| listed.contains(id));
+        for id in listed {
+            if !self.snapshots.iter().any(|(s, _)| *s == id) {
+                self.fail(format!("snapshot {id:#x} exists but was never taken"));
+            }
+        }
+    }
+
+    async fn op_snapshot(&mut self) {
+        if self.snapshots.len() >= MAX_SNAPSHOTS {
+            return;
+        }
+        self.snapshots_taken += 1;
+        let name = format!("s{}", self.snapshots_taken);
+        self.log.push(format!("snapshot {name}"));
+        let pool = self.pool();
+        let volume = self.volume().clone();
+        let result = pool
+            .create_snapshots(&[SnapshotRequest {
+                volume: &volume,
+                name: name.clone(),
+            }])
+            .await;
+        drop(pool);
+        drop(volume);
+        match result {
+            Ok(taken) => {
+                // Everything acknowledged is in it, and durable.
+                self.model.flush();
+                let image = self.image();
+                self.snapshots.push((taken[0].id, image));
+            }
+            Err(e) => {
+                // A snapshot that failed may or may not be there after a
+                // crash; if it is, it holds what the volume held.
+                self.log.push(format!("snapshot failed: {e}"));
+                self.unsure = Some(Some((name, self.image())));
+                self.crash_and_reopen("after failed snapshot").await;
+            }
+        }
+    }
+
+    async fn op_delete_snapshot(&mut self) {
+        if self.snapshots.is_empty() {
+            return;
+        }
+        let at = self.rng.below(self.snapshots.len() as u64) as usize;
+        let id = self.snapshots[at].0;
+        self.log.push(format!("delete snapshot {id:#x}"));
+        let result = self.pool().destroy_snapshot(id).await;
+        match result {
+            Ok(()) => {
+                self.snapshots.remove(at);
+            }
+            Err(e) => {
+                self.log.push(format!("delete failed: {e}"));
+                self.unsure = Some(None);
+                self.crash_and_reopen("after failed snapshot delete").await;
+            }
+        }
+    }
+
+    async fn op_rollback(&mut self) {
+        let Some((id, image)) = self.snapshots.last().cloned() else {
+            return;
+        };
+        self.log.push(format!("rollback to {id:#x}"));
+        let volume = self.volume().clone();
+        let result = self.pool().rollback(&volume, id).await;
+        drop(volume);
+        match result {
+            Ok(()) => {
+                for (sector, tag) in self.model.sectors.iter_mut().zip(&image) {
+                    *sector = SectorModel {
+                        current: *tag,
+                        possible_after_crash: BTreeSet::from([*tag]),
+                    };
+                }
+            }
+            Err(e) => {
+                // Done or not: either image may be found after the crash.
+                self.log.push(format!("rollback failed: {e}"));
+                for (sector, tag) in self.model.sectors.iter_mut().zip(&image) {
+                    sector.possible_after_crash.insert(*tag);
+                }
+                self.unsure = Some(None);
+                self.crash_and_reopen("after failed rollback").await;
+            }
+        }
+    }
+
+    /// A clone of a snapshot is checked, written, promoted (the volume then
+    /// a clone of it), checked, promoted back, and deleted; no faults and
+    /// no crash meanwhile.
+    async fn op_clone(&mut self) {
+        if self.snapshots.is_empty() {
+            return;
+        }
+        let at = self.rng.below(self.snapshots.len() as u64) as usize;
+        let (origin, mut image) = self.snapshots[at].clone();
+        self.log.push(format!("clone {origin:#x}"));
+        let faults = self.devices[0].0.faults();
+        for (device, _) in &self.devices {
+            device.set_faults(SimFaults::default());
+        }
+        let pool = self.pool();
+        if let Err(e) = pool.create_clone(CLONE_ID, origin).await {
+            self.fail(format!("clone: {e}"));
+        }
+        let clone = pool
+            .open_volume(CLONE_ID, self.volume_bytes, self.volblocksize)
+            .unwrap_or_else(|e| self.fail(format!("open clone: {e}")));
+        self.check_image(&clone, &image, "the new clone").await;
+        for _ in 0..self.rng.range(1, 6) {
+            let (offset, length) = self.random_range();
+            self.next_write += 1;
+            let id = self.next_write;
+            let first = (offset / SECTOR) as usize;
+            let mut buf = IoBuf::new(length as usize);
+            for (i, sector) in buf.payload_mut().chunks_mut(SECTOR as usize).enumerate() {
+                fill_sector(sector, tag_for(id, first + i));
+                image[first + i] = tag_for(id, first + i);
+            }
+            self.log.push(format!("clone write {offset} +{length} id={id}"));
+            if let Err(e) = clone.write(offset, buf, false).await {
+                self.fail(format!("clone write: {e}"));
+            }
+        }
+        self.check_image(&clone, &image, "the clone").await;
+        let volume = self.volume().clone();
+        let volume_image = self.image();
+        if self.rng.chance(0.5) {
+            self.log.push("promote the clone, then the volume".into());
+            if let Err(e) = pool.promote(&clone, &volume).await {
+                self.fail(format!("promote: {e}"));
+            }
+            self.check_image(&clone, &image, "the promoted clone").await;
+            self.check_image(&volume, &volume_image, "the volume, now a clone")
+                .await;
+            for at in 0..self.snapshots.len() {
+                self.check_snapshot(at).await;
+            }
+            if let Err(e) = pool.promote(&volume, &clone).await {
+                self.fail(format!("promote back: {e}"));
+            }
+        }
+        self.check_image(&volume, &volume_image, "the volume").await;
+        drop(clone);
+        if let Err(e) = pool.destroy_volume(CLONE_ID).await {
+            self.fail(format!("delete the clone: {e}"));
+        }
+        if pool.snapshots().iter().any(|s| s.volume != VOLUME_ID) || !pool.clones().is_empty() {
+            self.fail("snapshots or clones left over after the clone went".into());
+        }
+        drop(pool);
+        for (device, _) in &self.devices {
+            device.set_faults(faults);
+        }
+    }
+
     async fn crash_and_reopen(&mut self, why: &str) {
         self.log.push(format!("crash ({why})"));
         // The power fails first; only then is the old pool dropped (its
@@ -361,6 +584,25 @@ impl Harness {
                 }
             }
         }
+        if let Some(new) = self.unsure.take() {
+            if let Some((name, image)) = new {
+                if let Some(info) = self.pool().snapshots().into_iter().find(|s| s.name == name) {
+                    self.snapshots.push((info.id, image));
+                }
+            }
+            self.keep_listed_snapshots();
+        }
+        // Every snapshot reads exactly what it was taken of.
+        let listed = self.pool().snapshots().len();
+        if listed != self.snapshots.len() {
+            self.fail(format!(
+                "{listed} snapshots after the crash, {} expected",
+                self.snapshots.len()
+            ));
+        }
+        for at in 0..self.snapshots.len() {
+            self.check_snapshot(at).await;
+        }
         // What was read is now the state; make it durable so the model holds.
         if let Err(e) = self.volume().flush().await {
             self.fail(format!("flush after recovery failed: {e}"));
@@ -402,6 +644,9 @@ async fn run_seed(seed: u64, operations: usize) {
         ram: ram.clone(),
         log_throughput,
         next_write: 0,
+        snapshots: Vec::new(),
+        snapshots_taken: 0,
+        unsure: None,
         log: vec![format!(
             "volblocksize={volblocksize} two_tiers={two_tiers} faults={with_faults} process_kill={process_kill} \
              log_throughput={log_throughput}"
@@ -443,7 +688,7 @@ async fn run_seed(seed: u64, operations: usize) {
         }
     }
     for _ in 0..operations {
-        match harness.rng.below(100) {
+        match harness.rng.below(112) {
             0..=39 => harness.op_write().await,
             40..=59 => harness.op_read().await,
             60..=66 => harness.op_zero(true).await,
@@ -451,7 +696,17 @@ async fn run_seed(seed: u64, operations: usize) {
             73..=84 => harness.op_flush().await,
             85..=87 => harness.op_checkpoint().await,
             88..=89 => harness.op_destage().await,
-            _ => harness.crash_and_reopen("random").await,
+            90..=99 => harness.crash_and_reopen("random").await,
+            100..=103 => harness.op_snapshot().await,
+            104..=105 => harness.op_delete_snapshot().await,
+            106 => harness.op_rollback().await,
+            107..=109 => {
+                if !harness.snapshots.is_empty() {
+                    let at = harness.rng.below(harness.snapshots.len() as u64) as usize;
+                    harness.check_snapshot(at).await;
+                }
+            }
+            _ => harness.op_clone().await,
         }
     }
     harness.crash_and_reopen("final").await;

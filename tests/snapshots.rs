@@ -226,3 +226,156 @@ fn a_volume_rolls_back_to_a_snapshot() {
     qemu_io_ok(&vm, &["read -P 0xc4 0 64k".into(), "read -P 0xc1 64k 3968k".into()]);
     qemu_io_read_only(&server.uri("default/vm@golden"), &golden);
 }
+
+/// A property's value as `volume get --json` gives it.
+fn property(server: &Server, volume: &str, name: &str) -> String {
+    let out = cli_ok(server, &["volume", "get", "--json", volume, name]);
+    let value: serde_json::Value = serde_json::from_str(&out).unwrap_or_else(|e| panic!("{e}: {out}"));
+    let rows = value
+        .as_array()
+        .cloned()
+        .unwrap_or_else(|| value["properties"].as_array().cloned().unwrap());
+    rows.iter()
+        .find(|r| r["property"] == name)
+        .unwrap_or_else(|| panic!("{name} in {out}"))["value"]
+        .as_str()
+        .unwrap()
+        .to_string()
+}
+
+fn origin_of(server: &Server, volume: &str) -> String {
+    cli_ok(server, &["volume", "get", volume, "origin"])
+}
+
+#[test]
+fn a_clone_shares_its_snapshot_and_a_promotion_frees_it_from_it() {
+    require_tool("qemu-io");
+    let dir = tempfile::tempdir().unwrap();
+    let mut server = Server::start(dir.path());
+    cli_ok(
+        &server,
+        &[
+            "volume",
+            "create",
+            "default/golden",
+            "--size",
+            "32M",
+            "-o",
+            "sync=always",
+        ],
+    );
+    let golden = server.uri("default/golden");
+    qemu_io_ok(&golden, &["write -P 0xd1 0 4M".into(), "flush".into()]);
+    cli_ok(&server, &["snapshot", "create", "default/golden@v1"]);
+    qemu_io_ok(&golden, &["write -P 0xd2 0 1M".into(), "flush".into()]);
+    cli_ok(&server, &["pool", "sync", "default"]);
+    let before = used(&server);
+
+    // Instant, writable, with the origin's properties; nothing placed.
+    cli_ok(&server, &["volume", "clone", "default/golden@v1", "default/vm1"]);
+    assert!(origin_of(&server, "default/vm1").contains("default/golden@v1"));
+    assert!(origin_of(&server, "default/golden").contains(" - "));
+    let sync = cli_ok(&server, &["volume", "get", "default/vm1", "sync"]);
+    assert!(sync.contains("always"), "{sync}");
+    let vm1 = server.uri("default/vm1");
+    qemu_io_ok(&vm1, &["read -P 0xd1 0 4M".into(), "read -P 0 4M 28M".into()]);
+    assert_eq!(used(&server), before, "a clone places nothing");
+    // A 4K write into a shared block copies that block only.
+    qemu_io_ok(&vm1, &["write -P 0xe1 1M 4k".into(), "flush".into()]);
+    cli_ok(&server, &["pool", "sync", "default"]);
+    assert_eq!(used(&server), before + 16 * 1024, "one 16K block copied");
+    qemu_io_ok(
+        &vm1,
+        &[
+            "read -P 0xd1 0 1M".into(),
+            "read -P 0xe1 1M 4k".into(),
+            "read -P 0xd1 1028k 3068k".into(),
+        ],
+    );
+    // Space as ZFS reports it: the clone owns its one copied block; the
+    // origin its first megabyte (rewritten after the snapshot), its
+    // snapshot the megabyte it replaced; three more are shared.
+    let space = |volume: &str| {
+        ["used", "referenced", "usedbydataset", "usedbysnapshots", "written"].map(|p| property(&server, volume, p))
+    };
+    assert_eq!(space("default/vm1"), ["16K", "4M", "16K", "0B", "16K"]);
+    assert_eq!(space("default/golden"), ["2M", "4M", "1M", "1M", "1M"]);
+    // The origin and its snapshot did not change.
+    qemu_io_ok(&golden, &["read -P 0xd2 0 1M".into(), "read -P 0xd1 1M 3M".into()]);
+    qemu_io_read_only(&server.uri("default/golden@v1"), &["read -P 0xd1 0 4M".into()]);
+    // Wrong origins and sizes are refused with a reason.
+    for (args, expected) in [
+        (
+            vec!["volume", "clone", "default/golden@nope", "default/x"],
+            "does not exist",
+        ),
+        (vec!["volume", "clone", "default/golden@v1", "default/vm1"], "exists"),
+        (
+            vec![
+                "volume",
+                "clone",
+                "default/golden@v1",
+                "default/x",
+                "-o",
+                "volblocksize=64K",
+            ],
+            "volblocksize",
+        ),
+        (vec!["volume", "promote", "default/golden"], "not a clone"),
+    ] {
+        let out = cli(&server, &args);
+        assert!(!out.status.success(), "{args:?}");
+        let said = String::from_utf8_lossy(&out.stderr);
+        assert!(said.contains(expected), "{args:?}: {said}");
+    }
+    // The snapshot cannot go while the clone depends on it.
+    let refused = cli(&server, &["snapshot", "delete", "default/golden@v1"]);
+    assert!(!refused.status.success());
+    let said = String::from_utf8_lossy(&refused.stderr);
+    assert!(
+        said.contains("clones") && said.contains("default/vm1") && said.contains("promote"),
+        "{said}"
+    );
+
+    // It survives a kill -9, as do its writes.
+    server.kill9();
+    let mut server = Server::start(dir.path());
+    let vm1 = server.uri("default/vm1");
+    qemu_io_ok(&vm1, &["read -P 0xe1 1M 4k".into(), "read -P 0xd1 0 1M".into()]);
+
+    // Promoted, the clone owns the snapshot; the old volume is a clone of
+    // it and can go, with every block the clone still uses kept.
+    cli_ok(&server, &["volume", "promote", "default/vm1"]);
+    assert!(origin_of(&server, "default/vm1").contains(" - "));
+    assert!(origin_of(&server, "default/golden").contains("default/vm1@v1"));
+    let listed = snapshots_json(&server, Some("default/vm1"));
+    assert_eq!(listed.len(), 1, "{listed:?}");
+    assert_eq!(listed[0]["name"], "default/vm1@v1");
+    cli_ok(&server, &["volume", "delete", "default/golden"]);
+    qemu_io_ok(
+        &vm1,
+        &[
+            "read -P 0xd1 0 1M".into(),
+            "read -P 0xe1 1M 4k".into(),
+            "read -P 0xd1 1028k 3068k".into(),
+            "write -P 0xe2 2M 1M".into(),
+            "flush".into(),
+        ],
+    );
+    cli_ok(&server, &["snapshot", "delete", "default/vm1@v1"]);
+    server.stop();
+    let server = Server::start(dir.path());
+    let vm1 = server.uri("default/vm1");
+    qemu_io_ok(
+        &vm1,
+        &[
+            "read -P 0xd1 0 1M".into(),
+            "read -P 0xe1 1M 4k".into(),
+            "read -P 0xe2 2M 1M".into(),
+            "read -P 0xd1 3M 1M".into(),
+        ],
+    );
+    // What is left placed is the clone's 4 MiB and nothing else.
+    cli_ok(&server, &["pool", "sync", "default"]);
+    assert_eq!(used(&server), 4 * MIB);
+}

@@ -27,7 +27,7 @@ use crate::units::parse_size;
 pub const METRICS_CONTENT_TYPE: &str = "text/plain; version=0.0.4";
 
 /// Every endpoint, as listed by `GET /` and `GET /v1`.
-pub const ENDPOINTS: [&str; 15] = [
+pub const ENDPOINTS: [&str; 21] = [
     "GET /metrics",
     "GET /v1/pools",
     "POST /v1/pools",
@@ -39,7 +39,13 @@ pub const ENDPOINTS: [&str; 15] = [
     "PATCH /v1/volumes/{pool}/{name}",
     "POST /v1/volumes/{pool}/{name}/resize",
     "DELETE /v1/volumes/{pool}/{name}",
+    "POST /v1/volumes/{pool}/{name}/promote",
     "POST /v1/pools/{pool}/sync",
+    "GET /v1/snapshots[?volume=POOL/NAME]",
+    "POST /v1/snapshots",
+    "DELETE /v1/snapshots/{pool}/{name}@{snapshot}",
+    "POST /v1/snapshots/{pool}/{name}@{snapshot}/rollback",
+    "POST /v1/snapshots/{pool}/{name}@{snapshot}/clone",
     "GET /v1/iscsi",
     "PATCH /v1/iscsi",
     "GET /v1",
@@ -437,6 +443,40 @@ async fn rollback_snapshot(
     Ok(StatusCode::NO_CONTENT)
 }
 
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct CloneRequest {
+    /// `pool/name` of the new volume.
+    name: String,
+    #[serde(default)]
+    properties: BTreeMap<String, Value>,
+}
+
+async fn clone_snapshot(
+    State(manager): State<Manager>,
+    path: Result<Path<(String, String)>, PathRejection>,
+    body: Result<Json<CloneRequest>, JsonRejection>,
+) -> ApiResult<(StatusCode, Json<VolumeInfo>)> {
+    let Path((pool, name)) = path?;
+    let Json(request) = body?;
+    let properties = properties_from_json(&request.properties)?;
+    let info = blocking(&manager, move |m| {
+        m.clone_volume(&full_name(&pool, &name), &request.name, &properties)
+    })
+    .await?;
+    Ok((StatusCode::CREATED, Json(info)))
+}
+
+async fn promote_volume(
+    State(manager): State<Manager>,
+    path: Result<Path<(String, String)>, PathRejection>,
+) -> ApiResult<Json<VolumeInfo>> {
+    let Path((pool, name)) = path?;
+    blocking(&manager, move |m| m.promote(&full_name(&pool, &name)))
+        .await
+        .map(Json)
+}
+
 async fn delete_snapshot(
     State(manager): State<Manager>,
     path: Result<Path<(String, String)>, PathRejection>,
@@ -495,6 +535,8 @@ pub fn router(manager: Arc<VolumeManager>, auth: Arc<ApiAuth>) -> Router {
         .route("/v1/snapshots", get(list_snapshots).post(create_snapshots))
         .route("/v1/snapshots/:pool/:name", axum::routing::delete(delete_snapshot))
         .route("/v1/snapshots/:pool/:name/rollback", post(rollback_snapshot))
+        .route("/v1/snapshots/:pool/:name/clone", post(clone_snapshot))
+        .route("/v1/volumes/:pool/:name/promote", post(promote_volume))
         .route("/v1/iscsi", get(get_iscsi).patch(set_iscsi))
         .fallback(no_such_endpoint)
         .method_not_allowed_fallback(method_not_allowed)

@@ -192,6 +192,22 @@ pub enum VolumeCommand {
         /// POOL/NAME of the volume.
         name: String,
     },
+    /// Create a writable clone of a snapshot, instantly: it shares the
+    /// snapshot's blocks until it changes them (`-o PROPERTY=VALUE` sets
+    /// properties; it takes the origin volume's otherwise).
+    Clone {
+        /// POOL/VOLUME@SNAPSHOT to clone.
+        origin: String,
+        /// POOL/NAME of the new volume (same pool).
+        name: String,
+    },
+    /// Make a clone independent of its origin snapshot: the snapshot (and
+    /// the older ones of its volume) move to the clone, and the origin's
+    /// volume becomes a clone of it, so that it can be deleted.
+    Promote {
+        /// POOL/NAME of the clone.
+        name: String,
+    },
 }
 
 #[derive(Debug, clap::Args)]
@@ -338,7 +354,7 @@ fn parse_options(client: &ClientOptions, properties_allowed: bool) -> CliResult<
 }
 
 fn run_volume(args: VolumeArgs) -> CliResult<String> {
-    let creating = matches!(args.command, VolumeCommand::Create { .. });
+    let creating = matches!(args.command, VolumeCommand::Create { .. } | VolumeCommand::Clone { .. });
     let output = parse_options(&args.client, creating)?;
     // Everything that can be checked here is checked before the daemon is asked.
     match args.command {
@@ -445,6 +461,28 @@ fn run_volume(args: VolumeArgs) -> CliResult<String> {
             let client = Client::new(&args.client)?;
             client.send_empty("DELETE", &volume_path(&name))?;
             Ok(String::new())
+        }
+        VolumeCommand::Clone { origin, name } => {
+            split_snapshot_name(&origin)?;
+            split_volume_name(&name)?;
+            if let Some((_, volsize)) = output.properties.iter().find(|(k, _)| k == "volsize") {
+                parse_size(volsize)?;
+            }
+            let properties: serde_json::Map<String, Value> = output
+                .properties
+                .iter()
+                .map(|(k, v)| (k.clone(), Value::String(v.clone())))
+                .collect();
+            let client = Client::new(&args.client)?;
+            let body = json!({ "name": name, "properties": properties });
+            let info: VolumeInfo = client.send("POST", &format!("/v1/snapshots/{origin}/clone"), Some(body))?;
+            Ok(if output.json { pretty(&info) } else { String::new() })
+        }
+        VolumeCommand::Promote { name } => {
+            split_volume_name(&name)?;
+            let client = Client::new(&args.client)?;
+            let info: VolumeInfo = client.send("POST", &format!("{}/promote", volume_path(&name)), None)?;
+            Ok(if output.json { pretty(&info) } else { String::new() })
         }
     }
 }

@@ -24,6 +24,7 @@ use crate::volume::props::{
 };
 use crate::volume::{full_name, Volume};
 
+mod clones;
 mod snapshots;
 pub use snapshots::{split_snapshot_name, SnapshotView};
 
@@ -241,6 +242,7 @@ impl VolumeManager {
                     );
                 }
             }
+            clones::remove_unnamed_clones(pool_name, &pool, record).await;
             for (name, volume) in &record.volumes {
                 let props = volume.props.effective();
                 let engine = pool
@@ -620,6 +622,19 @@ impl VolumeManager {
             .map(|e| e.used_bytes())
             .unwrap_or(0);
         let connections = self.lookup(name).map(|v| v.open_handles()).unwrap_or(0);
+        let mut properties = record.props.rows();
+        let fact = |property: &str, value: String| PropertyRow {
+            property: property.into(),
+            value,
+            source: "-".into(),
+        };
+        properties.push(fact(
+            "origin",
+            self.origin_name(catalog, pool, record.id).unwrap_or_else(|| "-".into()),
+        ));
+        for (property, bytes) in self.space_rows(pool, record.id, record.props.volblocksize, used_bytes) {
+            properties.push(fact(property, crate::units::format_size(bytes)));
+        }
         Ok(VolumeInfo {
             name: name.to_string(),
             pool: pool.to_string(),
@@ -627,7 +642,7 @@ impl VolumeManager {
             volblocksize: record.props.volblocksize,
             used_bytes,
             connections,
-            properties: record.props.rows(),
+            properties,
         })
     }
 

@@ -75,6 +75,17 @@ pub enum Record {
     /// its map becomes the snapshot's view again; the slots only the volume
     /// mapped are freed.
     Rollback { volume: u32, snapshot: u32 },
+    /// Volume `volume` is a new clone of snapshot `origin`: where it has
+    /// no map page of its own it sees the origin's.
+    Clone { volume: u32, origin: u32 },
+    /// Clone `volume` made map page `page` its own before a change: a copy
+    /// of its origin's view, every valid entry shared.
+    ClonePage { volume: u32, page: u64 },
+    /// Clone `volume` is promoted: its origin snapshot `origin` and the
+    /// older snapshots of the origin's volume become the clone's, and that
+    /// volume becomes a clone of `origin` (the page work is redone from the
+    /// state before, `pool/snapshots.rs`).
+    Promote { volume: u32, origin: u32 },
 }
 
 /// One snapshot of a [`Record::Snapshot`].
@@ -110,7 +121,10 @@ impl Record {
             | Record::Snapshot { .. }
             | Record::CopyPage { .. }
             | Record::DestroySnapshot { .. }
-            | Record::Rollback { .. } => false,
+            | Record::Rollback { .. }
+            | Record::Clone { .. }
+            | Record::ClonePage { .. }
+            | Record::Promote { .. } => false,
         }
     }
 
@@ -125,6 +139,9 @@ impl Record {
             Record::CopyPage { .. } => 25,
             Record::DestroySnapshot { .. } => 5,
             Record::Rollback { .. } => 9,
+            Record::Clone { .. } => 9,
+            Record::ClonePage { .. } => 13,
+            Record::Promote { .. } => 9,
         }
     }
 
@@ -224,6 +241,21 @@ impl Record {
                 out.extend_from_slice(&volume.to_le_bytes());
                 out.extend_from_slice(&snapshot.to_le_bytes());
             }
+            Record::Clone { volume, origin } => {
+                out.push(10);
+                out.extend_from_slice(&volume.to_le_bytes());
+                out.extend_from_slice(&origin.to_le_bytes());
+            }
+            Record::ClonePage { volume, page } => {
+                out.push(11);
+                out.extend_from_slice(&volume.to_le_bytes());
+                out.extend_from_slice(&page.to_le_bytes());
+            }
+            Record::Promote { volume, origin } => {
+                out.push(12);
+                out.extend_from_slice(&volume.to_le_bytes());
+                out.extend_from_slice(&origin.to_le_bytes());
+            }
         }
     }
 
@@ -317,6 +349,27 @@ impl Record {
                 Record::Rollback {
                     volume: u32_at(1)?,
                     snapshot: u32_at(5)?,
+                },
+                9,
+            )),
+            10 => Some((
+                Record::Clone {
+                    volume: u32_at(1)?,
+                    origin: u32_at(5)?,
+                },
+                9,
+            )),
+            11 => Some((
+                Record::ClonePage {
+                    volume: u32_at(1)?,
+                    page: u64_at(5)?,
+                },
+                13,
+            )),
+            12 => Some((
+                Record::Promote {
+                    volume: u32_at(1)?,
+                    origin: u32_at(5)?,
                 },
                 9,
             )),
@@ -1065,6 +1118,15 @@ mod tests {
             Record::Rollback {
                 volume: 3,
                 snapshot: 0x8000_0001,
+            },
+            Record::Clone {
+                volume: 5,
+                origin: 0x8000_0001,
+            },
+            Record::ClonePage { volume: 5, page: 9 },
+            Record::Promote {
+                volume: 5,
+                origin: 0x8000_0001,
             },
         ];
         for record in &records {

@@ -36,6 +36,8 @@ pub const STATE: TableDefinition<&str, u64> = TableDefinition::new("state");
 /// Snapshots: id → volume, generation, creation time, mapped blocks, size
 /// and name (`pool/snapshots.rs`).
 pub const SNAPSHOTS: TableDefinition<u32, &[u8]> = TableDefinition::new("snapshots");
+/// Clones: volume id → the snapshot it was cloned from (its origin).
+pub const CLONES: TableDefinition<u32, u32> = TableDefinition::new("clones");
 
 const HEADER_BYTES: u64 = 4096;
 const HEADER_MAGIC: [u8; 8] = *b"STRATAMR";
@@ -300,6 +302,7 @@ pub fn open_database(
         open(txn.open_table(SUSPECT).map(|_| ()))?;
         open(txn.open_table(DESTROYED).map(|_| ()))?;
         open(txn.open_table(SNAPSHOTS).map(|_| ()))?;
+        open(txn.open_table(CLONES).map(|_| ()))?;
         open(txn.open_table(STATE).map(|_| ()))?;
     }
     txn.commit()?;

@@ -67,15 +67,22 @@ impl Pool {
     /// read is repeated until the page it was served from is still the one
     /// the snapshot sees afterwards (the copy is installed before the
     /// change, so a read that saw the change sees the copy then).
-    fn read_view<T>(&self, owner: u32, index: u64, read: impl Fn(&MapPage) -> T) -> Result<T, MetaError> {
+    ///
+    /// A clone's page it has no copy of is its origin's view, read the same
+    /// way (the clone makes it its own before changing it).
+    pub(super) fn read_view<T>(&self, owner: u32, index: u64, read: impl Fn(&MapPage) -> T) -> Result<T, MetaError> {
         if !snapshots::is_snapshot_id(owner) {
             let page = self.map_pages.get(&self.db, (owner, index))?;
-            return Ok(read(&page));
+            // Without snapshots there are no clones; a page the volume has
+            // is its own.
+            if !self.has_snapshots() || page.present.load(Ordering::Acquire) {
+                return Ok(read(&page));
+            }
         }
         loop {
-            let page = self.snapshot_page(owner, index)?;
+            let page = self.view_page(owner, index)?;
             let value = read(&page);
-            if Arc::ptr_eq(&page, &self.snapshot_page(owner, index)?) {
+            if Arc::ptr_eq(&page, &self.view_page(owner, index)?) {
                 return Ok(value);
             }
         }
@@ -117,6 +124,11 @@ impl Pool {
         assert!(!snapshots::is_snapshot_id(volume), "a snapshot's map is read-only");
         let page = self.map_page(volume, block)?;
         page.entries[(block % MAP_ENTRIES_PER_PAGE) as usize].store(entry, Ordering::Release);
+        if !page.present.load(Ordering::Relaxed) {
+            // The volume has this page now (a clone's was made its own
+            // before any change: `Pool::ensure_private`).
+            page.present.store(true, Ordering::Release);
+        }
         self.map_pages.mark_dirty(&page);
         Ok(())
     }

@@ -136,7 +136,7 @@ impl Pool {
         chunks: &[((u8, u64), Option<ChunkState>)],
         suspect: &[(u8, u64)],
         destroyed: &[u32],
-        snapshots: Option<&(Vec<snapshots::SnapshotInfo>, u64, u32)>,
+        snapshots: Option<&snapshots::SnapshotState>,
         (lsn, data_tail): (u64, u64),
         epoch: u32,
     ) -> Result<(), MetaError> {
@@ -179,8 +179,8 @@ impl Pool {
                 table.insert((*device as u32, *chunk), 0)?;
             }
         }
-        if let Some((all, generation, next_id)) = snapshots {
-            snapshots::save(&txn, all, *generation, *next_id)?;
+        if let Some(state) = snapshots {
+            snapshots::save(&txn, state)?;
         }
         {
             let mut table = txn.open_table(STATE)?;

@@ -122,6 +122,9 @@ pub enum PoolError {
     InUse(String),
     #[error("{0}")]
     Invalid(String),
+    /// A snapshot that clones depend on (their volume ids) cannot go.
+    #[error("the snapshot has clones (volumes {0:?}): promote or delete them first")]
+    HasClones(Vec<u32>),
     #[error("metadata: {0}")]
     Meta(#[from] MetaError),
     #[error(transparent)]

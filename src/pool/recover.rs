@@ -507,6 +507,7 @@ impl Pool {
                 let page = self.map_page(volume, block).map_err(PoolError::Meta)?;
                 let slot = &page.entries[(block % MAP_ENTRIES_PER_PAGE) as usize];
                 slot.store(new, Ordering::Release);
+                page.present.store(true, Ordering::Release);
                 self.map_pages.mark_dirty(&page);
                 let mut allocator = self.allocator.lock_or_abort();
                 if let Some((device, offset)) = map_entry::decode(old) {
@@ -557,6 +558,9 @@ impl Pool {
                     let _ = allocator.free(device, offset);
                 }
             }
+            Record::Clone { volume, origin } => self.apply_clone(volume, origin),
+            Record::ClonePage { volume, page } => self.apply_clone_page(volume, page).map_err(PoolError::Meta)?,
+            Record::Promote { volume, origin } => self.apply_promote(volume, origin)?,
             Record::DestroySnapshot { snapshot } => {
                 let mut allocator = self.allocator.lock_or_abort();
                 for (device, offset) in self.apply_destroy_snapshot(snapshot)? {

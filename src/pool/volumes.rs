@@ -24,7 +24,7 @@ impl Pool {
                 "volblocksize {volblocksize} is not supported"
             )));
         }
-        let mapped = self.count_mapped_blocks(id)?;
+        let mapped = self.count_volume_blocks(id, size_bytes, volblocksize)?;
         let engine = Arc::new(volume::EngineVolume::new(
             self.clone(),
             id,
@@ -35,6 +35,16 @@ impl Pool {
         self.restore_reservations(&engine)?;
         self.register_volume(id, Arc::downgrade(&engine));
         Ok(engine)
+    }
+
+    /// The blocks volume `id` maps; a clone counts those it sees through
+    /// its origin too.
+    pub(super) fn count_volume_blocks(&self, id: u32, size_bytes: u64, volblocksize: u32) -> Result<u64, PoolError> {
+        if self.origin_of(id).is_some() {
+            Ok(self.count_view_blocks(id, size_bytes, volblocksize)?)
+        } else {
+            self.count_mapped_blocks(id)
+        }
     }
 
     /// Opens snapshot `id` (read-only) of a volume of `volblocksize`.
@@ -109,16 +119,13 @@ impl Pool {
         Ok(())
     }
 
-    /// The slots volume `id` maps.
+    /// The slots volume `id` maps that nothing else does (a volume with
+    /// no snapshot shares only a clone's slots, with its origin).
     fn volume_slots(&self, id: u32) -> Result<Vec<(u8, u64)>, PoolError> {
         let mut slots = Vec::new();
         for key in self.volume_page_keys(id)? {
             let page = self.map_pages.get(&self.db, key).map_err(PoolError::Meta)?;
-            slots.extend(
-                page.entries
-                    .iter()
-                    .filter_map(|e| map_entry::decode(e.load(Ordering::Acquire))),
-            );
+            slots.extend(page.entries.iter().filter_map(|e| own_slot(e.load(Ordering::Acquire))));
         }
         Ok(slots)
     }
@@ -151,7 +158,7 @@ impl Pool {
         for key in keys {
             let page = self.map_pages.get(&self.db, key).map_err(PoolError::Meta)?;
             for entry in page.entries.iter() {
-                if let Some((device, offset)) = map_entry::decode(entry.load(Ordering::Acquire)) {
+                if let Some((device, offset)) = own_slot(entry.load(Ordering::Acquire)) {
                     let freed = allocator.free(device, offset);
                     assert!(
                         freed || replaying == Replaying::Yes,
@@ -163,6 +170,15 @@ impl Pool {
         drop(allocator);
         self.map_pages.forget_owner(id);
         self.destroyed.lock_or_abort().insert(id);
+        self.forget_origin(id);
         Ok(())
     }
+}
+
+/// The slot of a map entry that only its volume maps.
+fn own_slot(entry: u64) -> Option<(u8, u64)> {
+    if entry & map_entry::SHARED != 0 {
+        return None;
+    }
+    map_entry::decode(entry)
 }

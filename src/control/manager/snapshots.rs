@@ -269,7 +269,13 @@ impl VolumeManager {
             .remove(name);
         self.runtime
             .block_on(pool.destroy_snapshot(info.id))
-            .map_err(pool_error)?;
+            .map_err(|e| match e {
+                PoolError::HasClones(ids) => AdminError::Busy(format!(
+                    "snapshot '{name}' has clones ({}): promote them (strata volume promote CLONE) or delete them first",
+                    Self::clone_names(&catalog, pool_name, &ids)
+                )),
+                other => pool_error(other),
+            })?;
         tracing::info!("snapshot {} deleted", self.snapshot_name(&catalog, pool_name, &info));
         Ok(())
     }
@@ -419,7 +425,7 @@ impl VolumeManager {
         Some(volume)
     }
 
-    fn open_snapshot_view(&self, name: &str) -> Option<Arc<Volume>> {
+    pub(super) fn open_snapshot_view(&self, name: &str) -> Option<Arc<Volume>> {
         self.snapshot_views
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -427,7 +433,7 @@ impl VolumeManager {
             .and_then(Weak::upgrade)
     }
 
-    fn find_snapshot(&self, catalog: &Catalog, name: &str) -> Result<(Arc<Pool>, SnapshotInfo), AdminError> {
+    pub(super) fn find_snapshot(&self, catalog: &Catalog, name: &str) -> Result<(Arc<Pool>, SnapshotInfo), AdminError> {
         let (pool_name, short, snapshot) = split_snapshot_name(name)?;
         let missing = || AdminError::NotFound(format!("snapshot '{name}' does not exist"));
         let id = catalog
@@ -445,7 +451,7 @@ impl VolumeManager {
         Ok((pool, info))
     }
 
-    fn volume_name_of(catalog: &Catalog, pool: &str, id: u32) -> String {
+    pub(super) fn volume_name_of(catalog: &Catalog, pool: &str, id: u32) -> String {
         catalog
             .pools
             .get(pool)
@@ -454,7 +460,7 @@ impl VolumeManager {
             .unwrap_or_else(|| format!("{pool}/#{id}"))
     }
 
-    fn snapshot_name(&self, catalog: &Catalog, pool: &str, info: &SnapshotInfo) -> String {
+    pub(super) fn snapshot_name(&self, catalog: &Catalog, pool: &str, info: &SnapshotInfo) -> String {
         format!("{}@{}", Self::volume_name_of(catalog, pool, info.volume), info.name)
     }
 
