@@ -423,6 +423,10 @@ struct RollbackRequest {
     /// Delete the snapshots newer than this one first (`-r`).
     #[serde(default)]
     destroy_newer: bool,
+    /// Drop the volume's clients (NBD connections, iSCSI sessions) first
+    /// (`--force`).
+    #[serde(default)]
+    force: bool,
 }
 
 async fn rollback_snapshot(
@@ -431,9 +435,9 @@ async fn rollback_snapshot(
     body: Option<Json<RollbackRequest>>,
 ) -> ApiResult<StatusCode> {
     let Path((pool, name)) = path?;
-    let destroy_newer = body.map(|Json(b)| b.destroy_newer).unwrap_or(false);
+    let Json(request) = body.unwrap_or_default();
     blocking(&manager, move |m| {
-        m.rollback_snapshot(&full_name(&pool, &name), destroy_newer)
+        m.rollback_snapshot_forced(&full_name(&pool, &name), request.destroy_newer, request.force)
     })
     .await?;
     Ok(StatusCode::NO_CONTENT)

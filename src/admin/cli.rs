@@ -100,13 +100,17 @@ pub enum SnapshotCommand {
         name: String,
     },
     /// Roll a volume back to a snapshot: writes since are undone (refused
-    /// while the volume has clients).
+    /// while the volume has clients, unless --force).
     Rollback {
         /// POOL/VOLUME@SNAPSHOT
         name: String,
         /// Delete the snapshots newer than this one first.
         #[arg(short = 'r')]
         destroy_newer: bool,
+        /// Drop the volume's clients first (NBD connections and iSCSI
+        /// sessions are closed after answering what they had in flight).
+        #[arg(long)]
+        force: bool,
     },
 }
 
@@ -695,9 +699,13 @@ fn run_snapshot(args: SnapshotArgs) -> CliResult<String> {
             client.send_empty("DELETE", &format!("/v1/snapshots/{name}"))?;
             Ok(String::new())
         }
-        SnapshotCommand::Rollback { name, destroy_newer } => {
+        SnapshotCommand::Rollback {
+            name,
+            destroy_newer,
+            force,
+        } => {
             split_snapshot_name(&name)?;
-            let body = json!({ "destroy_newer": destroy_newer });
+            let body = json!({ "destroy_newer": destroy_newer, "force": force });
             client.call("POST", &format!("/v1/snapshots/{name}/rollback"), Some(body))?;
             Ok(String::new())
         }

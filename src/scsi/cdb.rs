@@ -502,6 +502,19 @@ impl Command {
         }
     }
 
+    /// Whether the command changes the medium (the logical blocks), which a
+    /// write-protected unit refuses with DATA PROTECT, WRITE PROTECTED.
+    pub fn writes_medium(&self) -> bool {
+        matches!(
+            self,
+            Command::Write { .. }
+                | Command::WriteAndVerify { .. }
+                | Command::WriteSame { .. }
+                | Command::Unmap { .. }
+                | Command::CompareAndWrite { .. }
+        )
+    }
+
     /// Whether the command only reads state, so it may run while a
     /// reservation held by another initiator excludes writers.
     pub fn is_read_only(&self) -> bool {

@@ -108,6 +108,9 @@ pub struct LogicalUnit {
     naa: [u8; 16],
     serial: String,
     target_name: String,
+    /// A snapshot's unit: every command that writes the medium ends with
+    /// DATA PROTECT, WRITE PROTECTED (and MODE SENSE sets WP).
+    read_only: bool,
     /// Writers take this shared; COMPARE AND WRITE takes it exclusively, so
     /// its read-compare-write is atomic against every other writer.
     write_gate: tokio::sync::RwLock<()>,
@@ -145,7 +148,9 @@ impl LogicalUnit {
             }
         }
         let reserved = state.pr.is_active();
+        let read_only = volume.capabilities().read_only;
         LogicalUnit {
+            read_only,
             volume,
             manager,
             naa,
@@ -294,6 +299,9 @@ impl LogicalUnit {
         }
         if self.reserved.load(Ordering::Acquire) && self.conflicts(nexus, command) {
             return Outcome::conflict();
+        }
+        if self.read_only && command.writes_medium() {
+            return Outcome::check(Sense::WRITE_PROTECTED);
         }
         match *command {
             Command::TestUnitReady => Outcome::good(Vec::new()),

@@ -232,6 +232,8 @@ pub fn caching_page(unit: &UnitInfo, values: ModeValues) -> Vec<u8> {
                 0
             }
         }
+        // A read-only unit (a snapshot) has no write cache to switch.
+        ModeValues::Changeable if unit.caps.read_only => 0,
         ModeValues::Changeable => 0x04,
         ModeValues::Default => 0x04,
     };

@@ -84,6 +84,15 @@ pub struct Extent {
     pub zero: bool,
 }
 
+/// One run of a [`BlockDevice::changed_since`] answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ChangedRun {
+    pub length: u64,
+    /// The range may differ from the older snapshot (its blocks are mapped
+    /// differently); false: it is the same data.
+    pub changed: bool,
+}
+
 /// How WRITE_ZEROES may be carried out.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct ZeroFlags {
@@ -150,6 +159,16 @@ pub trait BlockDevice: Send + Sync {
     /// Changes the size. Growing exposes zeros.
     fn resize(&self, new_size_bytes: u64) -> BlockResult<()>;
 
+    /// For a snapshot: which parts of `offset..offset + length` changed
+    /// since `older`, an older snapshot of the same volume (by engine id).
+    /// The runs cover at least one byte and at most `length` bytes. Others
+    /// do not track changes.
+    fn changed_since(&self, _older: u32, _offset: u64, _length: u64) -> BoxFuture<'_, BlockResult<Vec<ChangedRun>>> {
+        Box::pin(std::future::ready(Err(BlockError::NotSupported(
+            "changed-block tracking (snapshots only)",
+        ))))
+    }
+
     /// `logbias=throughput` (true) or `latency`: where synchronous writes go
     /// first. Backings without an intent log ignore it.
     fn set_log_throughput(&self, _throughput: bool) {}
@@ -180,8 +199,21 @@ pub struct Volume {
     sync_mode: AtomicU8,
     wce: AtomicU8,
     open_handles: AtomicUsize,
+    /// Of `open_handles`, the iSCSI sessions.
+    iscsi_handles: AtomicUsize,
     deleted: std::sync::atomic::AtomicBool,
+    /// Raised while `rollback --force` drops the volume's clients: no new
+    /// handle opens, and `evictions` tells the open ones to end.
+    evicting: std::sync::atomic::AtomicBool,
+    evictions: tokio::sync::watch::Sender<bool>,
     stats: VolumeStats,
+}
+
+/// Which frontend holds a [`HandleGuard`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Client {
+    Nbd,
+    Iscsi,
 }
 
 impl Volume {
@@ -197,7 +229,10 @@ impl Volume {
             sync_mode: AtomicU8::new(props.sync as u8),
             wce: AtomicU8::new(props.wce as u8),
             open_handles: AtomicUsize::new(0),
+            iscsi_handles: AtomicUsize::new(0),
             deleted: std::sync::atomic::AtomicBool::new(false),
+            evicting: std::sync::atomic::AtomicBool::new(false),
+            evictions: tokio::sync::watch::Sender::new(false),
             stats: VolumeStats::default(),
         }
     }
@@ -249,19 +284,78 @@ impl Volume {
         self.backing.backing_space_low()
     }
 
-    /// Number of frontend handles (NBD connections) open on this volume.
+    /// Number of frontend handles (NBD connections, iSCSI sessions) open
+    /// on this volume.
     pub fn open_handles(&self) -> usize {
         self.open_handles.load(Ordering::Acquire)
     }
 
+    /// The open handles by frontend: (NBD connections, iSCSI sessions).
+    pub fn clients(&self) -> (usize, usize) {
+        let iscsi = self.iscsi_handles.load(Ordering::SeqCst);
+        (self.open_handles.load(Ordering::SeqCst).saturating_sub(iscsi), iscsi)
+    }
+
     /// Registers a frontend handle; dropping the guard releases it.
     pub fn open_handle(self: &Arc<Self>) -> HandleGuard {
-        self.open_handles.fetch_add(1, Ordering::AcqRel);
-        HandleGuard(self.clone())
+        self.open_handles.fetch_add(1, Ordering::SeqCst);
+        HandleGuard(self.clone(), Client::Nbd)
+    }
+
+    /// Registers a handle of `client` unless the volume is dropping its
+    /// clients (see [`Volume::begin_eviction`]). Counted before the check,
+    /// so an eviction either sees the handle or the handle sees the
+    /// eviction.
+    pub fn try_open_handle(self: &Arc<Self>, client: Client) -> Option<HandleGuard> {
+        self.open_handles.fetch_add(1, Ordering::SeqCst);
+        if client == Client::Iscsi {
+            self.iscsi_handles.fetch_add(1, Ordering::SeqCst);
+        }
+        let guard = HandleGuard(self.clone(), client);
+        if self.evicting.load(Ordering::SeqCst) {
+            return None;
+        }
+        Some(guard)
+    }
+
+    /// Tells the frontends to end every connection to this volume (after
+    /// the replies to the requests in flight) and refuses new ones, until
+    /// [`Volume::end_eviction`]. Frontends wait on [`Volume::evictions`]
+    /// once per connection, never per request.
+    pub(crate) fn begin_eviction(&self) {
+        self.evicting.store(true, Ordering::SeqCst);
+        self.evictions.send_replace(true);
+    }
+
+    pub(crate) fn end_eviction(&self) {
+        self.evicting.store(false, Ordering::SeqCst);
+        self.evictions.send_replace(false);
+    }
+
+    /// Whether new clients are refused (an eviction is under way).
+    pub fn is_evicting(&self) -> bool {
+        self.evicting.load(Ordering::SeqCst)
+    }
+
+    /// Resolves when the volume's clients are told to go (see
+    /// [`Volume::begin_eviction`]); never otherwise.
+    pub fn evicted(&self) -> impl Future<Output = ()> + Send + 'static {
+        let mut evictions = self.evictions.subscribe();
+        async move {
+            if evictions.wait_for(|evicting| *evicting).await.is_err() {
+                std::future::pending::<()>().await;
+            }
+        }
     }
 
     pub(crate) fn mark_deleted(&self) {
         self.deleted.store(true, Ordering::Release);
+    }
+
+    /// Whether the volume (or snapshot) was deleted: every request on it
+    /// fails with [`BlockError::Gone`].
+    pub fn is_deleted(&self) -> bool {
+        self.deleted.load(Ordering::Acquire)
     }
 
     /// The capabilities the frontends advertise: the backing's, adjusted for
@@ -383,6 +477,16 @@ impl Volume {
         self.backing.block_status(offset, length).await
     }
 
+    /// Which parts of a range changed since snapshot `older` (see
+    /// [`BlockDevice::changed_since`]).
+    pub async fn changed_since(&self, older: u32, offset: u64, length: u64) -> BlockResult<Vec<ChangedRun>> {
+        self.check_range(offset, length, false)?;
+        if length == 0 {
+            return Ok(Vec::new());
+        }
+        self.backing.changed_since(older, offset, length).await
+    }
+
     /// Grows the volume. Shrinking is refused by the manager before this.
     pub fn resize(&self, new_size_bytes: u64) -> BlockResult<()> {
         self.backing.resize(new_size_bytes)?;
@@ -392,7 +496,7 @@ impl Volume {
 }
 
 /// Keeps [`Volume::open_handles`] counted while a frontend uses the volume.
-pub struct HandleGuard(Arc<Volume>);
+pub struct HandleGuard(Arc<Volume>, Client);
 
 impl HandleGuard {
     pub fn volume(&self) -> &Arc<Volume> {
@@ -402,6 +506,9 @@ impl HandleGuard {
 
 impl Drop for HandleGuard {
     fn drop(&mut self) {
-        self.0.open_handles.fetch_sub(1, Ordering::AcqRel);
+        if self.1 == Client::Iscsi {
+            self.0.iscsi_handles.fetch_sub(1, Ordering::SeqCst);
+        }
+        self.0.open_handles.fetch_sub(1, Ordering::SeqCst);
     }
 }

@@ -112,6 +112,34 @@ pub fn command(stream: &mut TcpStream, itt: u32, cdb: &[u8], alloc: u32) -> Repl
     }
 }
 
+/// Sends `cdb` as an immediate command carrying `data` as immediate data
+/// (W bit, EDTL = its length; the default FirstBurstLength of 64 KiB
+/// bounds it) and returns how it ended.
+pub fn command_out(stream: &mut TcpStream, itt: u32, cdb: &[u8], data: &[u8]) -> Reply {
+    assert!(data.len() <= 65536, "immediate data beyond FirstBurstLength");
+    let mut bhs = Bhs::new(op::SCSI_COMMAND | 0x40);
+    bhs.0[1] = 0x80 | 0x20;
+    bhs.set_u32(16, itt);
+    bhs.set_u32(20, data.len() as u32);
+    bhs.0[32..32 + cdb.len()].copy_from_slice(cdb);
+    stream.write_all(&pdu::encode(&bhs, data, false, false)).expect("send");
+    let (reply, segment) = read_response(stream).expect("response");
+    assert_eq!(reply.opcode(), op::SCSI_RESPONSE, "a write gets a SCSI Response");
+    assert_eq!(reply.u32_at(16), itt, "task tag");
+    let sense = segment.get(2..).unwrap_or_default();
+    let key = match sense.first().map(|b| b & 0x7f) {
+        Some(0x70) if sense.len() >= 14 => Some((sense[2] & 0x0f, sense[12], sense[13])),
+        Some(0x72) if sense.len() >= 4 => Some((sense[1] & 0x0f, sense[2], sense[3])),
+        _ => None,
+    };
+    Reply {
+        status: reply.0[3],
+        sense: key,
+        information: None,
+        data: Vec::new(),
+    }
+}
+
 pub const TEST_UNIT_READY: [u8; 6] = [0; 6];
 
 /// TEST UNIT READY until it answers GOOD; returns the unit attentions it

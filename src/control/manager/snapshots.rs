@@ -46,6 +46,59 @@ pub fn split_snapshot_name(text: &str) -> Result<(&str, &str, &str), AdminError>
     Ok((pool, name, snapshot))
 }
 
+/// How long `rollback --force` waits for the dropped clients' connections
+/// to end (they finish the requests in flight first).
+const EVICTION_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Volumes dropping their clients; new clients are admitted again when it
+/// is dropped (after the rollback, or when it failed).
+struct Eviction(Vec<Arc<Volume>>);
+
+impl Eviction {
+    /// Tells the frontends to close every connection to `volumes` and waits
+    /// until they have, up to [`EVICTION_WAIT`].
+    fn drop_clients(volumes: Vec<Arc<Volume>>, volume_name: &str) -> Result<Eviction, AdminError> {
+        for volume in &volumes {
+            volume.begin_eviction();
+        }
+        let eviction = Eviction(volumes);
+        let started = std::time::Instant::now();
+        let mut logged = false;
+        loop {
+            let (nbd, iscsi) = eviction
+                .0
+                .iter()
+                .map(|v| v.clients())
+                .fold((0, 0), |(a, b), (c, d)| (a + c, b + d));
+            if nbd + iscsi == 0 {
+                return Ok(eviction);
+            }
+            if !logged {
+                tracing::warn!(
+                    "rollback --force of {volume_name}: dropping {nbd} NBD client(s) and {iscsi} iSCSI session(s)"
+                );
+                logged = true;
+            }
+            if started.elapsed() > EVICTION_WAIT {
+                return Err(AdminError::Busy(format!(
+                    "volume '{volume_name}': {nbd} NBD client(s) and {iscsi} iSCSI session(s) did not disconnect \
+                     within {} s (requests still in flight); nothing was rolled back",
+                    EVICTION_WAIT.as_secs()
+                )));
+            }
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+    }
+}
+
+impl Drop for Eviction {
+    fn drop(&mut self) {
+        for volume in &self.0 {
+            volume.end_eviction();
+        }
+    }
+}
+
 /// Each volume's snapshot space (`Pool::snapshot_space`), by (pool, volume id).
 type SpaceByVolume = HashMap<(String, u32), Vec<(u32, u64, u64)>>;
 
@@ -171,6 +224,30 @@ impl VolumeManager {
             .collect()
     }
 
+    /// Every volume `POOL/VOL`, each followed by its snapshots
+    /// `POOL/VOL@SNAP` oldest first: every export, sorted by pool and
+    /// volume. One pass over each pool's snapshots (iSCSI logins and
+    /// discovery list them all).
+    pub fn export_names(&self) -> Vec<String> {
+        let catalog = self.catalog();
+        let mut names = Vec::new();
+        for (pool_name, record) in &catalog.pools {
+            let snapshots = self.pool(pool_name).map(|p| p.snapshots()).unwrap_or_default();
+            let mut by_volume: HashMap<u32, Vec<&str>> = HashMap::new();
+            for snapshot in &snapshots {
+                by_volume.entry(snapshot.volume).or_default().push(&snapshot.name);
+            }
+            for (name, volume) in &record.volumes {
+                let full = full_name(pool_name, name);
+                let snapshots = by_volume.get(&volume.id).into_iter().flatten();
+                let of_volume: Vec<String> = snapshots.map(|snapshot| format!("{full}@{snapshot}")).collect();
+                names.push(full);
+                names.extend(of_volume);
+            }
+        }
+        names
+    }
+
     /// Deletes snapshot `POOL/VOL@SNAP`; refused while its export has
     /// clients.
     pub fn delete_snapshot(&self, name: &str) -> Result<(), AdminError> {
@@ -208,15 +285,52 @@ impl VolumeManager {
     /// ones first. Refused while the volume (or a snapshot to delete) has
     /// clients. The volume keeps its size.
     pub fn rollback_snapshot(&self, name: &str, destroy_newer: bool) -> Result<(), AdminError> {
+        self.rollback_snapshot_forced(name, destroy_newer, false)
+    }
+
+    /// [`Self::rollback_snapshot`]; with `force`, the clients of the volume
+    /// (and of the newer snapshots `-r` deletes) are dropped first: each
+    /// NBD connection and iSCSI connection is closed after the replies to
+    /// what it had in flight, and no new one is admitted until the
+    /// rollback is done.
+    pub fn rollback_snapshot_forced(&self, name: &str, destroy_newer: bool, force: bool) -> Result<(), AdminError> {
         let (pool_name, short, _) = split_snapshot_name(name)?;
         let volume_name = full_name(pool_name, short);
+        let volume = self
+            .volumes
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&volume_name)
+            .cloned();
+        // Clients are dropped without the catalog held: logins read it.
+        let _evicted = if force {
+            let (pool, info) = self.find_snapshot(&self.catalog(), name)?;
+            let newer: Vec<SnapshotInfo> = pool
+                .snapshots()
+                .into_iter()
+                .filter(|s| s.volume == info.volume && s.generation > info.generation)
+                .collect();
+            if newer.is_empty() || destroy_newer {
+                let mut clients: Vec<Arc<Volume>> = volume.iter().cloned().collect();
+                for snapshot in newer {
+                    clients.extend(self.open_snapshot_view(&format!("{volume_name}@{}", snapshot.name)));
+                }
+                Some(Eviction::drop_clients(clients, &volume_name)?)
+            } else {
+                // Refused below, with no client dropped.
+                None
+            }
+        } else {
+            None
+        };
         let catalog = self.catalog();
         let (pool, info) = self.find_snapshot(&catalog, name)?;
-        if let Some(volume) = self.volumes.read().unwrap_or_else(|e| e.into_inner()).get(&volume_name) {
-            let connections = volume.open_handles();
-            if connections > 0 {
+        if let Some(volume) = &volume {
+            let (nbd, iscsi) = volume.clients();
+            if nbd + iscsi > 0 {
                 return Err(AdminError::Busy(format!(
-                    "volume '{volume_name}' is busy: {connections} client connection(s) open; disconnect them first"
+                    "volume '{volume_name}' is busy: {nbd} NBD client(s) and {iscsi} iSCSI session(s) connected; \
+                     disconnect them, or roll back with --force to drop them"
                 )));
             }
         }
@@ -239,7 +353,8 @@ impl VolumeManager {
                 .is_some_and(|v| v.open_handles() > 0)
             {
                 return Err(AdminError::Busy(format!(
-                    "snapshot '{newer_name}' is busy: its export has clients"
+                    "snapshot '{newer_name}' is busy: its export has clients; disconnect them, or roll back with \
+                     --force to drop them"
                 )));
             }
         }
@@ -269,6 +384,25 @@ impl VolumeManager {
             .map_err(pool_error)?;
         tracing::info!("volume {volume_name} rolled back to {name}");
         Ok(())
+    }
+
+    /// The snapshots of the same volume older than `POOL/VOL@SNAP`, oldest
+    /// first, as (snapshot name, engine id): what its changed-block
+    /// contexts may compare with. Empty for a volume or an unknown name.
+    pub fn older_snapshots(&self, name: &str) -> Vec<(String, u32)> {
+        if !name.contains('@') {
+            return Vec::new();
+        }
+        let catalog = self.catalog();
+        let Ok((pool, info)) = self.find_snapshot(&catalog, name) else {
+            return Vec::new();
+        };
+        drop(catalog);
+        pool.snapshots()
+            .into_iter()
+            .filter(|s| s.volume == info.volume && s.generation < info.generation)
+            .map(|s| (s.name, s.id))
+            .collect()
     }
 
     /// The read-only volume of snapshot `POOL/VOL@SNAP`, for an export.

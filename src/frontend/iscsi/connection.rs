@@ -10,6 +10,7 @@
 use std::collections::HashMap;
 use std::io;
 use std::net::SocketAddr;
+use std::os::fd::{AsFd, AsRawFd};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -27,6 +28,7 @@ use crate::scsi::cdb::{self, Command, Transfer};
 use crate::scsi::lu::{LogicalUnit, Nexus, Outcome, ResetKind};
 use crate::scsi::pages::{self, BLOCK_BYTES};
 use crate::scsi::sense::{status, Sense};
+use crate::volume::Client;
 
 /// Commands the CmdSN window admits at once (MaxCmdSN - ExpCmdSN + 1 when idle).
 pub const COMMAND_WINDOW: u32 = 128;
@@ -189,6 +191,28 @@ pub async fn run(
         negotiated.isid.iter().map(|b| format!("{b:02x}")).collect::<String>()
     )
     .into();
+    // A session counts as a client of its volume (or snapshot), as an NBD
+    // connection does: deletion and rollback are refused while it lasts.
+    // When the volume drops its clients (`rollback --force`), the watcher
+    // shuts the socket's receive side: the reader sees the connection end,
+    // the commands in flight are answered, then the connection closes. The
+    // data path never looks at it.
+    let mut _handle = None;
+    let mut _watcher = None;
+    if let Some(unit) = &unit {
+        let Some(handle) = unit.volume().try_open_handle(Client::Iscsi) else {
+            return Err(ConnectionError::Protocol("the volume is dropping its clients"));
+        };
+        _handle = Some(handle);
+        let socket = reader.get_ref().as_ref().as_fd().try_clone_to_owned()?;
+        let evicted = unit.volume().evicted();
+        _watcher = Some(AbortOnDrop(tokio::spawn(async move {
+            evicted.await;
+            // SAFETY: shutdown(2) on a descriptor this task owns (a
+            // duplicate of the connection's, so it stays valid).
+            unsafe { libc::shutdown(socket.as_raw_fd(), libc::SHUT_RD) };
+        })));
+    }
     if let Some(unit) = &unit {
         unit.attach(&nexus);
     }

@@ -22,6 +22,15 @@ const MAX_REFUSALS_ANSWERING: usize = 16;
 /// Default prefix of target names: `<prefix>:<pool>.<volume>`.
 pub const DEFAULT_IQN_PREFIX: &str = "iqn.2026-11.io.strata";
 
+/// Appended to the prefix for snapshot targets:
+/// `<prefix>.snapshot:<pool>.<volume>:<snapshot>`. The naming authority
+/// itself differs (`io.strata.snapshot` is a subdomain of `io.strata`), so
+/// no volume's target name can equal a snapshot's: a volume's has `:` right
+/// after the prefix, a snapshot's has `.`. Volume names may hold every
+/// character an IQN allows, so no separator inside the unique part could
+/// promise that.
+pub const SNAPSHOT_SEGMENT: &str = ".snapshot";
+
 /// Targets and their logical units. Looked up once per login; the data path
 /// holds its `Arc<LogicalUnit>` and never comes back here.
 pub struct Registry {
@@ -41,37 +50,71 @@ impl Registry {
         }
     }
 
-    /// The target name of a volume.
+    /// The target name of a volume (`<prefix>:POOL.NAME`) or of a snapshot
+    /// (`<prefix>.snapshot:POOL.NAME:SNAPSHOT`, see [`SNAPSHOT_SEGMENT`]).
     pub fn target_name(&self, volume: &Volume) -> String {
-        format!("{}:{}.{}", self.iqn_prefix, volume.pool(), volume.name())
+        self.name_of(volume.pool(), volume.name())
     }
 
-    /// All target names, sorted.
-    pub fn targets(&self) -> Vec<String> {
-        self.manager.volumes().iter().map(|v| self.target_name(v)).collect()
+    /// The target name of export `name` of pool `pool`: a volume's short
+    /// name, or `VOLUME@SNAPSHOT`.
+    fn name_of(&self, pool: &str, name: &str) -> String {
+        match name.split_once('@') {
+            Some((volume, snapshot)) => format!("{}{SNAPSHOT_SEGMENT}:{pool}.{volume}:{snapshot}", self.iqn_prefix),
+            None => format!("{}:{pool}.{name}", self.iqn_prefix),
+        }
     }
 
-    /// The target names `initiator` may log in to (its discovery answer).
-    /// When the access rules cannot be read, none.
-    pub fn targets_for(&self, initiator: &str) -> Vec<String> {
+    /// Every export (`pool/vol`, then its snapshots `pool/vol@snap`, oldest
+    /// first) with its target name.
+    fn exports(&self) -> Vec<(String, String)> {
         self.manager
-            .volumes()
-            .iter()
-            .filter(|v| {
-                self.manager
-                    .stored_props(v.full_name())
-                    .map(|p| p.iscsi_access().initiator_allowed(initiator))
-                    .unwrap_or(false)
+            .export_names()
+            .into_iter()
+            .filter_map(|export| {
+                let (pool, name) = export.split_once('/')?;
+                let target = self.name_of(pool, name);
+                Some((export, target))
             })
-            .map(|v| self.target_name(v))
             .collect()
     }
 
-    fn volume_for(&self, target_name: &str) -> Option<Arc<Volume>> {
-        self.manager
-            .volumes()
+    /// All target names: each volume's, then its snapshots'.
+    pub fn targets(&self) -> Vec<String> {
+        self.exports().into_iter().map(|(_, target)| target).collect()
+    }
+
+    /// The target names `initiator` may log in to (its discovery answer):
+    /// a snapshot's target has its volume's rules. When the access rules
+    /// cannot be read, none.
+    pub fn targets_for(&self, initiator: &str) -> Vec<String> {
+        // A volume's snapshots follow it: its rules are read once for all.
+        let mut last: Option<(String, bool)> = None;
+        self.exports()
             .into_iter()
-            .find(|v| self.target_name(v) == target_name)
+            .filter(|(export, _)| {
+                let volume = export.split_once('@').map_or(export.as_str(), |(volume, _)| volume);
+                if let Some((name, allowed)) = &last {
+                    if name == volume {
+                        return *allowed;
+                    }
+                }
+                let allowed = self
+                    .manager
+                    .stored_props(volume)
+                    .map(|p| p.iscsi_access().initiator_allowed(initiator))
+                    .unwrap_or(false);
+                last = Some((volume.to_string(), allowed));
+                allowed
+            })
+            .map(|(_, target)| target)
+            .collect()
+    }
+
+    /// The volume (or read-only snapshot volume) behind `target_name`.
+    fn volume_for(&self, target_name: &str) -> Option<Arc<Volume>> {
+        let (export, _) = self.exports().into_iter().find(|(_, target)| target == target_name)?;
+        self.manager.lookup(&export)
     }
 
     /// The logical unit behind `target_name`, created on first use. A volume
@@ -79,6 +122,9 @@ impl Registry {
     pub fn unit(&self, target_name: &str) -> Option<Arc<LogicalUnit>> {
         let volume = self.volume_for(target_name)?;
         let mut units = self.units.lock().unwrap_or_else(|e| e.into_inner());
+        // Units of deleted volumes and snapshots go (their sessions keep
+        // their own reference until they end).
+        units.retain(|_, unit| !unit.volume().is_deleted());
         if let Some(unit) = units.get(target_name) {
             if Arc::ptr_eq(unit.volume(), &volume) {
                 return Some(unit.clone());
@@ -106,6 +152,13 @@ impl Directory for Registry {
         let Some(volume) = self.volume_for(target_name) else {
             return Ok(None);
         };
+        if volume.is_evicting() {
+            // Answered 0x0300 (target error): try again after the rollback.
+            return Err(format!(
+                "{} is dropping its clients (a forced rollback)",
+                volume.full_name()
+            ));
+        }
         // Read at every login, so a changed property applies to the next one.
         Ok(self
             .manager

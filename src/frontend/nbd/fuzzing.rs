@@ -27,7 +27,7 @@ pub fn option_input(data: &[u8]) {
             ClientOption::ListMetaContext { export, queries } | ClientOption::SetMetaContext { export, queries } => {
                 assert!(export.len() <= proto::MAX_STRING_BYTES);
                 assert!(queries.len() <= proto::MAX_QUERIES);
-                let _ = proto::match_meta_contexts(&queries, option == 9);
+                let _ = proto::match_meta_contexts(&queries, option == 9, &["a", "b"]);
             }
             _ => {}
         }
@@ -50,6 +50,7 @@ pub fn request_input(data: &[u8]) {
         let negotiated = Negotiated {
             structured_replies: data[0] & 2 != 0,
             base_allocation: data[0] & 4 != 0,
+            changed: None,
         };
         if proto::check_request(&request, &negotiated).is_ok() {
             // Anything accepted must be a known command with allowed flags.

@@ -4,7 +4,7 @@
 //! fuzzed without a socket (`fuzz/fuzz_targets/nbd_option.rs`,
 //! `nbd_request.rs`). The numbers follow the protocol's `doc/proto.md`.
 
-use crate::volume::{BlockError, Capabilities, Extent};
+use crate::volume::{BlockError, Capabilities, ChangedRun, Extent};
 
 /// `NBDMAGIC`, the first eight bytes the server sends.
 pub const NBD_MAGIC: u64 = 0x4e42_444d_4147_4943;
@@ -122,6 +122,26 @@ pub const STATE_ZERO: u32 = 1 << 1;
 pub const BASE_ALLOCATION: &str = "base:allocation";
 /// The id we give `base:allocation` when a client selects it.
 pub const BASE_ALLOCATION_ID: u32 = 1;
+
+/// The changed-block contexts of a snapshot export, one pair per older
+/// snapshot `NAME` of the same volume: qemu's dirty-bitmap form (so qemu's
+/// NBD client and backup tools built on it read it as a bitmap) and our
+/// own. Both report [`STATE_CHANGED`] for blocks that changed between
+/// `NAME` and the exported snapshot.
+pub const QEMU_DIRTY_BITMAP: &str = "qemu:dirty-bitmap:";
+pub const STRATA_CHANGED: &str = "strata:changed:";
+/// Flag of a changed-block context: the extent changed (qemu's
+/// `NBD_STATE_DIRTY`).
+pub const STATE_CHANGED: u32 = 1 << 0;
+
+/// A changed-block context selected with NBD_OPT_SET_META_CONTEXT.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ChangedContext {
+    /// The context id we gave it.
+    pub id: u32,
+    /// The engine id of the older snapshot.
+    pub older: u32,
+}
 
 /// Longest option payload accepted. Larger options are refused with
 /// `NBD_REP_ERR_TOO_BIG` and the connection is closed without reading them.
@@ -328,22 +348,52 @@ pub fn parse_option(option: u32, data: &[u8]) -> Result<ClientOption, OptionErro
     Ok(parsed)
 }
 
-/// The meta contexts (id, name) a set of queries selects. Only
-/// `base:allocation` exists; `base:` (or no query at all, when listing)
-/// matches it, unknown namespaces are ignored as the protocol requires.
-pub fn match_meta_contexts(queries: &[String], listing: bool) -> Vec<(u32, &'static str)> {
-    let wanted = if queries.is_empty() {
-        listing
-    } else {
-        queries
-            .iter()
-            .any(|q| q == BASE_ALLOCATION || (listing && q == "base:"))
-    };
-    if wanted {
-        vec![(BASE_ALLOCATION_ID, BASE_ALLOCATION)]
-    } else {
-        Vec::new()
+/// The meta contexts (id, name) a set of queries selects, among
+/// `base:allocation` and the changed-block contexts of `older` (the older
+/// snapshots' names, oldest first; empty unless the export is a snapshot).
+/// Listing, no query selects every context, and a namespace (`base:`,
+/// `qemu:`, `strata:`) or a context-type prefix (`qemu:dirty-bitmap:`,
+/// `strata:changed:`) selects all of its contexts; setting, only full names
+/// select. Unknown namespaces and names (an unknown snapshot) are ignored,
+/// as the protocol requires. Ids: 1 for `base:allocation`, `2 + 2i` and
+/// `3 + 2i` for the qemu and strata names of `older[i]`.
+pub fn match_meta_contexts(queries: &[String], listing: bool, older: &[&str]) -> Vec<(u32, String)> {
+    let mut all: Vec<(u32, String)> = vec![(BASE_ALLOCATION_ID, BASE_ALLOCATION.to_string())];
+    for (i, name) in older.iter().enumerate() {
+        let id = 2 + 2 * i as u32;
+        all.push((id, format!("{QEMU_DIRTY_BITMAP}{name}")));
+        all.push((id + 1, format!("{STRATA_CHANGED}{name}")));
     }
+    if queries.is_empty() {
+        return if listing { all } else { Vec::new() };
+    }
+    let prefixes: &[&str] = if listing {
+        &["base:", "qemu:", "strata:", QEMU_DIRTY_BITMAP, STRATA_CHANGED]
+    } else {
+        &[]
+    };
+    all.into_iter()
+        .filter(|(_, name)| {
+            queries
+                .iter()
+                .any(|q| q == name || (prefixes.contains(&q.as_str()) && name.starts_with(q.as_str())))
+        })
+        .collect()
+}
+
+/// The changed-block context named `name` among those of `older` (names
+/// and engine ids, oldest first), as [`match_meta_contexts`] numbers it.
+pub fn changed_context(name: &str, older: &[(String, u32)]) -> Option<ChangedContext> {
+    let (offset, snapshot) = if let Some(snapshot) = name.strip_prefix(QEMU_DIRTY_BITMAP) {
+        (0, snapshot)
+    } else {
+        (1, name.strip_prefix(STRATA_CHANGED)?)
+    };
+    let at = older.iter().position(|(n, _)| n == snapshot)?;
+    Some(ChangedContext {
+        id: 2 + 2 * at as u32 + offset,
+        older: older[at].1,
+    })
 }
 
 /// One transmission request header.
@@ -380,6 +430,8 @@ pub fn parse_request(bytes: &[u8; REQUEST_BYTES]) -> Result<Request, BadRequestM
 pub struct Negotiated {
     pub structured_replies: bool,
     pub base_allocation: bool,
+    /// The changed-block context selected, if any (at most one).
+    pub changed: Option<ChangedContext>,
 }
 
 /// Checks a request's type and flags against what was negotiated; range and
@@ -398,7 +450,7 @@ pub fn check_request(request: &Request, negotiated: &Negotiated) -> Result<(), u
     }
     match request.kind {
         cmd::FLUSH if request.offset != 0 || request.length != 0 => Err(errno::EINVAL),
-        cmd::BLOCK_STATUS if !negotiated.base_allocation => Err(errno::EINVAL),
+        cmd::BLOCK_STATUS if !negotiated.base_allocation && negotiated.changed.is_none() => Err(errno::EINVAL),
         cmd::READ | cmd::WRITE | cmd::TRIM | cmd::CACHE | cmd::WRITE_ZEROES | cmd::BLOCK_STATUS
             if request.length == 0 =>
         {
@@ -522,25 +574,70 @@ pub fn error_chunk(cookie: u64, error: u32, message: &str) -> Vec<u8> {
 /// A final `NBD_REPLY_TYPE_BLOCK_STATUS` chunk for `base:allocation`.
 /// Extents beyond `max_length` are clipped; with `req_one` only the first is sent.
 pub fn block_status_chunk(cookie: u64, extents: &[Extent], max_length: u32, req_one: bool) -> Vec<u8> {
-    let mut payload = Vec::with_capacity(4 + 8 * extents.len());
-    payload.extend_from_slice(&BASE_ALLOCATION_ID.to_be_bytes());
+    let mut out = Vec::new();
+    push_block_status(
+        &mut out,
+        cookie,
+        BASE_ALLOCATION_ID,
+        allocation_descriptors(extents),
+        max_length,
+        req_one,
+        true,
+    );
+    out
+}
+
+/// `base:allocation` descriptors: (length, flags).
+pub fn allocation_descriptors(extents: &[Extent]) -> impl Iterator<Item = (u64, u32)> + '_ {
+    extents.iter().map(|extent| {
+        let flags = if extent.hole { STATE_HOLE } else { 0 } | if extent.zero { STATE_ZERO } else { 0 };
+        (extent.length, flags)
+    })
+}
+
+/// Changed-block descriptors: (length, flags).
+pub fn changed_descriptors(runs: &[ChangedRun]) -> impl Iterator<Item = (u64, u32)> + '_ {
+    runs.iter()
+        .map(|run| (run.length, if run.changed { STATE_CHANGED } else { 0 }))
+}
+
+/// Appends an `NBD_REPLY_TYPE_BLOCK_STATUS` chunk for context `id` (the
+/// final one of the reply when `done`). Descriptors beyond `max_length`
+/// are clipped, neighbours with the same flags merged (each is at most
+/// 4 GiB - 1 bytes); with `req_one` only the first is sent.
+pub fn push_block_status(
+    out: &mut Vec<u8>,
+    cookie: u64,
+    id: u32,
+    descriptors: impl Iterator<Item = (u64, u32)>,
+    max_length: u32,
+    req_one: bool,
+    done: bool,
+) {
+    let mut merged: Vec<(u64, u32)> = Vec::new();
     let mut remaining = max_length as u64;
-    for extent in extents {
+    for (length, flags) in descriptors {
         if remaining == 0 {
             break;
         }
-        let length = extent.length.min(remaining);
+        let length = length.min(remaining);
         remaining -= length;
-        let flags = if extent.hole { STATE_HOLE } else { 0 } | if extent.zero { STATE_ZERO } else { 0 };
-        payload.extend_from_slice(&(length as u32).to_be_bytes());
-        payload.extend_from_slice(&flags.to_be_bytes());
-        if req_one {
-            break;
+        match merged.last_mut() {
+            Some((last, last_flags)) if *last_flags == flags && *last + length <= u32::MAX as u64 => *last += length,
+            _ => merged.push((length, flags)),
         }
     }
-    let mut out = Vec::with_capacity(CHUNK_HEADER_BYTES + payload.len());
-    push_chunk(&mut out, chunk::FLAG_DONE, chunk::BLOCK_STATUS, cookie, &payload);
-    out
+    if req_one {
+        merged.truncate(1);
+    }
+    let mut payload = Vec::with_capacity(4 + 8 * merged.len());
+    payload.extend_from_slice(&id.to_be_bytes());
+    for (length, flags) in merged {
+        payload.extend_from_slice(&(length as u32).to_be_bytes());
+        payload.extend_from_slice(&flags.to_be_bytes());
+    }
+    let flags = if done { chunk::FLAG_DONE } else { 0 };
+    push_chunk(out, flags, chunk::BLOCK_STATUS, cookie, &payload);
 }
 
 /// Granularity at which a structured read reply reports zero runs as holes.
@@ -627,12 +724,88 @@ mod tests {
 
     #[test]
     fn meta_context_matching() {
-        assert_eq!(match_meta_contexts(&[], true).len(), 1);
-        assert_eq!(match_meta_contexts(&[], false).len(), 0);
-        assert_eq!(match_meta_contexts(&["base:".into()], true).len(), 1);
-        assert_eq!(match_meta_contexts(&["base:".into()], false).len(), 0);
-        assert_eq!(match_meta_contexts(&["qemu:dirty-bitmap:x".into()], false).len(), 0);
-        assert_eq!(match_meta_contexts(&["base:allocation".into()], false).len(), 1);
+        assert_eq!(match_meta_contexts(&[], true, &[]).len(), 1);
+        assert_eq!(match_meta_contexts(&[], false, &[]).len(), 0);
+        assert_eq!(match_meta_contexts(&["base:".into()], true, &[]).len(), 1);
+        assert_eq!(match_meta_contexts(&["base:".into()], false, &[]).len(), 0);
+        assert_eq!(
+            match_meta_contexts(&["qemu:dirty-bitmap:x".into()], false, &[]).len(),
+            0
+        );
+        assert_eq!(match_meta_contexts(&["base:allocation".into()], false, &[]).len(), 1);
+        // A snapshot export with two older snapshots.
+        let older = ["a", "b"];
+        let names =
+            |found: Vec<(u32, String)>| found.into_iter().map(|(id, n)| format!("{id}={n}")).collect::<Vec<_>>();
+        assert_eq!(
+            names(match_meta_contexts(&[], true, &older)),
+            [
+                "1=base:allocation",
+                "2=qemu:dirty-bitmap:a",
+                "3=strata:changed:a",
+                "4=qemu:dirty-bitmap:b",
+                "5=strata:changed:b"
+            ]
+        );
+        assert_eq!(
+            names(match_meta_contexts(&["qemu:".into()], true, &older)),
+            ["2=qemu:dirty-bitmap:a", "4=qemu:dirty-bitmap:b"]
+        );
+        assert_eq!(
+            names(match_meta_contexts(&["strata:changed:".into()], true, &older)),
+            ["3=strata:changed:a", "5=strata:changed:b"]
+        );
+        assert!(match_meta_contexts(&["qemu:".into()], false, &older).is_empty());
+        assert_eq!(
+            names(match_meta_contexts(
+                &["strata:changed:b".into(), "qemu:dirty-bitmap:c".into()],
+                false,
+                &older
+            )),
+            ["5=strata:changed:b"]
+        );
+        let ids = [("a".to_string(), 0x8000_0001), ("b".to_string(), 0x8000_0007)];
+        assert_eq!(
+            changed_context("qemu:dirty-bitmap:b", &ids),
+            Some(ChangedContext {
+                id: 4,
+                older: 0x8000_0007
+            })
+        );
+        assert_eq!(
+            changed_context("strata:changed:a", &ids),
+            Some(ChangedContext {
+                id: 3,
+                older: 0x8000_0001
+            })
+        );
+        assert_eq!(changed_context("strata:changed:c", &ids), None);
+        assert_eq!(changed_context("base:allocation", &ids), None);
+    }
+
+    #[test]
+    fn changed_status_merges_clips_and_may_leave_the_reply_open() {
+        let runs = [
+            ChangedRun {
+                length: 4096,
+                changed: true,
+            },
+            ChangedRun {
+                length: 4096,
+                changed: true,
+            },
+            ChangedRun {
+                length: 8192,
+                changed: false,
+            },
+        ];
+        let mut out = Vec::new();
+        push_block_status(&mut out, 9, 3, changed_descriptors(&runs), 12288, false, false);
+        assert_eq!(out.len(), CHUNK_HEADER_BYTES + 4 + 16);
+        assert_eq!(u16::from_be_bytes([out[4], out[5]]) & chunk::FLAG_DONE, 0);
+        assert_eq!(be_u32(&out[20..24]), 3);
+        assert_eq!((be_u32(&out[24..28]), be_u32(&out[28..32])), (8192, STATE_CHANGED));
+        assert_eq!((be_u32(&out[32..36]), be_u32(&out[36..40])), (4096, 0));
     }
 
     #[test]
@@ -640,6 +813,7 @@ mod tests {
         let negotiated = Negotiated {
             structured_replies: true,
             base_allocation: false,
+            changed: None,
         };
         let request = |kind, flags, length| Request {
             flags,
@@ -724,7 +898,7 @@ mod tests {
             bytes[24..28].copy_from_slice(&length.to_be_bytes());
             let parsed = parse_request(&bytes).unwrap();
             prop_assert_eq!(parsed, Request { flags, kind, cookie, offset, length });
-            let _ = check_request(&parsed, &Negotiated { structured_replies: true, base_allocation: true });
+            let _ = check_request(&parsed, &Negotiated { structured_replies: true, base_allocation: true, changed: None });
         }
     }
 }

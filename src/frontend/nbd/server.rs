@@ -38,7 +38,7 @@ use crate::frontend::outbox::{Outbox, ReplySocket};
 use crate::frontend::Connections;
 use crate::frontend::Shutdown;
 use crate::volume::stats::{Op, Protocol};
-use crate::volume::{full_name, BlockError, IoBuf, Volume, ZeroFlags, MAX_REQUEST_BYTES};
+use crate::volume::{full_name, BlockError, Client, HandleGuard, IoBuf, Volume, ZeroFlags, MAX_REQUEST_BYTES};
 
 /// Options one connection may send before it is considered abusive.
 const MAX_OPTIONS_PER_CONNECTION: usize = 1024;
@@ -105,6 +105,8 @@ enum ConnectionError {
     ExportRefused(String),
     #[error("the connection's thread ended without a result (it panicked)")]
     ThreadLost,
+    #[error("export '{0}' is dropping its clients (a forced rollback): connection closed")]
+    Evicted(String),
 }
 
 /// Accepts NBD clients until `stop` turns true.
@@ -174,6 +176,12 @@ async fn handle_connection(
     else {
         return Ok(());
     };
+    // Counted as a client of the volume before transmission starts; a
+    // volume dropping its clients (`rollback --force`) takes no new one.
+    let Some(handle) = volume.try_open_handle(Client::Nbd) else {
+        return Err(ConnectionError::Evicted(volume.full_name().to_string()));
+    };
+    let evicted = volume.evicted();
 
     // Transmission runs on a thread of its own, on a blocking socket off
     // tokio's reactor: the TCP socket itself (`into_std` deregisters it),
@@ -204,20 +212,22 @@ async fn handle_connection(
     let runtime = tokio::runtime::Handle::current();
     let (done, finished) = tokio::sync::oneshot::channel();
     std::thread::Builder::new().name("strata-nbd".into()).spawn(move || {
-        let result = runtime.block_on(transmission(reader, replies, volume, negotiated, &idle));
+        let result = runtime.block_on(transmission(reader, replies, volume, handle, negotiated, &idle));
         let _ = done.send(result);
     })?;
     tokio::pin!(finished);
     let ended = tokio::select! {
         result = &mut finished => Some(result.unwrap_or(Err(ConnectionError::ThreadLost))),
         _ = stop.wait_for(|stopped| *stopped) => None,
+        () = evicted => None,
     };
     let result = match ended {
         Some(result) => result,
         None => {
-            // The server is stopping: end the reader's blocking receive as
-            // a client hang-up would. Requests in flight still finish and
-            // send their replies.
+            // The server is stopping, or the volume drops its clients: end
+            // the reader's blocking receive as a client hang-up would.
+            // Requests in flight still finish and send their replies, then
+            // the connection closes.
             watcher.shutdown(libc::SHUT_RD);
             finished.await.unwrap_or(Err(ConnectionError::ThreadLost))
         }
@@ -664,7 +674,10 @@ async fn negotiate<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(
                 if export_access(manager, &volume, peer) != Access::Allowed {
                     return Err(ConnectionError::ExportRefused(name));
                 }
-                negotiated.base_allocation &= meta_export.as_deref() == Some(volume.full_name());
+                if meta_export.as_deref() != Some(volume.full_name()) {
+                    negotiated.base_allocation = false;
+                    negotiated.changed = None;
+                }
                 let caps = volume.capabilities();
                 let mut out = Vec::with_capacity(10 + 124);
                 out.extend_from_slice(&volume.size_bytes().to_be_bytes());
@@ -750,7 +763,11 @@ async fn negotiate<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(
                 out.extend_from_slice(&reply(rep::ACK, &[]));
                 writer.write_all(&out).await?;
                 if header.option == opt::GO {
-                    negotiated.base_allocation &= meta_export.as_deref() == Some(volume.full_name());
+                    // Contexts selected for another export do not apply.
+                    if meta_export.as_deref() != Some(volume.full_name()) {
+                        negotiated.base_allocation = false;
+                        negotiated.changed = None;
+                    }
                     return Ok(Outcome::Export(volume, negotiated));
                 }
             }
@@ -770,9 +787,26 @@ async fn negotiate<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(
                     writer.write_all(&reply(kind, message.as_bytes())).await?;
                     continue;
                 }
-                let contexts = proto::match_meta_contexts(&queries, !setting);
+                // A snapshot export offers the blocks changed since each
+                // older snapshot of its volume.
+                let older = manager.older_snapshots(volume.full_name());
+                let older_names: Vec<&str> = older.iter().map(|(name, _)| name.as_str()).collect();
+                let mut contexts = proto::match_meta_contexts(&queries, !setting, &older_names);
                 if setting {
-                    negotiated.base_allocation = !contexts.is_empty();
+                    // At most one changed-block context: the first asked for.
+                    let mut changed = None;
+                    contexts.retain(|(_, name)| {
+                        if name == proto::BASE_ALLOCATION {
+                            return true;
+                        }
+                        if changed.is_some() {
+                            return false;
+                        }
+                        changed = proto::changed_context(name, &older);
+                        changed.is_some()
+                    });
+                    negotiated.base_allocation = contexts.iter().any(|(_, name)| name == proto::BASE_ALLOCATION);
+                    negotiated.changed = changed;
                     meta_export = Some(volume.full_name().to_string());
                 }
                 let mut out = Vec::new();
@@ -936,10 +970,10 @@ async fn transmission<R: AsyncRead + Unpin>(
     mut reader: BufReader<R>,
     socket: ReplySocket,
     volume: Arc<Volume>,
+    _handle: HandleGuard,
     negotiated: Negotiated,
     idle: &AtomicBool,
 ) -> Result<(), ConnectionError> {
-    let _handle = volume.open_handle();
     let (outbox, flusher) = Outbox::start(socket);
     let budget_units = IN_FLIGHT_BUDGET_BYTES / BUDGET_UNIT_BYTES;
     let budget = Arc::new(Semaphore::new(budget_units));
@@ -1148,15 +1182,7 @@ async fn execute(
             volume.write_zeroes(offset, length, flags).await.map(|()| None)
         }
         cmd::CACHE => volume.cache(offset, length).await.map(|()| None),
-        _ => volume.block_status(offset, length).await.map(|extents| {
-            let req_one = request.flags & cflag::REQ_ONE != 0;
-            Some(proto::block_status_chunk(
-                request.cookie,
-                &extents,
-                request.length,
-                req_one,
-            ))
-        }),
+        _ => block_status(volume, &request, &negotiated).await.map(Some),
     };
     let bytes_moved = if matches!(request.kind, cmd::WRITE | cmd::TRIM | cmd::WRITE_ZEROES) {
         length
@@ -1180,6 +1206,39 @@ async fn execute(
         }
     };
     ReplyBytes::Built(bytes)
+}
+
+/// The chunks of a BLOCK_STATUS reply: one per selected context,
+/// `base:allocation` first, the last one final.
+async fn block_status(volume: &Volume, request: &Request, negotiated: &Negotiated) -> Result<Vec<u8>, BlockError> {
+    let req_one = request.flags & cflag::REQ_ONE != 0;
+    let (offset, length) = (request.offset, request.length as u64);
+    let mut out = Vec::new();
+    if negotiated.base_allocation {
+        let extents = volume.block_status(offset, length).await?;
+        proto::push_block_status(
+            &mut out,
+            request.cookie,
+            proto::BASE_ALLOCATION_ID,
+            proto::allocation_descriptors(&extents),
+            request.length,
+            req_one,
+            negotiated.changed.is_none(),
+        );
+    }
+    if let Some(context) = negotiated.changed {
+        let runs = volume.changed_since(context.older, offset, length).await?;
+        proto::push_block_status(
+            &mut out,
+            request.cookie,
+            context.id,
+            proto::changed_descriptors(&runs),
+            request.length,
+            req_one,
+            true,
+        );
+    }
+    Ok(out)
 }
 
 /// Reads and builds the reply. Without structured replies: a simple reply

@@ -28,7 +28,7 @@ use super::{map_entry, Pool, PoolError, SECTOR_BYTES};
 use crate::device::{DeviceError, IoBuf};
 use crate::meta::log::Record;
 use crate::meta::MetaError;
-use crate::volume::{BlockDevice, BlockError, BlockResult, BoxFuture, Capabilities, Extent, ZeroFlags};
+use crate::volume::{BlockDevice, BlockError, BlockResult, BoxFuture, Capabilities, ChangedRun, Extent, ZeroFlags};
 
 const STRIPES: usize = 1024;
 /// Reads up to this size fill the read cache.
@@ -376,6 +376,68 @@ impl BlockDevice for EngineVolume {
     fn resize(&self, new_size_bytes: u64) -> BlockResult<()> {
         self.size_bytes.store(new_size_bytes, Ordering::Release);
         Ok(())
+    }
+
+    fn changed_since(&self, older: u32, offset: u64, length: u64) -> BoxFuture<'_, BlockResult<Vec<ChangedRun>>> {
+        Box::pin(std::future::ready(self.changed_runs(older, offset, length)))
+    }
+}
+
+/// Most blocks one [`EngineVolume::changed_runs`] call looks at: the answer
+/// covers a prefix of a longer range (NBD allows it), so one request
+/// cannot walk a whole large volume's map.
+const MAX_CHANGED_BLOCKS: u64 = 1 << 20;
+
+impl EngineVolume {
+    /// `changed_since` for a snapshot: the pool's `changed_blocks` between
+    /// `older` and this snapshot, in bytes, from `offset`. Refused unless
+    /// both exist and `older` is an older snapshot of the same volume
+    /// (checked again after the walk: a delete of `older` meanwhile moves
+    /// its pages, and the answer could be wrong).
+    fn changed_runs(&self, older: u32, offset: u64, length: u64) -> BlockResult<Vec<ChangedRun>> {
+        let valid = || match (self.pool.snapshot(self.id), self.pool.snapshot(older)) {
+            (Some(this), Some(before)) => before.volume == this.volume && before.generation < this.generation,
+            _ => false,
+        };
+        if !valid() {
+            return Err(BlockError::NotSupported("the older snapshot no longer exists"));
+        }
+        let shift = self.block_shift;
+        let end = offset + length;
+        let first = offset >> shift;
+        let last = ((end - 1) >> shift).min(first + MAX_CHANGED_BLOCKS - 1);
+        let end = end.min((last + 1) << shift);
+        let runs = self
+            .pool
+            .changed_blocks(Some(older), self.id, first, last)
+            .map_err(meta_error)?;
+        if !valid() {
+            return Err(BlockError::NotSupported("the older snapshot no longer exists"));
+        }
+        let mut out: Vec<ChangedRun> = Vec::with_capacity(2 * runs.len() + 1);
+        let mut at = offset;
+        for (block, count) in runs {
+            let start = (block << shift).max(offset);
+            let stop = ((block + count) << shift).min(end);
+            if start > at {
+                out.push(ChangedRun {
+                    length: start - at,
+                    changed: false,
+                });
+            }
+            out.push(ChangedRun {
+                length: stop - start,
+                changed: true,
+            });
+            at = stop;
+        }
+        if at < end {
+            out.push(ChangedRun {
+                length: end - at,
+                changed: false,
+            });
+        }
+        Ok(out)
     }
 }
 
