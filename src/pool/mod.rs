@@ -30,6 +30,7 @@ pub mod ram;
 pub mod readcache;
 mod recover;
 mod scrub;
+mod send;
 pub mod snapshots;
 pub mod superblock;
 pub mod volume;
