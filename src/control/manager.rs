@@ -26,7 +26,7 @@ use crate::volume::{full_name, Volume};
 
 mod send;
 mod snapshots;
-pub use send::{ReceiveOutcome, ReceiveStatus, SendJob};
+pub use send::{ReceiveOutcome, ReceiveStatus, ResumeToken, SendJob};
 pub use snapshots::{split_snapshot_name, SnapshotView};
 
 pub const DEFAULT_POOL: &str = "default";

@@ -74,8 +74,8 @@ pub fn snapshot_guid(record: &PoolRecord, info: &SnapshotInfo) -> u64 {
 }
 
 /// What a resume token carries: where the receive stopped, and what the
-/// sender needs to produce the rest (hex-encoded JSON).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+/// sender needs to produce the rest.
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ResumeToken {
     pub v: u32,
     /// The receiving `POOL/VOLUME`.
@@ -91,26 +91,69 @@ pub struct ResumeToken {
 }
 
 impl ResumeToken {
+    /// Hex of: version (1 byte), guid, base guid, offset (u64 LE), crc
+    /// (u32 LE), target, source, snapshot and base (a length byte and
+    /// UTF-8 each), then the CRC-32C of all that (u32 LE).
     pub fn encode(&self) -> String {
-        let json = serde_json::to_vec(self).unwrap_or_default();
-        json.iter().map(|b| format!("{b:02x}")).collect()
+        let mut bytes = vec![self.v as u8];
+        bytes.extend_from_slice(&self.guid.to_le_bytes());
+        bytes.extend_from_slice(&self.base_guid.to_le_bytes());
+        bytes.extend_from_slice(&self.offset.to_le_bytes());
+        bytes.extend_from_slice(&self.crc.to_le_bytes());
+        for text in [&self.target, &self.source, &self.snapshot, &self.base] {
+            let text = &text.as_bytes()[..text.len().min(255)];
+            bytes.push(text.len() as u8);
+            bytes.extend_from_slice(text);
+        }
+        let crc = crc32c::crc32c(&bytes);
+        bytes.extend_from_slice(&crc.to_le_bytes());
+        bytes.iter().map(|b| format!("{b:02x}")).collect()
     }
 
     pub fn decode(text: &str) -> Result<ResumeToken, AdminError> {
         let bad = || AdminError::Invalid("invalid resume token (copy it whole from the receive's message)".into());
         let text = text.trim();
-        if text.len() % 2 != 0 || text.len() > 8192 {
+        if text.len() % 2 != 0 || text.len() > 4096 {
             return Err(bad());
         }
-        let bytes: Option<Vec<u8>> = (0..text.len())
+        let bytes: Vec<u8> = (0..text.len())
             .step_by(2)
             .map(|i| text.get(i..i + 2).and_then(|h| u8::from_str_radix(h, 16).ok()))
-            .collect();
-        let token: ResumeToken = serde_json::from_slice(&bytes.ok_or_else(bad)?).map_err(|_| bad())?;
-        if token.v != 1 {
+            .collect::<Option<Vec<u8>>>()
+            .ok_or_else(bad)?;
+        let body = bytes.len().checked_sub(4).ok_or_else(bad)?;
+        if crate::bytes::u32_at(&bytes, body) != Some(crc32c::crc32c(&bytes[..body])) || bytes[0] != 1 {
             return Err(bad());
         }
-        Ok(token)
+        let mut at = 29;
+        let mut texts = Vec::with_capacity(4);
+        for _ in 0..4 {
+            let len = *bytes.get(at).ok_or_else(bad)? as usize;
+            let text = bytes
+                .get(at + 1..at + 1 + len)
+                .filter(|_| at + 1 + len <= body)
+                .ok_or_else(bad)?;
+            texts.push(String::from_utf8(text.to_vec()).map_err(|_| bad())?);
+            at += 1 + len;
+        }
+        if at != body {
+            return Err(bad());
+        }
+        let base = texts.pop().unwrap_or_default();
+        let snapshot = texts.pop().unwrap_or_default();
+        let source = texts.pop().unwrap_or_default();
+        let target = texts.pop().unwrap_or_default();
+        Ok(ResumeToken {
+            v: 1,
+            guid: crate::bytes::u64_at(&bytes, 1).ok_or_else(bad)?,
+            base_guid: crate::bytes::u64_at(&bytes, 9).ok_or_else(bad)?,
+            offset: crate::bytes::u64_at(&bytes, 17).ok_or_else(bad)?,
+            crc: crate::bytes::u32_at(&bytes, 25).ok_or_else(bad)?,
+            target,
+            source,
+            snapshot,
+            base,
+        })
     }
 
     fn of(target: &str, state: &ReceiveRecord) -> ResumeToken {
@@ -1147,5 +1190,38 @@ impl SendJob {
         let mut chunk = fixed.to_vec();
         chunk.extend_from_slice(&payload);
         let _ = out.send(Ok(Bytes::from(chunk))).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn resume_tokens_round_trip_and_a_changed_digit_is_refused() {
+        let token = ResumeToken {
+            v: 1,
+            target: "tank/db".into(),
+            source: "default/db".into(),
+            snapshot: "b".into(),
+            base: "a".into(),
+            guid: 0x1234_5678_9abc_def0,
+            base_guid: 42,
+            offset: 1 << 33,
+            crc: 0xdead_beef,
+        };
+        let text = token.encode();
+        assert_eq!(ResumeToken::decode(&text).unwrap(), token);
+        for at in 0..text.len() {
+            let mut bad: Vec<u8> = text.clone().into_bytes();
+            bad[at] = if bad[at] == b'0' { b'1' } else { b'0' };
+            assert!(
+                ResumeToken::decode(std::str::from_utf8(&bad).unwrap()).is_err(),
+                "digit {at}"
+            );
+        }
+        for bad in ["", "zz", "0", &text[..text.len() - 2]] {
+            assert!(ResumeToken::decode(bad).is_err());
+        }
     }
 }
