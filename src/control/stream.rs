@@ -222,7 +222,7 @@ impl Header {
         if !self.volblocksize.is_power_of_two() || !(512..=(1 << 20)).contains(&self.volblocksize) {
             return corrupt(format!("volblocksize {}", self.volblocksize));
         }
-        if self.volsize == 0 || self.volsize % self.volblocksize as u64 != 0 {
+        if self.volsize == 0 || !self.volsize.is_multiple_of(self.volblocksize as u64) {
             return corrupt(format!("volume size {}", self.volsize));
         }
         if (self.kind == StreamKind::Incremental) != (self.base_guid != 0) {

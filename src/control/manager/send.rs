@@ -113,7 +113,7 @@ impl ResumeToken {
     pub fn decode(text: &str) -> Result<ResumeToken, AdminError> {
         let bad = || AdminError::Invalid("invalid resume token (copy it whole from the receive's message)".into());
         let text = text.trim();
-        if text.len() % 2 != 0 || text.len() > 4096 {
+        if !text.len().is_multiple_of(2) || text.len() > 4096 {
             return Err(bad());
         }
         let bytes: Vec<u8> = (0..text.len())
@@ -1044,7 +1044,7 @@ impl VolumeManager {
                     return Ok(());
                 }
                 // WRITE or HOLE: in order, aligned, inside the volume.
-                let end = record.offset.checked_add(record.length).unwrap_or(u64::MAX);
+                let end = record.offset.saturating_add(record.length);
                 if record.offset < pending.volume_end {
                     return Err(Broken::Bad(StreamError::Corrupt(format!(
                         "record out of order: offset {} comes after {}",
@@ -1090,10 +1090,11 @@ impl VolumeManager {
         .await;
         if let Err(Broken::Interrupted(_) | Broken::Local(_)) = &result {
             // Keep what is applied and durable, for a resume.
-            if drain(&mut in_flight).await.is_ok() && engine.flush().await.is_ok() {
-                if self.save_progress(name, &pending).await.is_ok() {
-                    *state = pending;
-                }
+            if drain(&mut in_flight).await.is_ok()
+                && engine.flush().await.is_ok()
+                && self.save_progress(name, &pending).await.is_ok()
+            {
+                *state = pending;
             }
         } else {
             let _ = drain(&mut in_flight).await;
