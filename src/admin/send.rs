@@ -24,7 +24,7 @@ use super::api::ApiError;
 use crate::control::manager::{AdminError, VolumeManager};
 
 /// Chunks of a stream in flight between the connection and the manager.
-const CHANNEL_CHUNKS: usize = 8;
+const CHANNEL_CHUNKS: usize = 16;
 
 /// The content type of a send stream.
 pub const STREAM_CONTENT_TYPE: &str = "application/x-strata-send-stream";

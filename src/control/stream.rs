@@ -238,12 +238,24 @@ impl Header {
 impl RecordHeader {
     /// The fixed part, its CRC covering it and `payload`.
     pub fn encode(kind: RecordKind, offset: u64, length: u64, payload: &[u8]) -> [u8; RECORD_HEADER_BYTES] {
+        Self::encode_summed(kind, offset, length, payload.len(), crc32c::crc32c(payload))
+    }
+
+    /// [`RecordHeader::encode`] for a payload of `payload_bytes` whose
+    /// CRC-32C is `payload_crc` (computed once, where it was read).
+    pub fn encode_summed(
+        kind: RecordKind,
+        offset: u64,
+        length: u64,
+        payload_bytes: usize,
+        payload_crc: u32,
+    ) -> [u8; RECORD_HEADER_BYTES] {
         let mut out = [0u8; RECORD_HEADER_BYTES];
         out[0] = kind as u8;
-        out[4..8].copy_from_slice(&(payload.len() as u32).to_le_bytes());
+        out[4..8].copy_from_slice(&(payload_bytes as u32).to_le_bytes());
         out[8..16].copy_from_slice(&offset.to_le_bytes());
         out[16..24].copy_from_slice(&length.to_le_bytes());
-        let crc = crc32c::crc32c_append(crc32c::crc32c(&out[..24]), payload);
+        let crc = crc32c::crc32c_combine(crc32c::crc32c(&out[..24]), payload_crc, payload_bytes);
         out[24..28].copy_from_slice(&crc.to_le_bytes());
         out
     }
@@ -282,7 +294,17 @@ impl RecordHeader {
 
     /// Checks the CRC over the fixed part and `payload`.
     pub fn check(&self, fixed: &[u8; RECORD_HEADER_BYTES], payload: &[u8]) -> Result<(), StreamError> {
-        let crc = crc32c::crc32c_append(crc32c::crc32c(&fixed[..24]), payload);
+        self.check_summed(fixed, payload.len(), crc32c::crc32c(payload))
+    }
+
+    /// [`RecordHeader::check`] with the payload's CRC-32C computed already.
+    pub fn check_summed(
+        &self,
+        fixed: &[u8; RECORD_HEADER_BYTES],
+        payload_bytes: usize,
+        payload_crc: u32,
+    ) -> Result<(), StreamError> {
+        let crc = crc32c::crc32c_combine(crc32c::crc32c(&fixed[..24]), payload_crc, payload_bytes);
         if crc != self.crc {
             return Err(StreamError::Corrupt(format!(
                 "record checksum mismatch ({:?} at offset {})",

@@ -1015,7 +1015,10 @@ impl VolumeManager {
                     return Err(Broken::Interrupted("it ended inside a record".into()));
                 }
                 let payload = input.take(payload_len);
-                record.check(&fixed, payload).map_err(Broken::Bad)?;
+                let payload_crc = crc32c::crc32c(payload);
+                record
+                    .check_summed(&fixed, payload_len, payload_crc)
+                    .map_err(Broken::Bad)?;
                 let bytes = (RECORD_HEADER_BYTES + payload_len) as u64;
                 if record.kind == RecordKind::End {
                     let stream_crc = crate::bytes::u32_at(payload, 0).unwrap_or(0);
@@ -1071,7 +1074,11 @@ impl VolumeManager {
                     }
                     _ => tokio::spawn(async move { target.trim(offset, length, false).await.map_err(|e| e.to_string()) }),
                 });
-                pending.crc = crc32c::crc32c_append(crc32c::crc32c_append(pending.crc, &fixed), payload);
+                pending.crc = crc32c::crc32c_combine(
+                    crc32c::crc32c_append(pending.crc, &fixed),
+                    payload_crc,
+                    payload_len,
+                );
                 pending.offset += bytes;
                 pending.records += 1;
                 if record.kind == RecordKind::Write {
@@ -1137,6 +1144,15 @@ fn short_name_of(name: &str) -> &str {
     name.split_once('/').map_or(name, |(_, short)| short)
 }
 
+/// A buffer read from the snapshot, as the bytes of a response body.
+struct Payload(IoBuf);
+
+impl AsRef<[u8]> for Payload {
+    fn as_ref(&self) -> &[u8] {
+        self.0.payload()
+    }
+}
+
 impl SendJob {
     /// Produces the stream into `out`, reading the snapshot in batches of
     /// up to 1 MiB with several reads in flight. An error ends the stream
@@ -1146,7 +1162,9 @@ impl SendJob {
             return;
         }
         let mut crc = self.crc;
-        type Read = tokio::task::JoinHandle<Result<Vec<u8>, String>>;
+        // A read hands back its buffer and the CRC-32C of it (summed on
+        // the reading task, so reads and sums of several batches overlap).
+        type Read = tokio::task::JoinHandle<Result<(IoBuf, u32), String>>;
         let mut reads: VecDeque<(PlannedRecord, Option<Read>)> = VecDeque::new();
         let mut next = self.first;
         loop {
@@ -1158,7 +1176,8 @@ impl SendJob {
                     tokio::spawn(async move {
                         let (buf, result) = volume.read(record.1, IoBuf::new(record.2 as usize)).await;
                         result.map_err(|e| e.to_string())?;
-                        Ok(buf.into_vec())
+                        let sum = crc32c::crc32c(buf.payload());
+                        Ok((buf, sum))
                     })
                 });
                 reads.push_back((record, read));
@@ -1166,24 +1185,28 @@ impl SendJob {
             let Some(((kind, offset, length), read)) = reads.pop_front() else {
                 break;
             };
-            let payload = match read {
+            let (payload, payload_crc) = match read {
                 Some(task) => match task.await.map_err(|e| e.to_string()).and_then(|r| r) {
-                    Ok(data) => data,
+                    Ok((buf, sum)) => (Some(buf), sum),
                     Err(e) => {
                         tracing::error!("send: reading [{offset}, +{length}) failed: {e}");
                         let _ = out.send(Err(e)).await;
                         return;
                     }
                 },
-                None => Vec::new(),
+                None => (None, 0),
             };
-            let fixed = RecordHeader::encode(kind, offset, length, &payload);
-            crc = crc32c::crc32c_append(crc32c::crc32c_append(crc, &fixed), &payload);
-            let mut chunk = Vec::with_capacity(RECORD_HEADER_BYTES + payload.len());
-            chunk.extend_from_slice(&fixed);
-            chunk.extend_from_slice(&payload);
-            if out.send(Ok(Bytes::from(chunk))).await.is_err() {
+            let payload_bytes = payload.as_ref().map_or(0, IoBuf::len);
+            let fixed = RecordHeader::encode_summed(kind, offset, length, payload_bytes, payload_crc);
+            crc = crc32c::crc32c_combine(crc32c::crc32c_append(crc, &fixed), payload_crc, payload_bytes);
+            if out.send(Ok(Bytes::copy_from_slice(&fixed))).await.is_err() {
                 return;
+            }
+            // The buffer read goes out as it is, not copied.
+            if let Some(buf) = payload {
+                if out.send(Ok(Bytes::from_owner(Payload(buf)))).await.is_err() {
+                    return;
+                }
             }
         }
         let payload = end_payload(crc);
