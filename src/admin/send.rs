@@ -109,8 +109,12 @@ pub(super) async fn receive(
     let Path((pool, name)) = path?;
     let Query(query) = query?;
     let (sender, receiver) = mpsc::channel(CHANNEL_CHUNKS);
+    // Once the receive stops taking the body (refused early), the rest is
+    // read and dropped: a client still sending would otherwise see the
+    // connection reset instead of the answer saying why.
     let pump = tokio::spawn(async move {
         let mut body = body;
+        let mut taking = true;
         loop {
             let item = match body.frame().await {
                 Some(Ok(frame)) => match frame.into_data() {
@@ -121,14 +125,21 @@ pub(super) async fn receive(
                 None => return,
             };
             let stop = item.is_err();
-            if sender.send(item).await.is_err() || stop {
+            if taking && sender.send(item).await.is_err() {
+                taking = false;
+            }
+            if stop {
                 return;
             }
         }
     });
     let target = format!("{pool}/{name}");
     let result = manager.receive(&target, query.resume, receiver).await;
-    pump.abort();
+    if result.is_err() {
+        let _ = pump.await;
+    } else {
+        pump.abort();
+    }
     match result {
         Ok(outcome) => Ok((StatusCode::CREATED, Json(outcome)).into_response()),
         Err(failure) => {
