@@ -322,14 +322,8 @@ pub fn end_payload(stream_crc: u32) -> [u8; END_PAYLOAD_BYTES] {
     out
 }
 
-/// One part of a stream's plan: `count` blocks from `first`, mapped by the
-/// snapshot (sent as data) or not (a hole).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Extent {
-    pub first: u64,
-    pub count: u64,
-    pub mapped: bool,
-}
+/// One part of a plan (what the engine says to send).
+pub use crate::pool::SendExtent as Extent;
 
 /// One record of a plan: (kind, byte offset, byte length).
 pub type PlannedRecord = (RecordKind, u64, u64);
@@ -423,7 +417,7 @@ mod tests {
         bad[100] ^= 4;
         assert!(header.check(&fixed, &bad).is_err());
         let mut lying = fixed;
-        lying[4] = 0;
+        lying[5] = 0;
         assert!(RecordHeader::decode(&lying).is_err());
         let mut unknown = fixed;
         unknown[0] = 9;

@@ -39,6 +39,7 @@ mod volumes;
 pub use blockmap::map_entry;
 use checkpoint::run_blocking;
 use recover::{read_superblock, round_up, write_superblock};
+pub use send::SendExtent;
 use volumes::Replaying;
 
 use std::collections::HashSet;

@@ -4,7 +4,17 @@
 //! that did not). Map pages only, no data read.
 
 use super::*;
-use crate::control::stream::Extent;
+
+/// One part of a send stream's plan: `count` blocks from `first`, mapped
+/// by the snapshot (sent as data) or not (a hole).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SendExtent {
+    pub first: u64,
+    pub count: u64,
+    pub mapped: bool,
+}
+
+type Extent = SendExtent;
 
 impl Pool {
     /// The extents a stream from `older` (a snapshot; `None`: an empty
