@@ -27,7 +27,7 @@ use crate::units::parse_size;
 pub const METRICS_CONTENT_TYPE: &str = "text/plain; version=0.0.4";
 
 /// Every endpoint, as listed by `GET /` and `GET /v1`.
-pub const ENDPOINTS: [&str; 21] = [
+pub const ENDPOINTS: [&str; 25] = [
     "GET /metrics",
     "GET /v1/pools",
     "POST /v1/pools",
@@ -46,6 +46,10 @@ pub const ENDPOINTS: [&str; 21] = [
     "DELETE /v1/snapshots/{pool}/{name}@{snapshot}",
     "POST /v1/snapshots/{pool}/{name}@{snapshot}/rollback",
     "POST /v1/snapshots/{pool}/{name}@{snapshot}/clone",
+    "GET /v1/snapshots/{pool}/{name}@{snapshot}/send[?from=SNAP][&resume=TOKEN]",
+    "POST /v1/volumes/{pool}/{name}/receive[?resume=true]",
+    "GET /v1/volumes/{pool}/{name}/receive",
+    "DELETE /v1/volumes/{pool}/{name}/receive",
     "GET /v1/iscsi",
     "PATCH /v1/iscsi",
     "GET /v1",
@@ -68,13 +72,17 @@ impl ApiError {
         }
     }
 
+    pub(super) fn status(&self) -> StatusCode {
+        self.status
+    }
+
     fn invalid(message: impl Into<String>) -> Self {
         ApiError::new(StatusCode::BAD_REQUEST, message)
     }
 }
 
 /// Messages go on one line so the CLI can print them as they are.
-fn one_line(text: &str) -> String {
+pub(super) fn one_line(text: &str) -> String {
     text.trim().lines().map(str::trim).collect::<Vec<_>>().join("; ")
 }
 
@@ -537,6 +545,13 @@ pub fn router(manager: Arc<VolumeManager>, auth: Arc<ApiAuth>) -> Router {
         .route("/v1/snapshots/:pool/:name/rollback", post(rollback_snapshot))
         .route("/v1/snapshots/:pool/:name/clone", post(clone_snapshot))
         .route("/v1/volumes/:pool/:name/promote", post(promote_volume))
+        .route("/v1/snapshots/:pool/:name/send", get(super::send::send))
+        .route(
+            "/v1/volumes/:pool/:name/receive",
+            post(super::send::receive)
+                .get(super::send::receive_status)
+                .delete(super::send::abort_receive),
+        )
         .route("/v1/iscsi", get(get_iscsi).patch(set_iscsi))
         .fallback(no_such_endpoint)
         .method_not_allowed_fallback(method_not_allowed)

@@ -69,6 +69,13 @@ pub enum AdminCommand {
     /// Take, list and delete snapshots (read-only images of volumes,
     /// exported over NBD as POOL/VOLUME@SNAPSHOT).
     Snapshot(SnapshotArgs),
+    /// Write a snapshot as a stream on stdout (all of it, or with -i what
+    /// changed since an older snapshot), for `strata receive`.
+    Send(super::send_cli::SendArgs),
+    /// Make a volume and its snapshot from a stream on stdin (a full
+    /// stream), or apply an incremental stream to the volume holding its
+    /// base snapshot.
+    Receive(super::send_cli::ReceiveArgs),
 }
 
 #[derive(Debug, clap::Args)]
@@ -306,6 +313,28 @@ pub fn run(command: AdminCommand) -> ExitCode {
         AdminCommand::Pool(args) => run_pool(args),
         AdminCommand::Iscsi(args) => run_iscsi(args),
         AdminCommand::Snapshot(args) => run_snapshot(args),
+        AdminCommand::Send(args) => super::send_cli::run_send(args)
+            .map(|()| String::new())
+            .map_err(CliError),
+        AdminCommand::Receive(args) => match super::send_cli::run_receive(args) {
+            Ok(output) => Ok(output),
+            Err(failure) => {
+                eprintln!(
+                    "strata: error: {}",
+                    failure
+                        .message
+                        .trim()
+                        .lines()
+                        .map(str::trim)
+                        .collect::<Vec<_>>()
+                        .join("; ")
+                );
+                if let Some(token) = failure.token {
+                    eprintln!("resume with: strata send -t {token} | strata receive --resume {token}");
+                }
+                return ExitCode::FAILURE;
+            }
+        },
     };
     match result {
         Ok(output) => {

@@ -263,6 +263,79 @@ impl Client {
         })
     }
 
+    /// A request whose body and answer may be long streams (send and
+    /// receive): `body` feeds the request body (none: empty); a 2xx answer's
+    /// body goes chunk by chunk to `sink` when `stream_answer`, after
+    /// `started` was given its headers; any other answer is collected. No
+    /// overall timeout: a stream takes as long as it takes.
+    pub fn stream(
+        &self,
+        method: &str,
+        path: &str,
+        body: Option<tokio::sync::mpsc::Receiver<Result<Bytes, String>>>,
+        stream_answer: bool,
+        started: &mut dyn FnMut(&hyper::HeaderMap),
+        sink: &mut dyn FnMut(&[u8]) -> Result<(), String>,
+    ) -> Result<Answer, String> {
+        self.runtime.block_on(async {
+            let io = self.connect().await?;
+            let (mut sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(io))
+                .await
+                .map_err(|e| self.failed(&e))?;
+            let driver = tokio::spawn(connection);
+            let host = match &self.endpoint {
+                Endpoint::Unix(_) => "localhost".to_string(),
+                Endpoint::Tcp { address, .. } => address.clone(),
+            };
+            let mut builder = hyper::Request::builder()
+                .method(method)
+                .uri(path)
+                .header("Host", host)
+                .header("Accept", "application/json");
+            if let Some(token) = &self.token {
+                builder = builder.header("Authorization", format!("Bearer {token}"));
+            }
+            let request_body: http_body_util::combinators::BoxBody<Bytes, std::io::Error> = match body {
+                Some(receiver) => {
+                    builder = builder.header("Content-Type", super::send::STREAM_CONTENT_TYPE);
+                    BodyExt::boxed(super::send::ChannelBody(receiver))
+                }
+                None => BodyExt::boxed(Full::new(Bytes::new()).map_err(|never| match never {})),
+            };
+            let request = builder
+                .body(request_body)
+                .map_err(|e| format!("invalid request {method} {path}: {e}"))?;
+            let response = sender.send_request(request).await.map_err(|e| self.failed(&e))?;
+            let status = response.status().as_u16();
+            let streaming = stream_answer && (200..300).contains(&status);
+            if streaming {
+                started(response.headers());
+            }
+            let mut answer = response.into_body();
+            let mut collected = Vec::new();
+            while let Some(frame) = answer.frame().await {
+                let frame = frame.map_err(|e| {
+                    format!(
+                        "the stream from the strata daemon at {} broke off ({e})",
+                        self.describe()
+                    )
+                })?;
+                if let Ok(data) = frame.into_data() {
+                    if streaming {
+                        sink(&data)?;
+                    } else {
+                        collected.extend_from_slice(&data);
+                    }
+                }
+            }
+            driver.abort();
+            Ok(Answer {
+                status,
+                body: String::from_utf8_lossy(&collected).into_owned(),
+            })
+        })
+    }
+
     fn failed(&self, error: &hyper::Error) -> String {
         format!("request to the strata daemon at {} failed ({error})", self.describe())
     }

@@ -6,6 +6,8 @@ pub mod auth;
 pub mod cli;
 pub mod client;
 pub mod metrics;
+pub mod send;
+pub mod send_cli;
 pub mod server;
 
 /// A byte stream HTTP runs over: a Unix socket, TCP, or TLS on TCP.

@@ -50,6 +50,13 @@ pub struct PoolRecord {
     /// list it (a crash after they started naming it), else dropped.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub adding: Option<DeviceRecord>,
+    /// The GUIDs of received snapshots (by snapshot id; ids are never
+    /// reused, so an entry of a deleted snapshot matches nothing): a
+    /// received snapshot keeps its source's GUID, so an incremental
+    /// stream's base can be found here. Other snapshots' GUIDs are derived
+    /// (`control::manager::send`).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub snapshot_guids: BTreeMap<u32, u64>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -64,6 +71,40 @@ pub struct VolumeRecord {
     pub id: u32,
     pub created_unix: u64,
     pub props: StoredProps,
+    /// Set while a stream is being received into the volume (and after an
+    /// interrupted receive, until it is resumed or aborted): the volume is
+    /// then not exported nor listed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub receiving: Option<ReceiveRecord>,
+}
+
+/// What is persisted of a receive in progress (`strata receive`): the
+/// stream's identity and how much of it is applied and durable.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReceiveRecord {
+    pub kind: crate::control::stream::StreamKind,
+    /// The sending side's `POOL/VOLUME`, snapshot and base names.
+    pub source: String,
+    pub snapshot: String,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub base: String,
+    pub guid: u64,
+    pub base_guid: u64,
+    /// The base snapshot's id on this pool (incremental), rolled back to
+    /// when the receive is aborted.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub base_id: Option<u32>,
+    pub stream_bytes: u64,
+    /// Bytes of the stream applied and flushed: a record boundary.
+    pub offset: u64,
+    /// CRC-32C of the stream's first `offset` bytes.
+    pub crc: u32,
+    /// Records before `offset`, and the WRITE payload bytes among them.
+    pub records: u64,
+    pub data_bytes: u64,
+    /// Where the last record before `offset` ended in the volume (records
+    /// must come in increasing offset order).
+    pub volume_end: u64,
 }
 
 impl Catalog {

@@ -25,7 +25,9 @@ use crate::volume::props::{
 use crate::volume::{full_name, Volume};
 
 mod clones;
+mod send;
 mod snapshots;
+pub use send::{ReceiveOutcome, ReceiveStatus, ResumeToken, SendJob};
 pub use snapshots::{split_snapshot_name, SnapshotView};
 
 pub const DEFAULT_POOL: &str = "default";
@@ -248,8 +250,11 @@ impl VolumeManager {
                 let engine = pool
                     .open_volume(volume.id, props.volsize, props.volblocksize)
                     .map_err(|e| internal(&format!("cannot open volume {pool_name}/{name}"), e))?;
-                let opened = Volume::new(pool_name, name, engine.clone(), &props);
-                volumes.insert(full_name(pool_name, name), Arc::new(opened));
+                // A volume being received is not exported until the receive ends.
+                if volume.receiving.is_none() {
+                    let opened = Volume::new(pool_name, name, engine.clone(), &props);
+                    volumes.insert(full_name(pool_name, name), Arc::new(opened));
+                }
                 engines.insert(full_name(pool_name, name), engine);
             }
             if pool.suspect_chunks() > 0 {
@@ -272,7 +277,7 @@ impl VolumeManager {
                 Err(e) => tracing::error!("cannot save the catalog after settling a device addition: {e}"),
             }
         }
-        Ok(VolumeManager {
+        let manager = VolumeManager {
             data_dir: data_dir.to_path_buf(),
             catalog: Mutex::new(catalog),
             volumes: RwLock::new(volumes),
@@ -282,7 +287,9 @@ impl VolumeManager {
             wraps,
             snapshot_views: Mutex::new(HashMap::new()),
             _lock: lock,
-        })
+        };
+        manager.settle_receives().await;
+        Ok(manager)
     }
 
     /// The open pool called `name`.
@@ -364,6 +371,7 @@ impl VolumeManager {
                 volumes: Default::default(),
                 ram_bytes,
                 adding: None,
+                snapshot_guids: Default::default(),
             },
         );
         updated
@@ -707,7 +715,10 @@ impl VolumeManager {
         let catalog = self.catalog();
         let mut names = Vec::new();
         for (pool, record) in &catalog.pools {
-            for name in record.volumes.keys() {
+            for (name, volume) in &record.volumes {
+                if volume.receiving.is_some() {
+                    continue;
+                }
                 names.push(full_name(pool, name));
             }
         }
@@ -761,6 +772,7 @@ impl VolumeManager {
                 id,
                 created_unix: now_unix(),
                 props: stored.clone(),
+                receiving: None,
             },
         );
         let props = stored.effective();
@@ -1303,6 +1315,7 @@ async fn initialise(data_dir: &Path, wraps: &DeviceWraps) -> Result<Catalog, Adm
                 volblocksize: DEFAULT_VOLBLOCKSIZE,
                 local: Default::default(),
             },
+            receiving: None,
         },
     );
     let mut catalog = Catalog::empty();

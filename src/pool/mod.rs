@@ -30,6 +30,7 @@ pub mod ram;
 pub mod readcache;
 mod recover;
 mod scrub;
+mod send;
 pub mod snapshots;
 pub mod superblock;
 pub mod volume;
@@ -38,6 +39,7 @@ mod volumes;
 pub use blockmap::map_entry;
 use checkpoint::run_blocking;
 use recover::{read_superblock, round_up, write_superblock};
+pub use send::SendExtent;
 use volumes::Replaying;
 
 use std::collections::HashSet;

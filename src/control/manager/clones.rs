@@ -76,6 +76,7 @@ impl VolumeManager {
                 id,
                 created_unix: now_unix(),
                 props: stored.clone(),
+                receiving: None,
             },
         );
         // The engine first: a crash before the catalog names the clone

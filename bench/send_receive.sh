@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# send / receive throughput against the same volume's NBD throughput, in
+# one run of one strata server: 1M sequential read and write over NBD
+# (fio's nbd engine, QD8), then `strata send` of a full snapshot and of an
+# incremental one to /dev/null, `strata receive` of the full stream from a
+# file (page cache) into a new volume, and `send | receive` through a pipe.
+# The volume is SIZE (default 1G; the issue asks for 4G, which fits a
+# machine with more free disk and RAM). The data directory is a temporary
+# one, the server listens on ephemeral 127.0.0.1 ports and is stopped by PID.
+#
+# Usage: bench/send_receive.sh [STRATA_BINARY] [SIZE]
+set -euo pipefail
+BIN=${1:-$(dirname "$0")/../target/release/strata}
+BIN=$(realpath "$BIN")
+SIZE=${2:-1G}
+DIR=$(mktemp -d)
+trap 'kill "$PID" 2>/dev/null || true; rm -rf "$DIR"' EXIT
+cd "$DIR"
+export STRATA_DATA_DIR=$DIR/d
+"$BIN" serve --data-dir ./d --nbd 127.0.0.1:0 --api 127.0.0.1:0 --iscsi 127.0.0.1:0 >out.txt 2>err.txt &
+PID=$!
+for _ in $(seq 100); do grep -q "nbd listening" out.txt 2>/dev/null && break; sleep 0.1; done
+PORT=$(sed -n 's/^strata: nbd listening on 127.0.0.1://p' out.txt)
+BYTES=$(numfmt --from=iec "$SIZE")
+MIB=$((BYTES >> 20))
+
+fio_mibs() { # rw uri: MiB/s of a 1M sequential pass over the volume
+    fio --name=seq --ioengine=nbd --uri="$2" --rw="$1" --bs=1M --iodepth=8 --size="$SIZE" \
+        --output-format=terse | awk -F';' -v rw="$1" 'NF > 40 {print (rw == "read" ? $7 : $48) / 1024}'
+}
+timed_mibs() { # bytes command...: MiB/s of the command
+    local bytes=$1 start end
+    shift
+    start=$(date +%s%N)
+    "$@"
+    end=$(date +%s%N)
+    echo "$bytes $start $end" | awk '{printf "%.0f", $1 / 1048576 / (($3 - $2) / 1e9)}'
+}
+ratio() { echo "$1 $2" | awk '{printf "%.2f", $1 / $2}'; }
+
+"$BIN" volume create default/b --size "$SIZE"
+"$BIN" volume create default/w --size "$SIZE"
+URI=nbd://127.0.0.1:$PORT/default/b
+write_nbd=$(fio_mibs write "nbd://127.0.0.1:$PORT/default/w")
+fio_mibs write "$URI" >/dev/null
+"$BIN" pool sync default
+read_nbd=$(fio_mibs read "$URI")
+"$BIN" snapshot create default/b@s1
+send_full=$(timed_mibs "$BYTES" sh -c "'$BIN' send default/b@s1 > /dev/null")
+# A quarter of the volume changes, then the incremental stream.
+fio --name=change --ioengine=nbd --uri="$URI" --rw=write --bs=1M --iodepth=8 --size=$((MIB / 4))M \
+    --offset=$((MIB / 2))M --output-format=terse >/dev/null
+"$BIN" snapshot create default/b@s2
+send_incr=$(timed_mibs $((BYTES / 4)) sh -c "'$BIN' send default/b@s2 -i @s1 > /dev/null")
+"$BIN" send default/b@s1 > stream
+receive=$(timed_mibs "$BYTES" sh -c "'$BIN' receive default/r < stream")
+rm -f stream
+pipe=$(timed_mibs "$BYTES" sh -c "'$BIN' send default/b@s1 | '$BIN' receive default/p")
+"$BIN" volume list
+
+echo "volume $SIZE, 1M sequential over NBD (fio, QD8): read $read_nbd MiB/s, write $write_nbd MiB/s"
+echo "send full:        $send_full MiB/s ($(ratio "$send_full" "$read_nbd")x NBD read)"
+echo "send incremental: $send_incr MiB/s ($(ratio "$send_incr" "$read_nbd")x NBD read; $((MIB / 4)) MiB changed)"
+echo "receive full:     $receive MiB/s ($(ratio "$receive" "$write_nbd")x NBD write)"
+echo "send | receive:   $pipe MiB/s ($(ratio "$pipe" "$write_nbd")x NBD write)"

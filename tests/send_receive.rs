@@ -1,0 +1,406 @@
+//! `strata send` and `strata receive` between two daemons (two data
+//! directories: "another machine"), through the real CLI, a shell pipe,
+//! the Unix socket and the TCP API with its token; the results compared
+//! with `qemu-img compare` and `nbdinfo --map` over NBD. Bad streams
+//! (a corrupted byte, a truncated stream, the wrong base, foreign bytes)
+//! are refused and leave nothing behind; an interrupted receive resumes,
+//! also after a kill -9 of the receiving daemon, and leaks no space.
+
+mod common;
+
+use std::io::Write;
+use std::path::Path;
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use common::{cli_ok, pool_json, qemu_io_ok, require_tool, run, small_default_pool, token_for, Server};
+
+const STRATA: &str = env!("CARGO_BIN_EXE_strata");
+
+fn start(dir: &Path) -> Server {
+    small_default_pool(dir);
+    Server::start(dir)
+}
+
+/// `strata send ARGS` on `server`: the stream.
+fn send(server: &Server, args: &[&str]) -> Vec<u8> {
+    let output = run(Command::new(STRATA)
+        .arg("send")
+        .args(args)
+        .arg("--data-dir")
+        .arg(&server.data_dir));
+    output.stdout
+}
+
+/// `strata receive ARGS < stream` on `server`, over its TCP API with the
+/// token (as from another machine).
+fn receive(server: &Server, args: &[&str], stream: &[u8]) -> Output {
+    let mut child = Command::new(STRATA)
+        .arg("receive")
+        .args(args)
+        .args(["--api", &server.api])
+        .env("STRATA_TOKEN", token_for(&server.api).expect("the test daemon's token"))
+        .env_remove("STRATA_DATA_DIR")
+        .current_dir(std::env::temp_dir())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run strata receive");
+    let mut stdin = child.stdin.take().unwrap();
+    // The daemon may refuse early and close: a broken pipe is fine then.
+    let _ = stdin.write_all(stream);
+    drop(stdin);
+    child.wait_with_output().unwrap()
+}
+
+fn receive_ok(server: &Server, args: &[&str], stream: &[u8]) {
+    let output = receive(server, args, stream);
+    assert!(
+        output.status.success(),
+        "strata receive {args:?}: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+}
+
+/// A refused receive: its one-line message (stderr's first line).
+fn receive_refused(server: &Server, args: &[&str], stream: &[u8]) -> String {
+    let output = receive(server, args, stream);
+    assert!(!output.status.success(), "strata receive {args:?} was not refused");
+    let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
+    assert!(stderr.starts_with("strata: error: "), "{stderr}");
+    stderr
+}
+
+fn compare(a: &str, b: &str) {
+    let output = Command::new("qemu-img")
+        .args(["compare", "-f", "raw", "-F", "raw", a, b])
+        .output()
+        .expect("run qemu-img compare");
+    assert!(
+        output.status.success(),
+        "qemu-img compare {a} {b}: {}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+}
+
+fn volumes(server: &Server) -> Vec<String> {
+    let listed: serde_json::Value = serde_json::from_str(&cli_ok(server, &["volume", "list", "--json"])).unwrap();
+    listed
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v["name"].as_str().unwrap().to_string())
+        .collect()
+}
+
+/// The bytes the pool's devices hold, after its cache is placed.
+fn placed(server: &Server) -> u64 {
+    cli_ok(server, &["pool", "sync", "default"]);
+    pool_json(server, "default")["devices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| d["used_bytes"].as_u64().unwrap())
+        .sum()
+}
+
+/// `nbdinfo --map` of an export, each line's fields separated by one space.
+fn map_of(server: &Server, export: &str) -> String {
+    common::stdout_of(Command::new("nbdinfo").args(["--map", &server.uri(export)]))
+        .lines()
+        .map(|line| line.split_whitespace().collect::<Vec<_>>().join(" "))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+fn export_missing(server: &Server, export: &str) {
+    let output = Command::new("nbdinfo").arg(server.uri(export)).output().unwrap();
+    assert!(!output.status.success(), "{export} is exported");
+}
+
+/// A volume with a chain of three snapshots: data, overwrites (whole and
+/// partial blocks), a trim (a hole in @s2 where @s1 had data), growth.
+fn make_chain(server: &Server) {
+    cli_ok(server, &["volume", "create", "default/db", "--size", "64M"]);
+    let uri = server.uri("default/db");
+    qemu_io_ok(
+        &uri,
+        &[
+            "write -P 0xa1 0 8M".into(),
+            "write -P 0xa2 20M 3M".into(),
+            "flush".into(),
+        ],
+    );
+    cli_ok(server, &["snapshot", "create", "default/db@s1"]);
+    qemu_io_ok(
+        &uri,
+        &[
+            "write -P 0xb1 1M 1M".into(),
+            "write -P 0xb2 4100k 4k".into(),
+            "discard 20M 2M".into(),
+            "write -P 0xb3 40M 1M".into(),
+            "flush".into(),
+        ],
+    );
+    cli_ok(server, &["snapshot", "create", "default/db@s2"]);
+    qemu_io_ok(
+        &uri,
+        &[
+            "write -P 0xc1 0 64k".into(),
+            "discard 40M 512k".into(),
+            "write -P 0xc2 63M 1M".into(),
+        ],
+    );
+    cli_ok(server, &["snapshot", "create", "default/db@s3"]);
+}
+
+#[test]
+fn full_and_incremental_chains_round_trip() {
+    require_tool("qemu-img");
+    require_tool("nbdinfo");
+    let (a_dir, b_dir) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let a = start(a_dir.path());
+    let b = start(b_dir.path());
+    make_chain(&a);
+
+    let full = send(&a, &["default/db@s1"]);
+    receive_ok(&b, &["default/copy"], &full);
+    compare(&a.uri("default/db@s1"), &b.uri("default/copy@s1"));
+    compare(&a.uri("default/db@s1"), &b.uri("default/copy"));
+    // Holes stay holes: 8M..20M and beyond 23M were never written.
+    let map = map_of(&b, "default/copy");
+    assert!(map.contains("8388608 12582912 3 hole,zero"), "{map}");
+
+    // Incremental, through a shell pipe as `send | ssh host receive` is.
+    let pipe = format!(
+        "{STRATA} send default/db@s2 -i @s1 --data-dir {} | STRATA_TOKEN=$TOKEN {STRATA} receive default/copy --api {}",
+        a.data_dir.display(),
+        b.api
+    );
+    run(Command::new("sh")
+        .args(["-c", &pipe])
+        .env("TOKEN", token_for(&b.api).unwrap()));
+    compare(&a.uri("default/db@s2"), &b.uri("default/copy@s2"));
+    let map = map_of(&b, "default/copy@s2");
+    assert!(
+        map.contains("8388608 14680064 3 hole,zero"),
+        "the trimmed range is a hole again: {map}"
+    );
+
+    // An incremental stream holds only what changed.
+    let incremental = send(&a, &["default/db@s3", "-i", "default/db@s2"]);
+    assert!(incremental.len() < 3 << 20, "{} bytes", incremental.len());
+    receive_ok(&b, &["default/copy"], &incremental);
+    for snapshot in ["s1", "s2", "s3"] {
+        compare(
+            &a.uri(&format!("default/db@{snapshot}")),
+            &b.uri(&format!("default/copy@{snapshot}")),
+        );
+    }
+    compare(&a.uri("default/db"), &b.uri("default/copy"));
+
+    // A received snapshot keeps its identity: a third machine's chain can
+    // go on from B (the same stream from A applies to B's copy's copy).
+    let from_b = send(&b, &["default/copy@s2"]);
+    receive_ok(&a, &["default/again"], &from_b);
+    let next = send(&a, &["default/db@s3", "-i", "@s2"]);
+    receive_ok(&a, &["default/again"], &next);
+    compare(&a.uri("default/db@s3"), &a.uri("default/again@s3"));
+}
+
+#[test]
+fn bad_streams_are_refused_and_leave_nothing_behind() {
+    require_tool("qemu-img");
+    require_tool("nbdinfo");
+    let (a_dir, b_dir) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let a = start(a_dir.path());
+    let b = start(b_dir.path());
+    make_chain(&a);
+    let full = send(&a, &["default/db@s1"]);
+    let before = placed(&b);
+
+    // Foreign bytes, and the wrong version.
+    let refused = receive_refused(&b, &["default/x"], b"GIF89a this is not a stream at all");
+    assert!(refused.contains("not a strata send stream"), "{refused}");
+    let mut version = full.clone();
+    version[8] = 9;
+    let refused = receive_refused(&b, &["default/x"], &version);
+    assert!(refused.contains("version 9"), "{refused}");
+
+    // A corrupted byte in the data: refused, and the volume made for it is gone.
+    let mut corrupt = full.clone();
+    let at = full.len() / 2;
+    corrupt[at] ^= 0x10;
+    let refused = receive_refused(&b, &["default/x"], &corrupt);
+    assert!(refused.contains("checksum mismatch"), "{refused}");
+    assert!(!volumes(&b).contains(&"default/x".to_string()));
+    export_missing(&b, "default/x");
+    assert_eq!(placed(&b), before, "a refused stream left data behind");
+
+    // A truncated stream: refused with a resume token; nothing is visible
+    // and the partial volume is discarded by --abort.
+    let refused = receive_refused(&b, &["default/x"], &full[..full.len() - 1000]);
+    assert!(
+        refused.contains("stopped at") && refused.contains("resume with: strata send -t "),
+        "{refused}"
+    );
+    assert!(!volumes(&b).contains(&"default/x".to_string()));
+    export_missing(&b, "default/x");
+    cli_ok(&b, &["receive", "--abort", "default/x"]);
+    assert_eq!(placed(&b), before, "an aborted receive left data behind");
+
+    // The chain: B holds @s1. The wrong base (s2 -> s3) is refused at once.
+    receive_ok(&b, &["default/copy"], &full);
+    let wrong = send(&a, &["default/db@s3", "-i", "@s2"]);
+    let refused = receive_refused(&b, &["default/copy"], &wrong);
+    assert!(refused.contains("wrong base"), "{refused}");
+    compare(&a.uri("default/db@s1"), &b.uri("default/copy"));
+
+    // A corrupt incremental stream is refused and rolled back: the copy
+    // is @s1 again, exported, and can take the right stream.
+    let good = send(&a, &["default/db@s2", "-i", "@s1"]);
+    let mut corrupt = good.clone();
+    let at = good.len() - 2000;
+    corrupt[at] ^= 1;
+    let refused = receive_refused(&b, &["default/copy"], &corrupt);
+    assert!(refused.contains("corrupt send stream"), "{refused}");
+    compare(&a.uri("default/db@s1"), &b.uri("default/copy"));
+    // Records out of order (two swapped) are refused too: the stream's
+    // records after the header, swapped pairwise where they are the
+    // same size, fail the order check or the stream checksum.
+    let header = u32::from_le_bytes(good[12..16].try_into().unwrap()) as usize;
+    let first_len = 32 + u32::from_le_bytes(good[header + 4..header + 8].try_into().unwrap()) as usize;
+    let second_len =
+        32 + u32::from_le_bytes(good[header + first_len + 4..header + first_len + 8].try_into().unwrap()) as usize;
+    let mut swapped = good[..header].to_vec();
+    swapped.extend_from_slice(&good[header + first_len..header + first_len + second_len]);
+    swapped.extend_from_slice(&good[header..header + first_len]);
+    swapped.extend_from_slice(&good[header + first_len + second_len..]);
+    let refused = receive_refused(&b, &["default/copy"], &swapped);
+    assert!(refused.contains("out of order"), "{refused}");
+    compare(&a.uri("default/db@s1"), &b.uri("default/copy"));
+    // A volume changed since its snapshot takes no incremental stream.
+    qemu_io_ok(&b.uri("default/copy"), &["write -P 0x77 0 4k".into()]);
+    let refused = receive_refused(&b, &["default/copy"], &good);
+    assert!(refused.contains("was modified since its snapshot @s1"), "{refused}");
+    cli_ok(&b, &["snapshot", "rollback", "default/copy@s1"]);
+    receive_ok(&b, &["default/copy"], &good);
+    compare(&a.uri("default/db@s2"), &b.uri("default/copy@s2"));
+}
+
+/// The resume token the receiving daemon reports for `volume`.
+fn pending_token(server: &Server, volume: &str) -> String {
+    let status = cli_ok(server, &["receive", "--status", volume]);
+    let token = status
+        .split_whitespace()
+        .skip_while(|w| *w != "--resume")
+        .nth(1)
+        .unwrap_or_else(|| panic!("no token in: {status}"));
+    token.to_string()
+}
+
+#[test]
+fn an_interrupted_receive_resumes_even_after_a_kill_9() {
+    require_tool("qemu-img");
+    require_tool("nbdinfo");
+    let (a_dir, b_dir) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let a = start(a_dir.path());
+    let mut b = start(b_dir.path());
+    cli_ok(&a, &["volume", "create", "default/big", "--size", "256M"]);
+    qemu_io_ok(
+        &a.uri("default/big"),
+        &["write -P 0x5a 0 200M".into(), "write -P 0x5b 210M 40M".into()],
+    );
+    cli_ok(&a, &["snapshot", "create", "default/big@one"]);
+    let stream = send(&a, &["default/big@one"]);
+    let before = placed(&b);
+
+    // Feed the first 150 MiB, wait for the daemon to record progress,
+    // then kill it in the middle of the receive.
+    let mut child = Command::new(STRATA)
+        .args(["receive", "default/big"])
+        .arg("--data-dir")
+        .arg(&b.data_dir)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdin = child.stdin.take().unwrap();
+    stdin.write_all(&stream[..150 << 20]).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let status = common::cli(&b, &["receive", "--status", "default/big"]);
+        let text = String::from_utf8_lossy(&status.stdout).into_owned();
+        let received: u64 = text
+            .split(": ")
+            .nth(1)
+            .and_then(|rest| rest.split_whitespace().next())
+            .and_then(|n| n.parse().ok())
+            .unwrap_or(0);
+        if received > 64 << 20 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "no progress recorded: {text}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    b.kill9();
+    drop(stdin);
+    let _ = child.wait_with_output();
+    let b = Server::start(b_dir.path());
+
+    // Nothing half-applied is visible; the receive resumes from its token.
+    assert!(!volumes(&b).contains(&"default/big".to_string()));
+    export_missing(&b, "default/big");
+    let token = pending_token(&b, "default/big");
+    let rest = send(&a, &["-t", &token]);
+    assert!(
+        rest.len() < stream.len() - (64 << 20),
+        "{} of {}",
+        rest.len(),
+        stream.len()
+    );
+    // The continuation of another receive is refused.
+    let refused = receive_refused(&b, &["default/other", "--resume", &token], &rest);
+    assert!(
+        refused.contains("no receive into 'default/other' is pending"),
+        "{refused}"
+    );
+    receive_ok(&b, &["--resume", &token], &rest);
+    compare(&a.uri("default/big@one"), &b.uri("default/big@one"));
+    compare(&a.uri("default/big"), &b.uri("default/big"));
+    // No space leaked: the pool holds exactly the volume's blocks.
+    assert_eq!(
+        placed(&b),
+        before + 240 * (1 << 20),
+        "placed bytes after the resumed receive"
+    );
+
+    // A kill -9 with nothing to resume from: --abort gives all the space back.
+    let mut b = b;
+    let mut child = Command::new(STRATA)
+        .args(["receive", "default/second"])
+        .arg("--data-dir")
+        .arg(&b.data_dir)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut stdin = child.stdin.take().unwrap();
+    stdin.write_all(&stream[..100 << 20]).unwrap();
+    std::thread::sleep(Duration::from_millis(2500));
+    b.kill9();
+    drop(stdin);
+    let _ = child.wait_with_output();
+    let b = Server::start(b_dir.path());
+    assert!(!volumes(&b).contains(&"default/second".to_string()));
+    cli_ok(&b, &["receive", "--abort", "default/second"]);
+    assert_eq!(
+        placed(&b),
+        before + 240 * (1 << 20),
+        "space left behind by the aborted receive"
+    );
+}
