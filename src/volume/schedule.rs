@@ -94,8 +94,9 @@ impl Period {
             Period::Frequently | Period::Hourly | Period::Daily => fixed(self.nominal_seconds()),
             Period::Weekly => {
                 // 1970-01-01 was a Thursday: day d is (d + 3) % 7 days after a Monday.
+                // (Saturating: a clock at the epoch itself must not panic.)
                 let days = now / DAY;
-                (days - (days + 3) % 7) * DAY
+                days.saturating_sub((days + 3) % 7) * DAY
             }
             Period::Monthly => {
                 let (year, month, _) = civil_from_days(now / DAY);
