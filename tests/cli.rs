@@ -403,7 +403,8 @@ fn volume_lifecycle() {
             "iscsi.mutual_secret",
             "iscsi.initiators",
             "nbd.tls_identities",
-            "snapshot.schedule"
+            "snapshot.schedule",
+            "origin"
         ]
     );
     assert_eq!(prop(&get, "default/db", "volsize"), ("1G".into(), "local".into()));
