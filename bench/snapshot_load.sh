@@ -42,10 +42,10 @@ phase() { # label seconds seed [command to run meanwhile]
     out=$(cat fio.txt)
     iops=$(echo "$out" | awk -F';' 'NF > 40 {print $49}')
     local p50 p99 p999 max
-    p50=$(echo "$out" | awk -F';' '{print $59}' | cut -d= -f2)
-    p99=$(echo "$out" | awk -F';' '{print $60}' | cut -d= -f2)
-    p999=$(echo "$out" | awk -F';' '{print $61}' | cut -d= -f2)
-    max=$(echo "$out" | awk -F';' '{print $56}')
+    p50=$(echo "$out" | awk -F';' 'NF > 40 {print $59}' | cut -d= -f2)
+    p99=$(echo "$out" | awk -F';' 'NF > 40 {print $60}' | cut -d= -f2)
+    p999=$(echo "$out" | awk -F';' 'NF > 40 {print $61}' | cut -d= -f2)
+    max=$(echo "$out" | awk -F';' 'NF > 40 {print $56}')
     echo "| $1 | $iops | $(( (after - before) * 1000000 / $(getconf CLK_TCK) / (iops * $2) )) | ${p50} / ${p99} / ${p999} | $max |"
 }
 take_snapshots() {
@@ -75,12 +75,13 @@ fio --name=rewrite --ioengine=nbd --uri="$BIG" --rw=write --bs=1M --iodepth=4 --
 s pool sync default >/dev/null
 s snapshot list default/big
 idle=$(fio --name=r --ioengine=nbd --uri="$URI" --rw=randread --bs=4k --iodepth=1 --size=1G --time_based --runtime=5 \
-    --output-format=terse --percentile_list=99 | awk -F';' '{print $18}' | cut -d= -f2)
+    --output-format=terse --percentile_list=99 | awk -F';' 'NF > 40 {print $18}' | cut -d= -f2)
 fio --name=r --ioengine=nbd --uri="$URI" --rw=randread --bs=4k --iodepth=1 --size=1G --time_based --runtime=8 \
     --output-format=terse --percentile_list=99 >read.txt &
+READER=$!
 sleep 2
 start=$(date +%s%N)
 s snapshot delete default/big@old
 echo "snapshot delete of 4 GiB only it holds: $(( ($(date +%s%N) - start) / 1000000 )) ms at the CLI"
-wait
-echo "foreground 4K read QD1 clat p99: idle ${idle} µs, during the delete $(awk -F';' '{print $18}' read.txt | cut -d= -f2) µs"
+wait "$READER" || echo "the foreground read failed: $(cat read.txt)"
+echo "foreground 4K read QD1 clat p99: idle ${idle} µs, during the delete $(awk -F';' 'NF > 40 {print $18}' read.txt | cut -d= -f2) µs"

@@ -213,12 +213,16 @@ async fn serve(args: ServeArgs) -> Result<(), String> {
         stop.clone(),
     ));
 
+    // Automatic snapshots (`snapshot.schedule`); stops between rounds.
+    let retention_task = tokio::spawn(crate::control::retention::run(manager.clone(), stop.clone()));
+
     let signal = signals.first().await;
     tracing::info!("{signal} received, shutting down");
     let _ = stop_sender.send(true);
     let _ = nbd_task.await;
     let _ = iscsi_task.await;
     let _ = api_task.await;
+    let _ = retention_task.await;
     let mut untold = manager.flush_all().await;
     untold.extend(manager.close().await);
     // stdout may be closed by now (a supervisor that stopped reading); never panic on it.

@@ -402,7 +402,14 @@ fn volume_lifecycle() {
             "iscsi.mutual_user",
             "iscsi.mutual_secret",
             "iscsi.initiators",
-            "nbd.tls_identities"
+            "nbd.tls_identities",
+            "snapshot.schedule",
+            "origin",
+            "used",
+            "referenced",
+            "usedbydataset",
+            "usedbysnapshots",
+            "written"
         ]
     );
     assert_eq!(prop(&get, "default/db", "volsize"), ("1G".into(), "local".into()));

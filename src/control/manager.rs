@@ -25,8 +25,10 @@ use crate::volume::props::{
 use crate::volume::{full_name, Volume};
 
 mod clones;
+mod retention;
 mod send;
 mod snapshots;
+pub use retention::{ScheduledSnapshot, ScheduledVolume};
 pub use send::{ReceiveOutcome, ReceiveStatus, ResumeToken, SendJob};
 pub use snapshots::{split_snapshot_name, SnapshotView};
 
@@ -142,6 +144,8 @@ pub struct VolumeManager {
     wraps: DeviceWraps,
     /// Read-only volumes of snapshots opened for exports, by `pool/vol@snap`.
     snapshot_views: Mutex<HashMap<String, std::sync::Weak<Volume>>>,
+    /// Wakes the retention scheduler when a `snapshot.schedule` may have changed.
+    schedule_changed: tokio::sync::Notify,
     /// Held open (and `flock`ed) so a second daemon on the same directory is refused.
     _lock: File,
 }
@@ -285,6 +289,7 @@ impl VolumeManager {
             pools: RwLock::new(pools),
             runtime: tokio::runtime::Handle::current(),
             wraps,
+            schedule_changed: tokio::sync::Notify::new(),
             snapshot_views: Mutex::new(HashMap::new()),
             _lock: lock,
         };
@@ -792,6 +797,7 @@ impl VolumeManager {
             .write()
             .unwrap_or_else(|e| e.into_inner())
             .insert(name.to_string(), engine);
+        self.schedule_changed.notify_one();
         self.info_of(&catalog, name)
     }
 
@@ -860,6 +866,7 @@ impl VolumeManager {
             .map_err(|e| internal("cannot save catalog", e))?;
         *catalog = updated;
         volume.apply_props(&effective);
+        self.schedule_changed.notify_one();
         self.info_of(&catalog, name)
     }
 

@@ -5,4 +5,5 @@
 
 pub mod catalog;
 pub mod manager;
+pub mod retention;
 pub mod stream;

@@ -247,6 +247,20 @@ pub struct VolumeSpace {
     pub written: u64,
 }
 
+/// Destages what `volume` has in the RAM cache now, once, while its writes
+/// go on (what they add meanwhile stays): a bounded pass, not `place_cached`'s
+/// loop, which would chase a writer forever.
+async fn place_cached_once(volume: &volume::EngineVolume, what: &str) -> Result<(), PoolError> {
+    let blocks = volume.cached_blocks(|_| true, usize::MAX);
+    for batch in blocks.chunks(512) {
+        volume
+            .destage_blocks(batch)
+            .await
+            .map_err(|e| PoolError::Invalid(format!("placing cached writes before {what}: {e}")))?;
+    }
+    Ok(())
+}
+
 /// What a new snapshot needs from its volume.
 pub struct SnapshotRequest<'a> {
     pub volume: &'a Arc<volume::EngineVolume>,
@@ -316,6 +330,12 @@ impl Pool {
                     return Err(PoolError::Invalid(format!("snapshot '{}' exists", request.name)));
                 }
             }
+        }
+        // What the volumes have in the cache goes to its place first while
+        // their writes go on (the ordinary destage), so that only what they
+        // write meanwhile is placed with the writes held.
+        for volume in &volumes {
+            place_cached_once(volume, "the snapshot").await?;
         }
         // Writes stop (in id order, so two commands cannot deadlock); what
         // they left in the cache goes to its place.

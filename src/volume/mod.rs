@@ -8,6 +8,7 @@
 //! ([`crate::pool::volume::EngineVolume`]); frontends never see it.
 
 pub mod props;
+pub mod schedule;
 pub mod stats;
 
 use std::future::Future;

@@ -4,6 +4,7 @@ use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
 use crate::units::{format_size, parse_size};
+use crate::volume::schedule::Schedule;
 
 pub const DEFAULT_VOLBLOCKSIZE: u32 = 16 << 10;
 pub const MIN_VOLBLOCKSIZE: u32 = 4 << 10;
@@ -85,7 +86,7 @@ pub struct PropertyRow {
 }
 
 /// Every property name `volume create -o` and `volume set` understand.
-pub const PROPERTY_NAMES: [&str; 13] = [
+pub const PROPERTY_NAMES: [&str; 14] = [
     "volsize",
     "volblocksize",
     "sync",
@@ -99,6 +100,7 @@ pub const PROPERTY_NAMES: [&str; 13] = [
     "iscsi.mutual_secret",
     "iscsi.initiators",
     "nbd.tls_identities",
+    "snapshot.schedule",
 ];
 
 /// How a secret is shown by `strata volume get` and in error messages.
@@ -117,7 +119,7 @@ pub enum PropError {
     #[error(
         "unknown property '{0}' (known: volsize, volblocksize, sync, logbias, wce, compression, iscsi.auth, \
          iscsi.chap_user, iscsi.chap_secret, iscsi.mutual_user, iscsi.mutual_secret, iscsi.initiators, \
-         nbd.tls_identities)"
+         nbd.tls_identities, snapshot.schedule)"
     )]
     Unknown(String),
     #[error("bad value '{value}' for property '{property}': {expected}")]
@@ -226,6 +228,9 @@ pub fn canonical_value(property: &str, value: &str) -> Result<String, PropError>
                 "'*' or a comma-separated list of TLS identities (PSK user names or certificate CNs)",
             )
         }),
+        "snapshot.schedule" => Schedule::parse(value)
+            .map(|schedule| schedule.to_string())
+            .map_err(|why| bad(property, value, &why)),
         other => Err(PropError::Unknown(other.to_string())),
     }
 }
@@ -466,6 +471,14 @@ impl StoredProps {
                     .unwrap_or_else(|| "*".to_string()),
                 source("nbd.tls_identities"),
             ),
+            row(
+                "snapshot.schedule",
+                self.local
+                    .get("snapshot.schedule")
+                    .cloned()
+                    .unwrap_or_else(|| "off".to_string()),
+                source("snapshot.schedule"),
+            ),
         ]
     }
 }
@@ -483,6 +496,18 @@ mod tests {
         assert!(canonical_value("volblocksize", "256K").is_err());
         assert!(matches!(canonical_value("colour", "red"), Err(PropError::Unknown(_))));
         assert!(canonical_value("compression", "lz4").is_err());
+        assert_eq!(
+            canonical_value("snapshot.schedule", "daily:7, hourly:24").unwrap(),
+            "hourly:24,daily:7"
+        );
+        assert_eq!(canonical_value("snapshot.schedule", "").unwrap(), "off");
+        let error = canonical_value("snapshot.schedule", "hourly:0")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            error.starts_with("bad value 'hourly:0' for property 'snapshot.schedule'"),
+            "{error}"
+        );
     }
 
     #[test]
@@ -572,5 +597,6 @@ mod tests {
         assert_eq!(value("iscsi.auth"), "none");
         assert_eq!(value("iscsi.chap_secret"), "-");
         assert_eq!(value("iscsi.initiators"), "*");
+        assert_eq!(value("snapshot.schedule"), "off");
     }
 }

@@ -114,6 +114,7 @@ impl VolumeManager {
             .unwrap_or_else(|e| e.into_inner())
             .insert(name.to_string(), engine);
         tracing::info!("volume {name} cloned from {origin}");
+        self.schedule_changed.notify_one();
         self.info_of(&catalog, name)
     }
 
