@@ -382,6 +382,19 @@ fn parse_options(client: &ClientOptions, properties_allowed: bool) -> CliResult<
     Ok(output)
 }
 
+/// The `-o PROPERTY=VALUE` options as the API takes them (a `volsize`
+/// checked here first).
+fn properties_json(output: &Output) -> CliResult<serde_json::Map<String, Value>> {
+    if let Some((_, volsize)) = output.properties.iter().find(|(k, _)| k == "volsize") {
+        parse_size(volsize)?;
+    }
+    Ok(output
+        .properties
+        .iter()
+        .map(|(k, v)| (k.clone(), Value::String(v.clone())))
+        .collect())
+}
+
 fn run_volume(args: VolumeArgs) -> CliResult<String> {
     let creating = matches!(args.command, VolumeCommand::Create { .. } | VolumeCommand::Clone { .. });
     let output = parse_options(&args.client, creating)?;
@@ -390,14 +403,7 @@ fn run_volume(args: VolumeArgs) -> CliResult<String> {
         VolumeCommand::Create { name, size } => {
             split_volume_name(&name)?;
             let size = parse_size(&size)?;
-            if let Some((_, volsize)) = output.properties.iter().find(|(k, _)| k == "volsize") {
-                parse_size(volsize)?;
-            }
-            let properties: serde_json::Map<String, Value> = output
-                .properties
-                .iter()
-                .map(|(k, v)| (k.clone(), Value::String(v.clone())))
-                .collect();
+            let properties = properties_json(&output)?;
             let client = Client::new(&args.client)?;
             let body = json!({ "name": name, "size": size, "properties": properties });
             let info: VolumeInfo = client.send("POST", "/v1/volumes", Some(body))?;
@@ -494,14 +500,7 @@ fn run_volume(args: VolumeArgs) -> CliResult<String> {
         VolumeCommand::Clone { origin, name } => {
             split_snapshot_name(&origin)?;
             split_volume_name(&name)?;
-            if let Some((_, volsize)) = output.properties.iter().find(|(k, _)| k == "volsize") {
-                parse_size(volsize)?;
-            }
-            let properties: serde_json::Map<String, Value> = output
-                .properties
-                .iter()
-                .map(|(k, v)| (k.clone(), Value::String(v.clone())))
-                .collect();
+            let properties = properties_json(&output)?;
             let client = Client::new(&args.client)?;
             let body = json!({ "name": name, "properties": properties });
             let info: VolumeInfo = client.send("POST", &format!("/v1/snapshots/{origin}/clone"), Some(body))?;

@@ -297,6 +297,26 @@ impl VolumeManager {
         Ok(manager)
     }
 
+    /// Makes a volume just saved in the catalog visible to the frontends.
+    fn register_volume(
+        &self,
+        pool: &str,
+        short: &str,
+        engine: Arc<EngineVolume>,
+        props: &crate::volume::props::VolumeProps,
+    ) {
+        let name = full_name(pool, short);
+        let volume = Volume::new(pool, short, engine.clone(), props);
+        self.volumes
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(name.clone(), Arc::new(volume));
+        self.engines
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(name, engine);
+    }
+
     /// The open pool called `name`.
     pub fn pool(&self, name: &str) -> Option<Arc<Pool>> {
         self.pools.read().unwrap_or_else(|e| e.into_inner()).get(name).cloned()
@@ -766,20 +786,7 @@ impl VolumeManager {
             .pool(pool)
             .ok_or_else(|| AdminError::Internal(format!("pool '{pool}' is in the catalog but not open")))?;
         let mut updated = catalog.clone();
-        let Some(pool_record) = updated.pools.get_mut(pool) else {
-            return Err(AdminError::NotFound(format!("pool '{pool}' does not exist")));
-        };
-        let id = pool_record.next_volume_id.max(1);
-        pool_record.next_volume_id = id + 1;
-        pool_record.volumes.insert(
-            short.to_string(),
-            VolumeRecord {
-                id,
-                created_unix: now_unix(),
-                props: stored.clone(),
-                receiving: None,
-            },
-        );
+        let id = add_volume_record(&mut updated, pool, short, &stored)?;
         let props = stored.effective();
         let engine = pool_handle
             .open_volume(id, props.volsize, props.volblocksize)
@@ -788,15 +795,7 @@ impl VolumeManager {
             .save(&self.data_dir)
             .map_err(|e| internal("cannot save catalog", e))?;
         *catalog = updated;
-        let volume = Volume::new(pool, short, engine.clone(), &props);
-        self.volumes
-            .write()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(name.to_string(), Arc::new(volume));
-        self.engines
-            .write()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(name.to_string(), engine);
+        self.register_volume(pool, short, engine, &props);
         self.schedule_changed.notify_one();
         self.info_of(&catalog, name)
     }
@@ -1003,6 +1002,26 @@ impl VolumeManager {
         }
         failed
     }
+}
+
+/// Adds volume `short` with `stored` properties to pool `pool` of
+/// `catalog` under a new id, which it returns.
+fn add_volume_record(catalog: &mut Catalog, pool: &str, short: &str, stored: &StoredProps) -> Result<u32, AdminError> {
+    let Some(pool_record) = catalog.pools.get_mut(pool) else {
+        return Err(AdminError::NotFound(format!("pool '{pool}' does not exist")));
+    };
+    let id = pool_record.next_volume_id.max(1);
+    pool_record.next_volume_id = id + 1;
+    pool_record.volumes.insert(
+        short.to_string(),
+        VolumeRecord {
+            id,
+            created_unix: now_unix(),
+            props: stored.clone(),
+            receiving: None,
+        },
+    );
+    Ok(id)
 }
 
 fn check_volsize(size_bytes: u64, volblocksize: u32) -> Result<(), AdminError> {

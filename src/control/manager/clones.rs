@@ -65,20 +65,7 @@ impl VolumeManager {
         }
         check_volsize(stored.volsize, stored.volblocksize)?;
         let mut updated = catalog.clone();
-        let Some(pool_record) = updated.pools.get_mut(pool_name) else {
-            return Err(AdminError::NotFound(format!("pool '{pool_name}' does not exist")));
-        };
-        let id = pool_record.next_volume_id.max(1);
-        pool_record.next_volume_id = id + 1;
-        pool_record.volumes.insert(
-            short.to_string(),
-            VolumeRecord {
-                id,
-                created_unix: now_unix(),
-                props: stored.clone(),
-                receiving: None,
-            },
-        );
+        let id = add_volume_record(&mut updated, pool_name, short, &stored)?;
         // The engine first: a crash before the catalog names the clone
         // leaves an engine clone no volume has, removed at the next start.
         self.runtime
@@ -104,15 +91,7 @@ impl VolumeManager {
             }
         };
         *catalog = updated;
-        let volume = Volume::new(pool_name, short, engine.clone(), &props);
-        self.volumes
-            .write()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(name.to_string(), Arc::new(volume));
-        self.engines
-            .write()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(name.to_string(), engine);
+        self.register_volume(pool_name, short, engine, &props);
         tracing::info!("volume {name} cloned from {origin}");
         self.schedule_changed.notify_one();
         self.info_of(&catalog, name)
