@@ -1271,34 +1271,12 @@ mod tests {
     /// the pool has placed: they must agree (nothing leaked, nothing freed
     /// that is still mapped).
     fn check_space(pool: &Pool, volume: u32) {
-        let blocks = VOLUME / BLOCK as u64;
-        let mut slots = HashSet::new();
-        let mut owners = vec![volume];
-        owners.extend(pool.snapshots().iter().map(|s| s.id));
-        for owner in owners {
-            for entry in pool.lookup_range(owner, 0, blocks - 1).unwrap() {
-                if entry & map_entry::VALID != 0 {
-                    slots.insert(entry & !map_entry::RESERVED);
-                }
-            }
-        }
-        let placed: u64 = pool.status().iter().map(|d| d.used_bytes).sum();
-        assert_eq!(
-            placed,
-            slots.len() as u64 * BLOCK as u64,
-            "placed bytes against mapped slots"
-        );
+        check_all_space(pool, &[volume], "one volume");
     }
 
     /// The bytes of the blocks volume 1 maps.
     fn mapped_bytes(pool: &Pool) -> u64 {
-        let mapped = pool
-            .lookup_range(1, 0, VOLUME / BLOCK as u64 - 1)
-            .unwrap()
-            .iter()
-            .filter(|e| *e & map_entry::VALID != 0)
-            .count() as u64;
-        mapped * BLOCK as u64
+        mapped_view_bytes(pool, 1)
     }
 
     fn id_of(pool: &Pool, name: &str) -> u32 {
