@@ -9,6 +9,7 @@
 # 127.0.0.1 ports, the server stopped by PID.
 #
 # Usage: bench/snapshot_load.sh [STRATA_BINARY] [SECONDS_PER_PHASE]
+# (DELETE_ONLY=1 runs the deletion part alone.)
 set -euo pipefail
 BIN=${1:-$(dirname "$0")/../target/release/strata}
 BIN=$(realpath "$BIN")
@@ -58,6 +59,7 @@ take_snapshots() {
         sleep 0.2
     done
 }
+if [ -z "${DELETE_ONLY:-}" ]; then
 echo "| phase | write IOPS | server CPU µs/op | clat p50 / p99 / p99.9 (µs) | clat max (µs) |"
 echo "|---|---|---|---|---|"
 phase "warm-up (not counted)" 6 9
@@ -65,6 +67,8 @@ phase "no snapshot" "$SECONDS_PER_PHASE" 1
 phase "100 snapshots taken during the run" "$((SECONDS_PER_PHASE + 25))" 2 take_snapshots
 phase "steady state with 100 snapshots" "$SECONDS_PER_PHASE" 3
 sort -n create_ms.txt | awk '{a[NR]=$1} END {printf "snapshot create at the CLI under that load (ms): p50 %d, p99 %d, max %d (n=%d)\n", a[int(NR*0.5)], a[int(NR*0.99)], a[NR], NR}'
+
+fi
 
 # Deleting a snapshot that alone holds 4 GiB.
 s volume create default/big --size 4G >/dev/null
@@ -74,14 +78,22 @@ s snapshot create default/big@old >/dev/null
 fio --name=rewrite --ioengine=nbd --uri="$BIG" --rw=write --bs=1M --iodepth=4 --size=4G --output-format=terse >/dev/null
 s pool sync default >/dev/null
 s snapshot list default/big
-idle=$(fio --name=r --ioengine=nbd --uri="$URI" --rw=randread --bs=4k --iodepth=1 --size=1G --time_based --runtime=5 \
-    --output-format=terse --percentile_list=99 | awk -F';' 'NF > 40 {print $18}' | cut -d= -f2)
-fio --name=r --ioengine=nbd --uri="$URI" --rw=randread --bs=4k --iodepth=1 --size=1G --time_based --runtime=8 \
-    --output-format=terse --percentile_list=99 >read.txt &
+# Foreground 4K reads QD1 on the other volume: idle, then while the
+# snapshot is deleted and its space freed in the background.
+reader() { # seconds
+    fio --name=r --ioengine=nbd --uri="$URI" --rw=randread --bs=4k --iodepth=1 --size=1G --time_based --runtime="$1" \
+        --output-format=terse --percentile_list=50:99
+}
+p99() { awk -F';' 'NF > 40 {print $19}' | cut -d= -f2; }
+idle=$(reader 5 | p99)
+freeing() { s pool status default | awk 'NR == 2 {print $5}'; }
+reader 15 >read.txt &
 READER=$!
 sleep 2
 start=$(date +%s%N)
 s snapshot delete default/big@old
-echo "snapshot delete of 4 GiB only it holds: $(( ($(date +%s%N) - start) / 1000000 )) ms at the CLI"
+echo "snapshot delete of 4 GiB only it holds: $(( ($(date +%s%N) - start) / 1000000 )) ms at the CLI; freeing: $(freeing)"
 wait "$READER" || echo "the foreground read failed: $(cat read.txt)"
-echo "foreground 4K read QD1 clat p99: idle ${idle} µs, during the delete $(awk -F';' 'NF > 40 {print $18}' read.txt | cut -d= -f2) µs"
+echo "foreground 4K read QD1 clat p99: idle ${idle} µs, while freeing $(p99 <read.txt) µs (freeing left: $(freeing))"
+while [ "$(freeing)" != "0B" ]; do sleep 0.2; done
+echo "space freed $(( ($(date +%s%N) - start) / 1000000 )) ms after the delete began"

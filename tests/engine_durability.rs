@@ -196,8 +196,7 @@ fn kill9_while_snapshots_come_and_go_loses_nothing_and_leaks_nothing() {
     for name in &alive {
         common::cli_ok(&server, &["snapshot", "delete", name]);
     }
-    common::cli_ok(&server, &["pool", "sync", "default"]);
-    let pool = common::pool_json(&server, "default");
+    let pool = common::settled_pool_json(&server, "default");
     let placed: u64 = pool["devices"]
         .as_array()
         .unwrap()

@@ -32,6 +32,8 @@ const CLONE_ID: u32 = 8;
 const MAX_SNAPSHOTS: usize = 4;
 /// Operations per seed (the same when replaying one seed).
 const OPERATIONS: usize = 120;
+/// Frees of more slots than this wait for the freer's queue (`op_free_batch`).
+const FREE_AT_ONCE: usize = 4;
 
 /// What each 512-byte sector may hold: the value it reads now, and every
 /// value a crash may leave there (the last durable one plus every value
@@ -157,6 +159,7 @@ impl Harness {
         let options = PoolOptions {
             ram: Some(RamSource::Heap(self.ram.clone())),
             background: false,
+            background_free_above: Some(FREE_AT_ONCE),
             ..PoolOptions::default()
         };
         let pool = match Pool::open_with(devices, options).await {
@@ -169,6 +172,14 @@ impl Harness {
         volume.set_log_throughput(self.log_throughput);
         self.pool = Some(pool);
         self.volume = Some(volume);
+    }
+
+    /// One step of the background freer (frees of more than
+    /// `FREE_AT_ONCE` slots wait in its queue until then).
+    async fn op_free_batch(&mut self) {
+        let pool = self.pool.clone().expect("pool");
+        let freed = pool.free_queued_batch().await;
+        self.log.push(format!("freer: {freed} slots"));
     }
 
     async fn op_destage(&mut self) {
@@ -672,6 +683,7 @@ async fn run_seed(seed: u64, operations: usize) {
     let options = PoolOptions {
         ram: Some(RamSource::Heap(ram)),
         background: false,
+        background_free_above: Some(FREE_AT_ONCE),
         ..PoolOptions::default()
     };
     let pool = Pool::create_with("sim", 1 << 20, new_devices, options)
@@ -688,7 +700,7 @@ async fn run_seed(seed: u64, operations: usize) {
         }
     }
     for _ in 0..operations {
-        match harness.rng.below(112) {
+        match harness.rng.below(113) {
             0..=39 => harness.op_write().await,
             40..=59 => harness.op_read().await,
             60..=66 => harness.op_zero(true).await,
@@ -700,6 +712,7 @@ async fn run_seed(seed: u64, operations: usize) {
             100..=103 => harness.op_snapshot().await,
             104..=105 => harness.op_delete_snapshot().await,
             106 => harness.op_rollback().await,
+            110 => harness.op_free_batch().await,
             107..=109 => {
                 if !harness.snapshots.is_empty() {
                     let at = harness.rng.below(harness.snapshots.len() as u64) as usize;

@@ -13,7 +13,7 @@ use std::path::Path;
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{cli_ok, pool_json, qemu_io_ok, require_tool, run, small_default_pool, token_for, Server};
+use common::{cli_ok, qemu_io_ok, require_tool, run, settled_pool_json, small_default_pool, token_for, Server};
 
 const STRATA: &str = env!("CARGO_BIN_EXE_strata");
 
@@ -95,10 +95,10 @@ fn volumes(server: &Server) -> Vec<String> {
         .collect()
 }
 
-/// The bytes the pool's devices hold, after its cache is placed.
+/// The bytes the pool's devices hold, after its cache is placed and its
+/// freeing queue emptied.
 fn placed(server: &Server) -> u64 {
-    cli_ok(server, &["pool", "sync", "default"]);
-    pool_json(server, "default")["devices"]
+    settled_pool_json(server, "default")["devices"]
         .as_array()
         .unwrap()
         .iter()

@@ -6,12 +6,12 @@
 
 mod common;
 
-use common::{cli, cli_ok, pool_json, qemu_io, qemu_io_ok, qemu_io_read_only, require_tool, Server};
+use common::{cli, cli_ok, qemu_io, qemu_io_ok, qemu_io_read_only, require_tool, settled_pool_json, Server};
 
 const MIB: u64 = 1 << 20;
 
 fn used(server: &Server) -> u64 {
-    pool_json(server, "default")["devices"]
+    settled_pool_json(server, "default")["devices"]
         .as_array()
         .unwrap()
         .iter()

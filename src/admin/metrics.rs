@@ -103,6 +103,19 @@ pub fn render_backing(pools: &[crate::control::manager::PoolStatus]) -> String {
             |d| d.backing.map(|_| d.unbackable_bytes),
         ),
     ];
+    let name = "strata_pool_freeing_bytes";
+    let _ = writeln!(
+        out,
+        "# HELP {name} Bytes committed to be freed (deleted snapshots and volumes), not free yet.\n# TYPE {name} gauge"
+    );
+    for pool in pools {
+        let _ = writeln!(
+            out,
+            "{name}{{pool=\"{}\"}} {}",
+            escape_label(&pool.name),
+            pool.freeing_bytes
+        );
+    }
     for (name, help, value) in gauges {
         let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge");
         for pool in pools {

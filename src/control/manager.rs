@@ -90,6 +90,10 @@ pub struct PoolStatus {
     pub size_bytes: u64,
     pub used_bytes: u64,
     pub available_bytes: u64,
+    /// Committed to be freed (a deleted snapshot or volume), not free yet:
+    /// counted in `used_bytes` until the background freer reaches it.
+    #[serde(default)]
+    pub freeing_bytes: u64,
     pub read_errors: u64,
     pub write_errors: u64,
     pub checksum_errors: u64,
@@ -951,6 +955,7 @@ impl VolumeManager {
                     size_bytes,
                     used_bytes,
                     available_bytes: size_bytes.saturating_sub(used_bytes),
+                    freeing_bytes: pool.freeing_bytes(),
                     read_errors: devices.iter().map(|d| d.read_errors).sum(),
                     write_errors: devices.iter().map(|d| d.write_errors).sum(),
                     checksum_errors: devices.iter().map(|d| d.checksum_errors).sum(),
@@ -1092,6 +1097,7 @@ fn pool_options(data_dir: &Path, name: &str, ram_bytes: Option<u64>) -> PoolOpti
         }),
         background: true,
         read_cache_bytes: ram / 2,
+        ..PoolOptions::default()
     }
 }
 

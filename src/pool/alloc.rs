@@ -10,7 +10,7 @@
 //! that a freed slot is not reused before its release is durable belong to
 //! the pool.
 
-use std::collections::{BTreeSet, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
 use super::superblock::Role;
 
@@ -138,6 +138,14 @@ pub struct Allocator {
     devices: Vec<DeviceSpace>,
     /// Chunks changed since the last checkpoint: (device index, chunk).
     dirty: HashSet<(u8, u64)>,
+    /// Slots whose freeing is committed but not yet carried out (their
+    /// holes are punched first, in the background): still in use here, so
+    /// nothing allocates them, but checkpointed as free (see `take_dirty`).
+    /// Per (device, chunk): a bitmap of its queued slots.
+    freeing: BTreeMap<(u8, u64), [u64; 4]>,
+    /// The batch the freer is punching (out of `freeing`, still queued).
+    punching: Vec<(u8, u64)>,
+    freeing_bytes: u64,
 }
 
 impl Allocator {
@@ -148,6 +156,9 @@ impl Allocator {
             chunk_shift: chunk_bytes.trailing_zeros() as u8,
             devices,
             dirty: HashSet::new(),
+            freeing: BTreeMap::new(),
+            punching: Vec::new(),
+            freeing_bytes: 0,
         }
     }
 
@@ -415,9 +426,14 @@ impl Allocator {
         Ok(())
     }
 
-    /// The chunk records changed since the last call: `None` means "now free".
+    /// The chunk records changed since the last call: `None` means "now
+    /// free". Slots waiting in the freeing queue are recorded as free: their
+    /// freeing is committed, so after a restart they must be free (their
+    /// holes may stay unpunched: that costs only file-system space).
     pub fn take_dirty(&mut self) -> Vec<((u8, u64), Option<ChunkState>)> {
         let dirty: Vec<(u8, u64)> = self.dirty.drain().collect();
+        let chunk_shift = self.chunk_shift;
+        let punching: Vec<(u8, u64)> = self.punching.clone();
         dirty
             .into_iter()
             .map(|(device, chunk)| {
@@ -425,10 +441,132 @@ impl Allocator {
                     .devices
                     .iter()
                     .find(|d| d.index == device)
-                    .and_then(|d| d.chunks.get(&chunk).copied());
+                    .and_then(|d| d.chunks.get(&chunk).copied())
+                    .and_then(|mut state| {
+                        if let Some(queued) = self.freeing.get(&(device, chunk)) {
+                            for (word, queued) in state.used.iter_mut().zip(queued) {
+                                *word &= !queued;
+                            }
+                        }
+                        for &(_, offset) in punching
+                            .iter()
+                            .filter(|(d, o)| *d == device && o >> chunk_shift == chunk)
+                        {
+                            let slot = (offset & ((1 << chunk_shift) - 1)) >> state.slot_shift;
+                            state.used[(slot / 64) as usize] &= !(1u64 << (slot % 64));
+                        }
+                        (state.used_count() > 0).then_some(state)
+                    });
                 ((device, chunk), state)
             })
             .collect()
+    }
+
+    /// Queues slots whose freeing is committed for the background freer
+    /// (`freeing_batch`, then `finish_freeing`). Fails naming the first
+    /// slot that is not in use or already queued (queuing the others).
+    pub fn defer_frees(&mut self, slots: &mut [(u8, u64)]) -> Result<(), (u8, u64)> {
+        slots.sort_unstable();
+        let chunk_shift = self.chunk_shift;
+        let mut bad = None;
+        for group in slots.chunk_by(|a, b| a.0 == b.0 && a.1 >> chunk_shift == b.1 >> chunk_shift) {
+            let (device, chunk) = (group[0].0, group[0].1 >> chunk_shift);
+            let Some((slot_shift, used)) = self.slot_shift_of(device, chunk) else {
+                bad = bad.or(Some(group[0]));
+                continue;
+            };
+            let queued = self.freeing.entry((device, chunk)).or_insert([0; 4]);
+            for &(device, offset) in group {
+                let slot = (offset & ((1 << chunk_shift) - 1)) >> slot_shift;
+                let (word, bit) = ((slot / 64) as usize, 1u64 << (slot % 64));
+                if used[word] & bit == 0 || queued[word] & bit != 0 {
+                    bad = bad.or(Some((device, offset)));
+                    continue;
+                }
+                queued[word] |= bit;
+                self.freeing_bytes += 1 << slot_shift;
+            }
+            if *queued == [0; 4] {
+                self.freeing.remove(&(device, chunk));
+            }
+            self.dirty.insert((device, chunk));
+        }
+        bad.map_or(Ok(()), Err)
+    }
+
+    /// Takes up to `max` queued slots, in device order (so their holes
+    /// merge), for the freer to punch; `finish_freeing` frees them. They
+    /// stay counted as freeing (and checkpointed as free) meanwhile.
+    pub fn start_freeing(&mut self, max: usize) -> Vec<(u8, u64)> {
+        assert!(self.punching.is_empty(), "one freeing batch at a time");
+        let mut batch = Vec::new();
+        while batch.len() < max {
+            let Some(mut entry) = self.freeing.first_entry() else {
+                break;
+            };
+            let (device, chunk) = *entry.key();
+            let slot_shift = self
+                .devices
+                .iter()
+                .find(|d| d.index == device)
+                .and_then(|d| d.chunks.get(&chunk))
+                .map_or(MIN_SLOT_SHIFT, |s| s.slot_shift);
+            let queued = entry.get_mut();
+            for slot in 0..MAX_SLOTS_PER_CHUNK {
+                let (word, bit) = ((slot / 64) as usize, 1u64 << (slot % 64));
+                if queued[word] & bit != 0 && batch.len() < max {
+                    queued[word] &= !bit;
+                    batch.push((device, (chunk << self.chunk_shift) + (slot << slot_shift)));
+                }
+            }
+            if *queued == [0; 4] {
+                entry.remove();
+            }
+        }
+        self.punching = batch.clone();
+        batch
+    }
+
+    /// Frees the batch `start_freeing` gave (its holes punched).
+    pub fn finish_freeing(&mut self) {
+        for (device, offset) in std::mem::take(&mut self.punching) {
+            self.release_queued(device, offset);
+        }
+    }
+
+    /// Frees every queued slot not being punched, without punching: the
+    /// pool needs the space now (it will be written again, so a hole would
+    /// not last). Returns whether there was any.
+    pub fn reclaim_freeing(&mut self) -> bool {
+        let freeing = std::mem::take(&mut self.freeing);
+        let any = !freeing.is_empty();
+        for ((device, chunk), queued) in freeing {
+            let Some((slot_shift, _)) = self.slot_shift_of(device, chunk) else {
+                continue;
+            };
+            for slot in 0..MAX_SLOTS_PER_CHUNK {
+                if queued[(slot / 64) as usize] & (1 << (slot % 64)) != 0 {
+                    self.release_queued(device, (chunk << self.chunk_shift) + (slot << slot_shift));
+                }
+            }
+        }
+        any
+    }
+
+    fn release_queued(&mut self, device: u8, offset: u64) {
+        let slot_bytes = self
+            .slot_shift_of(device, offset >> self.chunk_shift)
+            .map_or(0, |(shift, _)| 1u64 << shift);
+        self.freeing_bytes -= slot_bytes;
+        assert!(
+            self.free(device, offset),
+            "queued slot {device}/{offset} was not in use"
+        );
+    }
+
+    /// Bytes queued to be freed.
+    pub fn freeing_bytes(&self) -> u64 {
+        self.freeing_bytes
     }
 
     /// Puts records back after a failed checkpoint.
@@ -450,6 +588,75 @@ impl Allocator {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn queued_frees_stay_in_use_but_are_checkpointed_as_free() {
+        let fast = DeviceSpace::new(0, Role::Fast, 1, 64);
+        let mut allocator = Allocator::new(1 << 20, vec![fast]);
+        // Two slots of one chunk, one of another.
+        let a = allocator.allocate(14).unwrap();
+        let b = allocator.allocate(14).unwrap();
+        let c = (0, 5 << 20);
+        allocator.mark_used(c.0, c.1, 14).unwrap();
+        allocator.take_dirty();
+        assert_eq!(allocator.defer_frees(&mut [c, a]), Ok(()));
+        assert_eq!(allocator.defer_frees(&mut [c]), Err(c), "queued twice");
+        assert_eq!(
+            allocator.defer_frees(&mut [(0, 9 << 20)]),
+            Err((0, 9 << 20)),
+            "a free slot"
+        );
+        assert_eq!(allocator.freeing_bytes(), 2 << 14);
+        // Still in use: nothing allocates them...
+        assert_eq!(allocator.devices()[0].used_bytes(), 3 << 14);
+        for _ in 0..100 {
+            let got = allocator.allocate(14).unwrap();
+            assert!(got != a && got != c);
+        }
+        // ...but a checkpoint records them as free.
+        let mut dirty = allocator.take_dirty();
+        dirty.sort_by_key(|(key, _)| *key);
+        let chunk_of = |offset: u64| offset >> 20;
+        let first = dirty
+            .iter()
+            .find(|(key, _)| *key == (0, chunk_of(a.1)))
+            .unwrap()
+            .1
+            .unwrap();
+        let slot = |offset: u64| ((offset & ((1 << 20) - 1)) >> 14) as usize;
+        assert_eq!(first.used[0] & (1 << slot(a.1)), 0);
+        assert_ne!(first.used[0] & (1 << slot(b.1)), 0);
+        let fifth = dirty.iter().find(|(key, _)| *key == (0, 5)).unwrap().1;
+        assert!(
+            fifth.is_none_or(|state| state.used[0] & (1 << slot(c.1)) == 0),
+            "{fifth:?}"
+        );
+        // The freer frees them for real.
+        let batch = allocator.start_freeing(1);
+        assert_eq!(batch, vec![a]);
+        assert_eq!(allocator.freeing_bytes(), 2 << 14, "still freeing while punched");
+        // Short of space: the rest is freed at once, not the batch being punched.
+        assert!(allocator.reclaim_freeing());
+        assert_eq!(allocator.freeing_bytes(), 1 << 14);
+        assert!(!allocator.free(c.0, c.1), "already free");
+        allocator.restore_dirty([(0, chunk_of(a.1))]);
+        let dirty = allocator.take_dirty();
+        let first = dirty
+            .iter()
+            .find(|(key, _)| *key == (0, chunk_of(a.1)))
+            .unwrap()
+            .1
+            .unwrap();
+        assert_eq!(
+            first.used[0] & (1 << slot(a.1)),
+            0,
+            "the batch being punched is checkpointed as free"
+        );
+        allocator.finish_freeing();
+        assert_eq!(allocator.freeing_bytes(), 0);
+        assert!(!allocator.free(a.0, a.1), "already free");
+        assert!(!allocator.reclaim_freeing());
+    }
 
     #[test]
     fn hinted_allocations_lay_interleaved_streams_out_in_order() {

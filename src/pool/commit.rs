@@ -29,7 +29,14 @@ impl Pool {
     /// Allocates a slot, at `hint` if it is free (see
     /// [`alloc::Allocator::allocate_near`]).
     pub(crate) fn allocate_near(&self, slot_shift: u8, hint: Option<alloc::Hint>) -> Option<(u8, u64)> {
-        self.allocator.lock_or_abort().allocate_near(slot_shift, hint)
+        let mut allocator = self.allocator.lock_or_abort();
+        allocator.allocate_near(slot_shift, hint).or_else(|| {
+            // Space being freed in the background is needed now.
+            allocator
+                .reclaim_freeing()
+                .then(|| allocator.allocate(slot_shift))
+                .flatten()
+        })
     }
 
     /// Returns a slot that was never mapped (its write failed).
@@ -197,20 +204,6 @@ impl Pool {
             }
             Ok(None) | Err(LogError::Full) => self.commit_quiet().await,
             Err(e) => Err(e.into()),
-        }
-    }
-
-    pub(super) async fn release_frees(&self, frees: Vec<(u8, u64)>) {
-        if frees.is_empty() {
-            return;
-        }
-        self.punch_holes(&frees).await;
-        let mut allocator = self.allocator.lock_or_abort();
-        for (device, offset) in frees {
-            assert!(
-                allocator.free(device, offset),
-                "slot {device}/{offset} replaced by a committed write was not in use"
-            );
         }
     }
 

@@ -17,9 +17,13 @@ const DESTAGE_BATCH_BLOCKS: usize = 512;
 impl Pool {
     /// Promises `bytes` of pool space to cached writes into unmapped blocks.
     pub(crate) fn reserve(&self, bytes: u64) -> bool {
-        let allocator = self.allocator.lock_or_abort();
-        let free = Self::unallocated(&allocator, self.chunk_bytes);
+        let mut allocator = self.allocator.lock_or_abort();
+        let mut free = Self::unallocated(&allocator, self.chunk_bytes);
         let reserved = self.reserved_bytes.load(Ordering::Acquire);
+        if reserved + bytes > free && allocator.reclaim_freeing() {
+            // Space being freed in the background is needed now.
+            free = Self::unallocated(&allocator, self.chunk_bytes);
+        }
         if reserved + bytes > free {
             return false;
         }

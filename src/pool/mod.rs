@@ -24,6 +24,7 @@ pub mod cache;
 mod checkpoint;
 mod commit;
 mod destage;
+mod freeing;
 pub mod fuzzing;
 pub mod grow;
 pub mod ram;
@@ -40,7 +41,7 @@ pub use blockmap::map_entry;
 use checkpoint::run_blocking;
 use recover::{read_superblock, round_up, write_superblock};
 pub use send::SendExtent;
-use volumes::Replaying;
+use volumes::Release;
 
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
@@ -89,6 +90,11 @@ pub struct PoolOptions {
     pub background: bool,
     /// Bytes of the clean-data read cache (0 = none).
     pub read_cache_bytes: u64,
+    /// Frees of more slots than this at once are queued for the background
+    /// freer; `None` = `freeing::BACKGROUND_FREE_ABOVE` once the freer runs,
+    /// all at once without it. (The simulator sets a small value and drives
+    /// the queue itself with `Pool::free_queued_batch`.)
+    pub background_free_above: Option<usize>,
 }
 
 impl Default for PoolOptions {
@@ -97,6 +103,7 @@ impl Default for PoolOptions {
             ram: None,
             background: true,
             read_cache_bytes: DEFAULT_READ_CACHE_BYTES,
+            background_free_above: None,
         }
     }
 }
@@ -271,6 +278,12 @@ pub struct Pool {
     checkpoints: AtomicU64,
     checkpoint_pages: AtomicU64,
     checkpoint_scheduled: std::sync::atomic::AtomicBool,
+    /// Frees of more slots than this go to the freeing queue
+    /// (`pool/freeing.rs`).
+    free_above: std::sync::atomic::AtomicUsize,
+    /// Wakes the freer; one freeing batch at a time.
+    freer_wake: Arc<tokio::sync::Notify>,
+    freer: tokio::sync::Mutex<()>,
     /// The file system under a sparse device has less free space than the
     /// pool's files there may still grow by, or under 10 % free (any
     /// device's [`DeviceStatus::backing_warning`]). Kept by the destager's

@@ -404,6 +404,9 @@ impl Pool {
             checkpoints: AtomicU64::new(0),
             checkpoint_pages: AtomicU64::new(0),
             checkpoint_scheduled: std::sync::atomic::AtomicBool::new(false),
+            free_above: std::sync::atomic::AtomicUsize::new(options.background_free_above.unwrap_or(usize::MAX)),
+            freer_wake: Arc::new(tokio::sync::Notify::new()),
+            freer: tokio::sync::Mutex::new(()),
             backing_low: std::sync::atomic::AtomicBool::new(false),
             store_bytes,
             data_bytes: AtomicU64::new(0),
@@ -467,6 +470,7 @@ impl Pool {
         pool.log.seal(valid_end).await?;
         if options.background {
             pool.start_destager();
+            pool.start_freer();
         }
         Ok(pool)
     }
@@ -535,7 +539,7 @@ impl Pool {
                     }
                 }
             }
-            Record::Destroy { volume } => self.free_volume_blocks(volume, Replaying::Yes)?,
+            Record::Destroy { volume } => self.free_volume_blocks(volume, Release::Replaying)?,
             Record::Data { .. } | Record::Written { .. } => {}
             Record::Snapshot {
                 generation,

@@ -3,12 +3,16 @@
 
 use super::*;
 
-/// Whether the log is being replayed: then a change may already be in the
-/// checkpoint, and freeing a free slot is expected rather than a bug.
+/// How a destroyed volume's slots are freed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Replaying {
-    Yes,
-    No,
+pub(super) enum Release {
+    /// At once (their holes already punched).
+    Now,
+    /// Through the freeing queue (`pool/freeing.rs`): a large volume.
+    Background,
+    /// Replaying the log: a change may already be in the checkpoint, and
+    /// freeing a free slot is expected rather than a bug.
+    Replaying,
 }
 
 impl Pool {
@@ -111,11 +115,17 @@ impl Pool {
         self.log.append(Record::Destroy { volume: id });
         self.commit().await?;
         // Nothing maps its slots now and nothing can allocate them until
-        // they are freed: give their space back to the file system first.
+        // they are freed: give their space back to the file system first
+        // (a large volume's in the background, see `pool/freeing.rs`).
         let slots = self.volume_slots(id)?;
-        self.punch_holes(&slots).await;
+        let release = if slots.len() > self.free_above() {
+            Release::Background
+        } else {
+            self.punch_holes(&slots).await;
+            Release::Now
+        };
         let _gate = self.gate.write().await;
-        self.free_volume_blocks(id, Replaying::No)?;
+        self.free_volume_blocks(id, release)?;
         Ok(())
     }
 
@@ -149,25 +159,38 @@ impl Pool {
         Ok(keys)
     }
 
-    /// Frees every block a volume maps. Replaying the log, a block may
-    /// already be free (the checkpoint came after the record); otherwise a
-    /// block that is not in use is a double mapping, and stops the engine.
-    pub(super) fn free_volume_blocks(&self, id: u32, replaying: Replaying) -> Result<(), PoolError> {
+    /// Frees (or queues for freeing) every block a volume maps, in the
+    /// same step as its pages are forgotten (so a checkpoint sees both or
+    /// neither). Replaying the log, a block may already be free (the
+    /// checkpoint came after the record); otherwise a block that is not in
+    /// use is a double mapping, and stops the engine.
+    pub(super) fn free_volume_blocks(&self, id: u32, release: Release) -> Result<(), PoolError> {
         let keys = self.volume_page_keys(id)?;
-        let mut allocator = self.allocator.lock_or_abort();
+        let mut slots = Vec::new();
         for key in keys {
             let page = self.map_pages.get(&self.db, key).map_err(PoolError::Meta)?;
-            for entry in page.entries.iter() {
-                if let Some((device, offset)) = own_slot(entry.load(Ordering::Acquire)) {
-                    let freed = allocator.free(device, offset);
-                    assert!(
-                        freed || replaying == Replaying::Yes,
-                        "volume {id} maps slot {device}/{offset}, which is not in use"
-                    );
-                }
-            }
+            slots.extend(page.entries.iter().filter_map(|e| own_slot(e.load(Ordering::Acquire))));
         }
+        let mut allocator = self.allocator.lock_or_abort();
+        let double = match release {
+            Release::Background => allocator.defer_frees(&mut slots).err(),
+            Release::Now | Release::Replaying => {
+                let mut double = None;
+                for &(device, offset) in &slots {
+                    if !allocator.free(device, offset) {
+                        double = double.or(Some((device, offset)));
+                    }
+                }
+                double
+            }
+        };
         drop(allocator);
+        if let Some((device, offset)) = double.filter(|_| release != Release::Replaying) {
+            panic!("volume {id} maps slot {device}/{offset}, which is not in use");
+        }
+        if release == Release::Background {
+            self.freer_wake.notify_one();
+        }
         self.map_pages.forget_owner(id);
         self.destroyed.lock_or_abort().insert(id);
         self.forget_origin(id);

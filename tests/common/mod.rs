@@ -340,6 +340,24 @@ pub fn pool_json(server: &Server, pool: &str) -> serde_json::Value {
     serde_json::from_str(&cli_ok(server, &["pool", "status", pool, "--json"])).unwrap()
 }
 
+/// `pool status --json` once the pool's cache is placed and its freeing
+/// queue (deleted snapshots and volumes, freed in the background) is empty.
+pub fn settled_pool_json(server: &Server, pool: &str) -> serde_json::Value {
+    cli_ok(server, &["pool", "sync", pool]);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+    loop {
+        let status = pool_json(server, pool);
+        if status["freeing_bytes"].as_u64() == Some(0) {
+            return status;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "space still freeing after 2 minutes: {status}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+}
+
 /// Runs qemu-io with `commands` on `uri` (nbd:// or iscsi://): (exit
 /// status success, stdout + stderr).
 pub fn qemu_io(uri: &str, commands: &[String]) -> (bool, String) {
