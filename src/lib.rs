@@ -18,4 +18,5 @@ pub mod scsi;
 pub mod sync;
 pub mod tls;
 pub mod units;
+pub mod utc;
 pub mod volume;

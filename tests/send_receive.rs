@@ -10,114 +10,19 @@ mod common;
 
 use std::io::Write;
 use std::path::Path;
-use std::process::{Command, Output, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{cli_ok, qemu_io_ok, require_tool, run, settled_pool_json, small_default_pool, token_for, Server};
+use common::send::{
+    compare, export_missing, map_of, pending_token, placed, receive_ok, receive_refused, received_bytes, send, volumes,
+};
+use common::{cli_ok, qemu_io_ok, require_tool, run, small_default_pool, token_for, Server};
 
 const STRATA: &str = env!("CARGO_BIN_EXE_strata");
 
 fn start(dir: &Path) -> Server {
     small_default_pool(dir);
     Server::start(dir)
-}
-
-/// `strata send ARGS` on `server`: the stream.
-fn send(server: &Server, args: &[&str]) -> Vec<u8> {
-    let output = run(Command::new(STRATA)
-        .arg("send")
-        .args(args)
-        .arg("--data-dir")
-        .arg(&server.data_dir));
-    output.stdout
-}
-
-/// `strata receive ARGS < stream` on `server`, over its TCP API with the
-/// token (as from another machine).
-fn receive(server: &Server, args: &[&str], stream: &[u8]) -> Output {
-    let mut child = Command::new(STRATA)
-        .arg("receive")
-        .args(args)
-        .args(["--api", &server.api])
-        .env("STRATA_TOKEN", token_for(&server.api).expect("the test daemon's token"))
-        .env_remove("STRATA_DATA_DIR")
-        .current_dir(std::env::temp_dir())
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("run strata receive");
-    let mut stdin = child.stdin.take().unwrap();
-    // The daemon may refuse early and close: a broken pipe is fine then.
-    let _ = stdin.write_all(stream);
-    drop(stdin);
-    child.wait_with_output().unwrap()
-}
-
-fn receive_ok(server: &Server, args: &[&str], stream: &[u8]) {
-    let output = receive(server, args, stream);
-    assert!(
-        output.status.success(),
-        "strata receive {args:?}: {}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-}
-
-/// A refused receive: its one-line message (stderr's first line).
-fn receive_refused(server: &Server, args: &[&str], stream: &[u8]) -> String {
-    let output = receive(server, args, stream);
-    assert!(!output.status.success(), "strata receive {args:?} was not refused");
-    let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
-    assert!(stderr.starts_with("strata: error: "), "{stderr}");
-    stderr
-}
-
-fn compare(a: &str, b: &str) {
-    let output = Command::new("qemu-img")
-        .args(["compare", "-f", "raw", "-F", "raw", a, b])
-        .output()
-        .expect("run qemu-img compare");
-    assert!(
-        output.status.success(),
-        "qemu-img compare {a} {b}: {}{}",
-        String::from_utf8_lossy(&output.stdout),
-        String::from_utf8_lossy(&output.stderr)
-    );
-}
-
-fn volumes(server: &Server) -> Vec<String> {
-    let listed: serde_json::Value = serde_json::from_str(&cli_ok(server, &["volume", "list", "--json"])).unwrap();
-    listed
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|v| v["name"].as_str().unwrap().to_string())
-        .collect()
-}
-
-/// The bytes the pool's devices hold, after its cache is placed and its
-/// freeing queue emptied.
-fn placed(server: &Server) -> u64 {
-    settled_pool_json(server, "default")["devices"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|d| d["used_bytes"].as_u64().unwrap())
-        .sum()
-}
-
-/// `nbdinfo --map` of an export, each line's fields separated by one space.
-fn map_of(server: &Server, export: &str) -> String {
-    common::stdout_of(Command::new("nbdinfo").args(["--map", &server.uri(export)]))
-        .lines()
-        .map(|line| line.split_whitespace().collect::<Vec<_>>().join(" "))
-        .collect::<Vec<_>>()
-        .join("\n")
-}
-
-fn export_missing(server: &Server, export: &str) {
-    let output = Command::new("nbdinfo").arg(server.uri(export)).output().unwrap();
-    assert!(!output.status.success(), "{export} is exported");
 }
 
 /// A volume with a chain of three snapshots: data, overwrites (whole and
@@ -290,17 +195,6 @@ fn bad_streams_are_refused_and_leave_nothing_behind() {
     compare(&a.uri("default/db@s2"), &b.uri("default/copy@s2"));
 }
 
-/// The resume token the receiving daemon reports for `volume`.
-fn pending_token(server: &Server, volume: &str) -> String {
-    let status = cli_ok(server, &["receive", "--status", volume]);
-    let token = status
-        .split_whitespace()
-        .skip_while(|w| *w != "--resume")
-        .nth(1)
-        .unwrap_or_else(|| panic!("no token in: {status}"));
-    token.to_string()
-}
-
 #[test]
 fn an_interrupted_receive_resumes_even_after_a_kill_9() {
     require_tool("qemu-img");
@@ -332,18 +226,11 @@ fn an_interrupted_receive_resumes_even_after_a_kill_9() {
     stdin.write_all(&stream[..150 << 20]).unwrap();
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
-        let status = common::cli(&b, &["receive", "--status", "default/big"]);
-        let text = String::from_utf8_lossy(&status.stdout).into_owned();
-        let received: u64 = text
-            .split(": ")
-            .nth(1)
-            .and_then(|rest| rest.split_whitespace().next())
-            .and_then(|n| n.parse().ok())
-            .unwrap_or(0);
+        let received = received_bytes(&b, "default/big");
         if received > 64 << 20 {
             break;
         }
-        assert!(Instant::now() < deadline, "no progress recorded: {text}");
+        assert!(Instant::now() < deadline, "no progress recorded: {received} bytes");
         std::thread::sleep(Duration::from_millis(200));
     }
     b.kill9();

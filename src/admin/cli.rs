@@ -756,7 +756,7 @@ fn snapshot_table(snapshots: &[SnapshotView]) -> String {
         .map(|s| {
             vec![
                 s.name.clone(),
-                format_unix_time(s.created_unix),
+                crate::utc::UtcTime::of_unix(s.created_unix).to_string(),
                 format_size(s.size_bytes),
                 format_size(s.used_bytes),
                 format_size(s.referenced_bytes),
@@ -766,28 +766,6 @@ fn snapshot_table(snapshots: &[SnapshotView]) -> String {
         })
         .collect();
     table(&headers, &rows)
-}
-
-/// `2026-11-25 06:40:12` (UTC) for a Unix time.
-fn format_unix_time(unix: u64) -> String {
-    let days = (unix / 86_400) as i64;
-    let seconds = unix % 86_400;
-    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z.rem_euclid(146_097);
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let day = doy - (153 * mp + 2) / 5 + 1;
-    let month = if mp < 10 { mp + 3 } else { mp - 9 };
-    let year = yoe + era * 400 + i64::from(month <= 2);
-    format!(
-        "{year:04}-{month:02}-{day:02} {:02}:{:02}:{:02}",
-        seconds / 3600,
-        seconds % 3600 / 60,
-        seconds % 60
-    )
 }
 
 fn run_iscsi(args: IscsiArgs) -> CliResult<String> {
@@ -1000,14 +978,6 @@ impl Client {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn unix_times_read_as_utc_dates() {
-        assert_eq!(format_unix_time(0), "1970-01-01 00:00:00");
-        assert_eq!(format_unix_time(951_782_400), "2000-02-29 00:00:00");
-        assert_eq!(format_unix_time(1_795_593_599), "2026-11-25 07:59:59");
-        assert_eq!(format_unix_time(4_107_542_400), "2100-03-01 00:00:00");
-    }
 
     #[test]
     fn tables_align() {

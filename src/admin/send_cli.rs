@@ -270,7 +270,8 @@ pub fn run_receive(args: ReceiveArgs) -> Result<String, ReceiveError> {
                 first = false;
                 // The header says how long the stream is: the bar's length.
                 if let Ok(header) = Header::decode(&chunk) {
-                    let total = header.stream_bytes - header.resume_offset.unwrap_or(0) + header.encode().len() as u64;
+                    let total = header.stream_bytes.saturating_sub(header.resume_offset.unwrap_or(0))
+                        + header.encode().len() as u64;
                     reading_bar.set_length(total);
                 }
             }

@@ -4,6 +4,7 @@
 //! volume itself and the control plane is off its data path.
 
 pub mod catalog;
+pub mod fuzzing;
 pub mod manager;
 pub mod retention;
 pub mod stream;

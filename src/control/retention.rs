@@ -22,7 +22,8 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use tokio::sync::watch;
 
 use crate::control::manager::{AdminError, ScheduledVolume, VolumeManager};
-use crate::volume::schedule::{civil_from_days, days_from_civil, Period, Rule, Schedule};
+use crate::utc::UtcTime;
+use crate::volume::schedule::{Period, Rule, Schedule};
 
 /// Prefix of every automatic snapshot's name.
 pub const AUTO_PREFIX: &str = "auto-";
@@ -34,15 +35,7 @@ const RETRY_SECONDS: u64 = 60;
 
 /// The name of an automatic snapshot of `period` taken at `now`.
 pub fn auto_name(period: Period, now: u64) -> String {
-    let (year, month, day) = civil_from_days(now / 86_400);
-    let seconds = now % 86_400;
-    format!(
-        "{AUTO_PREFIX}{year:04}-{month:02}-{day:02}T{:02}{:02}{:02}Z-{}",
-        seconds / 3600,
-        seconds % 3600 / 60,
-        seconds % 60,
-        period.label()
-    )
+    format!("{AUTO_PREFIX}{}-{}", UtcTime::of_unix(now).compact(), period.label())
 }
 
 /// The time and period of an automatic snapshot's name; `None` for any
@@ -66,17 +59,29 @@ pub fn parse_auto_name(name: &str) -> Option<(u64, Period)> {
             .iter()
             .fold(0u64, |value, digit| value * 10 + u64::from(digit - b'0'))
     };
-    let (year, month, day) = (number(0..4), number(5..7), number(8..10));
-    let (hour, minute, second) = (number(11..13), number(13..15), number(15..17));
-    if year < 1970 || !(1..=12).contains(&month) || day == 0 || hour > 23 || minute > 59 || second > 59 {
+    let time = UtcTime {
+        year: number(0..4),
+        month: number(5..7),
+        day: number(8..10),
+        hour: number(11..13),
+        minute: number(13..15),
+        second: number(15..17),
+    };
+    if time.year < 1970
+        || !(1..=12).contains(&time.month)
+        || time.day == 0
+        || time.hour > 23
+        || time.minute > 59
+        || time.second > 59
+    {
         return None;
     }
-    let days = days_from_civil(year, month, day);
     // Refuses 31 February and the like: the day must exist in that month.
-    if civil_from_days(days) != (year, month, day) {
+    let unix = time.unix();
+    if UtcTime::of_unix(unix) != time {
         return None;
     }
-    Some((days * 86_400 + hour * 3600 + minute * 60 + second, period))
+    Some((unix, period))
 }
 
 /// Why a snapshot past its period's keep count is not deleted.
@@ -352,11 +357,18 @@ pub async fn run(manager: Arc<VolumeManager>, mut stop: watch::Receiver<bool>) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::volume::schedule::days_from_civil;
 
     /// Unix seconds of a UTC time.
     fn utc(year: u64, month: u64, day: u64, hour: u64, minute: u64, second: u64) -> u64 {
-        days_from_civil(year, month, day) * 86_400 + hour * 3600 + minute * 60 + second
+        UtcTime {
+            year,
+            month,
+            day,
+            hour,
+            minute,
+            second,
+        }
+        .unix()
     }
 
     fn schedule(text: &str) -> Schedule {

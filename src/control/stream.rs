@@ -181,6 +181,9 @@ impl Header {
             return Err(corrupt(&format!("unknown flags {flags:#x}")));
         }
         let u64_at = |at| crate::bytes::u64_at(bytes, at).unwrap_or(0);
+        if bytes[28..32] != [0; 4] || u64_at(72) != 0 || (flags & FLAG_CONTINUATION == 0 && u64_at(64) != 0) {
+            return Err(corrupt("reserved bytes are not zero"));
+        }
         let mut names = Vec::with_capacity(4);
         let mut at = HEADER_FIXED_BYTES;
         for _ in 0..4 {
@@ -230,6 +233,12 @@ impl Header {
         }
         if self.snapshot.is_empty() || self.volume.is_empty() {
             return corrupt("no volume or snapshot name".into());
+        }
+        if let Some(offset) = self.resume_offset.filter(|offset| *offset > self.stream_bytes) {
+            return corrupt(format!(
+                "a continuation from byte {offset} of a {}-byte stream",
+                self.stream_bytes
+            ));
         }
         Ok(())
     }
@@ -320,6 +329,165 @@ pub fn end_payload(stream_crc: u32) -> [u8; END_PAYLOAD_BYTES] {
     let mut out = [0u8; END_PAYLOAD_BYTES];
     out[..4].copy_from_slice(&stream_crc.to_le_bytes());
     out
+}
+
+/// How far a receive has read a stream: what the checks of the next
+/// record depend on. The receive keeps it (in its `ReceiveRecord`) across
+/// interruptions; [`parse`] keeps it over a stream in memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Position {
+    /// Bytes of the original stream read so far, the header included.
+    pub offset: u64,
+    /// CRC-32C of those bytes.
+    pub crc: u32,
+    /// Records before `offset`, and the WRITE payload bytes among them.
+    pub records: u64,
+    pub data_bytes: u64,
+    /// Where the last WRITE or HOLE ended in the volume (records come in
+    /// increasing offset order).
+    pub volume_end: u64,
+}
+
+/// What a checked record is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Accepted {
+    /// A WRITE (its payload is the data) or a HOLE, to apply.
+    Extent,
+    /// END: the stream is whole and checked.
+    End,
+}
+
+impl Position {
+    /// Where a stream's first record starts, after `header` (as encoded).
+    pub fn after_header(header: &[u8]) -> Position {
+        Position {
+            offset: header.len() as u64,
+            crc: crc32c::crc32c(header),
+            ..Position::default()
+        }
+    }
+
+    /// Checks one record (its fixed part `fixed`, decoded as `record`, and
+    /// its payload, whose CRC-32C is `payload_crc`) against `header` and
+    /// what came before, and moves past it. The checks of a receive: the
+    /// record's CRC; a WRITE or HOLE in order, block-aligned, inside the
+    /// volume; END counting the records and data bytes that came, at the
+    /// stream's announced length, with the CRC of every byte before it.
+    pub fn accept(
+        &mut self,
+        header: &Header,
+        fixed: &[u8; RECORD_HEADER_BYTES],
+        record: &RecordHeader,
+        payload: &[u8],
+        payload_crc: u32,
+    ) -> Result<Accepted, StreamError> {
+        record.check_summed(fixed, payload.len(), payload_crc)?;
+        let bytes = (RECORD_HEADER_BYTES + payload.len()) as u64;
+        if record.kind == RecordKind::End {
+            let stream_crc = crate::bytes::u32_at(payload, 0).unwrap_or(0);
+            let ends_right = record.offset == self.records
+                && record.length == self.data_bytes
+                && self.offset.checked_add(bytes) == Some(header.stream_bytes);
+            if !ends_right {
+                return Err(StreamError::Corrupt(format!(
+                    "END says {} records and {} data bytes, {} bytes of stream came with {} records and {} data bytes",
+                    record.offset,
+                    record.length,
+                    self.offset.saturating_add(bytes),
+                    self.records,
+                    self.data_bytes
+                )));
+            }
+            if stream_crc != self.crc {
+                return Err(StreamError::Corrupt("stream checksum mismatch".into()));
+            }
+            if payload != end_payload(stream_crc) {
+                return Err(StreamError::Corrupt("END's reserved bytes are not zero".into()));
+            }
+            self.offset += bytes;
+            return Ok(Accepted::End);
+        }
+        let block = header.volblocksize as u64;
+        let end = record.offset.saturating_add(record.length);
+        if record.offset < self.volume_end {
+            return Err(StreamError::Corrupt(format!(
+                "record out of order: offset {} comes after {}",
+                record.offset, self.volume_end
+            )));
+        }
+        if record.length == 0
+            || !record.offset.is_multiple_of(block)
+            || end > header.volsize
+            || (!end.is_multiple_of(block) && end != header.volsize)
+        {
+            return Err(StreamError::Corrupt(format!(
+                "record [{}, +{}) does not fit the {}-byte volume in {block}-byte blocks",
+                record.offset, record.length, header.volsize
+            )));
+        }
+        self.crc = crc32c::crc32c_combine(crc32c::crc32c_append(self.crc, fixed), payload_crc, payload.len());
+        self.offset += bytes;
+        self.records += 1;
+        if record.kind == RecordKind::Write {
+            self.data_bytes += record.length;
+        }
+        self.volume_end = end;
+        Ok(Accepted::Extent)
+    }
+}
+
+/// A whole stream, parsed and checked ([`parse`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Parsed {
+    pub header: Header,
+    /// Its WRITEs and HOLEs: (kind, volume offset, length).
+    pub records: Vec<PlannedRecord>,
+    /// Where END left it: `offset` is the original stream's length.
+    pub end: Position,
+    /// Bytes of `bytes` read, END included (what follows is ignored, as a
+    /// receive ignores it).
+    pub consumed: usize,
+}
+
+/// Parses and checks a whole stream held in memory, with the receive's
+/// checks (the header, then [`Position::accept`] on each record). A
+/// continuation (`send -t`) is checked from `resume`, the position its
+/// pending receive stopped at; it is refused without one.
+pub fn parse(bytes: &[u8], resume: Option<Position>) -> Result<Parsed, StreamError> {
+    let header = Header::decode(bytes)?;
+    let length = Header::length(bytes)?;
+    let mut position = match (header.resume_offset, resume) {
+        (None, _) => Position::after_header(&bytes[..length]),
+        (Some(offset), Some(resume)) if resume.offset == offset => resume,
+        (Some(offset), _) => {
+            return Err(StreamError::Corrupt(format!(
+                "a continuation from byte {offset} of a receive that is not there"
+            )))
+        }
+    };
+    let mut at = length;
+    let mut records = Vec::new();
+    loop {
+        let fixed = crate::bytes::array_at::<RECORD_HEADER_BYTES>(bytes, at)
+            .ok_or_else(|| StreamError::Truncated("it ended before its END record".into()))?;
+        let record = RecordHeader::decode(&fixed)?;
+        let payload = bytes
+            .get(at + RECORD_HEADER_BYTES..at + RECORD_HEADER_BYTES + record.payload_bytes as usize)
+            .ok_or_else(|| StreamError::Truncated("it ended inside a record".into()))?;
+        let accepted = position.accept(&header, &fixed, &record, payload, crc32c::crc32c(payload))?;
+        at += RECORD_HEADER_BYTES + payload.len();
+        match accepted {
+            Accepted::End => {
+                return Ok(Parsed {
+                    header,
+                    records,
+                    end: position,
+                    consumed: at,
+                })
+            }
+            Accepted::Extent => records.push((record.kind, record.offset, record.length)),
+        }
+    }
 }
 
 /// One part of a plan (what the engine says to send).

@@ -7,6 +7,8 @@
 
 use std::fmt;
 
+use crate::utc::{civil_from_days, days_from_civil};
+
 /// Most snapshots one period keeps, and most all periods of one schedule
 /// keep together: a volume is designed for up to 1,000 snapshots.
 pub const MAX_KEEP: u32 = 1000;
@@ -207,61 +209,21 @@ impl fmt::Display for Schedule {
     }
 }
 
-/// The civil date (year, month 1-12, day 1-31) of a day counted from
-/// 1970-01-01, in the proleptic Gregorian calendar. Dates are counted in
-/// 400-year eras of 146,097 days, each year starting on 1 March so that the
-/// leap day ends it.
-pub fn civil_from_days(days: u64) -> (u64, u64, u64) {
-    // Days since 0000-03-01.
-    let shifted = days + 719_468;
-    let era = shifted / 146_097;
-    let day_of_era = shifted % 146_097;
-    let year_of_era = (day_of_era - day_of_era / 1460 + day_of_era / 36_524 - day_of_era / 146_096) / 365;
-    let day_of_year = day_of_era - (365 * year_of_era + year_of_era / 4 - year_of_era / 100);
-    // Months counted from March: 0 = March ... 11 = February.
-    let month_from_march = (5 * day_of_year + 2) / 153;
-    let day = day_of_year - (153 * month_from_march + 2) / 5 + 1;
-    let month = if month_from_march < 10 {
-        month_from_march + 3
-    } else {
-        month_from_march - 9
-    };
-    let year = year_of_era + era * 400 + u64::from(month <= 2);
-    (year, month, day)
-}
-
-/// The inverse of [`civil_from_days`], for dates from 1970-01-01.
-pub fn days_from_civil(year: u64, month: u64, day: u64) -> u64 {
-    let year = if month <= 2 { year - 1 } else { year };
-    let era = year / 400;
-    let year_of_era = year % 400;
-    let month_from_march = if month > 2 { month - 3 } else { month + 9 };
-    let day_of_year = (153 * month_from_march + 2) / 5 + day - 1;
-    let day_of_era = year_of_era * 365 + year_of_era / 4 - year_of_era / 100 + day_of_year;
-    era * 146_097 + day_of_era - 719_468
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
     /// Unix seconds of a UTC time.
     fn utc(year: u64, month: u64, day: u64, hour: u64, minute: u64) -> u64 {
-        days_from_civil(year, month, day) * DAY + hour * HOUR + minute * MINUTE
-    }
-
-    #[test]
-    fn civil_dates_round_trip() {
-        assert_eq!(days_from_civil(1970, 1, 1), 0);
-        assert_eq!(civil_from_days(0), (1970, 1, 1));
-        // 2000 was a leap year (divisible by 400), 2100 will not be.
-        assert_eq!(civil_from_days(days_from_civil(2000, 2, 29) + 1), (2000, 3, 1));
-        assert_eq!(civil_from_days(days_from_civil(2100, 2, 28) + 1), (2100, 3, 1));
-        assert_eq!(utc(2026, 11, 25, 9, 0), 1_795_597_200);
-        for days in (0..200_000).step_by(7) {
-            let (year, month, day) = civil_from_days(days);
-            assert_eq!(days_from_civil(year, month, day), days);
+        crate::utc::UtcTime {
+            year,
+            month,
+            day,
+            hour,
+            minute,
+            second: 0,
         }
+        .unix()
     }
 
     #[test]

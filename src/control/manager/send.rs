@@ -17,8 +17,8 @@
 use super::*;
 use crate::control::catalog::ReceiveRecord;
 use crate::control::stream::{
-    self, end_payload, Header, PlannedRecord, RecordHeader, RecordKind, StreamError, StreamKind, END_PAYLOAD_BYTES,
-    RECORD_HEADER_BYTES,
+    self, end_payload, Accepted, Header, PlannedRecord, Position, RecordHeader, RecordKind, StreamError, StreamKind,
+    END_PAYLOAD_BYTES, RECORD_HEADER_BYTES,
 };
 use crate::device::IoBuf;
 use crate::pool::snapshots::{SnapshotInfo, SnapshotRequest};
@@ -168,6 +168,32 @@ impl ResumeToken {
             offset: state.offset,
             crc: state.crc,
         }
+    }
+}
+
+/// A receive's place in its stream, as the stream's checks keep it.
+trait Progress {
+    fn position(&self) -> Position;
+    fn advance_to(&mut self, position: Position);
+}
+
+impl Progress for ReceiveRecord {
+    fn position(&self) -> Position {
+        Position {
+            offset: self.offset,
+            crc: self.crc,
+            records: self.records,
+            data_bytes: self.data_bytes,
+            volume_end: self.volume_end,
+        }
+    }
+
+    fn advance_to(&mut self, position: Position) {
+        self.offset = position.offset;
+        self.crc = position.crc;
+        self.records = position.records;
+        self.data_bytes = position.data_bytes;
+        self.volume_end = position.volume_end;
     }
 }
 
@@ -997,7 +1023,6 @@ impl VolumeManager {
         _start: u64,
         name: &str,
     ) -> Result<(), Broken> {
-        let block = header.volblocksize as u64;
         let mut in_flight: VecDeque<tokio::task::JoinHandle<Result<(), String>>> = VecDeque::new();
         // What is applied but not yet saved as progress.
         let mut pending = state.clone();
@@ -1007,8 +1032,10 @@ impl VolumeManager {
                 if !input.fill(RECORD_HEADER_BYTES).await? {
                     return Err(Broken::Interrupted("it ended before its END record".into()));
                 }
-                let fixed: [u8; RECORD_HEADER_BYTES] =
-                    input.take(RECORD_HEADER_BYTES).try_into().expect("a record header's length");
+                let fixed: [u8; RECORD_HEADER_BYTES] = input
+                    .take(RECORD_HEADER_BYTES)
+                    .try_into()
+                    .expect("a record header's length");
                 let record = RecordHeader::decode(&fixed).map_err(Broken::Bad)?;
                 let payload_len = record.payload_bytes as usize;
                 if !input.fill(payload_len).await? {
@@ -1016,49 +1043,18 @@ impl VolumeManager {
                 }
                 let payload = input.take(payload_len);
                 let payload_crc = crc32c::crc32c(payload);
-                record
-                    .check_summed(&fixed, payload_len, payload_crc)
+                let mut position = pending.position();
+                let accepted = position
+                    .accept(header, &fixed, &record, payload, payload_crc)
                     .map_err(Broken::Bad)?;
-                let bytes = (RECORD_HEADER_BYTES + payload_len) as u64;
-                if record.kind == RecordKind::End {
-                    let stream_crc = crate::bytes::u32_at(payload, 0).unwrap_or(0);
-                    let ends_right = record.offset == pending.records
-                        && record.length == pending.data_bytes
-                        && pending.offset + bytes == header.stream_bytes;
-                    if !ends_right {
-                        return Err(Broken::Bad(StreamError::Corrupt(format!(
-                            "END says {} records and {} data bytes, {} bytes of stream came with {} records and {} data bytes",
-                            record.offset, record.length, pending.offset + bytes, pending.records, pending.data_bytes
-                        ))));
-                    }
-                    if stream_crc != pending.crc {
-                        return Err(Broken::Bad(StreamError::Corrupt("stream checksum mismatch".into())));
-                    }
-                    if payload != end_payload(stream_crc) {
-                        return Err(Broken::Bad(StreamError::Corrupt("END's reserved bytes are not zero".into())));
-                    }
-                    drain(&mut in_flight).await.map_err(|e| Broken::Local(AdminError::Internal(e)))?;
-                    engine
-                        .flush()
+                if accepted == Accepted::End {
+                    drain(&mut in_flight)
                         .await
-                        .map_err(|e| Broken::Local(internal("flush", e)))?;
+                        .map_err(|e| Broken::Local(AdminError::Internal(e)))?;
+                    engine.flush().await.map_err(|e| Broken::Local(internal("flush", e)))?;
                     *state = pending.clone();
-                    state.offset += bytes;
+                    state.offset = position.offset;
                     return Ok(());
-                }
-                // WRITE or HOLE: in order, aligned, inside the volume.
-                let end = record.offset.saturating_add(record.length);
-                if record.offset < pending.volume_end {
-                    return Err(Broken::Bad(StreamError::Corrupt(format!(
-                        "record out of order: offset {} comes after {}",
-                        record.offset, pending.volume_end
-                    ))));
-                }
-                if record.length == 0 || record.offset % block != 0 || end > header.volsize || (end % block != 0 && end != header.volsize) {
-                    return Err(Broken::Bad(StreamError::Corrupt(format!(
-                        "record [{}, +{}) does not fit the {}-byte volume in {block}-byte blocks",
-                        record.offset, record.length, header.volsize
-                    ))));
                 }
                 if in_flight.len() >= IN_FLIGHT {
                     if let Some(task) = in_flight.pop_front() {
@@ -1072,21 +1068,15 @@ impl VolumeManager {
                         let data = IoBuf::copy_from(payload);
                         tokio::spawn(async move { target.write(offset, data, false).await.map_err(|e| e.to_string()) })
                     }
-                    _ => tokio::spawn(async move { target.trim(offset, length, false).await.map_err(|e| e.to_string()) }),
+                    _ => {
+                        tokio::spawn(async move { target.trim(offset, length, false).await.map_err(|e| e.to_string()) })
+                    }
                 });
-                pending.crc = crc32c::crc32c_combine(
-                    crc32c::crc32c_append(pending.crc, &fixed),
-                    payload_crc,
-                    payload_len,
-                );
-                pending.offset += bytes;
-                pending.records += 1;
-                if record.kind == RecordKind::Write {
-                    pending.data_bytes += record.length;
-                }
-                pending.volume_end = end;
+                pending.advance_to(position);
                 if pending.offset - saved_at.0 >= PROGRESS_BYTES || saved_at.1.elapsed() >= PROGRESS_INTERVAL {
-                    drain(&mut in_flight).await.map_err(|e| Broken::Local(AdminError::Internal(e)))?;
+                    drain(&mut in_flight)
+                        .await
+                        .map_err(|e| Broken::Local(AdminError::Internal(e)))?;
                     engine.flush().await.map_err(|e| Broken::Local(internal("flush", e)))?;
                     self.save_progress(name, &pending).await.map_err(Broken::Local)?;
                     *state = pending.clone();
