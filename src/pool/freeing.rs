@@ -131,3 +131,75 @@ impl Pool {
         });
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::device::SimDevice;
+    use crate::pool::NewDevice;
+    use crate::volume::{BlockDevice, BlockError};
+
+    const MIB: u64 = 1 << 20;
+
+    fn placed(pool: &Pool) -> u64 {
+        pool.status().iter().map(|d| d.used_bytes).sum()
+    }
+
+    /// A destroyed volume's space waits in the freeing queue (counted as
+    /// used), yet a pool that runs out of space takes it back at once.
+    #[test]
+    fn a_full_pool_takes_back_what_is_freeing() {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        runtime.block_on(async {
+            let sim = SimDevice::new(160 * MIB, 1);
+            let device = NewDevice {
+                device: sim.as_device(),
+                role: Role::Fast,
+            };
+            let options = PoolOptions {
+                background_free_above: Some(4),
+                ..PoolOptions::default()
+            };
+            let pool = Pool::create_with("test", 1 << 20, vec![device], options).await.unwrap();
+            let write = |volume: Arc<volume::EngineVolume>, offset: u64| async move {
+                let result = volume
+                    .write(offset, IoBuf::copy_from(&vec![0x5a; MIB as usize]), false)
+                    .await;
+                match result {
+                    Ok(()) => volume.flush().await,
+                    Err(e) => Err(e),
+                }
+            };
+            let first = pool.open_volume(1, 64 * MIB, 16384).unwrap();
+            for i in 0..32 {
+                write(first.clone(), i * MIB).await.unwrap();
+            }
+            // The second volume fills the rest of the pool.
+            let second = pool.open_volume(2, 1024 * MIB, 16384).unwrap();
+            let mut written = 0;
+            loop {
+                match write(second.clone(), written * MIB).await {
+                    Ok(()) => written += 1,
+                    Err(BlockError::NoSpace) => break,
+                    Err(e) => panic!("write {written}: {e}"),
+                }
+                assert!(written < 1024, "the pool never filled");
+            }
+            pool.destage_all().await.unwrap();
+            drop(first);
+            pool.destroy_volume(1).await.unwrap();
+            assert_eq!(pool.freeing_bytes(), 32 * MIB, "queued, not freed");
+            // Full but for the queue: writing needs it, and gets it.
+            for i in 0..16 {
+                write(second.clone(), (written + i) * MIB).await.unwrap();
+            }
+            pool.destage_all().await.unwrap();
+            pool.commit().await.unwrap();
+            assert_eq!(pool.freeing_bytes(), 0, "taken back");
+            assert_eq!(placed(&pool), second.used_bytes(), "nothing leaked");
+        });
+    }
+}
