@@ -110,18 +110,13 @@ fn automatic_snapshots_come_and_go_around_hand_made_ones_and_clone_origins() {
         automatic(&snapshot_names(&server, "default/db")).first().cloned()
     });
     assert!(origin.ends_with("Z-2s"), "{origin}");
-    // (A clone starts with its origin's properties, the schedule too, unless told.)
+    // A clone takes over its origin's properties, but not the schedule.
     cli_ok(
         &server,
-        &[
-            "volume",
-            "clone",
-            &format!("default/db@{origin}"),
-            "default/golden",
-            "-o",
-            "snapshot.schedule=off",
-        ],
+        &["volume", "clone", &format!("default/db@{origin}"), "default/golden"],
     );
+    let cloned = property(&server, "default/golden", "snapshot.schedule");
+    assert!(cloned.contains("\"off\"") && cloned.contains("\"default\""), "{cloned}");
 
     // Five periods on, the newest three remain with the clone's origin.
     let mut seen = BTreeSet::new();

@@ -38,6 +38,10 @@ impl VolumeManager {
             .ok_or_else(|| AdminError::NotFound(format!("volume '{pool_name}/{origin_volume}' does not exist")))?;
         let mut stored = source.props.clone();
         stored.volsize = snapshot.size_bytes;
+        // A clone of a golden image must not start taking (and pruning)
+        // snapshots because its origin's volume does: the schedule is the
+        // one property a clone does not take over (give it with -o).
+        stored.local.remove("snapshot.schedule");
         for (key, value) in properties {
             let value = canonical_value(key, value)?;
             match key.as_str() {
