@@ -533,6 +533,11 @@ fn errors_are_one_line_with_exit_status_1() {
         .cli(&["volume", "get", "default/vol0", "colour"])
         .fails_with("unknown property 'colour'");
 
+    // Two volumes with one iSCSI target name (names compare without case).
+    server
+        .cli(&["volume", "create", "default/VOL0", "--size", "1G"])
+        .fails_with("would have the iSCSI target name of volume 'default/vol0'");
+
     // Bad values.
     server
         .cli(&["volume", "create", "default/x", "--size", "1G", "-o", "sync=sometimes"])

@@ -1011,7 +1011,28 @@ impl VolumeManager {
 
 /// Adds volume `short` with `stored` properties to pool `pool` of
 /// `catalog` under a new id, which it returns.
+/// A volume's iSCSI target name ends in `POOL.NAME`, and target names
+/// compare without case (RFC 3722): refuses a new volume whose name would
+/// give an existing volume's target (`a.b/c` against `a/b.c`, `Vol`
+/// against `vol`).
+pub(crate) fn check_target_name_free(catalog: &Catalog, pool: &str, short: &str) -> Result<(), AdminError> {
+    let wanted = format!("{pool}.{short}").to_lowercase();
+    for (other_pool, record) in &catalog.pools {
+        for other in record.volumes.keys() {
+            let same = other_pool == pool && other == short;
+            if !same && format!("{other_pool}.{other}").to_lowercase() == wanted {
+                return Err(AdminError::AlreadyExists(format!(
+                    "volume '{pool}/{short}' would have the iSCSI target name of volume '{other_pool}/{other}' \
+                     (target names join pool and volume with '.' and ignore case): choose another name"
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
 fn add_volume_record(catalog: &mut Catalog, pool: &str, short: &str, stored: &StoredProps) -> Result<u32, AdminError> {
+    check_target_name_free(catalog, pool, short)?;
     let Some(pool_record) = catalog.pools.get_mut(pool) else {
         return Err(AdminError::NotFound(format!("pool '{pool}' does not exist")));
     };

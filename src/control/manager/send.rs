@@ -875,6 +875,7 @@ impl VolumeManager {
                 let id = tokio::task::spawn_blocking(move || {
                     let mut catalog = manager.catalog();
                     let mut updated = catalog.clone();
+                    super::check_target_name_free(&updated, &pool_owned, &short_owned)?;
                     let record = updated
                         .pools
                         .get_mut(&pool_owned)
