@@ -585,6 +585,20 @@ impl VolumeManager {
         let mut untold = Vec::new();
         for pool in pools {
             let mut said = Vec::new();
+            // Space still being freed is punched now (no clients are left),
+            // for at most 10 s; what remains is written as free anyway, only
+            // its holes are not punched.
+            let freeing = pool.freeing_bytes();
+            if freeing > 0 {
+                let drained = tokio::time::timeout(std::time::Duration::from_secs(10), pool.free_queued()).await;
+                if drained.is_err() {
+                    tracing::info!(
+                        "pool {}: {} still to free at shutdown: free in the pool, its space not yet given back to the file system",
+                        pool.name(),
+                        crate::units::format_size(pool.freeing_bytes())
+                    );
+                }
+            }
             if let Err(e) = pool.destage_all().await {
                 tracing::error!("pool {}: destaging at shutdown failed: {e}", pool.name());
                 said.push(format!(

@@ -497,8 +497,12 @@ impl Allocator {
     /// Takes up to `max` queued slots, in device order (so their holes
     /// merge), for the freer to punch; `finish_freeing` frees them. They
     /// stay counted as freeing (and checkpointed as free) meanwhile.
+    /// A batch left unfinished (its freer was cancelled) is given again: a
+    /// second punch of slots not yet freed is harmless.
     pub fn start_freeing(&mut self, max: usize) -> Vec<(u8, u64)> {
-        assert!(self.punching.is_empty(), "one freeing batch at a time");
+        if !self.punching.is_empty() {
+            return self.punching.clone();
+        }
         let mut batch = Vec::new();
         while batch.len() < max {
             let Some(mut entry) = self.freeing.first_entry() else {
