@@ -243,6 +243,11 @@ impl<P: Page> PageCache<P> {
         Ok(page)
     }
 
+    /// The page if it is cached (never loaded from the store).
+    pub fn peek(&self, key: PageKey) -> Option<Arc<P>> {
+        self.shard(key).pages.get(&key).cloned()
+    }
+
     /// Installs a page (replay and tests); replaces any cached copy.
     pub fn put(&self, key: PageKey, page: P) -> Arc<P> {
         let page = Arc::new(page);
