@@ -83,20 +83,27 @@ median_ms() {
     for _ in $(seq "$repeat"); do timed "$@" >>m.txt; echo >>m.txt; done
     sort -n m.txt | awk '{a[NR] = $1} END {print a[int((NR + 1) / 2)]}'
 }
-# WRITE_KIB of random 4K writes into volume $1 (seeded by $2).
+# WRITE_KIB (or $3) of random 4K writes into volume $1 (seeded by $2), in
+# its first $4 bytes (default: all of it).
 scribble() {
     local kib=${3:-$WRITE_KIB}
-    awk -v seed="$2" -v n=$((kib / 4)) -v blocks=$((SIZE / 4096)) 'BEGIN {
+    awk -v seed="$2" -v n=$((kib / 4)) -v blocks=$((${4:-$SIZE} / 4096)) 'BEGIN {
         srand(seed); printf "-c\naio_write -P %d %d 4k\n", seed % 251, int(rand() * blocks) * 4096
         for (i = 1; i < n; i++) printf "-c\naio_write -P %d %d 4k\n", (seed + i) % 251, int(rand() * blocks) * 4096
         printf "-c\naio_flush\n" }' | tr '\n' '\0' | xargs -0 qemu-io -f raw "nbd://127.0.0.1:$PORT/default/$1" >/dev/null
 }
 ticks() { awk '{print $14 + $15}' "/proc/$PID/stat"; }
-# 4K random writes QD32 for SECONDS_PER_PHASE: "IOPS | CPU µs/op".
+# 4K random reads QD1 of export $1 for 5 s: IOPS.
+randread() {
+    fio --name=r --ioengine=nbd --uri="nbd://127.0.0.1:$PORT/$1" --rw=randread --bs=4k --iodepth=1 --size=1G \
+        --time_based --runtime=5 --output-format=terse | awk -F';' 'NF > 40 {print $8}'
+}
+# 4K random writes QD32 for SECONDS_PER_PHASE into volume $2 (default v0):
+# "IOPS | CPU µs/op".
 randwrite() {
     local before after iops
     before=$(ticks)
-    iops=$(fio --name=w --ioengine=nbd --uri="nbd://127.0.0.1:$PORT/default/v0" --rw=randwrite --bs=4k --iodepth=32 \
+    iops=$(fio --name=w --ioengine=nbd --uri="nbd://127.0.0.1:$PORT/default/${2:-v0}" --rw=randwrite --bs=4k --iodepth=32 \
         --size=1G --time_based --runtime="$SECONDS_PER_PHASE" --randseed="$1" --output-format=terse |
         awk -F';' 'NF > 40 {print $49}')
     after=$(ticks)
@@ -160,12 +167,30 @@ echo "- snapshot list default/v0: $(median_ms 5 s snapshot list default/v0)"
 echo "- snapshot list (all): $(median_ms 5 s snapshot list)"
 echo "- volume get default/v0: $(median_ms 5 s volume get default/v0)"
 echo "- volume list: $(median_ms 5 s volume list)"
+echo "- 4K random reads QD1 of the oldest snapshot (v0@s1): $(randread default/v0@s1) IOPS; of the volume: $(randread default/v0) IOPS"
 stop
 start
 echo "- daemon stop (SIGTERM) $(($(cat stop_us.txt) / 1000)) ms; start to NBD listening $(($(cat start_us.txt) / 1000)) ms"
 echo "- first volume get after the start: $(timed s volume get default/v0) ms; first snapshot list default/v0: $(timed s snapshot list default/v0) ms"
 echo "- snapshot delete of the middle one (v0@s$((N / 2))): $(timed s snapshot delete "default/v0@s$((N / 2))") ms"
 echo "- snapshot delete of the oldest (v0@s1): $(timed s snapshot delete default/v0@s1) ms"
+
+# What the count costs writes, apart from the data the snapshots hold: a
+# fresh volume with 1 snapshot, then with N taken with no write between
+# (same pool, minutes apart instead of the first part's quarter hour).
+s volume create default/c --size 1G >/dev/null
+fio --name=fill --ioengine=nbd --uri="nbd://127.0.0.1:$PORT/default/c" --rw=write --bs=1M --iodepth=4 --size=1G \
+    --output-format=terse >/dev/null
+s pool sync default >/dev/null
+randwrite 8 c >/dev/null
+s snapshot create default/c@c0 >/dev/null
+echo "| c: a fresh volume, 1 snapshot, right after it | $(randwrite 4 c) |"
+s pool sync default >/dev/null
+for n in $(seq 1 $((N - 1))); do s snapshot create "default/c@c$n" >/dev/null; done
+echo "| c: $N snapshots (no write between them but the last), right after the last | $(randwrite 5 c) |"
+s pool sync default >/dev/null
+s snapshot create default/v0@again >/dev/null
+echo "| v0: $((N - 1)) snapshots holding data, right after the last | $(randwrite 6) |"
 echo "(first part: $(($(date +%s) - began_all)) s)"
 
 if [ "$VOLUMES" -gt 1 ]; then
@@ -175,12 +200,15 @@ if [ "$VOLUMES" -gt 1 ]; then
         s volume create "default/v$v" --size 1G >/dev/null
         names+=("default/v$v")
     done
+    # v1 holds data (the snapshot reads below read it); the others do not need to.
+    fio --name=fill --ioengine=nbd --uri="nbd://127.0.0.1:$PORT/default/v1" --rw=write --bs=1M --iodepth=4 --size=1G \
+        --output-format=terse >/dev/null
     # v0 has N - 2 now; it gets 2 more, every other volume N.
     take $((N + 1)) $((N + 2))
     : >poolcreate.txt
     for n in $(seq 1 "$N"); do
         v=$(((n - 1) % (VOLUMES - 1) + 1))
-        scribble "v$v" "$n" 64
+        scribble "v$v" "$n" 64 $((16 << 20))
         if [ $((n % (N / 10 > 0 ? N / 10 : 1))) -eq 0 ]; then
             timed s snapshot create "${names[@]/%/@p$n}" >>poolcreate.txt
             echo >>poolcreate.txt
@@ -191,12 +219,13 @@ if [ "$VOLUMES" -gt 1 ]; then
     s pool sync default >/dev/null
     total=$(s snapshot list | tail -n +2 | wc -l)
     echo
-    echo "# the pool: $VOLUMES volumes, $total snapshots ($((VOLUMES - 1)) taken together per create, 64 KiB written into one volume between)"
+    echo "# the pool: $VOLUMES volumes, $total snapshots ($((VOLUMES - 1)) taken together per create, 64 KiB written into the first 16 MiB of one volume between)"
     echo "- snapshot create of $((VOLUMES - 1)) at once, sampled every $((N / 10 > 0 ? N / 10 : 1))th, ms: $(pct poolcreate.txt)"
     echo "- snapshot list (all): $(median_ms 3 s snapshot list) ms"
     echo "- snapshot list default/v1: $(median_ms 3 s snapshot list default/v1) ms"
     echo "- volume list: $(median_ms 3 s volume list) ms"
     echo "- volume get default/v1: $(median_ms 3 s volume get default/v1) ms"
+    echo "- 4K random reads QD1 of the oldest snapshot of v1 (most of its map pages never change after it): $(randread default/v1@p1) IOPS"
     echo "- snapshot create (one more, v0): $(scribble v0 99999 && timed s snapshot create default/v0@last) ms"
     stop
     start

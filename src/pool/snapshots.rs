@@ -17,7 +17,7 @@
 
 use super::*;
 use crate::meta::log::{SnapshotEntry, MAX_SNAPSHOTS_PER_RECORD, MAX_SNAPSHOT_NAME};
-use crate::meta::store::{CLONES, SNAPSHOTS};
+use crate::meta::store::{CLONES, SNAPSHOTS, SNAPSHOT_SPACE};
 use std::collections::HashMap;
 
 /// Snapshot ids have the high bit set: apart from volume ids, which the
@@ -94,7 +94,7 @@ pub(crate) struct Snapshots {
     in_flight: Vec<u32>,
     /// Space figures computed before (`Pool::snapshot_space`), kept while
     /// what they depend on cannot change: see [`CachedSpace`].
-    space: Mutex<HashMap<u32, CachedSpace>>,
+    space: Mutex<SpaceFigures>,
     /// Bumped by every change of the registry, so that space figures
     /// computed across one are not kept.
     version: u64,
@@ -148,10 +148,44 @@ impl Copies {
 /// for a snapshot that has a newer one (the newest's changes with every
 /// write to the volume) and no clone (whose writes change it), until a
 /// neighbour changes.
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 struct CachedSpace {
     used: Option<u64>,
     written: Option<u64>,
+}
+
+/// The kept figures, saved by checkpoints (the `snapshot_space` table) so
+/// that a restart does not have to walk every snapshot's pages again.
+#[derive(Debug, Default)]
+struct SpaceFigures {
+    kept: HashMap<u32, CachedSpace>,
+    /// Snapshots whose figures changed since a checkpoint took them.
+    changed: HashSet<u32>,
+    /// What the running (or last) checkpoint took.
+    in_flight: Vec<u32>,
+}
+
+impl SpaceFigures {
+    fn get(&self, id: u32) -> CachedSpace {
+        self.kept.get(&id).copied().unwrap_or_default()
+    }
+
+    fn set(&mut self, id: u32, figures: CachedSpace) {
+        if self.get(id) == figures {
+            return;
+        }
+        if figures == CachedSpace::default() {
+            self.kept.remove(&id);
+        } else {
+            self.kept.insert(id, figures);
+        }
+        self.changed.insert(id);
+    }
+
+    fn clear(&mut self) {
+        self.changed.extend(self.kept.keys().copied());
+        self.kept.clear();
+    }
 }
 
 /// A volume's snapshots as the space figures need them (`Pool::chain`).
@@ -176,6 +210,9 @@ pub(super) struct SnapshotState {
     pub generation: u64,
     pub next_id: u32,
     pub origins: Vec<(u32, u32)>,
+    /// Kept space figures that changed: (written, used or `u64::MAX`), or
+    /// `None` to delete the row.
+    pub space: Vec<(u32, Option<(u64, u64)>)>,
 }
 
 impl Snapshots {
@@ -218,11 +255,9 @@ impl Snapshots {
     /// Forgets the kept space figures of `snapshot` (`used` only, or both).
     fn forget_space(&self, snapshot: u32, written_too: bool) {
         let mut space = self.space.lock_or_abort();
-        if written_too {
-            space.remove(&snapshot);
-        } else if let Some(entry) = space.get_mut(&snapshot) {
-            entry.used = None;
-        }
+        let kept = space.get(snapshot);
+        let written = if written_too { None } else { kept.written };
+        space.set(snapshot, CachedSpace { used: None, written });
     }
 
     fn insert(&mut self, info: SnapshotInfo) {
@@ -328,6 +363,23 @@ pub(super) fn load(db: &redb::Database) -> Result<Snapshots, MetaError> {
         let (volume, origin) = row?;
         snapshots.origins.insert(volume.value(), origin.value());
     }
+    {
+        let table = txn.open_table(SNAPSHOT_SPACE)?;
+        let space = snapshots.space.get_mut().unwrap_or_else(|_| crate::sync::poisoned());
+        for row in table.iter()? {
+            let (id, figures) = row?;
+            let (id, (written, used)) = (id.value(), figures.value());
+            if snapshots.by_id.contains_key(&id) {
+                space.kept.insert(
+                    id,
+                    CachedSpace {
+                        written: Some(written),
+                        used: (used != u64::MAX).then_some(used),
+                    },
+                );
+            }
+        }
+    }
     snapshots.dirty = false;
     snapshots.changed.clear();
     Ok(snapshots)
@@ -352,6 +404,17 @@ pub(super) fn save(txn: &redb::WriteTransaction, state: &SnapshotState) -> Resul
     clones.retain(|_, _| false)?;
     for (volume, origin) in &state.origins {
         clones.insert(*volume, *origin)?;
+    }
+    let mut space = txn.open_table(SNAPSHOT_SPACE)?;
+    for (id, figures) in &state.space {
+        match figures {
+            Some(figures) => {
+                space.insert(*id, *figures)?;
+            }
+            None => {
+                space.remove(*id)?;
+            }
+        }
     }
     let mut scalars = txn.open_table(STATE)?;
     scalars.insert("snapshot_generation", state.generation)?;
@@ -974,9 +1037,7 @@ impl Pool {
             .collect();
         let kept = {
             let space = snapshots.space.lock_or_abort();
-            ids.iter()
-                .map(|id| space.get(id).copied().unwrap_or_default())
-                .collect()
+            ids.iter().map(|id| space.get(*id)).collect()
         };
         Chain {
             volume,
@@ -999,12 +1060,13 @@ impl Pool {
         }
         let mut space = snapshots.space.lock_or_abort();
         for (k, (used, written)) in figures.iter().enumerate() {
-            let entry = space.entry(chain.ids[k]).or_default();
+            let mut entry = space.get(chain.ids[k]);
             entry.written = Some(*written);
             let lasting = k + 1 < chain.ids.len() && chain.dependents[k].is_empty();
             if lasting && used.is_some() {
                 entry.used = *used;
             }
+            space.set(chain.ids[k], entry);
         }
     }
 
@@ -1602,7 +1664,22 @@ impl Pool {
     /// one (then it is marked clean; `restore` marks it dirty again).
     pub(super) fn take_snapshot_state(&self) -> Option<SnapshotState> {
         let mut snapshots = self.snapshots_write();
-        if !snapshots.dirty {
+        let space = {
+            let mut figures = snapshots.space.lock_or_abort();
+            let mut ids: Vec<u32> = figures.changed.drain().collect();
+            ids.sort_unstable();
+            let space: Vec<(u32, Option<(u64, u64)>)> = ids
+                .iter()
+                .map(|id| {
+                    let kept = figures.get(*id);
+                    let row = kept.written.map(|written| (written, kept.used.unwrap_or(u64::MAX)));
+                    (*id, row)
+                })
+                .collect();
+            figures.in_flight = ids;
+            space
+        };
+        if !snapshots.dirty && space.is_empty() {
             return None;
         }
         snapshots.dirty = false;
@@ -1615,6 +1692,7 @@ impl Pool {
             generation: snapshots.generation,
             next_id: snapshots.next_id,
             origins: snapshots.origins.iter().map(|(v, o)| (*v, *o)).collect(),
+            space,
         })
     }
 
@@ -1625,6 +1703,9 @@ impl Pool {
         let in_flight = std::mem::take(&mut snapshots.in_flight);
         snapshots.changed.extend(in_flight);
         snapshots.dirty = true;
+        let mut figures = snapshots.space.lock_or_abort();
+        let in_flight = std::mem::take(&mut figures.in_flight);
+        figures.changed.extend(in_flight);
     }
 }
 
