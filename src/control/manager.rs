@@ -906,7 +906,7 @@ impl VolumeManager {
             }
         }
         if let Some(pool_handle) = self.pool(pool) {
-            let snapshots = pool_handle.snapshots().iter().filter(|s| s.volume == record.id).count();
+            let snapshots = pool_handle.snapshots_of(record.id).len();
             if snapshots > 0 {
                 return Err(AdminError::Busy(format!(
                     "volume '{name}' has {snapshots} snapshot(s): delete them first (strata snapshot list {name})"

@@ -10,7 +10,7 @@
 
 use super::MetaError;
 use crate::sync::LockOrAbort;
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -167,29 +167,64 @@ pub type PageKey = (u32, u64);
 pub type TakenPage<P> = (PageKey, Vec<u8>, Arc<P>);
 
 pub struct PageCache<P: Page> {
-    shards: Vec<Mutex<HashMap<PageKey, Arc<P>>>>,
+    shards: Vec<Mutex<Shard<P>>>,
     max_pages_per_shard: usize,
     dirty_pages: AtomicUsize,
+}
+
+/// One shard: its pages, and their indexes by owner (the key's first part),
+/// so that the pages of one volume or snapshot are found without a look
+/// at every cached key (a pool with thousands of snapshots asks this for
+/// each of them).
+struct Shard<P> {
+    pages: HashMap<PageKey, Arc<P>>,
+    by_owner: HashMap<u32, BTreeSet<u64>>,
+}
+
+impl<P> Shard<P> {
+    fn insert(&mut self, key: PageKey, page: Arc<P>) {
+        if self.pages.insert(key, page).is_none() {
+            self.by_owner.entry(key.0).or_default().insert(key.1);
+        }
+    }
+
+    fn remove(&mut self, key: PageKey) -> Option<Arc<P>> {
+        let page = self.pages.remove(&key)?;
+        if let Some(indexes) = self.by_owner.get_mut(&key.0) {
+            indexes.remove(&key.1);
+            if indexes.is_empty() {
+                self.by_owner.remove(&key.0);
+            }
+        }
+        Some(page)
+    }
 }
 
 impl<P: Page> PageCache<P> {
     /// A cache holding about `max_pages` clean pages.
     pub fn new(max_pages: usize) -> Self {
         PageCache {
-            shards: (0..SHARDS).map(|_| Mutex::new(HashMap::new())).collect(),
+            shards: (0..SHARDS)
+                .map(|_| {
+                    Mutex::new(Shard {
+                        pages: HashMap::new(),
+                        by_owner: HashMap::new(),
+                    })
+                })
+                .collect(),
             max_pages_per_shard: (max_pages / SHARDS).max(4),
             dirty_pages: AtomicUsize::new(0),
         }
     }
 
-    fn shard(&self, key: PageKey) -> std::sync::MutexGuard<'_, HashMap<PageKey, Arc<P>>> {
+    fn shard(&self, key: PageKey) -> std::sync::MutexGuard<'_, Shard<P>> {
         let hash = (key.0 as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ key.1.wrapping_mul(0xff51_afd7_ed55_8ccd);
         self.shards[(hash >> 32) as usize % SHARDS].lock_or_abort()
     }
 
     /// The page, from the cache or loaded from the store.
     pub fn get(&self, db: &redb::Database, key: PageKey) -> Result<Arc<P>, MetaError> {
-        if let Some(page) = self.shard(key).get(&key) {
+        if let Some(page) = self.shard(key).pages.get(&key) {
             return Ok(page.clone());
         }
         let stored = read_page(db, P::TABLE, key)?;
@@ -198,14 +233,19 @@ impl<P: Page> PageCache<P> {
             other => other,
         })?);
         let mut shard = self.shard(key);
-        if let Some(existing) = shard.get(&key) {
+        if let Some(existing) = shard.pages.get(&key) {
             return Ok(existing.clone());
         }
-        if shard.len() >= self.max_pages_per_shard {
+        if shard.pages.len() >= self.max_pages_per_shard {
             evict(&mut shard);
         }
         shard.insert(key, page.clone());
         Ok(page)
+    }
+
+    /// The page if it is cached (never loaded from the store).
+    pub fn peek(&self, key: PageKey) -> Option<Arc<P>> {
+        self.shard(key).pages.get(&key).cloned()
     }
 
     /// Installs a page (replay and tests); replaces any cached copy.
@@ -233,7 +273,7 @@ impl<P: Page> PageCache<P> {
         let mut taken = Vec::new();
         for shard in &self.shards {
             let shard = shard.lock_or_abort();
-            for (key, page) in shard.iter() {
+            for (key, page) in shard.pages.iter() {
                 if page.dirty_flag().swap(false, Ordering::AcqRel) {
                     self.dirty_pages.fetch_sub(1, Ordering::Relaxed);
                     taken.push((*key, page.encode(), page.clone()));
@@ -249,17 +289,22 @@ impl<P: Page> PageCache<P> {
         }
     }
 
-    /// Drops every cached page whose key's first part is `owner` (a destroyed volume).
+    /// Drops every cached page whose key's first part is `owner` (a
+    /// destroyed volume or snapshot): the work is its own pages, not the
+    /// whole cache.
     pub fn forget_owner(&self, owner: u32) {
         for shard in &self.shards {
             let mut shard = shard.lock_or_abort();
-            shard.retain(|key, page| {
-                let keep = key.0 != owner;
-                if !keep && page.dirty_flag().swap(false, Ordering::AcqRel) {
-                    self.dirty_pages.fetch_sub(1, Ordering::Relaxed);
+            let Some(indexes) = shard.by_owner.remove(&owner) else {
+                continue;
+            };
+            for index in indexes {
+                if let Some(page) = shard.pages.remove(&(owner, index)) {
+                    if page.dirty_flag().swap(false, Ordering::AcqRel) {
+                        self.dirty_pages.fetch_sub(1, Ordering::Relaxed);
+                    }
                 }
-                keep
-            });
+            }
         }
     }
 
@@ -267,13 +312,26 @@ impl<P: Page> PageCache<P> {
     pub fn keys(&self) -> Vec<PageKey> {
         self.shards
             .iter()
-            .flat_map(|s| s.lock_or_abort().keys().copied().collect::<Vec<_>>())
+            .flat_map(|s| s.lock_or_abort().pages.keys().copied().collect::<Vec<_>>())
             .collect()
+    }
+
+    /// The pages of `owner` in the cache (page indexes, in order), from
+    /// the per-owner index: proportional to the owner's pages.
+    pub fn keys_of(&self, owner: u32) -> Vec<u64> {
+        let mut indexes: Vec<u64> = Vec::new();
+        for shard in &self.shards {
+            if let Some(own) = shard.lock_or_abort().by_owner.get(&owner) {
+                indexes.extend(own.iter().copied());
+            }
+        }
+        indexes.sort_unstable();
+        indexes
     }
 
     /// Number of cached pages.
     pub fn len(&self) -> usize {
-        self.shards.iter().map(|s| s.lock_or_abort().len()).sum()
+        self.shards.iter().map(|s| s.lock_or_abort().pages.len()).sum()
     }
 
     pub fn is_empty(&self) -> bool {
@@ -282,21 +340,65 @@ impl<P: Page> PageCache<P> {
 }
 
 /// Removes up to a few clean pages nobody else holds.
-fn evict<P: Page>(shard: &mut HashMap<PageKey, Arc<P>>) {
+fn evict<P: Page>(shard: &mut Shard<P>) {
     let victims: Vec<PageKey> = shard
+        .pages
         .iter()
         .filter(|(_, page)| !page.dirty_flag().load(Ordering::Acquire) && Arc::strong_count(page) == 1)
         .map(|(key, _)| *key)
         .take(8)
         .collect();
     for key in victims {
-        shard.remove(&key);
+        shard.remove(key);
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_owner_index_follows_the_cache() {
+        let cache: PageCache<MapPage> = PageCache::new(64);
+        let page = || MapPage::decode(None).unwrap();
+        for index in [7, 3, 300, 5] {
+            cache.put((1, index), page());
+        }
+        cache.put((2, 3), page());
+        // Replacing a page keeps one key.
+        cache.put((1, 3), page());
+        assert_eq!(cache.keys_of(1), vec![3, 5, 7, 300]);
+        assert_eq!(cache.keys_of(2), vec![3]);
+        assert!(cache.keys_of(9).is_empty());
+        let dirty = cache.put((1, 5), page());
+        cache.mark_dirty(&dirty);
+        drop(dirty);
+        assert_eq!(cache.dirty_count(), 1);
+        cache.forget_owner(1);
+        assert!(cache.keys_of(1).is_empty());
+        assert_eq!(cache.dirty_count(), 0, "a forgotten dirty page is not counted");
+        assert_eq!(cache.keys(), vec![(2, 3)]);
+        assert_eq!(cache.len(), 1);
+        // Eviction (shards of 4 pages here) drops pages from the index too.
+        for index in 0..200 {
+            cache.put((3, index), page());
+            // What `get` does on a miss: make room first.
+            let mut shard = cache.shard((3, index));
+            if shard.pages.len() > cache.max_pages_per_shard {
+                evict(&mut shard);
+            }
+        }
+        let cached: Vec<u64> = cache
+            .keys()
+            .into_iter()
+            .filter(|key| key.0 == 3)
+            .map(|key| key.1)
+            .collect();
+        assert!(cached.len() < 200, "{} cached", cached.len());
+        let mut sorted = cached;
+        sorted.sort_unstable();
+        assert_eq!(cache.keys_of(3), sorted);
+    }
 
     #[test]
     fn a_stored_page_of_the_wrong_length_is_an_error_not_zeros() {

@@ -38,6 +38,9 @@ pub const STATE: TableDefinition<&str, u64> = TableDefinition::new("state");
 pub const SNAPSHOTS: TableDefinition<u32, &[u8]> = TableDefinition::new("snapshots");
 /// Clones: volume id → the snapshot it was cloned from (its origin).
 pub const CLONES: TableDefinition<u32, u32> = TableDefinition::new("clones");
+/// Snapshot space figures kept between starts: id → (written, used; used
+/// `u64::MAX` when not kept), in blocks (`pool/snapshots.rs`).
+pub const SNAPSHOT_SPACE: TableDefinition<u32, (u64, u64)> = TableDefinition::new("snapshot_space");
 
 const HEADER_BYTES: u64 = 4096;
 const HEADER_MAGIC: [u8; 8] = *b"STRATAMR";
@@ -303,6 +306,7 @@ pub fn open_database(
         open(txn.open_table(DESTROYED).map(|_| ()))?;
         open(txn.open_table(SNAPSHOTS).map(|_| ()))?;
         open(txn.open_table(CLONES).map(|_| ()))?;
+        open(txn.open_table(SNAPSHOT_SPACE).map(|_| ()))?;
         open(txn.open_table(STATE).map(|_| ()))?;
     }
     txn.commit()?;

@@ -207,7 +207,12 @@ impl Pool {
                 .filter(|e| e.load(Ordering::Acquire) & map_entry::VALID != 0)
                 .count() as u64
         };
-        let cached: HashSet<(u32, u64)> = self.map_pages.keys().into_iter().filter(|k| k.0 == id).collect();
+        let cached: HashSet<(u32, u64)> = self
+            .map_pages
+            .keys_of(id)
+            .into_iter()
+            .map(|index| (id, index))
+            .collect();
         let mut total = 0;
         for key in &cached {
             total += count_page(&self.map_pages.get(&self.db, *key).map_err(PoolError::Meta)?.entries);

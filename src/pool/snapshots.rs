@@ -17,7 +17,7 @@
 
 use super::*;
 use crate::meta::log::{SnapshotEntry, MAX_SNAPSHOTS_PER_RECORD, MAX_SNAPSHOT_NAME};
-use crate::meta::store::{CLONES, SNAPSHOTS};
+use crate::meta::store::{CLONES, SNAPSHOTS, SNAPSHOT_SPACE};
 use std::collections::HashMap;
 
 /// Snapshot ids have the high bit set: apart from volume ids, which the
@@ -76,7 +76,7 @@ impl SnapshotInfo {
 #[derive(Debug, Default)]
 pub(crate) struct Snapshots {
     by_id: HashMap<u32, SnapshotInfo>,
-    /// Each volume's snapshots, oldest first.
+    /// Each volume's snapshots, oldest first (by generation).
     by_volume: HashMap<u32, Vec<u32>>,
     /// The last snapshot generation given out.
     generation: u64,
@@ -86,14 +86,133 @@ pub(crate) struct Snapshots {
     origins: HashMap<u32, u32>,
     /// Changed since the last checkpoint.
     dirty: bool,
+    /// The snapshots whose rows changed (added, changed or deleted) since
+    /// the last checkpoint took them: a checkpoint writes those rows only.
+    changed: HashSet<u32>,
+    /// The rows the running (or last) checkpoint took: put back into
+    /// `changed` if it fails (checkpoints run one at a time).
+    in_flight: Vec<u32>,
+    /// Space figures computed before (`Pool::snapshot_space`), kept while
+    /// what they depend on cannot change: see [`CachedSpace`].
+    space: Mutex<SpaceFigures>,
+    /// Bumped by every change of the registry, so that space figures
+    /// computed across one are not kept.
+    version: u64,
+    /// Which snapshots have their own copy of a map page: see [`Copies`].
+    copies: Mutex<Copies>,
 }
 
-/// The registry as a checkpoint stores it.
+/// Which of a volume's snapshots have their own copy of a map page, by
+/// page, learnt the first time a snapshot's view of the page is looked up
+/// (`Pool::newer_view`): a snapshot without a copy sees the next newer
+/// one that has one (or the volume), found here at once instead of by
+/// asking each newer snapshot in turn — with a thousand snapshots, a
+/// thousand page lookups per read of a page that rarely changes.
+///
+/// A page's set is complete from the moment it is kept, or it is not
+/// kept: a copy is made only into a volume's newest snapshot
+/// (`copy_page_into`, which adds it to a kept set), handed down to the
+/// older neighbour when a snapshot is deleted (`Snapshots::remove`, which
+/// moves it), and rearranged by a promotion (which forgets both volumes').
+/// Each of these bumps the volume's epoch; a set learnt across a bump is
+/// not kept.
+#[derive(Debug, Default)]
+struct Copies {
+    /// volume -> page -> generations of its snapshots with a copy.
+    pages: HashMap<u32, HashMap<u64, std::collections::BTreeSet<u64>>>,
+    /// volume -> changes of which of its snapshots have copies.
+    epochs: HashMap<u32, u64>,
+}
+
+impl Copies {
+    fn bump(&mut self, volume: u32) {
+        *self.epochs.entry(volume).or_default() += 1;
+    }
+
+    fn epoch(&self, volume: u32) -> u64 {
+        self.epochs.get(&volume).copied().unwrap_or_default()
+    }
+
+    /// Forgets what is known of `volume`'s snapshots' pages.
+    fn forget(&mut self, volume: u32) {
+        self.pages.remove(&volume);
+        self.bump(volume);
+    }
+}
+
+/// A snapshot's space figures, kept between calls. Snapshots never change
+/// (a snapshot's view is fixed when it is taken), so `written` — what it
+/// maps that its older neighbour (or origin) does not — holds until that
+/// neighbour changes (a deletion, a promotion). `used` — what only it maps
+/// — also depends on its newer neighbour and its clones: it is kept only
+/// for a snapshot that has a newer one (the newest's changes with every
+/// write to the volume) and no clone (whose writes change it), until a
+/// neighbour changes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct CachedSpace {
+    used: Option<u64>,
+    written: Option<u64>,
+}
+
+/// The kept figures, saved by checkpoints (the `snapshot_space` table) so
+/// that a restart does not have to walk every snapshot's pages again.
+#[derive(Debug, Default)]
+struct SpaceFigures {
+    kept: HashMap<u32, CachedSpace>,
+    /// Snapshots whose figures changed since a checkpoint took them.
+    changed: HashSet<u32>,
+    /// What the running (or last) checkpoint took.
+    in_flight: Vec<u32>,
+}
+
+impl SpaceFigures {
+    fn get(&self, id: u32) -> CachedSpace {
+        self.kept.get(&id).copied().unwrap_or_default()
+    }
+
+    fn set(&mut self, id: u32, figures: CachedSpace) {
+        if self.get(id) == figures {
+            return;
+        }
+        if figures == CachedSpace::default() {
+            self.kept.remove(&id);
+        } else {
+            self.kept.insert(id, figures);
+        }
+        self.changed.insert(id);
+    }
+
+    fn clear(&mut self) {
+        self.changed.extend(self.kept.keys().copied());
+        self.kept.clear();
+    }
+}
+
+/// A volume's snapshots as the space figures need them (`Pool::chain`).
+struct Chain {
+    volume: u32,
+    /// Oldest first.
+    ids: Vec<u32>,
+    mapped: Vec<u64>,
+    origin: Option<u32>,
+    /// The views that see each snapshot through a clone of it.
+    dependents: Vec<Vec<u32>>,
+    /// The figures kept from before.
+    kept: Vec<CachedSpace>,
+    /// The registry's version these were read at.
+    version: u64,
+}
+
+/// The registry as a checkpoint stores it: the rows that changed.
 pub(super) struct SnapshotState {
-    pub all: Vec<SnapshotInfo>,
+    /// Rows to write (`Some`) or delete (`None`), by snapshot id.
+    pub rows: Vec<(u32, Option<SnapshotInfo>)>,
     pub generation: u64,
     pub next_id: u32,
     pub origins: Vec<(u32, u32)>,
+    /// Kept space figures that changed: (written, used or `u64::MAX`), or
+    /// `None` to delete the row.
+    pub space: Vec<(u32, Option<(u64, u64)>)>,
 }
 
 impl Snapshots {
@@ -103,18 +222,42 @@ impl Snapshots {
         Some((id, self.by_id[&id].generation))
     }
 
+    /// Where `snapshot` is in its volume's list: a binary search by
+    /// generation (the list is in generation order), not a walk of it.
+    fn position(&self, snapshot: u32) -> Option<(&[u32], usize)> {
+        let info = self.by_id.get(&snapshot)?;
+        let list = self.by_volume.get(&info.volume)?;
+        let at = list.partition_point(|id| self.by_id[id].generation < info.generation);
+        if list.get(at) == Some(&snapshot) {
+            return Some((list, at));
+        }
+        // Not reached while the lists stay in generation order.
+        debug_assert!(false, "snapshot {snapshot:#x} out of generation order");
+        Some((list, list.iter().position(|id| *id == snapshot)?))
+    }
+
     /// The snapshots of the same volume just older and just newer than
     /// `snapshot` (`None`: none older; none newer, i.e. the volume itself).
     fn neighbours(&self, snapshot: u32) -> (Option<u32>, Option<u32>) {
-        let Some(info) = self.by_id.get(&snapshot) else {
+        let Some((list, at)) = self.position(snapshot) else {
             return (None, None);
         };
-        let list = &self.by_volume[&info.volume];
-        let at = list
-            .iter()
-            .position(|id| *id == snapshot)
-            .expect("a snapshot is in its volume's list");
         (at.checked_sub(1).map(|i| list[i]), list.get(at + 1).copied())
+    }
+
+    /// A change of the registry: space figures computed across it are
+    /// not kept, and the checkpoint writes it.
+    fn bump(&mut self) {
+        self.version += 1;
+        self.dirty = true;
+    }
+
+    /// Forgets the kept space figures of `snapshot` (`used` only, or both).
+    fn forget_space(&self, snapshot: u32, written_too: bool) {
+        let mut space = self.space.lock_or_abort();
+        let kept = space.get(snapshot);
+        let written = if written_too { None } else { kept.written };
+        space.set(snapshot, CachedSpace { used: None, written });
     }
 
     fn insert(&mut self, info: SnapshotInfo) {
@@ -127,11 +270,29 @@ impl Snapshots {
         let by_id = &self.by_id;
         let at = list.partition_point(|id| by_id[id].generation <= info.generation);
         list.insert(at, info.id);
+        self.changed.insert(info.id);
         self.by_id.insert(info.id, info);
-        self.dirty = true;
+        self.bump();
     }
 
     fn remove(&mut self, snapshot: u32) -> Option<SnapshotInfo> {
+        // Its neighbours get new ones: the older its `used`, the newer
+        // both figures.
+        let (older, newer) = self.neighbours(snapshot);
+        if let Some(info) = self.by_id.get(&snapshot) {
+            // Its copies went to the older neighbour, which has a copy of
+            // each of those pages now (`apply_destroy_snapshot`).
+            let older_generation = older.map(|id| self.by_id[&id].generation);
+            let mut copies = self.copies.lock_or_abort();
+            copies.bump(info.volume);
+            if let Some(pages) = copies.pages.get_mut(&info.volume) {
+                for owners in pages.values_mut() {
+                    if owners.remove(&info.generation) {
+                        owners.extend(older_generation);
+                    }
+                }
+            }
+        }
         let info = self.by_id.remove(&snapshot)?;
         if let Some(list) = self.by_volume.get_mut(&info.volume) {
             list.retain(|id| *id != snapshot);
@@ -139,7 +300,15 @@ impl Snapshots {
                 self.by_volume.remove(&info.volume);
             }
         }
-        self.dirty = true;
+        self.forget_space(snapshot, true);
+        if let Some(older) = older {
+            self.forget_space(older, false);
+        }
+        if let Some(newer) = newer {
+            self.forget_space(newer, true);
+        }
+        self.changed.insert(snapshot);
+        self.bump();
         Some(info)
     }
 
@@ -194,22 +363,58 @@ pub(super) fn load(db: &redb::Database) -> Result<Snapshots, MetaError> {
         let (volume, origin) = row?;
         snapshots.origins.insert(volume.value(), origin.value());
     }
+    {
+        let table = txn.open_table(SNAPSHOT_SPACE)?;
+        let space = snapshots.space.get_mut().unwrap_or_else(|_| crate::sync::poisoned());
+        for row in table.iter()? {
+            let (id, figures) = row?;
+            let (id, (written, used)) = (id.value(), figures.value());
+            if snapshots.by_id.contains_key(&id) {
+                space.kept.insert(
+                    id,
+                    CachedSpace {
+                        written: Some(written),
+                        used: (used != u64::MAX).then_some(used),
+                    },
+                );
+            }
+        }
+    }
     snapshots.dirty = false;
+    snapshots.changed.clear();
     Ok(snapshots)
 }
 
-/// Writes the pool's snapshots into a checkpoint's transaction (all of
-/// them: a few thousand small rows at most).
+/// Writes the pool's snapshots into a checkpoint's transaction: the rows
+/// that changed since the last one (a pool may hold thousands), the
+/// clones (few) and the counters.
 pub(super) fn save(txn: &redb::WriteTransaction, state: &SnapshotState) -> Result<(), MetaError> {
     let mut table = txn.open_table(SNAPSHOTS)?;
-    table.retain(|_, _| false)?;
-    for info in &state.all {
-        table.insert(info.id, info.encode().as_slice())?;
+    for (id, row) in &state.rows {
+        match row {
+            Some(info) => {
+                table.insert(*id, info.encode().as_slice())?;
+            }
+            None => {
+                table.remove(*id)?;
+            }
+        }
     }
     let mut clones = txn.open_table(CLONES)?;
     clones.retain(|_, _| false)?;
     for (volume, origin) in &state.origins {
         clones.insert(*volume, *origin)?;
+    }
+    let mut space = txn.open_table(SNAPSHOT_SPACE)?;
+    for (id, figures) in &state.space {
+        match figures {
+            Some(figures) => {
+                space.insert(*id, *figures)?;
+            }
+            None => {
+                space.remove(*id)?;
+            }
+        }
     }
     let mut scalars = txn.open_table(STATE)?;
     scalars.insert("snapshot_generation", state.generation)?;
@@ -278,6 +483,32 @@ impl Pool {
 
     pub fn snapshot(&self, id: u32) -> Option<SnapshotInfo> {
         self.snapshots_read().by_id.get(&id).cloned()
+    }
+
+    /// The snapshots of `volume`, oldest first (without a copy of the
+    /// pool's others).
+    pub fn snapshots_of(&self, volume: u32) -> Vec<SnapshotInfo> {
+        let snapshots = self.snapshots_read();
+        snapshots
+            .by_volume
+            .get(&volume)
+            .map(|list| list.iter().map(|id| snapshots.by_id[id].clone()).collect())
+            .unwrap_or_default()
+    }
+
+    /// Snapshot `name` of `volume`.
+    pub fn snapshot_named(&self, volume: u32, name: &str) -> Option<SnapshotInfo> {
+        let snapshots = self.snapshots_read();
+        let list = snapshots.by_volume.get(&volume)?;
+        list.iter()
+            .map(|id| &snapshots.by_id[id])
+            .find(|info| info.name == name)
+            .cloned()
+    }
+
+    /// Whether `volume` has snapshots.
+    pub fn has_snapshots_of(&self, volume: u32) -> bool {
+        self.snapshots_read().has_volume(volume)
     }
 
     /// Whether the pool has any snapshot (writes skip the snapshot checks
@@ -449,6 +680,20 @@ impl Pool {
             .map_pages
             .put((snapshot, index), MapPage::copied(&page.entries, generation));
         self.map_pages.mark_dirty(&copy);
+        {
+            let snapshots = self.snapshots_read();
+            if let Some(info) = snapshots.by_id.get(&snapshot) {
+                let mut copies = snapshots.copies.lock_or_abort();
+                copies.bump(info.volume);
+                if let Some(owners) = copies
+                    .pages
+                    .get_mut(&info.volume)
+                    .and_then(|pages| pages.get_mut(&index))
+                {
+                    owners.insert(info.generation);
+                }
+            }
+        }
         for entry in page.entries.iter() {
             let value = entry.load(Ordering::Acquire);
             if value & map_entry::VALID != 0 {
@@ -500,22 +745,110 @@ impl Pool {
             if page.present.load(Ordering::Acquire) {
                 return Ok(page);
             }
-            let snapshots = self.snapshots_read();
             owner = if is_snapshot_id(owner) {
-                match snapshots.neighbours(owner) {
-                    (_, Some(newer)) => newer,
-                    (_, None) => match snapshots.by_id.get(&owner) {
-                        Some(info) => info.volume,
-                        None => return Ok(page),
-                    },
+                match self.newer_view(owner, index)? {
+                    Some(next) => next,
+                    None => return Ok(page),
                 }
             } else {
-                match snapshots.origin(owner) {
+                match self.snapshots_read().origin(owner) {
                     Some(origin) => origin,
                     None => return Ok(page),
                 }
             };
         }
+    }
+
+    /// Where `snapshot`, which has no copy of map page `index`, sees it:
+    /// the oldest newer snapshot of its volume that has a copy, else the
+    /// volume (`None`: no such snapshot). From [`Copies`], learning the
+    /// page's set first if need be; the next newer snapshot if the set
+    /// could not be learnt (it changed meanwhile).
+    fn newer_view(&self, snapshot: u32, index: u64) -> Result<Option<u32>, MetaError> {
+        for _ in 0..2 {
+            {
+                let snapshots = self.snapshots_read();
+                let Some(info) = snapshots.by_id.get(&snapshot) else {
+                    return Ok(None);
+                };
+                let copies = snapshots.copies.lock_or_abort();
+                if let Some(owners) = copies.pages.get(&info.volume).and_then(|pages| pages.get(&index)) {
+                    let Some(&generation) = owners.range(info.generation + 1..).next() else {
+                        return Ok(Some(info.volume));
+                    };
+                    let list = &snapshots.by_volume[&info.volume];
+                    let at = list.partition_point(|id| snapshots.by_id[id].generation < generation);
+                    if let Some(&id) = list.get(at) {
+                        if snapshots.by_id[&id].generation == generation {
+                            return Ok(Some(id));
+                        }
+                    }
+                    // Not reached: the set names snapshots of the volume.
+                    debug_assert!(false, "page {index} of {:#x}: no snapshot at {generation}", info.volume);
+                    break;
+                }
+            }
+            if !self.learn_copies(snapshot, index)? {
+                break;
+            }
+        }
+        let snapshots = self.snapshots_read();
+        Ok(match snapshots.neighbours(snapshot) {
+            (_, Some(newer)) => Some(newer),
+            (_, None) => snapshots.by_id.get(&snapshot).map(|info| info.volume),
+        })
+    }
+
+    /// Learns which snapshots of `snapshot`'s volume have a copy of map
+    /// page `index` (one look per snapshot, in the cache, then in the
+    /// store); false if it changed meanwhile (not kept then).
+    fn learn_copies(&self, snapshot: u32, index: u64) -> Result<bool, MetaError> {
+        let (volume, chain, epoch) = {
+            let snapshots = self.snapshots_read();
+            let Some(info) = snapshots.by_id.get(&snapshot) else {
+                return Ok(false);
+            };
+            let chain: Vec<(u32, u64)> = snapshots.by_volume[&info.volume]
+                .iter()
+                .map(|id| (*id, snapshots.by_id[id].generation))
+                .collect();
+            let epoch = snapshots.copies.lock_or_abort().epoch(info.volume);
+            (info.volume, chain, epoch)
+        };
+        // The cache first, then the store: a page evicted from the cache
+        // after it was looked at there was written to the store before
+        // (a dirty page is never evicted), so a read of the store begun
+        // after every look at the cache finds it.
+        let mut has: Vec<Option<bool>> = chain
+            .iter()
+            .map(|(id, _)| {
+                self.map_pages
+                    .peek((*id, index))
+                    .map(|page| page.present.load(Ordering::Acquire))
+            })
+            .collect();
+        {
+            let txn = self.db.begin_read()?;
+            let table = txn.open_table(MAP_PAGES)?;
+            for ((id, _), known) in chain.iter().zip(has.iter_mut()) {
+                if known.is_none() {
+                    *known = Some(table.get((*id, index))?.is_some());
+                }
+            }
+        }
+        let owners: std::collections::BTreeSet<u64> = chain
+            .iter()
+            .zip(&has)
+            .filter(|(_, has)| **has == Some(true))
+            .map(|((_, generation), _)| *generation)
+            .collect();
+        let snapshots = self.snapshots_read();
+        let mut copies = snapshots.copies.lock_or_abort();
+        if copies.epoch(volume) != epoch {
+            return Ok(false);
+        }
+        copies.pages.entry(volume).or_default().insert(index, owners);
+        Ok(true)
     }
 
     /// Deletes a snapshot: its pages go to its older neighbour where that
@@ -686,6 +1019,118 @@ impl Pool {
         Ok(freed)
     }
 
+    /// What the space figures of `volume`'s snapshots need from the
+    /// registry, read at once (with the figures kept from before).
+    fn chain(&self, volume: u32) -> Chain {
+        let snapshots = self.snapshots_read();
+        let ids: Vec<u32> = snapshots.by_volume.get(&volume).cloned().unwrap_or_default();
+        let mapped: Vec<u64> = ids.iter().map(|id| snapshots.by_id[id].mapped_blocks).collect();
+        // The views of each snapshot's clones that see its pages.
+        let dependents: Vec<Vec<u32>> = ids
+            .iter()
+            .map(|id| {
+                snapshots
+                    .clones_of(*id)
+                    .into_iter()
+                    .map(|clone| snapshots.first_of_chain(clone))
+                    .collect()
+            })
+            .collect();
+        let kept = {
+            let space = snapshots.space.lock_or_abort();
+            ids.iter().map(|id| space.get(*id)).collect()
+        };
+        Chain {
+            volume,
+            ids,
+            mapped,
+            origin: snapshots.origin(volume),
+            dependents,
+            kept,
+            version: snapshots.version,
+        }
+    }
+
+    /// Keeps the figures just computed for `chain` (`used` only where it
+    /// cannot change without a change of the registry), unless the
+    /// registry changed meanwhile.
+    fn keep_space(&self, chain: &Chain, figures: &[(Option<u64>, u64)]) {
+        let snapshots = self.snapshots_read();
+        if snapshots.version != chain.version {
+            return;
+        }
+        let mut space = snapshots.space.lock_or_abort();
+        for (k, (used, written)) in figures.iter().enumerate() {
+            let mut entry = space.get(chain.ids[k]);
+            entry.written = Some(*written);
+            let lasting = k + 1 < chain.ids.len() && chain.dependents[k].is_empty();
+            if lasting && used.is_some() {
+                entry.used = *used;
+            }
+            space.set(chain.ids[k], entry);
+        }
+    }
+
+    /// The `written` of the `k`th snapshot of `chain`: kept, or counted.
+    fn chain_written(&self, chain: &Chain, k: usize) -> Result<u64, MetaError> {
+        if let Some(written) = chain.kept[k].written {
+            return Ok(written);
+        }
+        let id = chain.ids[k];
+        let older = k.checked_sub(1).map(|i| chain.ids[i]);
+        Ok(match (older, chain.origin) {
+            (None, None) => chain.mapped[k],
+            // It differs from the older one only where that one has
+            // copies (the pages changed between them).
+            (Some(older), _) => self.count_written(id, older, self.own_pages(older)?)?,
+            // From its origin only where the clone has pages of its own.
+            (None, Some(origin)) => {
+                let mut pages: std::collections::BTreeSet<u64> = self.own_pages(id)?.into_iter().collect();
+                pages.extend(self.own_pages(chain.volume)?);
+                self.count_written(id, origin, pages)?
+            }
+        })
+    }
+
+    /// The `used` of the `k`th snapshot of `chain`: kept, or counted over
+    /// its own pages.
+    fn chain_used(&self, chain: &Chain, k: usize) -> Result<u64, MetaError> {
+        if let Some(used) = chain.kept[k].used {
+            return Ok(used);
+        }
+        let id = chain.ids[k];
+        let older = k.checked_sub(1).map(|i| chain.ids[i]);
+        let newer = chain.ids.get(k + 1).copied();
+        let mut used = 0;
+        for index in self.own_pages(id)? {
+            let page = self.map_pages.get(&self.db, (id, index))?;
+            let mut others: Vec<Vec<u64>> = Vec::new();
+            match (older, chain.origin) {
+                (Some(older), _) => {
+                    let older_page = self.map_pages.get(&self.db, (older, index))?;
+                    if !older_page.present.load(Ordering::Acquire) {
+                        // Deleting would hand this page down, whole.
+                        continue;
+                    }
+                    others.push(older_page.entries.iter().map(|e| e.load(Ordering::Acquire)).collect());
+                }
+                (None, Some(origin)) => others.push(self.view_entries(origin, index)?),
+                (None, None) => {}
+            }
+            others.push(self.view_entries(newer.unwrap_or(chain.volume), index)?);
+            for dependent in &chain.dependents[k] {
+                others.push(self.view_entries(*dependent, index)?);
+            }
+            for (i, entry) in page.entries.iter().enumerate() {
+                let slot = entry.load(Ordering::Acquire);
+                if slot & map_entry::VALID != 0 && !others.iter().any(|other| map_entry::same_slot(other[i], slot)) {
+                    used += 1;
+                }
+            }
+        }
+        Ok(used)
+    }
+
     /// The space of `volume`'s snapshots, in blocks, oldest first: for each
     /// (id, `used`: what deleting it would free, `written`: what it maps
     /// that the snapshot before it does not — for the oldest, what it maps
@@ -693,79 +1138,77 @@ impl Pool {
     /// clone). A snapshot that clones depend on cannot be deleted; its
     /// `used` counts what it maps that neither neighbour nor a clone does.
     /// Exact when no write to the volume runs meanwhile; a walk of the
-    /// snapshots' own pages, no data read.
+    /// snapshots' own pages, no data read — of those whose figures are not
+    /// kept from an earlier call (`CachedSpace`): after the first call,
+    /// the newest snapshot's pages and those of the snapshots a deletion
+    /// gave new neighbours.
     pub fn snapshot_space(&self, volume: u32) -> Result<Vec<(u32, u64, u64)>, MetaError> {
-        let (ids, mapped, origin, dependents) = {
-            let snapshots = self.snapshots_read();
-            let ids: Vec<u32> = snapshots.by_volume.get(&volume).cloned().unwrap_or_default();
-            let mapped: Vec<u64> = ids.iter().map(|id| snapshots.by_id[id].mapped_blocks).collect();
-            // The views of each snapshot's clones that see its pages.
-            let dependents: Vec<Vec<u32>> = ids
-                .iter()
-                .map(|id| {
-                    snapshots
-                        .clones_of(*id)
-                        .into_iter()
-                        .map(|clone| snapshots.first_of_chain(clone))
-                        .collect()
-                })
-                .collect();
-            (ids, mapped, snapshots.origin(volume), dependents)
-        };
-        let mut space = Vec::with_capacity(ids.len());
-        for (k, &id) in ids.iter().enumerate() {
-            let older = k.checked_sub(1).map(|i| ids[i]);
-            let newer = ids.get(k + 1).copied();
-            let mut used = 0;
-            for index in self.own_pages(id)? {
-                let page = self.map_pages.get(&self.db, (id, index))?;
-                let mut others: Vec<Vec<u64>> = Vec::new();
-                match (older, origin) {
-                    (Some(older), _) => {
-                        let older_page = self.map_pages.get(&self.db, (older, index))?;
-                        if !older_page.present.load(Ordering::Acquire) {
-                            // Deleting would hand this page down, whole.
-                            continue;
-                        }
-                        others.push(older_page.entries.iter().map(|e| e.load(Ordering::Acquire)).collect());
-                    }
-                    (None, Some(origin)) => others.push(self.view_entries(origin, index)?),
-                    (None, None) => {}
-                }
-                others.push(self.view_entries(newer.unwrap_or(volume), index)?);
-                for dependent in &dependents[k] {
-                    others.push(self.view_entries(*dependent, index)?);
-                }
-                for (i, entry) in page.entries.iter().enumerate() {
-                    let slot = entry.load(Ordering::Acquire);
-                    if slot & map_entry::VALID != 0 && !others.iter().any(|other| map_entry::same_slot(other[i], slot))
-                    {
-                        used += 1;
-                    }
-                }
-            }
-            let written = match (older, origin) {
-                (None, None) => mapped[k],
-                // It differs from the older one only where that one has
-                // copies (the pages changed between them).
-                (Some(older), _) => self.count_written(id, older, self.own_pages(older)?)?,
-                // From its origin only where the clone has pages of its own.
-                (None, Some(origin)) => {
-                    let mut pages: std::collections::BTreeSet<u64> = self.own_pages(id)?.into_iter().collect();
-                    pages.extend(self.own_pages(volume)?);
-                    self.count_written(id, origin, pages)?
-                }
-            };
-            space.push((id, used, written));
+        let chain = self.chain(volume);
+        let mut figures = Vec::with_capacity(chain.ids.len());
+        for k in 0..chain.ids.len() {
+            figures.push((Some(self.chain_used(&chain, k)?), self.chain_written(&chain, k)?));
         }
-        Ok(space)
+        self.keep_space(&chain, &figures);
+        Ok(chain
+            .ids
+            .iter()
+            .zip(figures)
+            .map(|(id, (used, written))| (*id, used.unwrap_or_default(), written))
+            .collect())
     }
 
     /// `volume`'s space: `usedbydataset`, `usedbysnapshots` and `written`
-    /// (`VolumeSpace`). A walk of the volume's and its snapshots' own map
-    /// pages (a slot is only ever mapped at one block number, so each
-    /// block is compared across them); no data read.
+    /// (`VolumeSpace`), in blocks. For a volume with snapshots and no
+    /// origin, from the snapshots' `written` (kept between calls) and a
+    /// walk of the newest snapshot's own pages: a slot is mapped by a
+    /// contiguous run of the chain (oldest snapshot .. volume), so the
+    /// slots the snapshots map are counted once each by the `written` of
+    /// the snapshot their run starts at, and those the volume maps too are
+    /// the ones the newest snapshot shares with it; what the volume maps
+    /// that the newest does not is both its `written` and what only it
+    /// maps. Otherwise [`Self::volume_space_walk`].
     pub fn volume_space(&self, volume: u32) -> Result<VolumeSpace, MetaError> {
+        let chain = self.chain(volume);
+        let Some(&newest) = chain.ids.last() else {
+            return self.volume_space_walk(volume);
+        };
+        if chain.origin.is_some() {
+            return self.volume_space_walk(volume);
+        }
+        let mut figures = Vec::with_capacity(chain.ids.len());
+        for k in 0..chain.ids.len() {
+            figures.push((chain.kept[k].used, self.chain_written(&chain, k)?));
+        }
+        self.keep_space(&chain, &figures);
+        let in_snapshots: u64 = figures.iter().map(|(_, written)| written).sum();
+        // Elsewhere the newest snapshot sees the volume's own page.
+        let (mut only_live, mut only_newest) = (0, 0);
+        for index in self.own_pages(newest)? {
+            let live = self.view_entries(volume, index)?;
+            let kept = self.map_pages.get(&self.db, (newest, index))?;
+            for (slot, theirs) in live.iter().zip(kept.entries.iter()) {
+                let theirs = theirs.load(Ordering::Acquire);
+                if *slot & map_entry::VALID != 0 && !map_entry::same_slot(*slot, theirs) {
+                    only_live += 1;
+                }
+                if theirs & map_entry::VALID != 0 && !map_entry::same_slot(*slot, theirs) {
+                    only_newest += 1;
+                }
+            }
+        }
+        let shared = chain.mapped[chain.ids.len() - 1].saturating_sub(only_newest);
+        Ok(VolumeSpace {
+            dataset: only_live,
+            snapshots: in_snapshots.saturating_sub(shared),
+            written: only_live,
+        })
+    }
+
+    /// [`Self::volume_space`] by a walk of the volume's and its snapshots'
+    /// own map pages (a slot is only ever mapped at one block number, so
+    /// each block is compared across them); no data read. For clones,
+    /// which share with their origin too, and volumes without snapshots.
+    fn volume_space_walk(&self, volume: u32) -> Result<VolumeSpace, MetaError> {
         let (ids, origin) = {
             let snapshots = self.snapshots_read();
             let ids: Vec<u32> = snapshots.by_volume.get(&volume).cloned().unwrap_or_default();
@@ -899,19 +1342,22 @@ impl Pool {
     }
 
     /// The map pages `owner` has: a snapshot's copies, a volume's pages
-    /// (stored, or made since).
-    fn own_pages(&self, snapshot: u32) -> Result<Vec<u64>, MetaError> {
+    /// (stored, or made since). A range of the store and the cache's
+    /// index of the owner's pages (a page made since the last checkpoint is
+    /// dirty, or being written by a checkpoint, and stays cached till
+    /// then): the work is the owner's pages, whatever else the pool holds.
+    fn own_pages(&self, owner: u32) -> Result<Vec<u64>, MetaError> {
         let mut pages: std::collections::BTreeSet<u64> = std::collections::BTreeSet::new();
         {
             let txn = self.db.begin_read()?;
             let table = txn.open_table(MAP_PAGES)?;
-            for row in table.range((snapshot, 0)..=(snapshot, u64::MAX))? {
+            for row in table.range((owner, 0)..=(owner, u64::MAX))? {
                 let (key, _) = row?;
                 pages.insert(key.value().1);
             }
         }
-        for (owner, index) in self.map_pages.keys() {
-            if owner == snapshot
+        for index in self.map_pages.keys_of(owner) {
+            if !pages.contains(&index)
                 && self
                     .map_pages
                     .get(&self.db, (owner, index))?
@@ -963,14 +1409,18 @@ impl Pool {
     pub(super) fn apply_clone(&self, volume: u32, origin: u32) {
         let mut snapshots = self.snapshots_write();
         snapshots.origins.insert(volume, origin);
-        snapshots.dirty = true;
+        // The origin's `used` now leaves out what the clone maps.
+        snapshots.forget_space(origin, false);
+        snapshots.bump();
     }
 
     /// A destroyed volume is no clone any more.
     pub(super) fn forget_origin(&self, volume: u32) {
         let mut snapshots = self.snapshots_write();
-        if snapshots.origins.remove(&volume).is_some() {
-            snapshots.dirty = true;
+        snapshots.copies.lock_or_abort().forget(volume);
+        if let Some(origin) = snapshots.origins.remove(&volume) {
+            snapshots.forget_space(origin, false);
+            snapshots.bump();
         }
     }
 
@@ -1065,11 +1515,7 @@ impl Pool {
     /// The snapshots a promotion moves: the origin and the older ones of
     /// its volume, oldest first.
     fn moving_snapshots(&self, snapshots: &Snapshots, origin: u32) -> Vec<u32> {
-        let list = &snapshots.by_volume[&snapshots.by_id[&origin].volume];
-        let at = list
-            .iter()
-            .position(|s| *s == origin)
-            .expect("a snapshot is in its volume's list");
+        let (list, at) = snapshots.position(origin).expect("a snapshot is in its volume's list");
         list[..=at].to_vec()
     }
 
@@ -1152,6 +1598,15 @@ impl Pool {
                 info.volume = clone;
             }
         }
+        snapshots.changed.extend(moving.iter().copied());
+        // Chains and origins change: every kept space figure goes, and
+        // what is known of both volumes' copies.
+        snapshots.space.lock_or_abort().clear();
+        {
+            let mut copies = snapshots.copies.lock_or_abort();
+            copies.forget(clone);
+            copies.forget(old_volume);
+        }
         let mut chain = moving;
         chain.extend(clone_snapshots);
         snapshots.by_volume.insert(clone, chain);
@@ -1165,7 +1620,7 @@ impl Pool {
             snapshots.origins.insert(clone, grand);
         }
         snapshots.origins.insert(old_volume, origin);
-        snapshots.dirty = true;
+        snapshots.bump();
         Ok(())
     }
 
@@ -1210,20 +1665,48 @@ impl Pool {
     /// one (then it is marked clean; `restore` marks it dirty again).
     pub(super) fn take_snapshot_state(&self) -> Option<SnapshotState> {
         let mut snapshots = self.snapshots_write();
-        if !snapshots.dirty {
+        let space = {
+            let mut figures = snapshots.space.lock_or_abort();
+            let mut ids: Vec<u32> = figures.changed.drain().collect();
+            ids.sort_unstable();
+            let space: Vec<(u32, Option<(u64, u64)>)> = ids
+                .iter()
+                .map(|id| {
+                    let kept = figures.get(*id);
+                    let row = kept.written.map(|written| (written, kept.used.unwrap_or(u64::MAX)));
+                    (*id, row)
+                })
+                .collect();
+            figures.in_flight = ids;
+            space
+        };
+        if !snapshots.dirty && space.is_empty() {
             return None;
         }
         snapshots.dirty = false;
+        let mut ids: Vec<u32> = snapshots.changed.drain().collect();
+        ids.sort_unstable();
+        let rows = ids.iter().map(|id| (*id, snapshots.by_id.get(id).cloned())).collect();
+        snapshots.in_flight = ids;
         Some(SnapshotState {
-            all: snapshots.by_id.values().cloned().collect(),
+            rows,
             generation: snapshots.generation,
             next_id: snapshots.next_id,
             origins: snapshots.origins.iter().map(|(v, o)| (*v, *o)).collect(),
+            space,
         })
     }
 
+    /// The checkpoint that took the state failed: its rows are written by
+    /// the next one.
     pub(super) fn restore_snapshot_state(&self) {
-        self.snapshots_write().dirty = true;
+        let mut snapshots = self.snapshots_write();
+        let in_flight = std::mem::take(&mut snapshots.in_flight);
+        snapshots.changed.extend(in_flight);
+        snapshots.dirty = true;
+        let mut figures = snapshots.space.lock_or_abort();
+        let in_flight = std::mem::take(&mut figures.in_flight);
+        figures.changed.extend(in_flight);
     }
 }
 
@@ -1541,6 +2024,107 @@ mod tests {
             slots.len() as u64 * BLOCK as u64,
             "{context}: placed bytes against mapped slots"
         );
+    }
+
+    /// Long chains: up to 60 snapshots of a volume whose second map page
+    /// rarely changes (so a snapshot's view of it is a copy many snapshots
+    /// newer, found through `Copies`), snapshots deleted anywhere in the
+    /// chain (their copies handed down), power losses; every snapshot's
+    /// contents and the space figures (kept between calls) checked.
+    #[test]
+    fn long_chains_keep_their_views_and_space() {
+        for seed in 1..=3 {
+            current_thread().block_on(run_long_chain(seed));
+        }
+    }
+
+    async fn run_long_chain(seed: u64) {
+        let mut rng = Rng(seed.wrapping_mul(0x2545_f491_4f6c_dd1d) | 1);
+        let sim = SimDevice::new(256 * MIB, seed);
+        let device = NewDevice {
+            device: sim.as_device(),
+            role: Role::Fast,
+        };
+        let mut pool = Pool::create("test", 1 << 20, vec![device]).await.unwrap();
+        let mut volume = pool.open_volume(1, VOLUME, BLOCK).unwrap();
+        let mut model = vec![0u8; VOLUME as usize];
+        let mut snapshots: Vec<(String, Vec<u8>)> = Vec::new();
+        let page_bytes = MAP_ENTRIES_PER_PAGE * BLOCK as u64;
+        for step in 0..140u64 {
+            // Mostly the first page; the second one now and then.
+            let page = if rng.below(8) == 0 { 1 } else { 0 };
+            let offset = (page * page_bytes + rng.below(page_bytes / 4096) * 4096).min(VOLUME - 4096);
+            let byte = rng.below(255) as u8 + 1;
+            volume
+                .write(offset, IoBuf::copy_from(&[byte; 4096]), false)
+                .await
+                .unwrap();
+            model[offset as usize..offset as usize + 4096].fill(byte);
+            if snapshots.len() < 60 {
+                let name = format!("s{step}");
+                pool.create_snapshots(&[SnapshotRequest {
+                    volume: &volume,
+                    name: name.clone(),
+                }])
+                .await
+                .unwrap();
+                snapshots.push((name, model.clone()));
+            }
+            if step % 7 == 6 && snapshots.len() > 2 {
+                // The oldest, the newest or one in between.
+                let at = match rng.below(3) {
+                    0 => 0,
+                    1 => snapshots.len() - 1,
+                    _ => rng.below(snapshots.len() as u64) as usize,
+                };
+                let (name, _) = snapshots.remove(at);
+                let id = id_of(&pool, &name);
+                volume.flush().await.unwrap();
+                pool.destage_all().await.unwrap();
+                pool.commit().await.unwrap();
+                // `used` (kept or computed) is what the deletion frees.
+                let used = pool.snapshot_space(1).unwrap().iter().find(|s| s.0 == id).unwrap().1;
+                let placed = || pool.status().iter().map(|d| d.used_bytes).sum::<u64>();
+                let before = placed();
+                pool.destroy_snapshot(id).await.unwrap();
+                pool.commit().await.unwrap();
+                assert_eq!(
+                    before - placed(),
+                    used * BLOCK as u64,
+                    "seed {seed} step {step}: what deleting {name} freed"
+                );
+            }
+            if step % 35 == 34 {
+                volume.flush().await.unwrap();
+                pool.destage_all().await.unwrap();
+                pool.commit().await.unwrap();
+                check_chain(&pool, &snapshots, &format!("seed {seed} step {step}")).await;
+                if step % 70 == 69 {
+                    drop(volume);
+                    drop(pool);
+                    sim.crash();
+                    pool = Pool::open(vec![sim.as_device()]).await.unwrap();
+                    volume = pool.open_volume(1, VOLUME, BLOCK).unwrap();
+                    check_chain(&pool, &snapshots, &format!("seed {seed} step {step}, reopened")).await;
+                } else {
+                    pool.checkpoint().await.unwrap();
+                }
+            }
+        }
+    }
+
+    /// Every snapshot of volume 1 against its image; its space figures,
+    /// computed and then kept, against slot sets.
+    async fn check_chain(pool: &Arc<Pool>, snapshots: &[(String, Vec<u8>)], context: &str) {
+        for (name, image) in snapshots {
+            let view = pool.open_snapshot(id_of(pool, name), BLOCK).unwrap();
+            assert!(read_all(&view).await == *image, "snapshot {name} differs; {context}");
+        }
+        for _ in 0..2 {
+            check_written(pool, 1);
+            check_volume_space(pool, 1, context);
+        }
+        check_space(pool, 1);
     }
 
     /// Clones of snapshots (and clones of clones), their snapshots,

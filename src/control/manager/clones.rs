@@ -178,7 +178,7 @@ impl VolumeManager {
         let block = volblocksize as u64;
         let shares = self
             .pool(pool_name)
-            .filter(|pool| pool.origin_of(id).is_some() || pool.snapshots().iter().any(|s| s.volume == id));
+            .filter(|pool| pool.origin_of(id).is_some() || pool.has_snapshots_of(id));
         let (dataset, snapshots, written) = match shares {
             None => (referenced, 0, referenced),
             Some(pool) => match pool.volume_space(id) {

@@ -99,8 +99,9 @@ impl Drop for Eviction {
     }
 }
 
-/// Each volume's snapshot space (`Pool::snapshot_space`), by (pool, volume id).
-type SpaceByVolume = HashMap<(String, u32), Vec<(u32, u64, u64)>>;
+/// Each volume's snapshot space (`Pool::snapshot_space`): (used, written)
+/// by snapshot id, by (pool, volume id).
+type SpaceByVolume = HashMap<(String, u32), HashMap<u32, (u64, u64)>>;
 
 fn pool_error(error: PoolError) -> AdminError {
     match error {
@@ -188,10 +189,11 @@ impl VolumeManager {
                 continue;
             }
             let Some(pool) = self.pool(pool_name) else { continue };
-            for info in pool.snapshots() {
-                if wanted.is_some_and(|(_, id)| id != info.volume) {
-                    continue;
-                }
+            let infos = match wanted {
+                Some((_, id)) => pool.snapshots_of(id),
+                None => pool.snapshots(),
+            };
+            for info in infos {
                 views.push(self.snapshot_view(&catalog, pool_name, &pool, &info, &mut space));
             }
         }
@@ -217,9 +219,8 @@ impl VolumeManager {
         let Some(pool) = self.pool(pool_name) else {
             return Vec::new();
         };
-        pool.snapshots()
+        pool.snapshots_of(id)
             .into_iter()
-            .filter(|s| s.volume == id)
             .map(|s| format!("{volume}@{}", s.name))
             .collect()
     }
@@ -306,9 +307,9 @@ impl VolumeManager {
         let _evicted = if force {
             let (pool, info) = self.find_snapshot(&self.catalog(), name)?;
             let newer: Vec<SnapshotInfo> = pool
-                .snapshots()
+                .snapshots_of(info.volume)
                 .into_iter()
-                .filter(|s| s.volume == info.volume && s.generation > info.generation)
+                .filter(|s| s.generation > info.generation)
                 .collect();
             if newer.is_empty() || destroy_newer {
                 let mut clients: Vec<Arc<Volume>> = volume.iter().cloned().collect();
@@ -335,9 +336,9 @@ impl VolumeManager {
             }
         }
         let newer: Vec<SnapshotInfo> = pool
-            .snapshots()
+            .snapshots_of(info.volume)
             .into_iter()
-            .filter(|s| s.volume == info.volume && s.generation > info.generation)
+            .filter(|s| s.generation > info.generation)
             .collect();
         if !newer.is_empty() && !destroy_newer {
             let names: Vec<String> = newer.iter().map(|s| format!("@{}", s.name)).collect();
@@ -398,9 +399,9 @@ impl VolumeManager {
             return Vec::new();
         };
         drop(catalog);
-        pool.snapshots()
+        pool.snapshots_of(info.volume)
             .into_iter()
-            .filter(|s| s.volume == info.volume && s.generation < info.generation)
+            .filter(|s| s.generation < info.generation)
             .map(|s| (s.name, s.id))
             .collect()
     }
@@ -443,11 +444,7 @@ impl VolumeManager {
             .ok_or_else(missing)?
             .id;
         let pool = self.pool(pool_name).ok_or_else(missing)?;
-        let info = pool
-            .snapshots()
-            .into_iter()
-            .find(|s| s.volume == id && s.name == snapshot)
-            .ok_or_else(missing)?;
+        let info = pool.snapshot_named(id, snapshot).ok_or_else(missing)?;
         Ok((pool, info))
     }
 
@@ -482,17 +479,17 @@ impl VolumeManager {
             .map_or(0, |r| r.props.volblocksize as u64);
         let of_volume = space.entry((pool_name.to_string(), info.volume)).or_insert_with(|| {
             match pool.snapshot_space(info.volume) {
-                Ok(space) => space,
+                Ok(space) => space
+                    .into_iter()
+                    .map(|(id, used, written)| (id, (used, written)))
+                    .collect(),
                 Err(e) => {
                     tracing::error!("space of the snapshots of {volume}: {e}");
-                    Vec::new()
+                    HashMap::new()
                 }
             }
         });
-        let (used, written) = of_volume
-            .iter()
-            .find(|(id, _, _)| *id == info.id)
-            .map_or((0, 0), |(_, used, written)| (*used, *written));
+        let (used, written) = of_volume.get(&info.id).copied().unwrap_or((0, 0));
         SnapshotView {
             used_bytes: used * volblocksize,
             written_bytes: written * volblocksize,
