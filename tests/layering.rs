@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 
 /// Bottom to top. Modules on one line are peers at the same level.
 const LAYERS: &[&[&str]] = &[
-    &["bytes", "checksum", "private", "sync", "units"],
+    &["bytes", "checksum", "private", "sync", "units", "utc"],
     &["tls"],
     &["device"],
     &["meta"],
