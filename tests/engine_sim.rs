@@ -388,6 +388,15 @@ impl Harness {
         self.snapshots_taken += 1;
         let name = format!("s{}", self.snapshots_taken);
         self.log.push(format!("snapshot {name}"));
+        // A snapshot holds every write acknowledged before it; those not
+        // flushed yet stay in the cache and are as durable as the volume's
+        // (a power loss may take them from both). After a flush, all of
+        // them must survive in it; a kill keeps everything anyway.
+        if !self.process_kill {
+            if let Err(e) = self.volume().flush().await {
+                self.fail(format!("flush before the snapshot failed: {e}"));
+            }
+        }
         let pool = self.pool();
         let volume = self.volume().clone();
         let result = pool
@@ -400,7 +409,8 @@ impl Harness {
         drop(volume);
         match result {
             Ok(taken) => {
-                // Everything acknowledged is in it, and durable.
+                // Everything acknowledged is in it, and durable (flushed
+                // before, or a kill).
                 self.model.flush();
                 let image = self.image();
                 self.snapshots.push((taken[0].id, image));

@@ -43,20 +43,30 @@ pub enum Record {
     /// Intent-log data: the 4 KiB sector `sector` of volume `volume` holds
     /// `data` (checksum `crc`). The payload travels in a data block after the
     /// record's block (see docs/FORMAT.md).
+    ///
+    /// `seq` is the cache's sequence number of that version (what a
+    /// snapshot's `cache_seq` is compared with: a version older than a
+    /// snapshot belongs to it). 0 in records of pools from before it was
+    /// logged (type 4): replay gives those a fresh one.
     Data {
         volume: u32,
         sector: u64,
         crc: u32,
+        seq: u64,
         data: Arc<[u8]>,
     },
     /// Sectors `[first_sector, first_sector + count)` of `volume` were written
     /// in place: older `Data` records for them are superseded.
     Written { volume: u32, first_sector: u64, count: u32 },
     /// Snapshots taken together (one consistency point): the pool's
-    /// snapshot generation became `generation`.
+    /// snapshot generation became `generation`. Cached writes with a
+    /// sequence number below `cache_seq` were acknowledged before it and
+    /// belong to it (0: the record of a pool from before the cache was
+    /// left in place, type 6; everything was placed first then).
     Snapshot {
         generation: u64,
         created_unix: u64,
+        cache_seq: u64,
         snapshots: Vec<SnapshotEntry>,
     },
     /// Map page `page` of `volume` was copied into its newest snapshot
@@ -133,9 +143,19 @@ impl Record {
             Record::Dirty { .. } => 10,
             Record::Map { crcs, .. } => 30 + 4 * crcs.len(),
             Record::Destroy { .. } => 5,
-            Record::Data { .. } => 17,
+            Record::Data { seq: 0, .. } => 17,
+            Record::Data { .. } => 25,
             Record::Written { .. } => 17,
-            Record::Snapshot { snapshots, .. } => 18 + snapshots.iter().map(|s| 25 + s.name.len()).sum::<usize>(),
+            Record::Snapshot {
+                cache_seq, snapshots, ..
+            } => {
+                let entries = snapshots.iter().map(|s| 25 + s.name.len()).sum::<usize>();
+                if *cache_seq == 0 {
+                    18 + entries
+                } else {
+                    26 + entries
+                }
+            }
             Record::CopyPage { .. } => 25,
             Record::DestroySnapshot { .. } => 5,
             Record::Rollback { .. } => 9,
@@ -183,12 +203,20 @@ impl Record {
                 out.extend_from_slice(&volume.to_le_bytes());
             }
             Record::Data {
-                volume, sector, crc, ..
+                volume,
+                sector,
+                crc,
+                seq,
+                ..
             } => {
-                out.push(4);
+                // Type 4 without the sequence number (older pools), 13 with.
+                out.push(if *seq == 0 { 4 } else { 13 });
                 out.extend_from_slice(&volume.to_le_bytes());
                 out.extend_from_slice(&sector.to_le_bytes());
                 out.extend_from_slice(&crc.to_le_bytes());
+                if *seq != 0 {
+                    out.extend_from_slice(&seq.to_le_bytes());
+                }
             }
             Record::Written {
                 volume,
@@ -203,12 +231,17 @@ impl Record {
             Record::Snapshot {
                 generation,
                 created_unix,
+                cache_seq,
                 snapshots,
             } => {
                 assert!(!snapshots.is_empty() && snapshots.len() <= MAX_SNAPSHOTS_PER_RECORD);
-                out.push(6);
+                // Type 6 without the cache sequence number (older pools), 14 with.
+                out.push(if *cache_seq == 0 { 6 } else { 14 });
                 out.extend_from_slice(&generation.to_le_bytes());
                 out.extend_from_slice(&created_unix.to_le_bytes());
+                if *cache_seq != 0 {
+                    out.extend_from_slice(&cache_seq.to_le_bytes());
+                }
                 out.push(snapshots.len() as u8);
                 for entry in snapshots {
                     assert!(entry.name.len() <= MAX_SNAPSHOT_NAME);
@@ -294,10 +327,25 @@ impl Record {
                     volume: u32_at(1)?,
                     sector: u64_at(5)?,
                     crc: u32_at(13)?,
+                    seq: 0,
                     data: Arc::from(Vec::new()),
                 },
                 17,
             )),
+            13 => {
+                // A zero sequence number is written as type 4.
+                let seq = u64_at(17).filter(|s| *s != 0)?;
+                Some((
+                    Record::Data {
+                        volume: u32_at(1)?,
+                        sector: u64_at(5)?,
+                        crc: u32_at(13)?,
+                        seq,
+                        data: Arc::from(Vec::new()),
+                    },
+                    25,
+                ))
+            }
             5 => Some((
                 Record::Written {
                     volume: u32_at(1)?,
@@ -306,12 +354,18 @@ impl Record {
                 },
                 17,
             )),
-            6 => {
-                let count = *bytes.get(17)? as usize;
+            kind @ (6 | 14) => {
+                // Type 14 has the cache sequence number after the time.
+                let (cache_seq, start) = if *kind == 14 {
+                    (u64_at(17).filter(|s| *s != 0)?, 25)
+                } else {
+                    (0, 17)
+                };
+                let count = *bytes.get(start)? as usize;
                 if count == 0 || count > MAX_SNAPSHOTS_PER_RECORD {
                     return None;
                 }
-                let mut at = 18;
+                let mut at = start + 1;
                 let mut snapshots = Vec::with_capacity(count);
                 for _ in 0..count {
                     let length = *bytes.get(at + 24)? as usize;
@@ -331,6 +385,7 @@ impl Record {
                 let record = Record::Snapshot {
                     generation: u64_at(1)?,
                     created_unix: u64_at(9)?,
+                    cache_seq,
                     snapshots,
                 };
                 Some((record, at))
@@ -1091,6 +1146,19 @@ mod tests {
             Record::Snapshot {
                 generation: 3,
                 created_unix: 1_700_000_000,
+                cache_seq: 0,
+                snapshots: vec![SnapshotEntry {
+                    volume: 3,
+                    snapshot: 0x8000_0003,
+                    mapped_blocks: 1,
+                    size_bytes: 1 << 20,
+                    name: "from-an-older-pool".into(),
+                }],
+            },
+            Record::Snapshot {
+                generation: 4,
+                created_unix: 1_700_000_000,
+                cache_seq: 981,
                 snapshots: vec![
                     SnapshotEntry {
                         volume: 3,
@@ -1148,6 +1216,37 @@ mod tests {
         assert_eq!(decode_block(&block, 8192, 43), None, "another pool");
         block[100] ^= 1;
         assert_eq!(decode_block(&block, 8192, 42), None, "corrupt");
+    }
+
+    #[test]
+    fn data_records_carry_their_cache_sequence_number() {
+        for seq in [0u64, 77] {
+            let record = Record::Data {
+                volume: 2,
+                sector: 900,
+                crc: 0xdead_beef,
+                seq,
+                data: Arc::from(Vec::new()),
+            };
+            let mut bytes = Vec::new();
+            record.encode(&mut bytes);
+            assert_eq!(bytes.len(), record.encoded_len());
+            assert_eq!(bytes[0], if seq == 0 { 4 } else { 13 });
+            assert_eq!(Record::decode(&bytes), Some((record, bytes.len())));
+        }
+        // A zero written in the newer form is malformed (it would not
+        // encode back to the same bytes).
+        let mut bytes = Vec::new();
+        Record::Data {
+            volume: 2,
+            sector: 900,
+            crc: 1,
+            seq: 5,
+            data: Arc::from(Vec::new()),
+        }
+        .encode(&mut bytes);
+        bytes[17..25].fill(0);
+        assert_eq!(Record::decode(&bytes), None);
     }
 
     #[test]

@@ -33,6 +33,9 @@ pub struct Entry {
     pub log_lsn: u64,
     /// When the oldest not-yet-destaged contents arrived.
     pub since: Instant,
+    /// These contents were written to their place (the entry stays until
+    /// the destage that placed it commits, or its log record is superseded).
+    pub placed: bool,
 }
 
 #[derive(Default)]
@@ -42,6 +45,36 @@ pub struct VolState {
     pub reserved: HashSet<u64>,
     /// The volume's block size (set when it is opened).
     pub block_bytes: u64,
+    /// The `cache_seq` of the volume's newest snapshot (0: none): entries
+    /// below it were written before that snapshot and belong to it.
+    pub floor: u64,
+    /// Entries below `floor` not placed yet (*pending*): they must reach
+    /// the map before the pages they fall in are copied into a snapshot
+    /// taken after them (`EngineVolume::destage_blocks`).
+    pub pending: usize,
+}
+
+impl VolState {
+    /// Whether `entry` belongs to the newest snapshot and is not placed.
+    pub fn is_pending(&self, entry: &Entry) -> bool {
+        entry.seq < self.floor && !entry.placed
+    }
+
+    /// Sets the floor (a snapshot was taken or deleted) and counts the
+    /// pending entries again.
+    pub fn set_floor(&mut self, floor: u64) {
+        self.floor = floor;
+        self.pending = self.entries.values().filter(|e| e.seq < floor && !e.placed).count();
+    }
+
+    /// Removes the entry of `sector`, keeping the pending count.
+    pub fn remove(&mut self, sector: u64) -> Option<Entry> {
+        let entry = self.entries.remove(&sector)?;
+        if self.is_pending(&entry) {
+            self.pending -= 1;
+        }
+        Some(entry)
+    }
 }
 
 #[derive(Default)]
@@ -64,6 +97,8 @@ pub struct Replayed {
     pub volume: u32,
     pub sector: u64,
     pub crc: u32,
+    /// The version's cache sequence number (0: unknown, an older pool's).
+    pub seq: u64,
     pub data: Arc<[u8]>,
     pub lsn: u64,
 }
@@ -80,6 +115,7 @@ pub fn live_data_records(records: &[(crate::meta::log::Record, bool, u64)]) -> V
                 volume,
                 sector,
                 crc,
+                seq,
                 data,
             } => {
                 live.insert(
@@ -88,6 +124,7 @@ pub fn live_data_records(records: &[(crate::meta::log::Record, bool, u64)]) -> V
                         volume: *volume,
                         sector: *sector,
                         crc: *crc,
+                        seq: *seq,
                         data: data.clone(),
                         lsn: *lsn,
                     },
@@ -174,6 +211,7 @@ impl WriteCache {
                     logged_at: cache.next_ordinal(),
                     log_lsn: log_tail,
                     since: now,
+                    placed: false,
                 },
             );
         }
@@ -188,8 +226,15 @@ impl WriteCache {
             panic!("RAM tier too small for the replayed intent log");
         };
         let now = Instant::now();
+        // Versions keep their sequence numbers (a snapshot's `cache_seq`
+        // says which belong to it); new ones come after all of them.
+        if let Some(newest) = replayed.iter().map(|r| r.seq).max() {
+            self.advance_seq(newest + 1);
+        }
         for (record, slot) in replayed.into_iter().zip(slots) {
-            let seq = self.next_seq(1);
+            // An older pool's record (no number): after every snapshot,
+            // which that pool took only with the cache placed.
+            let seq = if record.seq != 0 { record.seq } else { self.next_seq(1) };
             // SAFETY: `slot` was just allocated above and is written once.
             unsafe {
                 self.ram
@@ -206,6 +251,7 @@ impl WriteCache {
                     logged_at: self.next_ordinal(),
                     log_lsn: record.lsn,
                     since: now,
+                    placed: false,
                 },
             );
         }
@@ -213,6 +259,18 @@ impl WriteCache {
 
     pub fn next_seq(&self, count: u64) -> u64 {
         self.seq.fetch_add(count, Ordering::AcqRel)
+    }
+
+    /// The sequence number the next cached write gets: every entry written
+    /// so far is below it.
+    pub fn current_seq(&self) -> u64 {
+        self.seq.load(Ordering::Acquire)
+    }
+
+    /// Makes the next sequence numbers at least `at` (after a restart:
+    /// above every snapshot's `cache_seq` and every restored version).
+    pub fn advance_seq(&self, at: u64) {
+        self.seq.fetch_max(at, Ordering::AcqRel);
     }
 
     pub fn next_ordinal(&self) -> u64 {
@@ -239,13 +297,15 @@ impl WriteCache {
             unsafe { self.ram.release(entry.slot) };
         }
         state.entries.clear();
+        state.pending = 0;
         self.space.notify_waiters();
         (count, reserved)
     }
 
     /// Puts sector images into freshly allocated `slots` (caller holds the
     /// stripe locks exclusively). `logged`: the images are being logged now,
-    /// with this ordinal and log-position bound.
+    /// with this ordinal and log-position bound. Returns the sectors'
+    /// checksums and the sequence number of the first (the others follow).
     pub fn put(
         &self,
         volume_id: u32,
@@ -254,7 +314,7 @@ impl WriteCache {
         images: &[u8],
         slots: &[u32],
         logged: Option<(u64, u64)>,
-    ) -> Vec<u32> {
+    ) -> (Vec<u32>, u64) {
         let count = images.len() / SLOT_BYTES;
         debug_assert_eq!(count, slots.len());
         let seq = self.next_seq(count as u64);
@@ -291,9 +351,16 @@ impl WriteCache {
                     logged_at,
                     log_lsn,
                     since: old.map(|o| o.since).unwrap_or(now),
+                    placed: false,
                 },
             );
             if let Some(old) = old {
+                // Writers place what belongs to a snapshot before they
+                // overwrite it (`EngineVolume::write_cached`).
+                debug_assert!(!state.is_pending(&old), "a pending entry overwritten");
+                if state.is_pending(&old) {
+                    state.pending -= 1;
+                }
                 freed.push(old.slot);
             }
         }
@@ -306,7 +373,7 @@ impl WriteCache {
         }
         self.written_bytes
             .fetch_add((count * SLOT_BYTES) as u64, Ordering::Relaxed);
-        crcs
+        (crcs, seq)
     }
 
     /// Copies cached sectors over `buf`, which holds volume bytes from

@@ -456,6 +456,10 @@ impl Pool {
                 pool.suspect.lock_or_abort().len()
             );
         }
+        // New cached writes come after every snapshot taken so far (a
+        // restart after a crash may find fewer entries than were written).
+        let newest_floor = pool.snapshots_read().newest_cache_seq();
+        pool.cache.advance_seq(newest_floor);
         if !replayed_data.is_empty() {
             tracing::info!(
                 "pool {}: {} sectors of acknowledged synchronous writes restored from the intent log",
@@ -544,8 +548,9 @@ impl Pool {
             Record::Snapshot {
                 generation,
                 created_unix,
+                cache_seq,
                 snapshots,
-            } => self.apply_snapshot_record(generation, created_unix, snapshots),
+            } => self.apply_snapshot_record(generation, created_unix, cache_seq, snapshots),
             Record::CopyPage {
                 volume,
                 page,

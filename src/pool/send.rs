@@ -46,10 +46,11 @@ impl Pool {
     }
 
     /// Whether `volume` differs from `snapshot` (its newest): a write
-    /// still in the RAM cache was made after it (taking a snapshot places
-    /// the cache first), and a block mapped differently changed.
+    /// still in the RAM cache was made after it (those from before it
+    /// belong to it as well as to the volume), or a block maps differently.
     pub fn changed_since(&self, volume: &volume::EngineVolume, snapshot: u32) -> Result<bool, MetaError> {
-        if !volume.cached_blocks(|_| true, 1).is_empty() {
+        let floor = self.snapshot(snapshot).map_or(0, |s| s.cache_seq);
+        if !volume.cached_blocks(|e| e.seq >= floor, 1).is_empty() {
             return Ok(true);
         }
         let blocks = crate::volume::BlockDevice::size_bytes(volume).div_ceil(volume.volblocksize() as u64);

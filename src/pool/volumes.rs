@@ -37,6 +37,9 @@ impl Pool {
             mapped,
         ));
         self.restore_reservations(&engine)?;
+        // Cached writes restored after a crash may belong to its snapshots.
+        let floor = self.snapshots_read().floor(id);
+        self.cache.volume(id).lock().set_floor(floor);
         self.register_volume(id, Arc::downgrade(&engine));
         Ok(engine)
     }

@@ -365,6 +365,11 @@ impl VolumeManager {
         }
         let volblocksize = volume_record.props.volblocksize;
         let blocks = info.size_bytes.div_ceil(volblocksize as u64);
+        // Cached writes that belong to the snapshot reach the map first
+        // (the plan is made from the maps).
+        self.runtime
+            .block_on(pool.place_before(info.volume, info.cache_seq))
+            .map_err(|e| internal("cannot place the snapshot's cached writes", e))?;
         let extents = pool
             .send_extents(base.as_ref().map(|b| b.id), info.id, blocks)
             .map_err(|e| internal("cannot read the snapshot's map", e))?;

@@ -23,7 +23,7 @@ use std::sync::Arc;
 use tokio::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use super::alloc::Hint;
-use super::cache::{Entry, VolumeCache};
+use super::cache::{Entry, VolState, VolumeCache};
 use super::{map_entry, Pool, PoolError, SECTOR_BYTES};
 use crate::device::{DeviceError, IoBuf};
 use crate::meta::log::Record;
@@ -56,8 +56,16 @@ pub struct EngineVolume {
     /// Held shared by every write, trim and zeroing for its whole length,
     /// exclusively while a snapshot of the volume is taken or deleted (so a
     /// write is wholly before or wholly after the snapshot). Destaging does
-    /// not take it: the snapshot destages the cache itself.
+    /// not take it: taking a snapshot leaves the cache where it is.
     barrier: tokio::sync::RwLock<()>,
+    /// Held shared while a destage writes cached data to its place (taken
+    /// after the barrier, before stripe locks), exclusively while a
+    /// snapshot is deleted, a volume rolled back or promoted: those change
+    /// which snapshot a page is copied into.
+    placement: tokio::sync::RwLock<()>,
+    /// A snapshot's view: whether the cached writes that belong to it were
+    /// placed (they are before it is read, compared or walked).
+    settled: AtomicBool,
 }
 
 // The checksums a frontend computes as a payload arrives are sector checksums.
@@ -112,12 +120,35 @@ impl EngineVolume {
             cache,
             log_throughput: AtomicBool::new(false),
             barrier: tokio::sync::RwLock::new(()),
+            placement: tokio::sync::RwLock::new(()),
+            settled: AtomicBool::new(false),
             pool,
         }
     }
 
     pub(crate) fn barrier(&self) -> &tokio::sync::RwLock<()> {
         &self.barrier
+    }
+
+    pub(crate) fn placement(&self) -> &tokio::sync::RwLock<()> {
+        &self.placement
+    }
+
+    /// For a snapshot: places the volume's cached writes that belong to
+    /// it, once, before its view is first used (a snapshot's view never
+    /// changes after that: writes cached later are after it).
+    pub(crate) async fn settle(&self) -> BlockResult<()> {
+        if !self.is_snapshot() || self.settled.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        if let Some(info) = self.pool.snapshot(self.id) {
+            self.pool
+                .place_before(info.volume, info.cache_seq)
+                .await
+                .map_err(pool_error)?;
+        }
+        self.settled.store(true, Ordering::Release);
+        Ok(())
     }
 
     /// The barrier, shared: without an `.await` when free (see
@@ -296,6 +327,14 @@ impl BlockDevice for EngineVolume {
 
     fn read(&self, offset: u64, buf: IoBuf) -> BoxFuture<'_, (IoBuf, BlockResult<()>)> {
         self.assert_in_range(offset, buf.len() as u64);
+        if !self.settled.load(Ordering::Acquire) && self.is_snapshot() {
+            return Box::pin(async move {
+                if let Err(e) = self.settle().await {
+                    return (buf, Err(e));
+                }
+                self.read_impl(offset, buf).await
+            });
+        }
         Box::pin(self.read_impl(offset, buf))
     }
 
@@ -363,6 +402,7 @@ impl BlockDevice for EngineVolume {
     /// hint is ignored), which loads its map pages and warms device caches.
     fn cache(&self, offset: u64, length: u64) -> BoxFuture<'_, BlockResult<()>> {
         Box::pin(async move {
+            self.settle().await?;
             let length = length.min(crate::volume::MAX_REQUEST_BYTES as u64);
             let (_, result) = self.read_impl(offset, IoBuf::new(length as usize)).await;
             result
@@ -370,7 +410,10 @@ impl BlockDevice for EngineVolume {
     }
 
     fn block_status(&self, offset: u64, length: u64) -> BoxFuture<'_, BlockResult<Vec<Extent>>> {
-        Box::pin(std::future::ready(self.extents(offset, length)))
+        Box::pin(async move {
+            self.settle().await?;
+            self.extents(offset, length)
+        })
     }
 
     fn resize(&self, new_size_bytes: u64) -> BlockResult<()> {
@@ -379,7 +422,10 @@ impl BlockDevice for EngineVolume {
     }
 
     fn changed_since(&self, older: u32, offset: u64, length: u64) -> BoxFuture<'_, BlockResult<Vec<ChangedRun>>> {
-        Box::pin(std::future::ready(self.changed_runs(older, offset, length)))
+        Box::pin(async move {
+            self.settle().await?;
+            self.changed_runs(older, offset, length)
+        })
     }
 }
 

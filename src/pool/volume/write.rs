@@ -359,7 +359,10 @@ impl EngineVolume {
     }
 
     /// Writes `data` at `offset` (caller holds the stripe locks).
-    pub(super) async fn write_locked(&self, offset: u64, data: IoBuf) -> BlockResult<()> {
+    /// `written_at`: for cached data being placed, its cache sequence
+    /// number (which snapshot the change comes after: `Pool::ensure_private`);
+    /// `None` for a change made now.
+    pub(super) async fn write_locked(&self, offset: u64, data: IoBuf, written_at: Option<u64>) -> BlockResult<()> {
         self.invalidate_read_cache(offset, data.len() as u64);
         let first = offset >> self.block_shift;
         let last = (offset + data.len() as u64 - 1) >> self.block_shift;
@@ -376,7 +379,7 @@ impl EngineVolume {
         };
         // Pages shared with a snapshot are copied into it first; their
         // entries are then shared, and those blocks go to new slots.
-        let entries = if self.make_private(first, last)? {
+        let entries = if self.make_private(first, last, written_at)? {
             self.pool.lookup_range(self.id, first, last).map_err(meta_error)?
         } else {
             entries
@@ -516,13 +519,15 @@ impl EngineVolume {
     /// `Pool::ensure_private`); true if the volume has snapshots (its
     /// entries may have become shared: look them up again). Caller holds
     /// the write gate.
-    fn make_private(&self, first: u64, last: u64) -> BlockResult<bool> {
+    fn make_private(&self, first: u64, last: u64, written_at: Option<u64>) -> BlockResult<bool> {
         if !self.pool.has_snapshots() {
             return Ok(false);
         }
         let mut block = first;
         while block <= last {
-            self.pool.ensure_private(self.id, block).map_err(meta_error)?;
+            self.pool
+                .ensure_private(self.id, block, written_at)
+                .map_err(meta_error)?;
             block = (block / crate::pool::MAP_ENTRIES_PER_PAGE + 1) * crate::pool::MAP_ENTRIES_PER_PAGE;
         }
         Ok(true)
@@ -542,7 +547,7 @@ impl EngineVolume {
                     self.invalidate_read_cache(position, step);
                     let _gate = self.pool.enter_write().await;
                     // A slot a snapshot shares is unmapped, not freed.
-                    let entry = if self.make_private(block, block)? {
+                    let entry = if self.make_private(block, block, None)? {
                         self.pool.lookup(self.id, block).map_err(meta_error)?
                     } else {
                         entry
@@ -557,7 +562,7 @@ impl EngineVolume {
                         crcs: Vec::new(),
                     });
                 } else {
-                    self.write_locked(position, IoBuf::new(step as usize)).await?;
+                    self.write_locked(position, IoBuf::new(step as usize), None).await?;
                 }
             }
             position += step;
@@ -573,7 +578,7 @@ impl EngineVolume {
         while position < end {
             let within = position & (self.block_bytes() - 1);
             let step = (self.block_bytes() - within).min(end - position);
-            self.write_locked(position, IoBuf::new(step as usize)).await?;
+            self.write_locked(position, IoBuf::new(step as usize), None).await?;
             position += step;
         }
         Ok(())

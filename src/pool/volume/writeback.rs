@@ -2,6 +2,7 @@
 //! must be durable), destaging blocks to their place, and flushes.
 
 use super::*;
+use crate::pool::MAP_ENTRIES_PER_PAGE;
 
 impl EngineVolume {
     /// Blocks (sorted) holding cached sectors that match `filter`, at most `limit`.
@@ -21,27 +22,105 @@ impl EngineVolume {
         blocks
     }
 
-    /// Blocks of `[offset, offset + length)` holding cached sectors.
+    /// Blocks of `[offset, offset + length)` holding cached sectors, and
+    /// the blocks of its map pages holding cached writes of a snapshot (a
+    /// change of the range copies those pages into the newest snapshot).
     fn cached_blocks_in(&self, offset: u64, length: u64) -> Vec<u64> {
         let per_block = self.sectors_per_block();
         let first = offset / SECTOR_BYTES;
         let last = (offset + length.max(1) - 1) / SECTOR_BYTES;
-        let mut blocks: Vec<u64> = self
-            .cache
-            .lock()
+        let state = self.cache.lock();
+        let mut blocks: Vec<u64> = state
             .entries
             .range(first..=last)
             .map(|(sector, _)| sector / per_block)
             .collect();
+        if state.pending > 0 {
+            let pages = (first / per_block) / MAP_ENTRIES_PER_PAGE..=(last / per_block) / MAP_ENTRIES_PER_PAGE;
+            blocks.extend(Self::pending_in_pages(&state, per_block, pages));
+            blocks.sort_unstable();
+        }
         blocks.dedup();
         blocks
+    }
+
+    /// Blocks holding pending entries (cached writes of a snapshot, not
+    /// placed) in map pages `pages`, sorted.
+    fn pending_in_pages(state: &VolState, per_block: u64, pages: impl IntoIterator<Item = u64>) -> Vec<u64> {
+        let per_page = MAP_ENTRIES_PER_PAGE * per_block;
+        let mut blocks = Vec::new();
+        for page in pages {
+            for (sector, entry) in state.entries.range(page * per_page..(page + 1) * per_page) {
+                let block = sector / per_block;
+                if blocks.last() != Some(&block) && state.is_pending(entry) {
+                    blocks.push(block);
+                }
+            }
+        }
+        blocks
+    }
+
+    /// `blocks` (sorted) and the blocks holding pending entries in their map
+    /// pages: those must reach the map before anything newer there, which
+    /// copies the pages into a later snapshot.
+    fn with_pending_pages(&self, blocks: &[u64]) -> Vec<u64> {
+        let per_block = self.sectors_per_block();
+        let state = self.cache.lock();
+        if state.pending == 0 {
+            return blocks.to_vec();
+        }
+        let mut pages: Vec<u64> = blocks.iter().map(|b| b / MAP_ENTRIES_PER_PAGE).collect();
+        pages.dedup();
+        let mut all = Self::pending_in_pages(&state, per_block, pages);
+        drop(state);
+        all.extend_from_slice(blocks);
+        all.sort_unstable();
+        all.dedup();
+        all
+    }
+
+    /// Places the pending entries among sectors `first..=last` (a cached
+    /// write is about to replace them; the snapshot they belong to needs
+    /// them in the map first). Caller holds the barrier, so no snapshot
+    /// makes new ones pending meanwhile.
+    async fn place_pending_sectors(&self, first: u64, last: u64) -> BlockResult<()> {
+        let per_block = self.sectors_per_block();
+        loop {
+            let blocks: Vec<u64> = {
+                let state = self.cache.lock();
+                if state.pending == 0 {
+                    return Ok(());
+                }
+                let mut blocks: Vec<u64> = state
+                    .entries
+                    .range(first..=last)
+                    .filter(|(_, e)| state.is_pending(e))
+                    .map(|(sector, _)| sector / per_block)
+                    .collect();
+                blocks.dedup();
+                blocks
+            };
+            if blocks.is_empty() {
+                return Ok(());
+            }
+            self.destage_blocks(&blocks).await?;
+        }
     }
 
     /// Writes the cached sectors of `blocks` (sorted) to their place, commits
     /// (so they are durable and their log records superseded), then drops
     /// the entries nobody rewrote meanwhile.
+    ///
+    /// Cached writes that belong to a snapshot (written before it was
+    /// taken) go in first, each as a change after the snapshot that was
+    /// the newest when it was written: oldest first, and with every such
+    /// entry of the same map pages, so a page is copied into a snapshot
+    /// only once all it held before that snapshot is in it.
     pub(crate) async fn destage_blocks(&self, blocks: &[u64]) -> BlockResult<()> {
         let per_block = self.sectors_per_block();
+        let expanded = self.with_pending_pages(blocks);
+        let blocks = &expanded[..];
+        let _placement = self.placement.read().await;
         let guards = self.lock_blocks_exclusive(blocks).await;
         let snap_lsn = self.pool.log.next_lsn();
         let snapshot: Vec<(u64, Entry)> = {
@@ -61,22 +140,49 @@ impl EngineVolume {
             return Ok(());
         }
         let appends = self.pool.log_appends();
-        // Contiguous runs of sectors become one write each.
+        // By the snapshot each entry came after (its index among the
+        // volume's snapshots' `cache_seq`s), oldest first, then by sector.
+        let floors = if self.pool.has_snapshots() {
+            self.pool.snapshots_read().floors(self.id)
+        } else {
+            Vec::new()
+        };
+        let after = |seq: u64| floors.partition_point(|floor| *floor <= seq);
+        let mut order: Vec<(usize, u64, Entry)> = snapshot.iter().map(|(s, e)| (after(e.seq), *s, *e)).collect();
+        order.sort_unstable_by_key(|(group, sector, _)| (*group, *sector));
+        // Contiguous runs of sectors of one group become one write each.
         let mut start = 0;
-        while start < snapshot.len() {
+        while start < order.len() {
             let mut stop = start + 1;
-            while stop < snapshot.len() && snapshot[stop].0 == snapshot[stop - 1].0 + 1 {
+            while stop < order.len() && order[stop].0 == order[start].0 && order[stop].1 == order[stop - 1].1 + 1 {
                 stop += 1;
             }
             let mut buf = IoBuf::new((stop - start) * SECTOR_BYTES as usize);
-            for (i, (_, entry)) in snapshot[start..stop].iter().enumerate() {
+            for (i, (_, _, entry)) in order[start..stop].iter().enumerate() {
                 let at = i * SECTOR_BYTES as usize;
                 let dst = &mut buf.payload_mut()[at..at + SECTOR_BYTES as usize];
                 // SAFETY: the exclusive block locks held here keep these
                 // entries' slots from being rewritten or released.
                 unsafe { self.pool.cache.ram.read(entry.slot, 0, dst) };
             }
-            self.write_locked(snapshot[start].0 * SECTOR_BYTES, buf).await?;
+            let written_at = order[start].2.seq;
+            self.write_locked(order[start].1 * SECTOR_BYTES, buf, Some(written_at))
+                .await?;
+            // Placed: no longer holding a snapshot's page back.
+            let mut state = self.cache.lock();
+            for (_, sector, entry) in &order[start..stop] {
+                let pending = match state.entries.get(sector) {
+                    Some(current) if current.seq == entry.seq => state.is_pending(current),
+                    _ => continue,
+                };
+                if pending {
+                    state.pending -= 1;
+                }
+                if let Some(current) = state.entries.get_mut(sector) {
+                    current.placed = true;
+                }
+            }
+            drop(state);
             start = stop;
         }
         // Older Data records of these blocks are superseded once this is
@@ -108,6 +214,7 @@ impl EngineVolume {
         };
         self.pool.unreserve(released as u64 * self.block_bytes());
         drop(guards);
+        drop(_placement);
         if written_records || self.pool.log_appends() != appends {
             // Written records supersede Data records only once the data is
             // durable in place, and new mappings (Map records) must not be
@@ -138,7 +245,7 @@ impl EngineVolume {
                 };
                 if current.seq == entry.seq && current.logged_at == entry.logged_at {
                     freed.push(current.slot);
-                    state.entries.remove(sector);
+                    state.remove(*sector);
                 } else if current.seq == entry.seq {
                     // Logged meanwhile (a FLUSH between our two locked
                     // phases): its new Data record comes after our Written
@@ -206,6 +313,10 @@ impl EngineVolume {
         {
             return self.write_through(offset, data, durable).await;
         }
+        // What it replaces may belong to a snapshot: placed first.
+        if self.pool.has_snapshots() {
+            self.place_pending_sectors(first, last).await?;
+        }
         // Space for blocks that are not mapped yet is promised before the
         // write is accepted, so the destage cannot run out of it later. When
         // the pool is full but trims or overwrites have freed slots that only
@@ -258,7 +369,7 @@ impl EngineVolume {
             None
         };
         let logged = log_data.then(|| (self.pool.cache.next_ordinal(), self.pool.log.next_lsn()));
-        let crcs = self
+        let (crcs, seq) = self
             .pool
             .cache
             .put(self.id, &self.cache, first, images.payload(), &slots, logged);
@@ -272,6 +383,7 @@ impl EngineVolume {
                     volume: self.id,
                     sector: first + i as u64,
                     crc: *crc,
+                    seq: seq + i as u64,
                     data: Arc::from(image),
                 })
                 .collect();
@@ -359,7 +471,7 @@ impl EngineVolume {
                 Err(e) => return Err(e),
             }
         };
-        let result = self.write_locked(offset, data).await;
+        let result = self.write_locked(offset, data, None).await;
         if matches!(result, Err(BlockError::NoSpace)) {
             self.pool.note_no_space();
         }
@@ -416,6 +528,7 @@ impl EngineVolume {
                     volume: self.id,
                     sector,
                     crc: entry.crc,
+                    seq: entry.seq,
                     data: Arc::from(data),
                 });
                 entry.unlogged = false;
