@@ -9,7 +9,7 @@
 # 127.0.0.1 ports, the server stopped by PID.
 #
 # Usage: bench/snapshot_load.sh [STRATA_BINARY] [SECONDS_PER_PHASE]
-# (DELETE_ONLY=1 runs the deletion part alone.)
+# (DELETE_ONLY=1 runs the deletion part alone, CREATE_ONLY=1 the rest.)
 set -euo pipefail
 BIN=${1:-$(dirname "$0")/../target/release/strata}
 BIN=$(realpath "$BIN")
@@ -67,6 +67,15 @@ phase "no snapshot" "$SECONDS_PER_PHASE" 1
 phase "100 snapshots taken during the run" "$((SECONDS_PER_PHASE + 25))" 2 take_snapshots
 phase "steady state with 100 snapshots" "$SECONDS_PER_PHASE" 3
 sort -n create_ms.txt | awk '{a[NR]=$1} END {printf "snapshot create at the CLI under that load (ms): p50 %d, p99 %d, max %d (n=%d)\n", a[int(NR*0.5)], a[int(NR*0.99)], a[NR], NR}'
+# The CLI's own cost (a process, the socket, the token): idle creates.
+: >idle_ms.txt
+for n in $(seq 20); do
+    start=$(date +%s%N)
+    s snapshot create "default/b@idle$n" >/dev/null
+    echo $(( ($(date +%s%N) - start) / 1000000 )) >>idle_ms.txt
+done
+sort -n idle_ms.txt | awk '{a[NR]=$1} END {printf "snapshot create at the CLI, idle (ms): p50 %d, max %d (n=%d)\n", a[int(NR*0.5)], a[NR], NR}'
+[ -n "${CREATE_ONLY:-}" ] && exit 0
 
 fi
 

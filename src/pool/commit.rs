@@ -196,7 +196,7 @@ impl Pool {
 
     /// Makes the pending `Dirty` marks durable: one log write when nothing
     /// pending needs the data devices flushed first, else a full commit.
-    async fn commit_marks(&self) -> Result<(), PoolError> {
+    pub(crate) async fn commit_marks(&self) -> Result<(), PoolError> {
         match self.log.commit_marks().await {
             Ok(Some(frees)) => {
                 self.release_frees(frees).await;

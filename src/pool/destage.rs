@@ -13,6 +13,8 @@ use super::{Pool, PoolError};
 
 /// Most blocks one destage pass writes before it commits.
 const DESTAGE_BATCH_BLOCKS: usize = 512;
+/// The same for a volume with cached writes of a snapshot not placed yet.
+const PENDING_BATCH_BLOCKS: usize = 64;
 
 impl Pool {
     /// Promises `bytes` of pool space to cached writes into unmapped blocks.
@@ -171,6 +173,15 @@ impl Pool {
         let cutoff = older_than.and_then(|age| Instant::now().checked_sub(age));
         for i in 0..engines.len() {
             let engine = &engines[(start + i) % engines.len()];
+            // A volume whose cache holds a snapshot's writes places them
+            // with the blocks of the same map pages (older first), so a
+            // batch grows: smaller ones keep the stripe locks (and the
+            // writers and snapshots behind them) waiting less long.
+            let max_blocks = if engine.has_pending() {
+                max_blocks.min(PENDING_BATCH_BLOCKS)
+            } else {
+                max_blocks
+            };
             let blocks = engine.cached_blocks(|e| cutoff.is_none_or(|c| e.since <= c), max_blocks);
             if blocks.is_empty() {
                 continue;

@@ -219,9 +219,14 @@ struct Chain {
     kept: Vec<CachedSpace>,
     /// The registry's version these were read at.
     version: u64,
-    /// Whether the volume's cache held writes of its snapshots not placed
-    /// yet (then the figures are not kept).
-    pending: bool,
+    /// The lowest sequence number of the volume's cached writes that
+    /// belong to a snapshot and are not placed yet (`u64::MAX`: none).
+    /// Placing them changes the views of the snapshots taken after them,
+    /// so those snapshots' figures (and their neighbours' `used`) are not
+    /// kept until then.
+    oldest_pending: u64,
+    /// Each snapshot's `cache_seq`.
+    floors: Vec<u64>,
 }
 
 /// The registry as a checkpoint stores it: the rows that changed.
@@ -660,7 +665,11 @@ impl Pool {
             }
             taken
         };
-        self.commit().await?;
+        // The record needs no data flushed before it (what the volumes
+        // have not flushed is as durable in the snapshot as in them): one
+        // log write, unless other pending records need the data devices
+        // flushed (a flush of a large dirty page cache takes long).
+        self.commit_marks().await?;
         drop(barriers);
         Ok(taken)
     }
@@ -1122,7 +1131,8 @@ impl Pool {
             let space = snapshots.space.lock_or_abort();
             ids.iter().map(|id| space.get(*id)).collect()
         };
-        let pending = self.cache.volume(volume).lock().pending > 0;
+        let oldest_pending = self.oldest_pending(volume);
+        let floors = ids.iter().map(|id| snapshots.by_id[id].cache_seq).collect();
         Chain {
             volume,
             ids,
@@ -1131,7 +1141,8 @@ impl Pool {
             dependents,
             kept,
             version: snapshots.version,
-            pending,
+            oldest_pending,
+            floors,
         }
     }
 
@@ -1139,25 +1150,44 @@ impl Pool {
     /// cannot change without a change of the registry), unless the
     /// registry changed meanwhile.
     fn keep_space(&self, chain: &Chain, figures: &[(Option<u64>, u64)]) {
-        // Cached writes of its snapshots not placed yet will change their
-        // views: the figures hold for what is placed, not for long.
-        if chain.pending || self.cache.volume(chain.volume).lock().pending > 0 {
-            return;
-        }
         let snapshots = self.snapshots_read();
         if snapshots.version != chain.version {
             return;
         }
         let mut space = snapshots.space.lock_or_abort();
+        // A view that pending cached writes will still change (those of
+        // snapshots taken after the oldest of them) does not keep figures
+        // that depend on it.
+        let settled = |k: usize| chain.floors.get(k).is_none_or(|floor| *floor <= chain.oldest_pending);
         for (k, (used, written)) in figures.iter().enumerate() {
+            if !settled(k) {
+                continue;
+            }
             let mut entry = space.get(chain.ids[k]);
             entry.written = Some(*written);
-            let lasting = k + 1 < chain.ids.len() && chain.dependents[k].is_empty();
+            let lasting = k + 1 < chain.ids.len() && chain.dependents[k].is_empty() && settled(k + 1);
             if lasting && used.is_some() {
                 entry.used = *used;
             }
             space.set(chain.ids[k], entry);
         }
+    }
+
+    /// The lowest sequence number among `volume`'s pending cache entries
+    /// (`u64::MAX`: none).
+    fn oldest_pending(&self, volume: u32) -> u64 {
+        let cache = self.cache.volume(volume);
+        let state = cache.lock();
+        if state.pending == 0 {
+            return u64::MAX;
+        }
+        state
+            .entries
+            .values()
+            .filter(|e| state.is_pending(e))
+            .map(|e| e.seq)
+            .min()
+            .unwrap_or(u64::MAX)
     }
 
     /// The `written` of the `k`th snapshot of `chain`: kept, or counted.

@@ -154,7 +154,7 @@ impl EngineVolume {
     /// The barrier, shared: without an `.await` when free (see
     /// [`Self::read_stripes`]: an awaited tokio lock spends the task's
     /// cooperative budget, and a request that yields is spawned).
-    async fn enter_barrier(&self) -> RwLockReadGuard<'_, ()> {
+    pub(super) async fn enter_barrier(&self) -> RwLockReadGuard<'_, ()> {
         match self.barrier.try_read() {
             Ok(guard) => guard,
             Err(_) => self.barrier.read().await,
@@ -344,7 +344,7 @@ impl BlockDevice for EngineVolume {
             if self.is_snapshot() {
                 return Err(BlockError::ReadOnly);
             }
-            let _barrier = self.enter_barrier().await;
+            // Takes the barrier itself, for the part that changes anything.
             self.write_cached(offset, data, fua).await
         })
     }
@@ -367,11 +367,15 @@ impl BlockDevice for EngineVolume {
             if self.is_snapshot() {
                 return Err(BlockError::ReadOnly);
             }
-            let _barrier = self.enter_barrier().await;
+            // What is cached there goes to its place first, before the
+            // barrier: a snapshot need not wait for that.
+            self.place_cached_in(offset, length).await?;
+            let barrier = self.enter_barrier().await;
             let appends = self.pool.log_appends();
             let _guards = self.clear_cached(offset, length).await?;
             let result = self.trim_locked(offset, length).await;
             drop(_guards);
+            drop(barrier);
             self.finish(result, fua, appends).await
         })
     }
@@ -382,10 +386,11 @@ impl BlockDevice for EngineVolume {
             if self.is_snapshot() {
                 return Err(BlockError::ReadOnly);
             }
-            let _barrier = self.enter_barrier().await;
             if !flags.may_trim && flags.fast_only {
                 return Err(BlockError::NotFast);
             }
+            self.place_cached_in(offset, length).await?;
+            let barrier = self.enter_barrier().await;
             let appends = self.pool.log_appends();
             let _guards = self.clear_cached(offset, length).await?;
             let result = if flags.may_trim {
@@ -394,6 +399,7 @@ impl BlockDevice for EngineVolume {
                 self.zero_locked(offset, length).await
             };
             drop(_guards);
+            drop(barrier);
             self.finish(result, flags.fua, appends).await
         })
     }

@@ -60,23 +60,61 @@ impl EngineVolume {
         blocks
     }
 
-    /// `blocks` (sorted) and the blocks holding pending entries in their map
-    /// pages: those must reach the map before anything newer there, which
-    /// copies the pages into a later snapshot.
-    fn with_pending_pages(&self, blocks: &[u64]) -> Vec<u64> {
+    /// The blocks outside `blocks` (sorted) holding pending entries older
+    /// than what `blocks` hold in the same map pages: those must reach the
+    /// map first (placing the newer copies the pages into a later
+    /// snapshot). Exact while the caller holds the stripes of `blocks`.
+    fn older_pending_outside(&self, blocks: &[u64]) -> Vec<u64> {
+        if self.cache.lock().pending == 0 {
+            return Vec::new();
+        }
+        let floors = self.pool.snapshots_read().floors(self.id);
+        let after = |seq: u64| floors.partition_point(|floor| *floor <= seq);
+        let per_block = self.sectors_per_block();
+        let per_page = MAP_ENTRIES_PER_PAGE * per_block;
+        let state = self.cache.lock();
+        // The newest snapshot each page's entries here come after.
+        let mut newest: Vec<(u64, usize)> = Vec::new();
+        for block in blocks {
+            let page = block / MAP_ENTRIES_PER_PAGE;
+            let group = state
+                .entries
+                .range(block * per_block..(block + 1) * per_block)
+                .map(|(_, e)| after(e.seq))
+                .max()
+                .unwrap_or(0);
+            match newest.last_mut() {
+                Some((last, at)) if *last == page => *at = (*at).max(group),
+                _ => newest.push((page, group)),
+            }
+        }
+        let mut outside = Vec::new();
+        for (page, group) in newest {
+            for (sector, entry) in state.entries.range(page * per_page..(page + 1) * per_page) {
+                let block = sector / per_block;
+                if state.is_pending(entry)
+                    && after(entry.seq) < group
+                    && outside.last() != Some(&block)
+                    && blocks.binary_search(&block).is_err()
+                {
+                    outside.push(block);
+                }
+            }
+        }
+        outside
+    }
+
+    /// Whether the map pages of `[offset, offset + length)` hold pending
+    /// entries (a change there would place them first).
+    fn pages_have_pending(&self, offset: u64, length: u64) -> bool {
         let per_block = self.sectors_per_block();
         let state = self.cache.lock();
         if state.pending == 0 {
-            return blocks.to_vec();
+            return false;
         }
-        let mut pages: Vec<u64> = blocks.iter().map(|b| b / MAP_ENTRIES_PER_PAGE).collect();
-        pages.dedup();
-        let mut all = Self::pending_in_pages(&state, per_block, pages);
-        drop(state);
-        all.extend_from_slice(blocks);
-        all.sort_unstable();
-        all.dedup();
-        all
+        let first = offset / SECTOR_BYTES / per_block / MAP_ENTRIES_PER_PAGE;
+        let last = (offset + length - 1) / SECTOR_BYTES / per_block / MAP_ENTRIES_PER_PAGE;
+        !Self::pending_in_pages(&state, per_block, first..=last).is_empty()
     }
 
     /// Places the pending entries among sectors `first..=last` (a cached
@@ -118,10 +156,23 @@ impl EngineVolume {
     /// only once all it held before that snapshot is in it.
     pub(crate) async fn destage_blocks(&self, blocks: &[u64]) -> BlockResult<()> {
         let per_block = self.sectors_per_block();
-        let expanded = self.with_pending_pages(blocks);
-        let blocks = &expanded[..];
         let _placement = self.placement.read().await;
-        let guards = self.lock_blocks_exclusive(blocks).await;
+        // The blocks, and the older pending entries of their pages (found
+        // with the blocks locked, so what they hold cannot change; others
+        // can only be placed meanwhile, or become pending as newer ones).
+        let mut expanded = blocks.to_vec();
+        let guards = loop {
+            let guards = self.lock_blocks_exclusive(&expanded).await;
+            let outside = self.older_pending_outside(&expanded);
+            if outside.is_empty() {
+                break guards;
+            }
+            drop(guards);
+            expanded.extend(outside);
+            expanded.sort_unstable();
+            expanded.dedup();
+        };
+        let blocks = &expanded[..];
         let snap_lsn = self.pool.log.next_lsn();
         let snapshot: Vec<(u64, Entry)> = {
             let state = self.cache.lock();
@@ -274,6 +325,29 @@ impl EngineVolume {
         Ok(())
     }
 
+    /// Destages the cached blocks of a range (and pending entries of its
+    /// map pages) without holding any lock: done before a change of the
+    /// range takes the barrier, so that a snapshot does not wait for it
+    /// (`clear_cached`, under the barrier, then usually finds nothing).
+    pub(super) async fn place_cached_in(&self, offset: u64, length: u64) -> BlockResult<()> {
+        let blocks = self.cached_blocks_in(offset, length);
+        for batch in blocks.chunks(512) {
+            self.destage_blocks(batch).await?;
+        }
+        Ok(())
+    }
+
+    /// Whether the volume's cache holds writes of a snapshot not placed yet.
+    pub(crate) fn has_pending(&self) -> bool {
+        self.cache.lock().pending > 0
+    }
+
+    /// Whether sectors `first..=last` hold pending entries.
+    fn has_pending_sectors(&self, first: u64, last: u64) -> bool {
+        let state = self.cache.lock();
+        state.pending > 0 && state.entries.range(first..=last).any(|(_, e)| state.is_pending(e))
+    }
+
     /// Destages every cached block of a range (before it is trimmed, zeroed
     /// or written around the cache) and returns its locks with no cached
     /// sector left in it.
@@ -291,7 +365,10 @@ impl EngineVolume {
     }
 
     /// A write through the cache. `durable`: acknowledged only once durable
-    /// (logged, or written in place with `logbias=throughput`).
+    /// (logged, or written in place with `logbias=throughput`). Holds the
+    /// volume's barrier only while it changes the cache or the map: what it
+    /// waits for first (room in the RAM tier, placing what it replaces)
+    /// does not hold up a snapshot.
     pub(super) async fn write_cached(&self, offset: u64, data: IoBuf, durable: bool) -> BlockResult<()> {
         let length = data.len() as u64;
         let end = offset + length;
@@ -306,9 +383,14 @@ impl EngineVolume {
         let ram = &self.pool.cache.ram;
         // And so do all writes while the pool is short of space: a write
         // that needs new space then fails now, not after its acknowledgement.
+        // Except where the cache holds a snapshot's writes not placed yet
+        // in the same map pages: a write around the cache would place them
+        // first, with the client waiting.
         if count * SECTOR_BYTES as usize >= WRITE_AROUND_BYTES
             || count > ram.total_slots() / 4
-            || (!durable && ram.free_slots() < ram.total_slots() / 2)
+            || (!durable
+                && ram.free_slots() < ram.total_slots() / 2
+                && !(self.pool.has_snapshots() && self.pages_have_pending(offset, length)))
             || self.pool.space_short()
         {
             return self.write_through(offset, data, durable).await;
@@ -322,19 +404,29 @@ impl EngineVolume {
         // the pool is full but trims or overwrites have freed slots that only
         // a commit makes reusable, commit once and try again.
         let mut committed_for_space = false;
-        let (slots, guards, reserved) = loop {
+        let (slots, barrier, guards, reserved) = loop {
             let slots = loop {
                 self.pool.make_room(count).await.map_err(pool_error)?;
                 if let Some(slots) = self.pool.cache.ram.allocate(count) {
                     break slots;
                 }
             };
+            let barrier = self.enter_barrier().await;
+            if self.pool.has_snapshots() && self.has_pending_sectors(first, last) {
+                // A snapshot was taken meanwhile: what the write replaces
+                // is its now.
+                self.pool.cache.ram.give_back(&slots);
+                drop(barrier);
+                self.place_pending_sectors(first, last).await?;
+                continue;
+            }
             let guards = self.lock_exclusive(offset, length).await;
             match self.reserve_unmapped(offset, end) {
-                Ok(reserved) => break (slots, guards, reserved),
+                Ok(reserved) => break (slots, barrier, guards, reserved),
                 Err(e) => {
                     self.pool.cache.ram.give_back(&slots);
                     drop(guards);
+                    drop(barrier);
                     if matches!(e, BlockError::NoSpace) && !committed_for_space && self.pool.log.has_pending_frees() {
                         committed_for_space = true;
                         self.pool.commit_quiet().await.map_err(pool_error)?;
@@ -395,6 +487,7 @@ impl EngineVolume {
         }
         drop(gate);
         drop(guards);
+        drop(barrier);
         if durable {
             if log_data {
                 self.pool.commit().await.map_err(pool_error)?;
@@ -452,6 +545,8 @@ impl EngineVolume {
 
     /// A write that bypasses the cache goes to its place directly.
     async fn write_through(&self, offset: u64, data: IoBuf, durable: bool) -> BlockResult<()> {
+        self.place_cached_in(offset, data.len() as u64).await?;
+        let barrier = self.enter_barrier().await;
         let appends = self.pool.log_appends();
         let end = offset + data.len() as u64;
         // The blocks it will allocate are reserved first, like a cached
@@ -478,6 +573,7 @@ impl EngineVolume {
         // Allocated now (or failed): the promise is no longer needed.
         self.unreserve_blocks(&reserved);
         drop(guards);
+        drop(barrier);
         self.finish(result, durable, appends).await
     }
 
