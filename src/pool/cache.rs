@@ -64,7 +64,7 @@ impl VolState {
     /// pending entries again.
     pub fn set_floor(&mut self, floor: u64) {
         self.floor = floor;
-        self.pending = self.entries.values().filter(|e| e.seq < floor && !e.placed).count();
+        self.pending = self.entries.values().filter(|e| self.is_pending(e)).count();
     }
 
     /// Removes the entry of `sector`, keeping the pending count.

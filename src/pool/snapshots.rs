@@ -261,8 +261,8 @@ impl Snapshots {
     /// Its place goes into the map as a change after that snapshot.
     fn taken_before(&self, volume: u32, seq: u64) -> Option<(u32, u64)> {
         let list = self.by_volume.get(&volume)?;
-        let after = list.partition_point(|id| self.by_id[id].cache_seq <= seq);
-        let id = *list.get(after.checked_sub(1)?)?;
+        let floors: Vec<u64> = list.iter().map(|id| self.by_id[id].cache_seq).collect();
+        let id = *list.get(taken_before_count(&floors, seq).checked_sub(1)?)?;
         Some((id, self.by_id[&id].generation))
     }
 
@@ -482,8 +482,18 @@ pub(super) fn save(txn: &redb::WriteTransaction, state: &SnapshotState) -> Resul
 /// Destages everything `volume` has in the RAM cache (its writes wait at
 /// the barrier, which the caller holds), before `what`.
 async fn place_cached(volume: &volume::EngineVolume, what: &str) -> Result<(), PoolError> {
+    place_cached_where(volume, |_| true, what).await
+}
+
+/// Destages `volume`'s cached entries that match `filter` until none is
+/// left (new ones that match must not appear meanwhile).
+async fn place_cached_where(
+    volume: &volume::EngineVolume,
+    filter: impl Fn(&super::cache::Entry) -> bool + Copy,
+    what: &str,
+) -> Result<(), PoolError> {
     loop {
-        let blocks = volume.cached_blocks(|_| true, 512);
+        let blocks = volume.cached_blocks(filter, 512);
         if blocks.is_empty() {
             return Ok(());
         }
@@ -507,6 +517,12 @@ pub struct VolumeSpace {
     /// What it maps that its newest snapshot (or, with none, its origin)
     /// does not (`written`).
     pub written: u64,
+}
+
+/// How many of a volume's snapshots (their `cache_seq`s, oldest first)
+/// were taken before the cached write with sequence number `seq`.
+pub(crate) fn taken_before_count(floors: &[u64], seq: u64) -> usize {
+    floors.partition_point(|floor| *floor <= seq)
 }
 
 /// What a new snapshot needs from its volume.
@@ -1778,16 +1794,7 @@ impl Pool {
             }
             return Ok(());
         };
-        loop {
-            let blocks = engine.cached_blocks(|e| e.seq < cache_seq && !e.placed, 512);
-            if blocks.is_empty() {
-                return Ok(());
-            }
-            engine
-                .destage_blocks(&blocks)
-                .await
-                .map_err(|e| PoolError::Invalid(format!("placing a snapshot's cached writes: {e}")))?;
-        }
+        place_cached_where(&engine, |e| e.seq < cache_seq && !e.placed, "reading a snapshot").await
     }
 
     /// Replays a `Snapshot` record.
@@ -2020,15 +2027,22 @@ mod tests {
         }
     }
 
-    async fn run(seed: u64) {
-        let mut rng = Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1);
-        let sim = SimDevice::new(160 * MIB, seed);
+    /// A pool on a simulated device of `bytes` with volume 1 open, for
+    /// the model tests.
+    async fn model_pool(bytes: u64, seed: u64) -> (SimDevice, Arc<Pool>, Arc<volume::EngineVolume>) {
+        let sim = SimDevice::new(bytes, seed);
         let device = NewDevice {
             device: sim.as_device(),
             role: Role::Fast,
         };
-        let mut pool = Pool::create("test", 1 << 20, vec![device]).await.unwrap();
-        let mut volume = pool.open_volume(1, VOLUME, BLOCK).unwrap();
+        let pool = Pool::create("test", 1 << 20, vec![device]).await.unwrap();
+        let volume = pool.open_volume(1, VOLUME, BLOCK).unwrap();
+        (sim, pool, volume)
+    }
+
+    async fn run(seed: u64) {
+        let mut rng = Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1);
+        let (sim, mut pool, mut volume) = model_pool(160 * MIB, seed).await;
         let mut model = vec![0u8; VOLUME as usize];
         // Snapshot name -> its expected contents.
         let mut snapshots: Vec<(String, Vec<u8>)> = Vec::new();
@@ -2219,13 +2233,7 @@ mod tests {
 
     async fn run_long_chain(seed: u64) {
         let mut rng = Rng(seed.wrapping_mul(0x2545_f491_4f6c_dd1d) | 1);
-        let sim = SimDevice::new(256 * MIB, seed);
-        let device = NewDevice {
-            device: sim.as_device(),
-            role: Role::Fast,
-        };
-        let mut pool = Pool::create("test", 1 << 20, vec![device]).await.unwrap();
-        let mut volume = pool.open_volume(1, VOLUME, BLOCK).unwrap();
+        let (sim, mut pool, mut volume) = model_pool(256 * MIB, seed).await;
         let mut model = vec![0u8; VOLUME as usize];
         let mut snapshots: Vec<(String, Vec<u8>)> = Vec::new();
         let page_bytes = MAP_ENTRIES_PER_PAGE * BLOCK as u64;

@@ -69,7 +69,7 @@ impl EngineVolume {
             return Vec::new();
         }
         let floors = self.pool.snapshots_read().floors(self.id);
-        let after = |seq: u64| floors.partition_point(|floor| *floor <= seq);
+        let after = |seq: u64| crate::pool::snapshots::taken_before_count(&floors, seq);
         let per_block = self.sectors_per_block();
         let per_page = MAP_ENTRIES_PER_PAGE * per_block;
         let state = self.cache.lock();
@@ -122,27 +122,30 @@ impl EngineVolume {
     /// them in the map first). Caller holds the barrier, so no snapshot
     /// makes new ones pending meanwhile.
     async fn place_pending_sectors(&self, first: u64, last: u64) -> BlockResult<()> {
-        let per_block = self.sectors_per_block();
         loop {
-            let blocks: Vec<u64> = {
-                let state = self.cache.lock();
-                if state.pending == 0 {
-                    return Ok(());
-                }
-                let mut blocks: Vec<u64> = state
-                    .entries
-                    .range(first..=last)
-                    .filter(|(_, e)| state.is_pending(e))
-                    .map(|(sector, _)| sector / per_block)
-                    .collect();
-                blocks.dedup();
-                blocks
-            };
+            let blocks = self.pending_blocks_in(first, last);
             if blocks.is_empty() {
                 return Ok(());
             }
             self.destage_blocks(&blocks).await?;
         }
+    }
+
+    /// The blocks holding pending entries among sectors `first..=last`.
+    fn pending_blocks_in(&self, first: u64, last: u64) -> Vec<u64> {
+        let per_block = self.sectors_per_block();
+        let state = self.cache.lock();
+        if state.pending == 0 {
+            return Vec::new();
+        }
+        let mut blocks: Vec<u64> = state
+            .entries
+            .range(first..=last)
+            .filter(|(_, e)| state.is_pending(e))
+            .map(|(sector, _)| sector / per_block)
+            .collect();
+        blocks.dedup();
+        blocks
     }
 
     /// Writes the cached sectors of `blocks` (sorted) to their place, commits
@@ -204,7 +207,7 @@ impl EngineVolume {
         } else {
             Vec::new()
         };
-        let after = |seq: u64| floors.partition_point(|floor| *floor <= seq);
+        let after = |seq: u64| crate::pool::snapshots::taken_before_count(&floors, seq);
         let mut order: Vec<(usize, u64, Entry)> = snapshot.iter().map(|(s, e)| (after(e.seq), *s, *e)).collect();
         order.sort_unstable_by_key(|(group, sector, _)| (*group, *sector));
         // Contiguous runs of sectors of one group become one write each.
@@ -351,12 +354,6 @@ impl EngineVolume {
         self.cache.lock().pending > 0
     }
 
-    /// Whether sectors `first..=last` hold pending entries.
-    fn has_pending_sectors(&self, first: u64, last: u64) -> bool {
-        let state = self.cache.lock();
-        state.pending > 0 && state.entries.range(first..=last).any(|(_, e)| state.is_pending(e))
-    }
-
     /// Destages every cached block of a range (before it is trimmed, zeroed
     /// or written around the cache) and returns its locks with no cached
     /// sector left in it.
@@ -421,7 +418,7 @@ impl EngineVolume {
                 }
             };
             let barrier = self.enter_barrier().await;
-            if self.pool.has_snapshots() && self.has_pending_sectors(first, last) {
+            if self.pool.has_snapshots() && !self.pending_blocks_in(first, last).is_empty() {
                 // A snapshot was taken meanwhile: what the write replaces
                 // is its now.
                 self.pool.cache.ram.give_back(&slots);
