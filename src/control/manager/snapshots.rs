@@ -268,15 +268,19 @@ impl VolumeManager {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .remove(name);
-        self.runtime
-            .block_on(pool.destroy_snapshot(info.id))
-            .map_err(|e| match e {
-                PoolError::HasClones(ids) => AdminError::Busy(format!(
-                    "snapshot '{name}' has clones ({}): promote them (strata volume promote CLONE) or delete them first",
-                    Self::clone_names(&catalog, pool_name, &ids)
-                )),
-                other => pool_error(other),
-            })?;
+        // Not held while the engine waits for the volume's writes and its
+        // destager (which run on the runtime whose workers take the catalog
+        // to admit NBD clients): holding it there could deadlock.
+        drop(catalog);
+        let result = self.runtime.block_on(pool.destroy_snapshot(info.id));
+        let catalog = self.catalog();
+        result.map_err(|e| match e {
+            PoolError::HasClones(ids) => AdminError::Busy(format!(
+                "snapshot '{name}' has clones ({}): promote them (strata volume promote CLONE) or delete them first",
+                Self::clone_names(&catalog, pool_name, &ids)
+            )),
+            other => pool_error(other),
+        })?;
         tracing::info!("snapshot {} deleted", self.snapshot_name(&catalog, pool_name, &info));
         Ok(())
     }
