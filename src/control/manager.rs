@@ -138,7 +138,13 @@ pub struct PoolCacheStatus {
 pub struct VolumeManager {
     data_dir: PathBuf,
     /// Serialises admin operations and holds the catalog as last saved.
+    /// Admin operations (on blocking threads) may hold it while they wait
+    /// for the runtime, so tasks on the runtime never take it: they read
+    /// `published`.
     catalog: Mutex<Catalog>,
+    /// A copy of the catalog as last saved, replaced (never held for long)
+    /// each time it changes: what frontends read when admitting clients.
+    published: RwLock<Arc<Catalog>>,
     volumes: RwLock<HashMap<String, Arc<Volume>>>,
     engines: RwLock<HashMap<String, Arc<EngineVolume>>>,
     pools: RwLock<HashMap<String, Arc<Pool>>>,
@@ -147,11 +153,33 @@ pub struct VolumeManager {
     /// Wrappers stacked on chosen devices as they are opened (`--wrap`).
     wraps: DeviceWraps,
     /// Read-only volumes of snapshots opened for exports, by `pool/vol@snap`.
-    snapshot_views: Mutex<HashMap<String, std::sync::Weak<Volume>>>,
+    snapshot_views: Mutex<HashMap<String, snapshots::Export>>,
     /// Wakes the retention scheduler when a `snapshot.schedule` may have changed.
     schedule_changed: tokio::sync::Notify,
     /// Held open (and `flock`ed) so a second daemon on the same directory is refused.
     _lock: File,
+}
+
+/// The catalog held by one admin operation. It changes only through
+/// [`CatalogGuard::set`] (after the new catalog is saved), which publishes
+/// the copy the frontends read.
+struct CatalogGuard<'a> {
+    saved: std::sync::MutexGuard<'a, Catalog>,
+    published: &'a RwLock<Arc<Catalog>>,
+}
+
+impl CatalogGuard<'_> {
+    fn set(&mut self, saved: Catalog) {
+        *self.published.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(saved.clone());
+        *self.saved = saved;
+    }
+}
+
+impl std::ops::Deref for CatalogGuard<'_> {
+    type Target = Catalog;
+    fn deref(&self) -> &Catalog {
+        &self.saved
+    }
 }
 
 fn now_unix() -> u64 {
@@ -287,6 +315,7 @@ impl VolumeManager {
         }
         let manager = VolumeManager {
             data_dir: data_dir.to_path_buf(),
+            published: RwLock::new(Arc::new(catalog.clone())),
             catalog: Mutex::new(catalog),
             volumes: RwLock::new(volumes),
             engines: RwLock::new(engines),
@@ -406,7 +435,7 @@ impl VolumeManager {
         updated
             .save(&self.data_dir)
             .map_err(|e| internal("cannot save catalog", e))?;
-        *catalog = updated;
+        catalog.set(updated);
         drop(catalog);
         self.pools
             .write()
@@ -527,7 +556,7 @@ impl VolumeManager {
         pending
             .save(&self.data_dir)
             .map_err(|e| internal(&format!("cannot save catalog (device {} not added)", device.path), e))?;
-        *catalog = pending;
+        catalog.set(pending);
         if let Err(failure) = self.runtime.block_on(pool.finish_add_device(addition)) {
             let message = format!("cannot add {} to pool '{pool_name}': {failure}", device.path);
             if failure.undo_failed.is_some() {
@@ -545,7 +574,7 @@ impl VolumeManager {
                 // Harmless: the next start finds the superblocks do not list it.
                 tracing::warn!("cannot save the catalog after an undone device addition: {e}");
             }
-            *catalog = undone;
+            catalog.set(undone);
             return Err(AdminError::Internal(message));
         }
         let mut done = catalog.clone();
@@ -556,7 +585,7 @@ impl VolumeManager {
         let saved = done.save(&self.data_dir);
         // The pool uses the device from now on, saved or not: the catalog
         // in memory says so, and so does the next save.
-        *catalog = done;
+        catalog.set(done);
         drop(catalog);
         if let Err(e) = saved {
             return Err(AdminError::Internal(format!(
@@ -654,8 +683,18 @@ impl VolumeManager {
         all
     }
 
-    fn catalog(&self) -> std::sync::MutexGuard<'_, Catalog> {
-        self.catalog.lock().unwrap_or_else(|e| e.into_inner())
+    /// Takes the catalog for an admin operation (on a blocking thread).
+    fn catalog(&self) -> CatalogGuard<'_> {
+        CatalogGuard {
+            saved: self.catalog.lock().unwrap_or_else(|e| e.into_inner()),
+            published: &self.published,
+        }
+    }
+
+    /// The catalog as last saved, without waiting for an admin operation:
+    /// for code on the runtime (see `catalog`).
+    fn published(&self) -> Arc<Catalog> {
+        self.published.read().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
     fn info_of(&self, catalog: &Catalog, name: &str) -> Result<VolumeInfo, AdminError> {
@@ -725,14 +764,14 @@ impl VolumeManager {
         updated
             .save(&self.data_dir)
             .map_err(|e| internal("cannot save catalog", e))?;
-        *catalog = updated;
+        catalog.set(updated);
         Ok(discovery_rows(&catalog.iscsi))
     }
 
     /// The rules discovery sessions must meet, or `None` when discovery is
     /// open (`discovery_auth` unset or `none`).
     pub fn discovery_access(&self) -> Option<IscsiAccess> {
-        let access = discovery_props(&self.catalog().iscsi).iscsi_access();
+        let access = discovery_props(&self.published().iscsi).iscsi_access();
         (access.auth != IscsiAuthMode::None).then_some(access)
     }
 
@@ -741,8 +780,7 @@ impl VolumeManager {
     pub fn stored_props(&self, name: &str) -> Option<StoredProps> {
         let volume = name.split_once('@').map_or(name, |(volume, _)| volume);
         let (pool, short) = split_volume_name(volume).ok()?;
-        let catalog = self.catalog();
-        catalog
+        self.published()
             .pools
             .get(pool)
             .and_then(|p| p.volumes.get(short))
@@ -812,7 +850,7 @@ impl VolumeManager {
         updated
             .save(&self.data_dir)
             .map_err(|e| internal("cannot save catalog", e))?;
-        *catalog = updated;
+        catalog.set(updated);
         self.register_volume(pool, short, engine, &props);
         self.schedule_changed.notify_one();
         self.info_of(&catalog, name)
@@ -881,7 +919,7 @@ impl VolumeManager {
         updated
             .save(&self.data_dir)
             .map_err(|e| internal("cannot save catalog", e))?;
-        *catalog = updated;
+        catalog.set(updated);
         volume.apply_props(&effective);
         self.schedule_changed.notify_one();
         self.info_of(&catalog, name)
@@ -916,7 +954,7 @@ impl VolumeManager {
         updated
             .save(&self.data_dir)
             .map_err(|e| internal("cannot save catalog", e))?;
-        *catalog = updated;
+        catalog.set(updated);
         if let Some(volume) = self.volumes.write().unwrap_or_else(|e| e.into_inner()).remove(name) {
             volume.mark_deleted();
         }

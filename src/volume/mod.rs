@@ -324,8 +324,14 @@ impl Volume {
     /// [`Volume::end_eviction`]. Frontends wait on [`Volume::evictions`]
     /// once per connection, never per request.
     pub(crate) fn begin_eviction(&self) {
-        self.evicting.store(true, Ordering::SeqCst);
+        self.refuse_clients();
         self.evictions.send_replace(true);
+    }
+
+    /// Refuses new clients and leaves those connected alone, until
+    /// [`Volume::end_eviction`].
+    pub(crate) fn refuse_clients(&self) {
+        self.evicting.store(true, Ordering::SeqCst);
     }
 
     pub(crate) fn end_eviction(&self) {

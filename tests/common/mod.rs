@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 pub mod iscsi;
+pub mod nbd;
 pub mod send;
 
 use std::io::{BufRead, BufReader};

@@ -94,7 +94,7 @@ impl VolumeManager {
                 return Err(e);
             }
         };
-        *catalog = updated;
+        catalog.set(updated);
         self.register_volume(pool_name, short, engine, &props);
         tracing::info!("volume {name} cloned from {origin}");
         self.schedule_changed.notify_one();
@@ -138,7 +138,7 @@ impl VolumeManager {
             .collect();
         if let Some(busy) = moving.iter().find(|s| self.open_snapshot_view(s).is_some()) {
             return Err(AdminError::Busy(format!(
-                "snapshot '{busy}' is exported to a client; it would move to '{name}': disconnect it first"
+                "snapshot '{busy}' is busy: exported to a client, and it would move to '{name}'; disconnect it first"
             )));
         }
         self.runtime.block_on(pool.promote(&clone, &old)).map_err(|e| match e {

@@ -482,7 +482,7 @@ impl VolumeManager {
     async fn discard(self: &Arc<Self>, name: &str) -> Result<(), AdminError> {
         let (pool_name, short) = split_volume_name(name)?;
         let (state, id) = {
-            let catalog = self.catalog();
+            let catalog = self.published();
             let record = catalog
                 .pools
                 .get(pool_name)
@@ -535,7 +535,7 @@ impl VolumeManager {
                     updated
                         .save(&manager.data_dir)
                         .map_err(|e| internal("cannot save catalog", e))?;
-                    *catalog = updated;
+                    catalog.set(updated);
                     manager
                         .engines
                         .write()
@@ -579,7 +579,7 @@ impl VolumeManager {
             updated
                 .save(&manager.data_dir)
                 .map_err(|e| internal("cannot save catalog", e))?;
-            *catalog = updated;
+            catalog.set(updated);
             let engine = manager
                 .engines
                 .read()
@@ -618,7 +618,7 @@ impl VolumeManager {
             updated
                 .save(&manager.data_dir)
                 .map_err(|e| internal("cannot save catalog", e))?;
-            *catalog = updated;
+            catalog.set(updated);
             Ok(())
         })
         .await
@@ -660,7 +660,7 @@ impl VolumeManager {
                         tracing::error!("cannot record the receive into {name}: {e}");
                         continue;
                     }
-                    *catalog = updated;
+                    catalog.set(updated);
                     let engine = self.engines.read().unwrap_or_else(|e| e.into_inner()).get(&name).cloned();
                     if let Some(engine) = engine {
                         let volume = Volume::new(pool_name_of(&name), short_name_of(&name), engine, &props);
@@ -799,7 +799,7 @@ impl VolumeManager {
             .ok_or_else(|| AdminError::NotFound(format!("pool '{pool_name}' does not exist")))?;
         let header_bytes = header.encode();
         let existing = {
-            let catalog = self.catalog();
+            let catalog = self.published();
             catalog
                 .pools
                 .get(pool_name)
@@ -908,7 +908,7 @@ impl VolumeManager {
                     updated
                         .save(&manager.data_dir)
                         .map_err(|e| internal("cannot save catalog", e))?;
-                    *catalog = updated;
+                    catalog.set(updated);
                     Ok(id)
                 })
                 .await
@@ -934,7 +934,7 @@ impl VolumeManager {
                         header.base, header.base
                     ))
                 })?;
-                let guids = self.catalog().pools.get(pool_name).cloned().unwrap_or_default();
+                let guids = self.published().pools.get(pool_name).cloned().unwrap_or_default();
                 let snapshots: Vec<SnapshotInfo> =
                     pool.snapshots().into_iter().filter(|s| s.volume == record.id).collect();
                 let newest = snapshots.last().ok_or_else(|| {

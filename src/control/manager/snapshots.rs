@@ -55,6 +55,14 @@ const EVICTION_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
 struct Eviction(Vec<Arc<Volume>>);
 
 impl Eviction {
+    /// Refuses new clients of `volumes` (those connected stay).
+    fn refuse_clients(volumes: Vec<Arc<Volume>>) -> Eviction {
+        for volume in &volumes {
+            volume.refuse_clients();
+        }
+        Eviction(volumes)
+    }
+
     /// Tells the frontends to close every connection to `volumes` and waits
     /// until they have, up to [`EVICTION_WAIT`].
     fn drop_clients(volumes: Vec<Arc<Volume>>, volume_name: &str) -> Result<Eviction, AdminError> {
@@ -95,6 +103,29 @@ impl Drop for Eviction {
     fn drop(&mut self) {
         for volume in &self.0 {
             volume.end_eviction();
+        }
+    }
+}
+
+/// A snapshot's read-only export, by `POOL/VOL@SNAP`.
+pub(super) enum Export {
+    /// Opened for clients; gone when the last of them closes.
+    Open(Weak<Volume>),
+    /// Being deleted: no client may open it.
+    Deleting,
+}
+
+/// Snapshots being deleted (see [`VolumeManager::claim_for_delete`]).
+struct DeleteClaim<'a> {
+    manager: &'a VolumeManager,
+    names: Vec<String>,
+}
+
+impl Drop for DeleteClaim<'_> {
+    fn drop(&mut self) {
+        let mut views = self.manager.snapshot_views.lock().unwrap_or_else(|e| e.into_inner());
+        for name in &self.names {
+            views.remove(name);
         }
     }
 }
@@ -208,7 +239,7 @@ impl VolumeManager {
             return Vec::new();
         };
         let Some(id) = self
-            .catalog()
+            .published()
             .pools
             .get(pool_name)
             .and_then(|p| p.volumes.get(short))
@@ -230,7 +261,7 @@ impl VolumeManager {
     /// volume. One pass over each pool's snapshots (iSCSI logins and
     /// discovery list them all).
     pub fn export_names(&self) -> Vec<String> {
-        let catalog = self.catalog();
+        let catalog = self.published();
         let mut names = Vec::new();
         for (pool_name, record) in &catalog.pools {
             let snapshots = self.pool(pool_name).map(|p| p.snapshots()).unwrap_or_default();
@@ -255,32 +286,20 @@ impl VolumeManager {
         let catalog = self.catalog();
         let (pool_name, _, _) = split_snapshot_name(name)?;
         let (pool, info) = self.find_snapshot(&catalog, name)?;
-        if let Some(view) = self.open_snapshot_view(name) {
-            let connections = view.open_handles();
-            if connections > 0 {
-                return Err(AdminError::Busy(format!(
-                    "snapshot '{name}' is busy: {connections} client connection(s) open"
-                )));
-            }
-            view.mark_deleted();
-        }
-        self.snapshot_views
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(name);
-        // Not held while the engine waits for the volume's writes and its
-        // destager (which run on the runtime whose workers take the catalog
-        // to admit NBD clients): holding it there could deadlock.
-        drop(catalog);
-        let result = self.runtime.block_on(pool.destroy_snapshot(info.id));
-        let catalog = self.catalog();
-        result.map_err(|e| match e {
-            PoolError::HasClones(ids) => AdminError::Busy(format!(
+        let _claim = self.claim_for_delete(&[name.to_string()]).map_err(|(_, connections)| {
+            AdminError::Busy(format!(
+                "snapshot '{name}' is busy: {connections} client connection(s) open"
+            ))
+        })?;
+        self.runtime
+            .block_on(pool.destroy_snapshot(info.id))
+            .map_err(|e| match e {
+                PoolError::HasClones(ids) => AdminError::Busy(format!(
                 "snapshot '{name}' has clones ({}): promote them (strata volume promote CLONE) or delete them first",
                 Self::clone_names(&catalog, pool_name, &ids)
             )),
-            other => pool_error(other),
-        })?;
+                other => pool_error(other),
+            })?;
         tracing::info!("snapshot {} deleted", self.snapshot_name(&catalog, pool_name, &info));
         Ok(())
     }
@@ -328,6 +347,12 @@ impl VolumeManager {
         } else {
             None
         };
+        // No client connects while the volume is checked and rolled back
+        // (it would see its data change under it).
+        let _refused = match (&_evicted, &volume) {
+            (None, Some(volume)) => Some(Eviction::refuse_clients(vec![volume.clone()])),
+            _ => None,
+        };
         let catalog = self.catalog();
         let (pool, info) = self.find_snapshot(&catalog, name)?;
         if let Some(volume) = &volume {
@@ -351,27 +376,14 @@ impl VolumeManager {
                 names.join(", ")
             )));
         }
-        for snapshot in newer.iter().rev() {
-            let newer_name = format!("{volume_name}@{}", snapshot.name);
-            if self
-                .open_snapshot_view(&newer_name)
-                .is_some_and(|v| v.open_handles() > 0)
-            {
-                return Err(AdminError::Busy(format!(
-                    "snapshot '{newer_name}' is busy: its export has clients; disconnect them, or roll back with \
-                     --force to drop them"
-                )));
-            }
-        }
-        for snapshot in newer.iter().rev() {
-            let newer_name = format!("{volume_name}@{}", snapshot.name);
-            if let Some(view) = self.open_snapshot_view(&newer_name) {
-                view.mark_deleted();
-            }
-            self.snapshot_views
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .remove(&newer_name);
+        let newer_names: Vec<String> = newer.iter().map(|s| format!("{volume_name}@{}", s.name)).collect();
+        let _claim = self.claim_for_delete(&newer_names).map_err(|(busy, _)| {
+            AdminError::Busy(format!(
+                "snapshot '{busy}' is busy: its export has clients; disconnect them, or roll back with --force to \
+                 drop them"
+            ))
+        })?;
+        for (snapshot, newer_name) in newer.iter().zip(&newer_names).rev() {
             self.runtime
                 .block_on(pool.destroy_snapshot(snapshot.id))
                 .map_err(pool_error)?;
@@ -398,11 +410,9 @@ impl VolumeManager {
         if !name.contains('@') {
             return Vec::new();
         }
-        let catalog = self.catalog();
-        let Ok((pool, info)) = self.find_snapshot(&catalog, name) else {
+        let Ok((pool, info)) = self.find_snapshot(&self.published(), name) else {
             return Vec::new();
         };
-        drop(catalog);
         pool.snapshots_of(info.volume)
             .into_iter()
             .filter(|s| s.generation < info.generation)
@@ -411,11 +421,20 @@ impl VolumeManager {
     }
 
     /// The read-only volume of snapshot `POOL/VOL@SNAP`, for an export.
+    /// Opened under the views' lock, so it is never opened beside another
+    /// view of the same snapshot, nor once a deletion claimed it.
     pub(super) fn snapshot_volume(&self, name: &str) -> Option<Arc<Volume>> {
-        if let Some(open) = self.open_snapshot_view(name) {
-            return Some(open);
+        let mut views = self.snapshot_views.lock().unwrap_or_else(|e| e.into_inner());
+        match views.get(name) {
+            Some(Export::Deleting) => return None,
+            Some(Export::Open(view)) => {
+                if let Some(open) = view.upgrade() {
+                    return Some(open);
+                }
+            }
+            None => {}
         }
-        let catalog = self.catalog();
+        let catalog = self.published();
         let (pool_name, short, _) = split_snapshot_name(name).ok()?;
         let (pool, info) = self.find_snapshot(&catalog, name).ok()?;
         let record = catalog.pools.get(pool_name)?.volumes.get(short)?;
@@ -423,19 +442,42 @@ impl VolumeManager {
         let engine = pool.open_snapshot(info.id, props.volblocksize).ok()?;
         let short_name = name.split_once('/')?.1;
         let volume = Arc::new(Volume::new(pool_name, short_name, engine, &props));
-        self.snapshot_views
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(name.to_string(), Arc::downgrade(&volume));
+        views.insert(name.to_string(), Export::Open(Arc::downgrade(&volume)));
         Some(volume)
     }
 
     pub(super) fn open_snapshot_view(&self, name: &str) -> Option<Arc<Volume>> {
-        self.snapshot_views
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(name)
-            .and_then(Weak::upgrade)
+        match self.snapshot_views.lock().unwrap_or_else(|e| e.into_inner()).get(name) {
+            Some(Export::Open(view)) => view.upgrade(),
+            _ => None,
+        }
+    }
+
+    /// Claims snapshots `names` for deletion: their exports take no new
+    /// client until the claim is dropped (after the engine deleted them, or
+    /// failed to). Refused, with nothing claimed, when one has clients:
+    /// returns its name and client count.
+    fn claim_for_delete(&self, names: &[String]) -> Result<DeleteClaim<'_>, (String, usize)> {
+        let mut views = self.snapshot_views.lock().unwrap_or_else(|e| e.into_inner());
+        for name in names {
+            if let Some(Export::Open(view)) = views.get(name) {
+                let connections = view.upgrade().map_or(0, |v| v.open_handles());
+                if connections > 0 {
+                    return Err((name.clone(), connections));
+                }
+            }
+        }
+        for name in names {
+            if let Some(Export::Open(view)) = views.insert(name.clone(), Export::Deleting) {
+                if let Some(view) = view.upgrade() {
+                    view.mark_deleted();
+                }
+            }
+        }
+        Ok(DeleteClaim {
+            manager: self,
+            names: names.to_vec(),
+        })
     }
 
     pub(super) fn find_snapshot(&self, catalog: &Catalog, name: &str) -> Result<(Arc<Pool>, SnapshotInfo), AdminError> {
