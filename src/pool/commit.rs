@@ -121,6 +121,16 @@ impl Pool {
         }
     }
 
+    /// Whether the chunk holding (device, byte offset) has its `Dirty` mark
+    /// durable in `epoch`.
+    pub(crate) fn is_marked(&self, (device, offset): (u8, u64), epoch: u32) -> bool {
+        let chunk = offset / self.chunk_bytes as u64;
+        self.devices
+            .get(device as usize)
+            .and_then(|d| d.chunk_epochs.get(chunk as usize))
+            .is_none_or(|slot| slot.load(Ordering::Acquire) == epoch)
+    }
+
     pub(crate) async fn enter_write(&self) -> tokio::sync::RwLockReadGuard<'_, ()> {
         // Without an `.await` when free (see `EngineVolume::read_stripes`).
         match self.gate.try_read() {

@@ -628,16 +628,19 @@ impl Pool {
         // `cache_seq`, so they belong to it, and they reach the map before
         // anything after the snapshot changes their pages
         // (`EngineVolume::destage_blocks`).
+        let started = std::time::Instant::now();
         let mut barriers = Vec::with_capacity(volumes.len());
         for volume in &volumes {
             barriers.push(volume.barrier().write().await);
         }
+        let stopped = started.elapsed();
         let created_unix = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_secs())
             .unwrap_or(0);
-        let taken = {
+        let (taken, gated) = {
             let _gate = self.gate.read().await;
+            let gated = started.elapsed();
             let mut snapshots = self.snapshots_write();
             snapshots.generation += 1;
             let generation = snapshots.generation;
@@ -679,14 +682,22 @@ impl Pool {
             for volume in &volumes {
                 self.cache.volume(volume.id()).lock().set_floor(cache_seq);
             }
-            taken
+            (taken, gated)
         };
         // The record needs no data flushed before it (what the volumes
         // have not flushed is as durable in the snapshot as in them): one
         // log write, unless other pending records need the data devices
         // flushed (a flush of a large dirty page cache takes long).
+        let appended = started.elapsed();
         self.commit_marks().await?;
         drop(barriers);
+        tracing::debug!(
+            "snapshot create: writes stopped {} µs, gate {} µs, appended {} µs, committed {} µs",
+            stopped.as_micros(),
+            gated.as_micros(),
+            appended.as_micros(),
+            started.elapsed().as_micros()
+        );
         Ok(taken)
     }
 
@@ -703,6 +714,32 @@ impl Pool {
     /// A clone first makes a page it sees through its origin its own: a
     /// copy of the origin's view, every valid entry shared (a `ClonePage`
     /// record).
+    /// Whether [`Pool::ensure_private`] would copy the map page of `block`
+    /// into a snapshot now (making its entries shared). A hint for what a
+    /// write will overwrite in place, taken before the write's gate.
+    pub(crate) fn page_will_be_copied(
+        &self,
+        volume: u32,
+        block: u64,
+        written_at: Option<u64>,
+    ) -> Result<bool, MetaError> {
+        if !self.has_snapshots.load(Ordering::Acquire) {
+            return Ok(false);
+        }
+        let generation = {
+            let snapshots = self.snapshots_read();
+            let target = match written_at {
+                None => snapshots.newest(volume),
+                Some(seq) => snapshots.taken_before(volume, seq),
+            };
+            match target {
+                Some((_, generation)) => generation,
+                None => return Ok(false),
+            }
+        };
+        Ok(self.map_page(volume, block)?.birth.load(Ordering::Acquire) < generation)
+    }
+
     pub(crate) fn ensure_private(&self, volume: u32, block: u64, written_at: Option<u64>) -> Result<(), MetaError> {
         if !self.has_snapshots.load(Ordering::Acquire) {
             return Ok(());

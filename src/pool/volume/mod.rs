@@ -151,14 +151,44 @@ impl EngineVolume {
         Ok(())
     }
 
-    /// The barrier, shared: without an `.await` when free (see
-    /// [`Self::read_stripes`]: an awaited tokio lock spends the task's
-    /// cooperative budget, and a request that yields is spawned).
-    pub(super) async fn enter_barrier(&self) -> RwLockReadGuard<'_, ()> {
-        match self.barrier.try_read() {
-            Ok(guard) => guard,
-            Err(_) => self.barrier.read().await,
+    /// The barrier, shared, for a change whose stripes the caller holds:
+    /// only if it is free. `None` when a snapshot (or another exclusive
+    /// holder) has it or waits for it: the caller drops its stripes, waits
+    /// in [`Self::pass_barrier`] and tries again. A change never waits at
+    /// the barrier holding stripes, nor for stripes holding the barrier, so
+    /// a snapshot waits only for changes already under way, never for the
+    /// destage batches or write-arounds those would wait behind.
+    pub(super) fn try_barrier(&self) -> Option<RwLockReadGuard<'_, ()>> {
+        self.barrier.try_read().ok()
+    }
+
+    /// The barrier and the range's stripes, with no cached sector left in
+    /// it (see [`Self::try_barrier`]), for a change that bypasses the cache.
+    /// With `in_place`, the `Dirty` marks for overwriting the range's blocks
+    /// in place are made durable first, before the barrier (their commit
+    /// may wait for a data flush).
+    pub(super) async fn lock_for_change(
+        &self,
+        offset: u64,
+        length: u64,
+        in_place: bool,
+    ) -> BlockResult<(RwLockReadGuard<'_, ()>, Vec<RwLockWriteGuard<'_, ()>>)> {
+        loop {
+            let guards = self.clear_cached(offset, length).await?;
+            if in_place {
+                self.mark_in_place(offset, offset + length).await?;
+            }
+            if let Some(barrier) = self.try_barrier() {
+                return Ok((barrier, guards));
+            }
+            drop(guards);
+            self.pass_barrier().await;
         }
+    }
+
+    /// Waits until the barrier's exclusive holder is done.
+    pub(super) async fn pass_barrier(&self) {
+        drop(self.barrier.read().await);
     }
 
     /// Sets the mapped-block count (after a rollback changed the map).
@@ -370,9 +400,8 @@ impl BlockDevice for EngineVolume {
             // What is cached there goes to its place first, before the
             // barrier: a snapshot need not wait for that.
             self.place_cached_in(offset, length).await?;
-            let barrier = self.enter_barrier().await;
+            let (barrier, _guards) = self.lock_for_change(offset, length, false).await?;
             let appends = self.pool.log_appends();
-            let _guards = self.clear_cached(offset, length).await?;
             let result = self.trim_locked(offset, length).await;
             drop(_guards);
             drop(barrier);
@@ -390,9 +419,8 @@ impl BlockDevice for EngineVolume {
                 return Err(BlockError::NotFast);
             }
             self.place_cached_in(offset, length).await?;
-            let barrier = self.enter_barrier().await;
+            let (barrier, _guards) = self.lock_for_change(offset, length, !flags.may_trim).await?;
             let appends = self.pool.log_appends();
-            let _guards = self.clear_cached(offset, length).await?;
             let result = if flags.may_trim {
                 self.trim_locked(offset, length).await
             } else {

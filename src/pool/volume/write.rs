@@ -366,23 +366,33 @@ impl EngineVolume {
         self.invalidate_read_cache(offset, data.len() as u64);
         let first = offset >> self.block_shift;
         let last = (offset + data.len() as u64 - 1) >> self.block_shift;
-        let entries = self.pool.lookup_range(self.id, first, last).map_err(meta_error)?;
-        let places: Vec<(u8, u64)> = entries.iter().filter_map(|e| map_entry::decode(*e)).collect();
-        // The chunks we overwrite must be durably marked dirty first; the
-        // mark belongs to an epoch, so re-check after entering the gate.
+        let mut entries = self.pool.lookup_range(self.id, first, last).map_err(meta_error)?;
+        // The chunks it overwrites in place must be durably marked dirty
+        // first. A block a snapshot shares (or will, once its page is
+        // copied into the snapshot) goes to a new slot and needs no mark:
+        // after a snapshot, a mark per chunk would often cost a full
+        // commit. The mark belongs to an epoch, and what is overwritten in
+        // place is known only once pages are copied (under the gate): both
+        // are checked there, and the marks taken again if needed.
         let gate = loop {
+            let places = self.in_place_candidates(first, &entries, written_at)?;
             let epoch = self.pool.mark_dirty(&places).await.map_err(pool_error)?;
             let gate = self.pool.enter_write().await;
-            if self.pool.epoch() == epoch {
+            if self.pool.epoch() != epoch {
+                continue;
+            }
+            // Pages shared with a snapshot are copied into it first; their
+            // entries are then shared, and those blocks go to new slots.
+            if self.make_private(first, last, written_at)? {
+                entries = self.pool.lookup_range(self.id, first, last).map_err(meta_error)?;
+            }
+            let in_place = entries.iter().filter(|e| **e & map_entry::SHARED == 0);
+            if in_place
+                .filter_map(|e| map_entry::decode(*e))
+                .all(|place| self.pool.is_marked(place, epoch))
+            {
                 break gate;
             }
-        };
-        // Pages shared with a snapshot are copied into it first; their
-        // entries are then shared, and those blocks go to new slots.
-        let entries = if self.make_private(first, last, written_at)? {
-            self.pool.lookup_range(self.id, first, last).map_err(meta_error)?
-        } else {
-            entries
         };
         let planned = self.plan(offset, data.payload(), data.piece_crcs(), &entries).await?;
         // New blocks land in chunks that may hold mapped data of other
@@ -519,6 +529,48 @@ impl EngineVolume {
     /// `Pool::ensure_private`); true if the volume has snapshots (its
     /// entries may have become shared: look them up again). Caller holds
     /// the write gate.
+    /// Makes durable the `Dirty` marks a write of `[offset, end)` made now
+    /// needs (see `write_locked`, which checks them under its gate).
+    pub(super) async fn mark_in_place(&self, offset: u64, end: u64) -> BlockResult<()> {
+        let (first, last) = (offset >> self.block_shift, (end - 1) >> self.block_shift);
+        let entries = self.pool.lookup_range(self.id, first, last).map_err(meta_error)?;
+        let places = self.in_place_candidates(first, &entries, None)?;
+        self.pool.mark_dirty(&places).await.map_err(pool_error)?;
+        Ok(())
+    }
+
+    /// The places of the blocks from `first` (their map `entries`) a write
+    /// may overwrite in place: mapped, not shared with a snapshot, and not
+    /// in a page about to be copied into one (see `make_private`).
+    fn in_place_candidates(&self, first: u64, entries: &[u64], written_at: Option<u64>) -> BlockResult<Vec<(u8, u64)>> {
+        let mut places = Vec::with_capacity(entries.len());
+        let mut copied_page = None;
+        for (block, entry) in (first..).zip(entries) {
+            if entry & map_entry::SHARED != 0 {
+                continue;
+            }
+            let Some(place) = map_entry::decode(*entry) else {
+                continue;
+            };
+            let page = block / crate::pool::MAP_ENTRIES_PER_PAGE;
+            let copied = match copied_page {
+                Some((known, copied)) if known == page => copied,
+                _ => {
+                    let copied = self
+                        .pool
+                        .page_will_be_copied(self.id, block, written_at)
+                        .map_err(meta_error)?;
+                    copied_page = Some((page, copied));
+                    copied
+                }
+            };
+            if !copied {
+                places.push(place);
+            }
+        }
+        Ok(places)
+    }
+
     fn make_private(&self, first: u64, last: u64, written_at: Option<u64>) -> BlockResult<bool> {
         if !self.pool.has_snapshots() {
             return Ok(false);

@@ -417,16 +417,23 @@ impl EngineVolume {
                     break slots;
                 }
             };
-            let barrier = self.enter_barrier().await;
+            let (guards, barrier) = loop {
+                let guards = self.lock_exclusive(offset, length).await;
+                if let Some(barrier) = self.try_barrier() {
+                    break (guards, barrier);
+                }
+                drop(guards);
+                self.pass_barrier().await;
+            };
             if self.pool.has_snapshots() && !self.pending_blocks_in(first, last).is_empty() {
                 // A snapshot was taken meanwhile: what the write replaces
                 // is its now.
                 self.pool.cache.ram.give_back(&slots);
+                drop(guards);
                 drop(barrier);
                 self.place_pending_sectors(first, last).await?;
                 continue;
             }
-            let guards = self.lock_exclusive(offset, length).await;
             match self.reserve_unmapped(offset, end) {
                 Ok(reserved) => break (slots, barrier, guards, reserved),
                 Err(e) => {
@@ -552,26 +559,26 @@ impl EngineVolume {
     /// A write that bypasses the cache goes to its place directly.
     async fn write_through(&self, offset: u64, data: IoBuf, durable: bool) -> BlockResult<()> {
         self.place_cached_in(offset, data.len() as u64).await?;
-        let barrier = self.enter_barrier().await;
-        let appends = self.pool.log_appends();
         let end = offset + data.len() as u64;
         // The blocks it will allocate are reserved first, like a cached
         // write's: space promised to cached writes is never taken. Slots
         // freed by trims are reusable only once committed: on a full pool,
         // commit them once and try again.
         let mut committed_for_space = false;
-        let (guards, reserved) = loop {
-            let guards = self.clear_cached(offset, data.len() as u64).await?;
+        let (barrier, guards, reserved) = loop {
+            let (barrier, guards) = self.lock_for_change(offset, data.len() as u64, true).await?;
             match self.reserve_unmapped(offset, end) {
-                Ok(reserved) => break (guards, reserved),
+                Ok(reserved) => break (barrier, guards, reserved),
                 Err(BlockError::NoSpace) if !committed_for_space && self.pool.log.has_pending_frees() => {
                     drop(guards);
+                    drop(barrier);
                     committed_for_space = true;
                     self.pool.commit_quiet().await.map_err(pool_error)?;
                 }
                 Err(e) => return Err(e),
             }
         };
+        let appends = self.pool.log_appends();
         let result = self.write_locked(offset, data, None).await;
         if matches!(result, Err(BlockError::NoSpace)) {
             self.pool.note_no_space();
