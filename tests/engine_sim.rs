@@ -393,8 +393,15 @@ impl Harness {
         // (a power loss may take them from both). After a flush, all of
         // them must survive in it; a kill keeps everything anyway.
         if !self.process_kill {
-            if let Err(e) = self.volume().flush().await {
-                self.fail(format!("flush before the snapshot failed: {e}"));
+            match self.volume().flush().await {
+                Ok(()) => {}
+                // An injected error: handled as any failed flush, and no
+                // snapshot is taken.
+                Err(BlockError::Io(_)) => {
+                    self.crash_and_reopen("after failed flush before a snapshot").await;
+                    return;
+                }
+                Err(e) => self.fail(format!("flush before the snapshot failed: {e}")),
             }
         }
         let pool = self.pool();

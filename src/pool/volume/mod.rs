@@ -162,30 +162,6 @@ impl EngineVolume {
         self.barrier.try_read().ok()
     }
 
-    /// The barrier and the range's stripes, with no cached sector left in
-    /// it (see [`Self::try_barrier`]), for a change that bypasses the cache.
-    /// With `in_place`, the `Dirty` marks for overwriting the range's blocks
-    /// in place are made durable first, before the barrier (their commit
-    /// may wait for a data flush).
-    pub(super) async fn lock_for_change(
-        &self,
-        offset: u64,
-        length: u64,
-        in_place: bool,
-    ) -> BlockResult<(RwLockReadGuard<'_, ()>, Vec<RwLockWriteGuard<'_, ()>>)> {
-        loop {
-            let guards = self.clear_cached(offset, length).await?;
-            if in_place {
-                self.mark_in_place(offset, offset + length).await?;
-            }
-            if let Some(barrier) = self.try_barrier() {
-                return Ok((barrier, guards));
-            }
-            drop(guards);
-            self.pass_barrier().await;
-        }
-    }
-
     /// Waits until the barrier's exclusive holder is done.
     pub(super) async fn pass_barrier(&self) {
         drop(self.barrier.read().await);

@@ -354,6 +354,38 @@ impl EngineVolume {
         self.cache.lock().pending > 0
     }
 
+    /// The barrier and the range's stripes, with no cached sector left in
+    /// it (see [`Self::try_barrier`]), for a change that bypasses the cache.
+    /// With `in_place`, the `Dirty` marks for overwriting the range's blocks
+    /// in place are made durable first, before the barrier (their commit
+    /// may wait for a data flush).
+    pub(super) async fn lock_for_change(
+        &self,
+        offset: u64,
+        length: u64,
+        in_place: bool,
+    ) -> BlockResult<(RwLockReadGuard<'_, ()>, Vec<RwLockWriteGuard<'_, ()>>)> {
+        loop {
+            let guards = self.clear_cached(offset, length).await?;
+            if in_place {
+                self.mark_in_place(offset, offset + length).await?;
+            }
+            if let Some(barrier) = self.try_barrier() {
+                // A snapshot taken since the range was cleared made the
+                // cached writes of its pages (outside the range) pending:
+                // placed first, so no page is copied before them.
+                if self.cached_blocks_in(offset, length).is_empty() {
+                    return Ok((barrier, guards));
+                }
+                drop(barrier);
+                drop(guards);
+                continue;
+            }
+            drop(guards);
+            self.pass_barrier().await;
+        }
+    }
+
     /// Destages every cached block of a range (before it is trimmed, zeroed
     /// or written around the cache) and returns its locks with no cached
     /// sector left in it.
