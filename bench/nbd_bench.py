@@ -215,7 +215,8 @@ def main():
                     print(f"{peer.name:12} {workload[0]:18} {sample}", file=sys.stderr)
             results[workload[0]] = {name: median_of(runs) for name, runs in samples.items()}
     finally:
-        for peer in peers:
+        # The strata servers run from the start, also those --only leaves out.
+        for peer in peers + [each for each in stratas if each not in peers]:
             peer.stop()
         shutil.rmtree(work, ignore_errors=True)
 
