@@ -261,8 +261,10 @@ impl Snapshots {
     /// Its place goes into the map as a change after that snapshot.
     fn taken_before(&self, volume: u32, seq: u64) -> Option<(u32, u64)> {
         let list = self.by_volume.get(&volume)?;
-        let floors: Vec<u64> = list.iter().map(|id| self.by_id[id].cache_seq).collect();
-        let id = *list.get(taken_before_count(&floors, seq).checked_sub(1)?)?;
+        // A binary search over the list (`taken_before_count` without
+        // collecting every snapshot's floor: once per write placed).
+        let taken = list.partition_point(|id| self.by_id[id].cache_seq <= seq);
+        let id = *list.get(taken.checked_sub(1)?)?;
         Some((id, self.by_id[&id].generation))
     }
 
