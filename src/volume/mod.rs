@@ -203,9 +203,10 @@ pub struct Volume {
     /// Of `open_handles`, the iSCSI sessions.
     iscsi_handles: AtomicUsize,
     deleted: std::sync::atomic::AtomicBool,
-    /// Raised while `rollback --force` drops the volume's clients: no new
-    /// handle opens, and `evictions` tells the open ones to end.
-    evicting: std::sync::atomic::AtomicBool,
+    /// How many rollbacks refuse new clients now (`rollback --force` also
+    /// drops the open ones: `evictions` tells them to end). A count, so
+    /// one that ends does not readmit clients another still refuses.
+    evicting: AtomicUsize,
     evictions: tokio::sync::watch::Sender<bool>,
     stats: VolumeStats,
 }
@@ -232,7 +233,7 @@ impl Volume {
             open_handles: AtomicUsize::new(0),
             iscsi_handles: AtomicUsize::new(0),
             deleted: std::sync::atomic::AtomicBool::new(false),
-            evicting: std::sync::atomic::AtomicBool::new(false),
+            evicting: AtomicUsize::new(0),
             evictions: tokio::sync::watch::Sender::new(false),
             stats: VolumeStats::default(),
         }
@@ -313,7 +314,7 @@ impl Volume {
             self.iscsi_handles.fetch_add(1, Ordering::SeqCst);
         }
         let guard = HandleGuard(self.clone(), client);
-        if self.evicting.load(Ordering::SeqCst) {
+        if self.evicting.load(Ordering::SeqCst) > 0 {
             return None;
         }
         Some(guard)
@@ -331,17 +332,19 @@ impl Volume {
     /// Refuses new clients and leaves those connected alone, until
     /// [`Volume::end_eviction`].
     pub(crate) fn refuse_clients(&self) {
-        self.evicting.store(true, Ordering::SeqCst);
+        self.evicting.fetch_add(1, Ordering::SeqCst);
     }
 
+    /// Ends one [`Volume::refuse_clients`] or [`Volume::begin_eviction`].
     pub(crate) fn end_eviction(&self) {
-        self.evicting.store(false, Ordering::SeqCst);
-        self.evictions.send_replace(false);
+        if self.evicting.fetch_sub(1, Ordering::SeqCst) == 1 {
+            self.evictions.send_replace(false);
+        }
     }
 
     /// Whether new clients are refused (an eviction is under way).
     pub fn is_evicting(&self) -> bool {
-        self.evicting.load(Ordering::SeqCst)
+        self.evicting.load(Ordering::SeqCst) > 0
     }
 
     /// Resolves when the volume's clients are told to go (see
