@@ -525,10 +525,6 @@ impl EngineVolume {
         Ok(())
     }
 
-    /// Makes the map pages of blocks `first..=last` the volume's own (see
-    /// `Pool::ensure_private`); true if the volume has snapshots (its
-    /// entries may have become shared: look them up again). Caller holds
-    /// the write gate.
     /// Makes durable the `Dirty` marks a write of `[offset, end)` made now
     /// needs (see `write_locked`, which checks them under its gate).
     pub(super) async fn mark_in_place(&self, offset: u64, end: u64) -> BlockResult<()> {
@@ -571,6 +567,10 @@ impl EngineVolume {
         Ok(places)
     }
 
+    /// Makes the map pages of blocks `first..=last` the volume's own (see
+    /// `Pool::ensure_private`); true if the volume has snapshots (its
+    /// entries may have become shared: look them up again). Caller holds
+    /// the write gate.
     fn make_private(&self, first: u64, last: u64, written_at: Option<u64>) -> BlockResult<bool> {
         if !self.pool.has_snapshots() {
             return Ok(false);
