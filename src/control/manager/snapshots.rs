@@ -334,7 +334,8 @@ impl VolumeManager {
             .unwrap_or_else(|e| e.into_inner())
             .get(&volume_name)
             .cloned();
-        // Clients are dropped without the catalog held: logins read it.
+        // Clients are dropped before the catalog is taken: that may take up
+        // to EVICTION_WAIT, and other admin calls need not wait for it.
         let _evicted = if force {
             let (pool, info) = self.find_snapshot(&self.catalog(), name)?;
             let newer: Vec<SnapshotInfo> = pool
