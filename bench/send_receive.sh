@@ -4,17 +4,19 @@
 # (fio's nbd engine, QD8), then `strata send` of a full snapshot and of an
 # incremental one to /dev/null, `strata receive` of the full stream from a
 # file (page cache) into a new volume, and `send | receive` through a pipe.
-# The volume is SIZE (default 4G, as the issue asks; the run then needs
+# The NBD read and the full send take turns ROUNDS times (default 3; the
+# medians are compared). The volume is SIZE (default 4G, as the issue asks; the run then needs
 # about 5 x SIZE of free disk for the volumes, the changed quarter and the
 # stream file, and is refused without it). The data directory is a
 # temporary one, the server listens on ephemeral 127.0.0.1 ports and is
 # stopped by PID.
 #
-# Usage: bench/send_receive.sh [STRATA_BINARY] [SIZE]
+# Usage: [ROUNDS=N] bench/send_receive.sh [STRATA_BINARY] [SIZE]
 set -euo pipefail
 BIN=${1:-$(dirname "$0")/../target/release/strata}
 BIN=$(realpath "$BIN")
 SIZE=${2:-4G}
+ROUNDS=${ROUNDS:-3}
 BYTES=$(numfmt --from=iec "$SIZE")
 MIB=$((BYTES >> 20))
 DIR=$(mktemp -d)
@@ -52,9 +54,18 @@ URI=nbd://127.0.0.1:$PORT/default/b
 write_nbd=$(fio_mibs write "nbd://127.0.0.1:$PORT/default/w")
 fio_mibs write "$URI" >/dev/null
 "$BIN" pool sync default
-read_nbd=$(fio_mibs read "$URI")
 "$BIN" snapshot create default/b@s1
-send_full=$(timed_mibs "$BYTES" sh -c "'$BIN' send default/b@s1 > /dev/null")
+# The NBD read and the full send take turns, ROUNDS times; each figure is
+# the median of its rounds (on a shared machine one pass of either can
+# lose half its speed to another tenant's disk or CPU load).
+reads=() sends=()
+for _ in $(seq "$ROUNDS"); do
+    reads+=("$(fio_mibs read "$URI")")
+    sends+=("$(timed_mibs "$BYTES" sh -c "'$BIN' send default/b@s1 > /dev/null")")
+done
+median() { printf '%s\n' "$@" | sort -n | awk '{v[NR] = $1} END {print v[int((NR + 1) / 2)]}'; }
+read_nbd=$(median "${reads[@]}")
+send_full=$(median "${sends[@]}")
 # A quarter of the volume changes, then the incremental stream.
 fio --name=change --ioengine=nbd --uri="$URI" --rw=write --bs=1M --iodepth=8 --size=$((MIB / 4))M \
     --offset=$((MIB / 2))M --output-format=terse >/dev/null
@@ -67,6 +78,7 @@ pipe=$(timed_mibs "$BYTES" sh -c "'$BIN' send default/b@s1 | '$BIN' receive defa
 "$BIN" volume list
 
 echo "volume $SIZE, 1M sequential over NBD (fio, QD8): read $read_nbd MiB/s, write $write_nbd MiB/s"
+echo "NBD read rounds: ${reads[*]} MiB/s; send full rounds: ${sends[*]} MiB/s (medians below)"
 echo "send full:        $send_full MiB/s ($(ratio "$send_full" "$read_nbd")x NBD read)"
 echo "send incremental: $send_incr MiB/s ($(ratio "$send_incr" "$read_nbd")x NBD read; $((MIB / 4)) MiB changed)"
 echo "receive full:     $receive MiB/s ($(ratio "$receive" "$write_nbd")x NBD write)"

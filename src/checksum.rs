@@ -118,6 +118,73 @@ pub fn crc32c_of_parts(parts: &[&[u8]]) -> u32 {
     backend().checksum_of_parts(parts)
 }
 
+/// The CRC-32C of `a` followed by `b`, given `crc1` of `a`, `crc2` of `b`
+/// and `len2`, the length of `b` (`crc32c::crc32c_combine`'s contract).
+///
+/// The crate builds 32x32 bit matrices for each call (about 30 µs for a
+/// 1 MiB `b` here, where summing the megabyte takes 80); a send stream
+/// combines twice per record. This multiplies by x^(8 len2) modulo the
+/// polynomial instead: about 20 squarings read from a table and at most 64
+/// multiplications of 32-bit polynomials.
+pub fn crc32c_combine(crc1: u32, crc2: u32, len2: usize) -> u32 {
+    gf2::multiply(gf2::x_to_8n(len2 as u64), crc1) ^ crc2
+}
+
+/// Arithmetic on polynomials over GF(2) modulo CRC-32C's, in the CRC's bit
+/// order: bit 31 holds the coefficient of x^0, bit 0 that of x^31.
+mod gf2 {
+    /// CRC-32C's polynomial (x^32 dropped), in that bit order.
+    const POLY: u32 = 0x82f6_3b78;
+    /// The polynomial 1.
+    const ONE: u32 = 1 << 31;
+
+    /// `a * b` modulo the polynomial.
+    pub(super) fn multiply(a: u32, mut b: u32) -> u32 {
+        let mut product = 0;
+        let mut bit = ONE;
+        while bit != 0 {
+            if a & bit != 0 {
+                product ^= b;
+            }
+            // b *= x: the x^31 coefficient (bit 0) wraps to the polynomial.
+            b = if b & 1 != 0 { (b >> 1) ^ POLY } else { b >> 1 };
+            bit >>= 1;
+        }
+        product
+    }
+
+    /// x^(2^k) modulo the polynomial, k = 0..67 (3 + the bits of a u64).
+    fn powers() -> &'static [u32; 67] {
+        static POWERS: std::sync::OnceLock<[u32; 67]> = std::sync::OnceLock::new();
+        POWERS.get_or_init(|| {
+            let mut table = [0; 67];
+            let mut power = ONE >> 1; // x^1
+            for entry in table.iter_mut() {
+                *entry = power;
+                power = multiply(power, power);
+            }
+            table
+        })
+    }
+
+    /// x^(8 n) modulo the polynomial: shifting a CRC over n zero bytes.
+    pub(super) fn x_to_8n(n: u64) -> u32 {
+        let powers = powers();
+        let mut result = ONE;
+        let mut n = n;
+        // x^(8 n) = product of x^(2^(k + 3)) over the bits k set in n.
+        let mut k = 3;
+        while n != 0 {
+            if n & 1 != 0 {
+                result = multiply(powers[k], result);
+            }
+            n >>= 1;
+            k += 1;
+        }
+        result
+    }
+}
+
 /// How whole 4 KiB sectors are checksummed ([`extend_sector_sums`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum SectorMethod {
@@ -489,6 +556,38 @@ mod tests {
             }
         }
         !crc
+    }
+
+    #[test]
+    fn combine_agrees_with_the_crate_and_with_summing_both_parts() {
+        let data: Vec<u8> = (0..70_000u32)
+            .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
+            .collect();
+        for (split, end) in [
+            (0, 0),
+            (0, 5),
+            (5, 5),
+            (1, 2),
+            (3, 4099),
+            (4096, 8192),
+            (12_345, 70_000),
+            (0, 70_000),
+        ] {
+            let (a, b) = data[..end].split_at(split);
+            let combined = crc32c_combine(crc32c(a), crc32c(b), b.len());
+            assert_eq!(combined, crc32c(&data[..end]), "split {split} end {end}");
+            assert_eq!(combined, ::crc32c::crc32c_combine(crc32c(a), crc32c(b), b.len()));
+        }
+        // Lengths far beyond any buffer (a whole stream, bits 60+ of a u64).
+        for len2 in [1 << 20, (1 << 20) + 17, 1 << 32, (1 << 40) + 3, u64::MAX as usize] {
+            for (crc1, crc2) in [(0, 0), (0xdead_beef, 0x1234_5678), (!0, 1)] {
+                assert_eq!(
+                    crc32c_combine(crc1, crc2, len2),
+                    ::crc32c::crc32c_combine(crc1, crc2, len2),
+                    "{crc1:#x} {crc2:#x} {len2}"
+                );
+            }
+        }
     }
 
     #[test]

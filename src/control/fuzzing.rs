@@ -111,12 +111,12 @@ pub fn fix_up(data: &[u8]) -> Option<Vec<u8>> {
             }
         }
         let payload_crc = crc32c::crc32c(&bytes[payload_at..payload_at + payload]);
-        let record_crc = crc32c::crc32c_combine(crc32c::crc32c(&bytes[at..at + 24]), payload_crc, payload);
+        let record_crc = crate::checksum::crc32c_combine(crc32c::crc32c(&bytes[at..at + 24]), payload_crc, payload);
         bytes[at + 24..at + 28].copy_from_slice(&record_crc.to_le_bytes());
         if is_end {
             break;
         }
-        crc = crc32c::crc32c_combine(crc32c::crc32c_append(crc, &bytes[at..payload_at]), payload_crc, payload);
+        crc = crate::checksum::crc32c_combine(crc32c::crc32c_append(crc, &bytes[at..payload_at]), payload_crc, payload);
         records += 1;
         if bytes[at] == RecordKind::Write as u8 {
             data_bytes = data_bytes.wrapping_add(crate::bytes::u64_at(&bytes, at + 16)?);

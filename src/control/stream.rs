@@ -247,7 +247,7 @@ impl Header {
 impl RecordHeader {
     /// The fixed part, its CRC covering it and `payload`.
     pub fn encode(kind: RecordKind, offset: u64, length: u64, payload: &[u8]) -> [u8; RECORD_HEADER_BYTES] {
-        Self::encode_summed(kind, offset, length, payload.len(), crc32c::crc32c(payload))
+        Self::encode_summed(kind, offset, length, payload.len(), crate::checksum::crc32c(payload))
     }
 
     /// [`RecordHeader::encode`] for a payload of `payload_bytes` whose
@@ -264,7 +264,7 @@ impl RecordHeader {
         out[4..8].copy_from_slice(&(payload_bytes as u32).to_le_bytes());
         out[8..16].copy_from_slice(&offset.to_le_bytes());
         out[16..24].copy_from_slice(&length.to_le_bytes());
-        let crc = crc32c::crc32c_combine(crc32c::crc32c(&out[..24]), payload_crc, payload_bytes);
+        let crc = crate::checksum::crc32c_combine(crc32c::crc32c(&out[..24]), payload_crc, payload_bytes);
         out[24..28].copy_from_slice(&crc.to_le_bytes());
         out
     }
@@ -303,7 +303,7 @@ impl RecordHeader {
 
     /// Checks the CRC over the fixed part and `payload`.
     pub fn check(&self, fixed: &[u8; RECORD_HEADER_BYTES], payload: &[u8]) -> Result<(), StreamError> {
-        self.check_summed(fixed, payload.len(), crc32c::crc32c(payload))
+        self.check_summed(fixed, payload.len(), crate::checksum::crc32c(payload))
     }
 
     /// [`RecordHeader::check`] with the payload's CRC-32C computed already.
@@ -313,7 +313,7 @@ impl RecordHeader {
         payload_bytes: usize,
         payload_crc: u32,
     ) -> Result<(), StreamError> {
-        let crc = crc32c::crc32c_combine(crc32c::crc32c(&fixed[..24]), payload_crc, payload_bytes);
+        let crc = crate::checksum::crc32c_combine(crc32c::crc32c(&fixed[..24]), payload_crc, payload_bytes);
         if crc != self.crc {
             return Err(StreamError::Corrupt(format!(
                 "record checksum mismatch ({:?} at offset {})",
@@ -425,7 +425,7 @@ impl Position {
                 record.offset, record.length, header.volsize
             )));
         }
-        self.crc = crc32c::crc32c_combine(crc32c::crc32c_append(self.crc, fixed), payload_crc, payload.len());
+        self.crc = crate::checksum::crc32c_combine(crc32c::crc32c_append(self.crc, fixed), payload_crc, payload.len());
         self.offset += bytes;
         self.records += 1;
         if record.kind == RecordKind::Write {
@@ -474,7 +474,7 @@ pub fn parse(bytes: &[u8], resume: Option<Position>) -> Result<Parsed, StreamErr
         let payload = bytes
             .get(at + RECORD_HEADER_BYTES..at + RECORD_HEADER_BYTES + record.payload_bytes as usize)
             .ok_or_else(|| StreamError::Truncated("it ended inside a record".into()))?;
-        let accepted = position.accept(&header, &fixed, &record, payload, crc32c::crc32c(payload))?;
+        let accepted = position.accept(&header, &fixed, &record, payload, crate::checksum::crc32c(payload))?;
         at += RECORD_HEADER_BYTES + payload.len();
         match accepted {
             Accepted::End => {

@@ -243,6 +243,55 @@ impl Drop for IoBuf {
     }
 }
 
+/// Large read buffers of one reader (an NBD connection, a send stream),
+/// kept for its next reads: a new megabyte buffer must be zeroed (it may
+/// hold anything the process freed), which costs as much as checksumming
+/// it. A kept buffer holds only bytes this reader was already sent, and
+/// every read fills the whole payload anyway.
+pub struct ReadBuffers {
+    free: std::sync::Mutex<Vec<IoBuf>>,
+    /// Bytes kept at most.
+    limit: usize,
+}
+
+/// Read buffers smaller than this are not kept (zeroing them is cheap).
+const KEEP_READ_BUFFER_MIN_BYTES: usize = 64 << 10;
+
+impl ReadBuffers {
+    /// Keeps up to `limit` bytes of buffers.
+    pub fn new(limit: usize) -> Self {
+        ReadBuffers {
+            free: std::sync::Mutex::new(Vec::new()),
+            limit,
+        }
+    }
+
+    /// A buffer for `len` payload bytes behind `headroom`: a kept one of
+    /// that shape, else a new zeroed one.
+    pub fn take(&self, headroom: usize, len: usize) -> IoBuf {
+        if len >= KEEP_READ_BUFFER_MIN_BYTES {
+            let mut free = self.free.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(index) = free.iter().position(|b| b.len() == len && b.headroom() == headroom) {
+                return free.swap_remove(index);
+            }
+        }
+        IoBuf::with_headroom(headroom, len)
+    }
+
+    /// Keeps `buf` for a later [`ReadBuffers::take`] if it is large and
+    /// there is room.
+    pub fn give_back(&self, buf: IoBuf) {
+        if buf.len() < KEEP_READ_BUFFER_MIN_BYTES {
+            return;
+        }
+        let mut free = self.free.lock().unwrap_or_else(|e| e.into_inner());
+        let kept: usize = free.iter().map(IoBuf::len).sum();
+        if kept + buf.len() <= self.limit {
+            free.push(buf);
+        }
+    }
+}
+
 /// Memory for a buffer of `layout` (non-zero size), zero-filled if asked:
 /// a kept spare of that layout ([`spares`]) or a new allocation.
 fn allocate(layout: Layout, zeroed: bool) -> *mut u8 {
@@ -562,6 +611,31 @@ impl StickyError {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn read_buffers_are_kept_by_shape_up_to_the_limit() {
+        let limit = 8 << 20;
+        let buffers = ReadBuffers::new(limit);
+        let mut first = buffers.take(24, 1 << 20);
+        assert!(first.payload().iter().all(|&b| b == 0), "a new buffer is zeroed");
+        first.payload_mut()[0] = 0xA5;
+        let address = first.payload().as_ptr();
+        buffers.give_back(first);
+        // Another shape gets a new buffer; the same shape gets the kept one.
+        let other = buffers.take(16, 1 << 20);
+        assert_ne!(other.payload().as_ptr(), address);
+        let again = buffers.take(24, 1 << 20);
+        assert_eq!(again.payload().as_ptr(), address);
+        assert_eq!(again.payload()[0], 0xA5);
+        // Small buffers are not kept, and no more than the limit is.
+        buffers.give_back(IoBuf::with_headroom(0, 4096));
+        for _ in 0..(limit >> 20) + 3 {
+            buffers.give_back(IoBuf::with_headroom(0, 1 << 20));
+        }
+        let free = buffers.free.lock().unwrap();
+        assert!(free.iter().all(|b| b.len() == 1 << 20));
+        assert_eq!(free.iter().map(IoBuf::len).sum::<usize>(), limit);
+    }
 
     #[tokio::test]
     async fn read_from_fills_the_whole_payload_across_short_reads_or_reports_eof() {

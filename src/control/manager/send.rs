@@ -20,7 +20,7 @@ use crate::control::stream::{
     self, end_payload, Accepted, Header, PlannedRecord, Position, RecordHeader, RecordKind, StreamError, StreamKind,
     END_PAYLOAD_BYTES, RECORD_HEADER_BYTES,
 };
-use crate::device::IoBuf;
+use crate::device::{IoBuf, ReadBuffers};
 use crate::pool::snapshots::{SnapshotInfo, SnapshotRequest};
 use crate::volume::BlockDevice;
 use hyper::body::Bytes;
@@ -1140,12 +1140,21 @@ fn short_name_of(name: &str) -> &str {
     name.split_once('/').map_or(name, |(_, short)| short)
 }
 
-/// A buffer read from the snapshot, as the bytes of a response body.
-struct Payload(IoBuf);
+/// A buffer read from the snapshot, as the bytes of a response body; back
+/// to the stream's [`ReadBuffers`] once sent.
+struct Payload(Option<IoBuf>, Arc<ReadBuffers>);
 
 impl AsRef<[u8]> for Payload {
     fn as_ref(&self) -> &[u8] {
-        self.0.payload()
+        self.0.as_ref().map_or(&[], IoBuf::payload)
+    }
+}
+
+impl Drop for Payload {
+    fn drop(&mut self) {
+        if let Some(buf) = self.0.take() {
+            self.1.give_back(buf);
+        }
     }
 }
 
@@ -1158,6 +1167,9 @@ impl SendJob {
             return;
         }
         let mut crc = self.crc;
+        // Buffers for the reads in flight and the chunks the connection
+        // has not sent yet, reused (a new one is zeroed first).
+        let buffers = Arc::new(ReadBuffers::new(4 * IN_FLIGHT << 20));
         // A read hands back its buffer and the CRC-32C of it (summed on
         // the reading task, so reads and sums of several batches overlap).
         type Read = tokio::task::JoinHandle<Result<(IoBuf, u32), String>>;
@@ -1169,10 +1181,11 @@ impl SendJob {
                 next += 1;
                 let read = (record.0 == RecordKind::Write).then(|| {
                     let volume = self.volume.clone();
+                    let buf = buffers.take(0, record.2 as usize);
                     tokio::spawn(async move {
-                        let (buf, result) = volume.read(record.1, IoBuf::new(record.2 as usize)).await;
+                        let (buf, result) = volume.read(record.1, buf).await;
                         result.map_err(|e| e.to_string())?;
-                        let sum = crc32c::crc32c(buf.payload());
+                        let sum = crate::checksum::crc32c(buf.payload());
                         Ok((buf, sum))
                     })
                 });
@@ -1194,13 +1207,17 @@ impl SendJob {
             };
             let payload_bytes = payload.as_ref().map_or(0, IoBuf::len);
             let fixed = RecordHeader::encode_summed(kind, offset, length, payload_bytes, payload_crc);
-            crc = crc32c::crc32c_combine(crc32c::crc32c_append(crc, &fixed), payload_crc, payload_bytes);
+            crc = crate::checksum::crc32c_combine(crc32c::crc32c_append(crc, &fixed), payload_crc, payload_bytes);
             if out.send(Ok(Bytes::copy_from_slice(&fixed))).await.is_err() {
                 return;
             }
             // The buffer read goes out as it is, not copied.
             if let Some(buf) = payload {
-                if out.send(Ok(Bytes::from_owner(Payload(buf)))).await.is_err() {
+                if out
+                    .send(Ok(Bytes::from_owner(Payload(Some(buf), buffers.clone()))))
+                    .await
+                    .is_err()
+                {
                     return;
                 }
             }

@@ -32,6 +32,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use super::proto::{self, cflag, chunk, cmd, info, opt, rep, ClientOption, Negotiated, Request};
 use super::tls::{self, Access, NbdTls, Peer, TlsMode};
 use crate::control::manager::{VolumeManager, DEFAULT_POOL, DEFAULT_VOLUME};
+use crate::device::ReadBuffers;
 use crate::frontend::lane::Lane;
 use crate::frontend::limits::ConnectionLimits;
 use crate::frontend::outbox::{Outbox, ReplySocket};
@@ -864,50 +865,8 @@ impl Drop for Reply {
     }
 }
 
-/// Large read buffers of one connection, kept for its next reads: a new
-/// megabyte buffer must be zeroed (it may hold anything the process freed),
-/// which costs as much as checksumming it. A kept buffer holds only bytes
-/// this connection was already sent, and every read fills the whole
-/// payload anyway.
-struct ReadBuffers {
-    free: std::sync::Mutex<Vec<IoBuf>>,
-}
-
-/// Read buffers smaller than this are not kept (zeroing them is cheap).
-const KEEP_READ_BUFFER_MIN_BYTES: usize = 64 << 10;
-/// Bytes of read buffers one connection keeps at most.
+/// Bytes of read buffers one connection keeps for its next reads at most.
 const KEPT_READ_BUFFER_BYTES: usize = 8 << 20;
-
-impl ReadBuffers {
-    fn new() -> Arc<Self> {
-        Arc::new(ReadBuffers {
-            free: std::sync::Mutex::new(Vec::new()),
-        })
-    }
-
-    /// A buffer for `len` payload bytes behind `headroom`: a kept one of
-    /// that shape, else a new zeroed one.
-    fn take(&self, headroom: usize, len: usize) -> IoBuf {
-        if len >= KEEP_READ_BUFFER_MIN_BYTES {
-            let mut free = self.free.lock().unwrap_or_else(|e| e.into_inner());
-            if let Some(index) = free.iter().position(|b| b.len() == len && b.headroom() == headroom) {
-                return free.swap_remove(index);
-            }
-        }
-        IoBuf::with_headroom(headroom, len)
-    }
-
-    fn give_back(&self, buf: IoBuf) {
-        if buf.len() < KEEP_READ_BUFFER_MIN_BYTES {
-            return;
-        }
-        let mut free = self.free.lock().unwrap_or_else(|e| e.into_inner());
-        let kept: usize = free.iter().map(IoBuf::len).sum();
-        if kept + buf.len() <= KEPT_READ_BUFFER_BYTES {
-            free.push(buf);
-        }
-    }
-}
 
 /// Replies carrying large reads, for the connection's [`Lane`] to send.
 type Bulk = (Vec<Reply>, Arc<Outbox<Reply>>);
@@ -986,7 +945,7 @@ async fn transmission<R: AsyncRead + Unpin>(
     };
     let lane = Lane::new(send_bulk);
     let reads = Lane::with_threads(run_read, read_threads());
-    let buffers = ReadBuffers::new();
+    let buffers = Arc::new(ReadBuffers::new(KEPT_READ_BUFFER_BYTES));
 
     let result = loop {
         if reader.buffer().len() < proto::REQUEST_BYTES {
@@ -1311,30 +1270,6 @@ async fn read_reply(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn read_buffers_are_kept_by_shape_up_to_the_limit() {
-        let buffers = ReadBuffers::new();
-        let mut first = buffers.take(STRUCTURED_READ_HEADROOM, 1 << 20);
-        assert!(first.payload().iter().all(|&b| b == 0), "a new buffer is zeroed");
-        first.payload_mut()[0] = 0xA5;
-        let address = first.payload().as_ptr();
-        buffers.give_back(first);
-        // Another shape gets a new buffer; the same shape gets the kept one.
-        let other = buffers.take(proto::SIMPLE_REPLY_BYTES, 1 << 20);
-        assert_ne!(other.payload().as_ptr(), address);
-        let again = buffers.take(STRUCTURED_READ_HEADROOM, 1 << 20);
-        assert_eq!(again.payload().as_ptr(), address);
-        assert_eq!(again.payload()[0], 0xA5);
-        // Small buffers are not kept, and no more than the limit is.
-        buffers.give_back(IoBuf::with_headroom(0, 4096));
-        for _ in 0..(KEPT_READ_BUFFER_BYTES >> 20) + 3 {
-            buffers.give_back(IoBuf::with_headroom(0, 1 << 20));
-        }
-        let free = buffers.free.lock().unwrap();
-        assert!(free.iter().all(|b| b.len() == 1 << 20));
-        assert_eq!(free.iter().map(IoBuf::len).sum::<usize>(), KEPT_READ_BUFFER_BYTES);
-    }
 
     fn send_buffer_of(stream: &TcpStream) -> libc::c_int {
         let mut value: libc::c_int = 0;
