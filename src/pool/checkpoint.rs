@@ -73,6 +73,10 @@ impl Pool {
     pub(crate) async fn checkpoint_metadata(&self) -> Result<(), PoolError> {
         let _one = self.checkpointing.lock().await;
         let gate = self.gate.write().await;
+        // Commits before this one have released what their records freed
+        // (the allocator's state below must show it: the log's tail moves
+        // past those records), and none starts until the state is taken.
+        let releasing = self.releasing.write().await;
         // Everything logged so far becomes durable first, so the checkpoint
         // LSN is a position every earlier record precedes.
         let frees = self.log.commit(|| self.flush_data_devices(), true).await?;
@@ -87,6 +91,7 @@ impl Pool {
         let data_tail = self.cache.oldest_log_lsn().map_or(lsn, |oldest| oldest.min(lsn));
         let destroyed: Vec<u32> = self.destroyed.lock_or_abort().iter().copied().collect();
         let snapshots = self.take_snapshot_state();
+        drop(releasing);
         drop(gate);
 
         let pages = (map.len() + crcs.len()) as u64;

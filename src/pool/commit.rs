@@ -168,15 +168,24 @@ impl Pool {
         Ok(())
     }
 
+    /// One log commit (data devices flushed first) and the release of the
+    /// slots its records freed, with no checkpoint in between (see
+    /// `Pool::releasing`).
+    async fn commit_and_release(&self, reserve: bool) -> Result<(), LogError> {
+        let _releasing = self.releasing.read().await;
+        let frees = self.log.commit(|| self.flush_data_devices(), reserve).await?;
+        self.release_frees(frees).await;
+        Ok(())
+    }
+
     /// Makes every completed write durable: flushes the data devices, then
     /// commits the log. Group-committed: concurrent callers share one commit.
     /// A full log is freed by a checkpoint, destaging the data it holds if
     /// that is what keeps it full (backpressure).
     pub async fn commit(&self) -> Result<(), PoolError> {
         for attempt in 0..4 {
-            match self.log.commit(|| self.flush_data_devices(), false).await {
-                Ok(frees) => {
-                    self.release_frees(frees).await;
+            match self.commit_and_release(false).await {
+                Ok(()) => {
                     self.maybe_checkpoint_soon();
                     return Ok(());
                 }
@@ -192,11 +201,8 @@ impl Pool {
     /// destages, so it can run inside a destage; may use the log's reserve.
     pub(crate) async fn commit_quiet(&self) -> Result<(), PoolError> {
         for attempt in 0..3 {
-            match self.log.commit(|| self.flush_data_devices(), attempt > 0).await {
-                Ok(frees) => {
-                    self.release_frees(frees).await;
-                    return Ok(());
-                }
+            match self.commit_and_release(attempt > 0).await {
+                Ok(()) => return Ok(()),
                 Err(LogError::Full) if attempt < 2 => self.checkpoint_metadata().await?,
                 Err(e) => return Err(e.into()),
             }
@@ -207,12 +213,16 @@ impl Pool {
     /// Makes the pending `Dirty` marks durable: one log write when nothing
     /// pending needs the data devices flushed first, else a full commit.
     pub(crate) async fn commit_marks(&self) -> Result<(), PoolError> {
+        let releasing = self.releasing.read().await;
         match self.log.commit_marks().await {
             Ok(Some(frees)) => {
                 self.release_frees(frees).await;
                 Ok(())
             }
-            Ok(None) | Err(LogError::Full) => self.commit_quiet().await,
+            Ok(None) | Err(LogError::Full) => {
+                drop(releasing);
+                self.commit_quiet().await
+            }
             Err(e) => Err(e.into()),
         }
     }

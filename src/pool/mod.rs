@@ -275,6 +275,13 @@ pub struct Pool {
     /// its snapshot (so the snapshot is consistent).
     gate: tokio::sync::RwLock<()>,
     checkpointing: tokio::sync::Mutex<()>,
+    /// Held shared by a commit from its log write until the slots its
+    /// records freed are released in the allocator, exclusively by a
+    /// checkpoint around its own commit and its snapshot of the allocator:
+    /// a checkpoint taken in between would store those slots as in use and
+    /// move the log's tail past the records freeing them, leaking them if
+    /// the daemon died before the next checkpoint.
+    releasing: tokio::sync::RwLock<()>,
     checkpoints: AtomicU64,
     checkpoint_pages: AtomicU64,
     checkpoint_scheduled: std::sync::atomic::AtomicBool,

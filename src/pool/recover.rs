@@ -401,6 +401,7 @@ impl Pool {
             destroyed: Mutex::new(HashSet::new()),
             gate: tokio::sync::RwLock::new(()),
             checkpointing: tokio::sync::Mutex::new(()),
+            releasing: tokio::sync::RwLock::new(()),
             checkpoints: AtomicU64::new(0),
             checkpoint_pages: AtomicU64::new(0),
             checkpoint_scheduled: std::sync::atomic::AtomicBool::new(false),
