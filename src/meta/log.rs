@@ -448,11 +448,79 @@ struct Pending {
     frees: Vec<(u8, u64)>,
     /// How many of `records` are already staged on the device.
     staged: usize,
+    /// Where staging put the record blocks it wrote: (index of the block's
+    /// first record, its 4 KiB unit from `next_lsn`), in order. Packing is
+    /// greedy, so these blocks stay where they are however many records
+    /// follow; a stage re-packs only from the block holding the first
+    /// unstaged record (re-packing everything made a stream of allocating
+    /// writes quadratic in the records pending between commits).
+    layout: Vec<(usize, u64)>,
+    /// Log units (4 KiB) all of `records` take, and the bytes used in the
+    /// last record block: [`blocks_needed`] kept up to date record by record.
+    units: u64,
+    last_block_used: usize,
+    /// How many of `records` need the data devices flushed before them.
+    need_data: usize,
     /// Where each pending allocation's `Map` record is: (volume, block) → index.
     allocations: std::collections::HashMap<(u32, u64), usize>,
-    /// Bumped by every change to `records`, so a stage that copied them can
-    /// tell whether what it wrote is still what is pending.
+    /// Bumped by every change to records already pending (not by appends),
+    /// so a stage that copied them can tell whether what it wrote is still
+    /// what is pending.
     version: u64,
+}
+
+impl Pending {
+    fn new() -> Self {
+        Pending {
+            records: Vec::new(),
+            bytes: 0,
+            frees: Vec::new(),
+            staged: 0,
+            layout: Vec::new(),
+            units: 1,
+            last_block_used: HEADER_BYTES,
+            need_data: 0,
+            allocations: std::collections::HashMap::new(),
+            version: 0,
+        }
+    }
+
+    /// Appends `record`, counting `extra` more bytes for it in `bytes`.
+    fn push(&mut self, record: Record, extra: usize) {
+        self.push_tracked(record, extra, true)
+    }
+
+    fn push_tracked(&mut self, record: Record, extra: usize, track: bool) {
+        if let Record::Map { volume, block, new, .. } = &record {
+            if *new != 0 && track {
+                self.allocations.insert((*volume, *block), self.records.len());
+            }
+        }
+        let length = record.encoded_len();
+        if self.last_block_used + length > LOG_BLOCK_BYTES as usize {
+            self.units += 1;
+            self.last_block_used = HEADER_BYTES;
+        }
+        self.last_block_used += length;
+        if record.payload().is_some() {
+            self.units += 1;
+        }
+        if record.needs_durable_data() {
+            self.need_data += 1;
+        }
+        self.bytes += length + extra;
+        self.records.push(record);
+    }
+
+    /// Takes every record, leaving nothing pending.
+    fn take(&mut self) -> (Vec<Record>, Vec<(u8, u64)>) {
+        let taken = (std::mem::take(&mut self.records), std::mem::take(&mut self.frees));
+        *self = Pending {
+            version: self.version + 1,
+            ..Pending::new()
+        };
+        taken
+    }
 }
 
 /// Where the log lives and how far it goes.
@@ -496,14 +564,7 @@ impl Log {
             offset,
             len,
             pool_tag,
-            pending: Mutex::new(Pending {
-                records: Vec::new(),
-                bytes: 0,
-                frees: Vec::new(),
-                staged: 0,
-                allocations: std::collections::HashMap::new(),
-                version: 0,
-            }),
+            pending: Mutex::new(Pending::new()),
             pending_bytes: std::sync::atomic::AtomicUsize::new(0),
             next_lsn: AtomicU64::new(next_lsn),
             tail_lsn: AtomicU64::new(tail_lsn),
@@ -519,16 +580,8 @@ impl Log {
     /// Queues a record; it becomes durable with the next commit.
     pub fn append(&self, record: Record) {
         let mut pending = self.pending.lock_or_abort();
-        if let Record::Map { volume, block, new, .. } = &record {
-            if *new != 0 {
-                let index = pending.records.len();
-                pending.allocations.insert((*volume, *block), index);
-            }
-        }
-        pending.bytes += record.encoded_len();
+        pending.push(record, 0);
         self.pending_bytes.store(pending.bytes, Ordering::Relaxed);
-        pending.records.push(record);
-        pending.version += 1;
         self.appended.fetch_add(1, Ordering::Relaxed);
     }
 
@@ -575,22 +628,18 @@ impl Log {
     /// resurrect the old mapping over someone else's data).
     pub fn append_free(&self, record: Record, slot: (u8, u64)) {
         let mut pending = self.pending.lock_or_abort();
-        pending.bytes += record.encoded_len();
+        pending.push_tracked(record, 0, false);
         self.pending_bytes.store(pending.bytes, Ordering::Relaxed);
-        pending.records.push(record);
         pending.frees.push(slot);
-        pending.version += 1;
         self.appended.fetch_add(1, Ordering::Relaxed);
     }
 
     /// Queues a record that frees several slots once it is durable.
     pub fn append_frees(&self, record: Record, slots: Vec<(u8, u64)>) {
         let mut pending = self.pending.lock_or_abort();
-        pending.bytes += record.encoded_len();
+        pending.push_tracked(record, 0, false);
         self.pending_bytes.store(pending.bytes, Ordering::Relaxed);
-        pending.records.push(record);
         pending.frees.extend(slots);
-        pending.version += 1;
         self.appended.fetch_add(1, Ordering::Relaxed);
     }
 
@@ -599,17 +648,10 @@ impl Log {
         let mut pending = self.pending.lock_or_abort();
         let count = records.len() as u64;
         for record in records {
-            if let Record::Map { volume, block, new, .. } = &record {
-                if *new != 0 {
-                    let index = pending.records.len();
-                    pending.allocations.insert((*volume, *block), index);
-                }
-            }
-            pending.bytes += record.encoded_len() + if record.payload().is_some() { 4096 } else { 0 };
-            pending.records.push(record);
+            let payload = if record.payload().is_some() { 4096 } else { 0 };
+            pending.push(record, payload);
         }
         self.pending_bytes.store(pending.bytes, Ordering::Relaxed);
-        pending.version += 1;
         self.appended.fetch_add(count, Ordering::Relaxed);
     }
 
@@ -617,8 +659,7 @@ impl Log {
     /// records included).
     pub fn room(&self) -> u64 {
         let pending = self.pending.lock_or_abort();
-        let used =
-            self.next_lsn() - self.tail_lsn.load(Ordering::Acquire) + blocks_needed(&pending.records) * LOG_BLOCK_BYTES;
+        let used = self.next_lsn() - self.tail_lsn.load(Ordering::Acquire) + pending.units * LOG_BLOCK_BYTES;
         (self.len / 4 * 3).saturating_sub(used)
     }
 
@@ -718,72 +759,59 @@ impl Log {
     #[allow(clippy::type_complexity)]
     fn take_pending(&self, reserve: bool, only_marks: bool) -> Result<Option<(Vec<Record>, Vec<(u8, u64)>)>, LogError> {
         let mut pending = self.pending.lock_or_abort();
-        if only_marks && pending.records.iter().any(Record::needs_durable_data) {
+        if only_marks && pending.need_data > 0 {
             return Ok(None);
         }
-        let blocks = blocks_needed(&pending.records);
         let used = self.next_lsn() - self.tail_lsn.load(Ordering::Acquire);
         let limit = if reserve { self.len } else { self.len / 4 * 3 };
-        if used + blocks * LOG_BLOCK_BYTES > limit {
+        if used + pending.units * LOG_BLOCK_BYTES > limit {
             return Err(LogError::Full);
         }
-        pending.bytes = 0;
-        pending.staged = 0;
-        pending.allocations.clear();
         self.pending_bytes.store(0, Ordering::Relaxed);
-        Ok(Some((
-            std::mem::take(&mut pending.records),
-            std::mem::take(&mut pending.frees),
-        )))
+        Ok(Some(pending.take()))
     }
 
     /// Puts records whose write failed back in front, so a later commit
     /// retries them.
     fn restore_pending(&self, records: Vec<Record>, frees: Vec<(u8, u64)>) {
         let mut pending = self.pending.lock_or_abort();
-        let mut restored = records;
-        restored.append(&mut pending.records);
-        pending.bytes = restored.iter().map(Record::encoded_len).sum();
-        pending.allocations = restored
-            .iter()
-            .enumerate()
-            .filter_map(|(i, r)| match r {
-                Record::Map { volume, block, new, .. } if *new != 0 => Some(((*volume, *block), i)),
-                _ => None,
-            })
-            .collect();
+        let (later, later_frees) = pending.take();
+        for record in records.into_iter().chain(later) {
+            pending.push(record, 0);
+        }
         self.pending_bytes.store(pending.bytes, Ordering::Relaxed);
-        pending.records = restored;
-        let mut restored_frees = frees;
-        restored_frees.append(&mut pending.frees);
-        pending.frees = restored_frees;
+        pending.frees = frees;
+        pending.frees.extend(later_frees);
     }
 
-    /// Encodes `records` into blocks from `next_lsn` and writes them,
-    /// skipping the first `skip` record blocks (already staged, unchanged)
-    /// and their data blocks. A commit (`committed`) flushes and advances
-    /// `next_lsn`; staging leaves both alone, so the next commit rewrites the
-    /// same blocks, marked committed, with more records after them.
-    async fn write_blocks(&self, records: &[Record], committed: bool, skip: usize) -> Result<(), LogError> {
+    /// Encodes `records` into blocks and writes them from `first_unit`
+    /// units past `next_lsn`. Returns where each record block went: (index
+    /// of its first record in `records`, its unit from `next_lsn`).
+    ///
+    /// A commit (`committed`, from unit 0) flushes and advances `next_lsn`;
+    /// staging leaves both alone, so the next commit rewrites the same
+    /// blocks, marked committed, with more records after them.
+    async fn write_blocks(
+        &self,
+        records: &[Record],
+        committed: bool,
+        first_unit: u64,
+    ) -> Result<Vec<(usize, u64)>, LogError> {
+        debug_assert!(!committed || first_unit == 0);
         let start_lsn = self.next_lsn();
         let blocks = pack(records);
         // The 4 KiB units in log order: each record block, then its payloads.
         let mut units: Vec<Unit<'_>> = Vec::new();
-        let mut skip_units = 0;
-        for (index, block) in blocks.iter().enumerate() {
-            if index == skip {
-                skip_units = units.len();
-            }
+        let mut layout = Vec::with_capacity(blocks.len());
+        for block in &blocks {
+            layout.push((block.first_record, first_unit + units.len() as u64));
             units.push(Unit::Header(block));
             units.extend(block.payloads.iter().map(Unit::Payload));
         }
-        if skip >= blocks.len() {
-            skip_units = units.len();
-        }
         let count = units.len() as u64;
         // One device write per contiguous run (two when the region wraps).
-        let mut index = skip_units;
-        let mut lsn = start_lsn + index as u64 * LOG_BLOCK_BYTES;
+        let mut index = 0;
+        let mut lsn = start_lsn + first_unit * LOG_BLOCK_BYTES;
         while index < units.len() {
             let physical = lsn % self.len;
             let room = ((self.len - physical) / LOG_BLOCK_BYTES) as usize;
@@ -823,7 +851,7 @@ impl Log {
             self.next_lsn
                 .store(start_lsn + count * LOG_BLOCK_BYTES, Ordering::Release);
         }
-        Ok(())
+        Ok(layout)
     }
 
     /// Hands every pending record to the log device without a flush and
@@ -840,30 +868,39 @@ impl Log {
     /// (what a dedicated `log` device is for).
     pub async fn stage(&self) -> Result<(), LogError> {
         let _guard = self.commit_lock.lock().await;
-        let (records, staged, version) = {
-            let pending = self.pending.lock_or_abort();
+        // Blocks before the one holding the first unstaged record are
+        // already on the device exactly as they would be written now: only
+        // the records from that block on are copied and written.
+        let (tail, first_record, first_unit, units, version) = {
+            let mut pending = self.pending.lock_or_abort();
             if pending.staged == pending.records.len() {
                 return Ok(());
             }
-            (pending.records.clone(), pending.staged, pending.version)
+            let staged = pending.staged;
+            let keep = pending.layout.partition_point(|&(first, _)| first <= staged);
+            let (first_record, first_unit) = match keep.checked_sub(1) {
+                Some(block) => pending.layout[block],
+                None => (0, 0),
+            };
+            pending.layout.truncate(keep.saturating_sub(1));
+            let tail = pending.records[first_record..].to_vec();
+            (tail, first_record, first_unit, pending.units, pending.version)
         };
         let used = self.next_lsn() - self.tail_lsn.load(Ordering::Acquire);
-        if used + blocks_needed(&records) * LOG_BLOCK_BYTES > self.len {
+        if used + units * LOG_BLOCK_BYTES > self.len {
             // No room to stage; the records stay pending for the next commit.
             return Ok(());
         }
-        // Blocks before the one holding the first unstaged record are
-        // already on the device exactly as they would be written now.
-        let first = pack(&records)
-            .iter()
-            .rposition(|block| block.first_record <= staged)
-            .unwrap_or(0);
-        self.write_blocks(&records, false, first).await?;
+        let written = self.write_blocks(&tail, false, first_unit).await?;
         let mut pending = self.pending.lock_or_abort();
-        // Only if nothing changed meanwhile: a record updated after the copy
-        // (an in-place overwrite of a pending allocation) must be restaged.
+        // Only if no pending record changed meanwhile (an in-place overwrite
+        // of a pending allocation updates its record, which must then be
+        // restaged); records appended meanwhile are simply not staged yet.
         if pending.version == version {
-            pending.staged = records.len();
+            pending.staged = first_record + tail.len();
+            pending
+                .layout
+                .extend(written.into_iter().map(|(first, unit)| (first_record + first, unit)));
         }
         Ok(())
     }
@@ -1016,7 +1053,9 @@ fn pack(records: &[Record]) -> Vec<PackedBlock> {
     blocks
 }
 
-/// Log units (4 KiB) that `records` take: record blocks plus payloads.
+/// Log units (4 KiB) that `records` take: record blocks plus payloads
+/// (what `Pending` counts as records arrive).
+#[cfg(test)]
 fn blocks_needed(records: &[Record]) -> u64 {
     let mut blocks = 1u64;
     let mut used = HEADER_BYTES;
@@ -1301,6 +1340,85 @@ mod tests {
             });
             assert!(log.commit_marks().await.unwrap().is_none());
         });
+    }
+
+    /// Staging re-packs only from the block holding the first unstaged
+    /// record: whatever mix of appends, in-place updates of pending
+    /// allocations and stages, replay finds exactly the pending records,
+    /// and the running unit count is the packing's.
+    #[test]
+    fn incremental_staging_leaves_the_pending_records_on_the_device() {
+        use crate::device::SimDevice;
+        let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = move |n: u64| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed % n
+        };
+        for round in 0..20 {
+            let device: Arc<dyn Device> = Arc::new(SimDevice::new(8 << 20, round));
+            let len = 1024 * LOG_BLOCK_BYTES;
+            let log = Log::new(device.clone(), 0, len, 7, 0, 0);
+            let mut expected: Vec<Record> = Vec::new();
+            crate::meta::store::block_on(async {
+                for _ in 0..400 {
+                    match next(10) {
+                        0..=5 => {
+                            let block = next(64);
+                            let record = match next(8) {
+                                0 => Record::Dirty {
+                                    device: 0,
+                                    chunk: block,
+                                },
+                                1 => Record::Data {
+                                    volume: 1,
+                                    sector: block,
+                                    crc: crate::checksum::crc32c(&[block as u8; 4096]),
+                                    seq: block + 1,
+                                    data: Arc::from(vec![block as u8; 4096]),
+                                },
+                                _ => Record::Map {
+                                    volume: 1,
+                                    block,
+                                    new: 1 << 63 | (block + 1000),
+                                    old: 0,
+                                    crcs: vec![0; 1 + next(32) as usize],
+                                },
+                            };
+                            log.append(record.clone());
+                            expected.push(record);
+                        }
+                        6 => {
+                            // An in-place write into a pending allocation.
+                            let block = next(64);
+                            let crc = next(1 << 32) as u32;
+                            if log.update_pending_allocations(1, [(block, 0, &[crc][..])]) > 0 {
+                                let index = expected
+                                    .iter()
+                                    .rposition(|r| matches!(r, Record::Map { block: b, .. } if *b == block))
+                                    .unwrap();
+                                if let Record::Map { crcs, .. } = &mut expected[index] {
+                                    crcs[0] = crc;
+                                }
+                            }
+                        }
+                        _ => log.stage().await.unwrap(),
+                    }
+                    {
+                        let pending = log.pending.lock().unwrap();
+                        assert_eq!(pending.units, blocks_needed(&pending.records));
+                        assert_eq!(pending.records, expected);
+                    }
+                }
+                log.stage().await.unwrap();
+                let (replayed, next_lsn, _) = Log::replay(&device, 0, len, 7, 0).await.unwrap();
+                assert_eq!(next_lsn, 0, "nothing committed");
+                assert!(replayed.iter().all(|(_, committed, _)| !committed));
+                let replayed: Vec<Record> = replayed.into_iter().map(|(r, _, _)| r).collect();
+                assert_eq!(replayed, expected, "round {round}");
+            });
+        }
     }
 
     #[test]
