@@ -1169,7 +1169,7 @@ impl SendJob {
         let mut crc = self.crc;
         // Buffers for the reads in flight and the chunks the connection
         // has not sent yet, reused (a new one is zeroed first).
-        let buffers = Arc::new(ReadBuffers::new(4 * IN_FLIGHT << 20));
+        let buffers = Arc::new(ReadBuffers::new((4 * IN_FLIGHT) << 20));
         // A read hands back its buffer and the CRC-32C of it (summed on
         // the reading task, so reads and sums of several batches overlap).
         type Read = tokio::task::JoinHandle<Result<(IoBuf, u32), String>>;
