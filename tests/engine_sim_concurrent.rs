@@ -20,7 +20,7 @@
 //! replays exactly: a failure prints its seed, and
 //! `STRATA_SIM_SEED=<seed> cargo test --test engine_sim_concurrent -- --nocapture concurrent_clients`
 //! replays that run, printing every event kept. `STRATA_SIM_SEEDS=N` sets
-//! how many seeds run (default 200). `STRATA_SIM_NO_DELAYS=1` turns the
+//! how many seeds run (default 1000). `STRATA_SIM_NO_DELAYS=1` turns the
 //! devices' delays off, to tell whether a failure needs their reordering
 //! (the tasks still interleave at the engine's own await points).
 
@@ -798,7 +798,7 @@ fn concurrent_clients_destage_and_checkpoints_never_lose_acknowledged_writes() {
     let seeds: u64 = std::env::var("STRATA_SIM_SEEDS")
         .ok()
         .and_then(|s| s.parse().ok())
-        .unwrap_or(200);
+        .unwrap_or(1000);
     // Seeds are independent: one worker thread per core, each with its own
     // runtime (a seed's run stays deterministic).
     let workers = std::thread::available_parallelism().map_or(1, |n| n.get()) as u64;

@@ -467,7 +467,7 @@ impl Pool {
                 pool.name,
                 replayed_data.len()
             );
-            pool.cache.restore(replayed_data);
+            pool.cache.restore(replayed_data, end_lsn);
         }
         // Persist what replay rebuilt and start the log afresh; blocks staged
         // before the crash must not be replayed again by a later recovery.
