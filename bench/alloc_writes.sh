@@ -10,12 +10,8 @@ BIN=$(realpath "${1:-$(dirname "$0")/../target/release/strata}")
 SIZE=${2:-4G}
 DIR=$(mktemp -d)
 trap 'kill "$PID" 2>/dev/null || true; rm -rf "$DIR"' EXIT
-cd "$DIR"
-export STRATA_DATA_DIR=$DIR/d
-"$BIN" serve --data-dir ./d --nbd 127.0.0.1:0 --api 127.0.0.1:0 --iscsi 127.0.0.1:0 >out.txt 2>err.txt &
-PID=$!
-for _ in $(seq 100); do grep -q "nbd listening" out.txt 2>/dev/null && break; sleep 0.1; done
-PORT=$(sed -n 's/^strata: nbd listening on 127.0.0.1://p' out.txt)
+. "$(dirname "$0")/lib.sh"
+start_strata "$BIN"
 ticks() { awk '{print $14 + $15}' "/proc/$PID/stat"; }
 for volume in a b c; do
     "$BIN" volume create "default/$volume" --size "$SIZE" >/dev/null

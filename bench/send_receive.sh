@@ -27,12 +27,8 @@ if [ "$free_mib" -lt $((MIB * 5 + 1024)) ]; then
     exit 1
 fi
 trap 'kill "$PID" 2>/dev/null || true; rm -rf "$DIR"' EXIT
-cd "$DIR"
-export STRATA_DATA_DIR=$DIR/d
-"$BIN" serve --data-dir ./d --nbd 127.0.0.1:0 --api 127.0.0.1:0 --iscsi 127.0.0.1:0 >out.txt 2>err.txt &
-PID=$!
-for _ in $(seq 100); do grep -q "nbd listening" out.txt 2>/dev/null && break; sleep 0.1; done
-PORT=$(sed -n 's/^strata: nbd listening on 127.0.0.1://p' out.txt)
+. "$(dirname "$0")/lib.sh"
+start_strata "$BIN"
 
 fio_mibs() { # rw uri: MiB/s of a 1M sequential pass over the volume
     fio --name=seq --ioengine=nbd --uri="$2" --rw="$1" --bs=1M --iodepth=8 --size="$SIZE" \
