@@ -166,6 +166,15 @@ pub type PageKey = (u32, u64);
 /// A page copied for a checkpoint: its key, its encoded bytes, the page.
 pub type TakenPage<P> = (PageKey, Vec<u8>, Arc<P>);
 
+/// Pages copied in two rounds (see [`PageCache::take_dirty`]): the first
+/// round's copies, except where the second copied the page again.
+pub fn newest_copies<P>(early: Vec<TakenPage<P>>, late: Vec<TakenPage<P>>) -> Vec<TakenPage<P>> {
+    let again: std::collections::HashSet<PageKey> = late.iter().map(|(key, _, _)| *key).collect();
+    let mut pages: Vec<TakenPage<P>> = early.into_iter().filter(|(key, _, _)| !again.contains(key)).collect();
+    pages.extend(late);
+    pages
+}
+
 pub struct PageCache<P: Page> {
     shards: Vec<Mutex<Shard<P>>>,
     max_pages_per_shard: usize,
@@ -266,21 +275,29 @@ impl<P: Page> PageCache<P> {
         self.dirty_pages.load(Ordering::Relaxed)
     }
 
-    /// Takes a consistent copy of every dirty page and marks them clean.
-    /// The caller holds the pool's checkpoint gate, so nothing changes a page
-    /// meanwhile; if writing the copy fails it calls [`Self::restore_dirty`].
+    /// Takes a copy of every dirty page and marks them clean. The copy is
+    /// consistent when the caller holds the pool's write gate (nothing
+    /// changes a page meanwhile). Without the gate a page may change while
+    /// it is copied; it is then dirty again (a change stores its entries
+    /// before it marks the page), so a later call under the gate takes it
+    /// again (see `Pool::checkpoint_metadata`). If writing the copy fails
+    /// the caller calls [`Self::restore_dirty`].
     pub fn take_dirty(&self) -> Vec<TakenPage<P>> {
-        let mut taken = Vec::new();
+        // Encoded outside the shard locks: lookups of other pages go on.
+        let mut pages = Vec::new();
         for shard in &self.shards {
             let shard = shard.lock_or_abort();
             for (key, page) in shard.pages.iter() {
                 if page.dirty_flag().swap(false, Ordering::AcqRel) {
                     self.dirty_pages.fetch_sub(1, Ordering::Relaxed);
-                    taken.push((*key, page.encode(), page.clone()));
+                    pages.push((*key, page.clone()));
                 }
             }
         }
-        taken
+        pages
+            .into_iter()
+            .map(|(key, page)| (key, page.encode(), page))
+            .collect()
     }
 
     pub fn restore_dirty(&self, taken: &[TakenPage<P>]) {
@@ -398,6 +415,42 @@ mod tests {
         let mut sorted = cached;
         sorted.sort_unstable();
         assert_eq!(cache.keys_of(3), sorted);
+    }
+
+    /// A checkpoint copies the dirty pages before it stops writers and
+    /// again under its gate: a page changed between the two rounds is dirty
+    /// again, and its second copy is the one stored.
+    #[test]
+    fn a_page_changed_after_it_was_copied_is_copied_again_and_that_copy_wins() {
+        let cache: PageCache<MapPage> = PageCache::new(64);
+        let page = |entry: u64| {
+            let page = MapPage::decode(None).unwrap();
+            page.entries[0].store(entry, Ordering::Relaxed);
+            page
+        };
+        let changed = cache.put((1, 0), page(10));
+        let unchanged = cache.put((1, 1), page(20));
+        cache.mark_dirty(&changed);
+        cache.mark_dirty(&unchanged);
+        let early = cache.take_dirty();
+        assert_eq!(early.len(), 2);
+        assert_eq!(cache.dirty_count(), 0);
+        // A writer changes one page after the first round (entry first,
+        // then the mark, as `Pool::set_mapping` does).
+        changed.entries[0].store(11, Ordering::Release);
+        cache.mark_dirty(&changed);
+        let late = cache.take_dirty();
+        assert_eq!(late.len(), 1, "only the changed page is taken again");
+        let mut pages = newest_copies(early, late);
+        pages.sort_by_key(|(key, _, _)| *key);
+        let first_entry = |bytes: &[u8]| u64::from_le_bytes(bytes[..8].try_into().unwrap());
+        assert_eq!(pages.len(), 2);
+        assert_eq!(pages[0].0, (1, 0));
+        assert_eq!(first_entry(&pages[0].1), 11, "the copy taken after the change");
+        assert_eq!(first_entry(&pages[1].1), 20);
+        // A failed checkpoint marks every copied page dirty again.
+        cache.restore_dirty(&pages);
+        assert_eq!(cache.dirty_count(), 2);
     }
 
     #[test]

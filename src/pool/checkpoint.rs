@@ -72,19 +72,40 @@ impl Pool {
     /// checkpoint, or up to the oldest Data record still needed.
     pub(crate) async fn checkpoint_metadata(&self) -> Result<(), PoolError> {
         let _one = self.checkpointing.lock().await;
+        let started = std::time::Instant::now();
+        // Writers stop only for what must be consistent. Before the gate:
+        // the data devices are flushed (the commit under the gate then has
+        // little left to flush) and the dirty pages copied (thousands of
+        // pages take hundreds of milliseconds to copy); under it, only the
+        // pages changed since are copied again, and their new copies win.
+        if let Err(e) = self.flush_data_devices().await {
+            tracing::warn!("pool {}: flushing before a checkpoint failed: {e}", self.name);
+        }
+        let early_map = self.map_pages.take_dirty();
+        let early_crcs = self.crc_pages.take_dirty();
+        let early = started.elapsed();
         let gate = self.gate.write().await;
+        let gated = started.elapsed();
         // Commits before this one have released what their records freed
         // (the allocator's state below must show it: the log's tail moves
         // past those records), and none starts until the state is taken.
         let releasing = self.releasing.write().await;
         // Everything logged so far becomes durable first, so the checkpoint
         // LSN is a position every earlier record precedes.
-        let frees = self.log.commit(|| self.flush_data_devices(), true).await?;
+        let frees = match self.log.commit(|| self.flush_data_devices(), true).await {
+            Ok(frees) => frees,
+            Err(e) => {
+                self.map_pages.restore_dirty(&early_map);
+                self.crc_pages.restore_dirty(&early_crcs);
+                return Err(e.into());
+            }
+        };
+        let committed = started.elapsed();
         self.release_frees(frees).await;
         let lsn = self.log.next_lsn();
         let epoch = self.epoch.fetch_add(1, Ordering::AcqRel).wrapping_add(1);
-        let map = self.map_pages.take_dirty();
-        let crcs = self.crc_pages.take_dirty();
+        let map = crate::meta::pages::newest_copies(early_map, self.map_pages.take_dirty());
+        let crcs = crate::meta::pages::newest_copies(early_crcs, self.crc_pages.take_dirty());
         let chunks = self.allocator.lock_or_abort().take_dirty();
         let suspect = self.suspect_snapshot();
         // Data records are appended under the gate, so none is in flight.
@@ -93,6 +114,7 @@ impl Pool {
         let snapshots = self.take_snapshot_state();
         drop(releasing);
         drop(gate);
+        let released = started.elapsed();
 
         let pages = (map.len() + crcs.len()) as u64;
         let result = store::blocking_section(|| {
@@ -109,6 +131,15 @@ impl Pool {
         });
         match result {
             Ok(()) => {
+                tracing::debug!(
+                    "checkpoint: pages copied at {} µs, gate taken at {} µs, commit done at {} µs, \
+                     gate released at {} µs, {pages} pages stored at {} µs",
+                    early.as_micros(),
+                    gated.as_micros(),
+                    committed.as_micros(),
+                    released.as_micros(),
+                    started.elapsed().as_micros()
+                );
                 self.log.set_tail(data_tail);
                 self.data_tail.store(data_tail, Ordering::Release);
                 let mut pending = self.destroyed.lock_or_abort();
