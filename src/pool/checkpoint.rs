@@ -81,8 +81,10 @@ impl Pool {
         if let Err(e) = self.flush_data_devices().await {
             tracing::warn!("pool {}: flushing before a checkpoint failed: {e}", self.name);
         }
-        let early_map = self.map_pages.take_dirty();
-        let early_crcs = self.crc_pages.take_dirty();
+        // Off the async workers' queue: thousands of pages are tens of
+        // milliseconds of copying.
+        let (early_map, early_crcs) =
+            store::blocking_section(|| (self.map_pages.take_dirty(), self.crc_pages.take_dirty()));
         let early = started.elapsed();
         let gate = self.gate.write().await;
         let gated = started.elapsed();
