@@ -215,6 +215,8 @@ async fn serve(args: ServeArgs) -> Result<(), String> {
 
     // Automatic snapshots (`snapshot.schedule`); stops between rounds.
     let retention_task = tokio::spawn(crate::control::retention::run(manager.clone(), stop.clone()));
+    // One analytics frame per second.
+    let analytics_task = tokio::spawn(crate::analytics::record::run(manager.analytics().clone(), stop.clone()));
 
     let signal = signals.first().await;
     tracing::info!("{signal} received, shutting down");
@@ -223,6 +225,7 @@ async fn serve(args: ServeArgs) -> Result<(), String> {
     let _ = iscsi_task.await;
     let _ = api_task.await;
     let _ = retention_task.await;
+    let _ = analytics_task.await;
     let mut untold = manager.flush_all().await;
     untold.extend(manager.close().await);
     // stdout may be closed by now (a supervisor that stopped reading); never panic on it.

@@ -5,6 +5,7 @@
 #![deny(clippy::undocumented_unsafe_blocks)]
 
 pub mod admin;
+pub mod analytics;
 pub mod bytes;
 pub mod checksum;
 pub mod control;

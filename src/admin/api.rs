@@ -21,13 +21,14 @@ use serde_json::{json, Value};
 use super::auth::{authenticate, ApiAuth};
 use crate::control::catalog::DeviceRecord;
 use crate::control::manager::{role_for_add, AdminError, PoolStatus, SnapshotView, VolumeInfo, VolumeManager};
+use crate::analytics::query as analytics;
 use crate::units::parse_size;
 
 /// Content type of the Prometheus text exposition format.
 pub const METRICS_CONTENT_TYPE: &str = "text/plain; version=0.0.4";
 
 /// Every endpoint, as listed by `GET /` and `GET /v1`.
-pub const ENDPOINTS: [&str; 25] = [
+pub const ENDPOINTS: [&str; 30] = [
     "GET /metrics",
     "GET /v1/pools",
     "POST /v1/pools",
@@ -52,6 +53,11 @@ pub const ENDPOINTS: [&str; 25] = [
     "DELETE /v1/volumes/{pool}/{name}/receive",
     "GET /v1/iscsi",
     "PATCH /v1/iscsi",
+    "GET /v1/analytics",
+    "GET /v1/analytics/stats[?from=&to=&volume=&protocol=&op=&client=&by=&min_ns=&max_ns=&top=]",
+    "GET /v1/analytics/heatmap[?same parameters]",
+    "GET /v1/analytics/rates[?same parameters]",
+    "GET /v1/analytics/offsets?volume=POOL/NAME[&from=&to=]",
     "GET /v1",
 ];
 
@@ -517,6 +523,55 @@ async fn no_such_endpoint(method: Method, uri: Uri) -> ApiError {
     )
 }
 
+async fn analytics_status(State(manager): State<Manager>) -> Json<analytics::Status> {
+    let analytics = manager.analytics();
+    let recorders = analytics.recorders();
+    Json(analytics.with_history(|h| analytics::status(h, recorders)))
+}
+
+/// Runs an analytics query (400 with its message when the parameters do
+/// not make sense).
+fn analytics_query<T>(
+    manager: &Manager,
+    query: Result<Query<analytics::Params>, QueryRejection>,
+    run: impl FnOnce(&crate::analytics::record::History, &analytics::Params) -> Result<T, String>,
+) -> ApiResult<Json<T>> {
+    let Query(params) = query?;
+    manager
+        .analytics()
+        .with_history(|h| run(h, &params))
+        .map(Json)
+        .map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, e))
+}
+
+async fn analytics_stats(
+    State(manager): State<Manager>,
+    query: Result<Query<analytics::Params>, QueryRejection>,
+) -> ApiResult<Json<analytics::Stats>> {
+    analytics_query(&manager, query, analytics::stats)
+}
+
+async fn analytics_heatmap(
+    State(manager): State<Manager>,
+    query: Result<Query<analytics::Params>, QueryRejection>,
+) -> ApiResult<Json<analytics::HeatMap>> {
+    analytics_query(&manager, query, analytics::heatmap)
+}
+
+async fn analytics_rates(
+    State(manager): State<Manager>,
+    query: Result<Query<analytics::Params>, QueryRejection>,
+) -> ApiResult<Json<analytics::Rates>> {
+    analytics_query(&manager, query, analytics::rates)
+}
+
+async fn analytics_offsets(
+    State(manager): State<Manager>,
+    query: Result<Query<analytics::Params>, QueryRejection>,
+) -> ApiResult<Json<analytics::OffsetMap>> {
+    analytics_query(&manager, query, analytics::offsets)
+}
+
 async fn method_not_allowed(method: Method, uri: Uri) -> ApiError {
     ApiError::new(
         StatusCode::METHOD_NOT_ALLOWED,
@@ -553,6 +608,11 @@ pub fn router(manager: Arc<VolumeManager>, auth: Arc<ApiAuth>) -> Router {
                 .delete(super::send::abort_receive),
         )
         .route("/v1/iscsi", get(get_iscsi).patch(set_iscsi))
+        .route("/v1/analytics", get(analytics_status))
+        .route("/v1/analytics/stats", get(analytics_stats))
+        .route("/v1/analytics/heatmap", get(analytics_heatmap))
+        .route("/v1/analytics/rates", get(analytics_rates))
+        .route("/v1/analytics/offsets", get(analytics_offsets))
         .fallback(no_such_endpoint)
         .method_not_allowed_fallback(method_not_allowed)
         .with_state(manager)

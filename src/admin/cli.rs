@@ -76,6 +76,9 @@ pub enum AdminCommand {
     /// stream), or apply an incremental stream to the volume holding its
     /// base snapshot.
     Receive(super::send_cli::ReceiveArgs),
+    /// Operations, bandwidth and latency percentiles per volume, every
+    /// INTERVAL seconds (like `zpool iostat -l`).
+    Iostat(super::iostat::IostatArgs),
 }
 
 #[derive(Debug, clap::Args)]
@@ -297,7 +300,7 @@ pub enum PoolCommand {
 
 /// A failure, reported as one line.
 #[derive(Debug)]
-struct CliError(String);
+pub(super) struct CliError(String);
 
 impl<T: std::fmt::Display> From<T> for CliError {
     fn from(message: T) -> Self {
@@ -305,7 +308,7 @@ impl<T: std::fmt::Display> From<T> for CliError {
     }
 }
 
-type CliResult<T> = Result<T, CliError>;
+pub(super) type CliResult<T> = Result<T, CliError>;
 
 pub fn run(command: AdminCommand) -> ExitCode {
     let result = match command {
@@ -313,6 +316,7 @@ pub fn run(command: AdminCommand) -> ExitCode {
         AdminCommand::Pool(args) => run_pool(args),
         AdminCommand::Iscsi(args) => run_iscsi(args),
         AdminCommand::Snapshot(args) => run_snapshot(args),
+        AdminCommand::Iostat(args) => super::iostat::run(args),
         AdminCommand::Send(args) => super::send_cli::run_send(args)
             .map(|()| String::new())
             .map_err(CliError),
@@ -605,7 +609,7 @@ fn volume_path(name: &str) -> String {
 }
 
 /// JSON output: the API's objects, pretty printed, fields in API order.
-fn pretty<T: serde::Serialize>(value: &T) -> String {
+pub(super) fn pretty<T: serde::Serialize>(value: &T) -> String {
     let mut text = serde_json::to_string_pretty(value).unwrap_or_else(|e| format!("{{\"error\": \"{e}\"}}"));
     text.push('\n');
     text
@@ -615,14 +619,14 @@ fn pretty<T: serde::Serialize>(value: &T) -> String {
 // Tables
 
 #[derive(Clone, Copy, PartialEq, Eq)]
-enum Align {
+pub(super) enum Align {
     Left,
     Right,
 }
 
 /// Columns separated by two spaces, padded to the widest cell; the last
 /// column is not padded, so lines carry no trailing blanks.
-fn table(headers: &[(&str, Align)], rows: &[Vec<String>]) -> String {
+pub(super) fn table(headers: &[(&str, Align)], rows: &[Vec<String>]) -> String {
     let mut widths: Vec<usize> = headers.iter().map(|(h, _)| h.len()).collect();
     for row in rows {
         for (width, cell) in widths.iter_mut().zip(row) {
@@ -901,12 +905,12 @@ fn pool_table(pools: &[PoolStatus]) -> String {
 // ---------------------------------------------------------------------------
 // HTTP
 
-struct Client {
+pub(super) struct Client {
     inner: super::client::Client,
 }
 
 impl Client {
-    fn new(options: &ClientOptions) -> CliResult<Self> {
+    pub(super) fn new(options: &ClientOptions) -> CliResult<Self> {
         let settings = super::client::Settings {
             api: options.api.clone(),
             data_dir: options.data_dir.clone(),
@@ -918,7 +922,7 @@ impl Client {
         })
     }
 
-    fn get<T: DeserializeOwned>(&self, path: &str) -> CliResult<T> {
+    pub(super) fn get<T: DeserializeOwned>(&self, path: &str) -> CliResult<T> {
         self.send("GET", path, None)
     }
 

@@ -5,6 +5,7 @@ pub mod api;
 pub mod auth;
 pub mod cli;
 pub mod client;
+pub mod iostat;
 pub mod metrics;
 pub mod send;
 pub mod send_cli;

@@ -156,6 +156,8 @@ pub struct VolumeManager {
     snapshot_views: Mutex<HashMap<String, snapshots::Export>>,
     /// Wakes the retention scheduler when a `snapshot.schedule` may have changed.
     schedule_changed: tokio::sync::Notify,
+    /// Every request measured, for the heat maps and `strata iostat`.
+    analytics: Arc<crate::analytics::Analytics>,
     /// Held open (and `flock`ed) so a second daemon on the same directory is refused.
     _lock: File,
 }
@@ -324,6 +326,7 @@ impl VolumeManager {
             wraps,
             schedule_changed: tokio::sync::Notify::new(),
             snapshot_views: Mutex::new(HashMap::new()),
+            analytics: crate::analytics::Analytics::new(),
             _lock: lock,
         };
         manager.settle_receives().await;
@@ -651,6 +654,10 @@ impl VolumeManager {
             ));
         }
         untold
+    }
+
+    pub fn analytics(&self) -> &Arc<crate::analytics::Analytics> {
+        &self.analytics
     }
 
     pub fn data_dir(&self) -> &Path {

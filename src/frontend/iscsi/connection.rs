@@ -28,6 +28,8 @@ use crate::scsi::cdb::{self, Command, Transfer};
 use crate::scsi::lu::{LogicalUnit, Nexus, Outcome, ResetKind};
 use crate::scsi::pages::{self, BLOCK_BYTES};
 use crate::scsi::sense::{status, Sense};
+use crate::analytics::Recorder;
+use crate::volume::stats::{Op, Protocol};
 use crate::volume::Client;
 
 /// Commands the CmdSN window admits at once (MaxCmdSN - ExpCmdSN + 1 when idle).
@@ -216,12 +218,22 @@ pub async fn run(
     if let Some(unit) = &unit {
         unit.attach(&nexus);
     }
+    let recorder = unit.as_ref().map(|unit| {
+        let volume = unit.volume();
+        registry.analytics().recorder(
+            Protocol::Iscsi,
+            &negotiated.initiator_name,
+            volume.full_name(),
+            volume.size_bytes(),
+        )
+    });
     let result = full_feature(
         reader,
         writer,
         &negotiated,
         &registry,
         unit.clone(),
+        recorder,
         nexus.clone(),
         portal,
         stop,
@@ -300,6 +312,7 @@ struct Session<'a> {
     negotiated: &'a Negotiated,
     registry: &'a Registry,
     unit: Option<Arc<LogicalUnit>>,
+    recorder: Option<Arc<Recorder>>,
     nexus: Nexus,
     portal: Option<SocketAddr>,
     shared: Arc<Shared>,
@@ -308,6 +321,28 @@ struct Session<'a> {
     next_ttt: u32,
     /// The rest of a text response that did not fit in one PDU.
     text_rest: Option<(u32, Vec<u8>)>,
+}
+
+/// How analytics count a command: its operation, and the offset and
+/// bytes of the range it addresses. None for commands that move no data
+/// and touch no block (INQUIRY, TEST UNIT READY, ...).
+fn analytics_op(command: &Command) -> Option<(Op, u64, u64)> {
+    let range = |lba: u64, blocks: u32| (lba * BLOCK_BYTES as u64, blocks as u64 * BLOCK_BYTES as u64);
+    let (op, (offset, bytes)) = match *command {
+        Command::Read { lba, blocks, .. } => (Op::Read, range(lba, blocks)),
+        Command::Write { lba, blocks, .. }
+        | Command::WriteAndVerify { lba, blocks }
+        | Command::CompareAndWrite { lba, blocks, .. } => (Op::Write, range(lba, blocks)),
+        Command::WriteSame { lba, blocks, unmap, .. } => {
+            (if unmap { Op::Trim } else { Op::WriteZeroes }, range(lba, blocks))
+        }
+        Command::Unmap { .. } => (Op::Trim, (0, 0)),
+        Command::SynchronizeCache { lba, .. } => (Op::Flush, (lba * BLOCK_BYTES as u64, 0)),
+        Command::Prefetch { lba, blocks } => (Op::Cache, range(lba, blocks)),
+        Command::GetLbaStatus { lba, .. } => (Op::BlockStatus, (lba * BLOCK_BYTES as u64, 0)),
+        _ => return None,
+    };
+    Some((op, offset, bytes))
 }
 
 /// A task aborted when its handle is dropped.
@@ -326,6 +361,7 @@ async fn full_feature<R, W>(
     negotiated: &Negotiated,
     registry: &Registry,
     unit: Option<Arc<LogicalUnit>>,
+    recorder: Option<Arc<Recorder>>,
     nexus: Nexus,
     portal: Option<SocketAddr>,
     mut stop: Shutdown,
@@ -361,6 +397,7 @@ where
         negotiated,
         registry,
         unit,
+        recorder,
         nexus,
         portal,
         shared,
@@ -748,6 +785,8 @@ impl Session<'_> {
         let tx = self.tx.clone();
         let nexus = self.nexus.clone();
         let params = self.params;
+        let recorder = self.recorder.clone();
+        let started = std::time::Instant::now();
         crate::frontend::run_or_spawn(async move {
             let outcome = match out_bytes {
                 Some(spdtl) if data_out.len() != spdtl => match unit.fit_write_data(&command, data_out, spdtl).await {
@@ -756,6 +795,10 @@ impl Session<'_> {
                 },
                 _ => unit.execute(&nexus, &command, data_out).await,
             };
+            if let (Some(recorder), Some((op, offset, bytes))) = (&recorder, analytics_op(&command)) {
+                let ok = outcome.status == status::GOOD;
+                recorder.record(op, offset, if ok { bytes } else { 0 }, started.elapsed(), ok);
+            }
             let batch = response_frames(itt, lun, edtl, out_bytes, outcome, &params);
             let aborted = shared.tasks().remove(&itt).unwrap_or(false);
             shared.inflight.fetch_sub(1, Ordering::AcqRel);

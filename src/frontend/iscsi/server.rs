@@ -136,6 +136,11 @@ impl Registry {
     }
 
     /// A new non-zero session handle.
+    /// Where connections record their requests.
+    pub fn analytics(&self) -> &Arc<crate::analytics::Analytics> {
+        self.manager.analytics()
+    }
+
     pub fn new_tsih(&self) -> u16 {
         loop {
             let tsih = self.next_tsih.fetch_add(1, Ordering::Relaxed);

@@ -31,6 +31,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use super::proto::{self, cflag, chunk, cmd, info, opt, rep, ClientOption, Negotiated, Request};
 use super::tls::{self, Access, NbdTls, Peer, TlsMode};
+use crate::analytics::Recorder;
 use crate::control::manager::{VolumeManager, DEFAULT_POOL, DEFAULT_VOLUME};
 use crate::device::ReadBuffers;
 use crate::frontend::lane::Lane;
@@ -144,7 +145,7 @@ pub async fn serve(
         let tls = tls.clone();
         connections.spawn(async move {
             let _slot = slot;
-            match handle_connection(stream, &manager, &tls, stop).await {
+            match handle_connection(stream, peer, &manager, &tls, stop).await {
                 Ok(()) => tracing::debug!("nbd: {peer} disconnected"),
                 Err(e) => tracing::info!("nbd: {peer} closed: {e}"),
             }
@@ -155,6 +156,7 @@ pub async fn serve(
 
 async fn handle_connection(
     stream: TcpStream,
+    peer: std::net::SocketAddr,
     manager: &VolumeManager,
     tls: &NbdTls,
     mut stop: Shutdown,
@@ -183,6 +185,10 @@ async fn handle_connection(
         return Err(ConnectionError::Evicted(volume.full_name().to_string()));
     };
     let evicted = volume.evicted();
+    let recorder =
+        manager
+            .analytics()
+            .recorder(Protocol::Nbd, &peer.ip().to_string(), volume.full_name(), volume.size_bytes());
 
     // Transmission runs on a thread of its own, on a blocking socket off
     // tokio's reactor: the TCP socket itself (`into_std` deregisters it),
@@ -213,7 +219,7 @@ async fn handle_connection(
     let runtime = tokio::runtime::Handle::current();
     let (done, finished) = tokio::sync::oneshot::channel();
     std::thread::Builder::new().name("strata-nbd".into()).spawn(move || {
-        let result = runtime.block_on(transmission(reader, replies, volume, handle, negotiated, &idle));
+        let result = runtime.block_on(transmission(reader, replies, volume, handle, negotiated, &idle, recorder));
         let _ = done.send(result);
     })?;
     tokio::pin!(finished);
@@ -932,6 +938,7 @@ async fn transmission<R: AsyncRead + Unpin>(
     _handle: HandleGuard,
     negotiated: Negotiated,
     idle: &AtomicBool,
+    recorder: Arc<Recorder>,
 ) -> Result<(), ConnectionError> {
     let (outbox, flusher) = Outbox::start(socket);
     let budget_units = IN_FLIGHT_BUDGET_BYTES / BUDGET_UNIT_BYTES;
@@ -1025,9 +1032,9 @@ async fn transmission<R: AsyncRead + Unpin>(
             });
             continue;
         }
-        let (volume, buffers) = (volume.clone(), buffers.clone());
+        let (volume, buffers, recorder) = (volume.clone(), buffers.clone(), recorder.clone());
         let work = async move {
-            let bytes = execute(&volume, request, payload, negotiated, received, &buffers).await;
+            let bytes = execute(&volume, &recorder, request, payload, negotiated, received, &buffers).await;
             Reply {
                 bytes,
                 _permit: permit,
@@ -1110,6 +1117,7 @@ fn log_error(volume: &Volume, request: &Request, error: &BlockError) {
 /// Runs one request and builds its reply.
 async fn execute(
     volume: &Volume,
+    recorder: &Recorder,
     request: Request,
     payload: Option<IoBuf>,
     negotiated: Negotiated,
@@ -1123,7 +1131,9 @@ async fn execute(
     let result = match request.kind {
         cmd::READ => {
             let (bytes, ok) = read_reply(volume, &request, &negotiated, buffers).await;
-            volume.stats().record(Protocol::Nbd, op, length, received.elapsed(), ok);
+            let latency = received.elapsed();
+            volume.stats().record(Protocol::Nbd, op, length, latency, ok);
+            recorder.record(op, offset, length, latency, ok);
             return bytes;
         }
         cmd::WRITE => volume
@@ -1148,9 +1158,11 @@ async fn execute(
     } else {
         0
     };
+    let latency = received.elapsed();
     volume
         .stats()
-        .record(Protocol::Nbd, op, bytes_moved, received.elapsed(), result.is_ok());
+        .record(Protocol::Nbd, op, bytes_moved, latency, result.is_ok());
+    recorder.record(op, offset, bytes_moved, latency, result.is_ok());
     let bytes = match result {
         Ok(Some(chunk)) => chunk,
         Ok(None) => proto::simple_reply(0, request.cookie),

@@ -1,0 +1,484 @@
+//! Recording: one [`Recorder`] per connection (and the volume it serves),
+//! counters only its connection adds to; a collector turns their growth
+//! into one [`Frame`] per second, kept in a bounded history.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use super::hist::{bucket_of, Sparse, BUCKETS};
+use crate::sync::LockOrAbort;
+use crate::volume::stats::{Op, Protocol, OPS};
+
+/// Regions a volume's offsets are counted in (each 1/32 of the volume).
+pub const OFFSET_BUCKETS: usize = 32;
+/// Seconds kept at one-second resolution.
+pub const SECONDS_KEPT: usize = 3600;
+/// Minutes kept at one-minute resolution.
+pub const MINUTES_KEPT: usize = 1440;
+/// Clients named in a frame (by operations); the rest count as `other`.
+pub const TOP_CLIENTS: usize = 32;
+/// The name the clients beyond [`TOP_CLIENTS`] share.
+pub const OTHER_CLIENT: &str = "other";
+
+const OPS_N: usize = OPS.len();
+/// Counters per recorder: ops, bytes, errors (per op), latency buckets
+/// (per op), offsets (reads, then writes).
+const COUNTERS: usize = 3 * OPS_N + OPS_N * BUCKETS + 2 * OFFSET_BUCKETS;
+const BYTES_AT: usize = OPS_N;
+const ERRORS_AT: usize = 2 * OPS_N;
+const LATENCY_AT: usize = 3 * OPS_N;
+const OFFSETS_AT: usize = LATENCY_AT + OPS_N * BUCKETS;
+
+/// What one connection records for the volume it serves. Recording is a
+/// few relaxed atomic adds on counters no other connection touches: no
+/// lock, no allocation, no lookup.
+pub struct Recorder {
+    protocol: Protocol,
+    client: Arc<str>,
+    volume: Arc<str>,
+    size_bytes: u64,
+    counters: Box<[AtomicU64]>,
+    /// The counters as the collector last saw them (only it touches this).
+    seen: Mutex<Box<[u64]>>,
+}
+
+impl Recorder {
+    /// Records one request: `offset` and `bytes` of the range it addressed
+    /// (bytes moved: 0 for a flush), its latency from arrival to reply.
+    pub fn record(&self, op: Op, offset: u64, bytes: u64, latency: Duration, ok: bool) {
+        let op_index = op as usize;
+        let add = |at: usize| {
+            self.counters[at].fetch_add(1, Ordering::Relaxed);
+        };
+        add(op_index);
+        if ok {
+            self.counters[BYTES_AT + op_index].fetch_add(bytes, Ordering::Relaxed);
+        } else {
+            add(ERRORS_AT + op_index);
+        }
+        let ns = latency.as_nanos().min(u64::MAX as u128) as u64;
+        add(LATENCY_AT + op_index * BUCKETS + bucket_of(ns));
+        let side = match op {
+            Op::Read => 0,
+            Op::Write | Op::WriteZeroes | Op::Trim => 1,
+            _ => return,
+        };
+        let region = if self.size_bytes == 0 {
+            0
+        } else {
+            ((offset as u128 * OFFSET_BUCKETS as u128 / self.size_bytes as u128) as usize).min(OFFSET_BUCKETS - 1)
+        };
+        add(OFFSETS_AT + side * OFFSET_BUCKETS + region);
+    }
+
+    pub fn client(&self) -> &str {
+        &self.client
+    }
+}
+
+/// One second (or one minute) of everything recorded.
+#[derive(Debug, Clone, Default)]
+pub struct Frame {
+    /// Start of the period, Unix seconds.
+    pub unix: u64,
+    pub series: Vec<Series>,
+    pub offsets: Vec<Offsets>,
+}
+
+/// Requests of one volume, protocol, operation and client in a frame.
+#[derive(Debug, Clone)]
+pub struct Series {
+    pub volume: Arc<str>,
+    pub protocol: Protocol,
+    pub op: Op,
+    pub client: Arc<str>,
+    pub ops: u64,
+    pub bytes: u64,
+    pub errors: u64,
+    pub latency: Sparse,
+}
+
+/// Requests per region of a volume in a frame (`reads`, `writes`: sparse
+/// counts by region, of [`OFFSET_BUCKETS`]).
+#[derive(Debug, Clone)]
+pub struct Offsets {
+    pub volume: Arc<str>,
+    pub size_bytes: u64,
+    pub reads: Sparse,
+    pub writes: Sparse,
+}
+
+impl Frame {
+    fn heap_bytes(&self) -> usize {
+        self.series.capacity() * std::mem::size_of::<Series>()
+            + self.series.iter().map(|s| s.latency.heap_bytes()).sum::<usize>()
+            + self.offsets.capacity() * std::mem::size_of::<Offsets>()
+            + self
+                .offsets
+                .iter()
+                .map(|o| o.reads.heap_bytes() + o.writes.heap_bytes())
+                .sum::<usize>()
+    }
+
+    /// Adds `other` (a later period) into this one.
+    fn merge(&mut self, other: &Frame) {
+        let mut at: HashMap<(Arc<str>, u8, u8, Arc<str>), usize> = self
+            .series
+            .iter()
+            .enumerate()
+            .map(|(i, s)| ((s.volume.clone(), s.protocol as u8, s.op as u8, s.client.clone()), i))
+            .collect();
+        for series in &other.series {
+            let key = (series.volume.clone(), series.protocol as u8, series.op as u8, series.client.clone());
+            match at.get(&key) {
+                Some(&i) => {
+                    let mine = &mut self.series[i];
+                    mine.ops += series.ops;
+                    mine.bytes += series.bytes;
+                    mine.errors += series.errors;
+                    mine.latency.merge(&series.latency);
+                }
+                None => {
+                    at.insert(key, self.series.len());
+                    self.series.push(series.clone());
+                }
+            }
+        }
+        for offsets in &other.offsets {
+            match self.offsets.iter_mut().find(|o| o.volume == offsets.volume) {
+                Some(mine) => {
+                    mine.reads.merge(&offsets.reads);
+                    mine.writes.merge(&offsets.writes);
+                    mine.size_bytes = offsets.size_bytes;
+                }
+                None => self.offsets.push(offsets.clone()),
+            }
+        }
+    }
+}
+
+/// The history: the last hour by second, the last day by minute.
+#[derive(Default)]
+pub struct History {
+    pub seconds: VecDeque<Frame>,
+    pub minutes: VecDeque<Frame>,
+    /// The minute being summed up (pushed to `minutes` when it ends).
+    minute: Option<Frame>,
+    heap_bytes: usize,
+}
+
+impl History {
+    fn push(&mut self, frame: Frame) {
+        let minute_start = frame.unix / 60 * 60;
+        match &mut self.minute {
+            Some(current) if current.unix == minute_start => current.merge(&frame),
+            _ => {
+                let mut summed = frame.clone();
+                summed.unix = minute_start;
+                if let Some(done) = self.minute.replace(summed) {
+                    self.heap_bytes += done.heap_bytes();
+                    self.minutes.push_back(done);
+                    if self.minutes.len() > MINUTES_KEPT {
+                        if let Some(old) = self.minutes.pop_front() {
+                            self.heap_bytes -= old.heap_bytes();
+                        }
+                    }
+                }
+            }
+        }
+        self.heap_bytes += frame.heap_bytes();
+        self.seconds.push_back(frame);
+        if self.seconds.len() > SECONDS_KEPT {
+            if let Some(old) = self.seconds.pop_front() {
+                self.heap_bytes -= old.heap_bytes();
+            }
+        }
+    }
+
+    /// The newest complete second, if any.
+    pub fn latest(&self) -> Option<u64> {
+        self.seconds.back().map(|f| f.unix)
+    }
+
+    /// The minute being summed up (not in `minutes` yet).
+    pub fn current_minute(&self) -> Option<&Frame> {
+        self.minute.as_ref()
+    }
+
+    /// Bytes the kept frames hold (their vectors; the names they share are
+    /// counted once by the recorders).
+    pub fn heap_bytes(&self) -> usize {
+        self.heap_bytes
+            + self.minute.as_ref().map_or(0, Frame::heap_bytes)
+            + (self.seconds.capacity() + self.minutes.capacity()) * std::mem::size_of::<Frame>()
+    }
+}
+
+/// The daemon's analytics: the live recorders and the history.
+#[derive(Default)]
+pub struct Analytics {
+    recorders: Mutex<Vec<Arc<Recorder>>>,
+    history: Mutex<History>,
+}
+
+impl Analytics {
+    pub fn new() -> Arc<Self> {
+        Arc::new(Self::default())
+    }
+
+    /// A recorder for a new connection of `client` to `volume` (of
+    /// `size_bytes`). Taken once per connection: the only lock on the way.
+    pub fn recorder(&self, protocol: Protocol, client: &str, volume: &str, size_bytes: u64) -> Arc<Recorder> {
+        let recorder = Arc::new(Recorder {
+            protocol,
+            client: client.into(),
+            volume: volume.into(),
+            size_bytes,
+            counters: (0..COUNTERS).map(|_| AtomicU64::new(0)).collect(),
+            seen: Mutex::new(vec![0; COUNTERS].into_boxed_slice()),
+        });
+        self.recorders.lock_or_abort().push(recorder.clone());
+        recorder
+    }
+
+    /// Connections recording now.
+    pub fn recorders(&self) -> usize {
+        self.recorders.lock_or_abort().len()
+    }
+
+    /// Turns what the recorders counted since the last call into the frame
+    /// of second `unix`, and forgets the recorders of closed connections
+    /// (after taking what they counted last).
+    pub fn collect(&self, unix: u64) {
+        let recorders: Vec<Arc<Recorder>> = self.recorders.lock_or_abort().clone();
+        let mut series: HashMap<(Arc<str>, u8, u8, Arc<str>), Series> = HashMap::new();
+        let mut offsets: HashMap<Arc<str>, (u64, Vec<u64>)> = HashMap::new();
+        let mut closed = Vec::new();
+        for recorder in &recorders {
+            // Two references: this list's and the registry's; the
+            // connection has dropped its own.
+            if Arc::strong_count(recorder) <= 2 {
+                closed.push(Arc::as_ptr(recorder));
+            }
+            let mut seen = recorder.seen.lock_or_abort();
+            let mut delta = |at: usize| {
+                let now = recorder.counters[at].load(Ordering::Relaxed);
+                let d = now.wrapping_sub(seen[at]);
+                seen[at] = now;
+                d
+            };
+            for op in OPS {
+                let i = op as usize;
+                let ops = delta(i);
+                if ops == 0 {
+                    continue;
+                }
+                let bytes = delta(BYTES_AT + i);
+                let errors = delta(ERRORS_AT + i);
+                let latency = Sparse::from_dense((0..BUCKETS).map(|b| delta(LATENCY_AT + i * BUCKETS + b)));
+                let key = (recorder.volume.clone(), recorder.protocol as u8, op as u8, recorder.client.clone());
+                let entry = series.entry(key).or_insert_with(|| Series {
+                    volume: recorder.volume.clone(),
+                    protocol: recorder.protocol,
+                    op,
+                    client: recorder.client.clone(),
+                    ops: 0,
+                    bytes: 0,
+                    errors: 0,
+                    latency: Sparse::default(),
+                });
+                entry.ops += ops;
+                entry.bytes += bytes;
+                entry.errors += errors;
+                entry.latency.merge(&latency);
+            }
+            let region: Vec<u64> = (0..2 * OFFSET_BUCKETS).map(|r| delta(OFFSETS_AT + r)).collect();
+            if region.iter().any(|c| *c > 0) {
+                let entry = offsets
+                    .entry(recorder.volume.clone())
+                    .or_insert_with(|| (recorder.size_bytes, vec![0; 2 * OFFSET_BUCKETS]));
+                for (sum, c) in entry.1.iter_mut().zip(region) {
+                    *sum += c;
+                }
+            }
+        }
+        drop(recorders);
+        if !closed.is_empty() {
+            self.recorders
+                .lock_or_abort()
+                .retain(|r| !closed.contains(&Arc::as_ptr(r)));
+        }
+        let mut series: Vec<Series> = series.into_values().collect();
+        bound_clients(&mut series);
+        series.sort_by(|a, b| (&a.volume, a.protocol as u8, a.op as u8, &a.client).cmp(&(&b.volume, b.protocol as u8, b.op as u8, &b.client)));
+        let mut offsets: Vec<Offsets> = offsets
+            .into_iter()
+            .map(|(volume, (size_bytes, counts))| Offsets {
+                volume,
+                size_bytes,
+                reads: Sparse::from_dense(counts[..OFFSET_BUCKETS].iter().copied()),
+                writes: Sparse::from_dense(counts[OFFSET_BUCKETS..].iter().copied()),
+            })
+            .collect();
+        offsets.sort_by(|a, b| a.volume.cmp(&b.volume));
+        let frame = Frame { unix, series, offsets };
+        let mut history = self.history.lock_or_abort();
+        if history.latest().is_some_and(|latest| latest >= unix) {
+            // The clock went back: keep the history in order.
+            return;
+        }
+        history.push(frame);
+    }
+
+    /// Runs `f` on the history (briefly: the collector waits meanwhile).
+    pub fn with_history<R>(&self, f: impl FnOnce(&History) -> R) -> R {
+        f(&self.history.lock_or_abort())
+    }
+}
+
+/// Keeps the [`TOP_CLIENTS`] busiest clients of a frame by name and merges
+/// the rest into [`OTHER_CLIENT`], so a frame's size does not grow with
+/// the number of clients.
+fn bound_clients(series: &mut Vec<Series>) {
+    let mut by_client: HashMap<Arc<str>, u64> = HashMap::new();
+    for s in series.iter() {
+        *by_client.entry(s.client.clone()).or_default() += s.ops;
+    }
+    if by_client.len() <= TOP_CLIENTS {
+        return;
+    }
+    let mut ranked: Vec<(Arc<str>, u64)> = by_client.into_iter().collect();
+    ranked.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+    let kept: std::collections::HashSet<Arc<str>> = ranked.into_iter().take(TOP_CLIENTS).map(|(c, _)| c).collect();
+    let other: Arc<str> = OTHER_CLIENT.into();
+    let mut merged: HashMap<(Arc<str>, u8, u8, Arc<str>), Series> = HashMap::new();
+    for mut s in series.drain(..) {
+        if !kept.contains(&s.client) {
+            s.client = other.clone();
+        }
+        let key = (s.volume.clone(), s.protocol as u8, s.op as u8, s.client.clone());
+        match merged.get_mut(&key) {
+            Some(m) => {
+                m.ops += s.ops;
+                m.bytes += s.bytes;
+                m.errors += s.errors;
+                m.latency.merge(&s.latency);
+            }
+            None => {
+                merged.insert(key, s);
+            }
+        }
+    }
+    series.extend(merged.into_values());
+}
+
+/// Collects a frame at each wall-clock second until `stop`.
+pub async fn run(analytics: Arc<Analytics>, mut stop: crate::frontend::Shutdown) {
+    loop {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default();
+        let next = Duration::from_secs(now.as_secs() + 1);
+        tokio::select! {
+            _ = tokio::time::sleep(next.saturating_sub(now)) => {}
+            _ = stop.wait_for(|stopped| *stopped) => return,
+        }
+        // The second that just ended.
+        analytics.collect(now.as_secs());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_frame_holds_what_each_connection_did_that_second() {
+        let analytics = Analytics::new();
+        let a = analytics.recorder(Protocol::Nbd, "10.0.0.1", "p/v", 1 << 30);
+        let b = analytics.recorder(Protocol::Iscsi, "iqn.x", "p/v", 1 << 30);
+        for _ in 0..10 {
+            a.record(Op::Read, 0, 4096, Duration::from_micros(50), true);
+        }
+        a.record(Op::Write, (1 << 30) - 4096, 4096, Duration::from_millis(2), false);
+        b.record(Op::Write, 1 << 29, 8192, Duration::from_micros(100), true);
+        analytics.collect(100);
+        a.record(Op::Read, 0, 4096, Duration::from_micros(50), true);
+        analytics.collect(101);
+        analytics.with_history(|h| {
+            assert_eq!(h.seconds.len(), 2);
+            let first = &h.seconds[0];
+            assert_eq!(first.unix, 100);
+            let read = first.series.iter().find(|s| s.op == Op::Read).unwrap();
+            assert_eq!((read.ops, read.bytes, read.errors), (10, 40960, 0));
+            assert_eq!(read.latency.quantile(0.5), Some(super::super::hist::value_ns(bucket_of(50_000))));
+            let nbd_write = first
+                .series
+                .iter()
+                .find(|s| s.op == Op::Write && s.protocol == Protocol::Nbd)
+                .unwrap();
+            assert_eq!((nbd_write.ops, nbd_write.bytes, nbd_write.errors), (1, 0, 1));
+            let offsets = &first.offsets[0];
+            assert_eq!(offsets.reads, Sparse(vec![(0, 10)]));
+            assert_eq!(offsets.writes, Sparse(vec![(16, 1), (31, 1)]));
+            assert_eq!(h.seconds[1].series.len(), 1);
+            assert_eq!(h.seconds[1].series[0].ops, 1);
+        });
+    }
+
+    #[test]
+    fn closed_connections_are_counted_once_then_forgotten() {
+        let analytics = Analytics::new();
+        let a = analytics.recorder(Protocol::Nbd, "c", "p/v", 1 << 20);
+        a.record(Op::Flush, 0, 0, Duration::from_micros(5), true);
+        drop(a);
+        analytics.collect(1);
+        assert_eq!(analytics.recorders(), 0);
+        analytics.collect(2);
+        analytics.with_history(|h| {
+            assert_eq!(h.seconds[0].series[0].ops, 1);
+            assert!(h.seconds[1].series.is_empty());
+        });
+    }
+
+    #[test]
+    fn clients_beyond_the_busiest_share_one_name() {
+        let analytics = Analytics::new();
+        let recorders: Vec<_> = (0..TOP_CLIENTS + 8)
+            .map(|i| analytics.recorder(Protocol::Nbd, &format!("c{i}"), "p/v", 1 << 20))
+            .collect();
+        for (i, r) in recorders.iter().enumerate() {
+            for _ in 0..=i {
+                r.record(Op::Read, 0, 512, Duration::from_micros(5), true);
+            }
+        }
+        analytics.collect(7);
+        analytics.with_history(|h| {
+            let frame = &h.seconds[0];
+            assert_eq!(frame.series.len(), TOP_CLIENTS + 1);
+            let other = frame.series.iter().find(|s| &*s.client == OTHER_CLIENT).unwrap();
+            // The 8 quietest: 1 + 2 + ... + 8 reads.
+            assert_eq!(other.ops, 36);
+            let total: u64 = frame.series.iter().map(|s| s.ops).sum();
+            assert_eq!(total, (1..=(TOP_CLIENTS as u64 + 8)).sum::<u64>());
+        });
+    }
+
+    #[test]
+    fn minutes_sum_their_seconds_and_the_history_is_bounded() {
+        let analytics = Analytics::new();
+        let r = analytics.recorder(Protocol::Nbd, "c", "p/v", 1 << 20);
+        for second in 0..(SECONDS_KEPT as u64 + 120) {
+            r.record(Op::Write, 0, 4096, Duration::from_micros(20), true);
+            analytics.collect(second);
+        }
+        analytics.with_history(|h| {
+            assert_eq!(h.seconds.len(), SECONDS_KEPT);
+            assert_eq!(h.minutes.len(), (SECONDS_KEPT + 120) / 60 - 1);
+            assert!(h.minutes.iter().all(|m| m.series[0].ops == 60));
+            assert!(h.heap_bytes() > 0);
+        });
+    }
+}
