@@ -43,6 +43,10 @@ pub struct ServeArgs {
     /// for its login (idle or slow clients are cut).
     #[arg(long, default_value_t = 30, value_name = "SECONDS", value_parser = clap::value_parser!(u64).range(1..))]
     pub handshake_timeout: u64,
+    /// Do not record requests for the latency heat maps, `strata iostat`
+    /// and `/v1/analytics` (the per-volume Prometheus counters stay).
+    #[arg(long)]
+    pub no_analytics: bool,
     /// Stack device wrappers on a pool device for this run, for tests and
     /// benchmarks: PATH=STACK, e.g. `--wrap
     /// strata-data/pools/default/capacity.dev=delay:8ms+throttle:iops=150,bw=100M`
@@ -216,6 +220,7 @@ async fn serve(args: ServeArgs) -> Result<(), String> {
     // Automatic snapshots (`snapshot.schedule`); stops between rounds.
     let retention_task = tokio::spawn(crate::control::retention::run(manager.clone(), stop.clone()));
     // One analytics frame per second.
+    manager.analytics().set_enabled(!args.no_analytics);
     let analytics_task = tokio::spawn(crate::analytics::record::run(manager.analytics().clone(), stop.clone()));
 
     let signal = signals.first().await;

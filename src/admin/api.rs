@@ -526,7 +526,8 @@ async fn no_such_endpoint(method: Method, uri: Uri) -> ApiError {
 async fn analytics_status(State(manager): State<Manager>) -> Json<analytics::Status> {
     let analytics = manager.analytics();
     let recorders = analytics.recorders();
-    Json(analytics.with_history(|h| analytics::status(h, recorders)))
+    let enabled = analytics.enabled();
+    Json(analytics.with_history(|h| analytics::status(h, enabled, recorders)))
 }
 
 /// Runs an analytics query (400 with its message when the parameters do

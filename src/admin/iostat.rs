@@ -81,6 +81,11 @@ pub(super) fn run(args: IostatArgs) -> CliResult<String> {
     };
     let latest = || -> CliResult<u64> {
         let status: Status = client.get("/v1/analytics")?;
+        if !status.enabled {
+            return Err(CliError::from(
+                "the daemon records no analytics (it was started with --no-analytics)",
+            ));
+        }
         Ok(status.latest.unwrap_or(0))
     };
     let Some(interval) = plan.interval else {

@@ -545,6 +545,8 @@ pub fn offsets(history: &History, params: &Params) -> Result<OffsetMap, String> 
 /// `GET /v1/analytics`: what is kept and what it costs.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct Status {
+    /// Whether connections record (`strata serve --no-analytics` turns it off).
+    pub enabled: bool,
     /// Newest complete second (absent before the first).
     pub latest: Option<u64>,
     pub seconds_kept: usize,
@@ -556,8 +558,9 @@ pub struct Status {
     pub buckets: Vec<[u64; 2]>,
 }
 
-pub fn status(history: &History, recorders: usize) -> Status {
+pub fn status(history: &History, enabled: bool, recorders: usize) -> Status {
     Status {
+        enabled,
         latest: history.latest(),
         seconds_kept: history.seconds.len(),
         minutes_kept: history.minutes.len(),
@@ -576,8 +579,8 @@ mod tests {
 
     fn sample() -> std::sync::Arc<Analytics> {
         let analytics = Analytics::new();
-        let a = analytics.recorder(Protocol::Nbd, "10.0.0.1", "p/a", 1 << 30);
-        let b = analytics.recorder(Protocol::Iscsi, "iqn.b", "p/b", 1 << 30);
+        let a = analytics.recorder(Protocol::Nbd, "10.0.0.1", "p/a", 1 << 30).unwrap();
+        let b = analytics.recorder(Protocol::Iscsi, "iqn.b", "p/b", 1 << 30).unwrap();
         for second in 100..110 {
             for _ in 0..100 {
                 a.record(Op::Read, 0, 4096, Duration::from_micros(40), true);

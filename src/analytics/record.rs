@@ -217,20 +217,38 @@ impl History {
 }
 
 /// The daemon's analytics: the live recorders and the history.
-#[derive(Default)]
 pub struct Analytics {
+    /// Off (`strata serve --no-analytics`): connections get no recorder.
+    enabled: std::sync::atomic::AtomicBool,
     recorders: Mutex<Vec<Arc<Recorder>>>,
     history: Mutex<History>,
 }
 
 impl Analytics {
     pub fn new() -> Arc<Self> {
-        Arc::new(Self::default())
+        Arc::new(Analytics {
+            enabled: std::sync::atomic::AtomicBool::new(true),
+            recorders: Mutex::default(),
+            history: Mutex::default(),
+        })
+    }
+
+    /// Turns recording on or off for connections made from now on.
+    pub fn set_enabled(&self, enabled: bool) {
+        self.enabled.store(enabled, Ordering::Relaxed);
+    }
+
+    pub fn enabled(&self) -> bool {
+        self.enabled.load(Ordering::Relaxed)
     }
 
     /// A recorder for a new connection of `client` to `volume` (of
     /// `size_bytes`). Taken once per connection: the only lock on the way.
-    pub fn recorder(&self, protocol: Protocol, client: &str, volume: &str, size_bytes: u64) -> Arc<Recorder> {
+    /// None while analytics are off.
+    pub fn recorder(&self, protocol: Protocol, client: &str, volume: &str, size_bytes: u64) -> Option<Arc<Recorder>> {
+        if !self.enabled() {
+            return None;
+        }
         let recorder = Arc::new(Recorder {
             protocol,
             client: client.into(),
@@ -240,7 +258,7 @@ impl Analytics {
             seen: Mutex::new(vec![0; COUNTERS].into_boxed_slice()),
         });
         self.recorders.lock_or_abort().push(recorder.clone());
-        recorder
+        Some(recorder)
     }
 
     /// Connections recording now.
@@ -397,8 +415,8 @@ mod tests {
     #[test]
     fn a_frame_holds_what_each_connection_did_that_second() {
         let analytics = Analytics::new();
-        let a = analytics.recorder(Protocol::Nbd, "10.0.0.1", "p/v", 1 << 30);
-        let b = analytics.recorder(Protocol::Iscsi, "iqn.x", "p/v", 1 << 30);
+        let a = analytics.recorder(Protocol::Nbd, "10.0.0.1", "p/v", 1 << 30).unwrap();
+        let b = analytics.recorder(Protocol::Iscsi, "iqn.x", "p/v", 1 << 30).unwrap();
         for _ in 0..10 {
             a.record(Op::Read, 0, 4096, Duration::from_micros(50), true);
         }
@@ -431,7 +449,7 @@ mod tests {
     #[test]
     fn closed_connections_are_counted_once_then_forgotten() {
         let analytics = Analytics::new();
-        let a = analytics.recorder(Protocol::Nbd, "c", "p/v", 1 << 20);
+        let a = analytics.recorder(Protocol::Nbd, "c", "p/v", 1 << 20).unwrap();
         a.record(Op::Flush, 0, 0, Duration::from_micros(5), true);
         drop(a);
         analytics.collect(1);
@@ -447,7 +465,7 @@ mod tests {
     fn clients_beyond_the_busiest_share_one_name() {
         let analytics = Analytics::new();
         let recorders: Vec<_> = (0..TOP_CLIENTS + 8)
-            .map(|i| analytics.recorder(Protocol::Nbd, &format!("c{i}"), "p/v", 1 << 20))
+            .map(|i| analytics.recorder(Protocol::Nbd, &format!("c{i}"), "p/v", 1 << 20).unwrap())
             .collect();
         for (i, r) in recorders.iter().enumerate() {
             for _ in 0..=i {
@@ -469,7 +487,7 @@ mod tests {
     #[test]
     fn minutes_sum_their_seconds_and_the_history_is_bounded() {
         let analytics = Analytics::new();
-        let r = analytics.recorder(Protocol::Nbd, "c", "p/v", 1 << 20);
+        let r = analytics.recorder(Protocol::Nbd, "c", "p/v", 1 << 20).unwrap();
         for second in 0..(SECONDS_KEPT as u64 + 120) {
             r.record(Op::Write, 0, 4096, Duration::from_micros(20), true);
             analytics.collect(second);
@@ -480,5 +498,57 @@ mod tests {
             assert!(h.minutes.iter().all(|m| m.series[0].ops == 60));
             assert!(h.heap_bytes() > 0);
         });
+    }
+
+    /// What an hour (by second) and a day (by minute) of history cost with
+    /// 100 volumes and 50 clients (each client on two volumes, reading and
+    /// writing every second with latencies over ~30 buckets). The day is
+    /// projected from the hour's minutes (86,400 simulated seconds would
+    /// take minutes here); BENCHMARKS.md quotes the printed numbers.
+    #[test]
+    fn an_hour_of_100_volumes_and_50_clients_fits_the_stated_memory() {
+        let analytics = Analytics::new();
+        let recorders: Vec<Arc<Recorder>> = (0..50)
+            .flat_map(|client| {
+                let analytics = &analytics;
+                (0..2).map(move |i| {
+                    let volume = format!("pool/vol{}", (client * 2 + i) % 100);
+                    analytics
+                        .recorder(Protocol::Nbd, &format!("10.0.0.{client}"), &volume, 1 << 30)
+                        .unwrap()
+                })
+            })
+            .collect();
+        let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+        for second in 0..SECONDS_KEPT as u64 {
+            for r in &recorders {
+                for k in 0..64u64 {
+                    x ^= x << 13;
+                    x ^= x >> 7;
+                    x ^= x << 17;
+                    // 20 µs .. ~20 ms, log-uniform: ~30-70 buckets per op.
+                    let ns = 20_000u64 << (x % 10);
+                    let op = if k % 2 == 0 { Op::Read } else { Op::Write };
+                    r.record(op, (x >> 20) % (1 << 30), 4096, Duration::from_nanos(ns + (x >> 40) % ns), true);
+                }
+            }
+            analytics.collect(second);
+        }
+        let (hour, minute, minutes) = analytics.with_history(|h| {
+            let seconds: usize = h.seconds.iter().map(Frame::heap_bytes).sum();
+            let per_minute = h.minutes.iter().map(Frame::heap_bytes).sum::<usize>() / h.minutes.len().max(1);
+            (seconds, per_minute, h.minutes.len())
+        });
+        let day = minute * MINUTES_KEPT;
+        eprintln!(
+            "analytics history: 100 volumes x 50 clients: an hour by second {:.1} MiB, a minute {} KiB, a day by minute {:.1} MiB (projected from {minutes} minutes)",
+            hour as f64 / (1 << 20) as f64,
+            minute / 1024,
+            day as f64 / (1 << 20) as f64
+        );
+        assert_eq!(minutes, SECONDS_KEPT / 60 - 1);
+        // The bounds ARCHITECTURE.md states.
+        assert!(hour < 256 << 20, "an hour takes {hour} bytes");
+        assert!(day < 128 << 20, "a day takes {day} bytes");
     }
 }

@@ -218,7 +218,7 @@ pub async fn run(
     if let Some(unit) = &unit {
         unit.attach(&nexus);
     }
-    let recorder = unit.as_ref().map(|unit| {
+    let recorder = unit.as_ref().and_then(|unit| {
         let volume = unit.volume();
         registry.analytics().recorder(
             Protocol::Iscsi,

@@ -938,7 +938,7 @@ async fn transmission<R: AsyncRead + Unpin>(
     _handle: HandleGuard,
     negotiated: Negotiated,
     idle: &AtomicBool,
-    recorder: Arc<Recorder>,
+    recorder: Option<Arc<Recorder>>,
 ) -> Result<(), ConnectionError> {
     let (outbox, flusher) = Outbox::start(socket);
     let budget_units = IN_FLIGHT_BUDGET_BYTES / BUDGET_UNIT_BYTES;
@@ -1117,7 +1117,7 @@ fn log_error(volume: &Volume, request: &Request, error: &BlockError) {
 /// Runs one request and builds its reply.
 async fn execute(
     volume: &Volume,
-    recorder: &Recorder,
+    recorder: &Option<Arc<Recorder>>,
     request: Request,
     payload: Option<IoBuf>,
     negotiated: Negotiated,
@@ -1133,7 +1133,9 @@ async fn execute(
             let (bytes, ok) = read_reply(volume, &request, &negotiated, buffers).await;
             let latency = received.elapsed();
             volume.stats().record(Protocol::Nbd, op, length, latency, ok);
-            recorder.record(op, offset, length, latency, ok);
+            if let Some(recorder) = recorder {
+                recorder.record(op, offset, length, latency, ok);
+            }
             return bytes;
         }
         cmd::WRITE => volume
@@ -1162,7 +1164,9 @@ async fn execute(
     volume
         .stats()
         .record(Protocol::Nbd, op, bytes_moved, latency, result.is_ok());
-    recorder.record(op, offset, bytes_moved, latency, result.is_ok());
+    if let Some(recorder) = recorder {
+        recorder.record(op, offset, bytes_moved, latency, result.is_ok());
+    }
     let bytes = match result {
         Ok(Some(chunk)) => chunk,
         Ok(None) => proto::simple_reply(0, request.cookie),
