@@ -188,6 +188,11 @@ async fn serve(args: ServeArgs) -> Result<(), String> {
         let _ = writeln!(out, "strata: api listening on {api_scheme}://{api_address}");
         let _ = writeln!(out, "strata: api socket {}", api.socket_path.display());
         let _ = writeln!(out, "strata: iscsi listening on {iscsi_address}");
+        let _ = writeln!(
+            out,
+            "strata: dashboard at {api_scheme}://{api_address}/ui (sign in with the token in {})",
+            args.data_dir.join(crate::admin::auth::TOKEN_FILE).display()
+        );
         let _ = out.flush();
     }
 

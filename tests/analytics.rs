@@ -126,7 +126,10 @@ fn every_request_is_counted_once_by_volume_protocol_op_and_client() {
         .map(|c| c.as_u64().unwrap())
         .sum();
     assert_eq!(read_cells, 2048);
-    assert_eq!(map["buckets"].as_array().unwrap().len(), map["counts"][0].as_array().unwrap().len());
+    assert_eq!(
+        map["buckets"].as_array().unwrap().len(),
+        map["counts"][0].as_array().unwrap().len()
+    );
 
     // Clients: the NBD client by address, the iSCSI one by initiator name.
     let clients = get(&server, &format!("/v1/analytics/stats?from={start}&to={to}&by=client"));
@@ -140,7 +143,10 @@ fn every_request_is_counted_once_by_volume_protocol_op_and_client() {
     assert!(names.iter().any(|n| n.starts_with("iqn.")), "{names:?}");
 
     // Offsets: the writes to volume b's first 640 KiB fall in its first region.
-    let offsets = get(&server, &format!("/v1/analytics/offsets?volume=default/b&from={start}&to={to}"));
+    let offsets = get(
+        &server,
+        &format!("/v1/analytics/offsets?volume=default/b&from={start}&to={to}"),
+    );
     let first_region: u64 = offsets["writes"]
         .as_array()
         .unwrap()
@@ -185,7 +191,10 @@ fn iostat_prints_a_report_per_interval() {
     let took = started.elapsed();
     fio.wait().unwrap();
     // Three reports, a second apart.
-    assert!(took >= Duration::from_secs(2) && took < Duration::from_secs(8), "{took:?}");
+    assert!(
+        took >= Duration::from_secs(2) && took < Duration::from_secs(8),
+        "{took:?}"
+    );
     let reports: Vec<&str> = out.split("\n\n").filter(|r| !r.trim().is_empty()).collect();
     assert_eq!(reports.len(), 3, "{out}");
     for report in reports {
@@ -193,7 +202,17 @@ fn iostat_prints_a_report_per_interval() {
         let header: Vec<&str> = lines[0].split_whitespace().collect();
         assert_eq!(
             header,
-            ["volume", "read/s", "write/s", "rbytes/s", "wbytes/s", "read_p50", "read_p99", "write_p50", "write_p99"]
+            [
+                "volume",
+                "read/s",
+                "write/s",
+                "rbytes/s",
+                "wbytes/s",
+                "read_p50",
+                "read_p99",
+                "write_p50",
+                "write_p99"
+            ]
         );
         let volume: Vec<&str> = lines[1].split_whitespace().collect();
         assert_eq!(volume[0], "default/io", "{report}");

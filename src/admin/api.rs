@@ -19,16 +19,16 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 
 use super::auth::{authenticate, ApiAuth};
+use crate::analytics::query as analytics;
 use crate::control::catalog::DeviceRecord;
 use crate::control::manager::{role_for_add, AdminError, PoolStatus, SnapshotView, VolumeInfo, VolumeManager};
-use crate::analytics::query as analytics;
 use crate::units::parse_size;
 
 /// Content type of the Prometheus text exposition format.
 pub const METRICS_CONTENT_TYPE: &str = "text/plain; version=0.0.4";
 
 /// Every endpoint, as listed by `GET /` and `GET /v1`.
-pub const ENDPOINTS: [&str; 30] = [
+pub const ENDPOINTS: [&str; 31] = [
     "GET /metrics",
     "GET /v1/pools",
     "POST /v1/pools",
@@ -53,6 +53,7 @@ pub const ENDPOINTS: [&str; 30] = [
     "DELETE /v1/volumes/{pool}/{name}/receive",
     "GET /v1/iscsi",
     "PATCH /v1/iscsi",
+    "GET /ui",
     "GET /v1/analytics",
     "GET /v1/analytics/stats[?from=&to=&volume=&protocol=&op=&client=&by=&min_ns=&max_ns=&top=]",
     "GET /v1/analytics/heatmap[?same parameters]",
@@ -523,6 +524,26 @@ async fn no_such_endpoint(method: Method, uri: Uri) -> ApiError {
     )
 }
 
+/// The dashboard: one page, its script and styles inline, nothing fetched
+/// from elsewhere; it reads `/v1/analytics/*` and `/v1/pools` with the
+/// token it asks for.
+const DASHBOARD: &str = include_str!("ui/dashboard.html");
+
+async fn dashboard() -> Response {
+    (
+        [
+            (header::CONTENT_TYPE, "text/html; charset=utf-8"),
+            (
+                header::CONTENT_SECURITY_POLICY,
+                "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; connect-src 'self'; img-src 'self' data:; frame-ancestors 'none'",
+            ),
+            (header::CACHE_CONTROL, "no-cache"),
+        ],
+        DASHBOARD,
+    )
+        .into_response()
+}
+
 async fn analytics_status(State(manager): State<Manager>) -> Json<analytics::Status> {
     let analytics = manager.analytics();
     let recorders = analytics.recorders();
@@ -609,6 +630,7 @@ pub fn router(manager: Arc<VolumeManager>, auth: Arc<ApiAuth>) -> Router {
                 .delete(super::send::abort_receive),
         )
         .route("/v1/iscsi", get(get_iscsi).patch(set_iscsi))
+        .route("/ui", get(dashboard))
         .route("/v1/analytics", get(analytics_status))
         .route("/v1/analytics/stats", get(analytics_stats))
         .route("/v1/analytics/heatmap", get(analytics_heatmap))

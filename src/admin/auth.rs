@@ -4,7 +4,8 @@
 //! - the Unix socket in the data directory (mode 0660, the daemon's owner
 //!   and an optional group): reaching it is the credential, checked by the
 //!   kernel's file permissions; the caller is named by its peer uid;
-//! - TCP, where every request but an open `GET /metrics` carries
+//! - TCP, where every request but an open `GET /metrics` and the
+//!   dashboard's page (`GET /ui`, no data in it) carries
 //!   `Authorization: Bearer TOKEN`, the token created at first start in
 //!   `DATA_DIR/api.token` (mode 0600). The token is named in logs by its id,
 //!   the first 8 hex digits of its SHA-256, never by itself.
@@ -109,6 +110,11 @@ impl ApiAuth {
             Some(Caller::Tcp { peer }) => {
                 if self.metrics_open && request.uri().path() == "/metrics" && request.method() == Method::GET {
                     return Ok(format!("{peer} (open /metrics)"));
+                }
+                // The dashboard's page holds no data: it asks for the token
+                // and sends it with every request it makes.
+                if request.uri().path() == "/ui" && request.method() == Method::GET {
+                    return Ok(format!("{peer} (dashboard page)"));
                 }
                 let anonymous = format!("{peer} (no valid token)");
                 let Some(value) = request.headers().get(header::AUTHORIZATION) else {

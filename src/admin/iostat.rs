@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use std::io::Write;
 use std::time::Duration;
 
-use super::cli::{table, Align, Client, ClientOptions, CliError, CliResult};
+use super::cli::{table, Align, CliError, CliResult, Client, ClientOptions};
 use crate::analytics::query::{Stats, Status};
 use crate::control::manager::{split_volume_name, validate_component};
 
@@ -69,7 +69,9 @@ pub(super) fn run(args: IostatArgs) -> CliResult<String> {
     let plan = parse(&args.args)?;
     let client = Client::new(&args.client)?;
     let get = |by: &str, from: u64, to: u64| -> CliResult<Stats> {
-        client.get(&format!("/v1/analytics/stats?by={by}&from={from}&to={to}&top=100000&step=1"))
+        client.get(&format!(
+            "/v1/analytics/stats?by={by}&from={from}&to={to}&top=100000&step=1"
+        ))
     };
     // The volumes' lines, and with -v the lines of their clients.
     let query = |from: u64, to: u64| -> CliResult<Vec<Stats>> {
@@ -148,9 +150,12 @@ struct Line {
 
 fn shown(volume: &str, names: &[String]) -> bool {
     names.is_empty()
-        || names
-            .iter()
-            .any(|n| n == volume || volume.strip_prefix(n.as_str()).is_some_and(|rest| rest.starts_with('/')))
+        || names.iter().any(|n| {
+            n == volume
+                || volume
+                    .strip_prefix(n.as_str())
+                    .is_some_and(|rest| rest.starts_with('/'))
+        })
 }
 
 /// The report of one interval: a line per volume (and with `-v`, per

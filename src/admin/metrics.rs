@@ -103,6 +103,92 @@ pub fn render_backing(pools: &[crate::control::manager::PoolStatus]) -> String {
             |d| d.backing.map(|_| d.unbackable_bytes),
         ),
     ];
+    type PoolValue = fn(&crate::control::manager::PoolStatus) -> u64;
+    let pool_series: [(&str, &str, &str, PoolValue); 10] = [
+        (
+            "strata_pool_size_bytes",
+            "gauge",
+            "Data capacity (fast and capacity tiers).",
+            |p| p.size_bytes,
+        ),
+        (
+            "strata_pool_used_bytes",
+            "gauge",
+            "Data space in use or promised to cached writes.",
+            |p| p.used_bytes,
+        ),
+        (
+            "strata_pool_dirty_bytes",
+            "gauge",
+            "Written data held in the RAM tier, not yet placed.",
+            |p| p.cache.dirty_bytes,
+        ),
+        (
+            "strata_pool_dirty_max_bytes",
+            "gauge",
+            "The RAM tier's size (the bound on dirty data).",
+            |p| p.cache.dirty_max_bytes,
+        ),
+        (
+            "strata_pool_read_cache_hits_total",
+            "counter",
+            "Reads served by the read cache.",
+            |p| p.cache.read_hits,
+        ),
+        (
+            "strata_pool_read_cache_misses_total",
+            "counter",
+            "Reads the read cache could not serve.",
+            |p| p.cache.read_misses,
+        ),
+        (
+            "strata_pool_written_bytes_total",
+            "counter",
+            "Bytes written through the RAM write-back cache.",
+            |p| p.cache.written_bytes,
+        ),
+        (
+            "strata_pool_destaged_bytes_total",
+            "counter",
+            "Cached bytes written to their place on a device.",
+            |p| p.cache.destaged_bytes,
+        ),
+        (
+            "strata_pool_log_commits_total",
+            "counter",
+            "Intent-log commits that wrote records.",
+            |p| p.log_commits,
+        ),
+        (
+            "strata_pool_log_records_total",
+            "counter",
+            "Records those commits wrote (per commit: the group-commit batch).",
+            |p| p.log_records,
+        ),
+    ];
+    for (name, kind, help, value) in pool_series {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
+        for pool in pools {
+            let _ = writeln!(out, "{name}{{pool=\"{}\"}} {}", escape_label(&pool.name), value(pool));
+        }
+    }
+    let name = "strata_device_used_bytes";
+    let _ = writeln!(
+        out,
+        "# HELP {name} Data bytes in use on a device, by tier.\n# TYPE {name} gauge"
+    );
+    for pool in pools {
+        for device in &pool.devices {
+            let _ = writeln!(
+                out,
+                "{name}{{pool=\"{}\",device=\"{}\",role=\"{}\"}} {}",
+                escape_label(&pool.name),
+                escape_label(&device.name),
+                escape_label(&format!("{:?}", device.role).to_lowercase()),
+                device.used_bytes
+            );
+        }
+    }
     let name = "strata_pool_freeing_bytes";
     let _ = writeln!(
         out,

@@ -175,7 +175,10 @@ mod tests {
             let (lo, hi, mid) = (lower_ns(index).max(1_000), upper_ns(index) - 1, value_ns(index));
             for value in [lo, hi] {
                 let error = (mid as f64 - value as f64).abs() / value as f64;
-                assert!(error <= 0.064, "bucket {index}: {value} ns reported as {mid} ns ({error})");
+                assert!(
+                    error <= 0.064,
+                    "bucket {index}: {value} ns reported as {mid} ns ({error})"
+                );
             }
         }
     }

@@ -297,7 +297,11 @@ fn key_map(dims: &[Dim], s: &Series) -> BTreeMap<String, String> {
 
 pub fn stats(history: &History, params: &Params) -> Result<Stats, String> {
     let plan = plan(history, params)?;
-    let seconds = if plan.frames.is_empty() { 0 } else { plan.to - plan.from + 1 };
+    let seconds = if plan.frames.is_empty() {
+        0
+    } else {
+        plan.to - plan.from + 1
+    };
     let mut total = Sum::default();
     let mut parts: BTreeMap<String, (BTreeMap<String, String>, Sum)> = BTreeMap::new();
     let banded = plan.banded();
@@ -458,7 +462,11 @@ pub fn rates(history: &History, params: &Params) -> Result<Rates, String> {
     for (frame, series) in plan.each() {
         let mut sums: BTreeMap<String, Sum> = BTreeMap::new();
         for s in series {
-            let key = if plan.by.is_empty() { "all".to_string() } else { plan.key(s) };
+            let key = if plan.by.is_empty() {
+                "all".to_string()
+            } else {
+                plan.key(s)
+            };
             let latency = plan.latency(s);
             let sum = sums.entry(key.clone()).or_default();
             sum.add(s, &latency, banded);
@@ -597,7 +605,14 @@ mod tests {
     fn stats_break_down_and_drill_into_a_band() {
         let analytics = sample();
         analytics.with_history(|h| {
-            let all = stats(h, &Params { by: Some("volume".into()), ..Params::default() }).unwrap();
+            let all = stats(
+                h,
+                &Params {
+                    by: Some("volume".into()),
+                    ..Params::default()
+                },
+            )
+            .unwrap();
             assert_eq!((all.from, all.to, all.seconds), (100, 109, 10));
             assert_eq!(all.totals.ops, 1100);
             assert_eq!(all.totals.bytes, 1000 * 4096 + 100 * 8192);
@@ -618,7 +633,15 @@ mod tests {
             assert_eq!(slow.breakdown[0].name, "p/b iqn.b");
             assert_eq!(slow.breakdown[0].key["client"], "iqn.b");
             // One second (a column of the heat map).
-            let one = stats(h, &Params { from: Some(105), to: Some(105), ..Params::default() }).unwrap();
+            let one = stats(
+                h,
+                &Params {
+                    from: Some(105),
+                    to: Some(105),
+                    ..Params::default()
+                },
+            )
+            .unwrap();
             assert_eq!(one.totals.ops, 110);
             let p99 = one.totals.p99_ns.unwrap();
             assert!((2_800_000..3_200_000).contains(&p99), "{p99}");
@@ -629,7 +652,14 @@ mod tests {
     fn heatmap_counts_every_request_once() {
         let analytics = sample();
         analytics.with_history(|h| {
-            let map = heatmap(h, &Params { by: Some("op".into()), ..Params::default() }).unwrap();
+            let map = heatmap(
+                h,
+                &Params {
+                    by: Some("op".into()),
+                    ..Params::default()
+                },
+            )
+            .unwrap();
             assert_eq!(map.times, (100..110).collect::<Vec<_>>());
             let total: u64 = map.counts.iter().flatten().sum();
             assert_eq!(total, 1100);
@@ -639,7 +669,14 @@ mod tests {
             assert_eq!(reads, 1000);
             assert_eq!(map.buckets.len(), map.counts[0].len());
             assert!(map.buckets[0][0] <= 40_000 && map.buckets.last().unwrap()[1] > 3_000_000);
-            let none = heatmap(h, &Params { volume: Some("p/zzz".into()), ..Params::default() }).unwrap();
+            let none = heatmap(
+                h,
+                &Params {
+                    volume: Some("p/zzz".into()),
+                    ..Params::default()
+                },
+            )
+            .unwrap();
             assert!(none.buckets.is_empty() && none.counts.iter().all(|r| r.is_empty()));
         });
     }
@@ -648,16 +685,49 @@ mod tests {
     fn rates_and_offsets_per_second() {
         let analytics = sample();
         analytics.with_history(|h| {
-            let r = rates(h, &Params { by: Some("volume".into()), from: Some(-4), ..Params::default() }).unwrap();
+            let r = rates(
+                h,
+                &Params {
+                    by: Some("volume".into()),
+                    from: Some(-4),
+                    ..Params::default()
+                },
+            )
+            .unwrap();
             assert_eq!(r.times, vec![105, 106, 107, 108, 109]);
             assert_eq!(r.series[0].name, "p/a");
-            assert!(r.series[0].points.iter().all(|p| p.ops == 100 && p.bytes_per_sec == 409_600.0));
-            let o = offsets(h, &Params { volume: Some("p/b".into()), ..Params::default() }).unwrap();
+            assert!(r.series[0]
+                .points
+                .iter()
+                .all(|p| p.ops == 100 && p.bytes_per_sec == 409_600.0));
+            let o = offsets(
+                h,
+                &Params {
+                    volume: Some("p/b".into()),
+                    ..Params::default()
+                },
+            )
+            .unwrap();
             assert_eq!(o.writes[0][16], 10);
             assert_eq!(o.reads[0].iter().sum::<u64>(), 0);
             assert!(offsets(h, &Params::default()).is_err());
-            assert!(stats(h, &Params { by: Some("colour".into()), ..Params::default() }).is_err());
-            assert!(stats(h, &Params { from: Some(109), to: Some(100), ..Params::default() }).is_err());
+            assert!(stats(
+                h,
+                &Params {
+                    by: Some("colour".into()),
+                    ..Params::default()
+                }
+            )
+            .is_err());
+            assert!(stats(
+                h,
+                &Params {
+                    from: Some(109),
+                    to: Some(100),
+                    ..Params::default()
+                }
+            )
+            .is_err());
         });
     }
 }

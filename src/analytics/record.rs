@@ -131,7 +131,12 @@ impl Frame {
             .map(|(i, s)| ((s.volume.clone(), s.protocol as u8, s.op as u8, s.client.clone()), i))
             .collect();
         for series in &other.series {
-            let key = (series.volume.clone(), series.protocol as u8, series.op as u8, series.client.clone());
+            let key = (
+                series.volume.clone(),
+                series.protocol as u8,
+                series.op as u8,
+                series.client.clone(),
+            );
             match at.get(&key) {
                 Some(&i) => {
                     let mine = &mut self.series[i];
@@ -296,7 +301,12 @@ impl Analytics {
                 let bytes = delta(BYTES_AT + i);
                 let errors = delta(ERRORS_AT + i);
                 let latency = Sparse::from_dense((0..BUCKETS).map(|b| delta(LATENCY_AT + i * BUCKETS + b)));
-                let key = (recorder.volume.clone(), recorder.protocol as u8, op as u8, recorder.client.clone());
+                let key = (
+                    recorder.volume.clone(),
+                    recorder.protocol as u8,
+                    op as u8,
+                    recorder.client.clone(),
+                );
                 let entry = series.entry(key).or_insert_with(|| Series {
                     volume: recorder.volume.clone(),
                     protocol: recorder.protocol,
@@ -330,7 +340,14 @@ impl Analytics {
         }
         let mut series: Vec<Series> = series.into_values().collect();
         bound_clients(&mut series);
-        series.sort_by(|a, b| (&a.volume, a.protocol as u8, a.op as u8, &a.client).cmp(&(&b.volume, b.protocol as u8, b.op as u8, &b.client)));
+        series.sort_by(|a, b| {
+            (&a.volume, a.protocol as u8, a.op as u8, &a.client).cmp(&(
+                &b.volume,
+                b.protocol as u8,
+                b.op as u8,
+                &b.client,
+            ))
+        });
         let mut offsets: Vec<Offsets> = offsets
             .into_iter()
             .map(|(volume, (size_bytes, counts))| Offsets {
@@ -431,7 +448,10 @@ mod tests {
             assert_eq!(first.unix, 100);
             let read = first.series.iter().find(|s| s.op == Op::Read).unwrap();
             assert_eq!((read.ops, read.bytes, read.errors), (10, 40960, 0));
-            assert_eq!(read.latency.quantile(0.5), Some(super::super::hist::value_ns(bucket_of(50_000))));
+            assert_eq!(
+                read.latency.quantile(0.5),
+                Some(super::super::hist::value_ns(bucket_of(50_000)))
+            );
             let nbd_write = first
                 .series
                 .iter()
@@ -465,7 +485,11 @@ mod tests {
     fn clients_beyond_the_busiest_share_one_name() {
         let analytics = Analytics::new();
         let recorders: Vec<_> = (0..TOP_CLIENTS + 8)
-            .map(|i| analytics.recorder(Protocol::Nbd, &format!("c{i}"), "p/v", 1 << 20).unwrap())
+            .map(|i| {
+                analytics
+                    .recorder(Protocol::Nbd, &format!("c{i}"), "p/v", 1 << 20)
+                    .unwrap()
+            })
             .collect();
         for (i, r) in recorders.iter().enumerate() {
             for _ in 0..=i {
@@ -529,7 +553,13 @@ mod tests {
                     // 20 µs .. ~20 ms, log-uniform: ~30-70 buckets per op.
                     let ns = 20_000u64 << (x % 10);
                     let op = if k % 2 == 0 { Op::Read } else { Op::Write };
-                    r.record(op, (x >> 20) % (1 << 30), 4096, Duration::from_nanos(ns + (x >> 40) % ns), true);
+                    r.record(
+                        op,
+                        (x >> 20) % (1 << 30),
+                        4096,
+                        Duration::from_nanos(ns + (x >> 40) % ns),
+                        true,
+                    );
                 }
             }
             analytics.collect(second);

@@ -104,6 +104,12 @@ pub struct PoolStatus {
     /// metadata overhead.
     pub data_bytes_written: u64,
     pub metadata_bytes_written: u64,
+    /// Intent-log commits that wrote records since the daemon started, and
+    /// the records they wrote (records / commits: the group-commit batch).
+    #[serde(default)]
+    pub log_commits: u64,
+    #[serde(default)]
+    pub log_records: u64,
     pub cache: PoolCacheStatus,
     pub devices: Vec<DeviceStatus>,
 }
@@ -1021,6 +1027,8 @@ impl VolumeManager {
                     suspect_chunks: pool.suspect_chunks(),
                     data_bytes_written: pool.meta_counters().data_bytes,
                     metadata_bytes_written: pool.meta_counters().log_bytes + pool.meta_counters().store_bytes,
+                    log_commits: pool.meta_counters().log_commits,
+                    log_records: pool.meta_counters().log_records,
                     cache,
                     devices,
                 })

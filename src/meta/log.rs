@@ -548,6 +548,10 @@ pub struct Log {
     /// Bytes handed to the log device by staging (not flushed; rewritten by
     /// the next commit, so the kernel usually merges them in its page cache).
     pub staged_bytes: AtomicU64,
+    /// Commits that wrote records, and the records they wrote (their
+    /// ratio is the group-commit batch size the dashboard shows).
+    pub commits: AtomicU64,
+    pub committed_records: AtomicU64,
 }
 
 impl Log {
@@ -574,6 +578,8 @@ impl Log {
             bytes_written: AtomicU64::new(0),
             appended: AtomicU64::new(0),
             staged_bytes: AtomicU64::new(0),
+            commits: AtomicU64::new(0),
+            committed_records: AtomicU64::new(0),
         }
     }
 
@@ -725,6 +731,7 @@ impl Log {
                 self.restore_pending(records, frees);
                 return Err(e);
             }
+            self.count_commit(records.len());
         }
         self.tickets_served.store(covering, Ordering::Release);
         Ok(frees)
@@ -749,8 +756,14 @@ impl Log {
                 self.restore_pending(records, frees);
                 return Err(e);
             }
+            self.count_commit(records.len());
         }
         Ok(Some(frees))
+    }
+
+    fn count_commit(&self, records: usize) {
+        self.commits.fetch_add(1, Ordering::Relaxed);
+        self.committed_records.fetch_add(records as u64, Ordering::Relaxed);
     }
 
     /// Takes every pending record (and the frees they make) for a commit, if

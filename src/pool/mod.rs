@@ -252,6 +252,9 @@ pub struct MetaCounters {
     pub data_bytes: u64,
     pub checkpoints: u64,
     pub checkpoint_pages: u64,
+    /// Log commits that wrote records, and the records they wrote.
+    pub log_commits: u64,
+    pub log_records: u64,
 }
 
 pub struct Pool {
@@ -418,6 +421,8 @@ impl Pool {
             data_bytes: self.data_bytes.load(Ordering::Relaxed),
             checkpoints: self.checkpoints.load(Ordering::Relaxed),
             checkpoint_pages: self.checkpoint_pages.load(Ordering::Relaxed),
+            log_commits: self.log.commits.load(Ordering::Relaxed),
+            log_records: self.log.committed_records.load(Ordering::Relaxed),
         }
     }
 

@@ -23,12 +23,12 @@ use super::login::{Login, Negotiated, Next, SessionType};
 use super::pdu::{self, op, reject, Bhs, Framing, Layout, Pdu, BHS_BYTES, RESERVED_TAG};
 use super::server::Registry;
 use super::text::{self, Params, TARGET_MAX_RECV_DATA_SEGMENT};
+use crate::analytics::Recorder;
 use crate::frontend::Shutdown;
 use crate::scsi::cdb::{self, Command, Transfer};
 use crate::scsi::lu::{LogicalUnit, Nexus, Outcome, ResetKind};
 use crate::scsi::pages::{self, BLOCK_BYTES};
 use crate::scsi::sense::{status, Sense};
-use crate::analytics::Recorder;
 use crate::volume::stats::{Op, Protocol};
 use crate::volume::Client;
 

@@ -185,10 +185,12 @@ async fn handle_connection(
         return Err(ConnectionError::Evicted(volume.full_name().to_string()));
     };
     let evicted = volume.evicted();
-    let recorder =
-        manager
-            .analytics()
-            .recorder(Protocol::Nbd, &peer.ip().to_string(), volume.full_name(), volume.size_bytes());
+    let recorder = manager.analytics().recorder(
+        Protocol::Nbd,
+        &peer.ip().to_string(),
+        volume.full_name(),
+        volume.size_bytes(),
+    );
 
     // Transmission runs on a thread of its own, on a blocking socket off
     // tokio's reactor: the TCP socket itself (`into_std` deregisters it),
@@ -219,7 +221,9 @@ async fn handle_connection(
     let runtime = tokio::runtime::Handle::current();
     let (done, finished) = tokio::sync::oneshot::channel();
     std::thread::Builder::new().name("strata-nbd".into()).spawn(move || {
-        let result = runtime.block_on(transmission(reader, replies, volume, handle, negotiated, &idle, recorder));
+        let result = runtime.block_on(transmission(
+            reader, replies, volume, handle, negotiated, &idle, recorder,
+        ));
         let _ = done.send(result);
     })?;
     tokio::pin!(finished);
