@@ -228,3 +228,56 @@ fn iostat_prints_a_report_per_interval() {
         assert_eq!(&client[..2], ["nbd", "127.0.0.1"], "{report}");
     }
 }
+
+/// `GET /openapi.json` (no token needed) is a valid OpenAPI 3 document
+/// (openapi-spec-validator) that describes every endpoint `GET /v1` lists.
+#[test]
+fn the_openapi_document_is_valid_and_covers_every_endpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    common::small_default_pool(dir.path());
+    let server = common::Server::start(dir.path());
+    let mut stream = std::net::TcpStream::connect(&server.api).unwrap();
+    use std::io::{Read, Write};
+    write!(
+        stream,
+        "GET /openapi.json HTTP/1.1\r\nHost: {}\r\nConnection: close\r\n\r\n",
+        server.api
+    )
+    .unwrap();
+    let mut response = String::new();
+    stream.read_to_string(&mut response).unwrap();
+    let (head, body) = response.split_once("\r\n\r\n").unwrap();
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    let doc: Value = serde_json::from_str(body).unwrap();
+    let file = dir.path().join("openapi.json");
+    std::fs::write(&file, body).unwrap();
+    let validated = Command::new("python3")
+        .args(["-m", "openapi_spec_validator"])
+        .arg(&file)
+        .output()
+        .expect("python3");
+    assert!(
+        validated.status.success(),
+        "openapi-spec-validator: {}{}",
+        String::from_utf8_lossy(&validated.stdout),
+        String::from_utf8_lossy(&validated.stderr)
+    );
+    assert!(doc["openapi"].as_str().unwrap().starts_with("3."));
+    for endpoint in strata::admin::api::ENDPOINTS {
+        let (method, path) = endpoint.split_once(' ').unwrap();
+        let path = path
+            .split(['[', '?'])
+            .next()
+            .unwrap()
+            .replace("{name}@{snapshot}", "{name}");
+        let operation = &doc["paths"][path.as_str()][method.to_lowercase()];
+        assert!(operation.is_object(), "{endpoint} is not in /openapi.json");
+        assert!(operation["responses"].is_object(), "{endpoint} has no responses");
+    }
+    // And the live answers match what it says of one of them.
+    let volume = get(&server, "/v1/volumes/default/vol0");
+    let schema = &doc["components"]["schemas"]["VolumeInfo"]["properties"];
+    for field in volume.as_object().unwrap().keys() {
+        assert!(schema.get(field).is_some(), "VolumeInfo.{field} is not described");
+    }
+}

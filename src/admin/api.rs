@@ -28,7 +28,7 @@ use crate::units::parse_size;
 pub const METRICS_CONTENT_TYPE: &str = "text/plain; version=0.0.4";
 
 /// Every endpoint, as listed by `GET /` and `GET /v1`.
-pub const ENDPOINTS: [&str; 31] = [
+pub const ENDPOINTS: [&str; 32] = [
     "GET /metrics",
     "GET /v1/pools",
     "POST /v1/pools",
@@ -54,6 +54,7 @@ pub const ENDPOINTS: [&str; 31] = [
     "GET /v1/iscsi",
     "PATCH /v1/iscsi",
     "GET /ui",
+    "GET /openapi.json",
     "GET /v1/analytics",
     "GET /v1/analytics/stats[?from=&to=&volume=&protocol=&op=&client=&by=&min_ns=&max_ns=&top=]",
     "GET /v1/analytics/heatmap[?same parameters]",
@@ -193,7 +194,7 @@ fn properties_from_json(properties: &BTreeMap<String, Value>) -> ApiResult<Vec<(
         .collect()
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 struct CreateRequest {
     name: String,
@@ -202,20 +203,21 @@ struct CreateRequest {
     properties: BTreeMap<String, Value>,
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 struct SetRequest {
     #[serde(default)]
     properties: BTreeMap<String, Value>,
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 struct ResizeRequest {
     size: Value,
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
 struct ListQuery {
     pool: Option<String>,
 }
@@ -224,6 +226,7 @@ fn full_name(pool: &str, name: &str) -> String {
     format!("{pool}/{name}")
 }
 
+#[utoipa::path(get, path = "/v1", tag = "meta", responses((status = 200, description = "Name, version and the endpoint list", body = Object)))]
 async fn index() -> Json<Value> {
     Json(json!({
         "name": "strata",
@@ -232,17 +235,19 @@ async fn index() -> Json<Value> {
     }))
 }
 
+#[utoipa::path(get, path = "/metrics", tag = "meta", responses((status = 200, description = "Prometheus text exposition (text/plain; version=0.0.4)", body = String, content_type = "text/plain")))]
 async fn metrics(State(manager): State<Manager>) -> Response {
     let pools = blocking(&manager, |m| Ok(m.pool_status())).await.unwrap_or_default();
     let body = super::metrics::render(&manager.volumes()) + &super::metrics::render_backing(&pools);
     ([(header::CONTENT_TYPE, METRICS_CONTENT_TYPE)], body).into_response()
 }
 
+#[utoipa::path(get, path = "/v1/pools", tag = "pools", responses((status = 200, description = "Every pool", body = Vec<PoolStatus>), (status = 400, description = "Invalid request", body = ErrorBody), (status = 401, description = "No valid token (TCP)", body = ErrorBody)))]
 async fn list_pools(State(manager): State<Manager>) -> ApiResult<Json<Vec<PoolStatus>>> {
     blocking(&manager, |m| Ok(m.pool_status())).await.map(Json)
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 struct CreatePoolRequest {
     name: String,
@@ -257,6 +262,7 @@ struct CreatePoolRequest {
     force: bool,
 }
 
+#[utoipa::path(post, path = "/v1/pools", tag = "pools", request_body = CreatePoolRequest, responses((status = 201, description = "The new pool", body = PoolStatus), (status = 409, description = "Name taken or busy", body = ErrorBody), (status = 400, description = "Invalid request", body = ErrorBody), (status = 401, description = "No valid token (TCP)", body = ErrorBody)))]
 async fn create_pool(
     State(manager): State<Manager>,
     body: Result<Json<CreatePoolRequest>, JsonRejection>,
@@ -275,7 +281,7 @@ async fn create_pool(
     Ok((StatusCode::CREATED, Json(status)))
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 struct AddDeviceRequest {
     path: String,
@@ -285,6 +291,7 @@ struct AddDeviceRequest {
     force: bool,
 }
 
+#[utoipa::path(post, path = "/v1/pools/{pool}/devices", tag = "pools", params(("pool" = String, Path, description = "Pool name")), request_body = AddDeviceRequest, responses((status = 201, description = "The pool with its new device", body = PoolStatus), (status = 404, description = "No such pool, volume or snapshot", body = ErrorBody), (status = 409, description = "Name taken or busy", body = ErrorBody), (status = 400, description = "Invalid request", body = ErrorBody), (status = 401, description = "No valid token (TCP)", body = ErrorBody)))]
 async fn add_device(
     State(manager): State<Manager>,
     path: Result<Path<String>, PathRejection>,
@@ -301,6 +308,7 @@ async fn add_device(
     Ok((StatusCode::CREATED, Json(status)))
 }
 
+#[utoipa::path(post, path = "/v1/pools/{pool}/sync", tag = "pools", params(("pool" = String, Path, description = "Pool name")), responses((status = 200, description = "Everything cached is placed and checkpointed", body = PoolStatus), (status = 404, description = "No such pool, volume or snapshot", body = ErrorBody), (status = 400, description = "Invalid request", body = ErrorBody), (status = 401, description = "No valid token (TCP)", body = ErrorBody)))]
 async fn sync_pool(
     State(manager): State<Manager>,
     path: Result<Path<String>, PathRejection>,
@@ -309,6 +317,7 @@ async fn sync_pool(
     Ok(Json(manager.sync_pool(&pool).await?))
 }
 
+#[utoipa::path(get, path = "/v1/pools/{pool}", tag = "pools", params(("pool" = String, Path, description = "Pool name")), responses((status = 200, description = "The pool", body = PoolStatus), (status = 404, description = "No such pool, volume or snapshot", body = ErrorBody), (status = 400, description = "Invalid request", body = ErrorBody), (status = 401, description = "No valid token (TCP)", body = ErrorBody)))]
 async fn get_pool(State(manager): State<Manager>, Path(pool): Path<String>) -> ApiResult<Json<PoolStatus>> {
     blocking(&manager, move |m| {
         m.pool_status()
@@ -320,6 +329,7 @@ async fn get_pool(State(manager): State<Manager>, Path(pool): Path<String>) -> A
     .map(Json)
 }
 
+#[utoipa::path(get, path = "/v1/volumes", tag = "volumes", params(ListQuery), responses((status = 200, description = "Volumes", body = Vec<VolumeInfo>), (status = 400, description = "Invalid request", body = ErrorBody), (status = 401, description = "No valid token (TCP)", body = ErrorBody)))]
 async fn list_volumes(
     State(manager): State<Manager>,
     query: Result<Query<ListQuery>, QueryRejection>,
@@ -338,6 +348,7 @@ async fn list_volumes(
     .map(Json)
 }
 
+#[utoipa::path(post, path = "/v1/volumes", tag = "volumes", request_body = CreateRequest, responses((status = 201, description = "The new volume", body = VolumeInfo), (status = 404, description = "No such pool, volume or snapshot", body = ErrorBody), (status = 409, description = "Name taken or busy", body = ErrorBody), (status = 400, description = "Invalid request", body = ErrorBody), (status = 401, description = "No valid token (TCP)", body = ErrorBody)))]
 async fn create_volume(
     State(manager): State<Manager>,
     body: Result<Json<CreateRequest>, JsonRejection>,
@@ -355,6 +366,7 @@ async fn create_volume(
     Ok((StatusCode::CREATED, Json(info)))
 }
 
+#[utoipa::path(get, path = "/v1/volumes/{pool}/{name}", tag = "volumes", params(("pool" = String, Path, description = "Pool name"), ("name" = String, Path, description = "Volume name")), responses((status = 200, description = "The volume", body = VolumeInfo), (status = 404, description = "No such pool, volume or snapshot", body = ErrorBody), (status = 400, description = "Invalid request", body = ErrorBody), (status = 401, description = "No valid token (TCP)", body = ErrorBody)))]
 async fn get_volume(
     State(manager): State<Manager>,
     path: Result<Path<(String, String)>, PathRejection>,
@@ -365,6 +377,7 @@ async fn get_volume(
         .map(Json)
 }
 
+#[utoipa::path(patch, path = "/v1/volumes/{pool}/{name}", tag = "volumes", params(("pool" = String, Path, description = "Pool name"), ("name" = String, Path, description = "Volume name")), request_body = SetRequest, responses((status = 200, description = "The volume with its new properties", body = VolumeInfo), (status = 404, description = "No such pool, volume or snapshot", body = ErrorBody), (status = 400, description = "Invalid request", body = ErrorBody), (status = 401, description = "No valid token (TCP)", body = ErrorBody)))]
 async fn set_volume(
     State(manager): State<Manager>,
     path: Result<Path<(String, String)>, PathRejection>,
@@ -378,6 +391,7 @@ async fn set_volume(
         .map(Json)
 }
 
+#[utoipa::path(post, path = "/v1/volumes/{pool}/{name}/resize", tag = "volumes", params(("pool" = String, Path, description = "Pool name"), ("name" = String, Path, description = "Volume name")), request_body = ResizeRequest, responses((status = 200, description = "The resized volume", body = VolumeInfo), (status = 404, description = "No such pool, volume or snapshot", body = ErrorBody), (status = 400, description = "Invalid request", body = ErrorBody), (status = 401, description = "No valid token (TCP)", body = ErrorBody)))]
 async fn resize_volume(
     State(manager): State<Manager>,
     path: Result<Path<(String, String)>, PathRejection>,
@@ -391,6 +405,7 @@ async fn resize_volume(
         .map(Json)
 }
 
+#[utoipa::path(delete, path = "/v1/volumes/{pool}/{name}", tag = "volumes", params(("pool" = String, Path, description = "Pool name"), ("name" = String, Path, description = "Volume name")), responses((status = 204, description = "Deleted"), (status = 404, description = "No such pool, volume or snapshot", body = ErrorBody), (status = 409, description = "Name taken or busy", body = ErrorBody), (status = 400, description = "Invalid request", body = ErrorBody), (status = 401, description = "No valid token (TCP)", body = ErrorBody)))]
 async fn delete_volume(
     State(manager): State<Manager>,
     path: Result<Path<(String, String)>, PathRejection>,
@@ -400,19 +415,21 @@ async fn delete_volume(
     Ok(StatusCode::NO_CONTENT)
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 struct SnapshotRequest {
     /// `pool/volume@snapshot` names, taken at one consistency point.
     names: Vec<String>,
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
 struct SnapshotQuery {
     /// `pool/volume`: only its snapshots.
     volume: Option<String>,
 }
 
+#[utoipa::path(get, path = "/v1/snapshots", tag = "snapshots", params(SnapshotQuery), responses((status = 200, description = "Snapshots", body = Vec<SnapshotView>), (status = 400, description = "Invalid request", body = ErrorBody), (status = 401, description = "No valid token (TCP)", body = ErrorBody)))]
 async fn list_snapshots(
     State(manager): State<Manager>,
     query: Result<Query<SnapshotQuery>, QueryRejection>,
@@ -423,6 +440,7 @@ async fn list_snapshots(
         .map(Json)
 }
 
+#[utoipa::path(post, path = "/v1/snapshots", tag = "snapshots", request_body = SnapshotRequest, responses((status = 201, description = "The snapshots, taken at one consistency point", body = Vec<SnapshotView>), (status = 404, description = "No such pool, volume or snapshot", body = ErrorBody), (status = 409, description = "Name taken or busy", body = ErrorBody), (status = 400, description = "Invalid request", body = ErrorBody), (status = 401, description = "No valid token (TCP)", body = ErrorBody)))]
 async fn create_snapshots(
     State(manager): State<Manager>,
     body: Result<Json<SnapshotRequest>, JsonRejection>,
@@ -432,7 +450,7 @@ async fn create_snapshots(
     Ok((StatusCode::CREATED, Json(taken)))
 }
 
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Default, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 struct RollbackRequest {
     /// Delete the snapshots newer than this one first (`-r`).
@@ -444,6 +462,7 @@ struct RollbackRequest {
     force: bool,
 }
 
+#[utoipa::path(post, path = "/v1/snapshots/{pool}/{name}/rollback", tag = "snapshots", params(("pool" = String, Path, description = "Pool name"), ("name" = String, Path, description = "VOLUME@SNAPSHOT")), request_body = RollbackRequest, responses((status = 204, description = "The volume is what it was at the snapshot"), (status = 404, description = "No such pool, volume or snapshot", body = ErrorBody), (status = 409, description = "Name taken or busy", body = ErrorBody), (status = 400, description = "Invalid request", body = ErrorBody), (status = 401, description = "No valid token (TCP)", body = ErrorBody)))]
 async fn rollback_snapshot(
     State(manager): State<Manager>,
     path: Result<Path<(String, String)>, PathRejection>,
@@ -458,7 +477,7 @@ async fn rollback_snapshot(
     Ok(StatusCode::NO_CONTENT)
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 struct CloneRequest {
     /// `pool/name` of the new volume.
@@ -467,6 +486,7 @@ struct CloneRequest {
     properties: BTreeMap<String, Value>,
 }
 
+#[utoipa::path(post, path = "/v1/snapshots/{pool}/{name}/clone", tag = "snapshots", params(("pool" = String, Path, description = "Pool name"), ("name" = String, Path, description = "VOLUME@SNAPSHOT")), request_body = CloneRequest, responses((status = 201, description = "The clone", body = VolumeInfo), (status = 404, description = "No such pool, volume or snapshot", body = ErrorBody), (status = 409, description = "Name taken or busy", body = ErrorBody), (status = 400, description = "Invalid request", body = ErrorBody), (status = 401, description = "No valid token (TCP)", body = ErrorBody)))]
 async fn clone_snapshot(
     State(manager): State<Manager>,
     path: Result<Path<(String, String)>, PathRejection>,
@@ -482,6 +502,7 @@ async fn clone_snapshot(
     Ok((StatusCode::CREATED, Json(info)))
 }
 
+#[utoipa::path(post, path = "/v1/volumes/{pool}/{name}/promote", tag = "snapshots", params(("pool" = String, Path, description = "Pool name"), ("name" = String, Path, description = "Volume name")), responses((status = 200, description = "The promoted clone", body = VolumeInfo), (status = 404, description = "No such pool, volume or snapshot", body = ErrorBody), (status = 409, description = "Name taken or busy", body = ErrorBody), (status = 400, description = "Invalid request", body = ErrorBody), (status = 401, description = "No valid token (TCP)", body = ErrorBody)))]
 async fn promote_volume(
     State(manager): State<Manager>,
     path: Result<Path<(String, String)>, PathRejection>,
@@ -492,6 +513,7 @@ async fn promote_volume(
         .map(Json)
 }
 
+#[utoipa::path(delete, path = "/v1/snapshots/{pool}/{name}", tag = "snapshots", params(("pool" = String, Path, description = "Pool name"), ("name" = String, Path, description = "VOLUME@SNAPSHOT")), responses((status = 204, description = "Deleted (its space is freed in the background)"), (status = 404, description = "No such pool, volume or snapshot", body = ErrorBody), (status = 409, description = "Name taken or busy", body = ErrorBody), (status = 400, description = "Invalid request", body = ErrorBody), (status = 401, description = "No valid token (TCP)", body = ErrorBody)))]
 async fn delete_snapshot(
     State(manager): State<Manager>,
     path: Result<Path<(String, String)>, PathRejection>,
@@ -502,11 +524,13 @@ async fn delete_snapshot(
 }
 
 /// The daemon-wide iSCSI settings (`discovery_auth`, ...), secrets masked.
+#[utoipa::path(get, path = "/v1/iscsi", tag = "iscsi", responses((status = 200, description = "Daemon-wide iSCSI settings (secrets masked)", body = PropertyList), (status = 400, description = "Invalid request", body = ErrorBody), (status = 401, description = "No valid token (TCP)", body = ErrorBody)))]
 async fn get_iscsi(State(manager): State<Manager>) -> ApiResult<Json<Value>> {
     let rows = blocking(&manager, |m| Ok(m.iscsi_settings())).await?;
     Ok(Json(json!({ "properties": rows })))
 }
 
+#[utoipa::path(patch, path = "/v1/iscsi", tag = "iscsi", request_body = SetRequest, responses((status = 200, description = "The settings after the change", body = PropertyList), (status = 400, description = "Invalid request", body = ErrorBody), (status = 401, description = "No valid token (TCP)", body = ErrorBody)))]
 async fn set_iscsi(
     State(manager): State<Manager>,
     body: Result<Json<SetRequest>, JsonRejection>,
@@ -529,6 +553,7 @@ async fn no_such_endpoint(method: Method, uri: Uri) -> ApiError {
 /// token it asks for.
 const DASHBOARD: &str = include_str!("ui/dashboard.html");
 
+#[utoipa::path(get, path = "/ui", tag = "analytics", responses((status = 200, description = "The dashboard page (HTML; no token needed for the page itself)", body = String, content_type = "text/html")))]
 async fn dashboard() -> Response {
     (
         [
@@ -544,6 +569,7 @@ async fn dashboard() -> Response {
         .into_response()
 }
 
+#[utoipa::path(get, path = "/v1/analytics", tag = "analytics", responses((status = 200, description = "What is recorded and kept", body = analytics::Status), (status = 400, description = "Invalid request", body = ErrorBody), (status = 401, description = "No valid token (TCP)", body = ErrorBody)))]
 async fn analytics_status(State(manager): State<Manager>) -> Json<analytics::Status> {
     let analytics = manager.analytics();
     let recorders = analytics.recorders();
@@ -566,6 +592,7 @@ fn analytics_query<T>(
         .map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, e))
 }
 
+#[utoipa::path(get, path = "/v1/analytics/stats", tag = "analytics", params(analytics::Params), responses((status = 200, description = "Totals, percentiles and a breakdown of a range", body = analytics::Stats), (status = 400, description = "Invalid request", body = ErrorBody), (status = 401, description = "No valid token (TCP)", body = ErrorBody)))]
 async fn analytics_stats(
     State(manager): State<Manager>,
     query: Result<Query<analytics::Params>, QueryRejection>,
@@ -573,6 +600,7 @@ async fn analytics_stats(
     analytics_query(&manager, query, analytics::stats)
 }
 
+#[utoipa::path(get, path = "/v1/analytics/heatmap", tag = "analytics", params(analytics::Params), responses((status = 200, description = "Latency heat map: requests per time row and latency bucket", body = analytics::HeatMap), (status = 400, description = "Invalid request", body = ErrorBody), (status = 401, description = "No valid token (TCP)", body = ErrorBody)))]
 async fn analytics_heatmap(
     State(manager): State<Manager>,
     query: Result<Query<analytics::Params>, QueryRejection>,
@@ -580,6 +608,7 @@ async fn analytics_heatmap(
     analytics_query(&manager, query, analytics::heatmap)
 }
 
+#[utoipa::path(get, path = "/v1/analytics/rates", tag = "analytics", params(analytics::Params), responses((status = 200, description = "Per-row totals of each breakdown entry", body = analytics::Rates), (status = 400, description = "Invalid request", body = ErrorBody), (status = 401, description = "No valid token (TCP)", body = ErrorBody)))]
 async fn analytics_rates(
     State(manager): State<Manager>,
     query: Result<Query<analytics::Params>, QueryRejection>,
@@ -587,6 +616,7 @@ async fn analytics_rates(
     analytics_query(&manager, query, analytics::rates)
 }
 
+#[utoipa::path(get, path = "/v1/analytics/offsets", tag = "analytics", params(analytics::Params), responses((status = 200, description = "Requests per region of a volume over time", body = analytics::OffsetMap), (status = 400, description = "Invalid request", body = ErrorBody), (status = 401, description = "No valid token (TCP)", body = ErrorBody)))]
 async fn analytics_offsets(
     State(manager): State<Manager>,
     query: Result<Query<analytics::Params>, QueryRejection>,
@@ -599,6 +629,62 @@ async fn method_not_allowed(method: Method, uri: Uri) -> ApiError {
         StatusCode::METHOD_NOT_ALLOWED,
         format!("method {method} is not allowed on {}; see GET /v1", uri.path()),
     )
+}
+
+/// Every error answer's body.
+#[derive(utoipa::ToSchema)]
+#[allow(dead_code)]
+pub(super) struct ErrorBody {
+    /// One line saying what went wrong.
+    error: String,
+}
+
+/// `{"properties": [...]}`: the iSCSI settings.
+#[derive(utoipa::ToSchema)]
+#[allow(dead_code)]
+struct PropertyList {
+    properties: Vec<crate::volume::props::PropertyRow>,
+}
+
+/// The OpenAPI 3 description of this API, generated from the handlers'
+/// annotations (`GET /openapi.json`; CI validates it).
+#[derive(utoipa::OpenApi)]
+#[openapi(
+    info(
+        title = "strata",
+        description = "The strata daemon's REST API: pools, volumes, snapshots, send/receive, iSCSI settings and analytics. Over TCP every request but an open GET /metrics, GET /ui and GET /openapi.json carries `Authorization: Bearer TOKEN` (the token in DATA_DIR/api.token); the Unix socket DATA_DIR/api.sock needs none. Errors are `{\"error\": \"...\"}`."
+    ),
+    paths(
+        index, metrics, openapi, dashboard, list_pools, create_pool, get_pool, add_device, sync_pool, list_volumes,
+        create_volume, get_volume, set_volume, resize_volume, delete_volume, promote_volume, list_snapshots,
+        create_snapshots, delete_snapshot, rollback_snapshot, clone_snapshot, super::send::send,
+        super::send::receive, super::send::receive_status, super::send::abort_receive, get_iscsi, set_iscsi,
+        analytics_status, analytics_stats, analytics_heatmap, analytics_rates, analytics_offsets
+    ),
+    components(schemas(ErrorBody)),
+    modifiers(&BearerToken),
+    security(("bearer" = []))
+)]
+pub struct ApiDoc;
+
+struct BearerToken;
+
+impl utoipa::Modify for BearerToken {
+    fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
+        use utoipa::openapi::security::{Http, HttpAuthScheme, SecurityScheme};
+        let components = openapi.components.get_or_insert_with(Default::default);
+        components.add_security_scheme("bearer", SecurityScheme::Http(Http::new(HttpAuthScheme::Bearer)));
+    }
+}
+
+#[utoipa::path(get, path = "/openapi.json", tag = "meta", responses((status = 200, description = "This OpenAPI 3 description", body = Object)))]
+async fn openapi() -> Response {
+    use utoipa::OpenApi;
+    (
+        [(header::CONTENT_TYPE, "application/json")],
+        ApiDoc::openapi().to_pretty_json().unwrap_or_default(),
+    )
+        .into_response()
 }
 
 /// The API's routes, every one behind the authentication middleware.
@@ -631,6 +717,7 @@ pub fn router(manager: Arc<VolumeManager>, auth: Arc<ApiAuth>) -> Router {
         )
         .route("/v1/iscsi", get(get_iscsi).patch(set_iscsi))
         .route("/ui", get(dashboard))
+        .route("/openapi.json", get(openapi))
         .route("/v1/analytics", get(analytics_status))
         .route("/v1/analytics/stats", get(analytics_stats))
         .route("/v1/analytics/heatmap", get(analytics_heatmap))

@@ -4,8 +4,8 @@
 //! - the Unix socket in the data directory (mode 0660, the daemon's owner
 //!   and an optional group): reaching it is the credential, checked by the
 //!   kernel's file permissions; the caller is named by its peer uid;
-//! - TCP, where every request but an open `GET /metrics` and the
-//!   dashboard's page (`GET /ui`, no data in it) carries
+//! - TCP, where every request but an open `GET /metrics`, the dashboard's
+//!   page (`GET /ui`, no data in it) and `GET /openapi.json` carries
 //!   `Authorization: Bearer TOKEN`, the token created at first start in
 //!   `DATA_DIR/api.token` (mode 0600). The token is named in logs by its id,
 //!   the first 8 hex digits of its SHA-256, never by itself.
@@ -111,9 +111,10 @@ impl ApiAuth {
                 if self.metrics_open && request.uri().path() == "/metrics" && request.method() == Method::GET {
                     return Ok(format!("{peer} (open /metrics)"));
                 }
-                // The dashboard's page holds no data: it asks for the token
-                // and sends it with every request it makes.
-                if request.uri().path() == "/ui" && request.method() == Method::GET {
+                // The dashboard's page and the API's description hold no
+                // data: the page asks for the token and sends it with every
+                // request it makes.
+                if matches!(request.uri().path(), "/ui" | "/openapi.json") && request.method() == Method::GET {
                     return Ok(format!("{peer} (dashboard page)"));
                 }
                 let anonymous = format!("{peer} (no valid token)");

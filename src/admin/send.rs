@@ -50,8 +50,9 @@ impl hyper::body::Body for ChannelBody {
 
 type Manager = Arc<VolumeManager>;
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::IntoParams)]
 #[serde(deny_unknown_fields)]
+#[into_params(parameter_in = Query)]
 pub(super) struct SendQuery {
     /// The base snapshot (`A`, `@A` or `POOL/VOL@A`) of an incremental stream.
     from: Option<String>,
@@ -60,6 +61,7 @@ pub(super) struct SendQuery {
 }
 
 /// `GET /v1/snapshots/{pool}/{vol@snap}/send[?from=A][&resume=TOKEN]`.
+#[utoipa::path(get, path = "/v1/snapshots/{pool}/{name}/send", tag = "send", params(("pool" = String, Path, description = "Pool name"), ("name" = String, Path, description = "VOLUME@SNAPSHOT"), SendQuery), responses((status = 200, description = "The send stream (chunked; its length in the x-strata-stream-bytes header)", body = Vec<u8>, content_type = "application/octet-stream"), (status = 400, description = "Invalid request", body = super::api::ErrorBody), (status = 401, description = "No valid token (TCP)", body = super::api::ErrorBody), (status = 404, description = "No such volume or snapshot", body = super::api::ErrorBody)))]
 pub(super) async fn send(
     State(manager): State<Manager>,
     path: Result<Path<(String, String)>, PathRejection>,
@@ -89,8 +91,9 @@ pub(super) async fn send(
         .into_response())
 }
 
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Default, Deserialize, utoipa::IntoParams)]
 #[serde(deny_unknown_fields)]
+#[into_params(parameter_in = Query)]
 pub(super) struct ReceiveQuery {
     /// The body continues a pending receive (`send -t TOKEN`).
     #[serde(default)]
@@ -100,6 +103,7 @@ pub(super) struct ReceiveQuery {
 /// `POST /v1/volumes/{pool}/{name}/receive[?resume=true]`: the body is a
 /// send stream. Answers 201 with what was received, or an error whose
 /// JSON carries `resume_token` when the receive can be resumed.
+#[utoipa::path(post, path = "/v1/volumes/{pool}/{name}/receive", tag = "send", params(("pool" = String, Path, description = "Pool name"), ("name" = String, Path, description = "Volume name"), ReceiveQuery), request_body(content = Vec<u8>, content_type = "application/octet-stream", description = "A send stream"), responses((status = 201, description = "What was received", body = Object), (status = 400, description = "Invalid request", body = super::api::ErrorBody), (status = 401, description = "No valid token (TCP)", body = super::api::ErrorBody), (status = 404, description = "No such volume or snapshot", body = super::api::ErrorBody)))]
 pub(super) async fn receive(
     State(manager): State<Manager>,
     path: Result<Path<(String, String)>, PathRejection>,
@@ -154,6 +158,7 @@ pub(super) async fn receive(
 }
 
 /// `GET /v1/volumes/{pool}/{name}/receive`: the pending receive and its token.
+#[utoipa::path(get, path = "/v1/volumes/{pool}/{name}/receive", tag = "send", params(("pool" = String, Path, description = "Pool name"), ("name" = String, Path, description = "Volume name")), responses((status = 200, description = "The pending receive and its resume token", body = Object), (status = 400, description = "Invalid request", body = super::api::ErrorBody), (status = 401, description = "No valid token (TCP)", body = super::api::ErrorBody), (status = 404, description = "No such volume or snapshot", body = super::api::ErrorBody)))]
 pub(super) async fn receive_status(
     State(manager): State<Manager>,
     path: Result<Path<(String, String)>, PathRejection>,
@@ -167,6 +172,7 @@ pub(super) async fn receive_status(
 }
 
 /// `DELETE /v1/volumes/{pool}/{name}/receive`: discards the pending receive.
+#[utoipa::path(delete, path = "/v1/volumes/{pool}/{name}/receive", tag = "send", params(("pool" = String, Path, description = "Pool name"), ("name" = String, Path, description = "Volume name")), responses((status = 204, description = "The pending receive was discarded"), (status = 400, description = "Invalid request", body = super::api::ErrorBody), (status = 401, description = "No valid token (TCP)", body = super::api::ErrorBody), (status = 404, description = "No such volume or snapshot", body = super::api::ErrorBody)))]
 pub(super) async fn abort_receive(
     State(manager): State<Manager>,
     path: Result<Path<(String, String)>, PathRejection>,

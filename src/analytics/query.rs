@@ -42,8 +42,9 @@ impl Dim {
 }
 
 /// Query parameters shared by the analytics endpoints.
-#[derive(Debug, Clone, Default, Deserialize)]
+#[derive(Debug, Clone, Default, Deserialize, utoipa::IntoParams)]
 #[serde(deny_unknown_fields)]
+#[into_params(parameter_in = Query)]
 pub struct Params {
     /// First second (Unix time; zero or negative: relative to the newest
     /// second, `-59` = the last minute). Default: the last minute.
@@ -201,7 +202,7 @@ impl Plan<'_> {
 }
 
 /// Totals over a range (or one breakdown entry of it).
-#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, utoipa::ToSchema)]
 pub struct Totals {
     pub ops: u64,
     pub bytes: u64,
@@ -261,7 +262,7 @@ impl Sum {
 }
 
 /// A breakdown entry: the dimension values (joined by spaces in `name`).
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, utoipa::ToSchema)]
 pub struct Entry {
     pub name: String,
     pub key: BTreeMap<String, String>,
@@ -270,7 +271,7 @@ pub struct Entry {
 }
 
 /// `GET /v1/analytics/stats`.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, utoipa::ToSchema)]
 pub struct Stats {
     pub from: u64,
     pub to: u64,
@@ -339,7 +340,7 @@ pub fn stats(history: &History, params: &Params) -> Result<Stats, String> {
 }
 
 /// `GET /v1/analytics/heatmap`: counts per (row of time, latency bucket).
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, utoipa::ToSchema)]
 pub struct HeatMap {
     pub step: u64,
     /// Start of each row (Unix seconds); rows with no frame are absent.
@@ -354,7 +355,7 @@ pub struct HeatMap {
     pub series: Vec<HeatSeries>,
 }
 
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, utoipa::ToSchema)]
 pub struct HeatSeries {
     pub name: String,
     pub ops: u64,
@@ -440,14 +441,14 @@ pub fn heatmap(history: &History, params: &Params) -> Result<HeatMap, String> {
 
 /// `GET /v1/analytics/rates`: per row of time, totals of each breakdown
 /// entry (or of everything kept, named `all`).
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, utoipa::ToSchema)]
 pub struct Rates {
     pub step: u64,
     pub times: Vec<u64>,
     pub series: Vec<RateSeries>,
 }
 
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, utoipa::ToSchema)]
 pub struct RateSeries {
     pub name: String,
     /// One per time row.
@@ -498,7 +499,7 @@ pub fn rates(history: &History, params: &Params) -> Result<Rates, String> {
 }
 
 /// `GET /v1/analytics/offsets`: requests per region of one volume.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, utoipa::ToSchema)]
 pub struct OffsetMap {
     pub volume: String,
     pub step: u64,
@@ -551,7 +552,7 @@ pub fn offsets(history: &History, params: &Params) -> Result<OffsetMap, String> 
 }
 
 /// `GET /v1/analytics`: what is kept and what it costs.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, utoipa::ToSchema)]
 pub struct Status {
     /// Whether connections record (`strata serve --no-analytics` turns it off).
     pub enabled: bool,

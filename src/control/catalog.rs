@@ -59,7 +59,7 @@ pub struct PoolRecord {
     pub snapshot_guids: BTreeMap<u32, u64>,
 }
 
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct DeviceRecord {
     pub path: String,
     pub role: crate::pool::superblock::Role,

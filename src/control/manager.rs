@@ -63,7 +63,7 @@ impl From<PropError> for AdminError {
 }
 
 /// What `volume list` and `volume get` show.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct VolumeInfo {
     /// `pool/name`.
     pub name: String,
@@ -78,7 +78,7 @@ pub struct VolumeInfo {
 }
 
 /// What `pool status` shows.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct PoolStatus {
     pub name: String,
     pub uuid: String,
@@ -116,7 +116,7 @@ pub struct PoolStatus {
 
 /// The pool's RAM: the write-back cache (dirty data in the RAM tier) and
 /// the read cache. Counters run since the daemon started.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct PoolCacheStatus {
     /// Written data held in the RAM tier, not yet at its place on a device.
     pub dirty_bytes: u64,

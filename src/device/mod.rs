@@ -433,7 +433,7 @@ impl DeviceError {
 pub type DeviceResult<T> = Result<T, DeviceError>;
 
 /// The space a file device stands on (see [`Device::backing_space`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize, utoipa::ToSchema)]
 pub struct BackingSpace {
     /// Bytes of the file the file system has allocated.
     pub backed_bytes: u64,

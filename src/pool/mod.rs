@@ -181,7 +181,7 @@ pub struct PoolDevice {
 }
 
 /// What `pool status` shows per device.
-#[derive(Debug, Clone, serde::Serialize, serde::Deserialize, PartialEq, Eq)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize, PartialEq, Eq, utoipa::ToSchema)]
 pub struct DeviceStatus {
     pub index: u8,
     pub name: String,

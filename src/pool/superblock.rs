@@ -15,7 +15,9 @@ const MEMBER_BYTES: usize = 32;
 const CRC_OFFSET: usize = SUPERBLOCK_BYTES - 4;
 
 /// What a device is for.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, serde::Deserialize)]
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, serde::Deserialize, utoipa::ToSchema,
+)]
 #[serde(rename_all = "lowercase")]
 pub enum Role {
     /// SSD/NVMe: data (the fastest persistent tier), metadata, and the log

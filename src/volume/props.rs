@@ -77,7 +77,7 @@ pub struct StoredProps {
 }
 
 /// One row of `strata volume get`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct PropertyRow {
     pub property: String,
     pub value: String,

@@ -84,6 +84,8 @@ try:
     wait_for("a column's percentiles", lambda: "p99" in driver.find_element(By.ID, "selection").text)
     wait_for("the offset map", lambda: driver.execute_script(
         "return document.getElementById('offvol').value !== ''"))
+    # The pointer off the map (no tooltip in the screenshot).
+    webdriver.ActionChains(driver).move_to_element(driver.find_element(By.TAG_NAME, "h1")).perform()
     time.sleep(1.5)
     driver.save_screenshot(shot)
     for entry in driver.get_log("browser"):

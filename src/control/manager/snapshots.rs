@@ -8,7 +8,7 @@ use crate::pool::snapshots::{SnapshotInfo, SnapshotRequest};
 use std::sync::Weak;
 
 /// What `snapshot list` shows.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct SnapshotView {
     /// `pool/volume@snapshot`
     pub name: String,
