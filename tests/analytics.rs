@@ -17,6 +17,17 @@ fn get(server: &common::Server, path: &str) -> Value {
     serde_json::from_str(body).unwrap_or_else(|e| panic!("GET {path}: {e}: {body}"))
 }
 
+/// The sum of a JSON matrix of counts (rows of numbers).
+fn matrix_sum(matrix: &Value) -> u64 {
+    matrix
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|row| row.as_array().unwrap())
+        .map(|c| c.as_u64().unwrap())
+        .sum()
+}
+
 fn latest(server: &common::Server) -> u64 {
     get(server, "/v1/analytics")["latest"].as_u64().unwrap_or(0)
 }
@@ -104,13 +115,7 @@ fn every_request_is_counted_once_by_volume_protocol_op_and_client() {
         &server,
         &format!("/v1/analytics/heatmap?from={start}&to={to}&volume=default/a&by=op"),
     );
-    let cells: u64 = map["counts"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .flat_map(|row| row.as_array().unwrap())
-        .map(|c| c.as_u64().unwrap())
-        .sum();
+    let cells = matrix_sum(&map["counts"]);
     assert_eq!(cells, 4096 + 2048 + ops("default/a", "nbd", "flush"));
     let reads = map["series"]
         .as_array()
@@ -118,13 +123,7 @@ fn every_request_is_counted_once_by_volume_protocol_op_and_client() {
         .iter()
         .find(|s| s["name"] == "read")
         .expect("a read series");
-    let read_cells: u64 = reads["counts"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .flat_map(|row| row.as_array().unwrap())
-        .map(|c| c.as_u64().unwrap())
-        .sum();
+    let read_cells = matrix_sum(&reads["counts"]);
     assert_eq!(read_cells, 2048);
     assert_eq!(
         map["buckets"].as_array().unwrap().len(),
@@ -155,9 +154,53 @@ fn every_request_is_counted_once_by_volume_protocol_op_and_client() {
         .sum();
     assert_eq!(first_region, 10);
 
+    // Where the time went: reads never wait for log commits; on a
+    // sync=always volume (below) writes do.
+    let commit_reads = get(
+        &server,
+        &format!("/v1/analytics/stats?from={start}&to={to}&volume=default/a&op=read&phase=commit"),
+    );
+    assert_eq!(commit_reads["ops"].as_u64(), Some(0), "{commit_reads:#}");
+    let queued = get(
+        &server,
+        &format!("/v1/analytics/stats?from={start}&to={to}&volume=default/a&op=read&phase=queued"),
+    );
+    assert!(queued["ops"].as_u64().unwrap() > 0, "{queued:#}");
+    server.create_volume("default/c", "64M");
+    server.set_property("default/c", "sync", "always");
+    common::stdout_of(Command::new("fio").args([
+        "--name=c",
+        "--ioengine=nbd",
+        &format!("--uri={}", server.uri("default/c")),
+        "--rw=randwrite",
+        "--bs=4k",
+        "--iodepth=4",
+        "--size=2M",
+        "--output-format=terse",
+    ]));
+    settle(&server);
+    let to = latest(&server);
+    let all = get(
+        &server,
+        &format!("/v1/analytics/stats?from={start}&to={to}&volume=default/c&op=write"),
+    );
+    assert_eq!(all["ops"].as_u64(), Some(512), "{all:#}");
+    let waited = get(
+        &server,
+        &format!("/v1/analytics/stats?from={start}&to={to}&volume=default/c&op=write&phase=commit"),
+    );
+    let waits = waited["ops"].as_u64().unwrap();
+    assert!(
+        (460..=512).contains(&waits),
+        "{waits} of 512 synchronous writes waited for a commit"
+    );
+    assert!(waited["p50_ns"].as_u64().unwrap() <= all["p99_ns"].as_u64().unwrap());
+
     // Bad parameters get a 400 with a message.
     let bad = common::http(&server.api, "GET", "/v1/analytics/stats?by=colour", "");
     assert!(bad.starts_with("HTTP/1.1 400") && bad.contains("colour"), "{bad}");
+    let phase = common::http(&server.api, "GET", "/v1/analytics/stats?phase=disk", "");
+    assert!(phase.starts_with("HTTP/1.1 400") && phase.contains("phase"), "{phase}");
     let typo = common::http(&server.api, "GET", "/v1/analytics/stats?volumes=x", "");
     assert!(typo.starts_with("HTTP/1.1 400"), "{typo}");
 }

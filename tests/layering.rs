@@ -17,6 +17,7 @@ const LAYERS: &[&[&str]] = &[
     &["device"],
     &["meta"],
     &["volume"],
+    &["analytics"],
     &["pool"],
     &["control"],
     &["scsi"],

@@ -149,10 +149,93 @@ impl Sparse {
     }
 }
 
+/// Several histograms packed for keeping: per histogram its number of
+/// buckets, then per bucket the distance from the previous bucket and the
+/// count, each a LEB128 varint (two or three bytes a bucket instead of
+/// the eight of a `(u8, u32)`; what an hour of history is made of).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Packed(Box<[u8]>);
+
+fn put_varint(out: &mut Vec<u8>, mut value: u64) {
+    while value >= 0x80 {
+        out.push(value as u8 | 0x80);
+        value >>= 7;
+    }
+    out.push(value as u8);
+}
+
+fn get_varint(bytes: &[u8], at: &mut usize) -> u64 {
+    let mut value = 0u64;
+    let mut shift = 0;
+    while let Some(&byte) = bytes.get(*at) {
+        *at += 1;
+        value |= u64::from(byte & 0x7f) << shift;
+        if byte & 0x80 == 0 || shift >= 63 {
+            break;
+        }
+        shift += 7;
+    }
+    value
+}
+
+impl Packed {
+    pub fn new(hists: &[&Sparse]) -> Packed {
+        let mut out = Vec::new();
+        for hist in hists {
+            put_varint(&mut out, hist.0.len() as u64);
+            let mut previous = 0;
+            for (index, count) in &hist.0 {
+                put_varint(&mut out, u64::from(*index - previous));
+                put_varint(&mut out, u64::from(*count));
+                previous = *index;
+            }
+        }
+        Packed(out.into_boxed_slice())
+    }
+
+    /// Histogram `which` (in the order given to [`Packed::new`]; empty if
+    /// there are fewer).
+    pub fn get(&self, which: usize) -> Sparse {
+        let mut at = 0;
+        for current in 0..=which {
+            let len = get_varint(&self.0, &mut at) as usize;
+            if current == which {
+                let mut hist = Vec::with_capacity(len.min(BUCKETS));
+                let mut index = 0u64;
+                for _ in 0..len {
+                    index += get_varint(&self.0, &mut at);
+                    let count = get_varint(&self.0, &mut at);
+                    hist.push((index.min(BUCKETS as u64 - 1) as u8, count.min(u32::MAX as u64) as u32));
+                }
+                return Sparse(hist);
+            }
+            for _ in 0..2 * len {
+                get_varint(&self.0, &mut at);
+            }
+        }
+        Sparse::default()
+    }
+
+    pub fn heap_bytes(&self) -> usize {
+        self.0.len()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    #[test]
+    fn packed_histograms_come_back_whole() {
+        let a = Sparse(vec![(0, 1), (7, 300), (199, u32::MAX)]);
+        let b = Sparse::default();
+        let c = Sparse(vec![(16, 70_000)]);
+        let packed = Packed::new(&[&a, &b, &c]);
+        assert_eq!((packed.get(0), packed.get(1), packed.get(2)), (a, b, c));
+        assert_eq!(packed.get(3), Sparse::default());
+        assert!(packed.heap_bytes() < 20);
+    }
 
     #[test]
     fn buckets_tile_the_range_in_order() {

@@ -5,6 +5,7 @@
 //! See ARCHITECTURE.md, "Analytics".
 
 pub mod hist;
+pub mod phase;
 pub mod query;
 pub mod record;
 

@@ -66,10 +66,24 @@ pub struct Params {
     pub max_ns: Option<u64>,
     /// At most this many breakdown entries (the rest are summed as `other`). Default 10.
     pub top: Option<usize>,
+    /// Which time: `total` (arrival to reply, the default), `queued`
+    /// (before the request ran) or `commit` (waiting for intent-log
+    /// commits). With a part, only the requests that spent time in it
+    /// count.
+    pub phase: Option<String>,
+}
+
+/// Which part of the requests' latency a query looks at.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    Total,
+    Queued,
+    Commit,
 }
 
 /// A resolved query: the frames it covers and what it keeps of them.
 struct Plan<'a> {
+    phase: Phase,
     frames: Vec<&'a Frame>,
     step: u64,
     from: u64,
@@ -88,6 +102,12 @@ fn plan<'a>(history: &'a History, params: &'a Params) -> Result<Plan<'a>, String
             return Err(format!("unknown protocol '{protocol}' (nbd or iscsi)"));
         }
     }
+    let phase = match params.phase.as_deref() {
+        None | Some("total") => Phase::Total,
+        Some("queued") => Phase::Queued,
+        Some("commit") => Phase::Commit,
+        Some(other) => return Err(format!("unknown phase '{other}' (total, queued or commit)")),
+    };
     if let Some(op) = &params.op {
         if !crate::volume::stats::OPS.iter().any(|o| o.as_str() == op) {
             return Err(format!("unknown operation '{op}'"));
@@ -95,6 +115,7 @@ fn plan<'a>(history: &'a History, params: &'a Params) -> Result<Plan<'a>, String
     }
     let Some(latest) = history.latest() else {
         return Ok(Plan {
+            phase,
             frames: Vec::new(),
             step: 1,
             from: 0,
@@ -153,6 +174,7 @@ fn plan<'a>(history: &'a History, params: &'a Params) -> Result<Plan<'a>, String
             .collect()
     };
     Ok(Plan {
+        phase,
         frames,
         step,
         from,
@@ -171,17 +193,24 @@ impl Plan<'_> {
             && p.client.as_deref().is_none_or(|v| v == &*s.client)
     }
 
+    /// Whether only some of a series' requests count (those in a latency
+    /// band, or those that spent time in a part of the latency).
     fn banded(&self) -> bool {
-        self.params.min_ns.is_some() || self.params.max_ns.is_some()
+        self.params.min_ns.is_some() || self.params.max_ns.is_some() || self.phase != Phase::Total
     }
 
-    /// The series' latencies, within the band if one was asked for.
+    /// The series' latencies (or the part asked for), within the band if
+    /// one was asked for.
     fn latency(&self, s: &Series) -> Sparse {
-        if self.banded() {
-            s.latency
-                .band(self.params.min_ns.unwrap_or(0), self.params.max_ns.unwrap_or(u64::MAX))
+        let times = match self.phase {
+            Phase::Total => s.latency(),
+            Phase::Queued => s.queued(),
+            Phase::Commit => s.commit(),
+        };
+        if self.params.min_ns.is_some() || self.params.max_ns.is_some() {
+            times.band(self.params.min_ns.unwrap_or(0), self.params.max_ns.unwrap_or(u64::MAX))
         } else {
-            s.latency.clone()
+            times
         }
     }
 
@@ -539,8 +568,8 @@ pub fn offsets(history: &History, params: &Params) -> Result<OffsetMap, String> 
         match found {
             Some(o) => {
                 map.size_bytes = o.size_bytes;
-                map.reads.push(dense(&o.reads));
-                map.writes.push(dense(&o.writes));
+                map.reads.push(dense(&o.reads()));
+                map.writes.push(dense(&o.writes()));
             }
             None => {
                 map.reads.push(vec![0; OFFSET_BUCKETS]);
@@ -592,10 +621,17 @@ mod tests {
         let b = analytics.recorder(Protocol::Iscsi, "iqn.b", "p/b", 1 << 30).unwrap();
         for second in 100..110 {
             for _ in 0..100 {
-                a.record(Op::Read, 0, 4096, Duration::from_micros(40), true);
+                a.record(Op::Read, 0, 4096, Duration::from_micros(40), true, Default::default());
             }
             for _ in 0..10 {
-                b.record(Op::Write, 1 << 29, 8192, Duration::from_millis(3), true);
+                b.record(
+                    Op::Write,
+                    1 << 29,
+                    8192,
+                    Duration::from_millis(3),
+                    true,
+                    Default::default(),
+                );
             }
             analytics.collect(second);
         }

@@ -173,7 +173,10 @@ impl Pool {
     /// `Pool::releasing`).
     async fn commit_and_release(&self, reserve: bool) -> Result<(), LogError> {
         let _releasing = self.releasing.read().await;
-        let frees = self.log.commit(|| self.flush_data_devices(), reserve).await?;
+        let waited = std::time::Instant::now();
+        let committed = self.log.commit(|| self.flush_data_devices(), reserve).await;
+        crate::analytics::phase::add_commit_wait(waited);
+        let frees = committed?;
         self.release_frees(frees).await;
         Ok(())
     }
@@ -214,7 +217,10 @@ impl Pool {
     /// pending needs the data devices flushed first, else a full commit.
     pub(crate) async fn commit_marks(&self) -> Result<(), PoolError> {
         let releasing = self.releasing.read().await;
-        match self.log.commit_marks().await {
+        let waited = std::time::Instant::now();
+        let committed = self.log.commit_marks().await;
+        crate::analytics::phase::add_commit_wait(waited);
+        match committed {
             Ok(Some(frees)) => {
                 self.release_frees(frees).await;
                 Ok(())

@@ -788,17 +788,31 @@ impl Session<'_> {
         let recorder = self.recorder.clone();
         let started = std::time::Instant::now();
         crate::frontend::run_or_spawn(async move {
-            let outcome = match out_bytes {
-                Some(spdtl) if data_out.len() != spdtl => match unit.fit_write_data(&command, data_out, spdtl).await {
-                    Ok(data_out) => unit.execute(&nexus, &command, data_out).await,
-                    Err(sense) => Outcome::check(sense),
-                },
-                _ => unit.execute(&nexus, &command, data_out).await,
+            let queued = started.elapsed();
+            let run = async {
+                match out_bytes {
+                    Some(spdtl) if data_out.len() != spdtl => {
+                        match unit.fit_write_data(&command, data_out, spdtl).await {
+                            Ok(data_out) => unit.execute(&nexus, &command, data_out).await,
+                            Err(sense) => Outcome::check(sense),
+                        }
+                    }
+                    _ => unit.execute(&nexus, &command, data_out).await,
+                }
             };
-            if let (Some(recorder), Some((op, offset, bytes))) = (&recorder, analytics_op(&command)) {
-                let ok = outcome.status == status::GOOD;
-                recorder.record(op, offset, if ok { bytes } else { 0 }, started.elapsed(), ok);
-            }
+            let outcome = match (&recorder, analytics_op(&command)) {
+                (Some(recorder), Some((op, offset, bytes))) => {
+                    let (outcome, phases) = crate::analytics::phase::measure(run).await;
+                    let ok = outcome.status == status::GOOD;
+                    let split = crate::analytics::record::Split {
+                        queued_ns: queued.as_nanos() as u64,
+                        commit_ns: phases.commit_ns.get(),
+                    };
+                    recorder.record(op, offset, if ok { bytes } else { 0 }, started.elapsed(), ok, split);
+                    outcome
+                }
+                _ => run.await,
+            };
             let batch = response_frames(itt, lun, edtl, out_bytes, outcome, &params);
             let aborted = shared.tasks().remove(&itt).unwrap_or(false);
             shared.inflight.fetch_sub(1, Ordering::AcqRel);

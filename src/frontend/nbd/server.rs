@@ -31,6 +31,8 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use super::proto::{self, cflag, chunk, cmd, info, opt, rep, ClientOption, Negotiated, Request};
 use super::tls::{self, Access, NbdTls, Peer, TlsMode};
+use crate::analytics::phase;
+use crate::analytics::record::Split;
 use crate::analytics::Recorder;
 use crate::control::manager::{VolumeManager, DEFAULT_POOL, DEFAULT_VOLUME};
 use crate::device::ReadBuffers;
@@ -1128,19 +1130,42 @@ async fn execute(
     received: Instant,
     buffers: &ReadBuffers,
 ) -> ReplyBytes {
+    let op = op_of(request.kind);
+    let offset = request.offset;
+    let Some(recorder) = recorder else {
+        let (bytes, moved, ok) = run(volume, request, payload, negotiated, buffers).await;
+        volume.stats().record(Protocol::Nbd, op, moved, received.elapsed(), ok);
+        return bytes;
+    };
+    // Analytics: what it waited for before it ran, and for log commits.
+    let queued = received.elapsed();
+    let ((bytes, moved, ok), phases) = phase::measure(run(volume, request, payload, negotiated, buffers)).await;
+    let latency = received.elapsed();
+    volume.stats().record(Protocol::Nbd, op, moved, latency, ok);
+    let split = Split {
+        queued_ns: queued.as_nanos() as u64,
+        commit_ns: phases.commit_ns.get(),
+    };
+    recorder.record(op, offset, moved, latency, ok, split);
+    bytes
+}
+
+/// Runs one request: its reply, the bytes it moved (read or written) and
+/// whether it succeeded.
+async fn run(
+    volume: &Volume,
+    request: Request,
+    payload: Option<IoBuf>,
+    negotiated: Negotiated,
+    buffers: &ReadBuffers,
+) -> (ReplyBytes, u64, bool) {
     let fua = request.flags & cflag::FUA != 0;
     let offset = request.offset;
     let length = request.length as u64;
-    let op = op_of(request.kind);
     let result = match request.kind {
         cmd::READ => {
             let (bytes, ok) = read_reply(volume, &request, &negotiated, buffers).await;
-            let latency = received.elapsed();
-            volume.stats().record(Protocol::Nbd, op, length, latency, ok);
-            if let Some(recorder) = recorder {
-                recorder.record(op, offset, length, latency, ok);
-            }
-            return bytes;
+            return (bytes, length, ok);
         }
         cmd::WRITE => volume
             .write(offset, payload.unwrap_or_default(), fua)
@@ -1159,18 +1184,12 @@ async fn execute(
         cmd::CACHE => volume.cache(offset, length).await.map(|()| None),
         _ => block_status(volume, &request, &negotiated).await.map(Some),
     };
-    let bytes_moved = if matches!(request.kind, cmd::WRITE | cmd::TRIM | cmd::WRITE_ZEROES) {
+    let moved = if matches!(request.kind, cmd::WRITE | cmd::TRIM | cmd::WRITE_ZEROES) {
         length
     } else {
         0
     };
-    let latency = received.elapsed();
-    volume
-        .stats()
-        .record(Protocol::Nbd, op, bytes_moved, latency, result.is_ok());
-    if let Some(recorder) = recorder {
-        recorder.record(op, offset, bytes_moved, latency, result.is_ok());
-    }
+    let ok = result.is_ok();
     let bytes = match result {
         Ok(Some(chunk)) => chunk,
         Ok(None) => proto::simple_reply(0, request.cookie),
@@ -1184,7 +1203,7 @@ async fn execute(
             )
         }
     };
-    ReplyBytes::Built(bytes)
+    (ReplyBytes::Built(bytes), moved, ok)
 }
 
 /// The chunks of a BLOCK_STATUS reply: one per selected context,
