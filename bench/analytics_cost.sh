@@ -3,14 +3,15 @@
 # analytics on and with `--no-analytics`, side by side in one run: 4K random
 # read and write QD32 (IOPS, server CPU µs per operation) and 4K random
 # read QD1 (p50 latency), over NBD with fio's nbd engine, on a filled 1 GiB
-# volume. ROUNDS rounds (default 3) alternate the two so drift hits both.
+# volume. ROUNDS rounds (default 4) alternate the two, and which goes
+# first, so drift and position hit both alike; medians are reported.
 # A temporary directory, ephemeral 127.0.0.1 ports, servers stopped by PID.
 #
 # Usage: bench/analytics_cost.sh [STRATA_BINARY] [SECONDS]
 set -euo pipefail
 BIN=$(realpath "${1:-$(dirname "$0")/../target/release/strata}")
 RUNTIME=${2:-10}
-ROUNDS=${ROUNDS:-3}
+ROUNDS=${ROUNDS:-4}
 LIB=$(realpath "$(dirname "$0")/lib.sh")
 TOP=$(mktemp -d)
 PID=
@@ -40,7 +41,11 @@ print(f"{iops:.0f} {(int(sys.argv[3]) - int(sys.argv[2])) / hz * 1e6 / ops:.2f} 
 
 declare -A RESULTS
 for round in $(seq "$ROUNDS"); do
-    for mode in on off; do
+    # Odd rounds start with analytics on, even rounds with them off: the
+    # first daemon of a round runs on a quieter page cache and disk.
+    order="on off"
+    [ $((round % 2)) -eq 0 ] && order="off on"
+    for mode in $order; do
         DIR=$TOP/$mode-$round
         mkdir -p "$DIR"
         # shellcheck source=bench/lib.sh

@@ -3,8 +3,8 @@
 //! into one [`Frame`] per second, kept in a bounded history.
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use super::hist::{bucket_of, Packed, Sparse, BUCKETS};
@@ -23,16 +23,40 @@ pub const TOP_CLIENTS: usize = 32;
 pub const OTHER_CLIENT: &str = "other";
 
 const OPS_N: usize = OPS.len();
-/// Counters per recorder: ops, bytes, errors (per op), latency buckets
-/// (per op), offsets (reads, then writes), then the buckets of the two
-/// phases (queued, waiting for log commits) per op.
-const COUNTERS: usize = 3 * OPS_N + OPS_N * BUCKETS + 2 * OFFSET_BUCKETS + 2 * OPS_N * BUCKETS;
-const BYTES_AT: usize = OPS_N;
-const ERRORS_AT: usize = 2 * OPS_N;
-const LATENCY_AT: usize = 3 * OPS_N;
-const OFFSETS_AT: usize = LATENCY_AT + OPS_N * BUCKETS;
-const QUEUE_AT: usize = OFFSETS_AT + 2 * OFFSET_BUCKETS;
-const COMMIT_AT: usize = QUEUE_AT + OPS_N * BUCKETS;
+/// Buckets per operation: its latency, its time queued, its time waiting
+/// for log commits.
+const OP_BUCKETS: usize = 3 * BUCKETS;
+const QUEUE_AT: usize = BUCKETS;
+const COMMIT_AT: usize = 2 * BUCKETS;
+
+/// One operation's counters in a recorder, allocated at its first request
+/// (an idle connection holds none; one that reads and writes, two of
+/// 2.4 KiB). Bucket counts are 32-bit: the collector takes differences
+/// every second, which wrap correctly below 2^32 requests a second.
+struct OpCounters {
+    ops: AtomicU64,
+    bytes: AtomicU64,
+    errors: AtomicU64,
+    buckets: Box<[AtomicU32]>,
+}
+
+impl OpCounters {
+    fn new() -> OpCounters {
+        OpCounters {
+            ops: AtomicU64::new(0),
+            bytes: AtomicU64::new(0),
+            errors: AtomicU64::new(0),
+            buckets: (0..OP_BUCKETS).map(|_| AtomicU32::new(0)).collect(),
+        }
+    }
+}
+
+/// What the collector saw of a recorder last time.
+struct Seen {
+    /// Per operation: ops, bytes, errors, then the buckets.
+    ops: [Option<Box<[u64]>>; OPS_N],
+    offsets: [u32; 2 * OFFSET_BUCKETS],
+}
 
 /// Parts of a request's latency: how long it waited before it ran
 /// (queued), and how long it waited for intent-log commits while running.
@@ -50,9 +74,12 @@ pub struct Recorder {
     client: Arc<str>,
     volume: Arc<str>,
     size_bytes: u64,
-    counters: Box<[AtomicU64]>,
+    /// Per operation (`Op as usize`).
+    ops: [OnceLock<OpCounters>; OPS_N],
+    /// Requests per region: reads, then writes.
+    offsets: [AtomicU32; 2 * OFFSET_BUCKETS],
     /// The counters as the collector last saw them (only it touches this).
-    seen: Mutex<Box<[u64]>>,
+    seen: Mutex<Seen>,
 }
 
 impl Recorder {
@@ -60,23 +87,23 @@ impl Recorder {
     /// (bytes moved: 0 for a flush), its latency from arrival to reply, and
     /// the parts of it `split` knows (a part of 0 is not counted).
     pub fn record(&self, op: Op, offset: u64, bytes: u64, latency: Duration, ok: bool, split: Split) {
-        let op_index = op as usize;
-        let add = |at: usize| {
-            self.counters[at].fetch_add(1, Ordering::Relaxed);
-        };
-        add(op_index);
+        let counters = self.ops[op as usize].get_or_init(OpCounters::new);
+        counters.ops.fetch_add(1, Ordering::Relaxed);
         if ok {
-            self.counters[BYTES_AT + op_index].fetch_add(bytes, Ordering::Relaxed);
+            counters.bytes.fetch_add(bytes, Ordering::Relaxed);
         } else {
-            add(ERRORS_AT + op_index);
+            counters.errors.fetch_add(1, Ordering::Relaxed);
         }
+        let add = |at: usize| {
+            counters.buckets[at].fetch_add(1, Ordering::Relaxed);
+        };
         let ns = latency.as_nanos().min(u64::MAX as u128) as u64;
-        add(LATENCY_AT + op_index * BUCKETS + bucket_of(ns));
+        add(bucket_of(ns));
         if split.queued_ns > 0 {
-            add(QUEUE_AT + op_index * BUCKETS + bucket_of(split.queued_ns));
+            add(QUEUE_AT + bucket_of(split.queued_ns));
         }
         if split.commit_ns > 0 {
-            add(COMMIT_AT + op_index * BUCKETS + bucket_of(split.commit_ns));
+            add(COMMIT_AT + bucket_of(split.commit_ns));
         }
         let side = match op {
             Op::Read => 0,
@@ -88,7 +115,7 @@ impl Recorder {
         } else {
             ((offset as u128 * OFFSET_BUCKETS as u128 / self.size_bytes as u128) as usize).min(OFFSET_BUCKETS - 1)
         };
-        add(OFFSETS_AT + side * OFFSET_BUCKETS + region);
+        self.offsets[side * OFFSET_BUCKETS + region].fetch_add(1, Ordering::Relaxed);
     }
 
     pub fn client(&self) -> &str {
@@ -342,8 +369,12 @@ impl Analytics {
             client: client.into(),
             volume: volume.into(),
             size_bytes,
-            counters: (0..COUNTERS).map(|_| AtomicU64::new(0)).collect(),
-            seen: Mutex::new(vec![0; COUNTERS].into_boxed_slice()),
+            ops: Default::default(),
+            offsets: std::array::from_fn(|_| AtomicU32::new(0)),
+            seen: Mutex::new(Seen {
+                ops: Default::default(),
+                offsets: [0; 2 * OFFSET_BUCKETS],
+            }),
         });
         self.recorders.lock_or_abort().push(recorder.clone());
         Some(recorder)
@@ -369,23 +400,34 @@ impl Analytics {
                 closed.push(Arc::as_ptr(recorder));
             }
             let mut seen = recorder.seen.lock_or_abort();
-            let mut delta = |at: usize| {
-                let now = recorder.counters[at].load(Ordering::Relaxed);
-                let d = now.wrapping_sub(seen[at]);
-                seen[at] = now;
-                d
-            };
             for op in OPS {
                 let i = op as usize;
-                let ops = delta(i);
+                let Some(counters) = recorder.ops[i].get() else {
+                    continue;
+                };
+                let last = seen.ops[i].get_or_insert_with(|| vec![0; 3 + OP_BUCKETS].into_boxed_slice());
+                let mut delta = |at: usize, now: u64| {
+                    let d = now.wrapping_sub(last[at]);
+                    last[at] = now;
+                    d
+                };
+                let ops = delta(0, counters.ops.load(Ordering::Relaxed));
                 if ops == 0 {
                     continue;
                 }
-                let bytes = delta(BYTES_AT + i);
-                let errors = delta(ERRORS_AT + i);
-                let latency = Sparse::from_dense((0..BUCKETS).map(|b| delta(LATENCY_AT + i * BUCKETS + b)));
-                let queued = Sparse::from_dense((0..BUCKETS).map(|b| delta(QUEUE_AT + i * BUCKETS + b)));
-                let commit = Sparse::from_dense((0..BUCKETS).map(|b| delta(COMMIT_AT + i * BUCKETS + b)));
+                let bytes = delta(1, counters.bytes.load(Ordering::Relaxed));
+                let errors = delta(2, counters.errors.load(Ordering::Relaxed));
+                let mut buckets = |from: usize| {
+                    Sparse::from_dense((from..from + BUCKETS).map(|b| {
+                        let now = counters.buckets[b].load(Ordering::Relaxed);
+                        let d = now.wrapping_sub(last[3 + b] as u32);
+                        last[3 + b] = u64::from(now);
+                        u64::from(d)
+                    }))
+                };
+                let latency = buckets(0);
+                let queued = buckets(QUEUE_AT);
+                let commit = buckets(COMMIT_AT);
                 let key = (
                     recorder.volume.clone(),
                     recorder.protocol as u8,
@@ -400,7 +442,14 @@ impl Analytics {
                     }
                 }
             }
-            let region: Vec<u64> = (0..2 * OFFSET_BUCKETS).map(|r| delta(OFFSETS_AT + r)).collect();
+            let region: Vec<u64> = (0..2 * OFFSET_BUCKETS)
+                .map(|r| {
+                    let now = recorder.offsets[r].load(Ordering::Relaxed);
+                    let d = now.wrapping_sub(seen.offsets[r]);
+                    seen.offsets[r] = now;
+                    u64::from(d)
+                })
+                .collect();
             if region.iter().any(|c| *c > 0) {
                 let entry = offsets
                     .entry(recorder.volume.clone())
