@@ -196,6 +196,33 @@ fn every_request_is_counted_once_by_volume_protocol_op_and_client() {
     );
     assert!(waited["p50_ns"].as_u64().unwrap() <= all["p99_ns"].as_u64().unwrap());
 
+    // Prometheus carries what the dashboard shows of the pool.
+    let metrics = common::http(&server.api, "GET", "/metrics", "");
+    let value = |series: &str| -> f64 {
+        metrics
+            .lines()
+            .find(|l| l.starts_with(series))
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("{series} is not in /metrics"))
+    };
+    let commits = value("strata_pool_log_commits_total{pool=\"default\"}");
+    let records = value("strata_pool_log_records_total{pool=\"default\"}");
+    assert!(
+        commits > 0.0 && records >= commits,
+        "{commits} commits, {records} records"
+    );
+    assert!(value("strata_pool_dirty_max_bytes{pool=\"default\"}") > 0.0);
+    // The 2048 reads of volume a went through the read cache.
+    let lookups = value("strata_pool_read_cache_hits_total{pool=\"default\"}")
+        + value("strata_pool_read_cache_misses_total{pool=\"default\"}");
+    assert!(lookups > 0.0, "{metrics}");
+    assert!(
+        metrics.contains("strata_device_used_bytes{pool=\"default\""),
+        "{metrics}"
+    );
+    assert!(metrics.contains("role=\"fast\""), "{metrics}");
+
     // Bad parameters get a 400 with a message.
     let bad = common::http(&server.api, "GET", "/v1/analytics/stats?by=colour", "");
     assert!(bad.starts_with("HTTP/1.1 400") && bad.contains("colour"), "{bad}");
