@@ -82,6 +82,15 @@ try:
     width = canvas.size["width"]
     webdriver.ActionChains(driver).move_to_element_with_offset(canvas, width // 2 - 40, 0).click().perform()
     wait_for("a column's percentiles", lambda: "p99" in driver.find_element(By.ID, "selection").text)
+    # Drag across a latency band: its requests' volumes and clients appear.
+    height = canvas.size["height"]
+    (webdriver.ActionChains(driver)
+        .move_to_element_with_offset(canvas, 0, height // 2 - 40).click_and_hold()
+        .move_by_offset(0, -120).release().perform())
+    wait_for("a latency band's breakdown",
+             lambda: driver.find_element(By.ID, "seltitle").text.startswith("Latency")
+             and "came from" in driver.find_element(By.ID, "selection").text)
+    print("band:", driver.find_element(By.ID, "seltitle").text)
     wait_for("the offset map", lambda: driver.execute_script(
         "return document.getElementById('offvol').value !== ''"))
     # The pointer off the map (no tooltip in the screenshot).
