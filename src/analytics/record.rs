@@ -13,6 +13,9 @@ use crate::volume::stats::{Op, Protocol, OPS};
 
 /// Regions a volume's offsets are counted in (each 1/32 of the volume).
 pub const OFFSET_BUCKETS: usize = 32;
+/// The offset of a request that addresses no single range (an iSCSI
+/// UNMAP's ranges are in its parameter list): not counted in a region.
+pub const NO_OFFSET: u64 = u64::MAX;
 /// Seconds kept at one-second resolution.
 pub const SECONDS_KEPT: usize = 3600;
 /// Minutes kept at one-minute resolution.
@@ -84,8 +87,9 @@ pub struct Recorder {
 
 impl Recorder {
     /// Records one request: `offset` and `bytes` of the range it addressed
-    /// (bytes moved: 0 for a flush), its latency from arrival to reply, and
-    /// the parts of it `split` knows (a part of 0 is not counted).
+    /// (bytes moved: 0 for a flush; offset [`NO_OFFSET`] when there is no
+    /// single one), its latency from arrival to reply, and the parts of it
+    /// `split` knows (a part of 0 is not counted).
     pub fn record(&self, op: Op, offset: u64, bytes: u64, latency: Duration, ok: bool, split: Split) {
         let counters = self.ops[op as usize].get_or_init(OpCounters::new);
         counters.ops.fetch_add(1, Ordering::Relaxed);
@@ -106,6 +110,7 @@ impl Recorder {
             add(COMMIT_AT + bucket_of(split.commit_ns));
         }
         let side = match op {
+            _ if offset == NO_OFFSET => return,
             Op::Read => 0,
             Op::Write | Op::WriteZeroes | Op::Trim => 1,
             _ => return,

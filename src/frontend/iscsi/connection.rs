@@ -336,7 +336,8 @@ fn analytics_op(command: &Command) -> Option<(Op, u64, u64)> {
         Command::WriteSame { lba, blocks, unmap, .. } => {
             (if unmap { Op::Trim } else { Op::WriteZeroes }, range(lba, blocks))
         }
-        Command::Unmap { .. } => (Op::Trim, (0, 0)),
+        // Its ranges are in the parameter list: no single offset.
+        Command::Unmap { .. } => (Op::Trim, (crate::analytics::record::NO_OFFSET, 0)),
         Command::SynchronizeCache { lba, .. } => (Op::Flush, (lba * BLOCK_BYTES as u64, 0)),
         Command::Prefetch { lba, blocks } => (Op::Cache, range(lba, blocks)),
         Command::GetLbaStatus { lba, .. } => (Op::BlockStatus, (lba * BLOCK_BYTES as u64, 0)),

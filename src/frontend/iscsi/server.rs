@@ -135,12 +135,12 @@ impl Registry {
         Some(unit)
     }
 
-    /// A new non-zero session handle.
     /// Where connections record their requests.
     pub fn analytics(&self) -> &Arc<crate::analytics::Analytics> {
         self.manager.analytics()
     }
 
+    /// A new non-zero session handle.
     pub fn new_tsih(&self) -> u16 {
         loop {
             let tsih = self.next_tsih.fetch_add(1, Ordering::Relaxed);
