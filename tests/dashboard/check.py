@@ -16,6 +16,7 @@ from selenium import webdriver
 from selenium.webdriver.chrome.options import Options
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
+from waiting import wait_for
 
 base, token, shot = sys.argv[1], sys.argv[2], sys.argv[3]
 
@@ -27,16 +28,6 @@ options.binary_location = "/usr/bin/chromium"
 options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
 driver = webdriver.Chrome(service=Service("/usr/bin/chromedriver"), options=options)
 failures = []
-
-
-def wait_for(what, test, timeout=20):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        value = test()
-        if value:
-            return value
-        time.sleep(0.25)
-    raise SystemExit(f"timed out waiting for {what}")
 
 
 def heat_pixels():

@@ -16,6 +16,7 @@ import tempfile
 import time
 
 from marionette_driver.marionette import Marionette
+from waiting import wait_for
 
 base, token, shot = sys.argv[1:4]
 profile = tempfile.mkdtemp(prefix="strata-firefox-")
@@ -25,16 +26,6 @@ with open(os.path.join(profile, "user.js"), "w") as f:
 browser = subprocess.Popen(
     ["firefox-esr", "--headless", "--marionette", "--no-remote", "--profile", profile, "--window-size=1400,1100"],
     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-
-
-def wait_for(what, test, timeout=30):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        value = test()
-        if value:
-            return value
-        time.sleep(0.25)
-    raise SystemExit(f"timed out waiting for {what}")
 
 
 PIXELS = """
