@@ -218,6 +218,9 @@ fn report(answers: &[Stats], names: &[String]) -> String {
         })
         .collect();
     let mut out = table(&headers, &rows);
+    if rows.is_empty() {
+        out.push_str(&format!("(no requests in these {seconds} s)\n"));
+    }
     out.push('\n');
     out
 }
@@ -292,6 +295,21 @@ mod tests {
         assert_eq!(parse(&[]).unwrap().interval, None);
         assert!(parse(&strings(&["0"])).is_err());
         assert!(parse(&strings(&["bad name!", "1"])).is_err());
+    }
+
+    #[test]
+    fn a_quiet_interval_says_so_under_the_header() {
+        let quiet = Stats {
+            from: 10,
+            to: 14,
+            seconds: 5,
+            totals: Default::default(),
+            breakdown: Vec::new(),
+        };
+        let text = report(&[quiet], &[]);
+        let lines: Vec<&str> = text.lines().collect();
+        assert!(lines[0].starts_with("volume"), "{text}");
+        assert_eq!(lines[1], "(no requests in these 5 s)");
     }
 
     #[test]
