@@ -51,14 +51,7 @@ for round in $(seq "$ROUNDS"); do
         # shellcheck source=bench/lib.sh
         source "$LIB"
         if [ "$mode" = off ]; then
-            # start_strata with the switch: same ports logic.
-            cd "$DIR"
-            "$BIN" serve --data-dir ./d --nbd 127.0.0.1:0 --api 127.0.0.1:0 --iscsi 127.0.0.1:0 \
-                --no-analytics >out.txt 2>err.txt &
-            PID=$!
-            for _ in $(seq 100); do grep -q "nbd listening" out.txt 2>/dev/null && break; sleep 0.1; done
-            PORT=$(sed -n 's/^strata: nbd listening on 127.0.0.1://p' out.txt)
-            export STRATA_DATA_DIR=$DIR/d
+            start_strata "$BIN" --no-analytics
         else
             start_strata "$BIN"
         fi

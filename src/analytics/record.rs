@@ -122,10 +122,6 @@ impl Recorder {
         };
         self.offsets[side * OFFSET_BUCKETS + region].fetch_add(1, Ordering::Relaxed);
     }
-
-    pub fn client(&self) -> &str {
-        &self.client
-    }
 }
 
 /// One second (or one minute) of everything recorded.
