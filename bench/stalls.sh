@@ -11,7 +11,8 @@
 # Usage: bench/stalls.sh strata|nbdkit [STRATA_BINARY] [SECONDS]
 #        (SNAPSHOTS=1 takes the snapshots; INTERVAL=0.2 by default;
 #        STRATA_LOG=info,strata::pool=debug adds the daemon's timings
-#        to $DIR/err.txt, kept when KEEP=1)
+#        to $DIR/err.txt, kept when KEEP=1; PHASES=1 counts the slow
+#        writes' time queued and waiting for commits, from the analytics)
 set -euo pipefail
 KIND=$1
 BIN=$(realpath "${2:-$(dirname "$0")/../target/release/strata}")
@@ -59,6 +60,18 @@ echo "$KIND: write IOPS $(awk -F';' 'NF > 40 {print $49}' fio.txt)"
 # lat_clat.1.log: time (ms), completion latency (ns), direction, size.
 awk -F', ' '{ if ($2 > 20000000) a++; if ($2 > 50000000) { b++; if (!(int($1 / 100) in bins)) { bins[int($1 / 100)] = 1; e++ } } if ($2 > m) m = $2 }
     END { printf "I/Os over 20 ms: %d, over 50 ms: %d, stall episodes: %d, max %.1f ms\n", a, b, e, m / 1e6 }' lat_clat.1.log
+if [ -n "${PHASES:-}" ] && [ "$KIND" = strata ]; then
+    # Where the slow writes' time went (the analytics' latency parts): how
+    # many writes took over 50 ms in all, and how many spent over 50 ms
+    # queued before running or waiting for intent-log commits.
+    API=$(sed -n 's/^strata: api listening on //p' out.txt | head -1)
+    TOKEN=$(cat d/api.token)
+    for part in total queued commit; do
+        curl -s -H "Authorization: Bearer $TOKEN" \
+            "$API/v1/analytics/stats?volume=default/b&op=write&phase=$part&min_ns=50000000&from=$(( $(date +%s) - SECONDS_RUN - 5 ))" |
+            python3 -c "import json,sys; t=json.load(sys.stdin); print('writes with $part over 50 ms:', t['ops'])"
+    done
+fi
 if [ -n "$SNAPPER" ]; then
     wait "$SNAPPER"
     sort -n create_ms.txt | awk '{a[NR] = $1} END {printf "snapshot create at the CLI (ms): p50 %d, p99 %d, max %d (n=%d)\n", a[int(NR * 0.5)], a[int(NR * 0.99)], a[NR], NR}'
