@@ -11,7 +11,7 @@
 # Usage: bench/stalls.sh strata|nbdkit [STRATA_BINARY] [SECONDS]
 #        (SNAPSHOTS=1 takes the snapshots; INTERVAL=0.2 by default;
 #        STRATA_LOG=info,strata::pool=debug adds the daemon's timings
-#        to $DIR/err.txt, kept when KEEP=1; PHASES=1 counts the slow
+#        to $DIR/err.txt, kept with the latency logs when KEEP=1; PHASES=1 counts the slow
 #        writes' time queued and waiting for commits, from the analytics)
 set -euo pipefail
 KIND=$1
@@ -20,7 +20,8 @@ SECONDS_RUN=${3:-40}
 LIB=$(realpath "$(dirname "$0")/lib.sh")
 DIR=$(mktemp -d)
 PID=
-trap '[ -n "$PID" ] && kill "$PID" 2>/dev/null; [ -n "${KEEP:-}" ] && echo "kept $DIR" || rm -rf "$DIR"' EXIT
+# KEEP=1 keeps the logs, never the pool (gigabytes once snapshots hold data).
+trap '[ -n "$PID" ] && kill "$PID" 2>/dev/null; sleep 0.5; rm -rf "$DIR/d" "$DIR/img"; [ -n "${KEEP:-}" ] && echo "kept $DIR" || rm -rf "$DIR"' EXIT
 cd "$DIR"
 if [ "$KIND" = strata ]; then
     # shellcheck source=bench/lib.sh
