@@ -56,13 +56,20 @@ try:
     # Break down by operation, then click the first entry: the map now shows
     # only that operation's requests.
     driver.execute_script("const s = document.getElementById('by'); s.value = 'op'; s.dispatchEvent(new Event('change'));")
-    rows = wait_for("breakdown rows", lambda: [r for r in driver.find_elements(By.CSS_SELECTOR, "#breakdown tbody tr.pick")
-                                               if r.get_attribute("data-name") in ("read", "write")])
-    chosen = rows[0].get_attribute("data-name")
     label = lambda: driver.find_element(By.ID, "heat").get_attribute("aria-label")
     if "where" in label():
         failures.append(f"the map says it is filtered before any click: {label()}")
-    rows[0].click()
+
+    def click_an_entry():
+        # Found and clicked in one step: the table is redrawn every second.
+        for row in driver.find_elements(By.CSS_SELECTOR, "#breakdown tbody tr.pick"):
+            name = row.get_attribute("data-name")
+            if name in ("read", "write"):
+                row.click()
+                return name
+        return None
+
+    chosen = wait_for("a breakdown entry to click", click_an_entry)
     wait_for("a filter chip", lambda: "op = " + chosen in driver.find_element(By.ID, "filters").text)
     wait_for("the heat map filtered to " + chosen, lambda: f"where op = {chosen}" in label())
     print("filtered:", label())
