@@ -57,7 +57,7 @@ run_row() {
     before=$(cpu_ticks "$PID")
     fio --name=w --ioengine=nbd --uri="$URI" --rw="$rw" --bs=4k --iodepth="$depth" --numjobs="$jobs" \
         --size=1G --time_based --runtime="$SECONDS_RUN" --norandommap \
-        --output-format=json >"$DIR/fio.json"
+        --output-format=json --output="$DIR/fio.json" >/dev/null
     after=$(cpu_ticks "$PID")
     python3 - "$DIR/fio.json" "$rw" $((after - before)) "$TICKS" <<'EOF'
 import json, statistics, sys
