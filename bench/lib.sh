@@ -2,7 +2,7 @@
 # ephemeral 127.0.0.1 ports with its data in $DIR/d, and sets PID and PORT
 # (the NBD port). The caller owns DIR and stops the server by PID.
 #
-# Usage: start_strata BINARY [EXTRA SERVE ARGUMENTS...]
+# Usage: start_strata BINARY [EXTRA SERVE ARGUMENTS...]; start_nbdkit (below)
 start_strata() {
     cd "$DIR"
     export STRATA_DATA_DIR=$DIR/d
@@ -10,4 +10,16 @@ start_strata() {
     PID=$!
     for _ in $(seq 100); do grep -q "nbd listening" out.txt 2>/dev/null && break; sleep 0.1; done
     PORT=$(sed -n 's/^strata: nbd listening on 127.0.0.1://p' out.txt)
+}
+
+# Starts nbdkit's file plugin (16 threads) on a 1 GiB file $DIR/img on an
+# ephemeral 127.0.0.1 port; sets PID, PORT and URI.
+start_nbdkit() {
+    cd "$DIR"
+    truncate -s 1G img
+    PORT=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+    nbdkit -f -i 127.0.0.1 -p "$PORT" --threads 16 file img &
+    PID=$!
+    for _ in $(seq 50); do nbdinfo "nbd://127.0.0.1:$PORT/" >/dev/null 2>&1 && break; sleep 0.1; done
+    URI=nbd://127.0.0.1:$PORT/
 }

@@ -32,13 +32,9 @@ start_server() {
         "$BIN" volume create default/b --size 1G >/dev/null
         URI=nbd://127.0.0.1:$PORT/default/b
     else
-        cd "$DIR"
-        truncate -s 1G img
-        PORT=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-        nbdkit -f -i 127.0.0.1 -p "$PORT" --threads 16 file img &
-        PID=$!
-        for _ in $(seq 50); do nbdinfo "nbd://127.0.0.1:$PORT/" >/dev/null 2>&1 && break; sleep 0.1; done
-        URI=nbd://127.0.0.1:$PORT/
+        # shellcheck source=bench/lib.sh
+        source "$LIB"
+        start_nbdkit
     fi
     fio --name=fill --ioengine=nbd --uri="$URI" --rw=write --bs=1M --iodepth=4 --size=1G \
         --output-format=terse >/dev/null

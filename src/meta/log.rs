@@ -1594,16 +1594,20 @@ mod tests {
         };
         let flushed = tokio::sync::Notify::new();
         let flushing = tokio::sync::Notify::new();
-        crate::meta::store::block_on(async {
-            log.append(map(1));
-            let commit = log.commit(
+        // A commit whose data flush says it started and waits for `flushed`.
+        let waiting_commit = || {
+            log.commit(
                 || async {
                     flushing.notify_one();
                     flushed.notified().await;
                     Ok(())
                 },
                 false,
-            );
+            )
+        };
+        crate::meta::store::block_on(async {
+            log.append(map(1));
+            let commit = waiting_commit();
             let others = async {
                 flushing.notified().await;
                 log.append(map(2));
@@ -1625,14 +1629,7 @@ mod tests {
             log.commit(|| async { Ok(()) }, false).await.unwrap();
             let end = log.next_lsn();
             log.append(map(3));
-            let commit = log.commit(
-                || async {
-                    flushing.notify_one();
-                    flushed.notified().await;
-                    Ok(())
-                },
-                false,
-            );
+            let commit = waiting_commit();
             let marks = async {
                 flushing.notified().await;
                 let seq = log.append(Record::Dirty { device: 0, chunk: 10 });
@@ -1659,14 +1656,7 @@ mod tests {
             // for that commit.
             let seq = log.append(Record::Dirty { device: 0, chunk: 11 });
             let released = std::sync::atomic::AtomicBool::new(false);
-            let commit = log.commit(
-                || async {
-                    flushing.notify_one();
-                    flushed.notified().await;
-                    Ok(())
-                },
-                false,
-            );
+            let commit = waiting_commit();
             let marks = async {
                 flushing.notified().await;
                 let wait = async {
