@@ -795,24 +795,18 @@ impl Log {
             self.tickets_served.store(covering, Ordering::Release);
             return Ok(frees);
         }
-        let written = {
-            let _writing = self.write_lock.lock().await;
-            let written = self.write_blocks(&records, true, start_lsn, 0).await;
-            if written.is_ok() {
+        let flushed = async {
+            {
+                let _writing = self.write_lock.lock().await;
+                self.write_blocks(&records, true, start_lsn, 0).await?;
                 if let Some(inflight) = self.pending.lock_or_abort().inflight.as_mut() {
                     inflight.on_device = true;
                 }
             }
-            written
-        };
-        let flushed = match written {
-            Ok(_) => self
-                .device
-                .flush_range(self.offset, self.len)
-                .await
-                .map_err(LogError::from),
-            Err(e) => Err(e),
-        };
+            self.device.flush_range(self.offset, self.len).await?;
+            Ok::<(), LogError>(())
+        }
+        .await;
         if let Err(e) = flushed {
             self.restore_pending(&records, frees, start_lsn, end_lsn);
             return Err(e);
@@ -861,22 +855,17 @@ impl Log {
             if records.is_empty() {
                 return Ok(Some(frees));
             }
-            // Replay reaches these blocks only through the blocks of a
-            // commit still waiting for its data flush.
-            // Flushed before `write_lock` is released: a later call finds
-            // these records durable once they are no longer pending.
-            let written = match self.stage_inflight().await {
-                Ok(()) => self.write_blocks(&records, true, start_lsn, 0).await.map(|_| ()),
-                Err(e) => Err(e),
-            };
-            let flushed = match written {
-                Ok(()) => self
-                    .device
-                    .flush_range(self.offset, self.len)
-                    .await
-                    .map_err(LogError::from),
-                Err(e) => Err(e),
-            };
+            // The records of a commit still waiting for its data flush go
+            // first (replay reaches these blocks only through theirs); all
+            // is flushed before `write_lock` is released, so a later call
+            // finds these records durable once they are no longer pending.
+            let flushed = async {
+                self.stage_inflight().await?;
+                self.write_blocks(&records, true, start_lsn, 0).await?;
+                self.device.flush_range(self.offset, self.len).await?;
+                Ok::<(), LogError>(())
+            }
+            .await;
             if let Err(e) = flushed {
                 self.restore_pending(&records, frees, start_lsn, end_lsn);
                 return Err(e);
