@@ -467,28 +467,6 @@ struct Pending {
     /// so a stage that copied them can tell whether what it wrote is still
     /// what is pending.
     version: u64,
-    /// Where these records' blocks go: the end of everything committed or
-    /// claimed by a commit in flight.
-    base_lsn: u64,
-    /// The records of the commit waiting for its data flush, if any.
-    inflight: Option<Inflight>,
-    /// Sequence number of the next record appended (records are numbered
-    /// in append order from 1, for [`Log::commit_marks`]).
-    next_seq: u64,
-}
-
-/// Records a commit took and has not written as committed yet: they sit
-/// in the log before the pending ones, so a stage or a marks commit that
-/// writes after them first makes sure they are on the device (staged),
-/// or replay after a kill -9 would stop at the gap.
-struct Inflight {
-    records: Arc<Vec<Record>>,
-    start_lsn: u64,
-    /// On the device, staged or committed.
-    on_device: bool,
-    /// Its records' sequence numbers.
-    start_seq: u64,
-    end_seq: u64,
 }
 
 impl Pending {
@@ -504,9 +482,6 @@ impl Pending {
             need_data: 0,
             allocations: std::collections::HashMap::new(),
             version: 0,
-            base_lsn: 0,
-            inflight: None,
-            next_seq: 1,
         }
     }
 
@@ -535,24 +510,13 @@ impl Pending {
         }
         self.bytes += length + extra;
         self.records.push(record);
-        self.next_seq += 1;
     }
 
-    /// Takes every record, leaving nothing pending; the next records go
-    /// after the blocks the taken ones will fill.
+    /// Takes every record, leaving nothing pending.
     fn take(&mut self) -> (Vec<Record>, Vec<(u8, u64)>) {
-        let base_lsn = self.base_lsn
-            + if self.records.is_empty() {
-                0
-            } else {
-                self.units * LOG_BLOCK_BYTES
-            };
         let taken = (std::mem::take(&mut self.records), std::mem::take(&mut self.frees));
         *self = Pending {
             version: self.version + 1,
-            base_lsn,
-            inflight: self.inflight.take(),
-            next_seq: self.next_seq,
             ..Pending::new()
         };
         taken
@@ -577,11 +541,6 @@ pub struct Log {
     tickets_issued: AtomicU64,
     tickets_served: AtomicU64,
     commit_lock: tokio::sync::Mutex<()>,
-    /// Held while blocks are written to the log (never across a data
-    /// flush): keeps a stage from writing over a commit's blocks.
-    write_lock: tokio::sync::Mutex<()>,
-    /// Woken when a commit in flight ends.
-    inflight_done: tokio::sync::Notify,
     /// Bytes written to the log device (for the metadata-cost benchmark).
     pub bytes_written: AtomicU64,
     /// Records appended since start (lets writers tell whether they added any).
@@ -609,18 +568,13 @@ impl Log {
             offset,
             len,
             pool_tag,
-            pending: Mutex::new(Pending {
-                base_lsn: next_lsn,
-                ..Pending::new()
-            }),
+            pending: Mutex::new(Pending::new()),
             pending_bytes: std::sync::atomic::AtomicUsize::new(0),
             next_lsn: AtomicU64::new(next_lsn),
             tail_lsn: AtomicU64::new(tail_lsn),
             tickets_issued: AtomicU64::new(0),
             tickets_served: AtomicU64::new(0),
             commit_lock: tokio::sync::Mutex::new(()),
-            write_lock: tokio::sync::Mutex::new(()),
-            inflight_done: tokio::sync::Notify::new(),
             bytes_written: AtomicU64::new(0),
             appended: AtomicU64::new(0),
             staged_bytes: AtomicU64::new(0),
@@ -629,15 +583,12 @@ impl Log {
         }
     }
 
-    /// Queues a record; it becomes durable with the next commit. Returns
-    /// its sequence number (see [`Log::commit_marks`]).
-    pub fn append(&self, record: Record) -> u64 {
+    /// Queues a record; it becomes durable with the next commit.
+    pub fn append(&self, record: Record) {
         let mut pending = self.pending.lock_or_abort();
-        let seq = pending.next_seq;
         pending.push(record, 0);
         self.pending_bytes.store(pending.bytes, Ordering::Relaxed);
         self.appended.fetch_add(1, Ordering::Relaxed);
-        seq
     }
 
     /// Blocks allocated by records that are still pending were overwritten
@@ -714,7 +665,7 @@ impl Log {
     /// records included).
     pub fn room(&self) -> u64 {
         let pending = self.pending.lock_or_abort();
-        let used = pending.base_lsn - self.tail_lsn.load(Ordering::Acquire) + pending.units * LOG_BLOCK_BYTES;
+        let used = self.next_lsn() - self.tail_lsn.load(Ordering::Acquire) + pending.units * LOG_BLOCK_BYTES;
         (self.len / 4 * 3).saturating_sub(used)
     }
 
@@ -753,11 +704,6 @@ impl Log {
     /// are merged: whoever commits serves everyone who asked before it began.
     /// `reserve` lets a checkpoint use the last quarter of the region.
     /// Returns the slots whose release became durable.
-    ///
-    /// Only commits wait for each other. While one waits for its data
-    /// flush (tens to hundreds of milliseconds on a busy disk), its records
-    /// are set aside with their place in the log claimed, and staging and
-    /// marks commits go on writing after them (see [`Inflight`]).
     pub async fn commit<F, Fut>(&self, before_write: F, reserve: bool) -> Result<Vec<(u8, u64)>, LogError>
     where
         F: FnOnce() -> Fut,
@@ -775,44 +721,18 @@ impl Log {
         // records after the flush committed such mappings with their data
         // not yet durable). Every covered ticket's records are pending by
         // now: a writer appends before it takes its ticket.
-        let taken = {
-            let _writing = self.write_lock.lock().await;
-            self.take_pending(reserve, false, true)?
-        };
-        let Some((records, frees, start_lsn, end_lsn)) = taken else {
-            // No record, but data written in place still needs its flush.
-            before_write().await?;
-            self.tickets_served.store(covering, Ordering::Release);
-            return Ok(Vec::new());
-        };
+        let (records, frees) = self.take_pending(reserve, false)?.unwrap_or_default();
         if let Err(e) = before_write().await {
-            self.restore_pending(&records, frees, start_lsn, end_lsn);
+            self.restore_pending(records, frees);
             return Err(e.into());
         }
-        if records.is_empty() {
-            // Only slots to release (their records failed to commit before).
-            self.end_inflight();
-            self.tickets_served.store(covering, Ordering::Release);
-            return Ok(frees);
-        }
-        let flushed = async {
-            {
-                let _writing = self.write_lock.lock().await;
-                self.write_blocks(&records, true, start_lsn, 0).await?;
-                if let Some(inflight) = self.pending.lock_or_abort().inflight.as_mut() {
-                    inflight.on_device = true;
-                }
+        if !records.is_empty() {
+            if let Err(e) = self.write_blocks(&records, true, 0).await {
+                self.restore_pending(records, frees);
+                return Err(e);
             }
-            self.device.flush_range(self.offset, self.len).await?;
-            Ok::<(), LogError>(())
+            self.count_commit(records.len());
         }
-        .await;
-        if let Err(e) = flushed {
-            self.restore_pending(&records, frees, start_lsn, end_lsn);
-            return Err(e);
-        }
-        self.end_inflight();
-        self.committed_up_to(end_lsn, records.len());
         self.tickets_served.store(covering, Ordering::Release);
         Ok(frees)
     }
@@ -822,194 +742,76 @@ impl Log {
     /// `Dirty` marks, unmappings, `Data` records that carry their own
     /// payload, `Destroy`): the `Dirty` mark a write must make durable
     /// before it touches a chunk costs one log write, not an fdatasync of
-    /// every data device, and does not wait for a commit's data flush. `Ok(None)`:
-    /// a record needs the data flush; use [`Log::commit`]. It serves no
-    /// commit tickets: a writer waiting in `commit` for its completed data
-    /// to become durable still gets its data flush.
-    ///
-    /// `seq`: the caller's newest record (from [`Log::append`]). If a
-    /// commit waiting for its data flush took it, this waits for that
-    /// commit; records of others it took are not waited for (this commit's
-    /// blocks come after theirs, staged, so replay reads them in order).
-    pub async fn commit_marks(&self, seq: u64) -> Result<Option<Vec<(u8, u64)>>, LogError> {
-        let frees = loop {
-            let done = self.inflight_done.notified();
-            tokio::pin!(done);
-            done.as_mut().enable();
-            let writing = self.write_lock.lock().await;
-            let taken_by_inflight = {
-                let pending = self.pending.lock_or_abort();
-                pending
-                    .inflight
-                    .as_ref()
-                    .is_some_and(|inflight| (inflight.start_seq..inflight.end_seq).contains(&seq))
-            };
-            if taken_by_inflight {
-                drop(writing);
-                done.await;
-                continue;
-            }
-            let Some((records, frees, start_lsn, end_lsn)) = self.take_pending(false, true, false)? else {
-                return Ok(None);
-            };
-            if records.is_empty() {
-                return Ok(Some(frees));
-            }
-            // The records of a commit still waiting for its data flush go
-            // first (replay reaches these blocks only through theirs); all
-            // is flushed before `write_lock` is released, so a later call
-            // finds these records durable once they are no longer pending.
-            let flushed = async {
-                self.stage_inflight().await?;
-                self.write_blocks(&records, true, start_lsn, 0).await?;
-                self.device.flush_range(self.offset, self.len).await?;
-                Ok::<(), LogError>(())
-            }
-            .await;
-            if let Err(e) = flushed {
-                self.restore_pending(&records, frees, start_lsn, end_lsn);
+    /// every data device. `Ok(None)`: a record needs the data flush; use
+    /// [`Log::commit`]. It serves no commit tickets: a writer waiting
+    /// in `commit` for its completed data to become durable still gets its
+    /// data flush.
+    pub async fn commit_marks(&self) -> Result<Option<Vec<(u8, u64)>>, LogError> {
+        let _guard = self.commit_lock.lock().await;
+        let Some((records, frees)) = self.take_pending(false, true)? else {
+            return Ok(None);
+        };
+        if !records.is_empty() {
+            if let Err(e) = self.write_blocks(&records, true, 0).await {
+                self.restore_pending(records, frees);
                 return Err(e);
             }
-            self.committed_up_to(end_lsn, records.len());
-            drop(writing);
-            break frees;
-        };
+            self.count_commit(records.len());
+        }
         Ok(Some(frees))
     }
 
-    /// Counts a commit of `records` records and moves the end of the
-    /// committed log to `end_lsn`, where its blocks end, if that is further.
-    fn committed_up_to(&self, end_lsn: u64, records: usize) {
-        self.next_lsn.fetch_max(end_lsn, Ordering::AcqRel);
+    fn count_commit(&self, records: usize) {
         self.commits.fetch_add(1, Ordering::Relaxed);
         self.committed_records.fetch_add(records as u64, Ordering::Relaxed);
     }
 
     /// Takes every pending record (and the frees they make) for a commit, if
-    /// the log has room for them, with the LSN their blocks start at (the
-    /// pending records' base; the next ones go after them). With
-    /// `only_marks`, takes nothing and returns `None` when a record needs
-    /// durable data before it; with `inflight`, the records are set aside
-    /// as the commit in flight (see [`Inflight`]). `None` too when nothing
-    /// is pending and no slot waits to be freed.
-    /// Caller holds `write_lock`.
+    /// the log has room for them. With `only_marks`, takes nothing and
+    /// returns `None` when a record needs durable data before it.
     #[allow(clippy::type_complexity)]
-    fn take_pending(
-        &self,
-        reserve: bool,
-        only_marks: bool,
-        inflight: bool,
-    ) -> Result<Option<(Arc<Vec<Record>>, Vec<(u8, u64)>, u64, u64)>, LogError> {
+    fn take_pending(&self, reserve: bool, only_marks: bool) -> Result<Option<(Vec<Record>, Vec<(u8, u64)>)>, LogError> {
         let mut pending = self.pending.lock_or_abort();
         if only_marks && pending.need_data > 0 {
             return Ok(None);
         }
-        if pending.records.is_empty() && pending.frees.is_empty() {
-            return Ok(if only_marks {
-                Some((Arc::new(Vec::new()), Vec::new(), pending.base_lsn, pending.base_lsn))
-            } else {
-                None
-            });
-        }
-        let start_lsn = pending.base_lsn;
-        let used = start_lsn - self.tail_lsn.load(Ordering::Acquire);
+        let used = self.next_lsn() - self.tail_lsn.load(Ordering::Acquire);
         let limit = if reserve { self.len } else { self.len / 4 * 3 };
         if used + pending.units * LOG_BLOCK_BYTES > limit {
             return Err(LogError::Full);
         }
-        let all_staged = pending.staged == pending.records.len();
-        let end_lsn = start_lsn + pending.units * LOG_BLOCK_BYTES;
         self.pending_bytes.store(0, Ordering::Relaxed);
-        let (records, frees) = pending.take();
-        let records = Arc::new(records);
-        if inflight {
-            debug_assert!(pending.inflight.is_none(), "commits are serialized");
-            pending.inflight = Some(Inflight {
-                records: records.clone(),
-                start_lsn,
-                on_device: all_staged || records.is_empty(),
-                start_seq: pending.next_seq - records.len() as u64,
-                end_seq: pending.next_seq,
-            });
-        }
-        Ok(Some((records, frees, start_lsn, end_lsn)))
+        Ok(Some(pending.take()))
     }
 
-    /// Writes the records of the commit in flight, staged, if they are not
-    /// on the device yet (see [`Inflight`]). Caller holds `write_lock`.
-    async fn stage_inflight(&self) -> Result<(), LogError> {
-        let unstaged = {
-            let pending = self.pending.lock_or_abort();
-            pending
-                .inflight
-                .as_ref()
-                .filter(|inflight| !inflight.on_device)
-                .map(|inflight| (inflight.records.clone(), inflight.start_lsn))
-        };
-        let Some((records, start_lsn)) = unstaged else {
-            return Ok(());
-        };
-        self.write_blocks(&records, false, start_lsn, 0).await?;
-        if let Some(inflight) = self.pending.lock_or_abort().inflight.as_mut() {
-            inflight.on_device = true;
-        }
-        Ok(())
-    }
-
-    /// Puts records whose commit failed back in front, so a later commit
-    /// retries them. They go where they were if nothing was placed after
-    /// them meanwhile, else after what was (their old blocks are then
-    /// replayed as staged records, verified, before their later copies).
-    fn restore_pending(&self, records: &[Record], frees: Vec<(u8, u64)>, start_lsn: u64, end_lsn: u64) {
+    /// Puts records whose write failed back in front, so a later commit
+    /// retries them.
+    fn restore_pending(&self, records: Vec<Record>, frees: Vec<(u8, u64)>) {
         let mut pending = self.pending.lock_or_abort();
-        if pending
-            .inflight
-            .as_ref()
-            .is_some_and(|inflight| inflight.start_lsn == start_lsn)
-        {
-            pending.inflight = None;
-        }
-        let base_lsn = if pending.base_lsn == end_lsn {
-            start_lsn
-        } else {
-            pending.base_lsn
-        };
-        let inflight = pending.inflight.take();
-        let next_seq = pending.next_seq;
         let (later, later_frees) = pending.take();
-        pending.base_lsn = base_lsn;
-        pending.inflight = inflight;
-        for record in records.iter().cloned().chain(later) {
+        for record in records.into_iter().chain(later) {
             pending.push(record, 0);
         }
-        pending.next_seq = next_seq;
         self.pending_bytes.store(pending.bytes, Ordering::Relaxed);
         pending.frees = frees;
         pending.frees.extend(later_frees);
-        drop(pending);
-        self.inflight_done.notify_waiters();
-    }
-
-    /// The commit in flight is done (its records are durable).
-    fn end_inflight(&self) {
-        self.pending.lock_or_abort().inflight = None;
-        self.inflight_done.notify_waiters();
     }
 
     /// Encodes `records` into blocks and writes them from `first_unit`
-    /// units past `start_lsn`. Returns where each record block went: (index
-    /// of its first record in `records`, its unit from `start_lsn`).
-    /// Neither flushes nor moves the committed end: a commit does both
-    /// after; staging does neither (the next commit rewrites the same
-    /// blocks, marked committed, with more records after them).
+    /// units past `next_lsn`. Returns where each record block went: (index
+    /// of its first record in `records`, its unit from `next_lsn`).
+    ///
+    /// A commit (`committed`, from unit 0) flushes and advances `next_lsn`;
+    /// staging leaves both alone, so the next commit rewrites the same
+    /// blocks, marked committed, with more records after them.
     async fn write_blocks(
         &self,
         records: &[Record],
         committed: bool,
-        start_lsn: u64,
         first_unit: u64,
     ) -> Result<Vec<(usize, u64)>, LogError> {
         debug_assert!(!committed || first_unit == 0);
+        let start_lsn = self.next_lsn();
         let blocks = pack(records);
         // The 4 KiB units in log order: each record block, then its payloads.
         let mut units: Vec<Unit<'_>> = Vec::new();
@@ -1019,6 +821,7 @@ impl Log {
             units.push(Unit::Header(block));
             units.extend(block.payloads.iter().map(Unit::Payload));
         }
+        let count = units.len() as u64;
         // One device write per contiguous run (two when the region wraps).
         let mut index = 0;
         let mut lsn = start_lsn + first_unit * LOG_BLOCK_BYTES;
@@ -1053,6 +856,14 @@ impl Log {
             lsn += run as u64 * LOG_BLOCK_BYTES;
             index += run;
         }
+        if committed {
+            // Only the log region: on a device that holds data too, a whole
+            // flush would also write back every dirty data page (the data
+            // devices are flushed separately, when a commit needs it).
+            self.device.flush_range(self.offset, self.len).await?;
+            self.next_lsn
+                .store(start_lsn + count * LOG_BLOCK_BYTES, Ordering::Release);
+        }
         Ok(layout)
     }
 
@@ -1067,14 +878,13 @@ impl Log {
     /// On a page-cache log device staging is a memory copy the kernel merges
     /// with the next commit's write of the same block; on an O_DIRECT log
     /// device it is one more 4 KiB device write per allocating request
-    /// (what a dedicated `log` device is for). It never waits for a
-    /// commit's data flush, only for another log write.
+    /// (what a dedicated `log` device is for).
     pub async fn stage(&self) -> Result<(), LogError> {
-        let _writing = self.write_lock.lock().await;
+        let _guard = self.commit_lock.lock().await;
         // Blocks before the one holding the first unstaged record are
         // already on the device exactly as they would be written now: only
         // the records from that block on are copied and written.
-        let (tail, first_record, first_unit, base_lsn, units, version) = {
+        let (tail, first_record, first_unit, units, version) = {
             let mut pending = self.pending.lock_or_abort();
             if pending.staged == pending.records.len() {
                 return Ok(());
@@ -1087,28 +897,18 @@ impl Log {
             };
             pending.layout.truncate(keep.saturating_sub(1));
             let tail = pending.records[first_record..].to_vec();
-            (
-                tail,
-                first_record,
-                first_unit,
-                pending.base_lsn,
-                pending.units,
-                pending.version,
-            )
+            (tail, first_record, first_unit, pending.units, pending.version)
         };
-        let used = base_lsn - self.tail_lsn.load(Ordering::Acquire);
+        let used = self.next_lsn() - self.tail_lsn.load(Ordering::Acquire);
         if used + units * LOG_BLOCK_BYTES > self.len {
             // No room to stage; the records stay pending for the next commit.
             return Ok(());
         }
-        self.stage_inflight().await?;
-        let written = self.write_blocks(&tail, false, base_lsn, first_unit).await?;
+        let written = self.write_blocks(&tail, false, first_unit).await?;
         let mut pending = self.pending.lock_or_abort();
         // Only if no pending record changed meanwhile (an in-place overwrite
         // of a pending allocation updates its record, which must then be
         // restaged); records appended meanwhile are simply not staged yet.
-        // (A commit that took the records bumped the version too: it is
-        // held off by `write_lock` until this write is done.)
         if pending.version == version {
             pending.staged = first_record + tail.len();
             pending
@@ -1124,7 +924,6 @@ impl Log {
     /// `end` is where the valid blocks read by replay ended.
     pub async fn seal(&self, end: u64) -> Result<(), LogError> {
         let _guard = self.commit_lock.lock().await;
-        let _writing = self.write_lock.lock().await;
         let mut lsn = self.next_lsn();
         let stop = end.max(lsn + LOG_BLOCK_BYTES);
         while lsn < stop {
@@ -1516,14 +1315,14 @@ mod tests {
         crate::meta::store::block_on(async {
             // Marks only: written and flushed to the log, no data flush.
             log.append(Record::Dirty { device: 0, chunk: 3 });
-            let seq = log.append(Record::Map {
+            log.append(Record::Map {
                 volume: 1,
                 block: 2,
                 new: 0,
                 old: 1 << 63 | 5,
                 crcs: vec![],
             });
-            assert!(log.commit_marks(seq).await.unwrap().is_some());
+            assert!(log.commit_marks().await.unwrap().is_some());
             let after_marks = log.next_lsn();
             assert!(after_marks > 0, "the marks were written");
             assert_eq!(data_flushes.load(Ordering::SeqCst), 0);
@@ -1534,138 +1333,25 @@ mod tests {
             // A new mapping points at data: the marks commit declines and
             // writes nothing; a full commit flushes data first.
             log.append(Record::Dirty { device: 0, chunk: 4 });
-            let seq = log.append(Record::Map {
+            log.append(Record::Map {
                 volume: 1,
                 block: 3,
                 new: 1 << 63 | 6,
                 old: 0,
                 crcs: vec![1, 2, 3, 4],
             });
-            assert!(log.commit_marks(seq).await.unwrap().is_none());
+            assert!(log.commit_marks().await.unwrap().is_none());
             assert_eq!(log.next_lsn(), after_marks, "nothing written");
             log.commit(flush_data, false).await.unwrap();
             assert_eq!(data_flushes.load(Ordering::SeqCst), 2);
             assert!(log.next_lsn() > after_marks);
             // `Written` retires Data records in favour of data in place.
-            let seq = log.append(Record::Written {
+            log.append(Record::Written {
                 volume: 1,
                 first_sector: 0,
                 count: 4,
             });
-            assert!(log.commit_marks(seq).await.unwrap().is_none());
-        });
-    }
-
-    /// A commit waiting for its data flush holds up neither staging nor a
-    /// marks commit: they write after its claimed blocks (staging its
-    /// records first, so replay after a kill -9 reaches theirs), and its
-    /// own committed write comes last without overwriting them.
-    #[test]
-    fn staging_and_marks_go_on_while_a_commit_waits_for_its_data_flush() {
-        use crate::device::SimDevice;
-        let device: Arc<dyn Device> = Arc::new(SimDevice::new(1 << 20, 3));
-        let len = 64 * LOG_BLOCK_BYTES;
-        let log = Log::new(device.clone(), 0, len, 7, 0, 0);
-        let map = |block: u64| Record::Map {
-            volume: 1,
-            block,
-            new: 1 << 63 | (block + 100),
-            old: 0,
-            crcs: vec![block as u32; 4],
-        };
-        let replay = || {
-            crate::meta::store::block_on(Log::replay(&device, 0, len, 7, 0))
-                .unwrap()
-                .0
-                .into_iter()
-                .map(|(record, committed, _)| (record, committed))
-                .collect::<Vec<_>>()
-        };
-        let flushed = tokio::sync::Notify::new();
-        let flushing = tokio::sync::Notify::new();
-        // A commit whose data flush says it started and waits for `flushed`.
-        let waiting_commit = || {
-            log.commit(
-                || async {
-                    flushing.notify_one();
-                    flushed.notified().await;
-                    Ok(())
-                },
-                false,
-            )
-        };
-        crate::meta::store::block_on(async {
-            log.append(map(1));
-            let commit = waiting_commit();
-            let others = async {
-                flushing.notified().await;
-                log.append(map(2));
-                log.stage().await.unwrap();
-                // The commit's record is on the device (staged) before the
-                // one staged after it.
-                assert_eq!(replay(), vec![(map(1), false), (map(2), false)]);
-                let seq = log.append(Record::Dirty { device: 0, chunk: 9 });
-                // Marks need no data flush: the marks commit goes ahead
-                // only if no pending record needs one; `map(2)` does.
-                assert!(log.commit_marks(seq).await.unwrap().is_none());
-                flushed.notify_one();
-            };
-            let (frees, ()) = tokio::join!(commit, others);
-            assert!(frees.unwrap().is_empty());
-            // (The mark was not staged: it waits for the next commit.)
-            assert_eq!(replay(), vec![(map(1), true), (map(2), false)]);
-            // Marks alone commit while a commit waits.
-            log.commit(|| async { Ok(()) }, false).await.unwrap();
-            let end = log.next_lsn();
-            log.append(map(3));
-            let commit = waiting_commit();
-            let marks = async {
-                flushing.notified().await;
-                let seq = log.append(Record::Dirty { device: 0, chunk: 10 });
-                assert!(log.commit_marks(seq).await.unwrap().is_some());
-                assert!(
-                    log.next_lsn() > end + LOG_BLOCK_BYTES,
-                    "committed after the claimed block"
-                );
-                let tail: Vec<_> = replay().into_iter().skip(3).collect();
-                assert_eq!(
-                    tail,
-                    vec![(map(3), false), (Record::Dirty { device: 0, chunk: 10 }, true)]
-                );
-                flushed.notify_one();
-            };
-            let (frees, ()) = tokio::join!(commit, marks);
-            frees.unwrap();
-            let tail: Vec<_> = replay().into_iter().skip(3).collect();
-            assert_eq!(
-                tail,
-                vec![(map(3), true), (Record::Dirty { device: 0, chunk: 10 }, true)]
-            );
-            // A marks commit whose own record the waiting commit took waits
-            // for that commit.
-            let seq = log.append(Record::Dirty { device: 0, chunk: 11 });
-            let released = std::sync::atomic::AtomicBool::new(false);
-            let commit = waiting_commit();
-            let marks = async {
-                flushing.notified().await;
-                let wait = async {
-                    let committed = log.commit_marks(seq).await;
-                    (committed, released.load(Ordering::SeqCst))
-                };
-                let release = async {
-                    for _ in 0..100 {
-                        tokio::task::yield_now().await;
-                    }
-                    released.store(true, Ordering::SeqCst);
-                    flushed.notify_one();
-                };
-                let ((committed, after_release), ()) = tokio::join!(wait, release);
-                assert!(committed.unwrap().is_some());
-                assert!(after_release, "returned before the commit that took its record");
-            };
-            let (frees, ()) = tokio::join!(commit, marks);
-            frees.unwrap();
-            assert_eq!(replay().last(), Some(&(Record::Dirty { device: 0, chunk: 11 }, true)));
+            assert!(log.commit_marks().await.unwrap().is_none());
         });
     }
 

@@ -52,9 +52,7 @@ impl Pool {
                 let slot = map_entry::decode(*old).unwrap_or((0, 0));
                 self.log.append_free(record, slot);
             }
-            _ => {
-                self.log.append(record);
-            }
+            _ => self.log.append(record),
         }
     }
 
@@ -104,11 +102,10 @@ impl Pool {
             if marked.is_empty() {
                 return Ok(epoch);
             }
-            let mut seq = 0;
             for &(device, chunk) in &marked {
-                seq = self.log.append(Record::Dirty { device, chunk });
+                self.log.append(Record::Dirty { device, chunk });
             }
-            self.commit_marks(seq).await?;
+            self.commit_marks().await?;
             for &(device, chunk) in &marked {
                 if let Some(slot) = self
                     .devices
@@ -216,13 +213,12 @@ impl Pool {
         Err(LogError::Full.into())
     }
 
-    /// Makes the pending `Dirty` marks durable, up to the caller's record
-    /// `seq` (see `Log::commit_marks`): one log write when nothing pending
-    /// needs the data devices flushed first, else a full commit.
-    pub(crate) async fn commit_marks(&self, seq: u64) -> Result<(), PoolError> {
+    /// Makes the pending `Dirty` marks durable: one log write when nothing
+    /// pending needs the data devices flushed first, else a full commit.
+    pub(crate) async fn commit_marks(&self) -> Result<(), PoolError> {
         let releasing = self.releasing.read().await;
         let waited = std::time::Instant::now();
-        let committed = self.log.commit_marks(seq).await;
+        let committed = self.log.commit_marks().await;
         crate::analytics::phase::add_commit_wait(waited);
         match committed {
             Ok(Some(frees)) => {

@@ -640,7 +640,7 @@ impl Pool {
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_secs())
             .unwrap_or(0);
-        let (taken, gated, seq) = {
+        let (taken, gated) = {
             let _gate = self.gate.read().await;
             let gated = started.elapsed();
             let mut snapshots = self.snapshots_write();
@@ -675,7 +675,7 @@ impl Pool {
                 taken.push(info);
             }
             self.has_snapshots.store(true, Ordering::Release);
-            let seq = self.log.append(Record::Snapshot {
+            self.log.append(Record::Snapshot {
                 generation,
                 created_unix,
                 cache_seq,
@@ -684,7 +684,7 @@ impl Pool {
             for volume in &volumes {
                 self.cache.volume(volume.id()).lock().set_floor(cache_seq);
             }
-            (taken, gated, seq)
+            (taken, gated)
         };
         // Writes go on as soon as the record is appended: whatever they log
         // comes after it, so no commit makes theirs durable without it,
@@ -696,7 +696,7 @@ impl Pool {
         // have not flushed is as durable in the snapshot as in them): one
         // log write, unless other pending records need the data devices
         // flushed (a flush of a large dirty page cache takes long).
-        self.commit_marks(seq).await?;
+        self.commit_marks().await?;
         tracing::debug!(
             "snapshot create: writes stopped {} µs, gate {} µs, writes resumed {} µs, committed {} µs",
             stopped.as_micros(),

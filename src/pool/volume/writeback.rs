@@ -131,10 +131,7 @@ impl EngineVolume {
             if blocks.is_empty() {
                 return Ok(());
             }
-            // The client waits: the records are staged, not committed (a
-            // commit waits for a data flush, tens to hundreds of ms on a
-            // busy disk); the next commit makes them durable.
-            self.destage_settled(&blocks, false).await?;
+            self.destage_blocks(&blocks).await?;
         }
     }
 
@@ -207,13 +204,6 @@ impl EngineVolume {
     /// entry of the same map pages, so a page is copied into a snapshot
     /// only once all it held before that snapshot is in it.
     pub(crate) async fn destage_blocks(&self, blocks: &[u64]) -> BlockResult<()> {
-        self.destage_settled(blocks, true).await
-    }
-
-    /// [`Self::destage_blocks`]; without `commit`, the records it logs are
-    /// staged instead of committed (what placing a snapshot's cached
-    /// writes ahead of a client's write does, see below).
-    async fn destage_settled(&self, blocks: &[u64], commit: bool) -> BlockResult<()> {
         let per_block = self.sectors_per_block();
         // Without an `.await` when free (as the barrier and the stripes:
         // an awaited tokio lock spends the task's cooperative budget; this
@@ -355,22 +345,8 @@ impl EngineVolume {
             // them itself, before the commit: the commit does it under the
             // log's commit lock, where synchronous writers would queue behind
             // a flush of everything this pass wrote.
-            //
-            // Except when a client waits for the placement of a snapshot's
-            // cached writes (`place_pending_sectors`): its records are only
-            // staged. Nothing durable depends on them before the next
-            // commit: the entries' Data records, if they were logged, stay
-            // live until a committed `Written` supersedes them (a crash
-            // before restores them from the log); a new mapping is of a
-            // block the snapshot is about to share, so it is not
-            // overwritten in place (and if it is, `note_overwrites` keeps
-            // its staged record true); a checkpoint commits first.
-            if commit {
-                self.pool.flush_data_devices().await.map_err(io_error)?;
-                self.pool.commit_quiet().await.map_err(pool_error)?;
-            } else {
-                self.pool.stage().await.map_err(pool_error)?;
-            }
+            self.pool.flush_data_devices().await.map_err(io_error)?;
+            self.pool.commit_quiet().await.map_err(pool_error)?;
         }
         // Otherwise only never-logged sectors of mapped blocks were written
         // in place: no record, no durability promised yet, nothing to
