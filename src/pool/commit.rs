@@ -184,29 +184,82 @@ impl Pool {
     /// Makes every completed write durable: flushes the data devices, then
     /// commits the log. Group-committed: concurrent callers share one commit.
     /// A full log is freed by a checkpoint, destaging the data it holds if
-    /// that is what keeps it full (backpressure).
+    /// that is what keeps it full (backpressure): the caller waits for the
+    /// room, made by one writer at a time ([`Pool::make_log_room`]), and
+    /// fails only when three rounds in a row free nothing.
     pub async fn commit(&self) -> Result<(), PoolError> {
-        for attempt in 0..4 {
+        let mut fruitless = 0;
+        loop {
             match self.commit_and_release(false).await {
                 Ok(()) => {
                     self.maybe_checkpoint_soon();
                     return Ok(());
                 }
-                Err(LogError::Full) if attempt == 0 => self.checkpoint_metadata().await?,
-                Err(LogError::Full) => self.checkpoint().await?,
+                Err(LogError::Full) => {
+                    if self.make_log_room(0).await? {
+                        fruitless = 0;
+                    } else {
+                        fruitless += 1;
+                        if fruitless >= 3 {
+                            return Err(LogError::Full.into());
+                        }
+                    }
+                }
                 Err(e) => return Err(e.into()),
             }
         }
-        Err(LogError::Full.into())
+    }
+
+    /// Waits until the log has room for `bytes` of records a writer is
+    /// about to append (synchronous writes' `Data` records), making it if
+    /// need be. Writers that append without asking filled the log past
+    /// what even the engine's own commits may use (its last quarter):
+    /// then no destage could commit, no checkpoint could move the tail,
+    /// and every write failed with "the log is full" (256 `sync=always`
+    /// writers did it in seconds).
+    pub(crate) async fn wait_for_log_room(&self, bytes: u64) -> Result<(), PoolError> {
+        let mut fruitless = 0;
+        while self.log.room() < bytes {
+            if self.make_log_room(bytes).await? {
+                fruitless = 0;
+            } else {
+                fruitless += 1;
+                if fruitless >= 3 {
+                    return Err(LogError::Full.into());
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Frees log space: one caller at a time destages the logged data that
+    /// holds the log's tail back and checkpoints ([`Pool::checkpoint`]);
+    /// the others wait for it, then look again. Returns whether there was
+    /// progress: the tail moved, or `bytes` of room are there now. (A
+    /// metadata checkpoint alone frees nothing while logged data pins the
+    /// tail, and each one writes to the log: hundreds of writers each
+    /// taking one filled the log's reserve and no commit could go on.)
+    async fn make_log_room(&self, bytes: u64) -> Result<bool, PoolError> {
+        let tail = self.log.tail_lsn();
+        let _making = self.making_log_room.lock().await;
+        if self.log.tail_lsn() != tail || (bytes > 0 && self.log.room() >= bytes) {
+            // Someone else made room meanwhile.
+            return Ok(true);
+        }
+        self.checkpoint().await?;
+        Ok(self.log.tail_lsn() != tail)
     }
 
     /// A commit for the engine's own work (dirty marks, destaging): never
     /// destages, so it can run inside a destage; may use the log's reserve.
     pub(crate) async fn commit_quiet(&self) -> Result<(), PoolError> {
+        // Into the reserve before a metadata checkpoint: while logged data
+        // pins the tail, a checkpoint frees nothing and only uses log space.
         for attempt in 0..3 {
             match self.commit_and_release(attempt > 0).await {
                 Ok(()) => return Ok(()),
-                Err(LogError::Full) if attempt < 2 => self.checkpoint_metadata().await?,
+                Err(LogError::Full) if attempt == 1 => self.checkpoint_metadata().await?,
+                Err(LogError::Full) if attempt == 0 => {}
                 Err(e) => return Err(e.into()),
             }
         }

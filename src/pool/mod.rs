@@ -278,6 +278,10 @@ pub struct Pool {
     /// its snapshot (so the snapshot is consistent).
     gate: tokio::sync::RwLock<()>,
     checkpointing: tokio::sync::Mutex<()>,
+    /// Held by the one writer that makes room in a full log (see
+    /// `Pool::make_log_room`); the others wait for it instead of each
+    /// destaging and checkpointing.
+    making_log_room: tokio::sync::Mutex<()>,
     /// Held shared by a commit from its log write until the slots its
     /// records freed are released in the allocator, exclusively by a
     /// checkpoint around its own commit and its snapshot of the allocator:

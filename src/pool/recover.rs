@@ -401,6 +401,7 @@ impl Pool {
             destroyed: Mutex::new(HashSet::new()),
             gate: tokio::sync::RwLock::new(()),
             checkpointing: tokio::sync::Mutex::new(()),
+            making_log_room: tokio::sync::Mutex::new(()),
             releasing: tokio::sync::RwLock::new(()),
             checkpoints: AtomicU64::new(0),
             checkpoint_pages: AtomicU64::new(0),

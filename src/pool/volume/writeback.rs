@@ -437,6 +437,14 @@ impl EngineVolume {
         if self.pool.has_snapshots() {
             self.place_pending_sectors(first, last).await?;
         }
+        // A synchronous write's data goes to the log: room for it first
+        // (holding nothing: making room destages and checkpoints).
+        if durable && !self.log_throughput.load(Ordering::Acquire) {
+            self.pool
+                .wait_for_log_room(count as u64 * (SECTOR_BYTES + 64))
+                .await
+                .map_err(pool_error)?;
+        }
         // Space for blocks that are not mapped yet is promised before the
         // write is accepted, so the destage cannot run out of it later. When
         // the pool is full but trims or overwrites have freed slots that only
