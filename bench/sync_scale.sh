@@ -1,0 +1,99 @@
+#!/usr/bin/env bash
+# Group commit on the default pool (issue 21): `sync=always` 4K random
+# writes through fio's nbd engine, one connection per job, on the default
+# pool (no configuration: the log shares the fast device with the data).
+#   fresh:   a new 1 GiB volume (writes allocate), QD1 then QD32 (32 jobs
+#            x QD1: a database's many sessions), each on its own new volume;
+#   filled:  the same on a 1 GiB volume filled first (overwrites);
+#   16 vols: 16 filled 256 MiB volumes written at once, 16 x (4 jobs x
+#            QD1), against one of them alone at QD1;
+#   256:     256 connections on one fresh 1 GiB volume (the log fills many
+#            times over: writers must wait for room, never fail).
+# Prints IOPS, p99 completion latency and the ratios the issue sets
+# (>= 8x). Also counts writes that failed (fio err=).
+# A temporary directory, ephemeral 127.0.0.1 ports, the server stopped by PID.
+#
+# Usage: bench/sync_scale.sh [STRATA_BINARY] [SECONDS]
+#        (ROWS="fresh filled 16vols 256" picks rows)
+set -euo pipefail
+ROWS=${ROWS:-fresh filled 16vols 256}
+BIN=$(realpath "${1:-$(dirname "$0")/../target/release/strata}")
+SECS=${2:-10}
+LIB=$(realpath "$(dirname "$0")/lib.sh")
+DIR=$(mktemp -d)
+PID=
+trap '[ -n "$PID" ] && kill "$PID" 2>/dev/null; sleep 0.5; rm -rf "$DIR"' EXIT
+# shellcheck source=bench/lib.sh
+source "$LIB"
+start_strata "$BIN" --max-connections-per-client 512
+
+volume() { # NAME SIZE [fill]
+    "$BIN" volume create "default/$1" --size "$2" >/dev/null
+    if [ "${3:-}" = fill ]; then
+        fio --name=fill --ioengine=nbd --uri="nbd://127.0.0.1:$PORT/default/$1" --rw=write --bs=1M \
+            --iodepth=4 --size="$2" --output-format=terse >/dev/null
+    fi
+    "$BIN" volume set "default/$1" sync=always >/dev/null
+}
+
+# run LABEL JOBS VOLUMES...: JOBS connections per volume, QD1 each, all at once.
+run() {
+    local label=$1 jobs=$2
+    shift 2
+    local args=() i=0
+    for v in "$@"; do
+        args+=("--name=v$i" "--uri=nbd://127.0.0.1:$PORT/default/$v" "--numjobs=$jobs")
+        i=$((i + 1))
+    done
+    fio --ioengine=nbd --rw=randwrite --bs=4k --iodepth=1 --thread --norandommap \
+        --time_based --runtime="$SECS" --group_reporting --output-format=json \
+        --output="$DIR/fio.json" "${args[@]}" >/dev/null 2>"$DIR/fio.err" || { cat "$DIR/fio.err" >&2; }
+    python3 - "$label" "$DIR/fio.json" <<'EOF'
+import json, sys
+label, path = sys.argv[1], sys.argv[2]
+text = open(path).read()
+# (fio's nbd engine prints "connected" lines into the same file first.)
+jobs = json.loads(text[text.index("{"):])["jobs"]
+iops = sum(j["write"]["iops"] for j in jobs)
+errors = sum(j.get("error", 0) != 0 for j in jobs)
+p99 = max(j["write"]["clat_ns"]["percentile"].get("99.000000", 0) for j in jobs) / 1000
+print(f"{label:<28} {iops:>9.0f} IOPS   p99 {p99:>8.0f} us   jobs with errors: {errors}")
+open(sys.argv[2] + ".iops", "w").write(f"{iops}\n")
+EOF
+    cat "$DIR/fio.json.iops" >"$DIR/$label.iops"
+}
+
+ratio() { python3 -c "import sys; a, b = (float(open(f).read()) for f in sys.argv[1:]); print(f'{a / b:.1f}x')" "$DIR/$1.iops" "$DIR/$2.iops"; }
+
+for row in $ROWS; do
+    case $row in
+    fresh)
+        volume fresh1 1G
+        volume fresh32 1G
+        run fresh-qd1 1 fresh1
+        run fresh-qd32 32 fresh32
+        echo "fresh volume, QD32 / QD1: $(ratio fresh-qd32 fresh-qd1)"
+        ;;
+    filled)
+        volume filled 1G fill
+        run filled-qd1 1 filled
+        run filled-qd32 32 filled
+        echo "filled volume, QD32 / QD1: $(ratio filled-qd32 filled-qd1)"
+        ;;
+    16vols)
+        vols=()
+        for i in $(seq 1 16); do
+            volume "m$i" 256M fill
+            vols+=("m$i")
+        done
+        run one-of-16-qd1 1 m1
+        run 16-vols-qd4 4 "${vols[@]}"
+        echo "16 volumes x QD4 / one volume QD1: $(ratio 16-vols-qd4 one-of-16-qd1)"
+        ;;
+    256)
+        volume many 1G
+        run 256-connections 256 many
+        ;;
+    esac
+done
+grep -c "the log is full" err.txt | sed 's/^/daemon log lines with "the log is full": /' || true
