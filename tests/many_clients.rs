@@ -36,7 +36,9 @@ fn iscsi_url(server: &Server) -> String {
     format!("iscsi://{}/{ISCSI_TARGET}/0", server.iscsi)
 }
 
-fn fio_job(uri: &str, state_dir: &std::path::Path, verify_only: bool) -> Command {
+/// fio's nbd engine: NBD_JOBS connections, one job each, 4K random writes
+/// at QD1 with crc32c verification, job `i` in `[i * 2 MiB, + size)`.
+fn fio_writers(uri: &str, dir: &std::path::Path, size: &str) -> Command {
     let mut command = Command::new("fio");
     command
         .args([
@@ -48,10 +50,16 @@ fn fio_job(uri: &str, state_dir: &std::path::Path, verify_only: bool) -> Command
             "--thread",
         ])
         .arg(format!("--numjobs={NBD_JOBS}"))
-        .args(["--size=2m", "--offset_increment=2m", "--group_reporting"])
-        .args(["--verify=crc32c", "--randrepeat=1"])
+        .arg(format!("--size={size}"))
+        .args(["--offset_increment=2m", "--group_reporting", "--verify=crc32c"])
         .arg(format!("--uri={uri}"))
-        .current_dir(state_dir);
+        .current_dir(dir);
+    command
+}
+
+fn fio_job(uri: &str, state_dir: &std::path::Path, verify_only: bool) -> Command {
+    let mut command = fio_writers(uri, state_dir, "2m");
+    command.arg("--randrepeat=1");
     if verify_only {
         command.args(["--verify_only=1", "--verify_state_load=1", "--verify_fatal=1"]);
     }
@@ -235,20 +243,8 @@ fn hundreds_of_synchronous_writers_wait_for_log_room_instead_of_failing() {
     let server = Server::start_logged(dir.path(), None, &extra, Some(&log));
     server.create_volume(NBD_VOLUME, "1G");
     server.set_property(NBD_VOLUME, "sync", "always");
-    let output = Command::new("fio")
-        .args([
-            "--name=sync",
-            "--ioengine=nbd",
-            "--rw=randwrite",
-            "--bs=4k",
-            "--iodepth=1",
-            "--thread",
-        ])
-        .arg(format!("--numjobs={NBD_JOBS}"))
-        .args(["--size=1m", "--offset_increment=2m", "--group_reporting"])
-        .args(["--verify=crc32c", "--verify_fatal=1", "--verify_state_save=0"])
-        .arg(format!("--uri={}", server.uri(NBD_VOLUME)))
-        .current_dir(dir.path())
+    let output = fio_writers(&server.uri(NBD_VOLUME), dir.path(), "1m")
+        .args(["--verify_fatal=1", "--verify_state_save=0"])
         .output()
         .unwrap();
     let text = String::from_utf8_lossy(&output.stdout).to_string() + &String::from_utf8_lossy(&output.stderr);
