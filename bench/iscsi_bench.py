@@ -16,9 +16,14 @@ Server CPU per operation is utime+stime of the server process (all threads,
 from /proc/PID/stat) over the run, divided by the operations completed.
 
 Usage: bench/iscsi_bench.py [--runtime S] [--count N] [--size-mib N] [--only strata,tgt-file,tgt-null]
-                            [--json PATH] [--baseline PATH]
+                            [--json PATH] [--baseline PATH] [--matrix 1x32,16x4,64x2,128x1,256x1]
 --baseline adds a second strata, "strata-base", run from another binary (an
 older build) in the same run: before/after side by side.
+--matrix (many clients, issue 21) replaces the two workloads with, for
+each JOBSxQD, JOBS sessions at once (one process each, its own initiator
+name): 4K random reads with iscsi-perf -m QD for RUNTIME seconds (the
+sum of the sessions' averages), and 4K writes with qemu-img bench -d QD,
+COUNT requests split among them (COUNT / the wall time of them all).
 Needs root (tgtd), libiscsi-bin (iscsi-perf), tgt, qemu-utils with iscsi://
 support (qemu-block-extra) and libnbd-bin (nbdcopy, to fill the strata volume).
 Prints a Markdown table.
@@ -89,9 +94,11 @@ class Strata:
     def __init__(self, work, seed, size, binary=STRATA, data="strata-data"):
         self.data_dir = os.path.join(work, data)
         self.iscsi, self.nbd, self.api = free_port(), free_port(), free_port()
+        # Hundreds of sessions from one address (--matrix): above the default cap.
         self.proc = subprocess.Popen(
             [binary, "serve", "--data-dir", self.data_dir, "--nbd", f"127.0.0.1:{self.nbd}",
-             "--api", f"127.0.0.1:{self.api}", "--iscsi", f"127.0.0.1:{self.iscsi}"],
+             "--api", f"127.0.0.1:{self.api}", "--iscsi", f"127.0.0.1:{self.iscsi}",
+             "--max-connections-per-client", "1024"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=dict(os.environ, STRATA_LOG="warn"))
         for port in (self.api, self.nbd, self.iscsi):
             wait_port(port, self.proc)
@@ -172,6 +179,40 @@ def write(url, count):
     return count / float(match.group(1)), count
 
 
+def sessions(commands):
+    """Runs the commands at once; returns their outputs (each must succeed)."""
+    procs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for c in commands]
+    outputs = [p.communicate()[0] for p in procs]
+    for command, proc, out in zip(commands, procs, outputs):
+        if proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(command)} failed:\n{out}")
+    return outputs
+
+
+def initiator(i):
+    return f"iqn.2026-11.io.strata.bench:session{i}"
+
+
+def matrix_read(url, jobs, qd, runtime):
+    outputs = sessions([["iscsi-perf", "-i", initiator(i), "-t", str(runtime), "-m", str(qd), "-b", "8", "-r", url]
+                        for i in range(jobs)])
+    iops = 0.0
+    for out in outputs:
+        averages = re.findall(r"iops average (\d+)", out)
+        if not averages:
+            raise RuntimeError(f"no result from iscsi-perf:\n{out}")
+        iops += float(averages[-1])
+    return iops, iops * runtime
+
+
+def matrix_write(url, jobs, qd, count):
+    each = max(1, count // jobs)
+    started = time.time()
+    sessions([["qemu-img", "bench", "-f", "raw", "-w", "-t", "none", "-d", str(qd), "-c", str(each), "-s", "4k",
+               "-o", str(i * each * 4096 % (1 << 30)), url] for i in range(jobs)])
+    return each * jobs / (time.time() - started), each * jobs
+
+
 def measure(pid, run):
     before = cpu_seconds(pid)
     iops, ops = run()
@@ -187,6 +228,7 @@ def main():
     parser.add_argument("--only", default="", help="comma-separated: strata,tgt-file,tgt-null")
     parser.add_argument("--json", default="", help="also write the results as JSON here")
     parser.add_argument("--baseline", default="", help="another strata binary to run side by side (before/after)")
+    parser.add_argument("--matrix", default="", help="JOBSxQD,... : many sessions at once (see above)")
     options = parser.parse_args()
     for tool in ["iscsi-perf", "qemu-img", "tgtd", "tgtadm", "nbdcopy"]:
         if not shutil.which(tool):
@@ -208,6 +250,14 @@ def main():
         ("4K random read QD32 (iscsi-perf)", lambda url: random_read(url, options.runtime)),
         ("4K write QD32 (qemu-img bench)", lambda url: write(url, options.count)),
     ]
+    if options.matrix:
+        workloads = []
+        for row in options.matrix.split(","):
+            jobs, qd = (int(n) for n in row.split("x"))
+            workloads.append((f"4K random read {jobs}x{qd}",
+                              lambda url, j=jobs, q=qd: matrix_read(url, j, q, options.runtime)))
+            workloads.append((f"4K write {jobs}x{qd}",
+                              lambda url, j=jobs, q=qd: matrix_write(url, j, q, options.count)))
     results = {}
     strata = base = tgt = None
     if options.baseline:
