@@ -337,6 +337,10 @@ pub struct Pool {
     /// be loaded.
     #[cfg(test)]
     pub(crate) fail_mapping_after: std::sync::atomic::AtomicI64,
+    /// Unit tests: run once by the next copy of a map page into a snapshot
+    /// or clone, between logging the copy and making it visible.
+    #[cfg(test)]
+    pub(crate) page_copy_pause: Mutex<Option<Box<dyn FnOnce() + Send>>>,
 }
 
 /// A device and the role it should have in a new pool.

@@ -426,6 +426,8 @@ impl Pool {
             self_ref: std::sync::OnceLock::new(),
             #[cfg(test)]
             fail_mapping_after: std::sync::atomic::AtomicI64::new(-1),
+            #[cfg(test)]
+            page_copy_pause: Mutex::new(None),
         });
         let _ = pool.self_ref.set(Arc::downgrade(&pool));
         let replayed = records.len();

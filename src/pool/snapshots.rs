@@ -763,12 +763,22 @@ impl Pool {
         };
         let page = self.map_page(volume, block)?;
         let index = block / MAP_ENTRIES_PER_PAGE;
+        // In both copies below the record is appended before the copy is
+        // made visible: a write to another block of the page that finds
+        // it copied (and so copies nothing) logs its mapping after the
+        // record, so replay copies the page as it was before that write.
+        // The other way round, such a write could log its mapping first
+        // and replay would copy its new block into the snapshot (or, for
+        // a clone, find the page present and skip the origin's entries).
         if let Some(origin) = origin {
             if !page.present.load(Ordering::Acquire) {
                 let _copying = self.page_copy.lock_or_abort();
                 if !page.present.load(Ordering::Acquire) {
-                    self.clone_page_into(&page, origin, index)?;
+                    let entries = self.view_entries(origin, index)?;
                     self.log.append(Record::ClonePage { volume, page: index });
+                    #[cfg(test)]
+                    self.pause_in_page_copy();
+                    self.clone_page_into(&page, &entries);
                 }
             }
         }
@@ -803,14 +813,24 @@ impl Pool {
         }
         // Born at the snapshot's generation, not the pool's: a snapshot
         // taken meanwhile must still see this page change.
-        self.copy_page_into(&page, index, snapshot, generation);
         self.log.append(Record::CopyPage {
             volume,
             page: index,
             snapshot,
             generation,
         });
+        #[cfg(test)]
+        self.pause_in_page_copy();
+        self.copy_page_into(&page, index, snapshot, generation);
         Ok(())
+    }
+
+    #[cfg(test)]
+    fn pause_in_page_copy(&self) {
+        let pause = self.page_copy_pause.lock_or_abort().take();
+        if let Some(pause) = pause {
+            pause();
+        }
     }
 
     /// The copy itself (also replayed): the snapshot gets the page as it is,
@@ -852,9 +872,8 @@ impl Pool {
     /// there, and gets a copy before the page changes). The entries are
     /// filled in place before the page says it is present, so a reader
     /// that sees it present sees them.
-    fn clone_page_into(&self, page: &MapPage, origin: u32, index: u64) -> Result<(), MetaError> {
-        let entries = self.view_entries(origin, index)?;
-        for (entry, value) in page.entries.iter().zip(entries) {
+    fn clone_page_into(&self, page: &MapPage, entries: &[u64]) {
+        for (entry, &value) in page.entries.iter().zip(entries) {
             let shared = if value & map_entry::VALID != 0 {
                 value | map_entry::SHARED
             } else {
@@ -865,7 +884,6 @@ impl Pool {
         page.birth.store(0, Ordering::Release);
         page.present.store(true, Ordering::Release);
         self.map_pages.mark_dirty(page);
-        Ok(())
     }
 
     /// The entries `owner` (a snapshot or a volume) sees at map page
@@ -1618,7 +1636,9 @@ impl Pool {
                 "log: a page of clone {volume}, which has no origin"
             )));
         };
-        self.clone_page_into(&page, origin, index)
+        let entries = self.view_entries(origin, index)?;
+        self.clone_page_into(&page, &entries);
+        Ok(())
     }
 
     /// The blocks volume `volume` maps, looked up through its view (a
@@ -1747,7 +1767,7 @@ impl Pool {
             }
             let page = self.map_pages.get(&self.db, (clone, index))?;
             if !page.present.load(Ordering::Acquire) {
-                self.clone_page_into(&page, origin, index)?;
+                self.clone_page_into(&page, &view);
             }
         }
         // The origin now has its own copy of each of the clone's pages: a
@@ -2762,6 +2782,85 @@ mod tests {
             }
             pool.destage_all().await.unwrap();
             check_space(&pool, 1);
+        }
+    }
+
+    /// Two writes into one map page after a snapshot, the second finding
+    /// the page already copied by the first: after a crash, the snapshot
+    /// still reads what it held. Before the `CopyPage` record was logged
+    /// ahead of the copy, the second write could log its mapping first and
+    /// replay copied its new block into the snapshot (found by kill -9
+    /// during an incremental receive, whose 1 MiB writes go around the
+    /// cache eight at a time). The same for a clone's first writes into a
+    /// page of its origin's (`ClonePage`): replay found the page present
+    /// and the clone lost the origin's blocks there.
+    #[test]
+    fn a_page_copy_is_logged_before_the_writes_that_find_it_made() {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap();
+        runtime.block_on(racing_page_copy(false));
+        runtime.block_on(racing_page_copy(true));
+
+        async fn racing_page_copy(clone: bool) {
+            const WRITE: usize = 128 << 10;
+            const PAGE: usize = 2 << 20;
+            let (sim, pool, volume) = model_pool(160 * MIB, 3).await;
+            volume.write(0, IoBuf::copy_from(&[0xcc; PAGE]), false).await.unwrap();
+            volume.flush().await.unwrap();
+            pool.create_snapshots(&[SnapshotRequest {
+                volume: &volume,
+                name: "s".into(),
+            }])
+            .await
+            .unwrap();
+            let id = id_of(&pool, "s");
+            let target = if clone {
+                pool.create_clone(2, id).await.unwrap();
+                pool.open_volume(2, VOLUME, BLOCK).unwrap()
+            } else {
+                volume.clone()
+            };
+            // The first write stops inside its copy of map page 0 while a
+            // second one writes another block of the page.
+            let (paused_tx, paused) = std::sync::mpsc::channel();
+            let (go, go_rx) = std::sync::mpsc::channel::<()>();
+            *pool.page_copy_pause.lock_or_abort() = Some(Box::new(move || {
+                paused_tx.send(()).unwrap();
+                let _ = go_rx.recv_timeout(std::time::Duration::from_secs(5));
+            }));
+            let first = {
+                let target = target.clone();
+                tokio::spawn(async move { target.write(0, IoBuf::copy_from(&[0xaa; WRITE]), false).await })
+            };
+            paused.recv_timeout(std::time::Duration::from_secs(5)).unwrap();
+            let second = {
+                let target = target.clone();
+                tokio::spawn(async move { target.write(MIB, IoBuf::copy_from(&[0xbb; WRITE]), false).await })
+            };
+            // Time for the second write to finish, if it does not wait for
+            // the copy.
+            std::thread::sleep(std::time::Duration::from_millis(300));
+            go.send(()).unwrap();
+            first.await.unwrap().unwrap();
+            second.await.unwrap().unwrap();
+            target.flush().await.unwrap();
+            drop((volume, target, pool));
+            sim.crash();
+            let pool = Pool::open(vec![sim.as_device()]).await.unwrap();
+            let mut snapshot = vec![0u8; VOLUME as usize];
+            snapshot[..PAGE].fill(0xcc);
+            let mut written = snapshot.clone();
+            written[..WRITE].fill(0xaa);
+            written[MIB as usize..MIB as usize + WRITE].fill(0xbb);
+            let view = pool.open_snapshot(id, BLOCK).unwrap();
+            let wrong = read_all(&view).await.iter().zip(&snapshot).position(|(a, b)| a != b);
+            assert_eq!(wrong, None, "clone {clone}: the snapshot differs at this offset");
+            let target = pool.open_volume(if clone { 2 } else { 1 }, VOLUME, BLOCK).unwrap();
+            let wrong = read_all(&target).await.iter().zip(&written).position(|(a, b)| a != b);
+            assert_eq!(wrong, None, "clone {clone}: the written volume differs at this offset");
         }
     }
 
