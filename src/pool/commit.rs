@@ -195,16 +195,7 @@ impl Pool {
                     self.maybe_checkpoint_soon();
                     return Ok(());
                 }
-                Err(LogError::Full) => {
-                    if self.make_log_room(0).await? {
-                        fruitless = 0;
-                    } else {
-                        fruitless += 1;
-                        if fruitless >= 3 {
-                            return Err(LogError::Full.into());
-                        }
-                    }
-                }
+                Err(LogError::Full) => self.log_room_round(0, &mut fruitless).await?,
                 Err(e) => return Err(e.into()),
             }
         }
@@ -220,13 +211,21 @@ impl Pool {
     pub(crate) async fn wait_for_log_room(&self, bytes: u64) -> Result<(), PoolError> {
         let mut fruitless = 0;
         while self.log.room() < bytes {
-            if self.make_log_room(bytes).await? {
-                fruitless = 0;
-            } else {
-                fruitless += 1;
-                if fruitless >= 3 {
-                    return Err(LogError::Full.into());
-                }
+            self.log_room_round(bytes, &mut fruitless).await?;
+        }
+        Ok(())
+    }
+
+    /// One round of [`Pool::make_log_room`] for a caller short of log room;
+    /// `fruitless` counts the rounds in a row that freed nothing, and the
+    /// third fails with "the log is full".
+    async fn log_room_round(&self, bytes: u64, fruitless: &mut u32) -> Result<(), PoolError> {
+        if self.make_log_room(bytes).await? {
+            *fruitless = 0;
+        } else {
+            *fruitless += 1;
+            if *fruitless >= 3 {
+                return Err(LogError::Full.into());
             }
         }
         Ok(())
