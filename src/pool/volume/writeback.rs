@@ -3,10 +3,6 @@
 
 use super::*;
 use crate::pool::MAP_ENTRIES_PER_PAGE;
-use futures_util::StreamExt;
-
-/// Writes a destage keeps in flight at once (to different blocks).
-const PLACEMENT_WRITES: usize = 16;
 
 impl EngineVolume {
     /// Blocks (sorted) holding cached sectors that match `filter`, at most `limit`.
@@ -152,48 +148,6 @@ impl EngineVolume {
         blocks
     }
 
-    /// Writes runs of cached sectors (`order[start..stop]`, each run one
-    /// write, in order) for a destage that holds their blocks' locks.
-    async fn place_runs(
-        &self,
-        order: &[(usize, u64, Entry)],
-        runs: &[(usize, usize)],
-        snapshots_exist: bool,
-    ) -> BlockResult<()> {
-        for &(start, stop) in runs {
-            let mut buf = IoBuf::new((stop - start) * SECTOR_BYTES as usize);
-            for (i, (_, _, entry)) in order[start..stop].iter().enumerate() {
-                let at = i * SECTOR_BYTES as usize;
-                let dst = &mut buf.payload_mut()[at..at + SECTOR_BYTES as usize];
-                // SAFETY: the exclusive block locks held here keep these
-                // entries' slots from being rewritten or released.
-                unsafe { self.pool.cache.ram.read(entry.slot, 0, dst) };
-            }
-            let written_at = order[start].2.seq;
-            self.write_locked(order[start].1 * SECTOR_BYTES, buf, Some(written_at))
-                .await?;
-            // Placed: no longer holding a snapshot's page back. (Only
-            // where snapshots exist: an entry of a volume without any that
-            // one taken meanwhile finds unmarked is placed again, which is
-            // harmless; the cache's lock is not taken once more per write.)
-            if snapshots_exist {
-                let mut state = self.cache.lock();
-                let floor = state.floor;
-                let mut placed = 0;
-                for (_, sector, entry) in &order[start..stop] {
-                    if let Some(current) = state.entries.get_mut(sector) {
-                        if current.seq == entry.seq && !current.placed {
-                            current.placed = true;
-                            placed += usize::from(current.seq < floor);
-                        }
-                    }
-                }
-                state.pending -= placed;
-            }
-        }
-        Ok(())
-    }
-
     /// Writes the cached sectors of `blocks` (sorted) to their place, commits
     /// (so they are durable and their log records superseded), then drops
     /// the entries nobody rewrote meanwhile.
@@ -257,66 +211,42 @@ impl EngineVolume {
         let mut order: Vec<(usize, u64, Entry)> = snapshot.iter().map(|(s, e)| (after(e.seq), *s, *e)).collect();
         order.sort_unstable_by_key(|(group, sector, _)| (*group, *sector));
         // Contiguous runs of sectors of one group become one write each.
-        let mut runs: Vec<(usize, usize)> = Vec::new();
         let mut start = 0;
         while start < order.len() {
             let mut stop = start + 1;
             while stop < order.len() && order[stop].0 == order[start].0 && order[stop].1 == order[stop - 1].1 + 1 {
                 stop += 1;
             }
-            runs.push((start, stop));
-            start = stop;
-        }
-        // The runs of a group go to different blocks at once (a placement
-        // of a map page's pending entries is hundreds of blocks, and the
-        // writers of those blocks wait for it): runs that share a block
-        // stay in order in one task; groups one after the other.
-        let block_of = |run: usize| order[run].1 / per_block;
-        let mut tasks: Vec<Vec<(usize, usize)>> = Vec::new();
-        for &(start, stop) in &runs {
-            match tasks.last_mut() {
-                Some(task)
-                    if order[task[0].0].0 == order[start].0
-                        && block_of(task[task.len() - 1].1 - 1) == block_of(start) =>
-                {
-                    task.push((start, stop))
-                }
-                _ => tasks.push(vec![(start, stop)]),
+            let mut buf = IoBuf::new((stop - start) * SECTOR_BYTES as usize);
+            for (i, (_, _, entry)) in order[start..stop].iter().enumerate() {
+                let at = i * SECTOR_BYTES as usize;
+                let dst = &mut buf.payload_mut()[at..at + SECTOR_BYTES as usize];
+                // SAFETY: the exclusive block locks held here keep these
+                // entries' slots from being rewritten or released.
+                unsafe { self.pool.cache.ram.read(entry.slot, 0, dst) };
             }
-        }
-        let snapshots_exist = !floors.is_empty();
-        // Only a destage that allocates (a block not mapped yet, or shared
-        // with a snapshot: copied on write) writes in parallel: bursts of
-        // in-place overwrites into the file that also holds the log cost
-        // synchronous writers a fifth of their commits (BENCHMARKS.md).
-        let allocates = blocks.iter().try_fold(false, |found, block| {
-            if found {
-                return Ok(true);
-            }
-            let entry = self.pool.lookup(self.id, *block).map_err(meta_error)?;
-            Ok::<bool, BlockError>(entry & map_entry::VALID == 0 || entry & map_entry::SHARED != 0)
-        })?;
-        let in_flight = if allocates { PLACEMENT_WRITES } else { 1 };
-        let mut task = 0;
-        while task < tasks.len() {
-            let group = order[tasks[task][0].0].0;
-            let end = tasks[task..]
-                .iter()
-                .position(|t| order[t[0].0].0 != group)
-                .map_or(tasks.len(), |n| task + n);
-            let mut placing = futures_util::stream::FuturesUnordered::new();
-            for runs in &tasks[task..end] {
-                if placing.len() >= in_flight {
-                    if let Some(result) = placing.next().await {
-                        result?;
+            let written_at = order[start].2.seq;
+            self.write_locked(order[start].1 * SECTOR_BYTES, buf, Some(written_at))
+                .await?;
+            // Placed: no longer holding a snapshot's page back. (Only
+            // where snapshots exist: an entry of a volume without any that
+            // one taken meanwhile finds unmarked is placed again, which is
+            // harmless; the cache's lock is not taken once more per write.)
+            if !floors.is_empty() {
+                let mut state = self.cache.lock();
+                let floor = state.floor;
+                let mut placed = 0;
+                for (_, sector, entry) in &order[start..stop] {
+                    if let Some(current) = state.entries.get_mut(sector) {
+                        if current.seq == entry.seq && !current.placed {
+                            current.placed = true;
+                            placed += usize::from(current.seq < floor);
+                        }
                     }
                 }
-                placing.push(self.place_runs(&order, runs, snapshots_exist));
+                state.pending -= placed;
             }
-            while let Some(result) = placing.next().await {
-                result?;
-            }
-            task = end;
+            start = stop;
         }
         // Older Data records of these blocks are superseded once this is
         // committed (after the data devices are flushed).
