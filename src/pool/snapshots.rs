@@ -866,8 +866,8 @@ impl Pool {
         self.map_pages.mark_dirty(page);
     }
 
-    /// A clone's page made its own (also replayed): its origin's view at
-    /// `index`, every valid entry shared with the origin. Born at 0, that
+    /// A clone's page made its own (also replayed): `entries`, its
+    /// origin's view of the page, every valid entry shared with the origin. Born at 0, that
     /// is before any snapshot of the clone (which saw the origin's view
     /// there, and gets a copy before the page changes). The entries are
     /// filled in place before the page says it is present, so a reader
