@@ -77,7 +77,7 @@ fn hundreds_of_nbd_and_iscsi_connections_writing_lose_nothing_to_kill9() {
     let dir = tempfile::tempdir().unwrap();
     // 256 connections from one address: above the default per-client cap.
     let extra = ["--max-connections-per-client", "1024"];
-    let server = Server::start_with_args(dir.path(), None, &extra);
+    let server = Server::start_with_args(dir.path(), Some(dir.path()), &extra);
     server.create_volume(NBD_VOLUME, "1G");
     server.create_volume(ISCSI_VOLUME, "256M");
     // The default properties (write-back cache).
@@ -159,7 +159,7 @@ fn hundreds_of_nbd_and_iscsi_connections_writing_lose_nothing_to_kill9() {
         acknowledged.iter().map(Vec::len).collect::<Vec<_>>()
     );
 
-    let server = Server::start_with_args(dir.path(), None, &extra);
+    let server = Server::start_with_args(dir.path(), Some(dir.path()), &extra);
     let verify = fio_job(&server.uri(NBD_VOLUME), &state_dir, true).output().unwrap();
     let report = String::from_utf8_lossy(&verify.stdout).to_string() + &String::from_utf8_lossy(&verify.stderr);
     assert!(verify.status.success(), "verification after kill -9 failed:\n{report}");
@@ -240,7 +240,7 @@ fn hundreds_of_synchronous_writers_wait_for_log_room_instead_of_failing() {
     let dir = tempfile::tempdir().unwrap();
     let extra = ["--max-connections-per-client", "1024"];
     let log = dir.path().join("daemon.log");
-    let server = Server::start_logged(dir.path(), None, &extra, Some(&log));
+    let server = Server::start_logged(dir.path(), Some(dir.path()), &extra, Some(&log));
     server.create_volume(NBD_VOLUME, "1G");
     server.set_property(NBD_VOLUME, "sync", "always");
     let output = fio_writers(&server.uri(NBD_VOLUME), dir.path(), "1m")
@@ -270,7 +270,7 @@ fn hundreds_of_synchronous_writers_wait_for_log_room_instead_of_failing() {
 #[test]
 fn a_storm_of_a_thousand_nbd_connections_leaves_no_thread_or_memory_behind() {
     let dir = tempfile::tempdir().unwrap();
-    let server = Server::start_with_args(dir.path(), None, &["--max-connections-per-client", "1024"]);
+    let server = Server::start_with_args(dir.path(), Some(dir.path()), &["--max-connections-per-client", "1024"]);
     server.create_volume("default/storm", "64M");
     // Warm up what a first connection starts once (pools of threads and
     // buffers), so the comparison is of what connections leave behind.

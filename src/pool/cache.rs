@@ -40,7 +40,14 @@ pub struct Entry {
 
 #[derive(Default)]
 pub struct VolState {
+    /// The newest cached version of each dirty sector (what reads see).
     pub entries: BTreeMap<u64, Entry>,
+    /// Older versions, by (sector, seq): a cached write replaced them while
+    /// they belonged to a snapshot (written before it) and were not yet
+    /// committed in place. The writer does not wait for them to be placed:
+    /// they stay here until a destage of their block places them, oldest
+    /// first, each into the view it belongs to, and commits.
+    pub older: BTreeMap<(u64, u64), Entry>,
     /// Unmapped blocks with dirty sectors: pool space reserved for each.
     pub reserved: HashSet<u64>,
     /// The volume's block size (set when it is opened).
@@ -64,7 +71,100 @@ impl VolState {
     /// pending entries again.
     pub fn set_floor(&mut self, floor: u64) {
         self.floor = floor;
-        self.pending = self.entries.values().filter(|e| self.is_pending(e)).count();
+        self.pending = self
+            .entries
+            .values()
+            .chain(self.older.values())
+            .filter(|e| self.is_pending(e))
+            .count();
+    }
+
+    /// Every cached version of sectors `first..=last`, the newest of each
+    /// sector last: (sector, entry), sorted by sector, then age.
+    pub fn versions(&self, first: u64, last: u64) -> Vec<(u64, Entry)> {
+        let mut all: Vec<(u64, Entry)> = self.entries.range(first..=last).map(|(s, e)| (*s, *e)).collect();
+        if !self.older.is_empty() {
+            all.extend(
+                self.older
+                    .range((first, 0)..=(last, u64::MAX))
+                    .map(|((s, _), e)| (*s, *e)),
+            );
+            all.sort_unstable_by_key(|(sector, entry)| (*sector, entry.seq));
+        }
+        all
+    }
+
+    /// Puts a version found after a restart (in the RAM tier or the log)
+    /// among the sector's versions: the newest is the current one. Returns
+    /// the slot of a duplicate of the same version, to release.
+    pub fn insert_version(&mut self, sector: u64, entry: Entry) -> Option<u32> {
+        match self.entries.get(&sector).copied() {
+            Some(current) if current.seq < entry.seq => {
+                self.older.insert((sector, current.seq), current);
+                self.entries.insert(sector, entry);
+                None
+            }
+            Some(current) if current.seq > entry.seq => self.older.insert((sector, entry.seq), entry).map(|e| e.slot),
+            _ => self.entries.insert(sector, entry).map(|e| e.slot),
+        }
+    }
+
+    /// Removes the older version `(sector, seq)`, keeping the pending count.
+    pub fn remove_older(&mut self, sector: u64, seq: u64) -> Option<Entry> {
+        let entry = self.older.remove(&(sector, seq))?;
+        if self.is_pending(&entry) {
+            self.pending -= 1;
+        }
+        Some(entry)
+    }
+
+    /// After a restart, when the volume's snapshots are known: of the
+    /// versions of a sector, keeps the newest written before each snapshot
+    /// boundary (`floors`, the snapshots' `cache_seq`s, oldest first) and
+    /// the newest of all; returns the slots of the others (superseded
+    /// within one view: left by a crash between a write and the release of
+    /// the version it replaced). Their log positions pass to the version
+    /// kept after them, which now holds the log's tail in their place.
+    pub fn settle(&mut self, floors: &[u64]) -> Vec<u32> {
+        let group = |seq: u64| crate::pool::snapshots::taken_before_count(floors, seq);
+        let mut dropped = Vec::new();
+        let keys: Vec<(u64, u64)> = self.older.keys().copied().collect();
+        for (sector, seq) in keys {
+            // The next newer version: another older one, or the current.
+            let newer = self
+                .older
+                .range((sector, seq + 1)..=(sector, u64::MAX))
+                .next()
+                .map(|(k, e)| (Some(*k), *e))
+                .or_else(|| self.entries.get(&sector).map(|e| (None, *e)));
+            let Some((newer_key, newer_entry)) = newer else {
+                // No newer version: this one is the sector's current one.
+                let entry = self.older.remove(&(sector, seq)).expect("listed");
+                self.entries.insert(sector, entry);
+                continue;
+            };
+            if group(seq) < group(newer_entry.seq) {
+                continue;
+            }
+            let entry = self.older.remove(&(sector, seq)).expect("listed");
+            dropped.push(entry.slot);
+            if entry.logged_at != 0 {
+                let target = match newer_key {
+                    Some(key) => self.older.get_mut(&key),
+                    None => self.entries.get_mut(&sector),
+                }
+                .expect("found above");
+                if target.logged_at == 0 {
+                    target.logged_at = entry.logged_at;
+                    target.log_lsn = entry.log_lsn;
+                } else {
+                    target.log_lsn = target.log_lsn.min(entry.log_lsn);
+                }
+            }
+        }
+        let floor = self.floor;
+        self.set_floor(floor);
+        dropped
     }
 
     /// Removes the entry of `sector`, keeping the pending count.
@@ -103,12 +203,14 @@ pub struct Replayed {
     pub lsn: u64,
 }
 
-/// The Data records replay must restore: the newest for each sector, unless
-/// a committed `Written` record or a volume's destruction after it
-/// supersedes it.
+/// The Data records replay must restore: each version of a sector (by its
+/// sequence number: a snapshot taken between two versions needs both)
+/// unless a committed `Written` record or a volume's destruction after it
+/// supersedes it. The volume's `settle` later keeps only the versions a
+/// snapshot boundary separates.
 pub fn live_data_records(records: &[(crate::meta::log::Record, bool, u64)]) -> Vec<Replayed> {
     use crate::meta::log::Record;
-    let mut live: BTreeMap<(u32, u64), Replayed> = BTreeMap::new();
+    let mut live: BTreeMap<(u32, u64, u64), Replayed> = BTreeMap::new();
     for (record, committed, lsn) in records {
         match record {
             Record::Data {
@@ -119,7 +221,7 @@ pub fn live_data_records(records: &[(crate::meta::log::Record, bool, u64)]) -> V
                 data,
             } => {
                 live.insert(
-                    (*volume, *sector),
+                    (*volume, *sector, *seq),
                     Replayed {
                         volume: *volume,
                         sector: *sector,
@@ -135,8 +237,8 @@ pub fn live_data_records(records: &[(crate::meta::log::Record, bool, u64)]) -> V
                 first_sector,
                 count,
             } if *committed => {
-                let keys: Vec<(u32, u64)> = live
-                    .range((*volume, *first_sector)..(*volume, first_sector + *count as u64))
+                let keys: Vec<(u32, u64, u64)> = live
+                    .range((*volume, *first_sector, 0)..(*volume, first_sector + *count as u64, 0))
                     .map(|(k, _)| *k)
                     .collect();
                 for key in keys {
@@ -144,7 +246,7 @@ pub fn live_data_records(records: &[(crate::meta::log::Record, bool, u64)]) -> V
                 }
             }
             Record::Destroy { volume } => {
-                live.retain(|(v, _), _| v != volume);
+                live.retain(|(v, _, _), _| v != volume);
             }
             _ => {}
         }
@@ -201,7 +303,9 @@ impl WriteCache {
         let now = Instant::now();
         for survivor in survivors {
             let volume = cache.volume(survivor.volume);
-            volume.lock().entries.insert(
+            // Versions of one sector split by a snapshot all survive; the
+            // volume's `settle` drops the superseded ones once it is open.
+            let duplicate = volume.lock().insert_version(
                 survivor.sector,
                 Entry {
                     slot: survivor.slot,
@@ -214,6 +318,10 @@ impl WriteCache {
                     placed: false,
                 },
             );
+            if let Some(slot) = duplicate {
+                // SAFETY: no entry refers to it any more (replaced above).
+                unsafe { cache.ram.release(slot) };
+            }
         }
         cache
     }
@@ -248,7 +356,7 @@ impl WriteCache {
                     .write(slot, record.volume, record.sector, seq, &record.data, record.crc)
             };
             let volume = self.volume(record.volume);
-            volume.lock().entries.insert(
+            let duplicate = volume.lock().insert_version(
                 record.sector,
                 Entry {
                     slot,
@@ -261,6 +369,10 @@ impl WriteCache {
                     placed: false,
                 },
             );
+            if let Some(slot) = duplicate {
+                // SAFETY: no entry refers to it any more (replaced above).
+                unsafe { self.ram.release(slot) };
+            }
         }
     }
 
@@ -298,12 +410,14 @@ impl WriteCache {
         let count = state.entries.len();
         let reserved = state.reserved.len() as u64 * state.block_bytes;
         state.reserved.clear();
-        for entry in state.entries.values() {
+        let count = count + state.older.len();
+        for entry in state.entries.values().chain(state.older.values()) {
             // SAFETY: the volume is destroyed (no reader is left) and its
             // entries, the slots' only references, are cleared below.
             unsafe { self.ram.release(entry.slot) };
         }
         state.entries.clear();
+        state.older.clear();
         state.pending = 0;
         self.space.notify_waiters();
         (count, reserved)
@@ -341,7 +455,14 @@ impl WriteCache {
         for i in 0..count {
             let sector = first_sector + i as u64;
             let old = state.entries.get(&sector).copied();
-            let (mut logged_at, mut log_lsn) = old.map(|o| (o.logged_at, o.log_lsn)).unwrap_or((0, 0));
+            // A version that belongs to a snapshot (written before it) is
+            // kept, not replaced, until a destage has placed and committed
+            // it: it keeps its own log position.
+            let keep_old = old.is_some_and(|o| o.seq < state.floor);
+            let (mut logged_at, mut log_lsn) = match old {
+                Some(o) if !keep_old => (o.logged_at, o.log_lsn),
+                _ => (0, 0),
+            };
             if let Some((ordinal, lsn)) = logged {
                 if logged_at == 0 {
                     log_lsn = lsn;
@@ -361,14 +482,13 @@ impl WriteCache {
                     placed: false,
                 },
             );
-            if let Some(old) = old {
-                // Writers place what belongs to a snapshot before they
-                // overwrite it (`EngineVolume::write_cached`).
-                debug_assert!(!state.is_pending(&old), "a pending entry overwritten");
-                if state.is_pending(&old) {
-                    state.pending -= 1;
+            match old {
+                Some(old) if keep_old => {
+                    // Still pending (if it was): counted as before.
+                    state.older.insert((sector, old.seq), old);
                 }
-                freed.push(old.slot);
+                Some(old) => freed.push(old.slot),
+                None => {}
             }
         }
         drop(state);
@@ -412,9 +532,11 @@ impl WriteCache {
         volumes
             .iter()
             .filter_map(|v| {
-                v.lock()
+                let state = v.lock();
+                state
                     .entries
                     .values()
+                    .chain(state.older.values())
                     .filter(|e| e.logged_at != 0)
                     .map(|e| e.log_lsn)
                     .min()

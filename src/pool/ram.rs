@@ -302,11 +302,13 @@ impl RamTier {
         unsafe { &*(self.header_ptr(slot) as *const AtomicU32) }
     }
 
-    /// Valid slots: the newest copy of each sector (older duplicates, left
-    /// when the process died between writing a new copy and freeing the
-    /// old one, are freed).
+    /// Valid slots, every version of each sector, sorted by volume, sector
+    /// and sequence number. Versions a snapshot separates are all needed;
+    /// the others (older copies left when the process died between writing
+    /// a new copy and freeing the old one) are freed once the volume's
+    /// snapshots are known (`VolState::settle`).
     fn scan(&self) -> Vec<Survivor> {
-        let mut newest: std::collections::HashMap<(u32, u64), Survivor> = std::collections::HashMap::new();
+        let mut survivors = Vec::new();
         for slot in 0..self.slots {
             if self.magic(slot).load(Ordering::Acquire) != SLOT_MAGIC {
                 continue;
@@ -332,19 +334,9 @@ impl RamTier {
                 self.magic(slot).store(0, Ordering::Release);
                 continue;
             }
-            match newest.get(&(survivor.volume, survivor.sector)) {
-                Some(existing) if existing.seq > survivor.seq => self.magic(slot).store(0, Ordering::Release),
-                Some(existing) => {
-                    self.magic(existing.slot).store(0, Ordering::Release);
-                    newest.insert((survivor.volume, survivor.sector), survivor);
-                }
-                None => {
-                    newest.insert((survivor.volume, survivor.sector), survivor);
-                }
-            }
+            survivors.push(survivor);
         }
-        let mut survivors: Vec<Survivor> = newest.into_values().collect();
-        survivors.sort_by_key(|s| (s.volume, s.sector));
+        survivors.sort_by_key(|s| (s.volume, s.sector, s.seq));
         survivors
     }
 
@@ -641,7 +633,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn survivors_come_back_and_duplicates_resolve_to_the_newest() {
+    fn survivors_come_back_with_every_version_and_torn_slots_are_freed() {
         let image = HeapImage::new(MIN_RAM_BYTES);
         let uuid = [7u8; 16];
         // Each open takes its own handle, dropped with the tier, so the
@@ -663,13 +655,16 @@ mod tests {
         drop(tier);
         let (tier, survivors, intact) = RamTier::open(&source(), &uuid).unwrap();
         assert!(intact);
-        assert_eq!(survivors.len(), 1);
-        assert_eq!((survivors[0].sector, survivors[0].seq), (10, 2));
+        // Both versions come back, oldest first (which of them a snapshot
+        // needs is decided once the snapshots are known); the torn one not.
+        assert_eq!(survivors.len(), 2);
+        assert_eq!((survivors[0].sector, survivors[0].seq), (10, 1));
+        assert_eq!((survivors[1].sector, survivors[1].seq), (10, 2));
         let mut out = vec![0u8; SLOT_BYTES];
         // SAFETY: a survivor is valid; nothing else uses the tier.
-        unsafe { tier.read(survivors[0].slot, 0, &mut out) };
+        unsafe { tier.read(survivors[1].slot, 0, &mut out) };
         assert_eq!(out, b);
-        assert_eq!(tier.free_slots(), tier.total_slots() - 1);
+        assert_eq!(tier.free_slots(), tier.total_slots() - 2);
         drop(tier);
         // Another pool's region starts empty; so does a wiped one.
         let (_, survivors, intact) = RamTier::open(&source(), &[8u8; 16]).unwrap();

@@ -37,9 +37,23 @@ impl Pool {
             mapped,
         ));
         self.restore_reservations(&engine)?;
-        // Cached writes restored after a crash may belong to its snapshots.
-        let floor = self.snapshots_read().floor(id);
-        self.cache.volume(id).lock().set_floor(floor);
+        // Cached writes restored after a crash may belong to its snapshots:
+        // of a sector's versions, those a snapshot boundary separates stay.
+        let (floor, floors) = {
+            let snapshots = self.snapshots_read();
+            (snapshots.floor(id), snapshots.floors(id))
+        };
+        let dropped = {
+            let cache = self.cache.volume(id);
+            let mut state = cache.lock();
+            state.floor = floor;
+            state.settle(&floors)
+        };
+        for slot in dropped {
+            // SAFETY: `settle` removed the only entry that referred to it,
+            // and the volume is not open yet: nobody reads its slots.
+            unsafe { self.cache.ram.release(slot) };
+        }
         self.register_volume(id, Arc::downgrade(&engine));
         Ok(engine)
     }

@@ -5,19 +5,32 @@ use super::*;
 use crate::pool::MAP_ENTRIES_PER_PAGE;
 
 impl EngineVolume {
-    /// Blocks (sorted) holding cached sectors that match `filter`, at most `limit`.
+    /// Blocks (sorted) holding cached sectors (any version) that match
+    /// `filter`, at most `limit`.
     pub(crate) fn cached_blocks(&self, filter: impl Fn(&Entry) -> bool, limit: usize) -> Vec<u64> {
         let per_block = self.sectors_per_block();
         let state = self.cache.lock();
         let mut blocks: Vec<u64> = Vec::new();
         for (sector, entry) in state.entries.iter() {
-            if blocks.len() >= limit {
+            if blocks.len() >= limit && state.older.is_empty() {
                 break;
             }
             let block = sector / per_block;
             if blocks.last() != Some(&block) && filter(entry) {
                 blocks.push(block);
             }
+        }
+        if !state.older.is_empty() {
+            blocks.extend(
+                state
+                    .older
+                    .iter()
+                    .filter(|(_, e)| filter(e))
+                    .map(|((sector, _), _)| sector / per_block),
+            );
+            blocks.sort_unstable();
+            blocks.dedup();
+            blocks.truncate(limit);
         }
         blocks
     }
@@ -50,9 +63,9 @@ impl EngineVolume {
         let per_page = MAP_ENTRIES_PER_PAGE * per_block;
         let mut blocks = Vec::new();
         for page in pages {
-            for (sector, entry) in state.entries.range(page * per_page..(page + 1) * per_page) {
+            for (sector, entry) in state.versions(page * per_page, (page + 1) * per_page - 1) {
                 let block = sector / per_block;
-                if blocks.last() != Some(&block) && state.is_pending(entry) {
+                if blocks.last() != Some(&block) && state.is_pending(&entry) {
                     blocks.push(block);
                 }
             }
@@ -90,9 +103,9 @@ impl EngineVolume {
         }
         let mut outside = Vec::new();
         for (page, group) in newest {
-            for (sector, entry) in state.entries.range(page * per_page..(page + 1) * per_page) {
+            for (sector, entry) in state.versions(page * per_page, (page + 1) * per_page - 1) {
                 let block = sector / per_block;
-                if state.is_pending(entry)
+                if state.is_pending(&entry)
                     && after(entry.seq) < group
                     && outside.last() != Some(&block)
                     && blocks.binary_search(&block).is_err()
@@ -115,37 +128,6 @@ impl EngineVolume {
         let first = offset / SECTOR_BYTES / per_block / MAP_ENTRIES_PER_PAGE;
         let last = (offset + length - 1) / SECTOR_BYTES / per_block / MAP_ENTRIES_PER_PAGE;
         !Self::pending_in_pages(&state, per_block, first..=last).is_empty()
-    }
-
-    /// Places the pending entries among sectors `first..=last` (a cached
-    /// write is about to replace them; the snapshot they belong to needs
-    /// them in the map first). Caller holds the barrier, so no snapshot
-    /// makes new ones pending meanwhile.
-    async fn place_pending_sectors(&self, first: u64, last: u64) -> BlockResult<()> {
-        loop {
-            let blocks = self.pending_blocks_in(first, last);
-            if blocks.is_empty() {
-                return Ok(());
-            }
-            self.destage_blocks(&blocks).await?;
-        }
-    }
-
-    /// The blocks holding pending entries among sectors `first..=last`.
-    fn pending_blocks_in(&self, first: u64, last: u64) -> Vec<u64> {
-        let per_block = self.sectors_per_block();
-        let state = self.cache.lock();
-        if state.pending == 0 {
-            return Vec::new();
-        }
-        let mut blocks: Vec<u64> = state
-            .entries
-            .range(first..=last)
-            .filter(|(_, e)| state.is_pending(e))
-            .map(|(sector, _)| sector / per_block)
-            .collect();
-        blocks.dedup();
-        blocks
     }
 
     /// Writes the cached sectors of `blocks` (sorted) to their place, commits
@@ -187,13 +169,7 @@ impl EngineVolume {
             let state = self.cache.lock();
             blocks
                 .iter()
-                .flat_map(|block| {
-                    state
-                        .entries
-                        .range(block * per_block..(block + 1) * per_block)
-                        .map(|(s, e)| (*s, *e))
-                        .collect::<Vec<_>>()
-                })
+                .flat_map(|block| state.versions(block * per_block, (block + 1) * per_block - 1))
                 .collect()
         };
         if snapshot.is_empty() {
@@ -209,7 +185,9 @@ impl EngineVolume {
         };
         let after = |seq: u64| crate::pool::snapshots::taken_before_count(&floors, seq);
         let mut order: Vec<(usize, u64, Entry)> = snapshot.iter().map(|(s, e)| (after(e.seq), *s, *e)).collect();
-        order.sort_unstable_by_key(|(group, sector, _)| (*group, *sector));
+        // Two versions of a sector fall in different groups unless the
+        // snapshot between them was deleted: then the older goes first.
+        order.sort_unstable_by_key(|(group, sector, entry)| (*group, *sector, entry.seq));
         // Contiguous runs of sectors of one group become one write each.
         let mut start = 0;
         while start < order.len() {
@@ -237,10 +215,14 @@ impl EngineVolume {
                 let floor = state.floor;
                 let mut placed = 0;
                 for (_, sector, entry) in &order[start..stop] {
-                    if let Some(current) = state.entries.get_mut(sector) {
-                        if current.seq == entry.seq && !current.placed {
-                            current.placed = true;
-                            placed += usize::from(current.seq < floor);
+                    let version = match state.entries.get_mut(sector) {
+                        Some(current) if current.seq == entry.seq => Some(current),
+                        _ => state.older.get_mut(&(*sector, entry.seq)),
+                    };
+                    if let Some(version) = version {
+                        if !version.placed {
+                            version.placed = true;
+                            placed += usize::from(version.seq < floor);
                         }
                     }
                 }
@@ -298,11 +280,23 @@ impl EngineVolume {
             .destaged_bytes
             .fetch_add(snapshot.len() as u64 * SECTOR_BYTES, Ordering::Relaxed);
         let guards = self.lock_blocks_exclusive(blocks).await;
+        // Older versions are released before the newer ones: a kill between
+        // two releases may leave a newer version without its older one
+        // (placed again after a restart: harmless) but never the other way
+        // round (the older one would be placed over the newer).
+        let mut freed_older = Vec::new();
         let mut freed = Vec::new();
         {
             let now = std::time::Instant::now();
             let mut state = self.cache.lock();
             for (sector, entry) in &snapshot {
+                if state.older.contains_key(&(*sector, entry.seq)) {
+                    // Replaced by a newer version: written above, and
+                    // committed; nothing reads it any more.
+                    let older = state.remove_older(*sector, entry.seq).expect("present");
+                    freed_older.push(older.slot);
+                    continue;
+                }
                 let Some(current) = state.entries.get_mut(sector) else {
                     continue;
                 };
@@ -328,7 +322,7 @@ impl EngineVolume {
             }
         }
         drop(guards);
-        for slot in freed {
+        for slot in freed_older.into_iter().chain(freed) {
             // SAFETY: the entries that referred to these slots were removed
             // above under the exclusive block locks; no reader holds them.
             unsafe { self.pool.cache.ram.release(slot) };
@@ -405,8 +399,11 @@ impl EngineVolume {
     /// A write through the cache. `durable`: acknowledged only once durable
     /// (logged, or written in place with `logbias=throughput`). Holds the
     /// volume's barrier only while it changes the cache or the map: what it
-    /// waits for first (room in the RAM tier, placing what it replaces)
-    /// does not hold up a snapshot.
+    /// waits for first (room in the RAM tier) does not hold up a snapshot.
+    /// A cached version it replaces that belongs to a snapshot is not
+    /// placed first: the cache keeps it beside the new one (`VolState::older`)
+    /// until the destager places both, so the writer never waits for a
+    /// destage or a commit.
     pub(super) async fn write_cached(&self, offset: u64, data: IoBuf, durable: bool) -> BlockResult<()> {
         let length = data.len() as u64;
         let end = offset + length;
@@ -432,10 +429,6 @@ impl EngineVolume {
             || self.pool.space_short()
         {
             return self.write_through(offset, data, durable).await;
-        }
-        // What it replaces may belong to a snapshot: placed first.
-        if self.pool.has_snapshots() {
-            self.place_pending_sectors(first, last).await?;
         }
         // A synchronous write's data goes to the log: room for it first
         // (holding nothing: making room destages and checkpoints).
@@ -465,15 +458,6 @@ impl EngineVolume {
                 drop(guards);
                 self.pass_barrier().await;
             };
-            if self.pool.has_snapshots() && !self.pending_blocks_in(first, last).is_empty() {
-                // A snapshot was taken meanwhile: what the write replaces
-                // is its now.
-                self.pool.cache.ram.give_back(&slots);
-                drop(guards);
-                drop(barrier);
-                self.place_pending_sectors(first, last).await?;
-                continue;
-            }
             match self.reserve_unmapped(offset, end) {
                 Ok(reserved) => break (slots, barrier, guards, reserved),
                 Err(e) => {
@@ -635,6 +619,24 @@ impl EngineVolume {
     /// they are many (or `logbias=throughput`), to their place.
     pub(super) async fn flush_cached(&self) -> BlockResult<()> {
         let per_block = self.sectors_per_block();
+        // A snapshot's versions that newer writes replaced are placed (with
+        // their blocks), not logged: a Data record of an older version could
+        // land after the `Written` record of a destage that placed a newer
+        // one, and replay would restore the older over it.
+        let older: Vec<u64> = {
+            let state = self.cache.lock();
+            let mut blocks: Vec<u64> = state
+                .older
+                .iter()
+                .filter(|(_, e)| e.unlogged && !e.placed)
+                .map(|((sector, _), _)| sector / per_block)
+                .collect();
+            blocks.dedup();
+            blocks
+        };
+        for batch in older.chunks(512) {
+            self.destage_blocks(batch).await?;
+        }
         let sectors: Vec<u64> = self
             .cache
             .lock()
