@@ -175,6 +175,16 @@ impl EngineVolume {
         if snapshot.is_empty() {
             return Ok(());
         }
+        // Which of them were older versions (a newer one is the sector's
+        // current entry): after the commit they are released, and never
+        // confused with whatever the current entry is by then.
+        let was_older: Vec<bool> = {
+            let state = self.cache.lock();
+            snapshot
+                .iter()
+                .map(|(sector, entry)| state.older.contains_key(&(*sector, entry.seq)))
+                .collect()
+        };
         let appends = self.pool.log_appends();
         // By the snapshot each entry came after (its index among the
         // volume's snapshots' `cache_seq`s), oldest first, then by sector.
@@ -289,12 +299,17 @@ impl EngineVolume {
         {
             let now = std::time::Instant::now();
             let mut state = self.cache.lock();
-            for (sector, entry) in &snapshot {
+            for ((sector, entry), was_older) in snapshot.iter().zip(&was_older) {
                 if state.older.contains_key(&(*sector, entry.seq)) {
-                    // Replaced by a newer version: written above, and
-                    // committed; nothing reads it any more.
+                    // Replaced by a newer version (before this destage, or
+                    // since): written above, and committed; nothing reads
+                    // it any more.
                     let older = state.remove_older(*sector, entry.seq).expect("present");
                     freed_older.push(older.slot);
+                    continue;
+                }
+                if *was_older {
+                    // Released by another destage of the block meanwhile.
                     continue;
                 }
                 let Some(current) = state.entries.get_mut(sector) else {
