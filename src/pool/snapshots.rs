@@ -2802,11 +2802,7 @@ mod tests {
     /// and the clone lost the origin's blocks there.
     #[test]
     fn a_page_copy_is_logged_before_the_writes_that_find_it_made() {
-        let runtime = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build()
-            .unwrap();
+        let runtime = two_worker_runtime();
         runtime.block_on(racing_page_copy(false));
         runtime.block_on(racing_page_copy(true));
 
@@ -2877,11 +2873,7 @@ mod tests {
     /// tier, and, for synchronous writes, from the log after a power loss.
     #[test]
     fn a_snapshots_cached_version_stays_beside_the_write_that_replaces_it() {
-        let runtime = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build()
-            .unwrap();
+        let runtime = two_worker_runtime();
         runtime.block_on(both_versions(false));
         runtime.block_on(both_versions(true));
 
@@ -2976,6 +2968,16 @@ mod tests {
             let state = cache.lock();
             assert!(state.older.is_empty() && state.pending == 0);
         }
+    }
+
+    /// A runtime whose tasks run on two threads at once (the races these
+    /// tests force need a second thread).
+    fn two_worker_runtime() -> tokio::runtime::Runtime {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap()
     }
 
     /// The bytes of the blocks `owner` sees mapped.
