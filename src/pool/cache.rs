@@ -71,12 +71,13 @@ impl VolState {
     /// pending entries again.
     pub fn set_floor(&mut self, floor: u64) {
         self.floor = floor;
-        self.pending = self
-            .entries
-            .values()
-            .chain(self.older.values())
-            .filter(|e| self.is_pending(e))
-            .count();
+        self.pending = self.all_versions().filter(|e| self.is_pending(e)).count();
+    }
+
+    /// Every cached version of every sector, current and older, in no
+    /// particular order.
+    pub fn all_versions(&self) -> impl Iterator<Item = &Entry> {
+        self.entries.values().chain(self.older.values())
     }
 
     /// Every cached version of sectors `first..=last`, the newest of each
@@ -407,11 +408,10 @@ impl WriteCache {
             return (0, 0);
         };
         let mut state = volume.lock();
-        let count = state.entries.len();
+        let count = state.entries.len() + state.older.len();
         let reserved = state.reserved.len() as u64 * state.block_bytes;
         state.reserved.clear();
-        let count = count + state.older.len();
-        for entry in state.entries.values().chain(state.older.values()) {
+        for entry in state.all_versions() {
             // SAFETY: the volume is destroyed (no reader is left) and its
             // entries, the slots' only references, are cleared below.
             unsafe { self.ram.release(entry.slot) };
@@ -532,11 +532,8 @@ impl WriteCache {
         volumes
             .iter()
             .filter_map(|v| {
-                let state = v.lock();
-                state
-                    .entries
-                    .values()
-                    .chain(state.older.values())
+                v.lock()
+                    .all_versions()
                     .filter(|e| e.logged_at != 0)
                     .map(|e| e.log_lsn)
                     .min()

@@ -1259,9 +1259,7 @@ impl Pool {
             return u64::MAX;
         }
         state
-            .entries
-            .values()
-            .chain(state.older.values())
+            .all_versions()
             .filter(|e| state.is_pending(e))
             .map(|e| e.seq)
             .min()
@@ -1851,12 +1849,7 @@ impl Pool {
         let Some(engine) = engine else {
             let cache = self.cache.volume(volume);
             let state = cache.lock();
-            if state
-                .entries
-                .values()
-                .chain(state.older.values())
-                .any(|e| e.seq < cache_seq && !e.placed)
-            {
+            if state.all_versions().any(|e| e.seq < cache_seq && !e.placed) {
                 return Err(PoolError::Invalid(format!(
                     "volume {volume} holds cached writes of its snapshot but is not open"
                 )));

@@ -175,16 +175,12 @@ impl EngineVolume {
         if snapshot.is_empty() {
             return Ok(());
         }
-        // Which of them were older versions (a newer one is the sector's
-        // current entry): after the commit they are released, and never
-        // confused with whatever the current entry is by then.
-        let was_older: Vec<bool> = {
-            let state = self.cache.lock();
-            snapshot
-                .iter()
-                .map(|(sector, entry)| state.older.contains_key(&(*sector, entry.seq)))
-                .collect()
-        };
+        // Which of them were older versions (`versions` lists a sector's
+        // current entry after them): after the commit they are released,
+        // and never confused with whatever the current entry is by then.
+        let was_older: Vec<bool> = (0..snapshot.len())
+            .map(|i| snapshot.get(i + 1).is_some_and(|(next, _)| *next == snapshot[i].0))
+            .collect();
         let appends = self.pool.log_appends();
         // By the snapshot each entry came after (its index among the
         // volume's snapshots' `cache_seq`s), oldest first, then by sector.
