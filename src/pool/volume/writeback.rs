@@ -4,6 +4,17 @@
 use super::*;
 use crate::pool::MAP_ENTRIES_PER_PAGE;
 
+/// What one locked step of a destage wrote (`EngineVolume::place_unit`):
+/// released after the commit.
+struct Placed {
+    /// The blocks it locked (sorted).
+    blocks: Vec<u64>,
+    /// Every version it wrote, by sector then sequence number.
+    versions: Vec<(u64, Entry)>,
+    /// Which of `versions` were older versions of their sector then.
+    was_older: Vec<bool>,
+}
+
 impl EngineVolume {
     /// Blocks (sorted) holding cached sectors (any version) that match
     /// `filter`, at most `limit`.
@@ -139,8 +150,14 @@ impl EngineVolume {
     /// the newest when it was written: oldest first, and with every such
     /// entry of the same map pages, so a page is copied into a snapshot
     /// only once all it held before that snapshot is in it.
+    ///
+    /// While the cache holds such writes, the blocks are written a map page
+    /// at a time, each page's stripes locked only while its blocks are
+    /// written: a batch grows by the older versions of its pages (often
+    /// tens of times its size), and holding all its stripes for all its
+    /// writes made every foreground write wait for the whole batch. The
+    /// order that matters is within a page; one commit covers them all.
     pub(crate) async fn destage_blocks(&self, blocks: &[u64]) -> BlockResult<()> {
-        let per_block = self.sectors_per_block();
         // Without an `.await` when free (as the barrier and the stripes:
         // an awaited tokio lock spends the task's cooperative budget; this
         // one awaited per destage cost 25 % more CPU per cached 4K write).
@@ -148,6 +165,81 @@ impl EngineVolume {
             Ok(guard) => guard,
             Err(_) => self.placement.read().await,
         };
+        // Log records appended from here on are newer than any Data record
+        // the writes below supersede.
+        let snap_lsn = self.pool.log.next_lsn();
+        let appends = self.pool.log_appends();
+        let units: Vec<&[u64]> = if self.has_pending() {
+            blocks
+                .chunk_by(|a, b| a / MAP_ENTRIES_PER_PAGE == b / MAP_ENTRIES_PER_PAGE)
+                .collect()
+        } else {
+            vec![blocks]
+        };
+        let mut placed = Vec::with_capacity(units.len());
+        for unit in units {
+            if let Some(done) = self.place_unit(unit).await? {
+                placed.push(done);
+            }
+        }
+        if placed.is_empty() {
+            return Ok(());
+        }
+        // Older Data records of these blocks are superseded once this is
+        // committed (after the data devices are flushed).
+        let per_block = self.sectors_per_block();
+        let mut written = Vec::new();
+        for done in &placed {
+            let mut last_block = None;
+            for (sector, entry) in &done.versions {
+                let block = sector / per_block;
+                if entry.logged_at != 0 && last_block != Some(block) {
+                    written.push(Record::Written {
+                        volume: self.id,
+                        first_sector: block * per_block,
+                        count: per_block as u32,
+                    });
+                    last_block = Some(block);
+                }
+            }
+        }
+        let written_records = !written.is_empty();
+        if written_records {
+            self.pool.log.append_all(written);
+        }
+        drop(_placement);
+        if written_records || self.pool.log_appends() != appends {
+            // Written records supersede Data records only once the data is
+            // durable in place, and new mappings (Map records) must not be
+            // left staged: a staged mapping is replayed only if the data it
+            // maps still matches it, which a later overwrite in place breaks.
+            // Commit (data devices flushed first). The destager flushes
+            // them itself, before the commit: the commit does it under the
+            // log's commit lock, where synchronous writers would queue behind
+            // a flush of everything this pass wrote.
+            self.pool.flush_data_devices().await.map_err(io_error)?;
+            self.pool.commit_quiet().await.map_err(pool_error)?;
+        }
+        // Otherwise only never-logged sectors of mapped blocks were written
+        // in place: no record, no durability promised yet, nothing to
+        // commit (the next FLUSH or commit flushes the data devices).
+        for done in placed {
+            self.pool
+                .cache
+                .destaged_bytes
+                .fetch_add(done.versions.len() as u64 * SECTOR_BYTES, Ordering::Relaxed);
+            self.release_placed(done, snap_lsn).await;
+        }
+        self.pool.cache.space.notify_waiters();
+        Ok(())
+    }
+
+    /// Writes the cached versions of `blocks` (sorted; with snapshots'
+    /// writes cached, all in one map page) and of the older versions of
+    /// their pages, holding their stripes only meanwhile. `None` when
+    /// nothing was cached there any more.
+    async fn place_unit(&self, blocks: &[u64]) -> BlockResult<Option<Placed>> {
+        let per_block = self.sectors_per_block();
         // The blocks, and the older pending entries of their pages (found
         // with the blocks locked, so what they hold cannot change; others
         // can only be placed meanwhile, or become pending as newer ones).
@@ -163,25 +255,23 @@ impl EngineVolume {
             expanded.sort_unstable();
             expanded.dedup();
         };
-        let blocks = &expanded[..];
-        let snap_lsn = self.pool.log.next_lsn();
-        let snapshot: Vec<(u64, Entry)> = {
+        let blocks = expanded;
+        let versions: Vec<(u64, Entry)> = {
             let state = self.cache.lock();
             blocks
                 .iter()
                 .flat_map(|block| state.versions(block * per_block, (block + 1) * per_block - 1))
                 .collect()
         };
-        if snapshot.is_empty() {
-            return Ok(());
+        if versions.is_empty() {
+            return Ok(None);
         }
         // Which of them were older versions (`versions` lists a sector's
         // current entry after them): after the commit they are released,
         // and never confused with whatever the current entry is by then.
-        let was_older: Vec<bool> = (0..snapshot.len())
-            .map(|i| snapshot.get(i + 1).is_some_and(|(next, _)| *next == snapshot[i].0))
+        let was_older: Vec<bool> = (0..versions.len())
+            .map(|i| versions.get(i + 1).is_some_and(|(next, _)| *next == versions[i].0))
             .collect();
-        let appends = self.pool.log_appends();
         // By the snapshot each entry came after (its index among the
         // volume's snapshots' `cache_seq`s), oldest first, then by sector.
         let floors = if self.pool.has_snapshots() {
@@ -190,7 +280,7 @@ impl EngineVolume {
             Vec::new()
         };
         let after = |seq: u64| crate::pool::snapshots::taken_before_count(&floors, seq);
-        let mut order: Vec<(usize, u64, Entry)> = snapshot.iter().map(|(s, e)| (after(e.seq), *s, *e)).collect();
+        let mut order: Vec<(usize, u64, Entry)> = versions.iter().map(|(s, e)| (after(e.seq), *s, *e)).collect();
         // Two versions of a sector fall in different groups unless the
         // snapshot between them was deleted: then the older goes first.
         order.sort_unstable_by_key(|(group, sector, entry)| (*group, *sector, entry.seq));
@@ -236,56 +326,33 @@ impl EngineVolume {
             }
             start = stop;
         }
-        // Older Data records of these blocks are superseded once this is
-        // committed (after the data devices are flushed).
-        let mut written = Vec::new();
-        let mut last_block = None;
-        for (sector, entry) in &snapshot {
-            let block = sector / per_block;
-            if entry.logged_at != 0 && last_block != Some(block) {
-                written.push(Record::Written {
-                    volume: self.id,
-                    first_sector: block * per_block,
-                    count: per_block as u32,
-                });
-                last_block = Some(block);
-            }
-        }
-        let written_records = !written.is_empty();
-        if written_records {
-            self.pool.log.append_all(written);
-        }
         let released = {
             let mut state = self.cache.lock();
             let before = state.reserved.len();
-            for block in blocks {
+            for block in &blocks {
                 state.reserved.remove(block);
             }
             before - state.reserved.len()
         };
         self.pool.unreserve(released as u64 * self.block_bytes());
         drop(guards);
-        drop(_placement);
-        if written_records || self.pool.log_appends() != appends {
-            // Written records supersede Data records only once the data is
-            // durable in place, and new mappings (Map records) must not be
-            // left staged: a staged mapping is replayed only if the data it
-            // maps still matches it, which a later overwrite in place breaks.
-            // Commit (data devices flushed first). The destager flushes
-            // them itself, before the commit: the commit does it under the
-            // log's commit lock, where synchronous writers would queue behind
-            // a flush of everything this pass wrote.
-            self.pool.flush_data_devices().await.map_err(io_error)?;
-            self.pool.commit_quiet().await.map_err(pool_error)?;
-        }
-        // Otherwise only never-logged sectors of mapped blocks were written
-        // in place: no record, no durability promised yet, nothing to
-        // commit (the next FLUSH or commit flushes the data devices).
-        self.pool
-            .cache
-            .destaged_bytes
-            .fetch_add(snapshot.len() as u64 * SECTOR_BYTES, Ordering::Relaxed);
-        let guards = self.lock_blocks_exclusive(blocks).await;
+        Ok(Some(Placed {
+            blocks,
+            versions,
+            was_older,
+        }))
+    }
+
+    /// After the commit that made them durable in place: drops the versions
+    /// a [`Self::place_unit`] wrote that nobody rewrote meanwhile, and frees
+    /// their slots. `snap_lsn`: the log's end before they were collected.
+    async fn release_placed(&self, done: Placed, snap_lsn: u64) {
+        let Placed {
+            blocks,
+            versions,
+            was_older,
+        } = done;
+        let guards = self.lock_blocks_exclusive(&blocks).await;
         // Older versions are released before the newer ones: a kill between
         // two releases may leave a newer version without its older one
         // (placed again after a restart: harmless) but never the other way
@@ -295,7 +362,7 @@ impl EngineVolume {
         {
             let now = std::time::Instant::now();
             let mut state = self.cache.lock();
-            for ((sector, entry), was_older) in snapshot.iter().zip(&was_older) {
+            for ((sector, entry), was_older) in versions.iter().zip(&was_older) {
                 if state.older.contains_key(&(*sector, entry.seq)) {
                     // Replaced by a newer version (before this destage, or
                     // since): written above, and committed; nothing reads
@@ -338,8 +405,6 @@ impl EngineVolume {
             // above under the exclusive block locks; no reader holds them.
             unsafe { self.pool.cache.ram.release(slot) };
         }
-        self.pool.cache.space.notify_waiters();
-        Ok(())
     }
 
     /// Destages the cached blocks of a range (and pending entries of its
