@@ -13,6 +13,9 @@ struct Placed {
     versions: Vec<(u64, Entry)>,
     /// Which of `versions` were older versions of their sector then.
     was_older: Vec<bool>,
+    /// Whether it appended `Written` records (superseding `Data` records
+    /// once committed).
+    superseding: bool,
 }
 
 impl EngineVolume {
@@ -185,28 +188,7 @@ impl EngineVolume {
         if placed.is_empty() {
             return Ok(());
         }
-        // Older Data records of these blocks are superseded once this is
-        // committed (after the data devices are flushed).
-        let per_block = self.sectors_per_block();
-        let mut written = Vec::new();
-        for done in &placed {
-            let mut last_block = None;
-            for (sector, entry) in &done.versions {
-                let block = sector / per_block;
-                if entry.logged_at != 0 && last_block != Some(block) {
-                    written.push(Record::Written {
-                        volume: self.id,
-                        first_sector: block * per_block,
-                        count: per_block as u32,
-                    });
-                    last_block = Some(block);
-                }
-            }
-        }
-        let written_records = !written.is_empty();
-        if written_records {
-            self.pool.log.append_all(written);
-        }
+        let written_records = placed.iter().any(|done| done.superseding);
         drop(_placement);
         if written_records || self.pool.log_appends() != appends {
             // Written records supersede Data records only once the data is
@@ -326,6 +308,27 @@ impl EngineVolume {
             }
             start = stop;
         }
+        // Older Data records of these blocks are superseded once this is
+        // committed (after the data devices are flushed). Appended with
+        // the stripes still held: a record appended after a newer write of
+        // one of these blocks logged its Data would supersede that too.
+        let mut written = Vec::new();
+        let mut last_block = None;
+        for (sector, entry) in &versions {
+            let block = sector / per_block;
+            if entry.logged_at != 0 && last_block != Some(block) {
+                written.push(Record::Written {
+                    volume: self.id,
+                    first_sector: block * per_block,
+                    count: per_block as u32,
+                });
+                last_block = Some(block);
+            }
+        }
+        let superseding = !written.is_empty();
+        if superseding {
+            self.pool.log.append_all(written);
+        }
         let released = {
             let mut state = self.cache.lock();
             let before = state.reserved.len();
@@ -340,6 +343,7 @@ impl EngineVolume {
             blocks,
             versions,
             was_older,
+            superseding,
         }))
     }
 
@@ -351,6 +355,7 @@ impl EngineVolume {
             blocks,
             versions,
             was_older,
+            ..
         } = done;
         let guards = self.lock_blocks_exclusive(&blocks).await;
         // Older versions are released before the newer ones: a kill between
