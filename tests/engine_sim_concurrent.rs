@@ -33,6 +33,7 @@ use std::task::{Context, Poll};
 use strata::device::sim::{CrashModel, SimDelays};
 use strata::device::{Device, SimDevice, SimRng};
 use strata::pool::ram::{HeapImage, RamSource, MIN_RAM_BYTES};
+use strata::pool::snapshots::SnapshotRequest;
 use strata::pool::superblock::Role;
 use strata::pool::volume::EngineVolume;
 use strata::pool::{NewDevice, Pool, PoolOptions};
@@ -316,6 +317,8 @@ mod totals {
     pub static UNCERTAIN_SECTORS: AtomicU64 = AtomicU64::new(0);
     /// ... and held a value newer than the oldest allowed one.
     pub static NEWER_SURVIVED: AtomicU64 = AtomicU64::new(0);
+    /// Snapshots taken while clients wrote.
+    pub static SNAPSHOTS: AtomicU64 = AtomicU64::new(0);
 }
 
 fn add(counter: &AtomicU64, n: u64) {
@@ -463,15 +466,28 @@ async fn worker(shared: Shared, mut rng: SimRng, name: usize) {
     shared.finished.fetch_add(1, Ordering::SeqCst);
 }
 
-/// The pool's own work, at the same time: destaging and checkpoints.
+/// The pool's own work, at the same time: destaging, checkpoints, and
+/// snapshots taken by an admin. A snapshot's contents are not checked here
+/// (the snapshot model tests do that), but taking them makes the volumes'
+/// cached writes pending and their destages go map page by map page, which
+/// the clients' data must survive.
 async fn maintenance(shared: Shared, mut rng: SimRng) {
     for _ in 0..4 {
         turns(rng.range(0, 40)).await;
-        let what = ["destage all", "destage logged", "checkpoint"][rng.below(3) as usize];
+        let what = ["destage all", "destage logged", "checkpoint", "snapshot"][rng.below(4) as usize];
         shared.model().event(format!("maintenance: {what}"));
         let result = match what {
             "destage all" => shared.pool.destage_all().await,
             "destage logged" => shared.pool.destage_logged().await,
+            "snapshot" => {
+                let volume = &shared.volumes[rng.below(VOLUMES as u64) as usize];
+                let name = format!("s{}", shared.pool.snapshots().len());
+                shared
+                    .pool
+                    .create_snapshots(&[SnapshotRequest { volume, name }])
+                    .await
+                    .map(|_| add(&totals::SNAPSHOTS, 1))
+            }
             _ => shared.pool.checkpoint().await,
         };
         let mut model = shared.model();
@@ -816,10 +832,11 @@ fn concurrent_clients_destage_and_checkpoints_never_lose_acknowledged_writes() {
     let in_flight = load(&totals::CRASHES_IN_FLIGHT);
     let uncertain = load(&totals::UNCERTAIN_SECTORS);
     let newer = load(&totals::NEWER_SURVIVED);
+    let snapshots = load(&totals::SNAPSHOTS);
     println!(
         "{} seeds: {in_flight} crashes with operations in flight, {} with none; {} writes and {} flushes \
          acknowledged, {} reads checked; after crashes {uncertain} sectors had several allowed values and \
-         {newer} of them held a newer one",
+         {newer} of them held a newer one; {snapshots} snapshots taken meanwhile",
         load(&totals::SEEDS),
         load(&totals::CRASHES_IDLE),
         load(&totals::WRITES_ACKED),
@@ -832,6 +849,7 @@ fn concurrent_clients_destage_and_checkpoints_never_lose_acknowledged_writes() {
             uncertain > 0 && newer > 0,
             "crashes should leave some sectors undecided"
         );
+        assert!(snapshots > 0, "snapshots should be taken while clients write");
     }
 }
 

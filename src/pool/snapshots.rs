@@ -2963,6 +2963,101 @@ mod tests {
         }
     }
 
+    /// While a snapshot's writes are cached, a destage goes map page by map
+    /// page, unlocking each page when it is placed. A synchronous write to
+    /// a block of a page already placed, made while a later page is being
+    /// placed, must outlive that destage's `Written` records: they are
+    /// appended while each page's stripes are held, before such a write can
+    /// log its data, never after the last page (where one would supersede
+    /// the write's `Data` record, and a power loss would take it back).
+    #[test]
+    fn a_synchronous_write_during_a_page_by_page_destage_survives_a_power_loss() {
+        let runtime = two_worker_runtime();
+        let mut interleaved = 0;
+        for round in 0..12u8 {
+            interleaved += runtime.block_on(write_during_destage(round));
+        }
+        println!("the write landed between the destage's pages in {interleaved} of 12 rounds");
+
+        async fn write_during_destage(round: u8) -> usize {
+            let sim = SimDevice::new(160 * MIB, 21 + round as u64);
+            let ram = crate::pool::ram::HeapImage::new(8 * MIB);
+            let options = || crate::pool::PoolOptions {
+                ram: Some(crate::pool::ram::RamSource::Heap(ram.clone())),
+                background: false,
+                ..crate::pool::PoolOptions::default()
+            };
+            let device = NewDevice {
+                device: sim.as_device(),
+                role: Role::Fast,
+            };
+            let pool = Pool::create_with("test", 1 << 20, vec![device], options())
+                .await
+                .unwrap();
+            let volume = pool.open_volume(1, VOLUME, BLOCK).unwrap();
+            // Logged writes: block 0 (map page 0) and most of page 1, all
+            // the snapshot's once it is taken.
+            let per_page = crate::pool::MAP_ENTRIES_PER_PAGE;
+            let page_bytes = per_page * BLOCK as u64;
+            volume
+                .write(0, IoBuf::copy_from(&[0x10; BLOCK as usize]), true)
+                .await
+                .unwrap();
+            let mut blocks = vec![0];
+            for block in per_page..per_page + 200 {
+                let offset = block * BLOCK as u64;
+                volume
+                    .write(offset, IoBuf::copy_from(&[0x20; BLOCK as usize]), true)
+                    .await
+                    .unwrap();
+                blocks.push(block);
+            }
+            assert!(VOLUME >= 2 * page_bytes, "the test needs two map pages");
+            pool.create_snapshots(&[SnapshotRequest {
+                volume: &volume,
+                name: "s".into(),
+            }])
+            .await
+            .unwrap();
+            let destage = {
+                let volume = volume.clone();
+                tokio::spawn(async move { volume.destage_blocks(&blocks).await })
+            };
+            // Once page 0 is placed (its entry marked so; released only
+            // after the commit), write block 0 again, synchronously.
+            let placed_first = loop {
+                let placed = pool.cache.volume(1).lock().entries.get(&0).map(|e| e.placed);
+                if placed == Some(true) {
+                    break true;
+                }
+                if destage.is_finished() {
+                    break false;
+                }
+                tokio::task::yield_now().await;
+            };
+            let value = 0x30 + round;
+            volume
+                .write(0, IoBuf::copy_from(&[value; BLOCK as usize]), true)
+                .await
+                .unwrap();
+            let during = placed_first && !destage.is_finished();
+            destage.await.unwrap().unwrap();
+            drop((volume, pool));
+            sim.crash();
+            ram.wipe();
+            let pool = Pool::open_with(vec![sim.as_device()], options()).await.unwrap();
+            let volume = pool.open_volume(1, VOLUME, BLOCK).unwrap();
+            let (buf, result) = volume.read(0, IoBuf::new(BLOCK as usize)).await;
+            result.unwrap();
+            assert!(
+                buf.payload().iter().all(|b| *b == value),
+                "round {round}: the synchronous write was lost (block 0 holds {:#x})",
+                buf.payload()[0]
+            );
+            usize::from(during)
+        }
+    }
+
     /// A runtime whose tasks run on two threads at once (the races these
     /// tests force need a second thread).
     fn two_worker_runtime() -> tokio::runtime::Runtime {
