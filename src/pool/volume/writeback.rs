@@ -440,7 +440,25 @@ impl EngineVolume {
         length: u64,
         in_place: bool,
     ) -> BlockResult<(RwLockReadGuard<'_, ()>, Vec<RwLockWriteGuard<'_, ()>>)> {
+        match self.lock_for_change_unless(offset, length, in_place, &|| false).await? {
+            Some(locked) => Ok(locked),
+            None => unreachable!("no reason to give way"),
+        }
+    }
+
+    /// [`Self::lock_for_change`], or `None` (holding nothing) as soon as
+    /// `give_way` says so before a round of clearing the range.
+    async fn lock_for_change_unless(
+        &self,
+        offset: u64,
+        length: u64,
+        in_place: bool,
+        give_way: &(dyn Fn() -> bool + Sync),
+    ) -> BlockResult<Option<(RwLockReadGuard<'_, ()>, Vec<RwLockWriteGuard<'_, ()>>)>> {
         loop {
+            if give_way() {
+                return Ok(None);
+            }
             let guards = self.clear_cached(offset, length).await?;
             if in_place {
                 self.mark_in_place(offset, offset + length).await?;
@@ -450,7 +468,7 @@ impl EngineVolume {
                 // cached writes of its pages (outside the range) pending:
                 // placed first, so no page is copied before them.
                 if self.cached_blocks_in(offset, length).is_empty() {
-                    return Ok((barrier, guards));
+                    return Ok(Some((barrier, guards)));
                 }
                 drop(barrier);
                 drop(guards);
@@ -502,15 +520,22 @@ impl EngineVolume {
         // Except where the cache holds a snapshot's writes not placed yet
         // in the same map pages: a write around the cache would place them
         // first, with the client waiting.
-        if count * SECTOR_BYTES as usize >= WRITE_AROUND_BYTES
+        let must_go_around = count * SECTOR_BYTES as usize >= WRITE_AROUND_BYTES
             || count > ram.total_slots() / 4
+            || self.pool.space_short();
+        let data = if must_go_around
             || (!durable
                 && ram.free_slots() < ram.total_slots() / 2
                 && !(self.pool.has_snapshots() && self.pages_have_pending(offset, length)))
-            || self.pool.space_short()
         {
-            return self.write_through(offset, data, durable).await;
-        }
+            match self.write_through(offset, data, durable, !must_go_around).await? {
+                None => return Ok(()),
+                // A snapshot made the pages' cached writes pending meanwhile.
+                Some(data) => data,
+            }
+        } else {
+            data
+        };
         // A synchronous write's data goes to the log: room for it first
         // (holding nothing: making room destages and checkpoints).
         if durable && !self.log_throughput.load(Ordering::Acquire) {
@@ -661,8 +686,26 @@ impl EngineVolume {
         self.pool.unreserve(blocks.len() as u64 * self.block_bytes());
     }
 
-    /// A write that bypasses the cache goes to its place directly.
-    async fn write_through(&self, offset: u64, data: IoBuf, durable: bool) -> BlockResult<()> {
+    /// A write that bypasses the cache goes to its place directly. With
+    /// `give_way` (a write sent around the cache only because the RAM tier
+    /// is busy), it hands its data back (`Some`) to go through the cache
+    /// when the map pages of its range hold cached writes of a snapshot,
+    /// as it would have if they had when it was sent: going around would
+    /// place those first (all of its pages' pending writes, then a data
+    /// flush and a commit) with the client waiting. A snapshot taken while
+    /// writes went around stopped every one of them for 0.4 s that way.
+    async fn write_through(
+        &self,
+        offset: u64,
+        data: IoBuf,
+        durable: bool,
+        give_way: bool,
+    ) -> BlockResult<Option<IoBuf>> {
+        let length = data.len() as u64;
+        let pending_ahead = || give_way && self.pool.has_snapshots() && self.pages_have_pending(offset, length);
+        if pending_ahead() {
+            return Ok(Some(data));
+        }
         self.place_cached_in(offset, data.len() as u64).await?;
         let end = offset + data.len() as u64;
         // The blocks it will allocate are reserved first, like a cached
@@ -671,7 +714,12 @@ impl EngineVolume {
         // commit them once and try again.
         let mut committed_for_space = false;
         let (barrier, guards, reserved) = loop {
-            let (barrier, guards) = self.lock_for_change(offset, data.len() as u64, true).await?;
+            let Some((barrier, guards)) = self
+                .lock_for_change_unless(offset, length, true, &pending_ahead)
+                .await?
+            else {
+                return Ok(Some(data));
+            };
             match self.reserve_unmapped(offset, end) {
                 Ok(reserved) => break (barrier, guards, reserved),
                 Err(BlockError::NoSpace) if !committed_for_space && self.pool.log.has_pending_frees() => {
@@ -692,7 +740,7 @@ impl EngineVolume {
         self.unreserve_blocks(&reserved);
         drop(guards);
         drop(barrier);
-        self.finish(result, durable, appends).await
+        self.finish(result, durable, appends).await.map(|()| None)
     }
 
     /// FLUSH: makes every write completed before it durable. The cache's
