@@ -2873,16 +2873,8 @@ mod tests {
         async fn both_versions(power_loss: bool) {
             let sim = SimDevice::new(160 * MIB, 7);
             let ram = crate::pool::ram::HeapImage::new(4 * MIB);
-            let options = || crate::pool::PoolOptions {
-                ram: Some(crate::pool::ram::RamSource::Heap(ram.clone())),
-                background: false,
-                ..crate::pool::PoolOptions::default()
-            };
-            let device = NewDevice {
-                device: sim.as_device(),
-                role: Role::Fast,
-            };
-            let pool = Pool::create_with("test", 1 << 20, vec![device], options())
+            let options = || heap_ram_options(&ram);
+            let pool = Pool::create_with("test", 1 << 20, vec![fast_device(&sim)], options())
                 .await
                 .unwrap();
             let volume = pool.open_volume(1, VOLUME, BLOCK).unwrap();
@@ -2982,16 +2974,8 @@ mod tests {
         async fn write_during_destage(round: u8) -> usize {
             let sim = SimDevice::new(160 * MIB, 21 + round as u64);
             let ram = crate::pool::ram::HeapImage::new(8 * MIB);
-            let options = || crate::pool::PoolOptions {
-                ram: Some(crate::pool::ram::RamSource::Heap(ram.clone())),
-                background: false,
-                ..crate::pool::PoolOptions::default()
-            };
-            let device = NewDevice {
-                device: sim.as_device(),
-                role: Role::Fast,
-            };
-            let pool = Pool::create_with("test", 1 << 20, vec![device], options())
+            let options = || heap_ram_options(&ram);
+            let pool = Pool::create_with("test", 1 << 20, vec![fast_device(&sim)], options())
                 .await
                 .unwrap();
             let volume = pool.open_volume(1, VOLUME, BLOCK).unwrap();
@@ -3055,6 +3039,24 @@ mod tests {
                 buf.payload()[0]
             );
             usize::from(during)
+        }
+    }
+
+    /// Pool options with the RAM tier in `ram` (kept across a reopening,
+    /// or wiped as by a power loss) and no background tasks.
+    fn heap_ram_options(ram: &Arc<crate::pool::ram::HeapImage>) -> crate::pool::PoolOptions {
+        crate::pool::PoolOptions {
+            ram: Some(crate::pool::ram::RamSource::Heap(ram.clone())),
+            background: false,
+            ..crate::pool::PoolOptions::default()
+        }
+    }
+
+    /// `sim` as a pool's fast device.
+    fn fast_device(sim: &SimDevice) -> NewDevice {
+        NewDevice {
+            device: sim.as_device(),
+            role: Role::Fast,
         }
     }
 
