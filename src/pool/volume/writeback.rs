@@ -706,8 +706,8 @@ impl EngineVolume {
         if pending_ahead() {
             return Ok(Some(data));
         }
-        self.place_cached_in(offset, data.len() as u64).await?;
-        let end = offset + data.len() as u64;
+        self.place_cached_in(offset, length).await?;
+        let end = offset + length;
         // The blocks it will allocate are reserved first, like a cached
         // write's: space promised to cached writes is never taken. Slots
         // freed by trims are reusable only once committed: on a full pool,
