@@ -461,12 +461,8 @@ struct Pending {
     last_block_used: usize,
     /// How many of `records` need the data devices flushed before them.
     need_data: usize,
-    /// Where each pending allocation's `Map` record is: (volume, block) → index.
-    allocations: std::collections::HashMap<(u32, u64), usize>,
-    /// Bumped by every change to records already pending (not by appends),
-    /// so a stage that copied them can tell whether what it wrote is still
-    /// what is pending.
-    version: u64,
+    /// The (volume, block) of every pending allocation's `Map` record.
+    allocations: std::collections::HashSet<(u32, u64)>,
 }
 
 impl Pending {
@@ -480,8 +476,7 @@ impl Pending {
             units: 1,
             last_block_used: HEADER_BYTES,
             need_data: 0,
-            allocations: std::collections::HashMap::new(),
-            version: 0,
+            allocations: std::collections::HashSet::new(),
         }
     }
 
@@ -493,7 +488,7 @@ impl Pending {
     fn push_tracked(&mut self, record: Record, extra: usize, track: bool) {
         if let Record::Map { volume, block, new, .. } = &record {
             if *new != 0 && track {
-                self.allocations.insert((*volume, *block), self.records.len());
+                self.allocations.insert((*volume, *block));
             }
         }
         let length = record.encoded_len();
@@ -515,10 +510,7 @@ impl Pending {
     /// Takes every record, leaving nothing pending.
     fn take(&mut self) -> (Vec<Record>, Vec<(u8, u64)>) {
         let taken = (std::mem::take(&mut self.records), std::mem::take(&mut self.frees));
-        *self = Pending {
-            version: self.version + 1,
-            ..Pending::new()
-        };
+        *self = Pending::new();
         taken
     }
 }
@@ -591,42 +583,20 @@ impl Log {
         self.appended.fetch_add(1, Ordering::Relaxed);
     }
 
-    /// Blocks allocated by records that are still pending were overwritten
-    /// in place: their records' checksums must describe the new contents,
-    /// or a recovery that checks staged records against the data would drop
-    /// the allocation. `overwrites`: (block, index of the first sector
-    /// written in it, the written sectors' checksums). Returns how many
-    /// such records were pending. One lock for a whole request, and no
-    /// lookups while no allocation is pending (the usual case for a
-    /// volume being overwritten).
-    pub fn update_pending_allocations<'a>(
-        &self,
-        volume: u32,
-        overwrites: impl IntoIterator<Item = (u64, usize, &'a [u32])>,
-    ) -> usize {
-        let mut pending = self.pending.lock_or_abort();
+    /// The blocks of `volume` in `first..=last` whose allocation (`Map`
+    /// record) is still pending, i.e. at most staged. A write must not
+    /// overwrite such a block in place: a staged record is replayed only
+    /// if the data it maps matches its checksums, so the block goes to a
+    /// new slot instead (see `EngineVolume::write_locked`). No lookups
+    /// while no allocation is pending (the usual case for a mapped block).
+    pub fn pending_allocations(&self, volume: u32, first: u64, last: u64) -> Vec<u64> {
+        let pending = self.pending.lock_or_abort();
         if pending.allocations.is_empty() {
-            return 0;
+            return Vec::new();
         }
-        let mut updated = 0;
-        for (block, first_sector, crcs) in overwrites {
-            let Some(&index) = pending.allocations.get(&(volume, block)) else {
-                continue;
-            };
-            if let Some(Record::Map { crcs: stored, .. }) = pending.records.get_mut(index) {
-                for (slot, crc) in stored.iter_mut().skip(first_sector).zip(crcs) {
-                    *slot = *crc;
-                }
-            }
-            // Restage from the changed record on.
-            pending.staged = pending.staged.min(index);
-            updated += 1;
-        }
-        if updated > 0 {
-            pending.version += 1;
-            self.appended.fetch_add(1, Ordering::Relaxed);
-        }
-        updated
+        (first..=last)
+            .filter(|block| pending.allocations.contains(&(volume, *block)))
+            .collect()
     }
 
     /// Queues a record that releases a slot; `commit` hands the slot back
@@ -884,7 +854,7 @@ impl Log {
         // Blocks before the one holding the first unstaged record are
         // already on the device exactly as they would be written now: only
         // the records from that block on are copied and written.
-        let (tail, first_record, first_unit, units, version) = {
+        let (tail, first_record, first_unit, units) = {
             let mut pending = self.pending.lock_or_abort();
             if pending.staged == pending.records.len() {
                 return Ok(());
@@ -897,7 +867,7 @@ impl Log {
             };
             pending.layout.truncate(keep.saturating_sub(1));
             let tail = pending.records[first_record..].to_vec();
-            (tail, first_record, first_unit, pending.units, pending.version)
+            (tail, first_record, first_unit, pending.units)
         };
         let used = self.next_lsn() - self.tail_lsn.load(Ordering::Acquire);
         if used + units * LOG_BLOCK_BYTES > self.len {
@@ -905,16 +875,13 @@ impl Log {
             return Ok(());
         }
         let written = self.write_blocks(&tail, false, first_unit).await?;
+        // Records appended meanwhile are simply not staged yet (records
+        // already pending never change: see `pending_allocations`).
         let mut pending = self.pending.lock_or_abort();
-        // Only if no pending record changed meanwhile (an in-place overwrite
-        // of a pending allocation updates its record, which must then be
-        // restaged); records appended meanwhile are simply not staged yet.
-        if pending.version == version {
-            pending.staged = first_record + tail.len();
-            pending
-                .layout
-                .extend(written.into_iter().map(|(first, unit)| (first_record + first, unit)));
-        }
+        pending.staged = first_record + tail.len();
+        pending
+            .layout
+            .extend(written.into_iter().map(|(first, unit)| (first_record + first, unit)));
         Ok(())
     }
 
@@ -1356,9 +1323,8 @@ mod tests {
     }
 
     /// Staging re-packs only from the block holding the first unstaged
-    /// record: whatever mix of appends, in-place updates of pending
-    /// allocations and stages, replay finds exactly the pending records,
-    /// and the running unit count is the packing's.
+    /// record: whatever mix of appends and stages, replay finds exactly the
+    /// pending records, and the running unit count is the packing's.
     #[test]
     fn incremental_staging_leaves_the_pending_records_on_the_device() {
         use crate::device::SimDevice;
@@ -1403,18 +1369,18 @@ mod tests {
                             expected.push(record);
                         }
                         6 => {
-                            // An in-place write into a pending allocation.
-                            let block = next(64);
-                            let crc = next(1 << 32) as u32;
-                            if log.update_pending_allocations(1, [(block, 0, &[crc][..])]) > 0 {
-                                let index = expected
-                                    .iter()
-                                    .rposition(|r| matches!(r, Record::Map { block: b, .. } if *b == block))
-                                    .unwrap();
-                                if let Record::Map { crcs, .. } = &mut expected[index] {
-                                    crcs[0] = crc;
-                                }
-                            }
+                            // The pending allocations a write would see.
+                            let mut allocated: Vec<u64> = expected
+                                .iter()
+                                .filter_map(|r| match r {
+                                    Record::Map { block, new, .. } if *new != 0 => Some(*block),
+                                    _ => None,
+                                })
+                                .collect();
+                            allocated.sort_unstable();
+                            allocated.dedup();
+                            assert_eq!(log.pending_allocations(1, 0, 63), allocated);
+                            assert!(log.pending_allocations(2, 0, 63).is_empty());
                         }
                         _ => log.stage().await.unwrap(),
                     }

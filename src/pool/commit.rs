@@ -5,15 +5,6 @@
 use super::*;
 
 impl Pool {
-    /// See `Log::update_pending_allocations`.
-    pub(crate) fn note_overwrites<'a>(
-        &self,
-        volume: u32,
-        overwrites: impl IntoIterator<Item = (u64, usize, &'a [u32])>,
-    ) {
-        self.log.update_pending_allocations(volume, overwrites);
-    }
-
     /// Records appended to the log so far.
     pub(crate) fn log_appends(&self) -> u64 {
         self.log.appended.load(Ordering::Relaxed)

@@ -440,7 +440,8 @@ impl Pool {
             // A staged record (never committed) counts only if the data it
             // maps made it to the device intact: staging has no data flush
             // before it, so after a power loss the mapping may have landed
-            // without its data.
+            // without its data. (After a kill -9 it always matches: no write
+            // overwrites a block in place while its mapping is uncommitted.)
             if !committed && !pool.staged_data_present(&record).await {
                 staged_dropped += 1;
                 continue;

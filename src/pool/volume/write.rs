@@ -43,16 +43,13 @@ impl Payload {
 
 /// The piece of a planned write that belongs to one volume block.
 struct Part {
-    /// The volume block and the index of this part's first sector in it.
-    block: u64,
-    first_sector: usize,
     offset: u64,
     /// This part's sectors: indices into the write's `crcs`.
     sectors: std::ops::Range<usize>,
     /// Set for a newly allocated block: its logical block number.
     new_block: Option<u64>,
     /// For a new block: the map entry it replaces (a slot a snapshot
-    /// shares; 0 for a first write).
+    /// shares, or a relocated block's own; 0 for a first write).
     replaces: u64,
 }
 
@@ -84,8 +81,6 @@ impl PlannedWrite {
         let start = self.crcs.len();
         crcs.extend(&mut self.crcs, next);
         self.parts.push(Part {
-            block: piece.block,
-            first_sector: piece.first_sector,
             offset: piece.offset,
             sectors: start..self.crcs.len(),
             new_block: piece.new_block.then_some(piece.block),
@@ -104,8 +99,6 @@ impl PlannedWrite {
             device: piece.device,
             offset: piece.offset,
             parts: vec![Part {
-                block: piece.block,
-                first_sector: piece.first_sector,
                 offset: piece.offset,
                 sectors: 0..sums.len(),
                 new_block: piece.new_block.then_some(piece.block),
@@ -123,7 +116,6 @@ struct Piece {
     offset: u64,
     data: Payload,
     block: u64,
-    first_sector: usize,
     new_block: bool,
     /// See [`Part::replaces`].
     replaces: u64,
@@ -231,14 +223,16 @@ impl EngineVolume {
         Ok((blocks >= FRESH_CHUNK_MIN_BLOCKS).then_some(Hint::FreshChunk { logical_slot: first }))
     }
 
-    /// Plans the device writes that store `data` at volume `offset`. Caller
-    /// holds the stripe locks and the pool's write gate.
+    /// Plans the device writes that store `data` at volume `offset`; the
+    /// blocks in `relocate` go to new slots. Caller holds the stripe locks
+    /// and the pool's write gate.
     async fn plan(
         &self,
         offset: u64,
         data: &[u8],
         pieces: Option<&[u32]>,
         entries: &[u64],
+        relocate: &[u64],
     ) -> BlockResult<Vec<PlannedWrite>> {
         let crcs = CrcSource { payload: data, pieces };
         let mut planned: Vec<PlannedWrite> = Vec::new();
@@ -257,9 +251,9 @@ impl EngineVolume {
             let step = (self.block_bytes() - within).min(end - position);
             let at = (position - offset) as usize;
             let source = &data[at..at + step as usize];
-            let shared = entries[index] & map_entry::SHARED != 0;
+            let in_place = entries[index] & map_entry::SHARED == 0 && !relocate.contains(&block);
             let piece = match map_entry::decode(entries[index]) {
-                Some((device, base)) if !shared => {
+                Some((device, base)) if in_place => {
                     // Overwrite in place, widened to whole sectors.
                     let start = within / SECTOR_BYTES * SECTOR_BYTES;
                     let stop = (within + step).div_ceil(SECTOR_BYTES) * SECTOR_BYTES;
@@ -289,16 +283,16 @@ impl EngineVolume {
                         offset: base + start,
                         data: sectors,
                         block,
-                        first_sector: (start / SECTOR_BYTES) as usize,
                         new_block: false,
                         replaces: 0,
                     }
                 }
                 old => {
                     // First write (allocate and write the whole block), or
-                    // a write to a block a snapshot shares: the same into a
-                    // new slot, the rest of the block copied from the old
-                    // one, which stays the snapshot's.
+                    // a write to a block a snapshot shares (or to be
+                    // relocated): the same into a new slot, the rest of the
+                    // block copied from the old one, which stays the
+                    // snapshot's (or is freed by the new mapping's commit).
                     if hint.is_none() {
                         hint = self.first_hint(offset, entries.len() as u64)?;
                     }
@@ -339,7 +333,6 @@ impl EngineVolume {
                         offset: base,
                         data: whole,
                         block,
-                        first_sector: 0,
                         new_block: true,
                         replaces: entries[index],
                     }
@@ -367,6 +360,18 @@ impl EngineVolume {
         let first = offset >> self.block_shift;
         let last = (offset + data.len() as u64 - 1) >> self.block_shift;
         let mut entries = self.pool.lookup_range(self.id, first, last).map_err(meta_error)?;
+        // A block whose allocation is not committed yet (its `Map` record at
+        // most staged) goes to a new slot, as if a snapshot shared it:
+        // recovery after a kill -9 replays a staged mapping only if its data
+        // still matches the record's checksums, and an overwrite in place
+        // would break that, losing the block. Its old slot is freed by the
+        // commit of the new mapping. (On a pool short of space, commit
+        // instead, and overwrite in place.)
+        let mut relocate = self.pool.log.pending_allocations(self.id, first, last);
+        if !relocate.is_empty() && self.pool.space_short() {
+            self.pool.commit_quiet().await.map_err(pool_error)?;
+            relocate.clear();
+        }
         // The chunks it overwrites in place must be durably marked dirty
         // first. A block a snapshot shares (or will, once its page is
         // copied into the snapshot) goes to a new slot and needs no mark:
@@ -375,7 +380,7 @@ impl EngineVolume {
         // place is known only once pages are copied (under the gate): both
         // are checked there, and the marks taken again if needed.
         let gate = loop {
-            let places = self.in_place_candidates(first, &entries, written_at)?;
+            let places = self.in_place_candidates(first, &entries, written_at, &relocate)?;
             let epoch = self.pool.mark_dirty(&places).await.map_err(pool_error)?;
             let gate = self.pool.enter_write().await;
             if self.pool.epoch() != epoch {
@@ -386,15 +391,19 @@ impl EngineVolume {
             if self.make_private(first, last, written_at)? {
                 entries = self.pool.lookup_range(self.id, first, last).map_err(meta_error)?;
             }
-            let in_place = entries.iter().filter(|e| **e & map_entry::SHARED == 0);
+            let in_place = (first..)
+                .zip(&entries)
+                .filter(|(block, e)| **e & map_entry::SHARED == 0 && !relocate.contains(block));
             if in_place
-                .filter_map(|e| map_entry::decode(*e))
+                .filter_map(|(_, e)| map_entry::decode(*e))
                 .all(|place| self.pool.is_marked(place, epoch))
             {
                 break gate;
             }
         };
-        let planned = self.plan(offset, data.payload(), data.piece_crcs(), &entries).await?;
+        let planned = self
+            .plan(offset, data.payload(), data.piece_crcs(), &entries, &relocate)
+            .await?;
         // New blocks land in chunks that may hold mapped data of other
         // blocks; their records carry checksums, so no mark is needed.
         let mut failure = None;
@@ -494,11 +503,6 @@ impl EngineVolume {
             write.release_new_slots(&self.pool);
             return Err(e);
         }
-        let overwrites = write.parts.iter().filter(|part| part.new_block.is_none());
-        self.pool.note_overwrites(
-            self.id,
-            overwrites.map(|part| (part.block, part.first_sector, &write.crcs[part.sectors.clone()])),
-        );
         for (index, part) in write.parts.iter().enumerate() {
             let Some(block) = part.new_block else { continue };
             let entry = map_entry::encode(write.device, part.offset);
@@ -530,19 +534,26 @@ impl EngineVolume {
     pub(super) async fn mark_in_place(&self, offset: u64, end: u64) -> BlockResult<()> {
         let (first, last) = (offset >> self.block_shift, (end - 1) >> self.block_shift);
         let entries = self.pool.lookup_range(self.id, first, last).map_err(meta_error)?;
-        let places = self.in_place_candidates(first, &entries, None)?;
+        let places = self.in_place_candidates(first, &entries, None, &[])?;
         self.pool.mark_dirty(&places).await.map_err(pool_error)?;
         Ok(())
     }
 
     /// The places of the blocks from `first` (their map `entries`) a write
-    /// may overwrite in place: mapped, not shared with a snapshot, and not
-    /// in a page about to be copied into one (see `make_private`).
-    fn in_place_candidates(&self, first: u64, entries: &[u64], written_at: Option<u64>) -> BlockResult<Vec<(u8, u64)>> {
+    /// may overwrite in place: mapped, not shared with a snapshot, not in a
+    /// page about to be copied into one (see `make_private`), and not among
+    /// the blocks it moves to new slots (`relocate`).
+    fn in_place_candidates(
+        &self,
+        first: u64,
+        entries: &[u64],
+        written_at: Option<u64>,
+        relocate: &[u64],
+    ) -> BlockResult<Vec<(u8, u64)>> {
         let mut places = Vec::with_capacity(entries.len());
         let mut copied_page = None;
         for (block, entry) in (first..).zip(entries) {
-            if entry & map_entry::SHARED != 0 {
+            if entry & map_entry::SHARED != 0 || relocate.contains(&block) {
                 continue;
             }
             let Some(place) = map_entry::decode(*entry) else {
@@ -681,11 +692,9 @@ mod tests {
                 device: 0,
                 offset,
                 parts: vec![Part {
-                    block,
-                    first_sector: 0,
                     offset,
                     sectors: 0..crcs.len(),
-                    new_block: None,
+                    new_block: Some(block),
                     replaces: 0,
                 }],
                 crcs,
@@ -709,12 +718,15 @@ mod tests {
         assert_eq!(merged[0].offset, 0);
         assert_eq!(merged[0].data.bytes(&source), &expected[..]);
         assert_eq!(merged[0].crcs, sector_crcs(&expected));
-        let parts: Vec<(u64, u64, std::ops::Range<usize>)> = merged[0]
+        let parts: Vec<(Option<u64>, u64, std::ops::Range<usize>)> = merged[0]
             .parts
             .iter()
-            .map(|part| (part.block, part.offset, part.sectors.clone()))
+            .map(|part| (part.new_block, part.offset, part.sectors.clone()))
             .collect();
-        assert_eq!(parts, vec![(10, 0, 0..1), (11, s, 1..4), (12, 4 * s, 4..6)]);
+        assert_eq!(
+            parts,
+            vec![(Some(10), 0, 0..1), (Some(11), s, 1..4), (Some(12), 4 * s, 4..6)]
+        );
         assert!(matches!(&merged[1].data, Payload::Source(range) if *range == (6 * sector..8 * sector)));
         assert_eq!(merged[1].crcs, sector_crcs(&source[6 * sector..]));
     }

@@ -192,10 +192,10 @@ impl EngineVolume {
         drop(_placement);
         if written_records || self.pool.log_appends() != appends {
             // Written records supersede Data records only once the data is
-            // durable in place, and new mappings (Map records) must not be
-            // left staged: a staged mapping is replayed only if the data it
-            // maps still matches it, which a later overwrite in place breaks.
-            // Commit (data devices flushed first). The destager flushes
+            // durable in place, and new mappings (Map records) are
+            // committed so that later writes can overwrite their blocks in
+            // place (a block whose mapping is pending goes to a new slot:
+            // see `write_locked`). Commit (data devices flushed first). The destager flushes
             // them itself, before the commit: the commit does it under the
             // log's commit lock, where synchronous writers would queue behind
             // a flush of everything this pass wrote.
