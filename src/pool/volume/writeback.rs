@@ -262,7 +262,17 @@ impl EngineVolume {
             Vec::new()
         };
         let after = |seq: u64| crate::pool::snapshots::taken_before_count(&floors, seq);
-        let mut order: Vec<(usize, u64, Entry)> = versions.iter().map(|(s, e)| (after(e.seq), *s, *e)).collect();
+        // An older version placed before is not written again: once a newer
+        // version of its block was placed the page belongs to the snapshot
+        // (copied), and the older data would land in the volume's own block
+        // over the newer. (It was kept only until a commit covers it; it is
+        // released with the others below.)
+        let mut order: Vec<(usize, u64, Entry)> = versions
+            .iter()
+            .zip(&was_older)
+            .filter(|((_, entry), was_older)| !(**was_older && entry.placed))
+            .map(|((s, e), _)| (after(e.seq), *s, *e))
+            .collect();
         // Two versions of a sector fall in different groups unless the
         // snapshot between them was deleted: then the older goes first.
         order.sort_unstable_by_key(|(group, sector, entry)| (*group, *sector, entry.seq));
