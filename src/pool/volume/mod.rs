@@ -640,7 +640,10 @@ mod tests {
                     restored += 1;
                 }
             }
-            assert!(kept > 0 && restored > 0, "{kept} data sectors and {restored} log sectors written");
+            assert!(
+                kept > 0 && restored > 0,
+                "{kept} data sectors and {restored} log sectors written"
+            );
             let pool = Pool::open(vec![sim.as_device()]).await.unwrap();
             let volume = pool.open_volume(1, 16 * MIB, BLOCK).unwrap();
             let (buf, result) = volume.read(big as u64, IoBuf::new(big)).await;
