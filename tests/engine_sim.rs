@@ -10,7 +10,7 @@
 //! Every seed is independent; a failure prints its seed, and
 //! `STRATA_SIM_SEED=<seed> cargo test --release --test engine_sim -- --nocapture`
 //! replays exactly that run. `STRATA_SIM_SEEDS=N` sets how many seeds run
-//! (default 1000).
+//! (default 1000), from `STRATA_SIM_FIRST_SEED` (default 0).
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
@@ -760,6 +760,11 @@ fn simulated_crashes_never_lose_flushed_writes() {
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or(1000);
+    // From `STRATA_SIM_FIRST_SEED` (default 0), for longer searches.
+    let first: u64 = std::env::var("STRATA_SIM_FIRST_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
     // Seeds are independent: one worker per core, each with its own
     // single-threaded runtime (a seed's run stays deterministic).
     let workers = std::thread::available_parallelism().map_or(1, |n| n.get()) as u64;
@@ -767,7 +772,7 @@ fn simulated_crashes_never_lose_flushed_writes() {
         for worker in 0..workers {
             scope.spawn(move || {
                 let seeds_runtime = runtime();
-                for seed in (worker..seeds).step_by(workers as usize) {
+                for seed in (first + worker..first + seeds).step_by(workers as usize) {
                     seeds_runtime.block_on(run_seed(seed, OPERATIONS));
                 }
             });

@@ -20,9 +20,11 @@
 //! replays exactly: a failure prints its seed, and
 //! `STRATA_SIM_SEED=<seed> cargo test --test engine_sim_concurrent -- --nocapture concurrent_clients`
 //! replays that run, printing every event kept. `STRATA_SIM_SEEDS=N` sets
-//! how many seeds run (default 1000). `STRATA_SIM_NO_DELAYS=1` turns the
-//! devices' delays off, to tell whether a failure needs their reordering
-//! (the tasks still interleave at the engine's own await points).
+//! how many seeds run (default 1000), from `STRATA_SIM_FIRST_SEED` (default
+//! 0; a longer search outside CI starts past the seeds CI runs).
+//! `STRATA_SIM_NO_DELAYS=1` turns the devices' delays off, to tell whether a
+//! failure needs their reordering (the tasks still interleave at the
+//! engine's own await points).
 
 use std::future::Future;
 use std::pin::Pin;
@@ -815,6 +817,10 @@ fn concurrent_clients_destage_and_checkpoints_never_lose_acknowledged_writes() {
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or(1000);
+    let first: u64 = std::env::var("STRATA_SIM_FIRST_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
     // Seeds are independent: one worker thread per core, each with its own
     // runtime (a seed's run stays deterministic).
     let workers = std::thread::available_parallelism().map_or(1, |n| n.get()) as u64;
@@ -822,7 +828,7 @@ fn concurrent_clients_destage_and_checkpoints_never_lose_acknowledged_writes() {
         for worker in 0..workers {
             scope.spawn(move || {
                 let seeds_runtime = runtime();
-                for seed in (worker..seeds).step_by(workers as usize) {
+                for seed in (first + worker..first + seeds).step_by(workers as usize) {
                     seeds_runtime.block_on(run_seed(seed));
                 }
             });
