@@ -262,11 +262,14 @@ impl EngineVolume {
             Vec::new()
         };
         let after = |seq: u64| crate::pool::snapshots::taken_before_count(&floors, seq);
-        // An older version placed before is not written again: once a newer
-        // version of its block was placed the page belongs to the snapshot
-        // (copied), and the older data would land in the volume's own block
-        // over the newer. (It was kept only until a commit covers it; it is
-        // released with the others below.)
+        // An older version placed before is not written again. That happens
+        // when two destages of a block overlap: the first placed the block's
+        // versions and waits for its commit, not released yet, when a second
+        // collects them all again. By then a newer version was placed too
+        // (the page copied into the snapshot), and writing the older again
+        // put it in the volume's own block over the newer. The second
+        // destage's commit covers the first's writes; it releases the
+        // skipped version with the others.
         let mut order: Vec<(usize, u64, Entry)> = versions
             .iter()
             .zip(&was_older)
