@@ -6,7 +6,9 @@
 //! writers never lock a page), and a page is loaded from the store on a miss.
 //! Clean pages are evicted when a shard is full; dirty pages stay until a
 //! checkpoint writes them. The pool bounds the number of dirty pages by
-//! checkpointing when there are too many.
+//! checkpointing when there are too many. A page read from the store is
+//! cached only if no page of its shard was evicted during the read (it
+//! could be older than the copy a checkpoint wrote before evicting it).
 
 use super::MetaError;
 use crate::sync::LockOrAbort;
@@ -188,6 +190,10 @@ pub struct PageCache<P: Page> {
 struct Shard<P> {
     pages: HashMap<PageKey, Arc<P>>,
     by_owner: HashMap<u32, BTreeSet<u64>>,
+    /// Pages removed so far (evicted or forgotten): a page read from the
+    /// store while one was removed may be older than what a checkpoint
+    /// wrote before it was evicted (see [`PageCache::get`]).
+    removed: u64,
 }
 
 impl<P> Shard<P> {
@@ -199,6 +205,7 @@ impl<P> Shard<P> {
 
     fn remove(&mut self, key: PageKey) -> Option<Arc<P>> {
         let page = self.pages.remove(&key)?;
+        self.removed += 1;
         if let Some(indexes) = self.by_owner.get_mut(&key.0) {
             indexes.remove(&key.1);
             if indexes.is_empty() {
@@ -218,6 +225,7 @@ impl<P: Page> PageCache<P> {
                     Mutex::new(Shard {
                         pages: HashMap::new(),
                         by_owner: HashMap::new(),
+                        removed: 0,
                     })
                 })
                 .collect(),
@@ -233,23 +241,46 @@ impl<P: Page> PageCache<P> {
 
     /// The page, from the cache or loaded from the store.
     pub fn get(&self, db: &redb::Database, key: PageKey) -> Result<Arc<P>, MetaError> {
-        if let Some(page) = self.shard(key).pages.get(&key) {
-            return Ok(page.clone());
+        loop {
+            let removed = {
+                let shard = self.shard(key);
+                if let Some(page) = shard.pages.get(&key) {
+                    return Ok(page.clone());
+                }
+                shard.removed
+            };
+            let stored = read_page(db, P::TABLE, key)?;
+            let page = Arc::new(P::decode(stored.as_deref()).map_err(|e| match e {
+                MetaError::Corrupt(what) => MetaError::Corrupt(format!("{what} (key {key:?})")),
+                other => other,
+            })?);
+            if let Some(page) = self.install(key, page, removed) {
+                return Ok(page);
+            }
         }
-        let stored = read_page(db, P::TABLE, key)?;
-        let page = Arc::new(P::decode(stored.as_deref()).map_err(|e| match e {
-            MetaError::Corrupt(what) => MetaError::Corrupt(format!("{what} (key {key:?})")),
-            other => other,
-        })?);
+    }
+
+    /// Caches a page read from the store, unless the cache has it by now
+    /// (that copy is returned) or a page of its shard was removed since
+    /// `removed` was counted, before the read began (`None`: read again).
+    /// The removed page may have been this one: loaded by another thread
+    /// meanwhile, changed, written by a checkpoint and evicted, all while
+    /// this read saw the store as it was before; cached, the older copy
+    /// would hide those changes, and the next checkpoint would store it
+    /// with them lost.
+    fn install(&self, key: PageKey, page: Arc<P>, removed: u64) -> Option<Arc<P>> {
         let mut shard = self.shard(key);
         if let Some(existing) = shard.pages.get(&key) {
-            return Ok(existing.clone());
+            return Some(existing.clone());
+        }
+        if shard.removed != removed {
+            return None;
         }
         if shard.pages.len() >= self.max_pages_per_shard {
             evict(&mut shard);
         }
         shard.insert(key, page.clone());
-        Ok(page)
+        Some(page)
     }
 
     /// The page if it is cached (never loaded from the store).
@@ -317,6 +348,7 @@ impl<P: Page> PageCache<P> {
             };
             for index in indexes {
                 if let Some(page) = shard.pages.remove(&(owner, index)) {
+                    shard.removed += 1;
                     if page.dirty_flag().swap(false, Ordering::AcqRel) {
                         self.dirty_pages.fetch_sub(1, Ordering::Relaxed);
                     }
@@ -373,6 +405,43 @@ fn evict<P: Page>(shard: &mut Shard<P>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A reader misses a page and reads the store; meanwhile another
+    /// loads the page, changes it, a checkpoint writes it and it is
+    /// evicted. The reader's copy (the store before that checkpoint) must
+    /// not be cached: it would hide the change, and the next checkpoint
+    /// would store it without.
+    #[test]
+    fn a_page_read_before_a_checkpoint_is_not_cached_after_the_newer_copy_was_evicted() {
+        let cache: PageCache<MapPage> = PageCache::new(64);
+        let key = (1, 5);
+        let blank = || MapPage::decode(None).unwrap();
+        let removed = cache.shard(key).removed;
+        let stale = Arc::new(blank());
+        // The other thread's load, change and checkpoint, then eviction.
+        let page = cache.put(key, blank());
+        page.entries[0].store(7, Ordering::Release);
+        cache.mark_dirty(&page);
+        drop(cache.take_dirty());
+        drop(page);
+        evict(&mut cache.shard(key));
+        assert!(cache.peek(key).is_none(), "evicted");
+        assert!(
+            cache.install(key, stale, removed).is_none(),
+            "the older copy was cached"
+        );
+        // A read that began after the eviction is cached.
+        let removed = cache.shard(key).removed;
+        let fresh = Arc::new(blank());
+        fresh.entries[0].store(7, Ordering::Release);
+        let cached = cache.install(key, fresh, removed).expect("cached");
+        assert_eq!(cache.peek(key).unwrap().entries[0].load(Ordering::Acquire), 7);
+        // And a read that finds the page cached by then gets that copy.
+        assert!(Arc::ptr_eq(
+            &cache.install(key, Arc::new(blank()), removed).unwrap(),
+            &cached
+        ));
+    }
 
     #[test]
     fn the_owner_index_follows_the_cache() {
