@@ -2885,12 +2885,7 @@ mod tests {
                 .write(MIB, IoBuf::copy_from(&[0x33; 4096]), durable)
                 .await
                 .unwrap();
-            pool.create_snapshots(&[SnapshotRequest {
-                volume: &volume,
-                name: "s".into(),
-            }])
-            .await
-            .unwrap();
+            snapshot_of(&pool, &volume, "s").await;
             let id = id_of(&pool, "s");
             // Overwrites of the snapshot's cached sectors, and again.
             volume
@@ -3074,12 +3069,7 @@ mod tests {
                 .write(0, IoBuf::copy_from(&[0x10; BLOCK as usize]), false)
                 .await
                 .unwrap();
-            pool.create_snapshots(&[SnapshotRequest {
-                volume: &volume,
-                name: "s".into(),
-            }])
-            .await
-            .unwrap();
+            snapshot_of(&pool, &volume, "s").await;
             // The block's second sector again (cached beside the older).
             volume
                 .write(sector as u64, IoBuf::copy_from(&vec![0x20; sector]), false)
@@ -3124,6 +3114,16 @@ mod tests {
             assert!(buf.payload()[..sector].iter().all(|b| *b == 0x10));
             assert!(buf.payload()[sector..].iter().all(|b| *b == 0x20));
         });
+    }
+
+    /// Takes a snapshot `name` of `volume`.
+    async fn snapshot_of(pool: &Pool, volume: &Arc<volume::EngineVolume>, name: &str) {
+        pool.create_snapshots(&[SnapshotRequest {
+            volume,
+            name: name.into(),
+        }])
+        .await
+        .unwrap();
     }
 
     /// Pool options with the RAM tier in `ram` (kept across a reopening,
