@@ -104,6 +104,16 @@ impl Pool {
                 round_up(DEFAULT_LOG_BYTES, chunk),
             ),
         };
+        // A log region smaller than a chunk (a dedicated log device under
+        // two chunks) cannot hold a commit's blocks.
+        if log_bytes < chunk {
+            return Err(PoolError::Invalid(format!(
+                "{} is too small for a log ({} bytes; needs at least {})",
+                devices[log_device as usize].device.info().name,
+                devices[log_device as usize].device.info().size_bytes,
+                2 * chunk
+            )));
+        }
         for member in &members {
             let mut reserved = chunk;
             if member.index == meta_device {

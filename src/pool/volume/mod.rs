@@ -654,6 +654,34 @@ mod tests {
         });
     }
 
+    /// A dedicated log device too small to hold a log is refused with a
+    /// message that says so (before: "superblock is inconsistent: log
+    /// region [1048576, +0) outside device 1").
+    #[test]
+    fn a_log_device_under_two_chunks_is_refused() {
+        current_thread().block_on(async {
+            let fast = SimDevice::new(160 * MIB, 1);
+            let log = SimDevice::new(MIB + MIB / 2, 2);
+            let devices = vec![
+                NewDevice {
+                    device: fast.as_device(),
+                    role: Role::Fast,
+                },
+                NewDevice {
+                    device: log.as_device(),
+                    role: Role::Log,
+                },
+            ];
+            match Pool::create("test", 1 << 20, devices).await {
+                Err(crate::pool::PoolError::Invalid(message)) => {
+                    assert!(message.contains("too small for a log"), "{message}")
+                }
+                Err(e) => panic!("unexpected error: {e}"),
+                Ok(_) => panic!("a pool was made with a 1.5 MiB log device"),
+            }
+        });
+    }
+
     #[test]
     fn lookup_range_matches_lookups_across_map_pages() {
         current_thread().block_on(async {
