@@ -194,6 +194,13 @@ pub(super) fn coalesce(planned: Vec<PlannedWrite>, source: &[u8]) -> Vec<Planned
         .collect()
 }
 
+/// Whether a write to `block` (map `entry`) may overwrite it where it is,
+/// if it is mapped: not shared with a snapshot and not to be relocated
+/// (its allocation still pending: see `EngineVolume::write_locked`).
+fn stays_in_place(entry: u64, block: u64, relocate: &[u64]) -> bool {
+    entry & map_entry::SHARED == 0 && !relocate.contains(&block)
+}
+
 pub(super) fn sector_crcs(bytes: &[u8]) -> Vec<u32> {
     let mut sums = Vec::with_capacity(bytes.len() / SECTOR_BYTES as usize);
     crate::checksum::extend_sector_sums(bytes, &mut sums);
@@ -251,7 +258,7 @@ impl EngineVolume {
             let step = (self.block_bytes() - within).min(end - position);
             let at = (position - offset) as usize;
             let source = &data[at..at + step as usize];
-            let in_place = entries[index] & map_entry::SHARED == 0 && !relocate.contains(&block);
+            let in_place = stays_in_place(entries[index], block, relocate);
             let piece = match map_entry::decode(entries[index]) {
                 Some((device, base)) if in_place => {
                     // Overwrite in place, widened to whole sectors.
@@ -367,7 +374,13 @@ impl EngineVolume {
         // would break that, losing the block. Its old slot is freed by the
         // commit of the new mapping. (On a pool short of space, commit
         // instead, and overwrite in place.)
-        let mut relocate = self.pool.log.pending_allocations(self.id, first, last);
+        // (No look at the log's pending records, and no lock, for a write
+        // that overwrites nothing: a first write.)
+        let mut relocate = if entries.iter().any(|e| map_entry::decode(*e).is_some()) {
+            self.pool.log.pending_allocations(self.id, first, last)
+        } else {
+            Vec::new()
+        };
         if !relocate.is_empty() && self.pool.space_short() {
             self.pool.commit_quiet().await.map_err(pool_error)?;
             relocate.clear();
@@ -393,7 +406,7 @@ impl EngineVolume {
             }
             let in_place = (first..)
                 .zip(&entries)
-                .filter(|(block, e)| **e & map_entry::SHARED == 0 && !relocate.contains(block));
+                .filter(|(block, e)| stays_in_place(**e, *block, &relocate));
             if in_place
                 .filter_map(|(_, e)| map_entry::decode(*e))
                 .all(|place| self.pool.is_marked(place, epoch))
@@ -553,7 +566,7 @@ impl EngineVolume {
         let mut places = Vec::with_capacity(entries.len());
         let mut copied_page = None;
         for (block, entry) in (first..).zip(entries) {
-            if entry & map_entry::SHARED != 0 || relocate.contains(&block) {
+            if !stays_in_place(*entry, block, relocate) {
                 continue;
             }
             let Some(place) = map_entry::decode(*entry) else {
