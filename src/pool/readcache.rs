@@ -560,6 +560,10 @@ mod tests {
         }
         let ratio = last_pass as f64 / (CAPACITY / 2) as f64;
         eprintln!("new working set (50% of the cache), hit ratio of its 4th pass: {ratio:.3}");
-        assert!(ratio >= 0.9, "{ratio}");
+        // The shards' hasher is seeded at random, so how evenly the new set
+        // spreads over the 4 shards differs from run to run: 400 runs gave
+        // 0.887 to 0.97 (0.9 failed one CI run). A cache frozen on the old
+        // set would hit at most half of the new one.
+        assert!(ratio >= 0.8, "{ratio}");
     }
 }
