@@ -104,7 +104,7 @@ pub fn render_backing(pools: &[crate::control::manager::PoolStatus]) -> String {
         ),
     ];
     type PoolValue = fn(&crate::control::manager::PoolStatus) -> u64;
-    let pool_series: [(&str, &str, &str, PoolValue); 10] = [
+    let pool_series: [(&str, &str, &str, PoolValue); 11] = [
         (
             "strata_pool_size_bytes",
             "gauge",
@@ -164,6 +164,12 @@ pub fn render_backing(pools: &[crate::control::manager::PoolStatus]) -> String {
             "counter",
             "Records those commits wrote (per commit: the group-commit batch).",
             |p| p.log_records,
+        ),
+        (
+            "strata_pool_data_flushes_total",
+            "counter",
+            "Flushes of the data devices (fdatasync of each), mostly before log commits.",
+            |p| p.data_flushes,
         ),
     ];
     for (name, kind, help, value) in pool_series {

@@ -110,6 +110,10 @@ pub struct PoolStatus {
     pub log_commits: u64,
     #[serde(default)]
     pub log_records: u64,
+    /// Flushes of the data devices since the daemon started (a commit
+    /// needs one when data was written in place since the last).
+    #[serde(default)]
+    pub data_flushes: u64,
     pub cache: PoolCacheStatus,
     pub devices: Vec<DeviceStatus>,
 }
@@ -1029,6 +1033,7 @@ impl VolumeManager {
                     metadata_bytes_written: pool.meta_counters().log_bytes + pool.meta_counters().store_bytes,
                     log_commits: pool.meta_counters().log_commits,
                     log_records: pool.meta_counters().log_records,
+                    data_flushes: pool.meta_counters().data_flushes,
                     cache,
                     devices,
                 })

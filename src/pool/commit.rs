@@ -148,6 +148,7 @@ impl Pool {
     }
 
     async fn flush_data_devices_now(&self) -> Result<(), DeviceError> {
+        self.data_flushes.fetch_add(1, Ordering::Relaxed);
         for device in &self.devices {
             if device.member.role.holds_data() {
                 if let Err(e) = device.device.flush().await {

@@ -255,6 +255,9 @@ pub struct MetaCounters {
     /// Log commits that wrote records, and the records they wrote.
     pub log_commits: u64,
     pub log_records: u64,
+    /// Flushes of the data devices (each an `fdatasync` of every data
+    /// device file): what a commit pays beyond its log write.
+    pub data_flushes: u64,
 }
 
 pub struct Pool {
@@ -326,6 +329,8 @@ pub struct Pool {
     /// a commit flushes the data devices only when they differ.
     data_writes: AtomicU64,
     data_flushed: AtomicU64,
+    /// Flushes of the data devices done (see `MetaCounters::data_flushes`).
+    data_flushes: AtomicU64,
     /// Where replay of Data records starts (at or before the checkpoint LSN).
     data_tail: AtomicU64,
     /// Open volumes, for the destager (weak: a volume's owner closes it).
@@ -431,6 +436,7 @@ impl Pool {
             checkpoint_pages: self.checkpoint_pages.load(Ordering::Relaxed),
             log_commits: self.log.commits.load(Ordering::Relaxed),
             log_records: self.log.committed_records.load(Ordering::Relaxed),
+            data_flushes: self.data_flushes.load(Ordering::Relaxed),
         }
     }
 

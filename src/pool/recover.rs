@@ -431,6 +431,7 @@ impl Pool {
             page_copy: Mutex::new(()),
             data_writes: AtomicU64::new(0),
             data_flushed: AtomicU64::new(0),
+            data_flushes: AtomicU64::new(0),
             data_tail: AtomicU64::new(data_tail),
             engines: Mutex::new(std::collections::HashMap::new()),
             self_ref: std::sync::OnceLock::new(),

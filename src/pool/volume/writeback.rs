@@ -172,13 +172,9 @@ impl EngineVolume {
         // the writes below supersede.
         let snap_lsn = self.pool.log.next_lsn();
         let appends = self.pool.log_appends();
-        let units: Vec<&[u64]> = if self.has_pending() {
-            blocks
-                .chunk_by(|a, b| a / MAP_ENTRIES_PER_PAGE == b / MAP_ENTRIES_PER_PAGE)
-                .collect()
-        } else {
-            vec![blocks]
-        };
+        let units: Vec<&[u64]> = blocks
+            .chunk_by(|a, b| a / MAP_ENTRIES_PER_PAGE == b / MAP_ENTRIES_PER_PAGE)
+            .collect();
         let mut placed = Vec::with_capacity(units.len());
         for unit in units {
             if let Some(done) = self.place_unit(unit).await? {
