@@ -9,12 +9,14 @@
 # A temporary directory, ephemeral 127.0.0.1 ports, servers stopped by PID.
 #
 # Usage: bench/many_clients.sh [STRATA_BINARY] [SECONDS]
-#        (ROWS="1x32 16x4" picks rows; SERVERS="strata nbdkit" picks servers)
+#        (ROWS="1x32 16x4" picks rows; SERVERS="strata nbdkit" picks servers;
+#        RWS=randwrite picks the direction)
 set -euo pipefail
 BIN=$(realpath "${1:-$(dirname "$0")/../target/release/strata}")
 SECONDS_RUN=${2:-15}
 ROWS=${ROWS:-1x32 16x4 64x2 128x1 256x1}
 SERVERS=${SERVERS:-strata nbdkit}
+RWS=${RWS:-randread randwrite}
 LIB=$(realpath "$(dirname "$0")/lib.sh")
 DIR=$(mktemp -d)
 PID=
@@ -78,7 +80,7 @@ for server in $SERVERS; do
     for row in $ROWS; do
         jobs=${row%x*}
         depth=${row#*x}
-        for rw in randread randwrite; do
+        for rw in $RWS; do
             read -r iops p99 spread cpu < <(run_row "$rw" "$jobs" "$depth")
             echo "| $server | $rw | $row | $iops | $p99 | $spread | $cpu |"
         done
