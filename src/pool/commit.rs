@@ -137,11 +137,22 @@ impl Pool {
 
     /// Flushes the data devices if any data write completed since the last
     /// flush (a commit of Data records alone needs only the log device).
+    /// One flush at a time: a caller that finds one under way waits for it
+    /// and flushes again only if that one began before the writes it needs
+    /// completed. (The destager flushes outside the log's commit lock and
+    /// writers' commits flush under it; each used to issue its own
+    /// `fdatasync` of the same files at the same time.)
     pub(crate) async fn flush_data_devices(&self) -> Result<(), DeviceError> {
-        let written = self.data_writes.load(Ordering::Acquire);
-        if written == self.data_flushed.load(Ordering::Acquire) {
+        let needed = self.data_writes.load(Ordering::Acquire);
+        if self.data_flushed.load(Ordering::Acquire) >= needed {
             return Ok(());
         }
+        let _one = self.data_flush.lock().await;
+        if self.data_flushed.load(Ordering::Acquire) >= needed {
+            return Ok(());
+        }
+        // Covers every write counted by now, not only those `needed` names.
+        let written = self.data_writes.load(Ordering::Acquire);
         self.flush_data_devices_now().await?;
         self.data_flushed.fetch_max(written, Ordering::AcqRel);
         Ok(())
@@ -313,5 +324,67 @@ impl Pool {
                 tracing::debug!("pool {}: punching a hole for freed space failed: {e}", self.name);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::device::sim::SimDelays;
+    use crate::device::SimDevice;
+    use crate::pool::superblock::Role;
+    use crate::pool::NewDevice;
+    use std::future::Future;
+    use std::task::{Context, Waker};
+
+    #[test]
+    fn concurrent_flushes_of_the_data_devices_share_one_unless_a_write_completed_meanwhile() {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        runtime.block_on(async {
+            let sim = SimDevice::new(160 << 20, 7);
+            let device = NewDevice {
+                device: sim.as_device(),
+                role: Role::Fast,
+            };
+            let pool = Pool::create("test", 1 << 20, vec![device]).await.unwrap();
+            sim.set_delays(SimDelays::always(4));
+            let flushes = || pool.data_flushes.load(Ordering::Relaxed);
+
+            // Nothing written since the last flush: no flush.
+            let before = flushes();
+            pool.flush_data_devices().await.unwrap();
+            assert_eq!(flushes(), before);
+
+            // Two callers need the same completed write: one flush serves both.
+            pool.note_data_write();
+            let before = flushes();
+            let (a, b) = tokio::join!(pool.flush_data_devices(), pool.flush_data_devices());
+            a.unwrap();
+            b.unwrap();
+            assert_eq!(flushes(), before + 1);
+
+            // A write that completes while a flush is under way is not
+            // covered by it: the second caller flushes again.
+            pool.note_data_write();
+            let before = flushes();
+            let mut first = std::pin::pin!(pool.flush_data_devices());
+            assert!(first
+                .as_mut()
+                .poll(&mut Context::from_waker(Waker::noop()))
+                .is_pending());
+            assert_eq!(flushes(), before + 1, "the first flush is under way");
+            pool.note_data_write();
+            let (a, b) = tokio::join!(first.as_mut(), pool.flush_data_devices());
+            a.unwrap();
+            b.unwrap();
+            assert_eq!(flushes(), before + 2);
+            assert_eq!(
+                pool.data_flushed.load(Ordering::Acquire),
+                pool.data_writes.load(Ordering::Acquire)
+            );
+        });
     }
 }

@@ -331,6 +331,8 @@ pub struct Pool {
     data_flushed: AtomicU64,
     /// Flushes of the data devices done (see `MetaCounters::data_flushes`).
     data_flushes: AtomicU64,
+    /// Held by the one flush of the data devices under way.
+    data_flush: tokio::sync::Mutex<()>,
     /// Where replay of Data records starts (at or before the checkpoint LSN).
     data_tail: AtomicU64,
     /// Open volumes, for the destager (weak: a volume's owner closes it).

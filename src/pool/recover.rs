@@ -432,6 +432,7 @@ impl Pool {
             data_writes: AtomicU64::new(0),
             data_flushed: AtomicU64::new(0),
             data_flushes: AtomicU64::new(0),
+            data_flush: tokio::sync::Mutex::new(()),
             data_tail: AtomicU64::new(data_tail),
             engines: Mutex::new(std::collections::HashMap::new()),
             self_ref: std::sync::OnceLock::new(),
