@@ -1,8 +1,13 @@
 #!/usr/bin/env python3
-"""What NBD connections cost the daemon: RSS and threads of `strata serve`
-with 1, 100 and 1,000 idle NBD connections (each past the handshake, in
-transmission) and with 100 active ones (each doing 4 KiB random reads in a
-loop). Not in CI. Usage:
+"""What NBD connections cost the daemon: RSS, threads and wake-ups of
+`strata serve` with 1, 100 and 1,000 idle NBD connections (each past the
+handshake, in transmission) and with 1 and then all 100 of 100 open ones
+active (each doing 4 KiB random reads in a loop, one at a time; RSS per
+connection is then per open connection, and includes the device file's
+pages the reads mapped in). Wake-ups are the context
+switches of all the daemon's threads (voluntary and not, from
+/proc/PID/task/*/status): per second while idle, per read while active.
+Not in CI. Usage:
 
     cargo build --release && python3 bench/conn_scale.py [--binary target/release/strata]
 
@@ -67,6 +72,18 @@ def status(pid):
     return rss, threads
 
 
+def switches(pid):
+    """Context switches of every thread of `pid` so far."""
+    total = 0
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            text = open(f"/proc/{pid}/task/{task}/status").read()
+        except FileNotFoundError:
+            continue
+        total += sum(int(n) for n in re.findall(r"ctxt_switches:\s+(\d+)", text))
+    return total
+
+
 def reader(sock, stop, counter):
     handle = 0
     while not stop.is_set():
@@ -100,8 +117,14 @@ def main():
     pid = server.pid
     time.sleep(0.5)
     base_rss, base_threads = status(pid)
-    print(f"{'state':<28} {'RSS MiB':>8} {'threads':>8} {'RSS/conn KiB':>13} {'threads/conn':>13}")
-    print(f"{'no connection':<28} {base_rss / 1024:8.1f} {base_threads:8d}")
+    print(f"{'state':<28} {'RSS MiB':>8} {'threads':>8} {'RSS/conn KiB':>13} {'threads/conn':>13} {'wake-ups':>16}")
+
+    def idle_wakeups():
+        before = switches(pid)
+        time.sleep(2.0)
+        return f"{(switches(pid) - before) / 2:10.0f} per s"
+
+    print(f"{'no connection':<28} {base_rss / 1024:8.1f} {base_threads:8d} {'':>13} {'':>13} {idle_wakeups():>16}")
     sockets = []
     try:
         for target in (1, 100, 1000):
@@ -111,22 +134,31 @@ def main():
             time.sleep(1.0)
             rss, threads = status(pid)
             print(f"{f'{target} idle':<28} {rss / 1024:8.1f} {threads:8d} "
-                  f"{(rss - base_rss) / target:13.0f} {(threads - base_threads) / target:13.2f}")
+                  f"{(rss - base_rss) / target:13.0f} {(threads - base_threads) / target:13.2f} {idle_wakeups():>16}")
         for sock in sockets[100:]:
             sock.close()
         del sockets[100:]
         time.sleep(1.0)
-        stop = threading.Event()
-        counter = [0]
-        workers = [threading.Thread(target=reader, args=(s, stop, counter), daemon=True) for s in sockets]
-        for worker in workers:
-            worker.start()
-        time.sleep(5.0)
-        rss, threads = status(pid)
-        done = counter[0]
-        stop.set()
-        print(f"{'100 active (4K reads)':<28} {rss / 1024:8.1f} {threads:8d} "
-              f"{(rss - base_rss) / 100:13.0f} {(threads - base_threads) / 100:13.2f}   ({done / 5:.0f} reads/s)")
+        for active in (1, 100):
+            stop = threading.Event()
+            counter = [0]
+            workers = [threading.Thread(target=reader, args=(s, stop, counter), daemon=True)
+                       for s in sockets[:active]]
+            for worker in workers:
+                worker.start()
+            time.sleep(1.0)
+            before, started = switches(pid), counter[0]
+            time.sleep(5.0)
+            rss, threads = status(pid)
+            done = counter[0] - started
+            woken = switches(pid) - before
+            stop.set()
+            for worker in workers:
+                worker.join()
+            label = f"100 open, {active} reading"
+            print(f"{label:<28} {rss / 1024:8.1f} {threads:8d} "
+                  f"{(rss - base_rss) / 100:13.0f} {(threads - base_threads) / 100:13.2f} "
+                  f"{woken / max(done, 1):8.2f} per read   ({done / 5:.0f} reads/s)")
     finally:
         for sock in sockets:
             sock.close()
