@@ -67,6 +67,37 @@ impl VolState {
         entry.seq < self.floor && !entry.placed
     }
 
+    /// The sectors in `first..=last` with a pending version, each once,
+    /// sorted. Walks the range without collecting or sorting its versions
+    /// (a map page's worth of them, looked at by every write while a
+    /// snapshot's writes are cached).
+    pub fn pending_sectors(&self, first: u64, last: u64) -> impl Iterator<Item = u64> + '_ {
+        let current = self
+            .entries
+            .range(first..=last)
+            .filter(|(_, e)| self.is_pending(e))
+            .map(|(s, _)| *s);
+        let older = self
+            .older
+            .range((first, 0)..=(last, u64::MAX))
+            .filter(|(_, e)| self.is_pending(e))
+            .map(|((s, _), _)| *s);
+        let mut merged: Vec<u64> = current.chain(older).collect();
+        merged.sort_unstable();
+        merged.dedup();
+        merged.into_iter()
+    }
+
+    /// Whether any version of a sector in `first..=last` is pending; stops
+    /// at the first.
+    pub fn any_pending(&self, first: u64, last: u64) -> bool {
+        self.entries.range(first..=last).any(|(_, e)| self.is_pending(e))
+            || self
+                .older
+                .range((first, 0)..=(last, u64::MAX))
+                .any(|(_, e)| self.is_pending(e))
+    }
+
     /// Sets the floor (a snapshot was taken or deleted) and counts the
     /// pending entries again.
     pub fn set_floor(&mut self, floor: u64) {

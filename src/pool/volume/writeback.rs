@@ -75,11 +75,11 @@ impl EngineVolume {
     /// placed) in map pages `pages`, sorted.
     fn pending_in_pages(state: &VolState, per_block: u64, pages: impl IntoIterator<Item = u64>) -> Vec<u64> {
         let per_page = MAP_ENTRIES_PER_PAGE * per_block;
-        let mut blocks = Vec::new();
+        let mut blocks: Vec<u64> = Vec::new();
         for page in pages {
-            for (sector, entry) in state.versions(page * per_page, (page + 1) * per_page - 1) {
+            for sector in state.pending_sectors(page * per_page, (page + 1) * per_page - 1) {
                 let block = sector / per_block;
-                if blocks.last() != Some(&block) && state.is_pending(&entry) {
+                if blocks.last() != Some(&block) {
                     blocks.push(block);
                 }
             }
@@ -139,9 +139,10 @@ impl EngineVolume {
         if state.pending == 0 {
             return false;
         }
-        let first = offset / SECTOR_BYTES / per_block / MAP_ENTRIES_PER_PAGE;
-        let last = (offset + length - 1) / SECTOR_BYTES / per_block / MAP_ENTRIES_PER_PAGE;
-        !Self::pending_in_pages(&state, per_block, first..=last).is_empty()
+        let per_page = MAP_ENTRIES_PER_PAGE * per_block;
+        let first = offset / SECTOR_BYTES / per_page;
+        let last = (offset + length - 1) / SECTOR_BYTES / per_page;
+        state.any_pending(first * per_page, (last + 1) * per_page - 1)
     }
 
     /// Writes the cached sectors of `blocks` (sorted) to their place, commits
