@@ -67,11 +67,11 @@ impl VolState {
         entry.seq < self.floor && !entry.placed
     }
 
-    /// The sectors in `first..=last` with a pending version, each once,
-    /// sorted. Walks the range without collecting or sorting its versions
-    /// (a map page's worth of them, looked at by every write while a
-    /// snapshot's writes are cached).
-    pub fn pending_sectors(&self, first: u64, last: u64) -> impl Iterator<Item = u64> + '_ {
+    /// The sectors in `first..=last` with a pending version (a sector once
+    /// per such version), current versions first: a walk of the range with
+    /// nothing collected, for the checks every write makes while a
+    /// snapshot's writes are cached (a map page holds up to 2,048 sectors).
+    fn pending_versions(&self, first: u64, last: u64) -> impl Iterator<Item = u64> + '_ {
         let current = self
             .entries
             .range(first..=last)
@@ -82,20 +82,21 @@ impl VolState {
             .range((first, 0)..=(last, u64::MAX))
             .filter(|(_, e)| self.is_pending(e))
             .map(|((s, _), _)| *s);
-        let mut merged: Vec<u64> = current.chain(older).collect();
-        merged.sort_unstable();
-        merged.dedup();
-        merged.into_iter()
+        current.chain(older)
+    }
+
+    /// The sectors in `first..=last` with a pending version, sorted, each once.
+    pub fn pending_sectors(&self, first: u64, last: u64) -> Vec<u64> {
+        let mut sectors: Vec<u64> = self.pending_versions(first, last).collect();
+        sectors.sort_unstable();
+        sectors.dedup();
+        sectors
     }
 
     /// Whether any version of a sector in `first..=last` is pending; stops
     /// at the first.
     pub fn any_pending(&self, first: u64, last: u64) -> bool {
-        self.entries.range(first..=last).any(|(_, e)| self.is_pending(e))
-            || self
-                .older
-                .range((first, 0)..=(last, u64::MAX))
-                .any(|(_, e)| self.is_pending(e))
+        self.pending_versions(first, last).next().is_some()
     }
 
     /// Sets the floor (a snapshot was taken or deleted) and counts the

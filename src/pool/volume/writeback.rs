@@ -75,7 +75,7 @@ impl EngineVolume {
     /// placed) in map pages `pages`, sorted.
     fn pending_in_pages(state: &VolState, per_block: u64, pages: impl IntoIterator<Item = u64>) -> Vec<u64> {
         let per_page = MAP_ENTRIES_PER_PAGE * per_block;
-        let mut blocks: Vec<u64> = Vec::new();
+        let mut blocks = Vec::new();
         for page in pages {
             for sector in state.pending_sectors(page * per_page, (page + 1) * per_page - 1) {
                 let block = sector / per_block;
