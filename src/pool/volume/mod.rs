@@ -298,7 +298,7 @@ impl EngineVolume {
         self.read_stripes(stripes_of(blocks)).await
     }
 
-    async fn lock_blocks_exclusive(&self, blocks: &[u64]) -> Vec<RwLockWriteGuard<'_, ()>> {
+    pub(crate) async fn lock_blocks_exclusive(&self, blocks: &[u64]) -> Vec<RwLockWriteGuard<'_, ()>> {
         self.write_stripes(stripes_of(blocks)).await
     }
 }
