@@ -25,6 +25,7 @@ mod checkpoint;
 mod commit;
 mod destage;
 mod freeing;
+pub mod migrate;
 pub mod fuzzing;
 pub mod grow;
 pub mod ram;
@@ -335,6 +336,8 @@ pub struct Pool {
     data_flush: tokio::sync::Mutex<()>,
     /// Where replay of Data records starts (at or before the checkpoint LSN).
     data_tail: AtomicU64,
+    /// Automatic tiering (`pool/migrate.rs`).
+    pub(crate) migrator: migrate::Migrator,
     /// Open volumes, for the destager (weak: a volume's owner closes it).
     engines: Mutex<std::collections::HashMap<u32, std::sync::Weak<volume::EngineVolume>>>,
     /// Lets `&self` methods start background work that needs an `Arc<Pool>`.

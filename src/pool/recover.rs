@@ -433,6 +433,7 @@ impl Pool {
             data_flushed: AtomicU64::new(0),
             data_flushes: AtomicU64::new(0),
             data_flush: tokio::sync::Mutex::new(()),
+            migrator: Default::default(),
             data_tail: AtomicU64::new(data_tail),
             engines: Mutex::new(std::collections::HashMap::new()),
             self_ref: std::sync::OnceLock::new(),
