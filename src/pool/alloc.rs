@@ -220,6 +220,37 @@ impl Allocator {
         None
     }
 
+    /// Allocates one slot like [`Allocator::allocate`], but only on devices
+    /// of tier `role` (the migrator's target).
+    pub fn allocate_in(&mut self, slot_shift: u8, role: Role) -> Option<(u8, u64)> {
+        // `allocate` takes the first device in tier order with room: the
+        // others are hidden from it meanwhile.
+        let (mut tier, rest): (Vec<DeviceSpace>, Vec<DeviceSpace>) = std::mem::take(&mut self.devices)
+            .into_iter()
+            .partition(|d| d.role == role);
+        std::mem::swap(&mut self.devices, &mut tier);
+        let found = self.allocate(slot_shift);
+        self.devices.extend(rest);
+        self.devices.sort_by_key(|d| (d.role, d.index));
+        found
+    }
+
+    /// The assigned chunks of device `index`: (chunk, slot shift, slots in
+    /// use).
+    pub fn used_chunks(&self, index: u8) -> Vec<(u64, u8, u32)> {
+        let Some(device) = self.devices.iter().find(|d| d.index == index) else {
+            return Vec::new();
+        };
+        let mut chunks: Vec<(u64, u8, u32)> = device
+            .chunks
+            .iter()
+            .filter(|(_, state)| state.used_count() > 0)
+            .map(|(chunk, state)| (*chunk, state.slot_shift, state.used_count()))
+            .collect();
+        chunks.sort_unstable();
+        chunks
+    }
+
     /// Allocates one slot like [`Allocator::allocate`], but at `hint` (the
     /// byte right after the slot of the previous logical block) when that
     /// slot is free and on the tier `allocate` would use now. So a volume

@@ -30,6 +30,18 @@ impl Pool {
         })
     }
 
+    /// Allocates a slot on a device of tier `role` (a block being moved
+    /// there), or `None` when that tier is full.
+    pub(crate) fn allocate_in_tier(&self, slot_shift: u8, role: super::superblock::Role) -> Option<(u8, u64)> {
+        let mut allocator = self.allocator.lock_or_abort();
+        allocator.allocate_in(slot_shift, role).or_else(|| {
+            allocator
+                .reclaim_freeing()
+                .then(|| allocator.allocate_in(slot_shift, role))
+                .flatten()
+        })
+    }
+
     /// Returns a slot that was never mapped (its write failed).
     pub(crate) fn release_unused(&self, device: u8, offset: u64) {
         let freed = self.allocator.lock_or_abort().free(device, offset);

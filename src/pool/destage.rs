@@ -52,7 +52,7 @@ impl Pool {
         self.engines.lock_or_abort().insert(id, volume);
     }
 
-    fn engines(&self) -> Vec<Arc<EngineVolume>> {
+    pub(crate) fn engines(&self) -> Vec<Arc<EngineVolume>> {
         let mut engines: Vec<Arc<EngineVolume>> = self
             .engines
             .lock_or_abort()

@@ -287,6 +287,7 @@ impl Pool {
             member,
             counters: DeviceCounters::default(),
             chunk_epochs: (0..chunks).map(|_| AtomicU32::new(0)).collect(),
+            heat: super::migrate::Heat::new(chunks),
         });
         if let Err(error) = joined {
             // Cannot happen while additions are serialised; the superblocks

@@ -27,12 +27,17 @@
 //! or whose map page a write would copy into a snapshot first, is left
 //! where it is (counted as skipped).
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use super::superblock::Role;
-use super::{Pool, PoolError};
+use super::volume::{EngineVolume, Moved};
+use super::{map_entry, Pool, PoolError, MAP_ENTRIES_PER_PAGE};
+use crate::meta::MetaError;
+use crate::sync::LockOrAbort;
+use crate::volume::BlockDevice;
 
 /// How often the background migrator looks at the tiers.
 pub const PASS_INTERVAL: Duration = Duration::from_secs(10);
@@ -71,7 +76,10 @@ impl MigrationSettings {
     /// Refuses settings that cannot work, with the reason.
     pub fn validate(&self) -> Result<(), String> {
         if self.high_percent > 100 || self.high_percent == 0 {
-            return Err(format!("migration.high must be 1..100 (percent), not {}", self.high_percent));
+            return Err(format!(
+                "migration.high must be 1..100 (percent), not {}",
+                self.high_percent
+            ));
         }
         if self.low_percent >= self.high_percent {
             return Err(format!(
@@ -159,8 +167,9 @@ pub(crate) struct Migrator {
     settings: std::sync::Mutex<MigrationSettings>,
     pins: std::sync::Mutex<std::collections::HashMap<u32, TierPin>>,
     /// One pass at a time.
-    #[allow(dead_code)]
     pass: tokio::sync::Mutex<()>,
+    /// Grows with client I/O (sampled: see `Heat::add`).
+    foreground: AtomicU64,
     running: AtomicBool,
     throttled: AtomicBool,
     queued_down: AtomicU64,
@@ -224,15 +233,752 @@ impl Pool {
     }
 
     /// Bytes of volume `id`'s mapped blocks on each tier (a walk of its
-    /// map: for `volume get`).
+    /// map: for `volume get`). Blocks it sees through a clone's origin
+    /// count too.
     pub fn volume_tier_bytes(&self, id: u32) -> Result<Vec<(Role, u64)>, PoolError> {
-        let _ = id;
-        Ok(Vec::new())
+        let Some(engine) = self.engines().into_iter().find(|e| e.id() == id) else {
+            return Err(PoolError::Invalid(format!("volume {id} is not open")));
+        };
+        let block_bytes = engine.block_bytes();
+        let blocks = engine.size_bytes().div_ceil(block_bytes);
+        let mut fast = 0;
+        let mut capacity = 0;
+        let mut first = 0;
+        while first < blocks {
+            let last = (first + MAP_ENTRIES_PER_PAGE - 1).min(blocks - 1);
+            for entry in self.lookup_range(id, first, last)? {
+                if let Some((device, _)) = map_entry::decode(entry) {
+                    match self.devices.get(device as usize).map(|d| d.member.role) {
+                        Some(Role::Capacity) => capacity += block_bytes,
+                        Some(_) => fast += block_bytes,
+                        None => {}
+                    }
+                }
+            }
+            first = last + 1;
+        }
+        Ok(vec![(Role::Fast, fast), (Role::Capacity, capacity)])
     }
 
     /// Runs one pass now (whatever `migration` says: an admin asked), or
     /// waits for the one under way and runs another after it.
     pub async fn migrate_now(self: &Arc<Self>) -> Result<PassSummary, PoolError> {
-        Ok(PassSummary::default())
+        self.migrate_pass(true).await
+    }
+
+    /// Counts an access to the chunk holding `offset` of `device`.
+    pub(crate) fn note_heat(&self, device: u8, offset: u64, write: bool) {
+        if let Some(d) = self.devices.get(device as usize) {
+            let chunk = offset / self.chunk_bytes as u64;
+            if d.heat.add(chunk, write) {
+                self.migrator.foreground.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+
+    /// Whether a move of `block` of `volume` changes no one else's view:
+    /// its map page is the volume's own (not a clone's view of its
+    /// origin) and would not be copied into a snapshot by a change now.
+    pub(crate) fn block_is_own(&self, volume: u32, block: u64) -> Result<bool, MetaError> {
+        if !self.has_snapshots() {
+            return Ok(true);
+        }
+        if self.page_will_be_copied(volume, block, None)? {
+            return Ok(false);
+        }
+        Ok(self.map_page(volume, block)?.present.load(Ordering::Acquire))
+    }
+
+    /// Used and data bytes of the devices of each tier: (fast used, fast
+    /// size, capacity used, capacity size).
+    fn tier_space(&self) -> TierSpace {
+        let mut space = TierSpace::default();
+        for device in self.status() {
+            match device.role {
+                Role::Fast => {
+                    space.fast_used += device.used_bytes;
+                    space.fast_size += device.data_bytes;
+                }
+                Role::Capacity => {
+                    space.capacity_used += device.used_bytes;
+                    space.capacity_size += device.data_bytes;
+                }
+                Role::Log => {}
+            }
+        }
+        space
+    }
+
+    /// Halves every chunk's heat (every [`HEAT_HALF_LIFE`]).
+    fn decay_heat(&self) {
+        for device in self.devices.iter() {
+            device.heat.decay();
+        }
+    }
+
+    /// One pass: plans the moves (coldest fast chunks down past the high
+    /// watermark, hottest capacity chunks up below the low one, pinned
+    /// volumes to their tier) and makes them, yielding to client I/O.
+    async fn migrate_pass(self: &Arc<Self>, explicit: bool) -> Result<PassSummary, PoolError> {
+        let m = &self.migrator;
+        let _one = m.pass.lock().await;
+        let started = Instant::now();
+        let settings = self.migration_settings();
+        let mut summary = PassSummary::default();
+        let space = self.tier_space();
+        if space.fast_size == 0 || space.capacity_size == 0 {
+            summary.idle_reason = Some("the pool has one tier: nothing to move".into());
+            return Ok(self.finish_pass(summary, started));
+        }
+        let plan = self.plan_pass(&settings, &space)?;
+        if plan.is_empty() {
+            summary.idle_reason = Some("every chunk is on the tier it belongs to".into());
+            return Ok(self.finish_pass(summary, started));
+        }
+        m.running.store(true, Ordering::Relaxed);
+        let down_chunks = plan.iter().filter(|c| c.to == Role::Capacity).count() as u64;
+        m.queued_down.store(down_chunks, Ordering::Relaxed);
+        m.queued_up.store(plan.len() as u64 - down_chunks, Ordering::Relaxed);
+        m.pass_done.store(0, Ordering::Relaxed);
+        m.pass_total
+            .store(plan.iter().map(|c| c.bytes).sum(), Ordering::Relaxed);
+        let result = self.run_plan(plan, explicit, &mut summary, started).await;
+        m.running.store(false, Ordering::Relaxed);
+        m.throttled.store(false, Ordering::Relaxed);
+        m.queued_down.store(0, Ordering::Relaxed);
+        m.queued_up.store(0, Ordering::Relaxed);
+        // The old slots are freed by the commit of the records that moved
+        // their blocks.
+        self.commit_quiet().await?;
+        result?;
+        Ok(self.finish_pass(summary, started))
+    }
+
+    fn finish_pass(&self, mut summary: PassSummary, started: Instant) -> PassSummary {
+        let m = &self.migrator;
+        summary.seconds = started.elapsed().as_secs_f64();
+        m.passes.fetch_add(1, Ordering::Relaxed);
+        m.errors.fetch_add(summary.errors, Ordering::Relaxed);
+        if summary.moved_down_bytes + summary.moved_up_bytes + summary.errors > 0 {
+            tracing::info!(
+                "pool {}: migration moved {} down ({} chunks) and {} up ({} chunks) in {:.1} s; {} blocks skipped, {} errors",
+                self.name(),
+                crate::units::format_size(summary.moved_down_bytes),
+                summary.chunks_down,
+                crate::units::format_size(summary.moved_up_bytes),
+                summary.chunks_up,
+                summary.seconds,
+                summary.skipped_blocks,
+                summary.errors
+            );
+        }
+        *m.last_pass.lock().unwrap_or_else(|e| e.into_inner()) = Some(summary.clone());
+        summary
+    }
+
+    /// The chunks to move this pass, in order: pinned volumes' first, then
+    /// demotion (coldest first) or promotion (hottest first).
+    fn plan_pass(&self, settings: &MigrationSettings, space: &TierSpace) -> Result<Vec<ChunkMove>, PoolError> {
+        let chunk_bytes = self.chunk_bytes as u64;
+        // Every assigned chunk of the data devices, with its heat.
+        let mut chunks: Vec<ChunkInfo> = Vec::new();
+        {
+            let allocator = self.allocator.lock_or_abort();
+            for device in self.devices.iter() {
+                let role = device.member.role;
+                if !role.holds_data() {
+                    continue;
+                }
+                for (chunk, _, _) in allocator.used_chunks(device.member.index) {
+                    chunks.push(ChunkInfo {
+                        device: device.member.index,
+                        chunk,
+                        role,
+                        heat: device.heat.score(chunk),
+                    });
+                }
+            }
+        }
+        // Who maps what: the open volumes' own blocks (a block a snapshot
+        // or clone shares stays where it is).
+        let mut owners: HashMap<(u8, u64), Vec<Owner>> = HashMap::new();
+        let pins = self.migrator.pins.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        let mut pinned: HashMap<(u8, u64), Role> = HashMap::new();
+        for engine in self.engines() {
+            if engine.is_snapshot() {
+                continue;
+            }
+            let id = engine.id();
+            let pin = pins.get(&id).copied().unwrap_or_default();
+            let blocks = engine.size_bytes().div_ceil(engine.block_bytes());
+            let mut first = 0;
+            while first < blocks {
+                let last = (first + MAP_ENTRIES_PER_PAGE - 1).min(blocks - 1);
+                for (block, entry) in (first..).zip(self.lookup_range(id, first, last)?) {
+                    if entry & map_entry::SHARED != 0 {
+                        continue;
+                    }
+                    let Some((device, offset)) = map_entry::decode(entry) else {
+                        continue;
+                    };
+                    let key = (device, offset / chunk_bytes);
+                    owners.entry(key).or_default().push(Owner {
+                        engine: engine.clone(),
+                        block,
+                        entry,
+                    });
+                    match pin {
+                        TierPin::Fast => {
+                            pinned.insert(key, Role::Fast);
+                        }
+                        TierPin::Capacity => {
+                            pinned.insert(key, Role::Capacity);
+                        }
+                        TierPin::Auto => {}
+                    }
+                }
+                first = last + 1;
+            }
+        }
+        let mut plan = Vec::new();
+        let mut fast_used = space.fast_used;
+        let fast_room = |percent: u8| space.fast_size * percent as u64 / 100;
+        // Pinned volumes first: down always, up while the fast tier stays
+        // under its high watermark.
+        for info in &chunks {
+            let key = (info.device, info.chunk);
+            let Some(&to) = pinned.get(&key) else { continue };
+            if to == info.role {
+                continue;
+            }
+            let Some(blocks) = owners.remove(&key) else { continue };
+            let bytes = blocks.iter().map(|o| o.engine.block_bytes()).sum();
+            if to == Role::Fast {
+                if fast_used + bytes > fast_room(settings.high_percent) {
+                    continue;
+                }
+                fast_used += bytes;
+            } else {
+                fast_used = fast_used.saturating_sub(bytes);
+            }
+            plan.push(ChunkMove { to, bytes, blocks });
+        }
+        let movable = |info: &ChunkInfo, owners: &HashMap<(u8, u64), Vec<Owner>>| {
+            let key = (info.device, info.chunk);
+            !pinned.contains_key(&key) && owners.contains_key(&key)
+        };
+        if fast_used > fast_room(settings.high_percent) {
+            // Demotion: coldest first, down to the low watermark, as far
+            // as the capacity tier has room.
+            let mut cold: Vec<&ChunkInfo> = chunks
+                .iter()
+                .filter(|c| c.role == Role::Fast && movable(c, &owners))
+                .collect();
+            cold.sort_by_key(|c| (c.heat, c.device, c.chunk));
+            let mut capacity_free = space.capacity_size.saturating_sub(space.capacity_used);
+            for info in cold {
+                if fast_used <= fast_room(settings.low_percent) {
+                    break;
+                }
+                let blocks = owners.remove(&(info.device, info.chunk)).unwrap_or_default();
+                let bytes: u64 = blocks.iter().map(|o| o.engine.block_bytes()).sum();
+                if bytes > capacity_free {
+                    break;
+                }
+                capacity_free -= bytes;
+                fast_used = fast_used.saturating_sub(bytes);
+                plan.push(ChunkMove {
+                    to: Role::Capacity,
+                    bytes,
+                    blocks,
+                });
+            }
+        } else if fast_used < fast_room(settings.low_percent) {
+            // Promotion: capacity chunks hotter than the coldest fast
+            // chunk (and than a floor: a few reads are not heat), hottest
+            // first, while the fast tier stays under the low watermark.
+            let coldest_fast = chunks
+                .iter()
+                .filter(|c| c.role == Role::Fast)
+                .map(|c| c.heat)
+                .min()
+                .unwrap_or(0);
+            let floor = coldest_fast.max(PROMOTE_MIN_HEAT);
+            let mut hot: Vec<&ChunkInfo> = chunks
+                .iter()
+                .filter(|c| c.role == Role::Capacity && c.heat >= floor && movable(c, &owners))
+                .collect();
+            hot.sort_by_key(|c| (std::cmp::Reverse(c.heat), c.device, c.chunk));
+            for info in hot {
+                let blocks = owners.remove(&(info.device, info.chunk)).unwrap_or_default();
+                let bytes: u64 = blocks.iter().map(|o| o.engine.block_bytes()).sum();
+                if fast_used + bytes > fast_room(settings.low_percent) {
+                    break;
+                }
+                fast_used += bytes;
+                plan.push(ChunkMove {
+                    to: Role::Fast,
+                    bytes,
+                    blocks,
+                });
+            }
+        }
+        Ok(plan)
+    }
+
+    /// Makes the planned moves, a block at a time. While clients do I/O it
+    /// works in short bursts ([`BURST`]) with four times as long a rest
+    /// after each; when idle, at the devices' speed. A background pass
+    /// stops when `migration` is turned off.
+    async fn run_plan(
+        self: &Arc<Self>,
+        plan: Vec<ChunkMove>,
+        explicit: bool,
+        summary: &mut PassSummary,
+        started: Instant,
+    ) -> Result<(), PoolError> {
+        let m = &self.migrator;
+        let mut burst = Instant::now();
+        let mut seen = m.foreground.load(Ordering::Relaxed);
+        for chunk in plan {
+            let mut moved_bytes = 0;
+            let mut heat = 0;
+            let mut targets: Vec<(u8, u64)> = Vec::new();
+            for owner in &chunk.blocks {
+                if !explicit && !self.migration_settings().enabled {
+                    return Ok(());
+                }
+                if burst.elapsed() >= BURST {
+                    let now = m.foreground.load(Ordering::Relaxed);
+                    let busy = now != seen;
+                    m.throttled.store(busy, Ordering::Relaxed);
+                    if busy {
+                        tokio::time::sleep(BURST * 4).await;
+                        seen = m.foreground.load(Ordering::Relaxed);
+                    } else {
+                        tokio::task::yield_now().await;
+                    }
+                    burst = Instant::now();
+                }
+                if let Some((device, offset)) = map_entry::decode(owner.entry) {
+                    if let Some(d) = self.devices.get(device as usize) {
+                        heat = heat.max(d.heat.take(offset / self.chunk_bytes as u64));
+                    }
+                }
+                match owner.engine.move_block(owner.block, owner.entry, chunk.to).await {
+                    Ok(Moved::To(device, offset)) => {
+                        let bytes = owner.engine.block_bytes();
+                        moved_bytes += bytes;
+                        m.pass_done.fetch_add(bytes, Ordering::Relaxed);
+                        let target = (device, offset / self.chunk_bytes as u64);
+                        if !targets.contains(&target) {
+                            targets.push(target);
+                        }
+                    }
+                    Ok(Moved::Skipped) => summary.skipped_blocks += 1,
+                    Err(crate::volume::BlockError::NoSpace) => {
+                        // The target tier filled meanwhile: the rest waits.
+                        return Ok(());
+                    }
+                    Err(e) => {
+                        summary.errors += 1;
+                        tracing::warn!(
+                            "pool {}: moving block {} of volume {} to the {} tier failed, it stays where it was: {e}",
+                            self.name(),
+                            owner.block,
+                            owner.engine.id(),
+                            chunk.to.as_str()
+                        );
+                    }
+                }
+                let elapsed = started.elapsed().as_secs_f64();
+                if elapsed > 0.0 {
+                    let done = m.pass_done.load(Ordering::Relaxed);
+                    m.rate.store((done as f64 / elapsed) as u64, Ordering::Relaxed);
+                }
+            }
+            // Heat moves with the data (a promoted chunk is not cold where
+            // it lands).
+            for (device, chunk) in targets {
+                if let Some(d) = self.devices.get(device as usize) {
+                    d.heat.raise(chunk, heat);
+                }
+            }
+            let queue = if chunk.to == Role::Capacity {
+                summary.moved_down_bytes += moved_bytes;
+                summary.chunks_down += 1;
+                m.moved_down.fetch_add(moved_bytes, Ordering::Relaxed);
+                &m.queued_down
+            } else {
+                summary.moved_up_bytes += moved_bytes;
+                summary.chunks_up += 1;
+                m.moved_up.fetch_add(moved_bytes, Ordering::Relaxed);
+                &m.queued_up
+            };
+            let _ = queue.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |q| Some(q.saturating_sub(1)));
+            // Commit every few chunks: the old slots are freed only then.
+            if summary.chunks_down + summary.chunks_up >= 1 && (summary.chunks_down + summary.chunks_up) % 16 == 0 {
+                self.commit_quiet().await?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Starts the background migrator: a pass every [`PASS_INTERVAL`]
+    /// while `migration=on` (and inside `migration.window`), heat halved
+    /// every [`HEAT_HALF_LIFE`]. It stops when the pool is dropped.
+    pub(crate) fn start_migrator(self: &Arc<Self>) {
+        let Ok(handle) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        if handle.runtime_flavor() != tokio::runtime::RuntimeFlavor::MultiThread {
+            return;
+        }
+        let weak = Arc::downgrade(self);
+        handle.spawn(async move {
+            let mut tick = tokio::time::interval(PASS_INTERVAL);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            let mut last_decay = Instant::now();
+            let mut failing = false;
+            loop {
+                tick.tick().await;
+                let Some(pool) = weak.upgrade() else { return };
+                while last_decay.elapsed() >= HEAT_HALF_LIFE {
+                    pool.decay_heat();
+                    last_decay += HEAT_HALF_LIFE;
+                }
+                let settings = pool.migration_settings();
+                if !settings.enabled || !settings.in_window(minute_of_day_utc()) {
+                    continue;
+                }
+                match pool.migrate_pass(false).await {
+                    Err(e) if !failing => {
+                        tracing::error!("pool {}: migration failed: {e}; retrying every pass", pool.name());
+                        failing = true;
+                    }
+                    Ok(_) if failing => {
+                        tracing::info!("pool {}: migration works again", pool.name());
+                        failing = false;
+                    }
+                    _ => {}
+                }
+            }
+        });
+    }
+}
+
+/// Capacity chunks need at least this much heat (decayed accesses) to
+/// move up.
+pub const PROMOTE_MIN_HEAT: u64 = 16;
+/// While clients do I/O, the migrator works this long, then rests four
+/// times as long (a fifth of the devices' time at most).
+pub const BURST: Duration = Duration::from_millis(2);
+
+fn minute_of_day_utc() -> u16 {
+    let seconds = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
+    ((seconds / 60) % (24 * 60)) as u16
+}
+
+#[derive(Debug, Default, Clone, Copy)]
+struct TierSpace {
+    fast_used: u64,
+    fast_size: u64,
+    capacity_used: u64,
+    capacity_size: u64,
+}
+
+struct ChunkInfo {
+    device: u8,
+    chunk: u64,
+    role: Role,
+    heat: u64,
+}
+
+struct Owner {
+    engine: Arc<EngineVolume>,
+    block: u64,
+    entry: u64,
+}
+
+struct ChunkMove {
+    to: Role,
+    bytes: u64,
+    blocks: Vec<Owner>,
+}
+
+/// Per chunk of a device: reads (low 32 bits) and writes (high 32 bits),
+/// halved every [`HEAT_HALF_LIFE`].
+pub(crate) struct Heat {
+    counts: Box<[AtomicU64]>,
+}
+
+impl Heat {
+    pub(crate) fn new(chunks: u64) -> Self {
+        Heat {
+            counts: (0..chunks).map(|_| AtomicU64::new(0)).collect(),
+        }
+    }
+
+    /// Counts one access; true once in 16 per chunk (the migrator's sign
+    /// of client I/O, kept off a shared counter for every request).
+    fn add(&self, chunk: u64, write: bool) -> bool {
+        let Some(count) = self.counts.get(chunk as usize) else {
+            return false;
+        };
+        let step = if write { 1 << 32 } else { 1 };
+        let before = count.fetch_add(step, Ordering::Relaxed);
+        ((before >> if write { 32 } else { 0 }) & 15) == 0
+    }
+
+    /// Reads plus writes, decayed.
+    pub(crate) fn score(&self, chunk: u64) -> u64 {
+        self.counts
+            .get(chunk as usize)
+            .map_or(0, |c| split(c.load(Ordering::Relaxed)).iter().sum())
+    }
+
+    /// The chunk's score, and its counts cleared (its data moved away).
+    fn take(&self, chunk: u64) -> u64 {
+        self.counts
+            .get(chunk as usize)
+            .map_or(0, |c| split(c.swap(0, Ordering::Relaxed)).iter().sum())
+    }
+
+    /// Raises a chunk's counts to at least `score` (as reads).
+    fn raise(&self, chunk: u64, score: u64) {
+        if let Some(count) = self.counts.get(chunk as usize) {
+            let _ = count.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |v| {
+                let [reads, writes] = split(v);
+                (reads + writes < score).then(|| join(score.min(u32::MAX as u64), writes))
+            });
+        }
+    }
+
+    fn decay(&self) {
+        for count in self.counts.iter() {
+            let _ = count.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |v| {
+                let [reads, writes] = split(v);
+                Some(join(reads / 2, writes / 2))
+            });
+        }
+    }
+}
+
+fn split(value: u64) -> [u64; 2] {
+    [value & 0xffff_ffff, value >> 32]
+}
+
+fn join(reads: u64, writes: u64) -> u64 {
+    reads.min(u32::MAX as u64) | (writes.min(u32::MAX as u64) << 32)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::device::{IoBuf, SimDevice};
+    use crate::pool::NewDevice;
+
+    const MIB: u64 = 1 << 20;
+
+    fn two_tier_devices(fast: &SimDevice, capacity: &SimDevice) -> Vec<NewDevice> {
+        vec![
+            NewDevice {
+                device: fast.as_device(),
+                role: Role::Fast,
+            },
+            NewDevice {
+                device: capacity.as_device(),
+                role: Role::Capacity,
+            },
+        ]
+    }
+
+    fn mib_of(index: u64) -> Vec<u8> {
+        (0..MIB).map(|i| ((i / 4096 + index * 7) % 251) as u8 + 1).collect()
+    }
+
+    async fn read_mib(volume: &EngineVolume, index: u64) -> Vec<u8> {
+        let (buf, result) = volume.read(index * MIB, IoBuf::new(MIB as usize)).await;
+        result.unwrap();
+        buf.payload().to_vec()
+    }
+
+    fn on_fast(pool: &Pool, index: u64) -> bool {
+        let blocks = MIB / 4096;
+        pool.lookup_range(1, index * blocks, (index + 1) * blocks - 1)
+            .unwrap()
+            .into_iter()
+            .all(|e| matches!(map_entry::decode(e), Some((device, _)) if pool.devices[device as usize].member.role == Role::Fast))
+    }
+
+    /// A fast tier filled past the high watermark: a pass moves the
+    /// coldest chunks down to the low watermark, keeps the chunks clients
+    /// read on the fast tier, moves every byte (nothing copied twice,
+    /// nothing lost), and all of it survives a power loss right after.
+    #[test]
+    fn cold_chunks_move_down_to_the_low_watermark_and_hot_ones_stay() {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        runtime.block_on(async {
+            let fast = SimDevice::new(160 * MIB, 3);
+            let capacity = SimDevice::new(256 * MIB, 4);
+            let pool = Pool::create("test", 1 << 20, two_tier_devices(&fast, &capacity))
+                .await
+                .unwrap();
+            let volume = pool.open_volume(1, 512 * MIB, 4096).unwrap();
+            let before = pool.tier_space();
+            let written = before.fast_size * 95 / 100 / MIB;
+            for index in 0..written {
+                volume
+                    .write(index * MIB, IoBuf::copy_from(&mib_of(index)), false)
+                    .await
+                    .unwrap();
+            }
+            pool.commit_quiet().await.unwrap();
+            let full = pool.tier_space();
+            assert_eq!(full.capacity_used, 0, "the fast tier had room for all of it");
+            assert!(full.fast_used > full.fast_size * 85 / 100);
+            // Clients read the last 8 MiB written: hot.
+            let hot = written - 8..written;
+            for _ in 0..20 {
+                for index in hot.clone() {
+                    read_mib(&volume, index).await;
+                }
+            }
+            let summary = pool.migrate_now().await.unwrap();
+            assert_eq!(summary.errors, 0);
+            assert!(summary.chunks_down > 0 && summary.chunks_up == 0, "{summary:?}");
+            let after = pool.tier_space();
+            assert!(
+                after.fast_used <= after.fast_size * 70 / 100,
+                "fast tier {} of {} used after the pass",
+                after.fast_used,
+                after.fast_size
+            );
+            assert_eq!(
+                after.fast_used + after.capacity_used,
+                written * MIB,
+                "moved, not copied"
+            );
+            assert_eq!(summary.moved_down_bytes, after.capacity_used);
+            for index in hot.clone() {
+                assert!(on_fast(&pool, index), "hot MiB {index} moved down");
+            }
+            for index in 0..written {
+                assert!(
+                    read_mib(&volume, index).await == mib_of(index),
+                    "MiB {index} differs after the pass"
+                );
+            }
+            let status = pool.migration_status();
+            assert_eq!(status.moved_down_bytes, summary.moved_down_bytes);
+            assert!(!status.running);
+            // A power loss now: the moves were committed; nothing lost,
+            // nothing leaked (every slot in use is a mapped block's).
+            drop(volume);
+            drop(pool);
+            fast.crash();
+            capacity.crash();
+            let pool = Pool::open(vec![fast.as_device(), capacity.as_device()]).await.unwrap();
+            let volume = pool.open_volume(1, 512 * MIB, 4096).unwrap();
+            for index in 0..written {
+                assert!(
+                    read_mib(&volume, index).await == mib_of(index),
+                    "MiB {index} differs after the crash"
+                );
+            }
+            let reopened = pool.tier_space();
+            assert_eq!(
+                reopened.fast_used + reopened.capacity_used,
+                written * MIB,
+                "a slot leaked"
+            );
+            assert_eq!(reopened.capacity_used, after.capacity_used);
+        });
+    }
+
+    /// Below the low watermark, capacity chunks clients read often move up;
+    /// cold ones stay down. A volume pinned to the capacity tier moves down
+    /// whatever its heat.
+    #[test]
+    fn hot_chunks_move_up_and_pins_win() {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        runtime.block_on(async {
+            let fast = SimDevice::new(160 * MIB, 5);
+            let capacity = SimDevice::new(256 * MIB, 6);
+            let pool = Pool::create("test", 1 << 20, two_tier_devices(&fast, &capacity))
+                .await
+                .unwrap();
+            let volume = pool.open_volume(1, 512 * MIB, 4096).unwrap();
+            for index in 0..16 {
+                volume
+                    .write(index * MIB, IoBuf::copy_from(&mib_of(index)), false)
+                    .await
+                    .unwrap();
+            }
+            pool.set_tier_pin(1, TierPin::Capacity);
+            let down = pool.migrate_now().await.unwrap();
+            assert_eq!(down.chunks_down, 16, "{down:?}");
+            assert!((0..16).all(|index| !on_fast(&pool, index)));
+            pool.set_tier_pin(1, TierPin::Auto);
+            // MiBs 0..4 are read often; the rest not at all.
+            for _ in 0..40 {
+                for index in 0..4 {
+                    read_mib(&volume, index).await;
+                }
+            }
+            let up = pool.migrate_now().await.unwrap();
+            assert_eq!(up.chunks_up, 4, "{up:?}");
+            for index in 0..16 {
+                assert_eq!(on_fast(&pool, index), index < 4, "MiB {index}");
+                assert!(read_mib(&volume, index).await == mib_of(index));
+            }
+            // Nothing bounces back: the next pass has nothing to do.
+            let again = pool.migrate_now().await.unwrap();
+            assert_eq!((again.chunks_up, again.chunks_down), (0, 0), "{again:?}");
+        });
+    }
+
+    #[test]
+    fn settings_are_checked_and_windows_may_wrap_midnight() {
+        let mut settings = MigrationSettings::default();
+        assert!(settings.validate().is_ok());
+        settings.low_percent = 90;
+        assert!(settings.validate().unwrap_err().contains("below migration.high"));
+        settings = MigrationSettings {
+            window: Some((23 * 60, 5 * 60)),
+            ..MigrationSettings::default()
+        };
+        assert!(settings.in_window(23 * 60 + 30) && settings.in_window(60) && !settings.in_window(12 * 60));
+        settings.window = Some((60, 300));
+        assert!(settings.in_window(60) && !settings.in_window(300) && !settings.in_window(0));
+    }
+
+    #[test]
+    fn heat_decays_and_follows_moved_data() {
+        let heat = Heat::new(4);
+        for _ in 0..10 {
+            heat.add(1, false);
+        }
+        for _ in 0..6 {
+            heat.add(1, true);
+        }
+        assert_eq!(heat.score(1), 16);
+        heat.decay();
+        assert_eq!(heat.score(1), 8);
+        assert_eq!(heat.take(1), 8);
+        assert_eq!(heat.score(1), 0);
+        heat.raise(2, 8);
+        heat.raise(2, 3);
+        assert_eq!(heat.score(2), 8);
+        assert_eq!(heat.score(99), 0, "out of range is cold, not a panic");
     }
 }

@@ -25,9 +25,9 @@ mod checkpoint;
 mod commit;
 mod destage;
 mod freeing;
-pub mod migrate;
 pub mod fuzzing;
 pub mod grow;
+pub mod migrate;
 pub mod ram;
 pub mod readcache;
 mod recover;
@@ -179,6 +179,8 @@ pub struct PoolDevice {
     pub counters: DeviceCounters,
     /// Per chunk: the epoch in which a `Dirty` record was last committed.
     chunk_epochs: Vec<AtomicU32>,
+    /// Per chunk: decayed reads and writes (`pool/migrate.rs`).
+    pub(crate) heat: migrate::Heat,
 }
 
 /// What `pool status` shows per device.

@@ -267,6 +267,7 @@ impl Pool {
                 member,
                 counters: DeviceCounters::default(),
                 chunk_epochs: (0..chunks).map(|_| AtomicU32::new(0)).collect(),
+                heat: super::migrate::Heat::new(chunks),
             });
         }
         Self::recover(reference, pool_devices, options).await
@@ -492,6 +493,7 @@ impl Pool {
         pool.log.seal(valid_end).await?;
         if options.background {
             pool.start_destager();
+            pool.start_migrator();
             pool.start_freer();
         }
         Ok(pool)

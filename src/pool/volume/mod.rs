@@ -11,8 +11,10 @@
 //! the middle of being written (data and checksum out of step) and serialise
 //! read-modify-write of partial sectors and allocation of the same block.
 
+mod moving;
 mod read;
 mod write;
+pub(crate) use moving::Moved;
 mod writeback;
 
 use write::sector_crcs;
@@ -24,6 +26,7 @@ use tokio::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use super::alloc::Hint;
 use super::cache::{Entry, VolState, VolumeCache};
+use super::superblock::Role;
 use super::{map_entry, Pool, PoolError, SECTOR_BYTES};
 use crate::device::{DeviceError, IoBuf};
 use crate::meta::log::Record;
@@ -216,7 +219,7 @@ impl EngineVolume {
         );
     }
 
-    fn block_bytes(&self) -> u64 {
+    pub(crate) fn block_bytes(&self) -> u64 {
         1 << self.block_shift
     }
 

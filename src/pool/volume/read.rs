@@ -181,6 +181,9 @@ impl EngineVolume {
             }
             position += step;
         }
+        for (device, physical, _, _) in &segments {
+            self.pool.note_heat(*device, *physical, false);
+        }
         // Fast path: one sector-aligned run covering the whole request is
         // read straight into the caller's buffer.
         if let [(device, physical, run, 0)] = segments[..] {

@@ -240,6 +240,7 @@ impl EngineVolume {
         pieces: Option<&[u32]>,
         entries: &[u64],
         relocate: &[u64],
+        tier: Option<Role>,
     ) -> BlockResult<Vec<PlannedWrite>> {
         let crcs = CrcSource { payload: data, pieces };
         let mut planned: Vec<PlannedWrite> = Vec::new();
@@ -303,7 +304,11 @@ impl EngineVolume {
                     if hint.is_none() {
                         hint = self.first_hint(offset, entries.len() as u64)?;
                     }
-                    let Some((device, base)) = self.pool.allocate_near(self.block_shift as u8, hint) else {
+                    let slot = match tier {
+                        Some(role) => self.pool.allocate_in_tier(self.block_shift as u8, role),
+                        None => self.pool.allocate_near(self.block_shift as u8, hint),
+                    };
+                    let Some((device, base)) = slot else {
                         for write in &planned {
                             write.release_new_slots(&self.pool);
                         }
@@ -363,6 +368,19 @@ impl EngineVolume {
     /// number (which snapshot the change comes after: `Pool::ensure_private`);
     /// `None` for a change made now.
     pub(super) async fn write_locked(&self, offset: u64, data: IoBuf, written_at: Option<u64>) -> BlockResult<()> {
+        self.write_locked_in(offset, data, written_at, None).await
+    }
+
+    /// [`Self::write_locked`]; with a `tier`, every block of the range goes
+    /// to a new slot on that tier (the migrator moving blocks: whole
+    /// blocks of their own data), and the write adds no heat.
+    pub(super) async fn write_locked_in(
+        &self,
+        offset: u64,
+        data: IoBuf,
+        written_at: Option<u64>,
+        tier: Option<Role>,
+    ) -> BlockResult<()> {
         self.invalidate_read_cache(offset, data.len() as u64);
         let first = offset >> self.block_shift;
         let last = (offset + data.len() as u64 - 1) >> self.block_shift;
@@ -381,9 +399,12 @@ impl EngineVolume {
         } else {
             Vec::new()
         };
-        if !relocate.is_empty() && self.pool.space_short() {
+        if !relocate.is_empty() && self.pool.space_short() && tier.is_none() {
             self.pool.commit_quiet().await.map_err(pool_error)?;
             relocate.clear();
+        }
+        if tier.is_some() {
+            relocate = (first..=last).collect();
         }
         // The chunks it overwrites in place must be durably marked dirty
         // first. A block a snapshot shares (or will, once its page is
@@ -415,7 +436,7 @@ impl EngineVolume {
             }
         };
         let planned = self
-            .plan(offset, data.payload(), data.piece_crcs(), &entries, &relocate)
+            .plan(offset, data.payload(), data.piece_crcs(), &entries, &relocate, tier)
             .await?;
         // New blocks land in chunks that may hold mapped data of other
         // blocks; their records carry checksums, so no mark is needed.
@@ -467,6 +488,9 @@ impl EngineVolume {
             };
             match result {
                 Ok(()) => {
+                    if tier.is_none() {
+                        self.pool.note_heat(write.device, write.offset, true);
+                    }
                     self.pool.note_data_write();
                     self.pool.data_bytes.fetch_add(length, Ordering::Relaxed);
                     done.push(write)

@@ -52,7 +52,7 @@ impl EngineVolume {
     /// Blocks of `[offset, offset + length)` holding cached sectors, and
     /// the blocks of its map pages holding cached writes of a snapshot (a
     /// change of the range copies those pages into the newest snapshot).
-    fn cached_blocks_in(&self, offset: u64, length: u64) -> Vec<u64> {
+    pub(super) fn cached_blocks_in(&self, offset: u64, length: u64) -> Vec<u64> {
         let per_block = self.sectors_per_block();
         let first = offset / SECTOR_BYTES;
         let last = (offset + length.max(1) - 1) / SECTOR_BYTES;
