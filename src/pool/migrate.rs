@@ -617,7 +617,7 @@ impl Pool {
             };
             let _ = queue.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |q| Some(q.saturating_sub(1)));
             // Commit every few chunks: the old slots are freed only then.
-            if summary.chunks_down + summary.chunks_up >= 1 && (summary.chunks_down + summary.chunks_up) % 16 == 0 {
+            if (summary.chunks_down + summary.chunks_up).is_multiple_of(16) {
                 self.commit_quiet().await?;
             }
         }
