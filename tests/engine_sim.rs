@@ -17,6 +17,7 @@ use std::sync::Arc;
 
 use strata::device::sim::{CrashModel, SimFaults};
 use strata::device::{Device, SimDevice, SimRng};
+use strata::pool::migrate::{MigrationSettings, TierPin};
 use strata::pool::ram::{HeapImage, RamSource, MIN_RAM_BYTES};
 use strata::pool::snapshots::SnapshotRequest;
 use strata::pool::superblock::Role;
@@ -180,6 +181,36 @@ impl Harness {
         let pool = self.pool.clone().expect("pool");
         let freed = pool.free_queued_batch().await;
         self.log.push(format!("freer: {freed} slots"));
+    }
+
+    /// A migration pass that moves every block it may to the other tier
+    /// (watermarks that empty the fast tier, or fill it with what was
+    /// read), sometimes with the volume pinned. Read errors (fault seeds)
+    /// abandon moves; the data stays where it was.
+    async fn op_migrate(&mut self) {
+        let pool = self.pool.clone().expect("pool");
+        let down = self.rng.chance(0.5);
+        let (high_percent, low_percent) = if down { (1, 0) } else { (100, 99) };
+        let settings = MigrationSettings {
+            high_percent,
+            low_percent,
+            ..MigrationSettings::default()
+        };
+        pool.set_migration_settings(settings).expect("valid settings");
+        let pin = [TierPin::Auto, TierPin::Auto, TierPin::Fast, TierPin::Capacity][self.rng.below(4) as usize];
+        pool.set_tier_pin(VOLUME_ID, pin);
+        let result = pool.migrate_now().await;
+        drop(pool);
+        match result {
+            Ok(summary) => self.log.push(format!(
+                "migrate down={down} pin={pin:?}: {} down, {} up, {} skipped, {} errors",
+                summary.moved_down_bytes, summary.moved_up_bytes, summary.skipped_blocks, summary.errors
+            )),
+            Err(e) => {
+                self.log.push(format!("migrate failed: {e}"));
+                self.crash_and_reopen("after failed migration").await;
+            }
+        }
     }
 
     async fn op_destage(&mut self) {
@@ -717,7 +748,7 @@ async fn run_seed(seed: u64, operations: usize) {
         }
     }
     for _ in 0..operations {
-        match harness.rng.below(113) {
+        match harness.rng.below(116) {
             0..=39 => harness.op_write().await,
             40..=59 => harness.op_read().await,
             60..=66 => harness.op_zero(true).await,
@@ -730,6 +761,7 @@ async fn run_seed(seed: u64, operations: usize) {
             104..=105 => harness.op_delete_snapshot().await,
             106 => harness.op_rollback().await,
             110 => harness.op_free_batch().await,
+            113..=115 => harness.op_migrate().await,
             107..=109 => {
                 if !harness.snapshots.is_empty() {
                     let at = harness.rng.below(harness.snapshots.len() as u64) as usize;

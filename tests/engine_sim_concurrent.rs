@@ -34,6 +34,7 @@ use std::task::{Context, Poll};
 
 use strata::device::sim::{CrashModel, SimDelays};
 use strata::device::{Device, SimDevice, SimRng};
+use strata::pool::migrate::MigrationSettings;
 use strata::pool::ram::{HeapImage, RamSource, MIN_RAM_BYTES};
 use strata::pool::snapshots::SnapshotRequest;
 use strata::pool::superblock::Role;
@@ -321,6 +322,8 @@ mod totals {
     pub static NEWER_SURVIVED: AtomicU64 = AtomicU64::new(0);
     /// Snapshots taken while clients wrote.
     pub static SNAPSHOTS: AtomicU64 = AtomicU64::new(0);
+    /// Bytes the migrator moved between tiers while clients wrote.
+    pub static MIGRATED: AtomicU64 = AtomicU64::new(0);
 }
 
 fn add(counter: &AtomicU64, n: u64) {
@@ -476,7 +479,14 @@ async fn worker(shared: Shared, mut rng: SimRng, name: usize) {
 async fn maintenance(shared: Shared, mut rng: SimRng) {
     for _ in 0..4 {
         turns(rng.range(0, 40)).await;
-        let what = ["destage all", "destage logged", "checkpoint", "snapshot"][rng.below(4) as usize];
+        let what = [
+            "destage all",
+            "destage logged",
+            "checkpoint",
+            "snapshot",
+            "migrate down",
+            "migrate up",
+        ][rng.below(6) as usize];
         shared.model().event(format!("maintenance: {what}"));
         let result = match what {
             "destage all" => shared.pool.destage_all().await,
@@ -489,6 +499,29 @@ async fn maintenance(shared: Shared, mut rng: SimRng) {
                     .create_snapshots(&[SnapshotRequest { volume, name }])
                     .await
                     .map(|_| add(&totals::SNAPSHOTS, 1))
+            }
+            "migrate down" | "migrate up" => {
+                // Every block moves to the other tier (a pool of one tier
+                // has nothing to move): watermarks that empty the fast
+                // tier, or that fill it with whatever was read.
+                let (high_percent, low_percent) = if what == "migrate down" { (1, 0) } else { (100, 99) };
+                let settings = MigrationSettings {
+                    high_percent,
+                    low_percent,
+                    ..MigrationSettings::default()
+                };
+                shared.pool.set_migration_settings(settings).expect("valid settings");
+                match shared.pool.migrate_now().await {
+                    Ok(summary) if summary.errors > 0 => Err(strata::pool::PoolError::Invalid(format!(
+                        "{} moves failed without device faults",
+                        summary.errors
+                    ))),
+                    Ok(summary) => {
+                        add(&totals::MIGRATED, summary.moved_down_bytes + summary.moved_up_bytes);
+                        Ok(())
+                    }
+                    Err(e) => Err(e),
+                }
             }
             _ => shared.pool.checkpoint().await,
         };
@@ -839,10 +872,12 @@ fn concurrent_clients_destage_and_checkpoints_never_lose_acknowledged_writes() {
     let uncertain = load(&totals::UNCERTAIN_SECTORS);
     let newer = load(&totals::NEWER_SURVIVED);
     let snapshots = load(&totals::SNAPSHOTS);
+    let migrated = load(&totals::MIGRATED);
     println!(
         "{} seeds: {in_flight} crashes with operations in flight, {} with none; {} writes and {} flushes \
          acknowledged, {} reads checked; after crashes {uncertain} sectors had several allowed values and \
-         {newer} of them held a newer one; {snapshots} snapshots taken meanwhile",
+         {newer} of them held a newer one; {snapshots} snapshots taken and {migrated} bytes moved between \
+         tiers meanwhile",
         load(&totals::SEEDS),
         load(&totals::CRASHES_IDLE),
         load(&totals::WRITES_ACKED),
@@ -851,6 +886,10 @@ fn concurrent_clients_destage_and_checkpoints_never_lose_acknowledged_writes() {
     );
     if seeds >= 50 {
         assert!(in_flight >= seeds, "most rounds should crash with operations in flight");
+        assert!(
+            migrated > 0,
+            "the migrator should have moved blocks while clients wrote"
+        );
         assert!(
             uncertain > 0 && newer > 0,
             "crashes should leave some sectors undecided"
