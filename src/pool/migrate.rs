@@ -9,11 +9,12 @@
 //!
 //! A pass (every [`PASS_INTERVAL`] while `migration=on`, or at once with
 //! `pool migrate`): when the fast tier is fuller than the high watermark,
-//! the coldest fast chunks move down until it is at the low watermark;
-//! while it is below the low watermark, capacity chunks hotter than the
-//! coldest fast ones move up (never past the low watermark, so the two
-//! never chase each other). Volumes pinned with `tier=fast|capacity` move
-//! where they belong first.
+//! the coldest fast chunks move down until it is at the low watermark.
+//! Otherwise capacity chunks that clients use move up, hottest first,
+//! while the fast tier stays under the high watermark, and past it a
+//! capacity chunk more than twice as hot as the coldest fast chunk trades
+//! places with it (at most [`SWAP_MAX_BYTES`] down per pass). Volumes
+//! pinned with `tier=fast|capacity` move where they belong first.
 //!
 //! A move is one block at a time, and is what a write to a block that
 //! must go to a new slot already is (`EngineVolume::move_block`): under
@@ -493,29 +494,64 @@ impl Pool {
                     blocks,
                 });
             }
-        } else if fast_used < fast_room(settings.low_percent) {
-            // Promotion: capacity chunks hotter than the coldest fast
-            // chunk (and than a floor: a few reads are not heat), hottest
-            // first, while the fast tier stays under the low watermark.
-            let coldest_fast = chunks
+        } else {
+            // Promotion: capacity chunks hotter than a floor (a few reads
+            // are not heat), hottest first, while the fast tier stays
+            // under its high watermark; then
+            // swaps: a capacity chunk much hotter than the coldest fast
+            // one trades places with it.
+            let mut cold: Vec<&ChunkInfo> = chunks
                 .iter()
-                .filter(|c| c.role == Role::Fast)
-                .map(|c| c.heat)
-                .min()
-                .unwrap_or(0);
-            let floor = coldest_fast.max(PROMOTE_MIN_HEAT);
+                .filter(|c| c.role == Role::Fast && movable(c, &owners))
+                .collect();
+            cold.sort_by_key(|c| (c.heat, c.device, c.chunk));
             let mut hot: Vec<&ChunkInfo> = chunks
                 .iter()
-                .filter(|c| c.role == Role::Capacity && c.heat >= floor && movable(c, &owners))
+                .filter(|c| c.role == Role::Capacity && c.heat >= PROMOTE_MIN_HEAT && movable(c, &owners))
                 .collect();
             hot.sort_by_key(|c| (std::cmp::Reverse(c.heat), c.device, c.chunk));
+            let mut capacity_free = space.capacity_size.saturating_sub(space.capacity_used);
+            let mut cold = cold.into_iter();
+            let mut swapped = 0u64;
             for info in hot {
                 let blocks = owners.remove(&(info.device, info.chunk)).unwrap_or_default();
                 let bytes: u64 = blocks.iter().map(|o| o.engine.block_bytes()).sum();
-                if fast_used + bytes > fast_room(settings.low_percent) {
+                if fast_used + bytes <= fast_room(settings.high_percent) {
+                    fast_used += bytes;
+                    capacity_free += bytes;
+                    plan.push(ChunkMove {
+                        to: Role::Fast,
+                        bytes,
+                        blocks,
+                    });
+                    continue;
+                }
+                // A swap: the coldest fast chunks left go down first, as
+                // long as this one is more than twice as hot as they are.
+                while fast_used + bytes > fast_room(settings.high_percent) && swapped < SWAP_MAX_BYTES {
+                    let Some(victim) = cold.next() else { break };
+                    if info.heat <= victim.heat.saturating_mul(2) {
+                        break;
+                    }
+                    let down = owners.remove(&(victim.device, victim.chunk)).unwrap_or_default();
+                    let down_bytes: u64 = down.iter().map(|o| o.engine.block_bytes()).sum();
+                    if down_bytes > capacity_free {
+                        break;
+                    }
+                    capacity_free -= down_bytes;
+                    fast_used = fast_used.saturating_sub(down_bytes);
+                    swapped += down_bytes;
+                    plan.push(ChunkMove {
+                        to: Role::Capacity,
+                        bytes: down_bytes,
+                        blocks: down,
+                    });
+                }
+                if fast_used + bytes > fast_room(settings.high_percent) {
                     break;
                 }
                 fast_used += bytes;
+                capacity_free += bytes;
                 plan.push(ChunkMove {
                     to: Role::Fast,
                     bytes,
@@ -526,10 +562,11 @@ impl Pool {
         Ok(plan)
     }
 
-    /// Makes the planned moves, a block at a time. While clients do I/O it
-    /// works in short bursts ([`BURST`]) with four times as long a rest
-    /// after each; when idle, at the devices' speed. A background pass
-    /// stops when `migration` is turned off.
+    /// Makes the planned moves, a chunk at a time (its blocks read in one
+    /// device read where they lie together). While clients do I/O it works
+    /// in short bursts ([`BURST`]) with four times as long a rest after
+    /// each; when idle, at the devices' speed. A background pass stops
+    /// when `migration` is turned off.
     async fn run_plan(
         self: &Arc<Self>,
         plan: Vec<ChunkMove>,
@@ -540,68 +577,86 @@ impl Pool {
         let m = &self.migrator;
         let mut burst = Instant::now();
         let mut seen = m.foreground.load(Ordering::Relaxed);
-        for chunk in plan {
+        for (done_chunks, chunk) in plan.into_iter().enumerate() {
+            if !explicit && !self.migration_settings().enabled {
+                return Ok(());
+            }
+            if burst.elapsed() >= BURST {
+                let now = m.foreground.load(Ordering::Relaxed);
+                let busy = now != seen;
+                m.throttled.store(busy, Ordering::Relaxed);
+                if busy {
+                    tokio::time::sleep(burst.elapsed() * 4).await;
+                    seen = m.foreground.load(Ordering::Relaxed);
+                } else {
+                    tokio::task::yield_now().await;
+                }
+                burst = Instant::now();
+            }
+            let source = chunk.blocks.first().and_then(|o| map_entry::decode(o.entry));
+            let heat = source.map_or(0, |(device, offset)| {
+                self.devices
+                    .get(device as usize)
+                    .map_or(0, |d| d.heat.take(offset / self.chunk_bytes as u64))
+            });
             let mut moved_bytes = 0;
-            let mut heat = 0;
             let mut targets: Vec<(u8, u64)> = Vec::new();
-            for owner in &chunk.blocks {
-                if !explicit && !self.migration_settings().enabled {
-                    return Ok(());
-                }
-                if burst.elapsed() >= BURST {
-                    let now = m.foreground.load(Ordering::Relaxed);
-                    let busy = now != seen;
-                    m.throttled.store(busy, Ordering::Relaxed);
-                    if busy {
-                        tokio::time::sleep(BURST * 4).await;
-                        seen = m.foreground.load(Ordering::Relaxed);
-                    } else {
-                        tokio::task::yield_now().await;
-                    }
-                    burst = Instant::now();
-                }
-                if let Some((device, offset)) = map_entry::decode(owner.entry) {
-                    if let Some(d) = self.devices.get(device as usize) {
-                        heat = heat.max(d.heat.take(offset / self.chunk_bytes as u64));
-                    }
-                }
-                match owner.engine.move_block(owner.block, owner.entry, chunk.to).await {
-                    Ok(Moved::To(device, offset)) => {
-                        let bytes = owner.engine.block_bytes();
-                        moved_bytes += bytes;
-                        m.pass_done.fetch_add(bytes, Ordering::Relaxed);
-                        let target = (device, offset / self.chunk_bytes as u64);
-                        if !targets.contains(&target) {
-                            targets.push(target);
-                        }
-                    }
-                    Ok(Moved::Skipped) => summary.skipped_blocks += 1,
-                    Err(crate::volume::BlockError::NoSpace) => {
-                        // The target tier filled meanwhile: the rest waits.
-                        return Ok(());
-                    }
+            // The chunk's blocks by volume (mostly one).
+            let mut owners = chunk.blocks;
+            owners.sort_by_key(|o| (o.engine.id(), o.block));
+            for group in owners.chunk_by(|a, b| a.engine.id() == b.engine.id()) {
+                let engine = &group[0].engine;
+                let blocks: Vec<(u64, u64)> = group.iter().map(|o| (o.block, o.entry)).collect();
+                let outcome = match engine.move_blocks(&blocks, chunk.to).await {
+                    Ok(outcome) => outcome,
+                    // The target tier filled meanwhile: the rest waits.
+                    Err(crate::volume::BlockError::NoSpace) => return Ok(()),
                     Err(e) => {
-                        summary.errors += 1;
+                        summary.errors += blocks.len() as u64;
                         tracing::warn!(
-                            "pool {}: moving block {} of volume {} to the {} tier failed, it stays where it was: {e}",
+                            "pool {}: moving blocks of volume {} to the {} tier failed, they stay where they were: {e}",
                             self.name(),
-                            owner.block,
-                            owner.engine.id(),
+                            engine.id(),
                             chunk.to.as_str()
                         );
+                        continue;
+                    }
+                };
+                for (moved, (block, _)) in outcome.into_iter().zip(&blocks) {
+                    match moved {
+                        Moved::To(device, offset) => {
+                            moved_bytes += engine.block_bytes();
+                            let target = (device, offset / self.chunk_bytes as u64);
+                            if !targets.contains(&target) {
+                                targets.push(target);
+                            }
+                        }
+                        Moved::Skipped => summary.skipped_blocks += 1,
+                        Moved::Failed => {
+                            summary.errors += 1;
+                            tracing::warn!(
+                                "pool {}: moving block {block} of volume {} to the {} tier failed; it stays where it was",
+                                self.name(),
+                                engine.id(),
+                                chunk.to.as_str()
+                            );
+                        }
                     }
                 }
-                let elapsed = started.elapsed().as_secs_f64();
-                if elapsed > 0.0 {
-                    let done = m.pass_done.load(Ordering::Relaxed);
-                    m.rate.store((done as f64 / elapsed) as u64, Ordering::Relaxed);
-                }
+            }
+            m.pass_done.fetch_add(chunk.bytes, Ordering::Relaxed);
+            let elapsed = started.elapsed().as_secs_f64();
+            if elapsed > 0.0 {
+                m.rate.store(
+                    (m.pass_done.load(Ordering::Relaxed) as f64 / elapsed) as u64,
+                    Ordering::Relaxed,
+                );
             }
             // Heat moves with the data (a promoted chunk is not cold where
             // it lands).
-            for (device, chunk) in targets {
+            for (device, target) in targets {
                 if let Some(d) = self.devices.get(device as usize) {
-                    d.heat.raise(chunk, heat);
+                    d.heat.raise(target, heat);
                 }
             }
             let queue = if chunk.to == Role::Capacity {
@@ -617,7 +672,7 @@ impl Pool {
             };
             let _ = queue.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |q| Some(q.saturating_sub(1)));
             // Commit every few chunks: the old slots are freed only then.
-            if (summary.chunks_down + summary.chunks_up).is_multiple_of(16) {
+            if (done_chunks + 1).is_multiple_of(16) {
                 self.commit_quiet().await?;
             }
         }
@@ -670,6 +725,8 @@ impl Pool {
 /// Capacity chunks need at least this much heat (decayed accesses) to
 /// move up.
 pub const PROMOTE_MIN_HEAT: u64 = 16;
+/// The most a pass moves down to make room for hotter chunks (swaps).
+pub const SWAP_MAX_BYTES: u64 = 256 << 20;
 /// While clients do I/O, the migrator works this long, then rests four
 /// times as long (a fifth of the devices' time at most).
 pub const BURST: Duration = Duration::from_millis(2);
@@ -944,6 +1001,121 @@ mod tests {
             // Nothing bounces back: the next pass has nothing to do.
             let again = pool.migrate_now().await.unwrap();
             assert_eq!((again.chunks_up, again.chunks_down), (0, 0), "{again:?}");
+        });
+    }
+
+    /// A full fast tier (under its high watermark) and a hot set on the
+    /// capacity tier: the hot chunks trade places with the coldest fast
+    /// ones, and the fast tier stays under the watermark.
+    #[test]
+    fn a_hot_capacity_chunk_trades_places_with_a_cold_fast_one() {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        runtime.block_on(async {
+            let fast = SimDevice::new(160 * MIB, 8);
+            let capacity = SimDevice::new(256 * MIB, 9);
+            let pool = Pool::create("test", 1 << 20, two_tier_devices(&fast, &capacity))
+                .await
+                .unwrap();
+            let volume = pool.open_volume(1, 512 * MIB, 4096).unwrap();
+            let hot = 0..8;
+            for index in hot.clone() {
+                volume
+                    .write(index * MIB, IoBuf::copy_from(&mib_of(index)), false)
+                    .await
+                    .unwrap();
+            }
+            pool.set_tier_pin(1, TierPin::Capacity);
+            pool.migrate_now().await.unwrap();
+            pool.set_tier_pin(1, TierPin::Auto);
+            // Cold data up to 84 % of the fast tier (the high watermark is 85).
+            let size = pool.tier_space().fast_size;
+            let cold = 8..8 + size * 84 / 100 / MIB;
+            for index in cold.clone() {
+                volume
+                    .write(index * MIB, IoBuf::copy_from(&mib_of(index)), false)
+                    .await
+                    .unwrap();
+            }
+            pool.commit_quiet().await.unwrap();
+            assert!(hot.clone().all(|index| !on_fast(&pool, index)));
+            for _ in 0..40 {
+                for index in hot.clone() {
+                    read_mib(&volume, index).await;
+                }
+            }
+            let summary = pool.migrate_now().await.unwrap();
+            assert_eq!(summary.chunks_up, 8, "{summary:?}");
+            assert!(summary.chunks_down > 0, "{summary:?}");
+            assert!(hot.clone().all(|index| on_fast(&pool, index)));
+            let space = pool.tier_space();
+            assert!(space.fast_used <= space.fast_size * 85 / 100);
+            for index in hot.chain(cold) {
+                assert!(read_mib(&volume, index).await == mib_of(index), "MiB {index}");
+            }
+        });
+    }
+
+    /// The capacity device fails every read while hot chunks would move up:
+    /// the moves are abandoned and counted, the data stays where it was,
+    /// and once the device reads again the next pass moves it.
+    #[test]
+    fn a_read_error_during_a_move_leaves_the_data_where_it_was() {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        runtime.block_on(async {
+            let fast = SimDevice::new(160 * MIB, 10);
+            let capacity = SimDevice::new(256 * MIB, 11);
+            let pool = Pool::create("test", 1 << 20, two_tier_devices(&fast, &capacity))
+                .await
+                .unwrap();
+            let volume = pool.open_volume(1, 512 * MIB, 4096).unwrap();
+            for index in 0..4 {
+                volume
+                    .write(index * MIB, IoBuf::copy_from(&mib_of(index)), false)
+                    .await
+                    .unwrap();
+            }
+            pool.set_tier_pin(1, TierPin::Capacity);
+            pool.migrate_now().await.unwrap();
+            pool.set_tier_pin(1, TierPin::Auto);
+            for _ in 0..40 {
+                for index in 0..4 {
+                    read_mib(&volume, index).await;
+                }
+            }
+            let used = pool.tier_space();
+            capacity.set_faults(crate::device::sim::SimFaults {
+                read_error: 1.0,
+                ..Default::default()
+            });
+            let failed = pool.migrate_now().await.unwrap();
+            assert_eq!(failed.moved_up_bytes, 0, "{failed:?}");
+            assert_eq!(failed.errors, 4 * MIB / 4096, "{failed:?}");
+            assert_eq!(pool.migration_status().errors, failed.errors);
+            assert_eq!(
+                pool.tier_space().fast_used,
+                used.fast_used,
+                "a failed move left a slot behind"
+            );
+            capacity.set_faults(crate::device::sim::SimFaults::default());
+            for index in 0..4 {
+                assert!(!on_fast(&pool, index));
+                assert!(read_mib(&volume, index).await == mib_of(index));
+            }
+            // The heat went with the failed attempt; clients read again.
+            for _ in 0..40 {
+                for index in 0..4 {
+                    read_mib(&volume, index).await;
+                }
+            }
+            let moved = pool.migrate_now().await.unwrap();
+            assert_eq!((moved.chunks_up, moved.errors), (4, 0), "{moved:?}");
+            assert!((0..4).all(|index| on_fast(&pool, index)));
         });
     }
 
