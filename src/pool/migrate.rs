@@ -71,7 +71,10 @@ impl MigrationSettings {
     /// Refuses settings that cannot work, with the reason.
     pub fn validate(&self) -> Result<(), String> {
         if self.high_percent > 100 || self.high_percent == 0 {
-            return Err(format!("migration.high must be 1..100 (percent), not {}", self.high_percent));
+            return Err(format!(
+                "migration.high must be 1..100 (percent), not {}",
+                self.high_percent
+            ));
         }
         if self.low_percent >= self.high_percent {
             return Err(format!(
