@@ -30,7 +30,7 @@ mod pool_props;
 mod retention;
 mod send;
 mod snapshots;
-pub use pool_props::{canonical_pool_value, migration_settings, pool_rows, POOL_PROPERTY_NAMES};
+pub use pool_props::{canonical_pool_value, format_window, migration_settings, pool_rows, POOL_PROPERTY_NAMES};
 pub use retention::{ScheduledSnapshot, ScheduledVolume};
 pub use send::{ReceiveOutcome, ReceiveStatus, ResumeToken, SendJob};
 pub use snapshots::{split_snapshot_name, SnapshotView};
