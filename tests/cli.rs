@@ -404,12 +404,15 @@ fn volume_lifecycle() {
             "iscsi.initiators",
             "nbd.tls_identities",
             "snapshot.schedule",
+            "tier",
             "origin",
             "used",
             "referenced",
             "usedbydataset",
             "usedbysnapshots",
-            "written"
+            "written",
+            "used.fast",
+            "used.capacity"
         ]
     );
     assert_eq!(prop(&get, "default/db", "volsize"), ("1G".into(), "local".into()));

@@ -22,13 +22,14 @@ use super::auth::{authenticate, ApiAuth};
 use crate::analytics::query as analytics;
 use crate::control::catalog::DeviceRecord;
 use crate::control::manager::{role_for_add, AdminError, PoolStatus, SnapshotView, VolumeInfo, VolumeManager};
+use crate::pool::migrate::{MigrationStatus, PassSummary};
 use crate::units::parse_size;
 
 /// Content type of the Prometheus text exposition format.
 pub const METRICS_CONTENT_TYPE: &str = "text/plain; version=0.0.4";
 
 /// Every endpoint, as listed by `GET /` and `GET /v1`.
-pub const ENDPOINTS: [&str; 32] = [
+pub const ENDPOINTS: [&str; 35] = [
     "GET /metrics",
     "GET /v1/pools",
     "POST /v1/pools",
@@ -42,6 +43,9 @@ pub const ENDPOINTS: [&str; 32] = [
     "DELETE /v1/volumes/{pool}/{name}",
     "POST /v1/volumes/{pool}/{name}/promote",
     "POST /v1/pools/{pool}/sync",
+    "GET /v1/pools/{pool}/properties",
+    "PATCH /v1/pools/{pool}/properties",
+    "POST /v1/pools/{pool}/migrate[?wait=false]",
     "GET /v1/snapshots[?volume=POOL/NAME]",
     "POST /v1/snapshots",
     "DELETE /v1/snapshots/{pool}/{name}@{snapshot}",
@@ -231,7 +235,7 @@ async fn index() -> Json<Value> {
     Json(json!({
         "name": "strata",
         "version": env!("CARGO_PKG_VERSION"),
-        "endpoints": ENDPOINTS,
+        "endpoints": ENDPOINTS.to_vec(),
     }))
 }
 
@@ -315,6 +319,77 @@ async fn sync_pool(
 ) -> ApiResult<Json<PoolStatus>> {
     let Path(pool) = path?;
     Ok(Json(manager.sync_pool(&pool).await?))
+}
+
+/// A pool property change: `{"migration.high": "80", "migration": "off"}`
+/// (numbers and booleans are taken too; `{"properties": {...}}`, the form
+/// `PATCH /v1/volumes/...` takes, as well).
+/// Values are strings; a value that clears a property (`migration.window`:
+/// `none` or empty) sets it back to its default.
+#[derive(utoipa::ToSchema)]
+#[allow(dead_code)]
+struct PoolSetRequest {
+    /// `on` or `off`.
+    migration: Option<String>,
+    /// Percent of the fast tier in use above which cold chunks move down.
+    #[schema(rename = "migration.high")]
+    migration_high: Option<String>,
+    /// Percent where demotion stops (below `migration.high`).
+    #[schema(rename = "migration.low")]
+    migration_low: Option<String>,
+    /// `HH:MM-HH:MM` (UTC) or `none`.
+    #[schema(rename = "migration.window")]
+    migration_window: Option<String>,
+}
+
+#[utoipa::path(get, path = "/v1/pools/{pool}/properties", tag = "pools", params(("pool" = String, Path, description = "Pool name")), responses((status = 200, description = "Every pool property with its value and source (default or local)", body = PropertyList), (status = 404, description = "No such pool, volume or snapshot", body = ErrorBody), (status = 400, description = "Invalid request", body = ErrorBody), (status = 401, description = "No valid token (TCP)", body = ErrorBody)))]
+async fn get_pool_properties(
+    State(manager): State<Manager>,
+    path: Result<Path<String>, PathRejection>,
+) -> ApiResult<Json<Value>> {
+    let Path(pool) = path?;
+    let rows = blocking(&manager, move |m| m.pool_properties(&pool)).await?;
+    Ok(Json(json!({ "properties": rows })))
+}
+
+#[utoipa::path(patch, path = "/v1/pools/{pool}/properties", tag = "pools", params(("pool" = String, Path, description = "Pool name")), request_body = PoolSetRequest, responses((status = 200, description = "The pool's properties after the change (all checked before any is applied)", body = PropertyList), (status = 404, description = "No such pool, volume or snapshot", body = ErrorBody), (status = 400, description = "Invalid request", body = ErrorBody), (status = 401, description = "No valid token (TCP)", body = ErrorBody)))]
+async fn set_pool_properties(
+    State(manager): State<Manager>,
+    path: Result<Path<String>, PathRejection>,
+    body: Result<Json<BTreeMap<String, Value>>, JsonRejection>,
+) -> ApiResult<Json<Value>> {
+    let Path(pool) = path?;
+    let Json(mut request) = body?;
+    if let (1, Some(Value::Object(inner))) = (request.len(), request.get("properties")) {
+        request = inner.clone().into_iter().collect();
+    }
+    let changes = properties_from_json(&request)?;
+    let rows = blocking(&manager, move |m| m.set_pool_properties(&pool, &changes)).await?;
+    Ok(Json(json!({ "properties": rows })))
+}
+
+#[derive(Debug, Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
+struct MigrateQuery {
+    /// `false`: start the pass and answer at once (202, the migrator's
+    /// status); default `true`: answer with the pass's summary when it ends.
+    wait: Option<bool>,
+}
+
+#[utoipa::path(post, path = "/v1/pools/{pool}/migrate", tag = "pools", params(("pool" = String, Path, description = "Pool name"), MigrateQuery), responses((status = 200, description = "The pass ran (wait=true, the default): what it moved", body = PassSummary), (status = 202, description = "The pass is started (wait=false): the migrator's status", body = MigrationStatus), (status = 404, description = "No such pool, volume or snapshot", body = ErrorBody), (status = 400, description = "Invalid request", body = ErrorBody), (status = 401, description = "No valid token (TCP)", body = ErrorBody)))]
+async fn migrate_pool(
+    State(manager): State<Manager>,
+    path: Result<Path<String>, PathRejection>,
+    query: Result<Query<MigrateQuery>, QueryRejection>,
+) -> ApiResult<Response> {
+    let Path(pool) = path?;
+    let Query(query) = query?;
+    if query.wait == Some(false) {
+        let status = blocking(&manager, move |m| m.start_migration(&pool)).await?;
+        return Ok((StatusCode::ACCEPTED, Json(status)).into_response());
+    }
+    let summary = manager.migrate_pool(&pool).await?;
+    Ok(Json(summary).into_response())
 }
 
 #[utoipa::path(get, path = "/v1/pools/{pool}", tag = "pools", params(("pool" = String, Path, description = "Pool name")), responses((status = 200, description = "The pool", body = PoolStatus), (status = 404, description = "No such pool, volume or snapshot", body = ErrorBody), (status = 400, description = "Invalid request", body = ErrorBody), (status = 401, description = "No valid token (TCP)", body = ErrorBody)))]
@@ -639,7 +714,7 @@ pub(super) struct ErrorBody {
     error: String,
 }
 
-/// `{"properties": [...]}`: the iSCSI settings.
+/// `{"properties": [...]}`: the iSCSI settings, or a pool's properties.
 #[derive(utoipa::ToSchema)]
 #[allow(dead_code)]
 struct PropertyList {
@@ -655,7 +730,8 @@ struct PropertyList {
         description = "The strata daemon's REST API: pools, volumes, snapshots, send/receive, iSCSI settings and analytics. Over TCP every request but an open GET /metrics, GET /ui and GET /openapi.json carries `Authorization: Bearer TOKEN` (the token in DATA_DIR/api.token); the Unix socket DATA_DIR/api.sock needs none. Errors are `{\"error\": \"...\"}`."
     ),
     paths(
-        index, metrics, openapi, dashboard, list_pools, create_pool, get_pool, add_device, sync_pool, list_volumes,
+        index, metrics, openapi, dashboard, list_pools, create_pool, get_pool, add_device, sync_pool,
+        get_pool_properties, set_pool_properties, migrate_pool, list_volumes,
         create_volume, get_volume, set_volume, resize_volume, delete_volume, promote_volume, list_snapshots,
         create_snapshots, delete_snapshot, rollback_snapshot, clone_snapshot, super::send::send,
         super::send::receive, super::send::receive_status, super::send::abort_receive, get_iscsi, set_iscsi,
@@ -697,6 +773,11 @@ pub fn router(manager: Arc<VolumeManager>, auth: Arc<ApiAuth>) -> Router {
         .route("/v1/pools/:pool", get(get_pool))
         .route("/v1/pools/:pool/devices", post(add_device))
         .route("/v1/pools/:pool/sync", post(sync_pool))
+        .route(
+            "/v1/pools/:pool/properties",
+            get(get_pool_properties).patch(set_pool_properties),
+        )
+        .route("/v1/pools/:pool/migrate", post(migrate_pool))
         .route("/v1/volumes", get(list_volumes).post(create_volume))
         .route(
             "/v1/volumes/:pool/:name",

@@ -13,7 +13,9 @@ use serde_json::{json, Value};
 
 use crate::control::manager::{
     role_for_add, split_snapshot_name, split_volume_name, validate_component, PoolStatus, SnapshotView, VolumeInfo,
+    POOL_PROPERTY_NAMES,
 };
+use crate::pool::migrate::{MigrationStatus, PassSummary};
 use crate::units::{format_size, parse_size};
 use crate::volume::props::{split_assignment, PropError, PropertyRow};
 
@@ -295,6 +297,34 @@ pub enum PoolCommand {
         /// Write over a device that is not empty (refused otherwise).
         #[arg(long)]
         force: bool,
+    },
+    /// Show a pool's properties: NAME PROPERTY VALUE SOURCE.
+    Get {
+        /// Pool name.
+        pool: String,
+        /// Properties to show (default: all).
+        properties: Vec<String>,
+    },
+    /// Set pool properties; they take effect at once: migration=on|off,
+    /// migration.high=PERCENT, migration.low=PERCENT,
+    /// migration.window=HH:MM-HH:MM (UTC; none clears it).
+    Set {
+        /// Pool name.
+        pool: String,
+        /// PROPERTY=VALUE assignments.
+        #[arg(required = true, value_name = "PROPERTY=VALUE")]
+        assignments: Vec<String>,
+    },
+    /// Run a migration pass now (cold chunks down to the capacity tier,
+    /// hot ones up, pinned volumes where they belong), whatever `migration`
+    /// says. Without --wait it is started in the background.
+    Migrate {
+        /// Pool name.
+        pool: String,
+        /// Wait for the pass to end (a progress bar on a terminal), then
+        /// print what it moved.
+        #[arg(long)]
+        wait: bool,
     },
 }
 
@@ -583,6 +613,61 @@ fn run_pool(args: PoolArgs) -> CliResult<String> {
             let status: PoolStatus = client.send("POST", &format!("/v1/pools/{pool}/sync"), None)?;
             Ok(if output.json { pretty(&status) } else { String::new() })
         }
+        PoolCommand::Get { pool, properties } => {
+            validate_component("pool", &pool)?;
+            let client = Client::new(&args.client)?;
+            let answer: Value = client.get(&format!("/v1/pools/{pool}/properties"))?;
+            let mut rows: Vec<PropertyRow> = serde_json::from_value(answer["properties"].clone())
+                .map_err(|e| CliError(format!("unexpected answer from the daemon: {e}")))?;
+            if !(properties.is_empty() || properties.iter().any(|p| p == "all")) {
+                let mut wanted = Vec::new();
+                for name in &properties {
+                    let row = rows.iter().find(|r| &r.property == name).ok_or_else(|| {
+                        CliError(format!(
+                            "unknown pool property '{name}' (known: {})",
+                            POOL_PROPERTY_NAMES.join(", ")
+                        ))
+                    })?;
+                    wanted.push(row.clone());
+                }
+                rows = wanted;
+            }
+            Ok(if output.json {
+                pretty(&json!({ "properties": rows }))
+            } else {
+                property_table(&pool, &rows)
+            })
+        }
+        PoolCommand::Set { pool, assignments } => {
+            validate_component("pool", &pool)?;
+            let mut properties = serde_json::Map::new();
+            for assignment in &assignments {
+                let (key, value) = split_assignment(assignment)?;
+                properties.insert(key, Value::String(value));
+            }
+            let client = Client::new(&args.client)?;
+            let answer: Value = client.send(
+                "PATCH",
+                &format!("/v1/pools/{pool}/properties"),
+                Some(Value::Object(properties)),
+            )?;
+            Ok(if output.json { pretty(&answer) } else { String::new() })
+        }
+        PoolCommand::Migrate { pool, wait } => {
+            validate_component("pool", &pool)?;
+            if !wait {
+                let client = Client::new(&args.client)?;
+                let status: MigrationStatus =
+                    client.send("POST", &format!("/v1/pools/{pool}/migrate?wait=false"), None)?;
+                return Ok(if output.json { pretty(&status) } else { String::new() });
+            }
+            let summary = migrate_and_wait(&args.client, &pool)?;
+            Ok(if output.json {
+                pretty(&summary)
+            } else {
+                format!("{}\n", summary_line(&pool, &summary))
+            })
+        }
         PoolCommand::Status { pool } => {
             if let Some(pool) = &pool {
                 validate_component("pool", pool)?;
@@ -600,6 +685,65 @@ fn run_pool(args: PoolArgs) -> CliResult<String> {
             })
         }
     }
+}
+
+/// `pool migrate --wait`: runs the pass (a request that lasts as long as
+/// it does) while a progress bar on a terminal follows the pool's
+/// `migration` status.
+fn migrate_and_wait(options: &ClientOptions, pool: &str) -> CliResult<PassSummary> {
+    use std::io::IsTerminal;
+    let path = format!("/v1/pools/{pool}/migrate");
+    let runner = Client::new(options)?;
+    let (done, finished) = std::sync::mpsc::channel();
+    let pass = std::thread::spawn(move || {
+        let answer = runner.call_long("POST", &path);
+        let _ = done.send(());
+        answer
+    });
+    if std::io::stderr().is_terminal() {
+        let poller = Client::new(options)?;
+        let bar = indicatif::ProgressBar::new(0);
+        bar.set_style(
+            indicatif::ProgressStyle::with_template(
+                "{msg} [{elapsed_precise}] [{wide_bar}] {bytes}/{total_bytes} {binary_bytes_per_sec}",
+            )
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar())
+            .progress_chars("=> "),
+        );
+        bar.set_message(format!("migrate {pool}"));
+        while let Err(std::sync::mpsc::RecvTimeoutError::Timeout) =
+            finished.recv_timeout(std::time::Duration::from_millis(300))
+        {
+            // A status that cannot be had now is no reason to stop the pass.
+            if let Ok(status) = poller.get::<PoolStatus>(&format!("/v1/pools/{pool}")) {
+                bar.set_length(status.migration.pass_total_bytes);
+                bar.set_position(status.migration.pass_done_bytes);
+            }
+        }
+        bar.finish_and_clear();
+    }
+    let text = pass
+        .join()
+        .map_err(|_| CliError("the migration request failed (its thread panicked)".into()))??;
+    serde_json::from_str(&text).map_err(|e| CliError(format!("unexpected answer from the daemon: {e}")))
+}
+
+/// The line `pool migrate --wait` ends with.
+fn summary_line(pool: &str, summary: &PassSummary) -> String {
+    let mut line = format!(
+        "pool {pool}: moved {} down ({} chunks) and {} up ({} chunks), {} blocks skipped, {} errors, in {:.1} s",
+        format_size(summary.moved_down_bytes),
+        summary.chunks_down,
+        format_size(summary.moved_up_bytes),
+        summary.chunks_up,
+        summary.skipped_blocks,
+        summary.errors,
+        summary.seconds
+    );
+    if let Some(reason) = &summary.idle_reason {
+        line.push_str(&format!(" ({reason})"));
+    }
+    line
 }
 
 /// `/v1/volumes/POOL/NAME` for an already validated `POOL/NAME` (the name
@@ -808,6 +952,44 @@ fn property_table(name: &str, properties: &[PropertyRow]) -> String {
     table(&headers, &rows)
 }
 
+/// `pool status`'s line on migration.
+fn migration_line(pool: &PoolStatus) -> String {
+    let m = &pool.migration;
+    let settings = m.settings.unwrap_or_default();
+    let mut line = format!(
+        "{}: migration {} (high {}%, low {}%, window {})",
+        pool.name,
+        if settings.enabled { "on" } else { "off" },
+        settings.high_percent,
+        settings.low_percent,
+        match settings.window {
+            None => "any time".to_string(),
+            Some(_) => format!("{} UTC", crate::control::manager::format_window(settings.window)),
+        }
+    );
+    if m.running {
+        line.push_str(&format!(
+            ", running{}: {} of {} at {}/s, queued {} down and {} up chunks",
+            if m.throttled { " (throttled)" } else { "" },
+            format_size(m.pass_done_bytes),
+            format_size(m.pass_total_bytes),
+            format_size(m.rate_bytes_per_sec),
+            m.queued_down_chunks,
+            m.queued_up_chunks
+        ));
+    } else {
+        line.push_str(", idle");
+    }
+    line.push_str(&format!(
+        "; moved {} down and {} up in {} passes since start, {} errors",
+        format_size(m.moved_down_bytes),
+        format_size(m.moved_up_bytes),
+        m.passes,
+        m.errors
+    ));
+    line
+}
+
 fn pool_table(pools: &[PoolStatus]) -> String {
     use Align::*;
     let headers = [
@@ -888,6 +1070,42 @@ fn pool_table(pools: &[PoolStatus]) -> String {
         out.push('\n');
         out.push_str(&table(&device_headers, &device_rows));
     }
+    // Per tier, and what the migrator does between them.
+    let tier_headers = [
+        ("POOL", Left),
+        ("TIER", Left),
+        ("SIZE", Right),
+        ("USED", Right),
+        ("FREE", Right),
+    ];
+    let tier_rows: Vec<Vec<String>> = pools
+        .iter()
+        .flat_map(|p| {
+            [("fast", p.tiers.fast), ("capacity", p.tiers.capacity)]
+                .into_iter()
+                .filter(|(_, space)| space.size_bytes > 0)
+                .map(move |(tier, space)| {
+                    vec![
+                        p.name.clone(),
+                        tier.to_string(),
+                        format_size(space.size_bytes),
+                        format_size(space.used_bytes),
+                        format_size(space.free_bytes),
+                    ]
+                })
+        })
+        .collect();
+    if !tier_rows.is_empty() {
+        out.push('\n');
+        out.push_str(&table(&tier_headers, &tier_rows));
+    }
+    if !pools.is_empty() {
+        out.push('\n');
+    }
+    for pool in pools {
+        out.push_str(&migration_line(pool));
+        out.push('\n');
+    }
     // The file system under a sparse device cannot hold what the device
     // may still ask of it, or is nearly full.
     for warning in pools
@@ -944,6 +1162,19 @@ impl Client {
     /// daemon's own message.
     fn call(&self, method: &str, path: &str, body: Option<Value>) -> CliResult<String> {
         let answer = self.inner.request(method, path, body.map(|b| b.to_string()))?;
+        self.checked(answer, method, path)
+    }
+
+    /// [`Client::call`] without a body and without the overall timeout: for
+    /// requests that last as long as their work (`pool migrate --wait`).
+    fn call_long(&self, method: &str, path: &str) -> CliResult<String> {
+        let answer = self
+            .inner
+            .stream(method, path, None, false, &mut |_| {}, &mut |_| Ok(()))?;
+        self.checked(answer, method, path)
+    }
+
+    fn checked(&self, answer: super::client::Answer, method: &str, path: &str) -> CliResult<String> {
         if (200..300).contains(&answer.status) {
             return Ok(answer.body);
         }

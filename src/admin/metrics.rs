@@ -178,6 +178,7 @@ pub fn render_backing(pools: &[crate::control::manager::PoolStatus]) -> String {
             let _ = writeln!(out, "{name}{{pool=\"{}\"}} {}", escape_label(&pool.name), value(pool));
         }
     }
+    render_migration(&mut out, pools);
     let name = "strata_device_used_bytes";
     let _ = writeln!(
         out,
@@ -224,4 +225,86 @@ pub fn render_backing(pools: &[crate::control::manager::PoolStatus]) -> String {
         }
     }
     out
+}
+
+/// Automatic tiering: what the migrator moved, is moving and failed to
+/// move, and each tier's size and use.
+fn render_migration(out: &mut String, pools: &[crate::control::manager::PoolStatus]) {
+    let header = |out: &mut String, name: &str, kind: &str, help: &str| {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
+    };
+    let name = "strata_pool_migrated_bytes_total";
+    header(
+        out,
+        name,
+        "counter",
+        "Bytes the migrator moved between tiers since the daemon started (down: fast to capacity).",
+    );
+    for pool in pools {
+        let label = escape_label(&pool.name);
+        let migration = &pool.migration;
+        for (direction, value) in [("down", migration.moved_down_bytes), ("up", migration.moved_up_bytes)] {
+            let _ = writeln!(out, "{name}{{pool=\"{label}\",direction=\"{direction}\"}} {value}");
+        }
+    }
+    let name = "strata_pool_migration_errors_total";
+    header(
+        out,
+        name,
+        "counter",
+        "Block moves the migrator abandoned on an error (the data stayed where it was).",
+    );
+    for pool in pools {
+        let _ = writeln!(
+            out,
+            "{name}{{pool=\"{}\"}} {}",
+            escape_label(&pool.name),
+            pool.migration.errors
+        );
+    }
+    let name = "strata_pool_migration_running";
+    header(out, name, "gauge", "1 while a migration pass is under way.");
+    for pool in pools {
+        let _ = writeln!(
+            out,
+            "{name}{{pool=\"{}\"}} {}",
+            escape_label(&pool.name),
+            u8::from(pool.migration.running)
+        );
+    }
+    let name = "strata_pool_migration_queued_chunks";
+    header(
+        out,
+        name,
+        "gauge",
+        "Chunks the pass under way still has to move, each way.",
+    );
+    for pool in pools {
+        let label = escape_label(&pool.name);
+        let migration = &pool.migration;
+        for (direction, value) in [
+            ("down", migration.queued_down_chunks),
+            ("up", migration.queued_up_chunks),
+        ] {
+            let _ = writeln!(out, "{name}{{pool=\"{label}\",direction=\"{direction}\"}} {value}");
+        }
+    }
+    let name = "strata_pool_tier_bytes";
+    header(
+        out,
+        name,
+        "gauge",
+        "Data capacity (size) and space in use (used) of each tier.",
+    );
+    for pool in pools {
+        let label = escape_label(&pool.name);
+        for (tier, space) in [("fast", pool.tiers.fast), ("capacity", pool.tiers.capacity)] {
+            for (kind, value) in [("size", space.size_bytes), ("used", space.used_bytes)] {
+                let _ = writeln!(
+                    out,
+                    "{name}{{pool=\"{label}\",tier=\"{tier}\",kind=\"{kind}\"}} {value}"
+                );
+            }
+        }
+    }
 }

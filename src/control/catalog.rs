@@ -57,6 +57,12 @@ pub struct PoolRecord {
     /// (`control::manager::send`).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub snapshot_guids: BTreeMap<u32, u64>,
+    /// Pool properties set explicitly (`strata pool set`), canonical
+    /// spelling by name (`migration`, `migration.high`, ...); absent ones
+    /// have their defaults, and catalogs written before they existed have
+    /// none.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub properties: BTreeMap<String, String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]

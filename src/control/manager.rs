@@ -15,6 +15,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use super::catalog::{sync_dir, Catalog, DeviceRecord, PoolRecord, VolumeRecord};
 use crate::device::{create_file, open_device, DeviceOptions};
 use crate::device::{Device, DeviceError, DeviceWraps};
+use crate::pool::migrate::MigrationStatus;
 use crate::pool::ram::{self, RamSource, MIN_RAM_BYTES};
 use crate::pool::superblock::Role;
 use crate::pool::volume::EngineVolume;
@@ -25,9 +26,11 @@ use crate::volume::props::{
 use crate::volume::{full_name, Volume};
 
 mod clones;
+mod pool_props;
 mod retention;
 mod send;
 mod snapshots;
+pub use pool_props::{canonical_pool_value, format_window, migration_settings, pool_rows, POOL_PROPERTY_NAMES};
 pub use retention::{ScheduledSnapshot, ScheduledVolume};
 pub use send::{ReceiveOutcome, ReceiveStatus, ResumeToken, SendJob};
 pub use snapshots::{split_snapshot_name, SnapshotView};
@@ -78,7 +81,7 @@ pub struct VolumeInfo {
 }
 
 /// What `pool status` shows.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct PoolStatus {
     pub name: String,
     pub uuid: String,
@@ -116,6 +119,47 @@ pub struct PoolStatus {
     pub data_flushes: u64,
     pub cache: PoolCacheStatus,
     pub devices: Vec<DeviceStatus>,
+    /// The fast and capacity tiers' totals (their devices' data space).
+    #[serde(default)]
+    pub tiers: PoolTiers,
+    /// Automatic tiering: settings, the pass under way, totals since start.
+    #[serde(default)]
+    pub migration: MigrationStatus,
+}
+
+/// Space of one tier: the sum of its devices'.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct TierSpace {
+    /// Data capacity of the tier's devices.
+    pub size_bytes: u64,
+    pub used_bytes: u64,
+    pub free_bytes: u64,
+}
+
+/// The data tiers of a pool.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct PoolTiers {
+    pub fast: TierSpace,
+    pub capacity: TierSpace,
+}
+
+impl PoolTiers {
+    /// Totals by role of `devices` (log devices hold no data: left out).
+    pub fn of(devices: &[DeviceStatus]) -> PoolTiers {
+        let space = |role: Role| {
+            let mut tier = TierSpace::default();
+            for device in devices.iter().filter(|d| d.role == role) {
+                tier.size_bytes += device.data_bytes;
+                tier.used_bytes += device.used_bytes;
+            }
+            tier.free_bytes = tier.size_bytes.saturating_sub(tier.used_bytes);
+            tier
+        };
+        PoolTiers {
+            fast: space(Role::Fast),
+            capacity: space(Role::Capacity),
+        }
+    }
 }
 
 /// The pool's RAM: the write-back cache (dirty data in the RAM tier) and
@@ -293,7 +337,9 @@ impl VolumeManager {
                 }
             }
             clones::remove_unnamed_clones(pool_name, &pool, record).await;
+            pool_props::apply_at_open(pool_name, &pool, &record.properties);
             for (name, volume) in &record.volumes {
+                pool.set_tier_pin(volume.id, pool_props::tier_pin(&volume.props));
                 let props = volume.props.effective();
                 let engine = pool
                     .open_volume(volume.id, props.volsize, props.volblocksize)
@@ -443,6 +489,7 @@ impl VolumeManager {
                 ram_bytes,
                 adding: None,
                 snapshot_guids: Default::default(),
+                properties: Default::default(),
             },
         );
         updated
@@ -742,6 +789,11 @@ impl VolumeManager {
         for (property, bytes) in self.space_rows(pool, record.id, record.props.volblocksize, used_bytes) {
             properties.push(fact(property, crate::units::format_size(bytes)));
         }
+        // Where the volume's blocks are (automatic tiering).
+        let tiers = self.tier_bytes(pool, record.id);
+        let shown = |bytes: Option<u64>| bytes.map_or_else(|| "-".to_string(), crate::units::format_size);
+        properties.push(fact("used.fast", shown(tiers.map(|t| t.0))));
+        properties.push(fact("used.capacity", shown(tiers.map(|t| t.1))));
         Ok(VolumeInfo {
             name: name.to_string(),
             pool: pool.to_string(),
@@ -869,6 +921,7 @@ impl VolumeManager {
             .map_err(|e| internal("cannot save catalog", e))?;
         catalog.set(updated);
         self.register_volume(pool, short, engine, &props);
+        self.apply_tier_pin(pool, id, &stored);
         self.schedule_changed.notify_one();
         self.info_of(&catalog, name)
     }
@@ -926,6 +979,7 @@ impl VolumeManager {
             record.props.local.insert(key, value);
         }
         let effective = record.props.effective();
+        let (id, stored) = (record.id, record.props.clone());
         if effective.volsize != volume.size_bytes() {
             // Grow the backing first: a crash in between leaves a file larger
             // than the catalog says, which is harmless (the catalog size wins).
@@ -938,6 +992,7 @@ impl VolumeManager {
             .map_err(|e| internal("cannot save catalog", e))?;
         catalog.set(updated);
         volume.apply_props(&effective);
+        self.apply_tier_pin(pool, id, &stored);
         self.schedule_changed.notify_one();
         self.info_of(&catalog, name)
     }
@@ -980,6 +1035,7 @@ impl VolumeManager {
         // crash before this finishes leaves blocks allocated to an id no
         // volume has (reclaimed by a later scrub), never a volume without data.
         if let Some(pool_handle) = self.pool(pool) {
+            pool_handle.set_tier_pin(record.id, crate::pool::migrate::TierPin::Auto);
             if let Err(e) = self.runtime.block_on(pool_handle.destroy_volume(record.id)) {
                 tracing::error!("volume {name} deleted but freeing its blocks failed: {e}");
             }
@@ -1035,6 +1091,8 @@ impl VolumeManager {
                     log_records: pool.meta_counters().log_records,
                     data_flushes: pool.meta_counters().data_flushes,
                     cache,
+                    tiers: PoolTiers::of(&devices),
+                    migration: pool.migration_status(),
                     devices,
                 })
             })

@@ -86,7 +86,7 @@ pub struct PropertyRow {
 }
 
 /// Every property name `volume create -o` and `volume set` understand.
-pub const PROPERTY_NAMES: [&str; 14] = [
+pub const PROPERTY_NAMES: [&str; 15] = [
     "volsize",
     "volblocksize",
     "sync",
@@ -101,6 +101,7 @@ pub const PROPERTY_NAMES: [&str; 14] = [
     "iscsi.initiators",
     "nbd.tls_identities",
     "snapshot.schedule",
+    "tier",
 ];
 
 /// How a secret is shown by `strata volume get` and in error messages.
@@ -119,7 +120,7 @@ pub enum PropError {
     #[error(
         "unknown property '{0}' (known: volsize, volblocksize, sync, logbias, wce, compression, iscsi.auth, \
          iscsi.chap_user, iscsi.chap_secret, iscsi.mutual_user, iscsi.mutual_secret, iscsi.initiators, \
-         nbd.tls_identities, snapshot.schedule)"
+         nbd.tls_identities, snapshot.schedule, tier)"
     )]
     Unknown(String),
     #[error("bad value '{value}' for property '{property}': {expected}")]
@@ -231,6 +232,11 @@ pub fn canonical_value(property: &str, value: &str) -> Result<String, PropError>
         "snapshot.schedule" => Schedule::parse(value)
             .map(|schedule| schedule.to_string())
             .map_err(|why| bad(property, value, &why)),
+        // Where the volume's blocks belong (automatic tiering).
+        "tier" => match value {
+            "auto" | "fast" | "capacity" => Ok(value.to_string()),
+            _ => Err(bad(property, value, "auto, fast or capacity")),
+        },
         other => Err(PropError::Unknown(other.to_string())),
     }
 }
@@ -478,6 +484,11 @@ impl StoredProps {
                     .cloned()
                     .unwrap_or_else(|| "off".to_string()),
                 source("snapshot.schedule"),
+            ),
+            row(
+                "tier",
+                self.local.get("tier").cloned().unwrap_or_else(|| "auto".to_string()),
+                source("tier"),
             ),
         ]
     }

@@ -96,6 +96,7 @@ impl VolumeManager {
         };
         catalog.set(updated);
         self.register_volume(pool_name, short, engine, &props);
+        self.apply_tier_pin(pool_name, id, &stored);
         tracing::info!("volume {name} cloned from {origin}");
         self.schedule_changed.notify_one();
         self.info_of(&catalog, name)

@@ -1,0 +1,337 @@
+//! The control plane of automatic tiering, end to end through the real
+//! daemon: pool properties (`pool get|set`), the `tier` volume property,
+//! `pool migrate`, and what `pool status`, the REST API and `/metrics`
+//! show of it. Whether data moves is the engine's business (tested there).
+
+mod common;
+
+use common::{cli, cli_ok, http, pool_json, small_default_pool, Server};
+use serde_json::Value;
+
+/// A daemon on a fresh data directory with a small default pool.
+fn start() -> (tempfile::TempDir, Server) {
+    let dir = tempfile::tempdir().unwrap();
+    small_default_pool(dir.path());
+    let server = Server::start(dir.path());
+    (dir, server)
+}
+
+/// `strata ARGS` that must fail: exit status 1, nothing on stdout, one
+/// error line on stderr, which it returns.
+#[track_caller]
+fn fails(server: &Server, args: &[&str]) -> String {
+    let output = cli(server, args);
+    let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
+    assert_eq!(output.status.code(), Some(1), "strata {args:?} should fail: {stderr}");
+    assert!(output.stdout.is_empty(), "strata {args:?} printed on stdout");
+    assert_eq!(stderr.lines().count(), 1, "one error line: {stderr}");
+    stderr
+        .trim_end()
+        .strip_prefix("strata: error: ")
+        .unwrap_or_else(|| panic!("error line: {stderr}"))
+        .to_string()
+}
+
+/// `get` output (NAME PROPERTY VALUE SOURCE) as (property, value, source).
+fn rows(text: &str, name: &str) -> Vec<(String, String, String)> {
+    let mut lines = text.lines();
+    let header: Vec<&str> = lines.next().expect("a header").split_whitespace().collect();
+    assert_eq!(header, ["NAME", "PROPERTY", "VALUE", "SOURCE"], "{text}");
+    lines
+        .map(|line| {
+            let cells: Vec<&str> = line.split_whitespace().collect();
+            assert_eq!(cells.len(), 4, "{text}");
+            assert_eq!(cells[0], name, "{text}");
+            (cells[1].to_string(), cells[2].to_string(), cells[3].to_string())
+        })
+        .collect()
+}
+
+fn property(server: &Server, args: &[&str], name: &str, wanted: &str) -> (String, String) {
+    rows(&cli_ok(server, args), name)
+        .into_iter()
+        .find(|(p, _, _)| p == wanted)
+        .map(|(_, v, s)| (v, s))
+        .unwrap_or_else(|| panic!("no {wanted} in {args:?}"))
+}
+
+fn pool_property(server: &Server, wanted: &str) -> (String, String) {
+    property(server, &["pool", "get", "default"], "default", wanted)
+}
+
+fn pair(value: &str, source: &str) -> (String, String) {
+    (value.to_string(), source.to_string())
+}
+
+#[test]
+fn pool_properties_round_trip_and_survive_a_restart() {
+    let (dir, mut server) = start();
+    let all = rows(&cli_ok(&server, &["pool", "get", "default"]), "default");
+    let names: Vec<&str> = all.iter().map(|(p, _, _)| p.as_str()).collect();
+    assert_eq!(
+        names,
+        ["migration", "migration.high", "migration.low", "migration.window"]
+    );
+    assert!(all.iter().all(|(_, _, source)| source == "default"), "{all:?}");
+    assert_eq!(pool_property(&server, "migration"), pair("on", "default"));
+    assert_eq!(pool_property(&server, "migration.window"), pair("none", "default"));
+
+    cli_ok(
+        &server,
+        &[
+            "pool",
+            "set",
+            "default",
+            "migration=off",
+            "migration.high=90",
+            "migration.low=60%",
+            "migration.window=22:00-6:30",
+        ],
+    );
+    let expect_set = |server: &Server| {
+        assert_eq!(pool_property(server, "migration"), pair("off", "local"));
+        assert_eq!(pool_property(server, "migration.high"), pair("90", "local"));
+        assert_eq!(pool_property(server, "migration.low"), pair("60", "local"));
+        assert_eq!(pool_property(server, "migration.window"), pair("22:00-06:30", "local"));
+        // Applied to the running pool.
+        let settings = pool_json(server, "default")["migration"]["settings"].clone();
+        assert_eq!(settings["enabled"], false, "{settings}");
+        assert_eq!(settings["high_percent"], 90, "{settings}");
+        assert_eq!(settings["low_percent"], 60, "{settings}");
+        assert_eq!(
+            settings["window"],
+            serde_json::json!([22 * 60, 6 * 60 + 30]),
+            "{settings}"
+        );
+    };
+    expect_set(&server);
+    // Named properties, in the order asked.
+    let some = rows(
+        &cli_ok(&server, &["pool", "get", "default", "migration.low", "migration"]),
+        "default",
+    );
+    assert_eq!(some.len(), 2);
+    assert_eq!(some[0].0, "migration.low");
+    assert!(fails(&server, &["pool", "get", "default", "colour"]).contains("migration.window"));
+
+    assert!(server.stop().success());
+    let mut server = Server::start(dir.path());
+    expect_set(&server);
+
+    // `none` clears the window: back to its default.
+    cli_ok(
+        &server,
+        &["pool", "set", "default", "migration.window=none", "migration=on"],
+    );
+    assert_eq!(pool_property(&server, "migration.window"), pair("none", "default"));
+    assert_eq!(pool_property(&server, "migration"), pair("on", "local"));
+    assert_eq!(
+        pool_json(&server, "default")["migration"]["settings"]["window"],
+        Value::Null
+    );
+
+    // The REST API: the same rows, and a flat object of changes.
+    let response = http(&server.api, "GET", "/v1/pools/default/properties", "");
+    assert!(response.starts_with("HTTP/1.1 200"), "{response}");
+    assert!(response.contains("\"migration.high\""), "{response}");
+    let response = http(
+        &server.api,
+        "PATCH",
+        "/v1/pools/default/properties",
+        r#"{"migration.high": "80", "migration.low": 50}"#,
+    );
+    assert!(response.starts_with("HTTP/1.1 200"), "{response}");
+    assert_eq!(pool_property(&server, "migration.high"), pair("80", "local"));
+    assert_eq!(pool_property(&server, "migration.low"), pair("50", "local"));
+    let response = http(&server.api, "GET", "/v1/pools/nopool/properties", "");
+    assert!(response.starts_with("HTTP/1.1 404"), "{response}");
+    assert!(server.stop().success());
+}
+
+#[test]
+fn invalid_pool_properties_are_refused_and_change_nothing() {
+    let (_dir, mut server) = start();
+    let before = cli_ok(&server, &["pool", "get", "default"]);
+    let cases: [(&[&str], &str); 7] = [
+        (
+            &["migration.low=85"],
+            "migration.low (85) must be below migration.high (85)",
+        ),
+        (
+            &["migration.high=60", "migration.low=70"],
+            "must be below migration.high",
+        ),
+        (
+            &["migration=maybe"],
+            "bad value 'maybe' for property 'migration': on or off",
+        ),
+        (&["migration.window=25:00-01:00"], "property 'migration.window'"),
+        (&["migration.window=01:00-01:00"], "property 'migration.window'"),
+        (&["migration.high=101"], "property 'migration.high'"),
+        // Valid values with an invalid one: none is applied.
+        (
+            &["migration=off", "colour=red"],
+            "unknown pool property 'colour' (known: migration, migration.high, migration.low, migration.window)",
+        ),
+    ];
+    for (assignments, expected) in cases {
+        let mut args = vec!["pool", "set", "default"];
+        args.extend_from_slice(assignments);
+        let message = fails(&server, &args);
+        assert!(message.contains(expected), "{assignments:?}: {message}");
+        assert_eq!(
+            cli_ok(&server, &["pool", "get", "default"]),
+            before,
+            "{assignments:?} changed something"
+        );
+    }
+    assert_eq!(pool_json(&server, "default")["migration"]["settings"]["enabled"], true);
+    let response = http(
+        &server.api,
+        "PATCH",
+        "/v1/pools/default/properties",
+        r#"{"migration": "off", "migration.low": "99"}"#,
+    );
+    assert!(response.starts_with("HTTP/1.1 400"), "{response}");
+    assert!(response.contains("must be below migration.high"), "{response}");
+    assert_eq!(cli_ok(&server, &["pool", "get", "default"]), before);
+    assert!(fails(&server, &["pool", "set", "nopool", "migration=off"]).contains("does not exist"));
+    assert!(server.stop().success());
+}
+
+#[test]
+fn volume_tier_pin() {
+    let (dir, mut server) = start();
+    let get = ["volume", "get", "default/vol0"];
+    assert_eq!(property(&server, &get, "default/vol0", "tier"), pair("auto", "default"));
+    // Read-only facts: where the volume's blocks are.
+    assert_eq!(property(&server, &get, "default/vol0", "used.fast").1, "-");
+    assert_eq!(property(&server, &get, "default/vol0", "used.capacity").1, "-");
+    cli_ok(&server, &["volume", "set", "default/vol0", "tier=capacity"]);
+    assert_eq!(
+        property(&server, &get, "default/vol0", "tier"),
+        pair("capacity", "local")
+    );
+    let message = fails(&server, &["volume", "set", "default/vol0", "tier=bogus"]);
+    assert!(
+        message.contains("bad value 'bogus' for property 'tier': auto, fast or capacity"),
+        "{message}"
+    );
+    assert_eq!(
+        property(&server, &get, "default/vol0", "tier"),
+        pair("capacity", "local")
+    );
+    // At creation too, and across a restart.
+    let output = cli(
+        &server,
+        &["volume", "create", "default/hot", "--size", "64M", "-o", "tier=fast"],
+    );
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    assert!(server.stop().success());
+    let mut server = Server::start(dir.path());
+    assert_eq!(
+        property(&server, &get, "default/vol0", "tier"),
+        pair("capacity", "local")
+    );
+    assert_eq!(
+        property(&server, &["volume", "get", "default/hot"], "default/hot", "tier"),
+        pair("fast", "local")
+    );
+    cli_ok(&server, &["volume", "set", "default/vol0", "tier=auto"]);
+    assert_eq!(property(&server, &get, "default/vol0", "tier"), pair("auto", "local"));
+    assert!(server.stop().success());
+}
+
+#[test]
+fn pool_migrate_and_status() {
+    let (_dir, mut server) = start();
+    let said = cli_ok(&server, &["pool", "migrate", "default", "--wait"]);
+    assert_eq!(said.lines().count(), 1, "{said}");
+    assert!(said.starts_with("pool default: moved "), "{said}");
+    assert!(
+        said.contains(" down (") && said.contains(" up (") && said.contains("errors"),
+        "{said}"
+    );
+    let summary: Value =
+        serde_json::from_str(&cli_ok(&server, &["pool", "migrate", "default", "--wait", "--json"])).unwrap();
+    for field in [
+        "moved_down_bytes",
+        "moved_up_bytes",
+        "chunks_down",
+        "chunks_up",
+        "skipped_blocks",
+        "errors",
+        "seconds",
+    ] {
+        assert!(summary.get(field).is_some(), "{field} in {summary}");
+    }
+    // Without --wait: started in the background.
+    assert_eq!(cli_ok(&server, &["pool", "migrate", "default"]), "");
+    let response = http(&server.api, "POST", "/v1/pools/default/migrate?wait=false", "");
+    assert!(response.starts_with("HTTP/1.1 202"), "{response}");
+    let response = http(&server.api, "POST", "/v1/pools/nopool/migrate", "");
+    assert!(response.starts_with("HTTP/1.1 404"), "{response}");
+    assert!(fails(&server, &["pool", "migrate", "nopool", "--wait"]).contains("does not exist"));
+
+    let status = pool_json(&server, "default");
+    let migration = &status["migration"];
+    assert!(migration.is_object(), "{status}");
+    for field in [
+        "running",
+        "throttled",
+        "queued_down_chunks",
+        "queued_up_chunks",
+        "moved_down_bytes",
+        "moved_up_bytes",
+        "passes",
+        "errors",
+        "pass_done_bytes",
+        "pass_total_bytes",
+        "rate_bytes_per_sec",
+    ] {
+        assert!(migration.get(field).is_some(), "migration.{field} in {migration}");
+    }
+    assert_eq!(migration["settings"]["enabled"], true);
+    let tiers = &status["tiers"];
+    assert_eq!(
+        tiers["fast"]["size_bytes"], status["devices"][0]["data_bytes"],
+        "{status}"
+    );
+    assert_eq!(
+        tiers["capacity"]["size_bytes"], status["devices"][1]["data_bytes"],
+        "{status}"
+    );
+    for tier in ["fast", "capacity"] {
+        let space = &tiers[tier];
+        assert_eq!(
+            space["free_bytes"].as_u64().unwrap(),
+            space["size_bytes"].as_u64().unwrap() - space["used_bytes"].as_u64().unwrap()
+        );
+    }
+
+    let text = cli_ok(&server, &["pool", "status", "default"]);
+    assert!(
+        text.contains("default: migration on (high 85%, low 70%, window any time)"),
+        "{text}"
+    );
+    let tier_rows: Vec<Vec<&str>> = text
+        .lines()
+        .map(|l| l.split_whitespace().collect::<Vec<_>>())
+        .filter(|cells| cells.len() == 5 && cells[0] == "default" && ["fast", "capacity"].contains(&cells[1]))
+        .collect();
+    assert_eq!(tier_rows.len(), 2, "{text}");
+
+    let metrics = http(&server.api, "GET", "/metrics", "");
+    for series in [
+        "strata_pool_migrated_bytes_total{pool=\"default\",direction=\"down\"}",
+        "strata_pool_migrated_bytes_total{pool=\"default\",direction=\"up\"}",
+        "strata_pool_migration_errors_total{pool=\"default\"}",
+        "strata_pool_migration_running{pool=\"default\"}",
+        "strata_pool_migration_queued_chunks{pool=\"default\",direction=\"down\"}",
+        "strata_pool_tier_bytes{pool=\"default\",tier=\"fast\",kind=\"size\"}",
+        "strata_pool_tier_bytes{pool=\"default\",tier=\"capacity\",kind=\"used\"}",
+    ] {
+        assert!(metrics.contains(series), "{series} not in /metrics");
+    }
+    assert!(server.stop().success());
+}
