@@ -691,7 +691,8 @@ impl Pool {
         }
         let weak = Arc::downgrade(self);
         handle.spawn(async move {
-            let mut tick = tokio::time::interval(PASS_INTERVAL);
+            // The first pass one interval after the start, not during it.
+            let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + PASS_INTERVAL, PASS_INTERVAL);
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             let mut last_decay = Instant::now();
             let mut failing = false;
