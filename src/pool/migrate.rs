@@ -864,6 +864,14 @@ mod tests {
         buf.payload().to_vec()
     }
 
+    /// A client's read in MiB `index`: its middle half (far enough from
+    /// its neighbours' reads not to pass for a scan, and above the read
+    /// cache's request size, so it reaches the device).
+    async fn touch_mib(volume: &EngineVolume, index: u64) {
+        let (_, result) = volume.read(index * MIB + MIB / 4, IoBuf::new(MIB as usize / 2)).await;
+        result.unwrap();
+    }
+
     fn on_fast(pool: &Pool, index: u64) -> bool {
         let blocks = MIB / 4096;
         pool.lookup_range(1, index * blocks, (index + 1) * blocks - 1)
@@ -905,7 +913,7 @@ mod tests {
             let hot = written - 8..written;
             for _ in 0..20 {
                 for index in hot.clone() {
-                    read_mib(&volume, index).await;
+                    touch_mib(&volume, index).await;
                 }
             }
             let summary = pool.migrate_now().await.unwrap();
@@ -990,7 +998,7 @@ mod tests {
             // MiBs 0..4 are read often; the rest not at all.
             for _ in 0..40 {
                 for index in 0..4 {
-                    read_mib(&volume, index).await;
+                    touch_mib(&volume, index).await;
                 }
             }
             let up = pool.migrate_now().await.unwrap();
@@ -1044,7 +1052,7 @@ mod tests {
             assert!(hot.clone().all(|index| !on_fast(&pool, index)));
             for _ in 0..40 {
                 for index in hot.clone() {
-                    read_mib(&volume, index).await;
+                    touch_mib(&volume, index).await;
                 }
             }
             let summary = pool.migrate_now().await.unwrap();
@@ -1086,7 +1094,7 @@ mod tests {
             pool.set_tier_pin(1, TierPin::Auto);
             for _ in 0..40 {
                 for index in 0..4 {
-                    read_mib(&volume, index).await;
+                    touch_mib(&volume, index).await;
                 }
             }
             let used = pool.tier_space();
@@ -1111,12 +1119,67 @@ mod tests {
             // The heat went with the failed attempt; clients read again.
             for _ in 0..40 {
                 for index in 0..4 {
-                    read_mib(&volume, index).await;
+                    touch_mib(&volume, index).await;
                 }
             }
             let moved = pool.migrate_now().await.unwrap();
             assert_eq!((moved.chunks_up, moved.errors), (4, 0), "{moved:?}");
             assert!((0..4).all(|index| on_fast(&pool, index)));
+        });
+    }
+
+    /// Sequential reads (a backup scanning the data, 256 KiB at a time,
+    /// ten times over) promote nothing; the same reads in a scattered
+    /// order do.
+    #[test]
+    fn scans_do_not_promote() {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        runtime.block_on(async {
+            let fast = SimDevice::new(160 * MIB, 12);
+            let capacity = SimDevice::new(256 * MIB, 13);
+            let pool = Pool::create("test", 1 << 20, two_tier_devices(&fast, &capacity))
+                .await
+                .unwrap();
+            let volume = pool.open_volume(1, 512 * MIB, 4096).unwrap();
+            // Eight MiBs 32 MiB apart.
+            let at = |index: u64| index * 32 * MIB;
+            for index in 0..8 {
+                volume
+                    .write(at(index), IoBuf::copy_from(&mib_of(index)), false)
+                    .await
+                    .unwrap();
+            }
+            pool.set_tier_pin(1, TierPin::Capacity);
+            pool.migrate_now().await.unwrap();
+            pool.set_tier_pin(1, TierPin::Auto);
+            // Reads above the read cache's request size: each reaches the device.
+            let piece = 256 << 10;
+            let pieces = MIB / piece;
+            for _ in 0..10 {
+                for index in 0..8 {
+                    for p in 0..pieces {
+                        let (_, result) = volume.read(at(index) + p * piece, IoBuf::new(piece as usize)).await;
+                        result.unwrap();
+                    }
+                }
+            }
+            let after_scans = pool.migrate_now().await.unwrap();
+            assert_eq!(after_scans.chunks_up, 0, "{after_scans:?}");
+            // The same reads, each MiB's pieces backwards, going from one
+            // MiB to the next (forwards, that would be eight scans): heat.
+            for _ in 0..10 {
+                for p in (0..pieces).rev() {
+                    for index in 0..8 {
+                        let (_, result) = volume.read(at(index) + p * piece, IoBuf::new(piece as usize)).await;
+                        result.unwrap();
+                    }
+                }
+            }
+            let after_random = pool.migrate_now().await.unwrap();
+            assert_eq!(after_random.chunks_up, 8, "{after_random:?}");
         });
     }
 

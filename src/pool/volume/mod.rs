@@ -69,6 +69,8 @@ pub struct EngineVolume {
     /// A snapshot's view: whether the cached writes that belong to it were
     /// placed (they are before it is read, compared or walked).
     settled: AtomicBool,
+    /// Where recent reads ended: tells sequential streams from random reads.
+    streams: Streams,
 }
 
 // The checksums a frontend computes as a payload arrives are sector checksums.
@@ -110,6 +112,69 @@ const FRESH_CHUNK_MIN_BLOCKS: u64 = 4;
 /// Writes of this size or more bypass the write-back cache.
 const WRITE_AROUND_BYTES: usize = 128 << 10;
 
+/// The last few read streams of a volume (bcache's `sequential_cutoff`
+/// idea): a read that starts near where a recent one stopped continues its
+/// stream, and once a stream has covered [`STREAM_MIN_BYTES`] from its
+/// first read it is a scan, whose reads add no heat. (Random reads over a
+/// hot region much larger than that can pass for a stream now and then,
+/// and lose some of their heat.) Several
+/// streams, so that a scan among random readers is still seen: a new read
+/// replaces the stream read longest ago. Racy by design (a lost update costs one
+/// request's heat, or counts it).
+struct Streams {
+    /// First byte, end, and when it was last read (a tick of `clock`).
+    spans: [[AtomicU64; 3]; STREAMS],
+    clock: AtomicU64,
+}
+
+const STREAMS: usize = 8;
+/// How far from a stream's end its next read may start (requests in
+/// flight arrive a little out of order); small, so that random reads near
+/// each other (a hot region) do not pass for a stream.
+const STREAM_GAP: u64 = 128 << 10;
+const STREAM_MIN_BYTES: u64 = 256 << 10;
+
+impl Streams {
+    fn new() -> Self {
+        Streams {
+            spans: std::array::from_fn(|_| std::array::from_fn(|_| AtomicU64::new(0))),
+            clock: AtomicU64::new(1),
+        }
+    }
+
+    /// Whether a read of `[offset, offset + length)` belongs to a scan;
+    /// remembers it either way.
+    fn is_sequential(&self, offset: u64, length: u64) -> bool {
+        let end = offset + length;
+        let now = self.clock.fetch_add(1, Ordering::Relaxed);
+        for [start, last, touched] in &self.spans {
+            let last_end = last.load(Ordering::Relaxed);
+            // Near the stream's end (either side: requests in flight
+            // arrive out of order). A block read again and again stays
+            // near its own end, but covers no more than itself: no scan.
+            if last_end != 0 && offset + STREAM_GAP >= last_end && offset <= last_end + STREAM_GAP {
+                let last_end = if end > last_end {
+                    last.store(end, Ordering::Relaxed);
+                    end
+                } else {
+                    last_end
+                };
+                touched.store(now, Ordering::Relaxed);
+                return last_end - start.load(Ordering::Relaxed).min(last_end) >= STREAM_MIN_BYTES;
+            }
+        }
+        let [start, last, touched] = self
+            .spans
+            .iter()
+            .min_by_key(|span| span[2].load(Ordering::Relaxed))
+            .expect("streams");
+        start.store(offset, Ordering::Relaxed);
+        last.store(end, Ordering::Relaxed);
+        touched.store(now, Ordering::Relaxed);
+        false
+    }
+}
+
 impl EngineVolume {
     pub(crate) fn new(pool: Arc<Pool>, id: u32, size_bytes: u64, volblocksize: u32, mapped_blocks: u64) -> Self {
         let cache = pool.cache.volume(id);
@@ -125,6 +190,7 @@ impl EngineVolume {
             barrier: tokio::sync::RwLock::new(()),
             placement: tokio::sync::RwLock::new(()),
             settled: AtomicBool::new(false),
+            streams: Streams::new(),
             pool,
         }
     }
@@ -526,6 +592,27 @@ mod tests {
         };
         let pool = Pool::create("test", 1 << 20, vec![device]).await.unwrap();
         (sim, pool)
+    }
+
+    #[test]
+    fn scans_are_told_from_random_reads_and_from_blocks_read_again() {
+        let streams = Streams::new();
+        let k = 1u64 << 10;
+        // A block read again and again, and its neighbour: never a scan.
+        for _ in 0..100 {
+            assert!(!streams.is_sequential(64 * MIB, 16 * k));
+        }
+        assert!(!streams.is_sequential(64 * MIB + 16 * k, 16 * k));
+        // A 4K scan, with random reads in between: a scan once it has
+        // covered 256 KiB, its reads arriving a little out of order.
+        let mut scan = Vec::new();
+        for i in 0..256u64 {
+            let at = 200 * MIB + (i ^ 1) * 4 * k;
+            scan.push(streams.is_sequential(at, 4 * k));
+            streams.is_sequential((i * 7919 % 40) * 10 * MIB, 4 * k);
+        }
+        assert!(scan[..60].iter().all(|s| !s), "{scan:?}");
+        assert!(scan[70..].iter().all(|s| *s), "{scan:?}");
     }
 
     #[test]

@@ -181,8 +181,12 @@ impl EngineVolume {
             }
             position += step;
         }
-        for (device, physical, _, _) in &segments {
-            self.pool.note_heat(*device, *physical, false);
+        // Heat, for the migrator; not from sequential streams (a scan or a
+        // backup reads everything once: it would promote nothing useful).
+        if !self.streams.is_sequential(offset, length) {
+            for (device, physical, _, _) in &segments {
+                self.pool.note_heat(*device, *physical, false);
+            }
         }
         // Fast path: one sector-aligned run covering the whole request is
         // read straight into the caller's buffer.
