@@ -695,6 +695,7 @@ impl VolumeManager {
                     crate::units::format_size(pool.cache_stats().dirty_bytes)
                 ));
             }
+            pool.save_heat_at_next_checkpoint();
             if let Err(e) = pool.checkpoint().await {
                 tracing::error!("pool {}: final checkpoint failed: {e}", pool.name());
                 said.push(format!(

@@ -40,6 +40,9 @@ pub const SNAPSHOTS: TableDefinition<u32, &[u8]> = TableDefinition::new("snapsho
 pub const CLONES: TableDefinition<u32, u32> = TableDefinition::new("clones");
 /// Snapshot space figures kept between starts: id → (written, used; used
 /// `u64::MAX` when not kept), in blocks (`pool/snapshots.rs`).
+/// Per data chunk (device, chunk): its decayed read and write counts
+/// (`pool/migrate.rs`), stored now and then so a restart keeps them.
+pub const HEAT: TableDefinition<(u32, u64), u64> = TableDefinition::new("heat");
 pub const SNAPSHOT_SPACE: TableDefinition<u32, (u64, u64)> = TableDefinition::new("snapshot_space");
 
 const HEADER_BYTES: u64 = 4096;

@@ -114,6 +114,7 @@ impl Pool {
         let data_tail = self.cache.oldest_log_lsn().map_or(lsn, |oldest| oldest.min(lsn));
         let destroyed: Vec<u32> = self.destroyed.lock_or_abort().iter().copied().collect();
         let snapshots = self.take_snapshot_state();
+        let heat = self.heat_to_save();
         drop(releasing);
         drop(gate);
         let released = started.elapsed();
@@ -127,6 +128,7 @@ impl Pool {
                 &suspect,
                 &destroyed,
                 snapshots.as_ref(),
+                heat.as_deref(),
                 (lsn, data_tail),
                 epoch,
             )
@@ -175,6 +177,7 @@ impl Pool {
         suspect: &[(u8, u64)],
         destroyed: &[u32],
         snapshots: Option<&snapshots::SnapshotState>,
+        heat: Option<&[((u32, u64), u64)]>,
         (lsn, data_tail): (u64, u64),
         epoch: u32,
     ) -> Result<(), MetaError> {
@@ -219,6 +222,13 @@ impl Pool {
         }
         if let Some(state) = snapshots {
             snapshots::save(&txn, state)?;
+        }
+        if let Some(rows) = heat {
+            let mut table = txn.open_table(crate::meta::store::HEAT)?;
+            table.retain(|_, _| false)?;
+            for (key, counts) in rows {
+                table.insert(*key, *counts)?;
+            }
         }
         {
             let mut table = txn.open_table(STATE)?;

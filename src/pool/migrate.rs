@@ -44,6 +44,9 @@ use crate::volume::BlockDevice;
 pub const PASS_INTERVAL: Duration = Duration::from_secs(10);
 /// Heat halves this often.
 pub const HEAT_HALF_LIFE: Duration = Duration::from_secs(60);
+/// The chunks' heat is stored with a checkpoint this often (and at a clean
+/// stop): a restart forgets at most this much of what was hot.
+pub const HEAT_SAVE_INTERVAL: Duration = Duration::from_secs(300);
 
 /// Pool properties that steer migration (`strata pool set`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize, utoipa::ToSchema)]
@@ -171,6 +174,9 @@ pub(crate) struct Migrator {
     pass: tokio::sync::Mutex<()>,
     /// Grows with client I/O (sampled: see `Heat::add`).
     foreground: AtomicU64,
+    /// The next checkpoint stores every chunk's heat (set every
+    /// [`HEAT_SAVE_INTERVAL`], and before the daemon's last checkpoint).
+    heat_due: AtomicBool,
     running: AtomicBool,
     throttled: AtomicBool,
     queued_down: AtomicU64,
@@ -265,6 +271,25 @@ impl Pool {
     /// waits for the one under way and runs another after it.
     pub async fn migrate_now(self: &Arc<Self>) -> Result<PassSummary, PoolError> {
         self.migrate_pass(true).await
+    }
+
+    /// Makes the next checkpoint store the chunks' heat (the daemon asks
+    /// before its last one, so a restart finds what was hot).
+    pub fn save_heat_at_next_checkpoint(&self) {
+        self.migrator.heat_due.store(true, Ordering::Relaxed);
+    }
+
+    /// Every warm chunk's counts, if the checkpoint is to store them.
+    pub(crate) fn heat_to_save(&self) -> Option<Vec<((u32, u64), u64)>> {
+        if !self.migrator.heat_due.swap(false, Ordering::Relaxed) {
+            return None;
+        }
+        let mut rows = Vec::new();
+        for device in self.devices.iter() {
+            let index = device.member.index as u32;
+            rows.extend(device.heat.warm().map(|(chunk, counts)| ((index, chunk), counts)));
+        }
+        Some(rows)
     }
 
     /// Counts an access to the chunk holding `offset` of `device`.
@@ -695,6 +720,7 @@ impl Pool {
             let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + PASS_INTERVAL, PASS_INTERVAL);
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             let mut last_decay = Instant::now();
+            let mut last_save = Instant::now();
             let mut failing = false;
             loop {
                 tick.tick().await;
@@ -702,6 +728,10 @@ impl Pool {
                 while last_decay.elapsed() >= HEAT_HALF_LIFE {
                     pool.decay_heat();
                     last_decay += HEAT_HALF_LIFE;
+                }
+                if last_save.elapsed() >= HEAT_SAVE_INTERVAL {
+                    pool.save_heat_at_next_checkpoint();
+                    last_save = Instant::now();
                 }
                 let settings = pool.migration_settings();
                 if !settings.enabled || !settings.in_window(minute_of_day_utc()) {
@@ -813,6 +843,22 @@ impl Heat {
                 (reads + writes < score).then(|| join(score.min(u32::MAX as u64), writes))
             });
         }
+    }
+
+    /// Counts stored by a checkpoint, back after a restart.
+    pub(crate) fn restore(&self, chunk: u64, counts: u64) {
+        if let Some(count) = self.counts.get(chunk as usize) {
+            count.store(counts, Ordering::Relaxed);
+        }
+    }
+
+    /// The chunks with any heat, and their counts.
+    fn warm(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
+        self.counts
+            .iter()
+            .enumerate()
+            .map(|(chunk, c)| (chunk as u64, c.load(Ordering::Relaxed)))
+            .filter(|(_, counts)| *counts != 0)
     }
 
     fn decay(&self) {
@@ -1180,6 +1226,47 @@ mod tests {
             }
             let after_random = pool.migrate_now().await.unwrap();
             assert_eq!(after_random.chunks_up, 8, "{after_random:?}");
+        });
+    }
+
+    /// What was hot is still hot after a restart: a checkpoint stores the
+    /// chunks' heat when asked (the daemon asks every few minutes and
+    /// before it stops), and the pool's open restores it.
+    #[test]
+    fn heat_outlives_a_restart() {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        runtime.block_on(async {
+            let fast = SimDevice::new(160 * MIB, 14);
+            let capacity = SimDevice::new(256 * MIB, 15);
+            let pool = Pool::create("test", 1 << 20, two_tier_devices(&fast, &capacity))
+                .await
+                .unwrap();
+            let volume = pool.open_volume(1, 512 * MIB, 4096).unwrap();
+            volume.write(0, IoBuf::copy_from(&mib_of(0)), false).await.unwrap();
+            for _ in 0..30 {
+                touch_mib(&volume, 0).await;
+            }
+            let chunk = |pool: &Pool| {
+                let entry = pool.lookup(1, 0).unwrap();
+                let (device, offset) = map_entry::decode(entry).unwrap();
+                pool.devices[device as usize].heat.score(offset / MIB)
+            };
+            let hot = chunk(&pool);
+            assert!(hot >= 30, "{hot}");
+            // A checkpoint not asked to store heat does not.
+            pool.checkpoint().await.unwrap();
+            pool.save_heat_at_next_checkpoint();
+            touch_mib(&volume, 0).await;
+            pool.checkpoint().await.unwrap();
+            drop(volume);
+            drop(pool);
+            fast.crash();
+            capacity.crash();
+            let pool = Pool::open(vec![fast.as_device(), capacity.as_device()]).await.unwrap();
+            assert_eq!(chunk(&pool), hot + 1);
         });
     }
 

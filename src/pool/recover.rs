@@ -337,6 +337,16 @@ impl Pool {
                 let (device, chunk_index) = key.value();
                 suspect.insert((device as u8, chunk_index));
             }
+            // Heat is a hint: a pool from before it was stored has none.
+            if let Ok(table) = txn.open_table(crate::meta::store::HEAT) {
+                for row in table.iter().map_err(MetaError::from)? {
+                    let (key, counts) = row.map_err(MetaError::from)?;
+                    let (device, chunk_index) = key.value();
+                    if let Some(d) = devices.iter().find(|d| d.member.index as u32 == device) {
+                        d.heat.restore(chunk_index, counts.value());
+                    }
+                }
+            }
         }
         allocator.take_dirty();
 
