@@ -602,6 +602,7 @@ impl Pool {
         let m = &self.migrator;
         let mut burst = Instant::now();
         let mut seen = m.foreground.load(Ordering::Relaxed);
+        let mut committed = Instant::now();
         for (done_chunks, chunk) in plan.into_iter().enumerate() {
             if !explicit && !self.migration_settings().enabled {
                 return Ok(());
@@ -696,9 +697,11 @@ impl Pool {
                 &m.queued_up
             };
             let _ = queue.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |q| Some(q.saturating_sub(1)));
-            // Commit every few chunks: the old slots are freed only then.
-            if (done_chunks + 1).is_multiple_of(16) {
+            // Commit every 16 chunks or every second: the old slots are
+            // freed only then (and a crash redoes no more than that).
+            if (done_chunks + 1).is_multiple_of(16) || committed.elapsed() >= Duration::from_secs(1) {
                 self.commit_quiet().await?;
+                committed = Instant::now();
             }
         }
         Ok(())
