@@ -40,7 +40,8 @@ segment() {
         --output-format=json 2>/dev/null |
         python3 -c '
 import json, sys
-job = json.load(sys.stdin)["jobs"][0]
+text = sys.stdin.read()
+job = json.loads(text[text.index("{"):])["jobs"][0]
 ops = job["read"]["total_ios"] + job["write"]["total_ios"]
 secs = max(job["job_runtime"], 1) / 1000
 p99 = job["read"]["clat_ns"].get("percentile", {}).get("99.000000", 0) / 1000
@@ -56,7 +57,14 @@ devs = [d for d in s["devices"] if d["role"] == "fast"]
 size = sum(d["data_bytes"] for d in devs) or 1
 used = sum(d["used_bytes"] for d in devs)
 m = s.get("migration") or {}
-print(f"{100 * used / size:.1f} {m.get(\"moved_up_bytes\", 0)} {m.get(\"moved_down_bytes\", 0)} {int(bool(m.get(\"running\")))}")'
+up, down, running = m.get("moved_up_bytes", 0), m.get("moved_down_bytes", 0), int(bool(m.get("running")))
+print(f"{100 * used / size:.1f} {up} {down} {running}")'
+}
+
+wait_api() {
+    for _ in $(seq 300); do "$BIN" pool status >/dev/null 2>&1 && return; sleep 0.1; done
+    cat "$DIR/err.txt" >&2
+    exit 1
 }
 
 for config in $CONFIGS; do
@@ -67,20 +75,28 @@ for config in $CONFIGS; do
         # shellcheck source=bench/lib.sh
         source "$HERE/lib.sh"
         start_strata "$BIN"
+        wait_api
         "$BIN" pool create t --fast "$DIR/fast.img" >/dev/null
     else
         truncate -s 1G fast.img
         truncate -s 8G capacity.img
         # shellcheck source=bench/lib.sh
         source "$HERE/lib.sh"
-        start_strata "$BIN" --wrap "$DIR/capacity.img=$HDD"
+        start_strata "$BIN"
+        wait_api
         "$BIN" pool create t --fast "$DIR/fast.img" --capacity "$DIR/capacity.img" >/dev/null
         [ "$config" = off ] && "$BIN" pool set t migration=off
+        # --wrap names a pool's device: restart with the capacity device
+        # made an HDD.
+        kill "$PID"
+        wait "$PID" 2>/dev/null || true
+        start_strata "$BIN" --wrap "$DIR/capacity.img=$HDD"
+        wait_api
     fi
     "$BIN" volume create t/v --size 6G >/dev/null
     URI=nbd://127.0.0.1:$PORT/t/v
     started=$(date +%s)
-    nbdcopy --request-size=1M -- [ nbdkit --exit-with-parent pattern size=6G ] "$URI"
+    nbdcopy --request-size=1048576 -- [ nbdkit --exit-with-parent pattern size=6G ] "$URI"
     echo "$config: filled 6 GiB in $(($(date +%s) - started)) s" | tee -a "$OUT/summary.txt"
     csv="$OUT/$config.csv"
     echo "seconds,iops,p99_us,fast_used_percent,moved_up_bytes,moved_down_bytes,migrating,scan" >"$csv"
@@ -89,7 +105,7 @@ for config in $CONFIGS; do
     for ((t = 0; t < RUN; t += SEGMENT)); do
         if [ -z "$scan_pid" ] && [ "$t" -ge $((RUN / 2)) ] && [ "$scan" = 0 ]; then
             # The 4 GiB sequential read, beside fio.
-            nbdcopy --request-size=256k -- "$URI" null: &
+            nbdcopy --request-size=262144 -- "$URI" null: &
             scan_pid=$!
         fi
         line=$(segment "$URI")
@@ -106,7 +122,10 @@ for config in $CONFIGS; do
     PID=
 done
 
-python3 - "$OUT" "$RUN" <<'EOF' | tee -a "$OUT/summary.txt"
+# The system's python has python3-matplotlib (Debian's package).
+PYTHON=/usr/bin/python3
+[ -x "$PYTHON" ] || PYTHON=python3
+"$PYTHON" - "$OUT" "$RUN" <<'EOF' | tee -a "$OUT/summary.txt"
 import csv, os, statistics, sys
 out, run = sys.argv[1], int(sys.argv[2])
 rows = {}

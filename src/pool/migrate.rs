@@ -589,8 +589,8 @@ impl Pool {
 
     /// Makes the planned moves, a chunk at a time (its blocks read in one
     /// device read where they lie together). While clients do I/O it works
-    /// in short bursts ([`BURST`]) with four times as long a rest after
-    /// each; when idle, at the devices' speed. A background pass stops
+    /// in short bursts ([`BURST`]) with as long a rest after each; when
+    /// idle, at the devices' speed. A background pass stops
     /// when `migration` is turned off.
     async fn run_plan(
         self: &Arc<Self>,
@@ -612,7 +612,7 @@ impl Pool {
                 let busy = now != seen;
                 m.throttled.store(busy, Ordering::Relaxed);
                 if busy {
-                    tokio::time::sleep(burst.elapsed() * 4).await;
+                    tokio::time::sleep(burst.elapsed()).await;
                     seen = m.foreground.load(Ordering::Relaxed);
                 } else {
                     tokio::task::yield_now().await;
@@ -761,8 +761,10 @@ impl Pool {
 pub const PROMOTE_MIN_HEAT: u64 = 16;
 /// The most a pass moves down to make room for hotter chunks (swaps).
 pub const SWAP_MAX_BYTES: u64 = 256 << 20;
-/// While clients do I/O, the migrator works this long, then rests four
-/// times as long (a fifth of the devices' time at most).
+/// While clients do I/O, the migrator works this long (a chunk at least),
+/// then rests as long as it worked. Its time includes waiting behind
+/// clients' requests at the device, so the busier the device, the slower
+/// it goes; one request at a time, it takes a small share of a busy disk.
 pub const BURST: Duration = Duration::from_millis(2);
 
 fn minute_of_day_utc() -> u16 {

@@ -64,6 +64,7 @@ impl EngineVolume {
         }
         // Runs of slots contiguous on one device: one read each.
         places.sort_by_key(|&(_, device, base)| (device, base));
+        let mut copies: Vec<(usize, IoBuf)> = Vec::with_capacity(places.len());
         let mut start = 0;
         while start < places.len() {
             let mut stop = start + 1;
@@ -78,35 +79,54 @@ impl EngineVolume {
             start = stop;
             let length = run.len() as u64 * block_bytes;
             let first_block = blocks[run[0].0].0;
-            let data = match self
+            match self
                 .read_sectors(device, base, length, first_block << self.block_shift, false)
                 .await
             {
-                Ok(data) => data,
+                Ok(data) => {
+                    for (at, &(index, _, _)) in run.iter().enumerate() {
+                        let from = at * block_bytes as usize;
+                        copies.push((index, IoBuf::copy_from(&data.payload()[from..from + block_bytes as usize])));
+                    }
+                }
                 Err(_) => {
                     for &(index, _, _) in run {
                         outcome[index] = Moved::Failed;
                     }
-                    continue;
                 }
-            };
-            for (at, &(index, _, _)) in run.iter().enumerate() {
-                let block = blocks[index].0;
-                let offset = block << self.block_shift;
+            }
+        }
+        // Runs of consecutive blocks: one write each (their new slots are
+        // taken one after the other, so a run lands as one device write,
+        // which matters on a disk that pays per operation).
+        copies.sort_by_key(|(index, _)| blocks[*index].0);
+        let mut start = 0;
+        while start < copies.len() {
+            let mut stop = start + 1;
+            while stop < copies.len() && blocks[copies[stop].0].0 == blocks[copies[stop - 1].0].0 + 1 {
+                stop += 1;
+            }
+            let run = &copies[start..stop];
+            start = stop;
+            let mut data = IoBuf::new(run.len() * block_bytes as usize);
+            for (at, (_, copy)) in run.iter().enumerate() {
                 let from = at * block_bytes as usize;
-                let copy = IoBuf::copy_from(&data.payload()[from..from + block_bytes as usize]);
-                match self.write_locked_in(offset, copy, None, Some(to)).await {
-                    Ok(()) => {}
-                    Err(BlockError::NoSpace) => return Err(BlockError::NoSpace),
-                    Err(_) => {
-                        outcome[index] = Moved::Failed;
-                        continue;
-                    }
-                }
-                let moved = self.pool.lookup(self.id, block).map_err(meta_error)?;
-                if let Some((device, base)) = map_entry::decode(moved) {
-                    outcome[index] = Moved::To(device, base);
-                }
+                data.payload_mut()[from..from + block_bytes as usize].copy_from_slice(copy.payload());
+            }
+            let offset = blocks[run[0].0].0 << self.block_shift;
+            let result = self.write_locked_in(offset, data, None, Some(to)).await;
+            if matches!(result, Err(BlockError::NoSpace)) {
+                return Err(BlockError::NoSpace);
+            }
+            // A failed write may have moved some of them (each block is
+            // mapped on its own): the map says which.
+            for (index, _) in run {
+                let entry = self.pool.lookup(self.id, blocks[*index].0).map_err(meta_error)?;
+                outcome[*index] = match map_entry::decode(entry) {
+                    Some((device, base)) if entry != blocks[*index].1 => Moved::To(device, base),
+                    _ if result.is_err() => Moved::Failed,
+                    _ => Moved::Skipped,
+                };
             }
         }
         Ok(outcome)
