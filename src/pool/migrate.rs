@@ -757,8 +757,8 @@ impl Pool {
 }
 
 /// Capacity chunks need at least this much heat (decayed accesses) to
-/// move up.
-pub const PROMOTE_MIN_HEAT: u64 = 16;
+/// move up: a chunk read once or twice is not hot.
+pub const PROMOTE_MIN_HEAT: u64 = 8;
 /// The most a pass moves down to make room for hotter chunks (swaps).
 pub const SWAP_MAX_BYTES: u64 = 256 << 20;
 /// While clients do I/O, the migrator works this long (a chunk at least),
@@ -905,6 +905,43 @@ mod tests {
         ]
     }
 
+    fn block_on<F: std::future::Future>(future: F) -> F::Output {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap()
+            .block_on(future)
+    }
+
+    /// A pool of a 160 MiB fast and a 256 MiB capacity simulated device,
+    /// 1 MiB chunks, and a 512 MiB volume of 4 KiB blocks.
+    async fn two_tier_pool(seed: u64) -> (SimDevice, SimDevice, Arc<Pool>, Arc<EngineVolume>) {
+        let fast = SimDevice::new(160 * MIB, seed);
+        let capacity = SimDevice::new(256 * MIB, seed + 1);
+        let pool = Pool::create("test", 1 << 20, two_tier_devices(&fast, &capacity))
+            .await
+            .unwrap();
+        let volume = pool.open_volume(1, 512 * MIB, 4096).unwrap();
+        (fast, capacity, pool, volume)
+    }
+
+    /// Writes MiB `index`'s pattern for every index.
+    async fn write_mibs(volume: &EngineVolume, indices: impl IntoIterator<Item = u64>) {
+        for index in indices {
+            volume
+                .write(index * MIB, IoBuf::copy_from(&mib_of(index)), false)
+                .await
+                .unwrap();
+        }
+    }
+
+    /// Moves everything volume 1 has to the capacity tier.
+    async fn park_on_capacity(pool: &Arc<Pool>) {
+        pool.set_tier_pin(1, TierPin::Capacity);
+        pool.migrate_now().await.unwrap();
+        pool.set_tier_pin(1, TierPin::Auto);
+    }
+
     fn mib_of(index: u64) -> Vec<u8> {
         (0..MIB).map(|i| ((i / 4096 + index * 7) % 251) as u8 + 1).collect()
     }
@@ -937,25 +974,11 @@ mod tests {
     /// nothing lost), and all of it survives a power loss right after.
     #[test]
     fn cold_chunks_move_down_to_the_low_watermark_and_hot_ones_stay() {
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap();
-        runtime.block_on(async {
-            let fast = SimDevice::new(160 * MIB, 3);
-            let capacity = SimDevice::new(256 * MIB, 4);
-            let pool = Pool::create("test", 1 << 20, two_tier_devices(&fast, &capacity))
-                .await
-                .unwrap();
-            let volume = pool.open_volume(1, 512 * MIB, 4096).unwrap();
+        block_on(async {
+            let (fast, capacity, pool, volume) = two_tier_pool(3).await;
             let before = pool.tier_space();
             let written = before.fast_size * 95 / 100 / MIB;
-            for index in 0..written {
-                volume
-                    .write(index * MIB, IoBuf::copy_from(&mib_of(index)), false)
-                    .await
-                    .unwrap();
-            }
+            write_mibs(&volume, 0..written).await;
             pool.commit_quiet().await.unwrap();
             let full = pool.tier_space();
             assert_eq!(full.capacity_used, 0, "the fast tier had room for all of it");
@@ -1019,28 +1042,14 @@ mod tests {
         });
     }
 
-    /// Below the low watermark, capacity chunks clients read often move up;
+    /// With room on the fast tier, capacity chunks clients read often move up;
     /// cold ones stay down. A volume pinned to the capacity tier moves down
     /// whatever its heat.
     #[test]
     fn hot_chunks_move_up_and_pins_win() {
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap();
-        runtime.block_on(async {
-            let fast = SimDevice::new(160 * MIB, 5);
-            let capacity = SimDevice::new(256 * MIB, 6);
-            let pool = Pool::create("test", 1 << 20, two_tier_devices(&fast, &capacity))
-                .await
-                .unwrap();
-            let volume = pool.open_volume(1, 512 * MIB, 4096).unwrap();
-            for index in 0..16 {
-                volume
-                    .write(index * MIB, IoBuf::copy_from(&mib_of(index)), false)
-                    .await
-                    .unwrap();
-            }
+        block_on(async {
+            let (_fast, _capacity, pool, volume) = two_tier_pool(5).await;
+            write_mibs(&volume, 0..16).await;
             pool.set_tier_pin(1, TierPin::Capacity);
             let down = pool.migrate_now().await.unwrap();
             assert_eq!(down.chunks_down, 16, "{down:?}");
@@ -1069,36 +1078,15 @@ mod tests {
     /// ones, and the fast tier stays under the watermark.
     #[test]
     fn a_hot_capacity_chunk_trades_places_with_a_cold_fast_one() {
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap();
-        runtime.block_on(async {
-            let fast = SimDevice::new(160 * MIB, 8);
-            let capacity = SimDevice::new(256 * MIB, 9);
-            let pool = Pool::create("test", 1 << 20, two_tier_devices(&fast, &capacity))
-                .await
-                .unwrap();
-            let volume = pool.open_volume(1, 512 * MIB, 4096).unwrap();
+        block_on(async {
+            let (_fast, _capacity, pool, volume) = two_tier_pool(8).await;
             let hot = 0..8;
-            for index in hot.clone() {
-                volume
-                    .write(index * MIB, IoBuf::copy_from(&mib_of(index)), false)
-                    .await
-                    .unwrap();
-            }
-            pool.set_tier_pin(1, TierPin::Capacity);
-            pool.migrate_now().await.unwrap();
-            pool.set_tier_pin(1, TierPin::Auto);
+            write_mibs(&volume, hot.clone()).await;
+            park_on_capacity(&pool).await;
             // Cold data up to 84 % of the fast tier (the high watermark is 85).
             let size = pool.tier_space().fast_size;
             let cold = 8..8 + size * 84 / 100 / MIB;
-            for index in cold.clone() {
-                volume
-                    .write(index * MIB, IoBuf::copy_from(&mib_of(index)), false)
-                    .await
-                    .unwrap();
-            }
+            write_mibs(&volume, cold.clone()).await;
             pool.commit_quiet().await.unwrap();
             assert!(hot.clone().all(|index| !on_fast(&pool, index)));
             for _ in 0..40 {
@@ -1123,26 +1111,10 @@ mod tests {
     /// and once the device reads again the next pass moves it.
     #[test]
     fn a_read_error_during_a_move_leaves_the_data_where_it_was() {
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap();
-        runtime.block_on(async {
-            let fast = SimDevice::new(160 * MIB, 10);
-            let capacity = SimDevice::new(256 * MIB, 11);
-            let pool = Pool::create("test", 1 << 20, two_tier_devices(&fast, &capacity))
-                .await
-                .unwrap();
-            let volume = pool.open_volume(1, 512 * MIB, 4096).unwrap();
-            for index in 0..4 {
-                volume
-                    .write(index * MIB, IoBuf::copy_from(&mib_of(index)), false)
-                    .await
-                    .unwrap();
-            }
-            pool.set_tier_pin(1, TierPin::Capacity);
-            pool.migrate_now().await.unwrap();
-            pool.set_tier_pin(1, TierPin::Auto);
+        block_on(async {
+            let (_fast, capacity, pool, volume) = two_tier_pool(10).await;
+            write_mibs(&volume, 0..4).await;
+            park_on_capacity(&pool).await;
             for _ in 0..40 {
                 for index in 0..4 {
                     touch_mib(&volume, index).await;
@@ -1180,21 +1152,12 @@ mod tests {
     }
 
     /// Sequential reads (a backup scanning the data, 256 KiB at a time,
-    /// ten times over) promote nothing; the same reads in a scattered
+    /// three times over; a stream's first 256 KiB count) promote nothing; the same reads in a scattered
     /// order do.
     #[test]
     fn scans_do_not_promote() {
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap();
-        runtime.block_on(async {
-            let fast = SimDevice::new(160 * MIB, 12);
-            let capacity = SimDevice::new(256 * MIB, 13);
-            let pool = Pool::create("test", 1 << 20, two_tier_devices(&fast, &capacity))
-                .await
-                .unwrap();
-            let volume = pool.open_volume(1, 512 * MIB, 4096).unwrap();
+        block_on(async {
+            let (_fast, _capacity, pool, volume) = two_tier_pool(12).await;
             // Eight MiBs 32 MiB apart.
             let at = |index: u64| index * 32 * MIB;
             for index in 0..8 {
@@ -1203,13 +1166,11 @@ mod tests {
                     .await
                     .unwrap();
             }
-            pool.set_tier_pin(1, TierPin::Capacity);
-            pool.migrate_now().await.unwrap();
-            pool.set_tier_pin(1, TierPin::Auto);
+            park_on_capacity(&pool).await;
             // Reads above the read cache's request size: each reaches the device.
             let piece = 256 << 10;
             let pieces = MIB / piece;
-            for _ in 0..10 {
+            for _ in 0..3 {
                 for index in 0..8 {
                     for p in 0..pieces {
                         let (_, result) = volume.read(at(index) + p * piece, IoBuf::new(piece as usize)).await;
@@ -1239,17 +1200,8 @@ mod tests {
     /// before it stops), and the pool's open restores it.
     #[test]
     fn heat_outlives_a_restart() {
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap();
-        runtime.block_on(async {
-            let fast = SimDevice::new(160 * MIB, 14);
-            let capacity = SimDevice::new(256 * MIB, 15);
-            let pool = Pool::create("test", 1 << 20, two_tier_devices(&fast, &capacity))
-                .await
-                .unwrap();
-            let volume = pool.open_volume(1, 512 * MIB, 4096).unwrap();
+        block_on(async {
+            let (fast, capacity, pool, volume) = two_tier_pool(14).await;
             volume.write(0, IoBuf::copy_from(&mib_of(0)), false).await.unwrap();
             for _ in 0..30 {
                 touch_mib(&volume, 0).await;
@@ -1272,6 +1224,34 @@ mod tests {
             capacity.crash();
             let pool = Pool::open(vec![fast.as_device(), capacity.as_device()]).await.unwrap();
             assert_eq!(chunk(&pool), hot + 1);
+        });
+    }
+
+    /// A full fast tier: writes go on to the capacity tier (nothing fails),
+    /// a pass makes room, and new data lands on the fast tier again.
+    #[test]
+    fn a_full_fast_tier_spills_then_gets_room_back() {
+        block_on(async {
+            let (_fast, _capacity, pool, volume) = two_tier_pool(16).await;
+            let size = pool.tier_space().fast_size / MIB;
+            write_mibs(&volume, 0..size + 8).await;
+            pool.commit_quiet().await.unwrap();
+            let full = pool.tier_space();
+            assert_eq!(full.fast_used, full.fast_size, "the fast tier is full");
+            assert_eq!(full.capacity_used, 8 * MIB, "the rest spilled");
+            let summary = pool.migrate_now().await.unwrap();
+            assert!(summary.chunks_down > 0 && summary.errors == 0, "{summary:?}");
+            let room = pool.tier_space();
+            assert!(room.fast_used <= room.fast_size * 70 / 100);
+            write_mibs(&volume, size + 8..size + 12).await;
+            pool.commit_quiet().await.unwrap();
+            assert!(
+                (size + 8..size + 12).all(|index| on_fast(&pool, index)),
+                "new data lands on the fast tier"
+            );
+            for index in 0..size + 12 {
+                assert!(read_mib(&volume, index).await == mib_of(index), "MiB {index}");
+            }
         });
     }
 

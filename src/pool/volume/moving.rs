@@ -86,7 +86,10 @@ impl EngineVolume {
                 Ok(data) => {
                     for (at, &(index, _, _)) in run.iter().enumerate() {
                         let from = at * block_bytes as usize;
-                        copies.push((index, IoBuf::copy_from(&data.payload()[from..from + block_bytes as usize])));
+                        copies.push((
+                            index,
+                            IoBuf::copy_from(&data.payload()[from..from + block_bytes as usize]),
+                        ));
                     }
                 }
                 Err(_) => {

@@ -136,6 +136,16 @@ impl EngineVolume {
             .enumerate()
             .all(|(i, dst)| cache.get_into(self.id, first + i as u64, dst));
         if all_hit {
+            // Served from RAM, but heat all the same: what clients read
+            // often belongs on the fast tier when the read cache lets it
+            // go (one map lookup; these reads are at most 128 KiB).
+            if !self.streams.is_sequential(offset, length) {
+                if let Ok(entry) = self.pool.lookup(self.id, offset >> self.block_shift) {
+                    if let Some((device, base)) = map_entry::decode(entry) {
+                        self.pool.note_heat(device, base, false);
+                    }
+                }
+            }
             return (buf, Ok(()));
         }
         let (buf, result) = self.read_disk(offset, buf).await;
