@@ -14,12 +14,13 @@
 # Usage: bench/tiering.sh [STRATA_BINARY] [SECONDS]
 #        (CONFIGS="on off" picks configurations; OUT=DIR keeps the results:
 #        one CSV per configuration, a summary, and tiering.png if
-#        python3-matplotlib is installed)
+#        python3-matplotlib is installed; CONFIGS= with OUT=DIR only
+#        summarises and plots the CSVs already there)
 # A temporary directory, ephemeral 127.0.0.1 ports, servers stopped by PID.
 set -euo pipefail
 BIN=$(realpath "${1:-$(dirname "$0")/../target/release/strata}")
 RUN=${2:-600}
-CONFIGS=${CONFIGS:-ideal on off}
+CONFIGS=${CONFIGS-ideal on off}
 RW=${RW:-randread}
 HERE=$(realpath "$(dirname "$0")")
 OUT=$(realpath -m "${OUT:-$HERE/results/tiering-$RW}")
@@ -165,7 +166,8 @@ for config, rs in rows.items():
         a.axvspan(min(scan) - 10, max(scan), color="grey", alpha=0.15)
         break
 a.set_ylabel("IOPS (4K random reads, zipf 1.1, QD16)")
-b.set_ylabel("p99 (ms)")
+a.set_yscale("log")
+b.set_ylabel("p99 of completed reads (ms)")
 b.set_yscale("log")
 b.set_xlabel("seconds since the volume was filled (grey: 4 GiB sequential read)")
 a.legend()

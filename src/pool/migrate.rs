@@ -293,10 +293,10 @@ impl Pool {
     }
 
     /// Counts an access to the chunk holding `offset` of `device`.
-    pub(crate) fn note_heat(&self, device: u8, offset: u64, write: bool) {
+    pub(crate) fn note_heat(&self, device: u8, offset: u64, write: bool, count: u64) {
         if let Some(d) = self.devices.get(device as usize) {
             let chunk = offset / self.chunk_bytes as u64;
-            if d.heat.add(chunk, write) {
+            if d.heat.add(chunk, write, count) {
                 self.migrator.foreground.fetch_add(1, Ordering::Relaxed);
             }
         }
@@ -815,15 +815,16 @@ impl Heat {
         }
     }
 
-    /// Counts one access; true once in 16 per chunk (the migrator's sign
-    /// of client I/O, kept off a shared counter for every request).
-    fn add(&self, chunk: u64, write: bool) -> bool {
+    /// Counts `n` accesses; true each time the count passes a multiple of
+    /// 16 (the migrator's sign of client I/O, kept off a shared counter
+    /// for every request).
+    fn add(&self, chunk: u64, write: bool, n: u64) -> bool {
         let Some(count) = self.counts.get(chunk as usize) else {
             return false;
         };
-        let step = if write { 1 << 32 } else { 1 };
-        let before = count.fetch_add(step, Ordering::Relaxed);
-        ((before >> if write { 32 } else { 0 }) & 15) == 0
+        let shift = if write { 32 } else { 0 };
+        let before = (count.fetch_add(n << shift, Ordering::Relaxed) >> shift) & 0xffff_ffff;
+        before / 16 != (before + n) / 16
     }
 
     /// Reads plus writes, decayed.
@@ -1274,10 +1275,10 @@ mod tests {
     fn heat_decays_and_follows_moved_data() {
         let heat = Heat::new(4);
         for _ in 0..10 {
-            heat.add(1, false);
+            heat.add(1, false, 1);
         }
         for _ in 0..6 {
-            heat.add(1, true);
+            heat.add(1, true, 1);
         }
         assert_eq!(heat.score(1), 16);
         heat.decay();

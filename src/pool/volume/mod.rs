@@ -144,7 +144,14 @@ impl Streams {
 
     /// Whether a read of `[offset, offset + length)` belongs to a scan;
     /// remembers it either way.
+    #[cfg(test)]
     fn is_sequential(&self, offset: u64, length: u64) -> bool {
+        self.random_read(offset, length).is_none()
+    }
+
+    /// `None` for a read that belongs to a scan, else a number that grows
+    /// by one per read (to sample with); remembers the read either way.
+    fn random_read(&self, offset: u64, length: u64) -> Option<u64> {
         let end = offset + length;
         let now = self.clock.fetch_add(1, Ordering::Relaxed);
         for [start, last, touched] in &self.spans {
@@ -160,7 +167,8 @@ impl Streams {
                     last_end
                 };
                 touched.store(now, Ordering::Relaxed);
-                return last_end - start.load(Ordering::Relaxed).min(last_end) >= STREAM_MIN_BYTES;
+                let scan = last_end - start.load(Ordering::Relaxed).min(last_end) >= STREAM_MIN_BYTES;
+                return (!scan).then_some(now);
             }
         }
         let [start, last, touched] = self
@@ -171,7 +179,7 @@ impl Streams {
         start.store(offset, Ordering::Relaxed);
         last.store(end, Ordering::Relaxed);
         touched.store(now, Ordering::Relaxed);
-        false
+        Some(now)
     }
 }
 

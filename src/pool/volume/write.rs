@@ -489,7 +489,7 @@ impl EngineVolume {
             match result {
                 Ok(()) => {
                     if tier.is_none() {
-                        self.pool.note_heat(write.device, write.offset, true);
+                        self.pool.note_heat(write.device, write.offset, true, 1);
                     }
                     self.pool.note_data_write();
                     self.pool.data_bytes.fetch_add(length, Ordering::Relaxed);
