@@ -425,6 +425,31 @@ impl Pool {
                 }
             }
         }
+        // The walk below reads every open volume's map: only when a move
+        // may come of it (a pin, a full fast tier, or a capacity chunk
+        // hot enough to move up into room or in place of a much colder
+        // fast chunk), not every 10 s of a pool at rest.
+        let pinned_any = self
+            .migrator
+            .pins
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .values()
+            .any(|pin| *pin != TierPin::Auto);
+        let full = space.fast_used > space.fast_size * settings.high_percent as u64 / 100;
+        let hottest_capacity = chunks
+            .iter()
+            .filter(|c| c.role == Role::Capacity)
+            .map(|c| c.heat)
+            .max()
+            .unwrap_or(0);
+        let coldest_fast = chunks.iter().filter(|c| c.role == Role::Fast).map(|c| c.heat).min();
+        let room_up = space.fast_used + chunk_bytes <= space.fast_size * settings.high_percent as u64 / 100;
+        let promote = hottest_capacity >= PROMOTE_MIN_HEAT
+            && (room_up || coldest_fast.is_some_and(|cold| hottest_capacity > cold.saturating_mul(2)));
+        if !pinned_any && !full && !promote {
+            return Ok(Vec::new());
+        }
         // Who maps what: the open volumes' own blocks (a block a snapshot
         // or clone shares stays where it is).
         let mut owners: HashMap<(u8, u64), Vec<Owner>> = HashMap::new();
