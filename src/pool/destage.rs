@@ -214,12 +214,9 @@ impl Pool {
     /// early when the RAM tier is more than half full. It stops when the pool
     /// is dropped.
     pub(crate) fn start_destager(self: &Arc<Self>) {
-        let Ok(handle) = tokio::runtime::Handle::try_current() else {
+        let Some(handle) = super::background_runtime() else {
             return;
         };
-        if handle.runtime_flavor() != tokio::runtime::RuntimeFlavor::MultiThread {
-            return;
-        }
         let weak = Arc::downgrade(self);
         handle.spawn(async move {
             let mut tick = tokio::time::interval(Duration::from_millis(200));

@@ -99,12 +99,9 @@ impl Pool {
     /// happen at once unless `PoolOptions::background_free_above` asks for
     /// a queue.
     pub(crate) fn start_freer(self: &Arc<Self>) {
-        let Ok(handle) = tokio::runtime::Handle::try_current() else {
+        let Some(handle) = super::background_runtime() else {
             return;
         };
-        if handle.runtime_flavor() != tokio::runtime::RuntimeFlavor::MultiThread {
-            return;
-        }
         let weak = Arc::downgrade(self);
         let _ =
             self.free_above

@@ -502,8 +502,10 @@ impl Pool {
             if to == info.role {
                 continue;
             }
-            let Some(blocks) = owners.remove(&key) else { continue };
-            let bytes = blocks.iter().map(|o| o.engine.block_bytes()).sum();
+            let Some(chunk) = ChunkMove::take(&mut owners, key, to) else {
+                continue;
+            };
+            let bytes = chunk.bytes;
             if to == Role::Fast {
                 if fast_used + bytes > fast_room(settings.high_percent) {
                     continue;
@@ -512,37 +514,33 @@ impl Pool {
             } else {
                 fast_used = fast_used.saturating_sub(bytes);
             }
-            plan.push(ChunkMove { to, bytes, blocks });
+            plan.push(chunk);
         }
         let movable = |info: &ChunkInfo, owners: &HashMap<(u8, u64), Vec<Owner>>| {
             let key = (info.device, info.chunk);
             !pinned.contains_key(&key) && owners.contains_key(&key)
         };
+        // Fast chunks, coldest first: what demotion and swaps send down.
+        let mut cold: Vec<&ChunkInfo> = chunks
+            .iter()
+            .filter(|c| c.role == Role::Fast && movable(c, &owners))
+            .collect();
+        cold.sort_by_key(|c| (c.heat, c.device, c.chunk));
+        let mut capacity_free = space.capacity_size.saturating_sub(space.capacity_used);
         if fast_used > fast_room(settings.high_percent) {
             // Demotion: coldest first, down to the low watermark, as far
             // as the capacity tier has room.
-            let mut cold: Vec<&ChunkInfo> = chunks
-                .iter()
-                .filter(|c| c.role == Role::Fast && movable(c, &owners))
-                .collect();
-            cold.sort_by_key(|c| (c.heat, c.device, c.chunk));
-            let mut capacity_free = space.capacity_size.saturating_sub(space.capacity_used);
             for info in cold {
                 if fast_used <= fast_room(settings.low_percent) {
                     break;
                 }
-                let blocks = owners.remove(&(info.device, info.chunk)).unwrap_or_default();
-                let bytes: u64 = blocks.iter().map(|o| o.engine.block_bytes()).sum();
-                if bytes > capacity_free {
+                let chunk = ChunkMove::take(&mut owners, (info.device, info.chunk), Role::Capacity).unwrap_or_default();
+                if chunk.bytes > capacity_free {
                     break;
                 }
-                capacity_free -= bytes;
-                fast_used = fast_used.saturating_sub(bytes);
-                plan.push(ChunkMove {
-                    to: Role::Capacity,
-                    bytes,
-                    blocks,
-                });
+                capacity_free -= chunk.bytes;
+                fast_used = fast_used.saturating_sub(chunk.bytes);
+                plan.push(chunk);
             }
         } else {
             // Promotion: capacity chunks hotter than a floor (a few reads
@@ -550,30 +548,20 @@ impl Pool {
             // under its high watermark; then
             // swaps: a capacity chunk much hotter than the coldest fast
             // one trades places with it.
-            let mut cold: Vec<&ChunkInfo> = chunks
-                .iter()
-                .filter(|c| c.role == Role::Fast && movable(c, &owners))
-                .collect();
-            cold.sort_by_key(|c| (c.heat, c.device, c.chunk));
             let mut hot: Vec<&ChunkInfo> = chunks
                 .iter()
                 .filter(|c| c.role == Role::Capacity && c.heat >= PROMOTE_MIN_HEAT && movable(c, &owners))
                 .collect();
             hot.sort_by_key(|c| (std::cmp::Reverse(c.heat), c.device, c.chunk));
-            let mut capacity_free = space.capacity_size.saturating_sub(space.capacity_used);
             let mut cold = cold.into_iter();
             let mut swapped = 0u64;
             for info in hot {
-                let blocks = owners.remove(&(info.device, info.chunk)).unwrap_or_default();
-                let bytes: u64 = blocks.iter().map(|o| o.engine.block_bytes()).sum();
+                let up = ChunkMove::take(&mut owners, (info.device, info.chunk), Role::Fast).unwrap_or_default();
+                let bytes = up.bytes;
                 if fast_used + bytes <= fast_room(settings.high_percent) {
                     fast_used += bytes;
                     capacity_free += bytes;
-                    plan.push(ChunkMove {
-                        to: Role::Fast,
-                        bytes,
-                        blocks,
-                    });
+                    plan.push(up);
                     continue;
                 }
                 // A swap: the coldest fast chunks left go down first, as
@@ -583,30 +571,22 @@ impl Pool {
                     if info.heat <= victim.heat.saturating_mul(2) {
                         break;
                     }
-                    let down = owners.remove(&(victim.device, victim.chunk)).unwrap_or_default();
-                    let down_bytes: u64 = down.iter().map(|o| o.engine.block_bytes()).sum();
-                    if down_bytes > capacity_free {
+                    let down =
+                        ChunkMove::take(&mut owners, (victim.device, victim.chunk), Role::Capacity).unwrap_or_default();
+                    if down.bytes > capacity_free {
                         break;
                     }
-                    capacity_free -= down_bytes;
-                    fast_used = fast_used.saturating_sub(down_bytes);
-                    swapped += down_bytes;
-                    plan.push(ChunkMove {
-                        to: Role::Capacity,
-                        bytes: down_bytes,
-                        blocks: down,
-                    });
+                    capacity_free -= down.bytes;
+                    fast_used = fast_used.saturating_sub(down.bytes);
+                    swapped += down.bytes;
+                    plan.push(down);
                 }
                 if fast_used + bytes > fast_room(settings.high_percent) {
                     break;
                 }
                 fast_used += bytes;
                 capacity_free += bytes;
-                plan.push(ChunkMove {
-                    to: Role::Fast,
-                    bytes,
-                    blocks,
-                });
+                plan.push(up);
             }
         }
         Ok(plan)
@@ -736,12 +716,9 @@ impl Pool {
     /// while `migration=on` (and inside `migration.window`), heat halved
     /// every [`HEAT_HALF_LIFE`]. It stops when the pool is dropped.
     pub(crate) fn start_migrator(self: &Arc<Self>) {
-        let Ok(handle) = tokio::runtime::Handle::try_current() else {
+        let Some(handle) = super::background_runtime() else {
             return;
         };
-        if handle.runtime_flavor() != tokio::runtime::RuntimeFlavor::MultiThread {
-            return;
-        }
         let weak = Arc::downgrade(self);
         handle.spawn(async move {
             // The first pass one interval after the start, not during it.
@@ -825,6 +802,27 @@ struct ChunkMove {
     to: Role,
     bytes: u64,
     blocks: Vec<Owner>,
+}
+
+impl ChunkMove {
+    /// The move of chunk `key`'s blocks (taken out of `owners`, so no
+    /// chunk is planned twice) to tier `to`; `None` if no open volume owns
+    /// any of them.
+    fn take(owners: &mut HashMap<(u8, u64), Vec<Owner>>, key: (u8, u64), to: Role) -> Option<ChunkMove> {
+        let blocks = owners.remove(&key)?;
+        let bytes = blocks.iter().map(|o| o.engine.block_bytes()).sum();
+        Some(ChunkMove { to, bytes, blocks })
+    }
+}
+
+impl Default for ChunkMove {
+    fn default() -> Self {
+        ChunkMove {
+            to: Role::Capacity,
+            bytes: 0,
+            blocks: Vec::new(),
+        }
+    }
 }
 
 /// Per chunk of a device: reads (low 32 bits) and writes (high 32 bits),

@@ -263,6 +263,14 @@ pub struct MetaCounters {
     pub data_flushes: u64,
 }
 
+/// The runtime the pool's background tasks (destager, freer, migrator)
+/// run on: the current one if it has worker threads, else none (a
+/// single-threaded test runtime drives that work itself).
+fn background_runtime() -> Option<tokio::runtime::Handle> {
+    let handle = tokio::runtime::Handle::try_current().ok()?;
+    (handle.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread).then_some(handle)
+}
+
 pub struct Pool {
     name: String,
     uuid: [u8; 16],
