@@ -338,13 +338,13 @@ fn pool_migrate_and_status() {
 }
 
 /// A pool of a 160 MiB fast device (63 data chunks) and a 256 MiB
-/// capacity device that takes 2 ms per operation (`--wrap`: a pass moving
+/// capacity device that takes 20 ms per operation (`--wrap`: a pass moving
 /// 48 MiB down takes seconds), with migration off until the test says,
 /// and a 64 MiB volume holding 48 MiB of patterns (one per MiB).
 fn two_tier_daemon(dir: &std::path::Path) -> (Server, Vec<String>) {
     let fast = common::sparse_file(dir, "fast.img", 160 << 20);
     let capacity = common::sparse_file(dir, "capacity.img", 256 << 20);
-    let args = vec!["--wrap".to_string(), format!("{capacity}=delay:2ms")];
+    let args = vec!["--wrap".to_string(), format!("{capacity}=delay:20ms")];
     let data = dir.join("data");
     let mut server = Server::start(&data);
     cli_ok(
@@ -407,12 +407,13 @@ fn kill_9_while_blocks_move_loses_nothing_and_leaks_nothing() {
             continue;
         }
         cli_ok(&server, &["pool", "migrate", "tank"]);
-        // Well inside the pass (48 MiB at 2 ms per write to the capacity
-        // device, committed every second): early in the first round (its
-        // moves most likely not committed yet), after a third of the
-        // blocks moved in the last (some committed, some not).
+        // Well inside the pass (48 chunks, each a read and a write of 20 ms
+        // on the capacity device; a commit after the 16th chunk, before
+        // the 17th starts, and every second): early in the first round
+        // (its moves most likely not committed yet), past the 16th chunk's
+        // commit in the last (some committed, some not).
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
-        let wanted: u64 = if round == 0 { 1 } else { 16 << 20 };
+        let wanted: u64 = if round == 0 { 1 } else { 20 << 20 };
         let status = loop {
             let status = pool_json(&server, "tank");
             if status["migration"]["pass_done_bytes"].as_u64().unwrap() >= wanted {
