@@ -19,6 +19,9 @@ const HEADER_BYTES: usize = 32;
 const MAGIC: u32 = u32::from_le_bytes(*b"SLOG");
 /// A 128 KiB block has 32 sectors of 4 KiB.
 pub const MAX_CRCS_PER_RECORD: usize = 32;
+/// Most owners a `Relocate` record names (with the most checksums it still
+/// fits a log block).
+pub const MAX_RELOCATE_OWNERS: usize = 512;
 /// Blocks read at once during replay.
 const REPLAY_BATCH_BLOCKS: u64 = 256;
 
@@ -96,6 +99,18 @@ pub enum Record {
     /// volume becomes a clone of `origin` (the page work is redone from the
     /// state before, `pool/snapshots.rs`).
     Promote { volume: u32, origin: u32 },
+    /// Slot `old`, mapped at block `block` by each of `owners` (volumes and
+    /// snapshots of one family, `pool/relocate.rs`), was copied to `new`
+    /// (checksums `crcs`): each owner's entry now maps `new`, its flags
+    /// kept; `old` is freed by this change. A shared block moved by the
+    /// migrator, once for all who map it.
+    Relocate {
+        block: u64,
+        old: u64,
+        new: u64,
+        crcs: Vec<u32>,
+        owners: Vec<u32>,
+    },
 }
 
 /// One snapshot of a [`Record::Snapshot`].
@@ -124,7 +139,7 @@ impl Record {
     fn needs_durable_data(&self) -> bool {
         match self {
             Record::Map { new, .. } => *new != 0,
-            Record::Written { .. } => true,
+            Record::Written { .. } | Record::Relocate { .. } => true,
             Record::Dirty { .. }
             | Record::Destroy { .. }
             | Record::Data { .. }
@@ -162,6 +177,7 @@ impl Record {
             Record::Clone { .. } => 9,
             Record::ClonePage { .. } => 13,
             Record::Promote { .. } => 9,
+            Record::Relocate { crcs, owners, .. } => 28 + 4 * crcs.len() + 4 * owners.len(),
         }
     }
 
@@ -288,6 +304,27 @@ impl Record {
                 out.push(12);
                 out.extend_from_slice(&volume.to_le_bytes());
                 out.extend_from_slice(&origin.to_le_bytes());
+            }
+            Record::Relocate {
+                block,
+                old,
+                new,
+                crcs,
+                owners,
+            } => {
+                assert!(crcs.len() <= MAX_CRCS_PER_RECORD && owners.len() <= MAX_RELOCATE_OWNERS);
+                out.push(15);
+                out.extend_from_slice(&block.to_le_bytes());
+                out.extend_from_slice(&old.to_le_bytes());
+                out.extend_from_slice(&new.to_le_bytes());
+                out.push(crcs.len() as u8);
+                for crc in crcs {
+                    out.extend_from_slice(&crc.to_le_bytes());
+                }
+                out.extend_from_slice(&(owners.len() as u16).to_le_bytes());
+                for owner in owners {
+                    out.extend_from_slice(&owner.to_le_bytes());
+                }
             }
         }
     }
@@ -428,6 +465,29 @@ impl Record {
                 },
                 9,
             )),
+            15 => {
+                let count = *bytes.get(25)? as usize;
+                if count > MAX_CRCS_PER_RECORD {
+                    return None;
+                }
+                let crcs = (0..count).map(|i| u32_at(26 + 4 * i)).collect::<Option<Vec<u32>>>()?;
+                let at = 26 + 4 * count;
+                let owner_count = u16::from_le_bytes([*bytes.get(at)?, *bytes.get(at + 1)?]) as usize;
+                if owner_count > MAX_RELOCATE_OWNERS {
+                    return None;
+                }
+                let owners = (0..owner_count)
+                    .map(|i| u32_at(at + 2 + 4 * i))
+                    .collect::<Option<Vec<u32>>>()?;
+                let record = Record::Relocate {
+                    block: u64_at(1)?,
+                    old: u64_at(9)?,
+                    new: u64_at(17)?,
+                    crcs,
+                    owners,
+                };
+                Some((record, at + 2 + 4 * owner_count))
+            }
             _ => None,
         }
     }
@@ -482,14 +542,14 @@ impl Pending {
 
     /// Appends `record`, counting `extra` more bytes for it in `bytes`.
     fn push(&mut self, record: Record, extra: usize) {
-        self.push_tracked(record, extra, true)
-    }
-
-    fn push_tracked(&mut self, record: Record, extra: usize, track: bool) {
-        if let Record::Map { volume, block, new, .. } = &record {
-            if *new != 0 && track {
+        match &record {
+            Record::Map { volume, block, new, .. } if *new != 0 => {
                 self.allocations.insert((*volume, *block));
             }
+            Record::Relocate { block, owners, .. } => {
+                self.allocations.extend(owners.iter().map(|owner| (*owner, *block)));
+            }
+            _ => {}
         }
         let length = record.encoded_len();
         if self.last_block_used + length > LOG_BLOCK_BYTES as usize {
@@ -604,7 +664,9 @@ impl Log {
     /// resurrect the old mapping over someone else's data).
     pub fn append_free(&self, record: Record, slot: (u8, u64)) {
         let mut pending = self.pending.lock_or_abort();
-        pending.push_tracked(record, 0, false);
+        // The block's new slot is a pending allocation like any other: a
+        // rewrite before the commit must not overwrite it in place.
+        pending.push(record, 0);
         self.pending_bytes.store(pending.bytes, Ordering::Relaxed);
         pending.frees.push(slot);
         self.appended.fetch_add(1, Ordering::Relaxed);
@@ -613,7 +675,7 @@ impl Log {
     /// Queues a record that frees several slots once it is durable.
     pub fn append_frees(&self, record: Record, slots: Vec<(u8, u64)>) {
         let mut pending = self.pending.lock_or_abort();
-        pending.push_tracked(record, 0, false);
+        pending.push(record, 0);
         self.pending_bytes.store(pending.bytes, Ordering::Relaxed);
         pending.frees.extend(slots);
         self.appended.fetch_add(1, Ordering::Relaxed);
@@ -1214,6 +1276,13 @@ mod tests {
             Record::Promote {
                 volume: 5,
                 origin: 0x8000_0001,
+            },
+            Record::Relocate {
+                block: 77,
+                old: (1 << 63) | 5,
+                new: (1 << 63) | (1 << 48) | 9,
+                crcs: vec![1, 2, 3, 4],
+                owners: vec![3, 0x8000_0001, 0x8000_0004],
             },
         ];
         for record in &records {

@@ -110,6 +110,21 @@ mod tests {
         let mut bad_count = body.clone();
         bad_count[4 + 10 + 29] = 200;
         write("meta_log_block", "crc-count-too-large", &bad_count);
+        // A shared block's move, and one naming too many owners.
+        let relocate = Record::Relocate {
+            block: 9,
+            old: 1 << 63 | 5,
+            new: 1 << 63 | 1 << 48 | 12,
+            crcs: vec![0xdead_beef, 7],
+            owners: vec![3, 0x8000_0001],
+        };
+        let mut body = 1u32.to_le_bytes().to_vec();
+        crate::meta::log::encode_record_for_fuzzing(&relocate, &mut body);
+        write("meta_log_block", "relocate", &body);
+        // The owner count follows the type, three slots and two checksums.
+        let mut too_many = body.clone();
+        too_many[4 + 1 + 24 + 1 + 8..4 + 1 + 24 + 1 + 8 + 2].copy_from_slice(&u16::MAX.to_le_bytes());
+        write("meta_log_block", "relocate-too-many-owners", &too_many);
         // Superblocks: a real one, one with too many members, a cut one.
         let superblock = Superblock {
             pool_uuid: [7; 16],

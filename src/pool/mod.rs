@@ -31,6 +31,7 @@ pub mod migrate;
 pub mod ram;
 pub mod readcache;
 mod recover;
+mod relocate;
 mod scrub;
 mod send;
 pub mod snapshots;
@@ -334,8 +335,15 @@ pub struct Pool {
     snapshots: std::sync::RwLock<snapshots::Snapshots>,
     /// Whether there are any: writes skip the snapshot checks when not.
     has_snapshots: std::sync::atomic::AtomicBool,
-    /// Serialises copying a map page into a snapshot.
+    /// Serialises copying a map page into a snapshot, and every other
+    /// change of who maps a shared slot: snapshot deletion, rollback,
+    /// promotion, a volume's destruction, a shared block's move.
     page_copy: Mutex<()>,
+    /// Shared blocks remapped (`pool/relocate.rs`): odd while one is
+    /// under way.
+    relocations: AtomicU64,
+    /// Every open engine, volumes and snapshot views, by id (weak).
+    open_engines: Mutex<Vec<(u32, std::sync::Weak<volume::EngineVolume>)>>,
     /// Data-device writes completed, and how many of them a flush covered:
     /// a commit flushes the data devices only when they differ.
     data_writes: AtomicU64,

@@ -440,6 +440,8 @@ impl Pool {
             has_snapshots: std::sync::atomic::AtomicBool::new(!snapshots.is_empty()),
             snapshots: std::sync::RwLock::new(snapshots),
             page_copy: Mutex::new(()),
+            relocations: AtomicU64::new(0),
+            open_engines: Mutex::new(Vec::new()),
             data_writes: AtomicU64::new(0),
             data_flushed: AtomicU64::new(0),
             data_flushes: AtomicU64::new(0),
@@ -511,7 +513,7 @@ impl Pool {
 
     /// Whether the data a staged `Map` record points at matches its checksums.
     async fn staged_data_present(&self, record: &Record) -> bool {
-        let Record::Map { new, crcs, .. } = record else {
+        let (Record::Map { new, crcs, .. } | Record::Relocate { new, crcs, .. }) = record else {
             return true;
         };
         let Some((device, offset)) = map_entry::decode(*new) else {
@@ -528,6 +530,26 @@ impl Pool {
                 .chunks(SECTOR_BYTES as usize)
                 .zip(crcs)
                 .all(|(sector, crc)| crate::checksum::crc32c(sector) == *crc)
+    }
+
+    /// The slots of a replayed mapping change: `freed` (0: none) is free,
+    /// `new` (0: none) in use with checksums `crcs`. Either may be so
+    /// already, if the checkpoint came after the record.
+    fn replay_slots(&self, freed: u64, new: u64, crcs: &[u32]) -> Result<(), String> {
+        let mut allocator = self.allocator.lock_or_abort();
+        if let Some((device, offset)) = map_entry::decode(freed) {
+            let _ = allocator.free(device, offset);
+        }
+        if let Some((device, offset)) = map_entry::decode(new) {
+            let slot_shift = (crcs.len().max(1) as u64 * SECTOR_BYTES).trailing_zeros() as u8;
+            match allocator.mark_used(device, offset, slot_shift) {
+                Ok(()) | Err(alloc::AllocError::AlreadyUsed { .. }) => {}
+                Err(e) => return Err(e.to_string()),
+            }
+            drop(allocator);
+            self.set_crcs(device, offset, crcs).map_err(|e| e.to_string())?;
+        }
+        Ok(())
     }
 
     fn apply_replayed(&self, record: Record) -> Result<(), PoolError> {
@@ -547,31 +569,21 @@ impl Pool {
                 slot.store(new, Ordering::Release);
                 page.present.store(true, Ordering::Release);
                 self.map_pages.mark_dirty(&page);
-                let mut allocator = self.allocator.lock_or_abort();
-                if let Some((device, offset)) = map_entry::decode(old) {
-                    // Already free if the checkpoint came after this record;
-                    // a slot a snapshot shares stays.
-                    if old & map_entry::SHARED == 0 {
-                        let _ = allocator.free(device, offset);
-                    }
-                }
-                if let Some((device, offset)) = map_entry::decode(new) {
-                    let slot_shift = (crcs.len().max(1) as u64 * SECTOR_BYTES).trailing_zeros() as u8;
-                    match allocator.mark_used(device, offset, slot_shift) {
-                        // Already used if the checkpoint came after this record.
-                        Ok(()) | Err(alloc::AllocError::AlreadyUsed { .. }) => {}
-                        Err(e) => {
-                            return Err(PoolError::Meta(MetaError::Corrupt(format!(
-                                "log record mapping volume {volume} block {block}: {e}"
-                            ))))
-                        }
-                    }
-                    drop(allocator);
-                    for (i, crc) in crcs.iter().enumerate() {
-                        self.set_crc(device, offset + i as u64 * SECTOR_BYTES, *crc)
-                            .map_err(PoolError::Meta)?;
-                    }
-                }
+                // A slot a snapshot shares stays.
+                let freed = if old & map_entry::SHARED == 0 { old } else { 0 };
+                self.replay_slots(freed, new, &crcs)
+                    .map_err(|e| corrupt(format!("log record mapping volume {volume} block {block}: {e}")))?;
+            }
+            Record::Relocate {
+                block,
+                old,
+                new,
+                crcs,
+                owners,
+            } => {
+                self.apply_relocate(block, old, new, &owners).map_err(PoolError::Meta)?;
+                self.replay_slots(old, new, &crcs)
+                    .map_err(|e| corrupt(format!("log record moving block {block} of {owners:?}: {e}")))?;
             }
             Record::Destroy { volume } => self.free_volume_blocks(volume, Release::Replaying)?,
             Record::Data { .. } | Record::Written { .. } => {}
@@ -618,4 +630,8 @@ fn pool_tag(uuid: &[u8; 16]) -> u64 {
     let mut tag = [0u8; 8];
     tag.copy_from_slice(&uuid[..8]);
     u64::from_le_bytes(tag)
+}
+
+fn corrupt(what: String) -> PoolError {
+    PoolError::Meta(MetaError::Corrupt(what))
 }

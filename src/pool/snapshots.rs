@@ -219,6 +219,8 @@ struct Chain {
     kept: Vec<CachedSpace>,
     /// The registry's version these were read at.
     version: u64,
+    /// `Pool::relocations` when these were read.
+    relocations: u64,
     /// The lowest sequence number of the volume's cached writes that
     /// belong to a snapshot and are not placed yet (`u64::MAX`: none).
     /// Placing them changes the views of the snapshots taken after them,
@@ -382,6 +384,32 @@ impl Snapshots {
     /// The snapshot volume `volume` was cloned from, if it is a clone.
     pub(crate) fn origin(&self, volume: u32) -> Option<u32> {
         self.origins.get(&volume).copied()
+    }
+
+    /// Every volume and snapshot that may map a slot `volume` maps: the
+    /// volume nothing in its line was cloned from, its snapshots, their
+    /// clones, theirs, and so on (`pool/relocate.rs`).
+    pub(crate) fn family(&self, volume: u32) -> Vec<u32> {
+        let mut root = volume;
+        while let Some(origin) = self.origin(root) {
+            match self.by_id.get(&origin) {
+                Some(info) => root = info.volume,
+                None => break,
+            }
+        }
+        let mut volumes = vec![root];
+        let mut ids = Vec::new();
+        let mut next = 0;
+        while next < volumes.len() {
+            let volume = volumes[next];
+            next += 1;
+            ids.push(volume);
+            for &snapshot in self.by_volume.get(&volume).into_iter().flatten() {
+                ids.push(snapshot);
+                volumes.extend(self.clones_of(snapshot));
+            }
+        }
+        ids
     }
 
     /// The clones of `snapshot`, by volume id.
@@ -1041,6 +1069,8 @@ impl Pool {
         };
         {
             let _gate = self.gate.read().await;
+            // Who maps a slot changes: not while a shared block moves.
+            let _copying = self.page_copy.lock_or_abort();
             let freed = self.apply_destroy_snapshot(snapshot)?;
             self.log.append_frees(Record::DestroySnapshot { snapshot }, freed);
         }
@@ -1148,6 +1178,7 @@ impl Pool {
         let _placement = volume.placement().write().await;
         {
             let _gate = self.gate.read().await;
+            let _copying = self.page_copy.lock_or_abort();
             let freed = self.apply_rollback(id, snapshot)?;
             self.log.append_frees(Record::Rollback { volume: id, snapshot }, freed);
         }
@@ -1218,6 +1249,7 @@ impl Pool {
             dependents,
             kept,
             version: snapshots.version,
+            relocations: self.relocations.load(Ordering::Acquire),
             oldest_pending,
             floors,
         }
@@ -1228,7 +1260,7 @@ impl Pool {
     /// registry changed meanwhile.
     fn keep_space(&self, chain: &Chain, figures: &[(Option<u64>, u64)]) {
         let snapshots = self.snapshots_read();
-        if snapshots.version != chain.version {
+        if snapshots.version != chain.version || self.relocated_since(chain.relocations) {
             return;
         }
         let mut space = snapshots.space.lock_or_abort();
@@ -1541,7 +1573,7 @@ impl Pool {
     /// index of the owner's pages (a page made since the last checkpoint is
     /// dirty, or being written by a checkpoint, and stays cached till
     /// then): the work is the owner's pages, whatever else the pool holds.
-    fn own_pages(&self, owner: u32) -> Result<Vec<u64>, MetaError> {
+    pub(super) fn own_pages(&self, owner: u32) -> Result<Vec<u64>, MetaError> {
         let mut pages: std::collections::BTreeSet<u64> = std::collections::BTreeSet::new();
         {
             let txn = self.db.begin_read()?;
@@ -1586,6 +1618,7 @@ impl Pool {
                 return Err(PoolError::Invalid(format!("volume {volume} exists")));
             }
             drop(snapshots);
+            let _copying = self.page_copy.lock_or_abort();
             self.apply_clone(volume, origin);
             self.log.append(Record::Clone { volume, origin });
         }
@@ -1707,6 +1740,7 @@ impl Pool {
         let _second_placement = second.placement().write().await;
         {
             let _gate = self.gate.read().await;
+            let _copying = self.page_copy.lock_or_abort();
             self.apply_promote(id, origin)?;
             self.log.append(Record::Promote { volume: id, origin });
         }

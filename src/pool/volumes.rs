@@ -55,6 +55,7 @@ impl Pool {
             unsafe { self.cache.ram.release(slot) };
         }
         self.register_volume(id, Arc::downgrade(&engine));
+        self.register_open_engine(&engine);
         Ok(engine)
     }
 
@@ -73,13 +74,15 @@ impl Pool {
         let info = self
             .snapshot(id)
             .ok_or_else(|| PoolError::Invalid(format!("no snapshot {id:#x}")))?;
-        Ok(Arc::new(volume::EngineVolume::new(
+        let engine = Arc::new(volume::EngineVolume::new(
             self.clone(),
             id,
             info.size_bytes,
             volblocksize,
             info.mapped_blocks,
-        )))
+        ));
+        self.register_open_engine(&engine);
+        Ok(engine)
     }
 
     /// Reserves pool space again for the unmapped blocks that the cache
@@ -142,6 +145,8 @@ impl Pool {
             Release::Now
         };
         let _gate = self.gate.write().await;
+        // Not while a shared block of its family moves (`Pool::relocate`).
+        let _copying = self.page_copy.lock_or_abort();
         self.free_volume_blocks(id, release)?;
         Ok(())
     }

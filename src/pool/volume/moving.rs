@@ -7,9 +7,9 @@ use super::*;
 pub(crate) enum Moved {
     /// The block is now at this slot (device, byte offset).
     To(u8, u64),
-    /// Left where it is: changed since the pass looked, shared with a
-    /// snapshot or clone (or about to be), cached writes pending there, or
-    /// a snapshot being taken.
+    /// Left where it is: changed since the pass looked, cached writes
+    /// pending there, a snapshot being taken, or (shared) an engine of its
+    /// family opened meanwhile or too many owners.
     Skipped,
     /// Left where it is: reading or verifying it failed (counted on the
     /// device), or writing its copy did.
@@ -17,14 +17,17 @@ pub(crate) enum Moved {
 }
 
 impl EngineVolume {
-    /// Moves `blocks` (block, map entry when the pass looked; one chunk's
+    /// Moves `blocks` (block, the slot the pass found there; one chunk's
     /// worth, sorted by block) to new slots on tier `to`: read in as few
     /// device reads as their places allow (a chunk in one, on a disk that
-    /// pays per operation) and verified, written there, and remapped with
-    /// `Map` records that free the old slots once committed (the way every
-    /// relocated block goes; see `write_locked`). Holds the blocks' stripes
-    /// exclusively throughout, so no reader sees an old slot freed and no
-    /// write is lost between the read and the remap.
+    /// pays per operation) and verified, then written there. A block only
+    /// this volume maps is remapped with a `Map` record that frees the old
+    /// slot once committed (the way every relocated block goes; see
+    /// `write_locked`). A slot snapshots or clones share (or that only one
+    /// of this volume's snapshots still maps) moves once for all of them
+    /// ([`Self::move_shared`]). Holds the blocks' stripes exclusively
+    /// throughout, so no reader sees an old slot freed and no write is
+    /// lost between the read and the remap.
     pub(crate) async fn move_blocks(&self, blocks: &[(u64, u64)], to: Role) -> BlockResult<Vec<Moved>> {
         let mut outcome = vec![Moved::Skipped; blocks.len()];
         if self.is_snapshot() || blocks.is_empty() {
@@ -41,28 +44,48 @@ impl EngineVolume {
             return Ok(outcome);
         };
         let block_bytes = self.block_bytes();
-        // Which still are where the pass saw them, the volume's own, and
-        // with nothing cached (a block being written is not cold; the
-        // destager places it, and the next pass looks again).
-        let mut places: Vec<(usize, u8, u64)> = Vec::new();
+        // Which still are where the pass saw them and with nothing cached
+        // (a block being written is not cold; the destager places it, and
+        // the next pass looks again); of those, which only this volume maps.
+        let mut own: Vec<(usize, u8, u64)> = Vec::new();
+        let mut shared: Vec<usize> = Vec::new();
         for (index, &(block, expected)) in blocks.iter().enumerate() {
             let offset = block << self.block_shift;
             if !self.cached_blocks_in(offset, block_bytes).is_empty() {
                 continue;
             }
             let entry = self.pool.lookup(self.id, block).map_err(meta_error)?;
-            if entry != expected || entry & map_entry::SHARED != 0 {
-                continue;
-            }
-            let Some((device, base)) = map_entry::decode(entry) else {
+            let Some((device, base)) = map_entry::decode(expected) else {
                 continue;
             };
-            if !self.pool.block_is_own(self.id, block).map_err(meta_error)? {
-                continue;
+            if entry == expected
+                && entry & map_entry::SHARED == 0
+                && self.pool.block_is_own(self.id, block).map_err(meta_error)?
+            {
+                own.push((index, device, base));
+            } else if self.pool.has_snapshots() {
+                shared.push(index);
             }
-            places.push((index, device, base));
         }
-        // Runs of slots contiguous on one device: one read each.
+        let copies = self.read_places(blocks, own, &mut outcome).await;
+        self.write_moved(blocks, copies, to, &mut outcome).await?;
+        if !shared.is_empty() {
+            self.move_shared(blocks, &shared, to, &mut outcome).await?;
+        }
+        Ok(outcome)
+    }
+
+    /// Reads and verifies the blocks at `places` (index into `blocks`,
+    /// device, byte offset), runs of slots contiguous on one device in one
+    /// read each; a failed read marks its blocks `Failed`. Returns the
+    /// copies by index.
+    async fn read_places(
+        &self,
+        blocks: &[(u64, u64)],
+        mut places: Vec<(usize, u8, u64)>,
+        outcome: &mut [Moved],
+    ) -> Vec<(usize, IoBuf)> {
+        let block_bytes = self.block_bytes();
         places.sort_by_key(|&(_, device, base)| (device, base));
         let mut copies: Vec<(usize, IoBuf)> = Vec::with_capacity(places.len());
         let mut start = 0;
@@ -99,10 +122,23 @@ impl EngineVolume {
                 }
             }
         }
-        // Runs of consecutive blocks: one write each (their new slots are
-        // taken one after the other, so a run lands as one device write,
-        // which matters on a disk that pays per operation).
         copies.sort_by_key(|(index, _)| blocks[*index].0);
+        copies
+    }
+
+    /// Writes the copies of blocks only this volume maps to new slots on
+    /// tier `to` and remaps them (`write_locked_in`). Runs of consecutive
+    /// blocks go in one write each (their new slots are taken one after
+    /// the other, so a run lands as one device write, which matters on a
+    /// disk that pays per operation).
+    async fn write_moved(
+        &self,
+        blocks: &[(u64, u64)],
+        copies: Vec<(usize, IoBuf)>,
+        to: Role,
+        outcome: &mut [Moved],
+    ) -> BlockResult<()> {
+        let block_bytes = self.block_bytes();
         let mut start = 0;
         while start < copies.len() {
             let mut stop = start + 1;
@@ -132,6 +168,91 @@ impl EngineVolume {
                 };
             }
         }
-        Ok(outcome)
+        Ok(())
+    }
+
+    /// Moves the slots at `indices` of `blocks` that snapshots or clones
+    /// map (as well as, or instead of, this volume): each is copied once
+    /// to a new slot on tier `to` and every volume and snapshot of the
+    /// family that maps it is remapped by one `Relocate` record
+    /// (`Pool::relocate`). The block's stripes are held in every open
+    /// engine of the family (clones, snapshot views) as well as in this
+    /// one, so none of their readers is reading the old slot when the
+    /// commit frees it; their writes to the block (copies on write, as the
+    /// slot is shared) wait too. The caller holds this volume's stripes.
+    async fn move_shared(
+        &self,
+        blocks: &[(u64, u64)],
+        indices: &[usize],
+        to: Role,
+        outcome: &mut [Moved],
+    ) -> BlockResult<()> {
+        let family = self.pool.family(self.id);
+        let others: Vec<Arc<EngineVolume>> = self
+            .pool
+            .open_engines_in(&family)
+            .into_iter()
+            .filter(|engine| !std::ptr::eq(Arc::as_ptr(engine), self))
+            .collect();
+        let numbers: Vec<u64> = indices.iter().map(|&index| blocks[index].0).collect();
+        let mut held = Vec::with_capacity(others.len());
+        for engine in &others {
+            held.push(engine.lock_blocks_exclusive(&numbers).await);
+        }
+        let block_bytes = self.block_bytes();
+        let mut places = Vec::with_capacity(indices.len());
+        for &index in indices {
+            let (block, slot) = blocks[index];
+            let offset = block << self.block_shift;
+            // A clone's cached writes: as for this volume's, the next pass.
+            if others
+                .iter()
+                .any(|engine| !engine.is_snapshot() && !engine.cached_blocks_in(offset, block_bytes).is_empty())
+            {
+                continue;
+            }
+            let Some((device, base)) = map_entry::decode(slot) else {
+                continue;
+            };
+            if !self.pool.slot_is_mapped(&family, block, slot).map_err(meta_error)? {
+                continue;
+            }
+            places.push((index, device, base));
+        }
+        let copies = self.read_places(blocks, places, outcome).await;
+        let mut locked: Vec<&EngineVolume> = others.iter().map(|engine| &**engine).collect();
+        locked.push(self);
+        let slot_shift = block_bytes.trailing_zeros() as u8;
+        for (index, data) in copies {
+            let (block, old) = blocks[index];
+            let Some((device, offset)) = self.pool.allocate_in_tier(slot_shift, to) else {
+                return Err(BlockError::NoSpace);
+            };
+            let pool_device = &self.pool.devices[device as usize];
+            let (data, result) = pool_device.device.write(offset, data).await;
+            if result.is_err() {
+                pool_device.counters.write_errors.fetch_add(1, Ordering::Relaxed);
+                self.pool.release_unused(device, offset);
+                outcome[index] = Moved::Failed;
+                continue;
+            }
+            self.pool.note_data_write();
+            self.pool.data_bytes.fetch_add(block_bytes, Ordering::Relaxed);
+            let crcs = sector_crcs(data.payload());
+            let new = map_entry::encode(device, offset);
+            let gate = self.pool.enter_write().await;
+            let relocated = self.pool.relocate(self.id, &locked, block, old, new, crcs);
+            drop(gate);
+            match relocated {
+                Ok(true) => outcome[index] = Moved::To(device, offset),
+                Ok(false) => self.pool.release_unused(device, offset),
+                Err(e) => {
+                    self.pool.release_unused(device, offset);
+                    return Err(meta_error(e));
+                }
+            }
+        }
+        drop(held);
+        Ok(())
     }
 }
