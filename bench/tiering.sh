@@ -7,7 +7,8 @@
 #   on     two tiers, migration on (the default)
 #   off    two tiers, migration off
 # IOPS, p99 and the fast tier's use are taken every 10 s (fio runs in 10 s
-# segments). Halfway through, a 4 GiB sequential read (nbdcopy to null:)
+# segments, each drawing new offsets: with fio's default randrepeat=1 every
+# segment replayed the same sequence, and the caches learnt it). Halfway through, a 4 GiB sequential read (nbdcopy to null:)
 # runs beside fio: a scan that must not push the hot set out.
 # RW=mixed runs 70/30 random reads/writes instead (zipf 1.1 both).
 #
@@ -36,7 +37,7 @@ segment() {
     local uri=$1
     local rwargs=(--rw=randread)
     [ "$RW" = mixed ] && rwargs=(--rw=randrw --rwmixread=70)
-    fio --name=t --ioengine=nbd --uri="$uri" "${rwargs[@]}" --random_distribution=zipf:1.1 \
+    fio --name=t --ioengine=nbd --uri="$uri" "${rwargs[@]}" --random_distribution=zipf:1.1 --randrepeat=0 \
         --bs=4k --iodepth=16 --numjobs=1 --time_based --runtime=$SEGMENT --size=6g \
         --output-format=json 2>/dev/null |
         python3 -c '
