@@ -222,33 +222,63 @@ impl EngineVolume {
         let copies = self.read_places(blocks, places, outcome).await;
         let mut locked: Vec<&EngineVolume> = others.iter().map(|engine| &**engine).collect();
         locked.push(self);
+        // New slots for all, then one device write per run of them that
+        // lies together (a disk pays per operation), then the remaps.
         let slot_shift = block_bytes.trailing_zeros() as u8;
+        let mut targets: Vec<(usize, IoBuf, u8, u64)> = Vec::with_capacity(copies.len());
         for (index, data) in copies {
-            let (block, old) = blocks[index];
             let Some((device, offset)) = self.pool.allocate_in_tier(slot_shift, to) else {
+                for (_, _, device, offset) in &targets {
+                    self.pool.release_unused(*device, *offset);
+                }
                 return Err(BlockError::NoSpace);
             };
-            let pool_device = &self.pool.devices[device as usize];
-            let (data, result) = pool_device.device.write(offset, data).await;
+            targets.push((index, data, device, offset));
+        }
+        let bytes = block_bytes as usize;
+        let mut start = 0;
+        while start < targets.len() {
+            let mut stop = start + 1;
+            while stop < targets.len()
+                && targets[stop].2 == targets[start].2
+                && targets[stop].3 == targets[stop - 1].3 + block_bytes
+            {
+                stop += 1;
+            }
+            let run = &targets[start..stop];
+            start = stop;
+            let mut buf = IoBuf::new(run.len() * bytes);
+            for (at, (_, data, _, _)) in run.iter().enumerate() {
+                buf.payload_mut()[at * bytes..(at + 1) * bytes].copy_from_slice(data.payload());
+            }
+            let pool_device = &self.pool.devices[run[0].2 as usize];
+            let (buf, result) = pool_device.device.write(run[0].3, buf).await;
             if result.is_err() {
                 pool_device.counters.write_errors.fetch_add(1, Ordering::Relaxed);
-                self.pool.release_unused(device, offset);
-                outcome[index] = Moved::Failed;
+                for (index, _, device, offset) in run {
+                    self.pool.release_unused(*device, *offset);
+                    outcome[*index] = Moved::Failed;
+                }
                 continue;
             }
             self.pool.note_data_write();
-            self.pool.data_bytes.fetch_add(block_bytes, Ordering::Relaxed);
-            let crcs = sector_crcs(data.payload());
-            let new = map_entry::encode(device, offset);
-            let gate = self.pool.enter_write().await;
-            let relocated = self.pool.relocate(self.id, &locked, block, old, new, crcs);
-            drop(gate);
-            match relocated {
-                Ok(true) => outcome[index] = Moved::To(device, offset),
-                Ok(false) => self.pool.release_unused(device, offset),
-                Err(e) => {
-                    self.pool.release_unused(device, offset);
-                    return Err(meta_error(e));
+            self.pool.data_bytes.fetch_add(buf.len() as u64, Ordering::Relaxed);
+            let _gate = self.pool.enter_write().await;
+            for (at, (index, _, device, offset)) in run.iter().enumerate() {
+                let (block, old) = blocks[*index];
+                let crcs = sector_crcs(&buf.payload()[at * bytes..(at + 1) * bytes]);
+                let new = map_entry::encode(*device, *offset);
+                match self.pool.relocate(self.id, &locked, block, old, new, crcs) {
+                    Ok(true) => outcome[*index] = Moved::To(*device, *offset),
+                    Ok(false) => self.pool.release_unused(*device, *offset),
+                    Err(e) => {
+                        // This one and every later one are mapped by
+                        // nobody.
+                        for (_, _, device, offset) in run[at..].iter().chain(&targets[start..]) {
+                            self.pool.release_unused(*device, *offset);
+                        }
+                        return Err(meta_error(e));
+                    }
                 }
             }
         }
