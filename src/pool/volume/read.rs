@@ -4,9 +4,6 @@
 
 use super::*;
 
-/// Read-cache hits count as heat one in this many (see `read_clean`).
-const HIT_SAMPLE: u64 = 8;
-
 impl EngineVolume {
     /// Checks the sectors of `data` read from `device` at `offset`. A mismatch
     /// in a chunk that is suspect after a crash is repaired from the data.
@@ -139,21 +136,8 @@ impl EngineVolume {
             .enumerate()
             .all(|(i, dst)| cache.get_into(self.id, first + i as u64, dst));
         if all_hit {
-            // Served from RAM, but heat all the same: what clients read
-            // often belongs on the fast tier when the read cache lets it
-            // go. A map lookup for one hit in 8, counted 8 times (a
-            // lookup for each cost 5 % more CPU per cached 4K read).
-            if self
-                .streams
-                .random_read(offset, length)
-                .is_some_and(|tick| tick % HIT_SAMPLE == 0)
-            {
-                if let Ok(entry) = self.pool.lookup(self.id, offset >> self.block_shift) {
-                    if let Some((device, base)) = map_entry::decode(entry) {
-                        self.pool.note_heat(device, base, false, HIT_SAMPLE);
-                    }
-                }
-            }
+            // No heat: the fast tier is for what the read cache does not
+            // hold (ARCHITECTURE.md, "Tiering").
             return (buf, Ok(()));
         }
         let (buf, result) = self.read_disk(offset, buf).await;
