@@ -146,12 +146,12 @@ impl Streams {
     /// remembers it either way.
     #[cfg(test)]
     fn is_sequential(&self, offset: u64, length: u64) -> bool {
-        self.random_read(offset, length).is_none()
+        !self.is_random(offset, length)
     }
 
-    /// `None` for a read that belongs to a scan, else a number that grows
-    /// by one per read (to sample with); remembers the read either way.
-    fn random_read(&self, offset: u64, length: u64) -> Option<u64> {
+    /// Whether a read of `[offset, offset + length)` is not part of a
+    /// scan; remembers it either way.
+    fn is_random(&self, offset: u64, length: u64) -> bool {
         let end = offset + length;
         let now = self.clock.fetch_add(1, Ordering::Relaxed);
         for [start, last, touched] in &self.spans {
@@ -168,7 +168,7 @@ impl Streams {
                 };
                 touched.store(now, Ordering::Relaxed);
                 let scan = last_end - start.load(Ordering::Relaxed).min(last_end) >= STREAM_MIN_BYTES;
-                return (!scan).then_some(now);
+                return !scan;
             }
         }
         let [start, last, touched] = self
@@ -179,7 +179,7 @@ impl Streams {
         start.store(offset, Ordering::Relaxed);
         last.store(end, Ordering::Relaxed);
         touched.store(now, Ordering::Relaxed);
-        Some(now)
+        true
     }
 }
 

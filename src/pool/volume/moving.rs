@@ -88,18 +88,8 @@ impl EngineVolume {
         let block_bytes = self.block_bytes();
         places.sort_by_key(|&(_, device, base)| (device, base));
         let mut copies: Vec<(usize, IoBuf)> = Vec::with_capacity(places.len());
-        let mut start = 0;
-        while start < places.len() {
-            let mut stop = start + 1;
-            while stop < places.len()
-                && places[stop].1 == places[start].1
-                && places[stop].2 == places[stop - 1].2 + block_bytes
-            {
-                stop += 1;
-            }
-            let (_, device, base) = places[start];
-            let run = &places[start..stop];
-            start = stop;
+        for run in places.chunk_by(|a, b| b.1 == a.1 && b.2 == a.2 + block_bytes) {
+            let (_, device, base) = run[0];
             let length = run.len() as u64 * block_bytes;
             let first_block = blocks[run[0].0].0;
             match self
@@ -139,14 +129,7 @@ impl EngineVolume {
         outcome: &mut [Moved],
     ) -> BlockResult<()> {
         let block_bytes = self.block_bytes();
-        let mut start = 0;
-        while start < copies.len() {
-            let mut stop = start + 1;
-            while stop < copies.len() && blocks[copies[stop].0].0 == blocks[copies[stop - 1].0].0 + 1 {
-                stop += 1;
-            }
-            let run = &copies[start..stop];
-            start = stop;
+        for run in copies.chunk_by(|a, b| blocks[b.0].0 == blocks[a.0].0 + 1) {
             let mut data = IoBuf::new(run.len() * block_bytes as usize);
             for (at, (_, copy)) in run.iter().enumerate() {
                 let from = at * block_bytes as usize;
@@ -236,17 +219,8 @@ impl EngineVolume {
             targets.push((index, data, device, offset));
         }
         let bytes = block_bytes as usize;
-        let mut start = 0;
-        while start < targets.len() {
-            let mut stop = start + 1;
-            while stop < targets.len()
-                && targets[stop].2 == targets[start].2
-                && targets[stop].3 == targets[stop - 1].3 + block_bytes
-            {
-                stop += 1;
-            }
-            let run = &targets[start..stop];
-            start = stop;
+        let mut runs = targets.chunk_by(|a, b| b.2 == a.2 && b.3 == a.3 + block_bytes);
+        while let Some(run) = runs.next() {
             let mut buf = IoBuf::new(run.len() * bytes);
             for (at, (_, data, _, _)) in run.iter().enumerate() {
                 buf.payload_mut()[at * bytes..(at + 1) * bytes].copy_from_slice(data.payload());
@@ -274,7 +248,7 @@ impl EngineVolume {
                     Err(e) => {
                         // This one and every later one are mapped by
                         // nobody.
-                        for (_, _, device, offset) in run[at..].iter().chain(&targets[start..]) {
+                        for (_, _, device, offset) in run[at..].iter().chain(runs.flatten()) {
                             self.pool.release_unused(*device, *offset);
                         }
                         return Err(meta_error(e));

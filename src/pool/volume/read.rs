@@ -185,7 +185,7 @@ impl EngineVolume {
         }
         // Heat, for the migrator; not from sequential streams (a scan or a
         // backup reads everything once: it would promote nothing useful).
-        if self.streams.random_read(offset, length).is_some() {
+        if self.streams.is_random(offset, length) {
             for (device, physical, _, _) in &segments {
                 self.pool.note_heat(*device, *physical, false, 1);
             }
