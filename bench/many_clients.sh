@@ -8,6 +8,11 @@
 # (utime + stime of its process over the run, from /proc).
 # A temporary directory, ephemeral 127.0.0.1 ports, servers stopped by PID.
 #
+# VOLUMES=16 splits the same 1 GiB into 16 volumes of 64 MiB (strata: 16
+# volumes of the pool; nbdkit: its file plugin's dir= mode, one file per
+# export), each job group writing its own: JOBS/16 connections per volume
+# (rows with fewer jobs than volumes are skipped).
+#
 # Usage: bench/many_clients.sh [STRATA_BINARY] [SECONDS]
 #        (ROWS="1x32 16x4" picks rows; SERVERS="strata nbdkit" picks servers;
 #        RWS=randwrite picks the direction)
@@ -17,6 +22,8 @@ SECONDS_RUN=${2:-15}
 ROWS=${ROWS:-1x32 16x4 64x2 128x1 256x1}
 SERVERS=${SERVERS:-strata nbdkit}
 RWS=${RWS:-randread randwrite}
+VOLUMES=${VOLUMES:-1}
+VOLUME_MIB=$((1024 / VOLUMES))
 LIB=$(realpath "$(dirname "$0")/lib.sh")
 DIR=$(mktemp -d)
 PID=
@@ -31,31 +38,55 @@ start_server() {
         source "$LIB"
         # 256 connections from one address: above the default per-client cap.
         start_strata "$BIN" --max-connections-per-client 512
-        "$BIN" volume create default/b --size 1G >/dev/null
-        URI=nbd://127.0.0.1:$PORT/default/b
-    else
+        URIS=()
+        for v in $(seq 0 $((VOLUMES - 1))); do
+            "$BIN" volume create "default/b$v" --size "${VOLUME_MIB}M" >/dev/null
+            URIS+=("nbd://127.0.0.1:$PORT/default/b$v")
+        done
+    elif [ "$VOLUMES" = 1 ]; then
         # shellcheck source=bench/lib.sh
         source "$LIB"
         start_nbdkit
+        URIS=("$URI")
+    else
+        mkdir -p "$DIR/vols"
+        URIS=()
+        for v in $(seq 0 $((VOLUMES - 1))); do
+            truncate -s "${VOLUME_MIB}M" "$DIR/vols/b$v"
+        done
+        PORT=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+        nbdkit -f -i 127.0.0.1 -p "$PORT" --threads 16 file dir="$DIR/vols" &
+        PID=$!
+        for v in $(seq 0 $((VOLUMES - 1))); do
+            URIS+=("nbd://127.0.0.1:$PORT/b$v")
+        done
+        for _ in $(seq 50); do nbdinfo "${URIS[0]}" >/dev/null 2>&1 && break; sleep 0.1; done
     fi
-    fio --name=fill --ioengine=nbd --uri="$URI" --rw=write --bs=1M --iodepth=4 --size=1G \
-        --output-format=terse >/dev/null
+    for uri in "${URIS[@]}"; do
+        fio --name=fill --ioengine=nbd --uri="$uri" --rw=write --bs=1M --iodepth=4 --size="${VOLUME_MIB}M" \
+            --output-format=terse >/dev/null
+    done
 }
 
 stop_server() {
     kill "$PID" 2>/dev/null || true
     wait "$PID" 2>/dev/null || true
     PID=
-    rm -rf "$DIR/d" "$DIR/img" "$DIR"/*.txt
+    rm -rf "$DIR/d" "$DIR/img" "$DIR/vols" "$DIR"/*.txt
 }
 
 # One row: prints "IOPS p99_us spread cpu_us_per_op".
 run_row() {
     local rw=$1 jobs=$2 depth=$3 before after
+    # One job group per volume, JOBS / VOLUMES connections each.
+    local groups=() uri
+    for uri in "${URIS[@]}"; do
+        groups+=(--name=w --uri="$uri" --numjobs=$((jobs / VOLUMES)))
+    done
     before=$(cpu_ticks "$PID")
-    fio --name=w --ioengine=nbd --uri="$URI" --rw="$rw" --bs=4k --iodepth="$depth" --numjobs="$jobs" \
-        --size=1G --time_based --runtime="$SECONDS_RUN" --norandommap \
-        --output-format=json --output="$DIR/fio.json" >/dev/null
+    fio --ioengine=nbd --rw="$rw" --bs=4k --iodepth="$depth" --size="${VOLUME_MIB}M" \
+        --time_based --runtime="$SECONDS_RUN" --norandommap \
+        --output-format=json --output="$DIR/fio.json" "${groups[@]}" >/dev/null
     after=$(cpu_ticks "$PID")
     python3 - "$DIR/fio.json" "$rw" $((after - before)) "$TICKS" <<'EOF'
 import json, statistics, sys
@@ -80,6 +111,7 @@ for server in $SERVERS; do
     for row in $ROWS; do
         jobs=${row%x*}
         depth=${row#*x}
+        [ "$jobs" -ge "$VOLUMES" ] || continue
         for rw in $RWS; do
             read -r iops p99 spread cpu < <(run_row "$rw" "$jobs" "$depth")
             echo "| $server | $rw | $row | $iops | $p99 | $spread | $cpu |"

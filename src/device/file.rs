@@ -83,8 +83,9 @@ impl Default for DeviceOptions {
 pub struct FileDevice {
     info: DeviceInfo,
     file: Arc<File>,
-    /// A read-only mapping of a buffered file, for reads of cached pages
-    /// with their checksums in one pass ([`Device::read_now_summed`]).
+    /// A mapping of a buffered file, for reads of cached pages with their
+    /// checksums in one pass ([`Device::read_now_summed`]) and for writes
+    /// of whole cached pages without the inode lock (`write`, `write_now`).
     mapping: Option<Mapping>,
     engine: IoEngine,
     is_block_device: bool,
@@ -215,6 +216,16 @@ fn mapped_reads_enabled() -> bool {
     })
 }
 
+/// Whether writes go through the mapping too (`STRATA_MAPPED_WRITES=0`
+/// or `off` sends them all to `pwrite`, for comparison).
+fn mapped_writes_enabled() -> bool {
+    static ENABLED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ENABLED.get_or_init(|| match std::env::var("STRATA_MAPPED_WRITES") {
+        Ok(value) => !matches!(value.trim(), "0" | "off"),
+        Err(_) => true,
+    })
+}
+
 /// Default for [`DeviceOptions::lock_wait`].
 pub const LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
 
@@ -321,7 +332,7 @@ impl FileDevice {
         let mapping = if direct_io || !mapped_reads_enabled() {
             None
         } else {
-            Mapping::new(&file, size_bytes)
+            Mapping::new(&file, size_bytes, !options.read_only && mapped_writes_enabled())
         };
         Ok(FileDevice {
             info,
@@ -433,6 +444,11 @@ impl Device for FileDevice {
             {
                 return (buf, Err(e));
             }
+            if self.engine.writes_inline(buf.len(), self.info.direct_io)
+                && self.mapping.as_ref().is_some_and(|m| m.write(offset, buf.payload()))
+            {
+                return (buf, Ok(()));
+            }
             let (buf, result) = self.engine.write(&self.file, offset, buf, self.info.direct_io).await;
             (buf, result.map_err(|e| self.fail("write", offset, e)))
         })
@@ -445,6 +461,9 @@ impl Device for FileDevice {
         if let Err(e) = check_request(&self.info, offset, data.len() as u64).and_then(|()| self.check_writable(offset))
         {
             return Some(Err(e));
+        }
+        if self.mapping.as_ref().is_some_and(|m| m.write(offset, data)) {
+            return Some(Ok(()));
         }
         self.engine
             .write_now(&self.file, offset, data, self.info.direct_io)

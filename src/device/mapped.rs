@@ -1,4 +1,4 @@
-//! A read-only shared mapping of a buffered device file, for reads whose
+//! A shared mapping of a buffered device file, for reads and writes whose
 //! pages the kernel already holds in memory.
 //!
 //! A buffered `pread` copies the page cache into our buffer, and the pool
@@ -32,12 +32,35 @@
 //!   pool treats a mismatch here as "read it the usual way", which verifies
 //!   again and only then reports and counts corruption.
 //!
+//! Writes go through the mapping too (a writable device): a whole-page
+//! write to resident pages is a memory copy into the page cache, where a
+//! buffered `pwrite` takes the file's inode lock exclusively (ext4, for
+//! every buffered write) and costs ~23 µs per 4 KiB on this class of VM; a
+//! hundred connection threads writing one device file spent most of their
+//! time spinning and sleeping on that lock (BENCHMARKS.md, "In-place writes
+//! through the mapping"). The first store to a clean page faults once
+//! (the file system's `page_mkwrite`, under a shared lock); later stores
+//! until the page is written back cost only the copy. Durability is the
+//! same: `fdatasync` writes back pages dirtied through a shared mapping as
+//! it does those `pwrite` dirtied. What keeps it safe:
+//! - **Only resident, whole pages**, as for reads: a write never waits for
+//!   the disk to read a page it is about to overwrite (`pwrite` of a whole
+//!   page does not read it; a store through the mapping would).
+//! - **A failed fault loses nothing.** A store the file system refuses
+//!   (no space to back a page of a sparse file, a media error) raises
+//!   SIGBUS like a read; the handler puts a writable page of zeros there,
+//!   the copy finishes into it, the range is mapped again and the write is
+//!   refused, so the caller writes it with `pwrite`, which reports the
+//!   error. The pool writes a page from one place at a time (a block's
+//!   stripe lock held exclusively, a new slot, the log's one committer),
+//!   so nobody else was writing that page meanwhile.
+//!
 //! Only x86-64 with SSE4.2 and 4 KiB pages; elsewhere no mapping is made.
 
 use std::cell::Cell;
 use std::fs::File;
 use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{compiler_fence, AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use crate::checksum::{can_copy_summing, copy_summing_sectors, SUM_SECTOR_BYTES};
@@ -89,7 +112,8 @@ extern "C" fn on_sigbus(signal: libc::c_int, info: *mut libc::siginfo_t, context
             libc::mmap(
                 page as *mut libc::c_void,
                 PAGE,
-                libc::PROT_READ,
+                // Writable: a store that faulted runs again on return.
+                libc::PROT_READ | libc::PROT_WRITE,
                 libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED,
                 -1,
                 0,
@@ -133,39 +157,43 @@ extern "C" fn on_sigbus(signal: libc::c_int, info: *mut libc::siginfo_t, context
     }
 }
 
-/// A read-only `MAP_SHARED` mapping of a whole device file.
+/// A `MAP_SHARED` mapping of a whole device file (writable for a writable
+/// device).
 pub struct Mapping {
     base: *mut u8,
     len: usize,
     file: Arc<File>,
+    writable: bool,
     /// Restoring the file over a faulted range failed: the mapping is not
     /// used again.
     broken: AtomicBool,
 }
 
-// SAFETY: the mapping is only read (with volatile loads, through
-// `copy_summing_sectors`) and remapped with MAP_FIXED, which the kernel
-// serialises; the pointer is never handed out.
+// SAFETY: the mapping is read (with volatile loads, through
+// `copy_summing_sectors`), written by `write` into ranges the caller owns
+// (see there), and remapped with MAP_FIXED, which the kernel serialises;
+// the pointer is never handed out.
 unsafe impl Send for Mapping {}
 // SAFETY: as above.
 unsafe impl Sync for Mapping {}
 
 impl Mapping {
-    /// Maps `len` bytes of `file`, or `None` where reads through a mapping
-    /// are not done (see the module notes) or the mapping fails.
-    pub fn new(file: &Arc<File>, len: u64) -> Option<Mapping> {
+    /// Maps `len` bytes of `file` (for writes too if `writable`: the file
+    /// must be open for writing), or `None` where I/O through a mapping is
+    /// not done (see the module notes) or the mapping fails.
+    pub fn new(file: &Arc<File>, len: u64, writable: bool) -> Option<Mapping> {
         // SAFETY: sysconf has no preconditions.
         let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
         if len == 0 || page != PAGE as libc::c_long || !can_copy_summing() || !install_handler() {
             return None;
         }
         let len = usize::try_from(len).ok()?;
-        // SAFETY: a fresh read-only shared mapping of a descriptor we hold.
+        // SAFETY: a fresh shared mapping of a descriptor we hold.
         let base = unsafe {
             libc::mmap(
                 std::ptr::null_mut(),
                 len,
-                libc::PROT_READ,
+                protection(writable),
                 libc::MAP_SHARED,
                 file.as_raw_fd(),
                 0,
@@ -179,8 +207,56 @@ impl Mapping {
             base: base as *mut u8,
             len,
             file: file.clone(),
+            writable,
             broken: AtomicBool::new(false),
         })
+    }
+
+    /// Copies `data` to `offset` of the file through the mapping, if the
+    /// mapping is writable and the range is whole pages, all in the page
+    /// cache. `false`: nothing is known to be written (not resident,
+    /// misaligned, outside the mapping, or the file system refused a page:
+    /// some of the range may hold new bytes); write it the usual way.
+    ///
+    /// The caller must be the only one writing `[offset, offset + len)`
+    /// until this returns (the pool holds the block's stripe exclusively).
+    pub fn write(&self, offset: u64, data: &[u8]) -> bool {
+        let len = data.len();
+        let Ok(start) = usize::try_from(offset) else {
+            return false;
+        };
+        if !self.writable
+            || len == 0
+            || start % PAGE != 0
+            || !len.is_multiple_of(PAGE)
+            || start.checked_add(len).is_none_or(|end| end > self.len)
+            || self.broken.load(Ordering::Relaxed)
+            || !self.resident(start, len)
+        {
+            return false;
+        }
+        self.write_guarded(start, data)
+    }
+
+    /// The copy of [`Mapping::write`], its range checked: `false` if a page
+    /// faulted (the range is then mapped again).
+    fn write_guarded(&self, start: usize, data: &[u8]) -> bool {
+        // SAFETY: the caller checked that `start + len` lies inside the mapping.
+        let dst = unsafe { self.base.add(start) };
+        GUARDED.with(|g| g.set((dst as usize, dst as usize + data.len())));
+        // The handler reads GUARDED: keep the copy between the two stores.
+        compiler_fence(Ordering::SeqCst);
+        // SAFETY: the range is mapped writable, page aligned, and ours to
+        // write (see `write`); a page the file system refuses is replaced
+        // by writable zeros by the SIGBUS handler and the store runs again.
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), dst, data.len()) };
+        compiler_fence(Ordering::SeqCst);
+        GUARDED.with(|g| g.set((0, 0)));
+        if !FAULTED.with(|f| f.replace(false)) {
+            return true;
+        }
+        self.restore(start, data.len());
+        false
     }
 
     /// Copies whole sectors at `offset` into `dst` and each sector's
@@ -249,7 +325,7 @@ impl Mapping {
             libc::mmap(
                 self.base.add(start) as *mut libc::c_void,
                 len,
-                libc::PROT_READ,
+                protection(self.writable),
                 libc::MAP_SHARED | libc::MAP_FIXED,
                 self.file.as_raw_fd(),
                 start as libc::off_t,
@@ -259,6 +335,14 @@ impl Mapping {
             tracing::warn!(error = %std::io::Error::last_os_error(), "could not map the device file again after a failed page; reads stop using the mapping");
             self.broken.store(true, Ordering::Relaxed);
         }
+    }
+}
+
+fn protection(writable: bool) -> libc::c_int {
+    if writable {
+        libc::PROT_READ | libc::PROT_WRITE
+    } else {
+        libc::PROT_READ
     }
 }
 
@@ -297,7 +381,7 @@ mod tests {
         }
         let data = pattern(1 << 20, 1);
         let (_dir, file) = file_with(&data);
-        let mapping = Mapping::new(&file, data.len() as u64).expect("mapping");
+        let mapping = Mapping::new(&file, data.len() as u64, false).expect("mapping");
         let mut dst = vec![0u8; 64 << 10];
         let mut sums = vec![0u32; 16];
         // Just written, so resident.
@@ -327,7 +411,7 @@ mod tests {
         let data = pattern(256 << 10, 2);
         let (_dir, file) = file_with(&data);
         file.sync_all().unwrap();
-        let mapping = Mapping::new(&file, data.len() as u64).expect("mapping");
+        let mapping = Mapping::new(&file, data.len() as u64, false).expect("mapping");
         // SAFETY: advice on a descriptor we own.
         unsafe { libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
         let mut dst = vec![0u8; 256 << 10];
@@ -343,13 +427,78 @@ mod tests {
     }
 
     #[test]
+    fn writes_of_whole_resident_pages_reach_the_file_and_others_are_refused() {
+        if !can_copy_summing() {
+            return;
+        }
+        let data = pattern(1 << 20, 4);
+        let (_dir, file) = file_with(&data);
+        let mapping = Mapping::new(&file, data.len() as u64, true).expect("mapping");
+        let new = pattern(16 << 10, 5);
+        // Just written, so resident: the bytes are the file's at once.
+        assert!(mapping.write(64 << 10, &new));
+        let mut back = vec![0u8; 16 << 10];
+        file.read_exact_at(&mut back, 64 << 10).unwrap();
+        assert_eq!(back, new);
+        // What the mapping wrote, fdatasync makes durable like a pwrite's
+        // (the page is dirty in the page cache either way).
+        file.sync_data().unwrap();
+        // Refused, nothing written: part of a page, past the end, empty.
+        assert!(!mapping.write(4096 + 512, &new[..4096]));
+        assert!(!mapping.write(0, &new[..100]));
+        assert!(!mapping.write((1 << 20) - 4096, &new[..8192]));
+        assert!(!mapping.write(0, &[]));
+        file.read_exact_at(&mut back[..8192], 0).unwrap();
+        assert_eq!(&back[..8192], &data[..8192]);
+        // A read-only mapping never writes.
+        let reader = Mapping::new(&file, data.len() as u64, false).expect("mapping");
+        assert!(!reader.write(0, &new[..4096]));
+        file.read_exact_at(&mut back[..4096], 0).unwrap();
+        assert_eq!(&back[..4096], &data[..4096]);
+    }
+
+    #[test]
+    fn a_page_the_file_system_refuses_is_refused_without_killing_the_process() {
+        if !can_copy_summing() {
+            return;
+        }
+        let data = pattern(256 << 10, 6);
+        let (_dir, file) = file_with(&data);
+        let mapping = Mapping::new(&file, data.len() as u64, true).expect("mapping");
+        // The file cut short: its last pages no longer exist and a store
+        // there raises SIGBUS (`write` would refuse the range on mincore's
+        // word first; the guarded copy is what must survive the fault).
+        file.set_len(160 << 10).unwrap();
+        let new = pattern(64 << 10, 7);
+        assert!(!mapping.write(128 << 10, &new));
+        assert!(
+            !mapping.write_guarded(128 << 10, &new),
+            "a store past the end was taken"
+        );
+        assert!(!mapping.broken.load(Ordering::Relaxed));
+        // The pages that exist took the copy (the caller writes the range
+        // again with pwrite, which reports the error for the rest).
+        let mut back = vec![0u8; 32 << 10];
+        file.read_exact_at(&mut back, 128 << 10).unwrap();
+        assert_eq!(back, new[..32 << 10]);
+        assert_eq!(file.metadata().unwrap().len(), 160 << 10, "the file did not grow");
+        // The file grows again: the restored mapping writes it.
+        file.set_len(256 << 10).unwrap();
+        file.write_all_at(&data[160 << 10..], 160 << 10).unwrap();
+        assert!(mapping.write(128 << 10, &new));
+        let mut back = vec![0u8; 64 << 10];
+        file.read_exact_at(&mut back, 128 << 10).unwrap();
+        assert_eq!(back, new);
+    }
+
+    #[test]
     fn a_page_that_cannot_be_read_is_refused_without_killing_the_process() {
         if !can_copy_summing() {
             return;
         }
         let data = pattern(256 << 10, 3);
         let (_dir, file) = file_with(&data);
-        let mapping = Mapping::new(&file, data.len() as u64).expect("mapping");
+        let mapping = Mapping::new(&file, data.len() as u64, false).expect("mapping");
         let mut dst = vec![0u8; 64 << 10];
         let mut sums = vec![0u32; 16];
         assert!(mapping.copy_summing(128 << 10, &mut dst, &mut sums));
