@@ -32,8 +32,8 @@
 //!   pool treats a mismatch here as "read it the usual way", which verifies
 //!   again and only then reports and counts corruption.
 //!
-//! Writes go through the mapping too (a writable device): a whole-page
-//! write to resident pages is a memory copy into the page cache, where a
+//! Writes go through the mapping too (a writable device): a write of whole
+//! resident pages, up to 64 KiB, is a memory copy into the page cache, where a
 //! buffered `pwrite` takes the file's inode lock exclusively (ext4, for
 //! every buffered write) and costs ~23 µs per 4 KiB on this class of VM; a
 //! hundred connection threads writing one device file spent most of their
@@ -66,6 +66,11 @@ use std::sync::{Arc, OnceLock};
 use crate::checksum::{can_copy_summing, copy_summing_sectors, SUM_SECTOR_BYTES};
 
 const PAGE: usize = 4096;
+/// The largest write copied through the mapping. The inode lock a
+/// `pwrite` takes is paid per call, a fault per clean page: a megabyte
+/// `pwrite` spreads its lock over 256 pages, where a copy through the
+/// mapping could fault 256 times.
+pub const WRITE_MAX: usize = 64 << 10;
 /// Pages asked of `mincore` at a time (its answer lives on the stack).
 const RESIDENCY_PAGES: usize = 512;
 
@@ -213,8 +218,8 @@ impl Mapping {
     }
 
     /// Copies `data` to `offset` of the file through the mapping, if the
-    /// mapping is writable and the range is whole pages, all in the page
-    /// cache. `false`: nothing is known to be written (not resident,
+    /// mapping is writable and the range is whole pages (at most
+    /// [`WRITE_MAX`] bytes), all in the page cache. `false`: nothing is known to be written (not resident,
     /// misaligned, outside the mapping, or the file system refused a page:
     /// some of the range may hold new bytes); write it the usual way.
     ///
@@ -227,6 +232,7 @@ impl Mapping {
         };
         if !self.writable
             || len == 0
+            || len > WRITE_MAX
             || start % PAGE != 0
             || !len.is_multiple_of(PAGE)
             || start.checked_add(len).is_none_or(|end| end > self.len)
@@ -448,6 +454,7 @@ mod tests {
         assert!(!mapping.write(0, &new[..100]));
         assert!(!mapping.write((1 << 20) - 4096, &new[..8192]));
         assert!(!mapping.write(0, &[]));
+        assert!(!mapping.write(0, &data[..WRITE_MAX + PAGE]));
         file.read_exact_at(&mut back[..8192], 0).unwrap();
         assert_eq!(&back[..8192], &data[..8192]);
         // A read-only mapping never writes.
