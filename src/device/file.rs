@@ -85,8 +85,10 @@ pub struct FileDevice {
     file: Arc<File>,
     /// A mapping of a buffered file, for reads of cached pages with their
     /// checksums in one pass ([`Device::read_now_summed`]) and for writes
-    /// of whole cached pages without the inode lock (`write`, `write_now`).
+    /// of whole cached pages without the inode lock (`write_now`).
     mapping: Option<Mapping>,
+    /// Inline `pwrite`s of this file under way (see `write_now`).
+    pwrites: std::sync::atomic::AtomicUsize,
     engine: IoEngine,
     is_block_device: bool,
     read_only: bool,
@@ -338,6 +340,7 @@ impl FileDevice {
             info,
             file,
             mapping,
+            pwrites: std::sync::atomic::AtomicUsize::new(0),
             engine,
             is_block_device,
             read_only: options.read_only,
@@ -444,11 +447,6 @@ impl Device for FileDevice {
             {
                 return (buf, Err(e));
             }
-            if self.engine.writes_inline(buf.len(), self.info.direct_io)
-                && self.mapping.as_ref().is_some_and(|m| m.write(offset, buf.payload()))
-            {
-                return (buf, Ok(()));
-            }
             let (buf, result) = self.engine.write(&self.file, offset, buf, self.info.direct_io).await;
             (buf, result.map_err(|e| self.fail("write", offset, e)))
         })
@@ -462,12 +460,25 @@ impl Device for FileDevice {
         {
             return Some(Err(e));
         }
-        if self.mapping.as_ref().is_some_and(|m| m.write(offset, data)) {
+        // A write that would wait for another thread's `pwrite` of this
+        // file (ext4 serialises them on the inode lock) copies into the
+        // mapping instead; one that would not keeps `pwrite`, because a
+        // page written through the mapping costs more when it is flushed
+        // (write-protected again, a fault on the next store): with a flush
+        // every millisecond (synchronous writers) that cost wins. Only
+        // here, not in `write`: the pool writes volume data with
+        // `write_now`, its log and metadata with `write` (see
+        // `device::mapped`).
+        use std::sync::atomic::Ordering::AcqRel;
+        if self.pwrites.load(std::sync::atomic::Ordering::Acquire) > 0
+            && self.mapping.as_ref().is_some_and(|m| m.write(offset, data))
+        {
             return Some(Ok(()));
         }
-        self.engine
-            .write_now(&self.file, offset, data, self.info.direct_io)
-            .map(|result| result.map_err(|e| self.fail("write", offset, e)))
+        self.pwrites.fetch_add(1, AcqRel);
+        let result = self.engine.write_now(&self.file, offset, data, self.info.direct_io);
+        self.pwrites.fetch_sub(1, AcqRel);
+        result.map(|result| result.map_err(|e| self.fail("write", offset, e)))
     }
 
     fn backing_space(&self) -> Option<BackingSpace> {

@@ -456,18 +456,18 @@ impl EngineVolume {
                 Payload::Owned(_) => false,
             });
             let payload = std::mem::replace(&mut write.data, Payload::Source(0..0));
-            // A part of the request's buffer: written from it in place if
-            // the device takes borrowed memory, else from a copy.
-            let in_place = match &payload {
-                Payload::Source(range) if !whole_source => {
-                    let bytes = &source.as_ref().expect("the request's buffer").payload()[range.clone()];
-                    pool_device
-                        .device
-                        .write_now(write.offset, bytes)
-                        .map(|result| (result, bytes.len() as u64))
-                }
-                _ => None,
+            // Written from the memory it is in if the device takes borrowed
+            // memory (a buffered file: a copy into its mapping, or `pwrite`;
+            // only data takes the mapping, see `device::mapped`), else from
+            // the request's buffer or a copy of its part.
+            let bytes = match &payload {
+                Payload::Source(range) => &source.as_ref().expect("the request's buffer").payload()[range.clone()],
+                Payload::Owned(buf) => buf.payload(),
             };
+            let in_place = pool_device
+                .device
+                .write_now(write.offset, bytes)
+                .map(|result| (result, bytes.len() as u64));
             let (result, length) = match in_place {
                 Some(done) => done,
                 None => {
