@@ -678,6 +678,41 @@ mod tests {
             .is_none());
     }
 
+    #[tokio::test]
+    async fn a_write_that_would_wait_for_another_pwrite_goes_through_the_mapping() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("dev.img");
+        create_file(&path, 1 << 20).unwrap();
+        let dev = FileDevice::open(&path, &options(DirectIo::Off)).unwrap();
+        if dev.mapping.is_none() {
+            eprintln!("no mapping on this CPU: nothing to test");
+            return;
+        }
+        let first: Vec<u8> = (0..16384u32).map(|i| (i % 251) as u8).collect();
+        // Alone: pwrite (which also makes the pages resident).
+        assert!(matches!(dev.write_now(8192, &first), Some(Ok(()))));
+        assert_eq!(dev.pwrites.load(std::sync::atomic::Ordering::Acquire), 0);
+        // Another thread inside a pwrite of the file: the copy goes through
+        // the mapping, and every way of reading the file sees it.
+        dev.pwrites.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+        let second: Vec<u8> = (0..16384u32).map(|i| (i % 241) as u8 ^ 0x5a).collect();
+        assert!(matches!(dev.write_now(8192, &second), Some(Ok(()))));
+        dev.pwrites.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+        let (buf, result) = dev.read(8192, IoBuf::new(16384)).await;
+        result.unwrap();
+        assert_eq!(buf.payload(), &second[..]);
+        let mut back = vec![0u8; 16384];
+        std::fs::File::open(&path).unwrap().read_exact_at(&mut back, 8192).unwrap();
+        assert_eq!(back, second);
+        dev.flush().await.unwrap();
+        // Out of range is refused before either way is tried.
+        dev.pwrites.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+        assert!(matches!(
+            dev.write_now(1 << 20, &second[..4096]),
+            Some(Err(DeviceError::OutOfRange { .. }))
+        ));
+    }
+
     #[test]
     fn open_refuses_directories_and_missing_paths() {
         let dir = tempfile::tempdir().unwrap();

@@ -32,17 +32,20 @@
 //!   pool treats a mismatch here as "read it the usual way", which verifies
 //!   again and only then reports and counts corruption.
 //!
-//! Writes go through the mapping too (a writable device): a write of whole
-//! resident pages, up to 64 KiB, is a memory copy into the page cache, where a
-//! buffered `pwrite` takes the file's inode lock exclusively (ext4, for
-//! every buffered write) and costs ~23 µs per 4 KiB on this class of VM; a
-//! hundred connection threads writing one device file spent most of their
-//! time spinning and sleeping on that lock (BENCHMARKS.md, "In-place writes
-//! through the mapping"). The first store to a clean page faults once
-//! (the file system's `page_mkwrite`, under a shared lock); later stores
-//! until the page is written back cost only the copy. Durability is the
-//! same: `fdatasync` writes back pages dirtied through a shared mapping as
-//! it does those `pwrite` dirtied. What keeps it safe:
+//! Writes go through the mapping too (a writable device), when the caller
+//! chooses (`FileDevice::write_now` does when another thread is inside a
+//! `pwrite` of the same file): a write of whole resident pages, up to
+//! 64 KiB, is a memory copy into the page cache, where a buffered `pwrite`
+//! takes the file's inode lock exclusively (ext4, for every buffered write)
+//! and costs ~23 µs per 4 KiB on this class of VM; a hundred connection
+//! threads writing one device file spent most of their time spinning and
+//! sleeping on that lock. The first store to a clean page faults once (the
+//! file system's `page_mkwrite`, under a shared lock); later stores until
+//! the page is written back cost only the copy, but a flush write-protects
+//! the page again, so pages flushed after every write are cheaper written
+//! with `pwrite` (ARCHITECTURE.md). Durability is the same: `fdatasync`
+//! writes back pages dirtied through a shared mapping as it does those
+//! `pwrite` dirtied. What keeps it safe:
 //! - **Only resident, whole pages**, as for reads: a write never waits for
 //!   the disk to read a page it is about to overwrite (`pwrite` of a whole
 //!   page does not read it; a store through the mapping would).
@@ -52,8 +55,8 @@
 //!   the copy finishes into it, the range is mapped again and the write is
 //!   refused, so the caller writes it with `pwrite`, which reports the
 //!   error. The pool writes a page from one place at a time (a block's
-//!   stripe lock held exclusively, a new slot, the log's one committer),
-//!   so nobody else was writing that page meanwhile.
+//!   stripe lock held exclusively, a new slot), so nobody else was writing
+//!   that page meanwhile.
 //!
 //! Only x86-64 with SSE4.2 and 4 KiB pages; elsewhere no mapping is made.
 
