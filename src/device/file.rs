@@ -20,6 +20,7 @@ use std::io;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::{FileExt, FileTypeExt, MetadataExt, OpenOptionsExt};
 use std::path::Path;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use super::blocking::run_blocking;
@@ -88,7 +89,7 @@ pub struct FileDevice {
     /// of whole cached pages without the inode lock (`write_now`).
     mapping: Option<Mapping>,
     /// Inline `pwrite`s of this file under way (see `write_now`).
-    pwrites: std::sync::atomic::AtomicUsize,
+    pwrites: AtomicUsize,
     engine: IoEngine,
     is_block_device: bool,
     read_only: bool,
@@ -340,7 +341,7 @@ impl FileDevice {
             info,
             file,
             mapping,
-            pwrites: std::sync::atomic::AtomicUsize::new(0),
+            pwrites: AtomicUsize::new(0),
             engine,
             is_block_device,
             read_only: options.read_only,
@@ -469,15 +470,12 @@ impl Device for FileDevice {
         // here, not in `write`: the pool writes volume data with
         // `write_now`, its log and metadata with `write` (see
         // `device::mapped`).
-        use std::sync::atomic::Ordering::AcqRel;
-        if self.pwrites.load(std::sync::atomic::Ordering::Acquire) > 0
-            && self.mapping.as_ref().is_some_and(|m| m.write(offset, data))
-        {
+        if self.pwrites.load(Ordering::Acquire) > 0 && self.mapping.as_ref().is_some_and(|m| m.write(offset, data)) {
             return Some(Ok(()));
         }
-        self.pwrites.fetch_add(1, AcqRel);
+        self.pwrites.fetch_add(1, Ordering::AcqRel);
         let result = self.engine.write_now(&self.file, offset, data, self.info.direct_io);
-        self.pwrites.fetch_sub(1, AcqRel);
+        self.pwrites.fetch_sub(1, Ordering::AcqRel);
         result.map(|result| result.map_err(|e| self.fail("write", offset, e)))
     }
 
@@ -691,22 +689,25 @@ mod tests {
         let first: Vec<u8> = (0..16384u32).map(|i| (i % 251) as u8).collect();
         // Alone: pwrite (which also makes the pages resident).
         assert!(matches!(dev.write_now(8192, &first), Some(Ok(()))));
-        assert_eq!(dev.pwrites.load(std::sync::atomic::Ordering::Acquire), 0);
+        assert_eq!(dev.pwrites.load(Ordering::Acquire), 0);
         // Another thread inside a pwrite of the file: the copy goes through
         // the mapping, and every way of reading the file sees it.
-        dev.pwrites.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+        dev.pwrites.fetch_add(1, Ordering::AcqRel);
         let second: Vec<u8> = (0..16384u32).map(|i| (i % 241) as u8 ^ 0x5a).collect();
         assert!(matches!(dev.write_now(8192, &second), Some(Ok(()))));
-        dev.pwrites.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+        dev.pwrites.fetch_sub(1, Ordering::AcqRel);
         let (buf, result) = dev.read(8192, IoBuf::new(16384)).await;
         result.unwrap();
         assert_eq!(buf.payload(), &second[..]);
         let mut back = vec![0u8; 16384];
-        std::fs::File::open(&path).unwrap().read_exact_at(&mut back, 8192).unwrap();
+        std::fs::File::open(&path)
+            .unwrap()
+            .read_exact_at(&mut back, 8192)
+            .unwrap();
         assert_eq!(back, second);
         dev.flush().await.unwrap();
         // Out of range is refused before either way is tried.
-        dev.pwrites.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+        dev.pwrites.fetch_add(1, Ordering::AcqRel);
         assert!(matches!(
             dev.write_now(1 << 20, &second[..4096]),
             Some(Err(DeviceError::OutOfRange { .. }))
