@@ -222,9 +222,10 @@ impl Mapping {
 
     /// Copies `data` to `offset` of the file through the mapping, if the
     /// mapping is writable and the range is whole pages (at most
-    /// [`WRITE_MAX`] bytes), all in the page cache. `false`: nothing is known to be written (not resident,
-    /// misaligned, outside the mapping, or the file system refused a page:
-    /// some of the range may hold new bytes); write it the usual way.
+    /// [`WRITE_MAX`] bytes), all in the page cache. `false`: nothing is
+    /// known to be written (not resident, misaligned, outside the mapping,
+    /// or the file system refused a page: some of the range may hold new
+    /// bytes); write it the usual way.
     ///
     /// The caller must be the only one writing `[offset, offset + len)`
     /// until this returns (the pool holds the block's stripe exclusively).
@@ -250,22 +251,12 @@ impl Mapping {
     /// The copy of [`Mapping::write`], its range checked: `false` if a page
     /// faulted (the range is then mapped again).
     fn write_guarded(&self, start: usize, data: &[u8]) -> bool {
-        // SAFETY: the caller checked that `start + len` lies inside the mapping.
-        let dst = unsafe { self.base.add(start) };
-        GUARDED.with(|g| g.set((dst as usize, dst as usize + data.len())));
-        // The handler reads GUARDED: keep the copy between the two stores.
-        compiler_fence(Ordering::SeqCst);
         // SAFETY: the range is mapped writable, page aligned, and ours to
         // write (see `write`); a page the file system refuses is replaced
         // by writable zeros by the SIGBUS handler and the store runs again.
-        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), dst, data.len()) };
-        compiler_fence(Ordering::SeqCst);
-        GUARDED.with(|g| g.set((0, 0)));
-        if !FAULTED.with(|f| f.replace(false)) {
-            return true;
-        }
-        self.restore(start, data.len());
-        false
+        self.guarded(start, data.len(), |dst| unsafe {
+            std::ptr::copy_nonoverlapping(data.as_ptr(), dst, data.len())
+        })
     }
 
     /// Copies whole sectors at `offset` into `dst` and each sector's
@@ -293,13 +284,23 @@ impl Mapping {
     /// The copy of [`Mapping::copy_summing`], its range checked: `false` if
     /// a page faulted (the range is then mapped again).
     fn copy_guarded(&self, start: usize, dst: &mut [u8], sums: &mut [u32]) -> bool {
-        let len = dst.len();
-        // SAFETY: the caller checked that `start + len` lies inside the mapping.
-        let src = unsafe { self.base.add(start) };
-        GUARDED.with(|g| g.set((src as usize, src as usize + len)));
         // SAFETY: the range is mapped and page aligned; a page that cannot
         // be read is replaced by zeros by the SIGBUS handler.
-        unsafe { copy_summing_sectors(src, dst, sums) };
+        self.guarded(start, dst.len(), |src| unsafe { copy_summing_sectors(src, dst, sums) })
+    }
+
+    /// Runs `copy` on the mapping's address of `[start, start + len)` with
+    /// the range guarded (a SIGBUS inside it maps zeros over the page and
+    /// the access runs again); `false` if a page faulted, the range then
+    /// mapped again. The caller checked that the range lies in the mapping.
+    fn guarded(&self, start: usize, len: usize, copy: impl FnOnce(*mut u8)) -> bool {
+        // SAFETY: the caller checked that `start + len` lies inside the mapping.
+        let at = unsafe { self.base.add(start) };
+        GUARDED.with(|g| g.set((at as usize, at as usize + len)));
+        // The handler reads GUARDED: keep the copy between the two stores.
+        compiler_fence(Ordering::SeqCst);
+        copy(at);
+        compiler_fence(Ordering::SeqCst);
         GUARDED.with(|g| g.set((0, 0)));
         if !FAULTED.with(|f| f.replace(false)) {
             return true;
