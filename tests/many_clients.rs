@@ -292,10 +292,13 @@ fn a_storm_of_a_thousand_nbd_connections_leaves_no_thread_or_memory_behind() {
             assert_eq!(raw.read(4096), vec![0u8; 4096]);
             open.push(raw);
         }
+        // Transmission runs on tasks: 100 open connections cost no thread
+        // each (a thread per connection would add 100 here).
         let (threads_open, _) = threads_and_rss(server.pid());
         assert!(
-            threads_open >= threads_before,
-            "threads fell while 100 connections were open ({threads_open} < {threads_before})"
+            threads_open < threads_before + 50,
+            "100 open connections took {} threads ({threads_before} before)",
+            threads_open.saturating_sub(threads_before)
         );
         for (i, mut raw) in open.into_iter().enumerate() {
             if i % 10 != 0 {

@@ -233,7 +233,7 @@ fn requests_sent_with_the_last_option_are_served_and_a_stop_ends_the_connection(
     let mut raw = Raw::start(&server.nbd);
     // NBD_OPT_GO and two requests in one segment, before any reply is read:
     // the requests arrive while the server still reads options, and must be
-    // served once transmission starts (on the connection's own thread).
+    // served once transmission starts (on the connection's reader task).
     let mut data = name_payload("default/vol0");
     data.extend_from_slice(&0u16.to_be_bytes());
     let mut out = IHAVEOPT.to_be_bytes().to_vec();

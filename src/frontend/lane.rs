@@ -1,7 +1,7 @@
 //! A connection's lanes: threads beside its reader for bulk work, so that
 //! one connection's large reads run on more than one core.
 //!
-//! One NBD connection is read by one thread, which parses requests and runs
+//! One NBD connection is read by one task, which parses requests and runs
 //! the small ones itself. A megabyte read done there would be done in turn:
 //! read the device, verify the checksums, copy the reply into the socket
 //! (through loopback TCP, the larger half of the cost), and only then parse

@@ -10,9 +10,9 @@
 //!
 //! The outbox writes to its own descriptor of the socket, registered with
 //! tokio for writability only ([`ReplySocket`]): the connection's reader
-//! receives on its own thread with blocking calls, and a registration that
-//! also asked for readability would wake an idle tokio worker for every
-//! segment of a payload the reader is already receiving.
+//! has the socket's readability to itself (its own registration), and a
+//! second registration that also asked for readability would wake an idle
+//! tokio worker once more for every segment that arrives.
 //!
 //! All writes happen under one lock, so the bytes of two replies never
 //! interleave; replies queued together go out in one `writev` (up to

@@ -21,7 +21,7 @@
 
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU32, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
@@ -281,10 +281,8 @@ where
         negotiated,
         recorder,
     } = serve;
-    let task = tokio::spawn(async move {
-        let _counted = Transmitting::new();
-        transmission(reader, replies, volume, handle, negotiated, &idle, recorder).await
-    });
+    let task =
+        tokio::spawn(async move { transmission(reader, replies, volume, handle, negotiated, &idle, recorder).await });
     Ok((task, watcher))
 }
 
@@ -525,11 +523,29 @@ fn recv_into(fd: libc::c_int, unfilled: &mut [std::mem::MaybeUninit<u8>], flags:
     unsafe { libc::recv(fd, unfilled.as_mut_ptr().cast(), unfilled.len(), flags) }
 }
 
+/// Whether idle polls have been catching the next request, process-wide:
+/// +1 for a poll that did, -1 for one that waited its whole window, kept
+/// within ±[`POLL_SCORE_LIMIT`]. Polls run while it is positive; while
+/// it is not, one idle receive in [`POLL_PROBE_EVERY`] polls anyway, to
+/// learn when polling pays again.
+static POLL_SCORE: AtomicI32 = AtomicI32::new(POLL_SCORE_LIMIT);
+static POLL_PROBE: AtomicU32 = AtomicU32::new(0);
+const POLL_SCORE_LIMIT: i32 = 16;
+const POLL_PROBE_EVERY: u32 = 64;
+
 /// Polls `fd` for data for up to [`idle_poll`]: bytes received (0 at end
-/// of stream), or `None` if nothing came (or polling is off or taken).
+/// of stream), or `None` if nothing came (or polling is off, taken, or
+/// has not been paying: see [`POLL_SCORE`]).
 fn poll_briefly(fd: libc::c_int, unfilled: &mut [std::mem::MaybeUninit<u8>]) -> Option<isize> {
     let window = idle_poll();
     if window.is_zero() {
+        return None;
+    }
+    if POLL_SCORE.load(Ordering::Relaxed) <= 0
+        && !POLL_PROBE
+            .fetch_add(1, Ordering::Relaxed)
+            .is_multiple_of(POLL_PROBE_EVERY)
+    {
         return None;
     }
     if POLLING.fetch_add(1, Ordering::Relaxed) >= polling_limit() {
@@ -537,19 +553,26 @@ fn poll_briefly(fd: libc::c_int, unfilled: &mut [std::mem::MaybeUninit<u8>]) -> 
         return None;
     }
     let until = Instant::now() + window;
-    let received = loop {
+    let (received, caught) = loop {
         let received = recv_into(fd, unfilled, libc::MSG_DONTWAIT);
         if received >= 0 {
-            break Some(received);
+            break (Some(received), true);
         }
         let again = std::io::Error::last_os_error().kind() == std::io::ErrorKind::WouldBlock;
-        if !again || Instant::now() >= until {
+        if !again {
             // An error is reported by the receive that follows.
-            break None;
+            break (None, true);
+        }
+        if Instant::now() >= until {
+            break (None, false);
         }
         std::hint::spin_loop();
     };
     POLLING.fetch_sub(1, Ordering::Relaxed);
+    let change = if caught { 1 } else { -1 };
+    let _ = POLL_SCORE.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |score| {
+        Some((score + change).clamp(-POLL_SCORE_LIMIT, POLL_SCORE_LIMIT))
+    });
     received
 }
 
@@ -573,14 +596,14 @@ fn advance_received(buf: &mut ReadBuf<'_>, received: usize) {
 ///
 /// When the reader waits for the next request with nothing in flight
 /// (`idle`, set by [`transmission`]: a client doing one request at a
-/// time) and no more connections are in transmission than there are
-/// cores, the receive polls for up to [`idle_poll`] before it waits: the
+/// time), the receive polls for up to [`idle_poll`] before it waits: the
 /// next request of such a client usually comes within tens of
 /// microseconds, and a worker that parked must be woken on a core that
 /// went idle, which on a virtual machine costs about as much again
 /// (4K QD1 reads: 58 µs at the median without the poll, 33 µs with it).
-/// With more connections than cores a worker always has another task to
-/// run, and polling would only hold those up.
+/// A poll holds up the other tasks of its worker, so polls run only while
+/// they have been catching requests ([`POLL_SCORE`]): with a hundred busy
+/// connections a client's next request rarely comes within the window.
 struct Receiver<S> {
     stream: S,
     idle: Arc<AtomicBool>,
@@ -593,7 +616,7 @@ impl<S: AsyncRead + AsRawFd + Unpin> AsyncRead for Receiver<S> {
         // `advance_received` marks only the bytes it reported received.
         let unfilled = unsafe { buf.unfilled_mut() };
         let mut received = recv_into(fd, unfilled, libc::MSG_DONTWAIT);
-        if received < 0 && self.idle.load(Ordering::Relaxed) && TRANSMITTING.load(Ordering::Relaxed) <= cores() {
+        if received < 0 && self.idle.load(Ordering::Relaxed) {
             received = poll_briefly(fd, unfilled).unwrap_or(-1);
         }
         if received >= 0 {
@@ -603,31 +626,6 @@ impl<S: AsyncRead + AsRawFd + Unpin> AsyncRead for Receiver<S> {
         // Nothing there (or an error, which the stream's own read reports).
         Pin::new(&mut self.stream).poll_read(cx, buf)
     }
-}
-
-/// Connections in transmission, process-wide.
-static TRANSMITTING: AtomicUsize = AtomicUsize::new(0);
-
-/// Counts one connection in [`TRANSMITTING`] while it lives.
-struct Transmitting;
-
-impl Transmitting {
-    fn new() -> Self {
-        TRANSMITTING.fetch_add(1, Ordering::Relaxed);
-        Transmitting
-    }
-}
-
-impl Drop for Transmitting {
-    fn drop(&mut self) {
-        TRANSMITTING.fetch_sub(1, Ordering::Relaxed);
-    }
-}
-
-/// The machine's cores (what the runtime starts workers for).
-fn cores() -> usize {
-    static CORES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *CORES.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
 }
 
 /// The volume an export name means; the empty name is `default/vol0`.
