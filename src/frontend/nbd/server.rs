@@ -265,7 +265,7 @@ fn spawn_transmission<S>(
     serve: Serve,
 ) -> std::io::Result<(tokio::task::JoinHandle<Result<(), ConnectionError>>, Hangup)>
 where
-    S: AsyncRead + AsRawFd + AsFd + Unpin + Send + 'static,
+    S: AsyncRead + AsFd + Unpin + Send + 'static,
 {
     let replies = ReplySocket::new(stream.as_fd().try_clone_to_owned()?)?;
     let watcher = Hangup(stream.as_fd().try_clone_to_owned()?);
@@ -517,10 +517,10 @@ fn polling_limit() -> usize {
     *LIMIT.get_or_init(|| (std::thread::available_parallelism().map_or(1, |n| n.get()) / 2).max(1))
 }
 
-/// One `recv` on `fd` into `unfilled`; `flags` 0 blocks (on a blocking socket).
-fn recv_into(fd: libc::c_int, unfilled: &mut [std::mem::MaybeUninit<u8>], flags: i32) -> isize {
+/// One non-blocking `recv` on `fd` into `unfilled`.
+fn recv_now(fd: libc::c_int, unfilled: &mut [std::mem::MaybeUninit<u8>]) -> isize {
     // SAFETY: the pointer and length describe writable memory owned by the caller.
-    unsafe { libc::recv(fd, unfilled.as_mut_ptr().cast(), unfilled.len(), flags) }
+    unsafe { libc::recv(fd, unfilled.as_mut_ptr().cast(), unfilled.len(), libc::MSG_DONTWAIT) }
 }
 
 /// Whether idle polls have been catching the next request, process-wide:
@@ -554,7 +554,7 @@ fn poll_briefly(fd: libc::c_int, unfilled: &mut [std::mem::MaybeUninit<u8>]) -> 
     }
     let until = Instant::now() + window;
     let (received, caught) = loop {
-        let received = recv_into(fd, unfilled, libc::MSG_DONTWAIT);
+        let received = recv_now(fd, unfilled);
         if received >= 0 {
             break (Some(received), true);
         }
@@ -609,13 +609,13 @@ struct Receiver<S> {
     idle: Arc<AtomicBool>,
 }
 
-impl<S: AsyncRead + AsRawFd + Unpin> AsyncRead for Receiver<S> {
+impl<S: AsyncRead + AsFd + Unpin> AsyncRead for Receiver<S> {
     fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<std::io::Result<()>> {
-        let fd = self.stream.as_raw_fd();
+        let fd = self.stream.as_fd().as_raw_fd();
         // SAFETY: `recv` only writes into the unfilled part, and
         // `advance_received` marks only the bytes it reported received.
         let unfilled = unsafe { buf.unfilled_mut() };
-        let mut received = recv_into(fd, unfilled, libc::MSG_DONTWAIT);
+        let mut received = recv_now(fd, unfilled);
         if received < 0 && self.idle.load(Ordering::Relaxed) {
             received = poll_briefly(fd, unfilled).unwrap_or(-1);
         }
