@@ -86,7 +86,7 @@ impl Pool {
         let (early_map, early_crcs) =
             store::blocking_section(|| (self.map_pages.take_dirty(), self.crc_pages.take_dirty()));
         let early = started.elapsed();
-        let gate = self.gate.write().await;
+        let gate = self.close_gate().await;
         let gated = started.elapsed();
         // Commits before this one have released what their records freed
         // (the allocator's state below must show it: the log's tail moves

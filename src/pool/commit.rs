@@ -134,51 +134,79 @@ impl Pool {
             .is_none_or(|slot| slot.load(Ordering::Acquire) == epoch)
     }
 
-    pub(crate) async fn enter_write(&self) -> tokio::sync::RwLockReadGuard<'_, ()> {
+    /// The write gate's shard of `volume` (see `Pool::gates`). Held shared
+    /// it keeps a checkpoint from starting; nobody holds two at once (a
+    /// checkpoint waiting for one would then deadlock with it).
+    pub(crate) fn gate(&self, volume: u32) -> &tokio::sync::RwLock<()> {
+        &self.gates[volume as usize % GATE_SHARDS].0
+    }
+
+    /// Enters the write gate for a change to `volume`'s data or map.
+    pub(crate) async fn enter_write(&self, volume: u32) -> tokio::sync::RwLockReadGuard<'_, ()> {
+        let gate = self.gate(volume);
         // Without an `.await` when free (see `EngineVolume::read_stripes`).
-        match self.gate.try_read() {
+        match gate.try_read() {
             Ok(guard) => guard,
-            Err(_) => self.gate.read().await,
+            Err(_) => gate.read().await,
         }
     }
 
-    /// Counts a completed data-device write (see `flush_data_devices`).
-    pub(crate) fn note_data_write(&self) {
-        self.data_writes.fetch_add(1, Ordering::AcqRel);
+    /// Closes the write gate: waits for the writes under way in every
+    /// volume and keeps new ones out until the guards are dropped. Shards
+    /// are taken in order, so two closers cannot deadlock.
+    pub(crate) async fn close_gate(&self) -> Vec<tokio::sync::RwLockWriteGuard<'_, ()>> {
+        let mut guards = Vec::with_capacity(self.gates.len());
+        for shard in self.gates.iter() {
+            guards.push(shard.0.write().await);
+        }
+        guards
     }
 
-    /// Flushes the data devices if any data write completed since the last
-    /// flush (a commit of Data records alone needs only the log device).
-    /// One flush at a time: a caller that finds one under way waits for it
-    /// and flushes again only if that one began before the writes it needs
-    /// completed. (The destager flushes outside the log's commit lock and
-    /// writers' commits flush under it; each used to issue its own
-    /// `fdatasync` of the same files at the same time.)
+    /// Counts a completed write of `bytes` to data device `device` (see
+    /// `flush_data_devices`).
+    pub(crate) fn note_data_write(&self, device: u8, bytes: u64) {
+        let written = &self.devices[device as usize].written;
+        written.writes.fetch_add(1, Ordering::AcqRel);
+        written.bytes.fetch_add(bytes, Ordering::Relaxed);
+    }
+
+    /// Flushes each data device that a data write completed on since its
+    /// last flush (a commit of Data records alone needs only the log
+    /// device). One flush at a time: a caller that finds one under way
+    /// waits for it and flushes again only the devices where that one began
+    /// before the writes it needs completed. (The destager flushes outside
+    /// the log's commit lock and writers' commits flush under it; each used
+    /// to issue its own `fdatasync` of the same files at the same time.)
     pub(crate) async fn flush_data_devices(&self) -> Result<(), DeviceError> {
-        let needed = self.data_writes.load(Ordering::Acquire);
-        if self.data_flushed.load(Ordering::Acquire) >= needed {
+        // The writes each device must have flushed (those completed by now).
+        let needed: Vec<u64> = self
+            .devices
+            .into_iter()
+            .map(|d| d.written.writes.load(Ordering::Acquire))
+            .collect();
+        let unflushed = |(device, needed): (&PoolDevice, &u64)| {
+            device.member.role.holds_data() && device.written.flushed.load(Ordering::Acquire) < *needed
+        };
+        if !self.devices.into_iter().zip(&needed).any(unflushed) {
             return Ok(());
         }
         let _one = self.data_flush.lock().await;
-        if self.data_flushed.load(Ordering::Acquire) >= needed {
-            return Ok(());
-        }
-        // Covers every write counted by now, not only those `needed` names.
-        let written = self.data_writes.load(Ordering::Acquire);
-        self.flush_data_devices_now().await?;
-        self.data_flushed.fetch_max(written, Ordering::AcqRel);
-        Ok(())
-    }
-
-    async fn flush_data_devices_now(&self) -> Result<(), DeviceError> {
-        self.data_flushes.fetch_add(1, Ordering::Relaxed);
-        for device in &self.devices {
-            if device.member.role.holds_data() {
-                if let Err(e) = device.device.flush().await {
-                    device.counters.write_errors.fetch_add(1, Ordering::Relaxed);
-                    return Err(e);
-                }
+        let mut counted = false;
+        for (device, needed) in self.devices.into_iter().zip(&needed) {
+            if !unflushed((device, needed)) {
+                continue;
             }
+            if !counted {
+                self.data_flushes.fetch_add(1, Ordering::Relaxed);
+                counted = true;
+            }
+            // Covers every write counted by now, not only those `needed` names.
+            let written = device.written.writes.load(Ordering::Acquire);
+            if let Err(e) = device.device.flush().await {
+                device.counters.write_errors.fetch_add(1, Ordering::Relaxed);
+                return Err(e);
+            }
+            device.written.flushed.fetch_max(written, Ordering::AcqRel);
         }
         Ok(())
     }
@@ -371,7 +399,7 @@ mod tests {
             assert_eq!(flushes(), before);
 
             // Two callers need the same completed write: one flush serves both.
-            pool.note_data_write();
+            pool.note_data_write(0, 4096);
             let before = flushes();
             let (a, b) = tokio::join!(pool.flush_data_devices(), pool.flush_data_devices());
             a.unwrap();
@@ -380,7 +408,7 @@ mod tests {
 
             // A write that completes while a flush is under way is not
             // covered by it: the second caller flushes again.
-            pool.note_data_write();
+            pool.note_data_write(0, 4096);
             let before = flushes();
             let mut first = std::pin::pin!(pool.flush_data_devices());
             assert!(first
@@ -388,15 +416,95 @@ mod tests {
                 .poll(&mut Context::from_waker(Waker::noop()))
                 .is_pending());
             assert_eq!(flushes(), before + 1, "the first flush is under way");
-            pool.note_data_write();
+            pool.note_data_write(0, 4096);
             let (a, b) = tokio::join!(first.as_mut(), pool.flush_data_devices());
             a.unwrap();
             b.unwrap();
             assert_eq!(flushes(), before + 2);
+            let written = &pool.devices[0].written;
             assert_eq!(
-                pool.data_flushed.load(Ordering::Acquire),
-                pool.data_writes.load(Ordering::Acquire)
+                written.flushed.load(Ordering::Acquire),
+                written.writes.load(Ordering::Acquire)
             );
+        });
+    }
+
+    #[test]
+    fn a_commit_flushes_only_the_data_devices_written_since_their_last_flush() {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        runtime.block_on(async {
+            let fast = SimDevice::new(160 << 20, 7);
+            let capacity = SimDevice::new(160 << 20, 8);
+            let devices = vec![
+                NewDevice {
+                    device: fast.as_device(),
+                    role: Role::Fast,
+                },
+                NewDevice {
+                    device: capacity.as_device(),
+                    role: Role::Capacity,
+                },
+            ];
+            let pool = Pool::create("test", 1 << 20, devices).await.unwrap();
+            pool.flush_data_devices().await.unwrap();
+            let flushes = |sim: &SimDevice| sim.stats().flushes;
+            let (fast_before, capacity_before) = (flushes(&fast), flushes(&capacity));
+
+            pool.note_data_write(1, 4096);
+            pool.flush_data_devices().await.unwrap();
+            assert_eq!(flushes(&capacity), capacity_before + 1);
+            assert_eq!(flushes(&fast), fast_before, "nothing was written to the fast device");
+
+            pool.note_data_write(0, 4096);
+            pool.note_data_write(1, 4096);
+            pool.flush_data_devices().await.unwrap();
+            assert_eq!(flushes(&fast), fast_before + 1);
+            assert_eq!(flushes(&capacity), capacity_before + 2);
+            assert_eq!(pool.meta_counters().data_bytes, 3 * 4096);
+        });
+    }
+
+    #[test]
+    fn closing_the_write_gate_waits_for_writes_in_every_shard_and_keeps_new_ones_out() {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        runtime.block_on(async {
+            let sim = SimDevice::new(160 << 20, 7);
+            let device = NewDevice {
+                device: sim.as_device(),
+                role: Role::Fast,
+            };
+            let pool = Pool::create("test", 1 << 20, vec![device]).await.unwrap();
+            let mut context = Context::from_waker(Waker::noop());
+            // Volumes in different shards write at once.
+            let first = pool.enter_write(1).await;
+            let second = pool.enter_write(2 + GATE_SHARDS as u32 * 3).await;
+            assert!(pool.gate(1).try_write().is_err());
+            assert!(pool.gate(2).try_write().is_err(), "volume ids wrap onto the shards");
+            assert!(pool.gate(3).try_write().is_ok());
+            // (Outside the cooperative budget, which creating the pool spent.)
+            let mut closing = std::pin::pin!(tokio::task::unconstrained(pool.close_gate()));
+            assert!(closing.as_mut().poll(&mut context).is_pending());
+            drop(first);
+            assert!(
+                closing.as_mut().poll(&mut context).is_pending(),
+                "a write in another shard is still under way"
+            );
+            drop(second);
+            let closed = match closing.as_mut().poll(&mut context) {
+                std::task::Poll::Ready(guards) => guards,
+                std::task::Poll::Pending => panic!("the gate did not close with no write under way"),
+            };
+            for volume in [0, 1, 63, 64, 1000] {
+                assert!(pool.gate(volume).try_read().is_err(), "volume {volume} may write");
+            }
+            drop(closed);
+            assert!(pool.gate(1000).try_read().is_ok());
         });
     }
 }

@@ -288,6 +288,7 @@ impl Pool {
             counters: DeviceCounters::default(),
             chunk_epochs: (0..chunks).map(|_| AtomicU32::new(0)).collect(),
             heat: super::migrate::Heat::new(chunks),
+            written: Default::default(),
         });
         if let Err(error) = joined {
             // Cannot happen while additions are serialised; the superblocks

@@ -174,6 +174,21 @@ pub struct DeviceCounters {
     pub repaired_after_crash: AtomicU64,
 }
 
+/// Shards of the write gate: volumes whose ids differ by a multiple of this
+/// share one.
+const GATE_SHARDS: usize = 64;
+
+/// One shard of the write gate, in cache lines of its own (writes of
+/// volumes in different shards touch no common line).
+#[repr(align(128))]
+struct GateShard(tokio::sync::RwLock<()>);
+
+fn new_gates() -> Box<[GateShard]> {
+    (0..GATE_SHARDS)
+        .map(|_| GateShard(tokio::sync::RwLock::new(())))
+        .collect()
+}
+
 pub struct PoolDevice {
     pub device: Arc<dyn Device>,
     pub member: Member,
@@ -182,6 +197,19 @@ pub struct PoolDevice {
     chunk_epochs: Vec<AtomicU32>,
     /// Per chunk: decayed reads and writes (`pool/migrate.rs`).
     pub(crate) heat: migrate::Heat,
+    /// Data written here, and how much of it a flush covered.
+    written: DataWrites,
+}
+
+/// A device's completed data writes (count and bytes) and the count the
+/// last flush covered: a commit flushes a device only when they differ.
+/// Per device, so writes to different devices share no counter, and a
+/// commit flushes only the devices written since their last flush.
+#[derive(Default)]
+struct DataWrites {
+    writes: AtomicU64,
+    flushed: AtomicU64,
+    bytes: AtomicU64,
 }
 
 /// What `pool status` shows per device.
@@ -289,9 +317,13 @@ pub struct Pool {
     suspect: Mutex<HashSet<(u8, u64)>>,
     /// Destroyed volumes whose pages the next checkpoint deletes.
     destroyed: Mutex<HashSet<u32>>,
-    /// Held shared by every write, exclusively by a checkpoint while it takes
-    /// its snapshot (so the snapshot is consistent).
-    gate: tokio::sync::RwLock<()>,
+    /// The write gate, in shards by volume id ([`Pool::gate`]): held shared
+    /// by every write (in its volume's shard), exclusively by a checkpoint
+    /// while it takes its snapshot (every shard, so the snapshot is
+    /// consistent). One lock for all volumes made every write of every
+    /// volume take (and release: tokio's release locks its wait list) the
+    /// same lock.
+    gates: Box<[GateShard]>,
     checkpointing: tokio::sync::Mutex<()>,
     /// Held by the one writer that makes room in a full log (see
     /// `Pool::make_log_room`); the others wait for it instead of each
@@ -319,7 +351,6 @@ pub struct Pool {
     /// periodic check, read per SCSI command (thin provisioning threshold).
     backing_low: std::sync::atomic::AtomicBool,
     store_bytes: Arc<AtomicU64>,
-    pub(crate) data_bytes: AtomicU64,
     /// The write-back cache in the RAM tier.
     pub(crate) cache: cache::WriteCache,
     /// Clean sectors recently read, shared by all volumes.
@@ -344,10 +375,6 @@ pub struct Pool {
     relocations: AtomicU64,
     /// Every open engine, volumes and snapshot views, by id (weak).
     open_engines: Mutex<Vec<(u32, std::sync::Weak<volume::EngineVolume>)>>,
-    /// Data-device writes completed, and how many of them a flush covered:
-    /// a commit flushes the data devices only when they differ.
-    data_writes: AtomicU64,
-    data_flushed: AtomicU64,
     /// Flushes of the data devices done (see `MetaCounters::data_flushes`).
     data_flushes: AtomicU64,
     /// Held by the one flush of the data devices under way.
@@ -454,7 +481,11 @@ impl Pool {
             log_bytes: self.log.bytes_written.load(Ordering::Relaxed),
             staged_log_bytes: self.log.staged_bytes.load(Ordering::Relaxed),
             store_bytes: self.store_bytes.load(Ordering::Relaxed),
-            data_bytes: self.data_bytes.load(Ordering::Relaxed),
+            data_bytes: self
+                .devices
+                .into_iter()
+                .map(|d| d.written.bytes.load(Ordering::Relaxed))
+                .sum(),
             checkpoints: self.checkpoints.load(Ordering::Relaxed),
             checkpoint_pages: self.checkpoint_pages.load(Ordering::Relaxed),
             log_commits: self.log.commits.load(Ordering::Relaxed),

@@ -268,6 +268,7 @@ impl Pool {
                 counters: DeviceCounters::default(),
                 chunk_epochs: (0..chunks).map(|_| AtomicU32::new(0)).collect(),
                 heat: super::migrate::Heat::new(chunks),
+                written: Default::default(),
             });
         }
         Self::recover(reference, pool_devices, options).await
@@ -420,7 +421,7 @@ impl Pool {
             epoch: AtomicU32::new(epoch.wrapping_add(1).max(1)),
             suspect: Mutex::new(suspect),
             destroyed: Mutex::new(HashSet::new()),
-            gate: tokio::sync::RwLock::new(()),
+            gates: new_gates(),
             checkpointing: tokio::sync::Mutex::new(()),
             making_log_room: tokio::sync::Mutex::new(()),
             releasing: tokio::sync::RwLock::new(()),
@@ -432,7 +433,6 @@ impl Pool {
             freer: tokio::sync::Mutex::new(()),
             backing_low: std::sync::atomic::AtomicBool::new(false),
             store_bytes,
-            data_bytes: AtomicU64::new(0),
             cache: write_cache,
             read_cache: readcache::ReadCache::new(options.read_cache_bytes),
             reserved_bytes: AtomicU64::new(0),
@@ -442,8 +442,6 @@ impl Pool {
             page_copy: Mutex::new(()),
             relocations: AtomicU64::new(0),
             open_engines: Mutex::new(Vec::new()),
-            data_writes: AtomicU64::new(0),
-            data_flushed: AtomicU64::new(0),
             data_flushes: AtomicU64::new(0),
             data_flush: tokio::sync::Mutex::new(()),
             migrator: Default::default(),

@@ -10,7 +10,7 @@ impl Pool {
         let chunks = self.suspect_snapshot();
         let mut done = 0;
         for (device, chunk) in chunks {
-            let _gate = self.gate.write().await;
+            let _gate = self.close_gate().await;
             let layout = self.allocator.lock_or_abort().slot_shift_of(device, chunk);
             if let Some((slot_shift, used)) = layout {
                 let pool_device = &self.devices[device as usize];

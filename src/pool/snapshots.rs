@@ -669,7 +669,7 @@ impl Pool {
             .map(|d| d.as_secs())
             .unwrap_or(0);
         let (taken, gated) = {
-            let _gate = self.gate.read().await;
+            let _gate = self.gate(requests[0].volume.id()).read().await;
             let gated = started.elapsed();
             let mut snapshots = self.snapshots_write();
             snapshots.generation += 1;
@@ -1068,7 +1068,7 @@ impl Pool {
             None => None,
         };
         {
-            let _gate = self.gate.read().await;
+            let _gate = self.gate(snapshot).read().await;
             // Who maps a slot changes: not while a shared block moves.
             let _copying = self.page_copy.lock_or_abort();
             let freed = self.apply_destroy_snapshot(snapshot)?;
@@ -1177,7 +1177,7 @@ impl Pool {
         place_cached(volume, "the rollback").await?;
         let _placement = volume.placement().write().await;
         {
-            let _gate = self.gate.read().await;
+            let _gate = self.gate(id).read().await;
             let _copying = self.page_copy.lock_or_abort();
             let freed = self.apply_rollback(id, snapshot)?;
             self.log.append_frees(Record::Rollback { volume: id, snapshot }, freed);
@@ -1609,7 +1609,7 @@ impl Pool {
             self.place_before(info.volume, info.cache_seq).await?;
         }
         {
-            let _gate = self.gate.read().await;
+            let _gate = self.gate(volume).read().await;
             let snapshots = self.snapshots_read();
             if !snapshots.by_id.contains_key(&origin) {
                 return Err(PoolError::Invalid(format!("no snapshot {origin:#x}")));
@@ -1739,7 +1739,7 @@ impl Pool {
         let _first_placement = first.placement().write().await;
         let _second_placement = second.placement().write().await;
         {
-            let _gate = self.gate.read().await;
+            let _gate = self.gate(id).read().await;
             let _copying = self.page_copy.lock_or_abort();
             self.apply_promote(id, origin)?;
             self.log.append(Record::Promote { volume: id, origin });

@@ -144,7 +144,7 @@ impl Pool {
             self.punch_holes(&slots).await;
             Release::Now
         };
-        let _gate = self.gate.write().await;
+        let _gate = self.close_gate().await;
         // Not while a shared block of its family moves (`Pool::relocate`).
         let _copying = self.page_copy.lock_or_abort();
         self.free_volume_blocks(id, release)?;

@@ -235,9 +235,8 @@ impl EngineVolume {
                 }
                 continue;
             }
-            self.pool.note_data_write();
-            self.pool.data_bytes.fetch_add(buf.len() as u64, Ordering::Relaxed);
-            let _gate = self.pool.enter_write().await;
+            self.pool.note_data_write(run[0].2, buf.len() as u64);
+            let _gate = self.pool.enter_write(self.id).await;
             for (at, (index, _, device, offset)) in run.iter().enumerate() {
                 let (block, old) = blocks[*index];
                 let crcs = sector_crcs(&buf.payload()[at * bytes..(at + 1) * bytes]);

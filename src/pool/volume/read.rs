@@ -25,7 +25,7 @@ impl EngineVolume {
                 let _gate = if holding_gate {
                     None
                 } else {
-                    Some(self.pool.enter_write().await)
+                    Some(self.pool.enter_write(self.id).await)
                 };
                 self.pool.set_crc(device, at, actual).map_err(meta_error)?;
                 counters.repaired_after_crash.fetch_add(1, Ordering::Relaxed);

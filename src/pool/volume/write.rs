@@ -416,7 +416,7 @@ impl EngineVolume {
         let gate = loop {
             let places = self.in_place_candidates(first, &entries, written_at, &relocate)?;
             let epoch = self.pool.mark_dirty(&places).await.map_err(pool_error)?;
-            let gate = self.pool.enter_write().await;
+            let gate = self.pool.enter_write(self.id).await;
             if self.pool.epoch() != epoch {
                 continue;
             }
@@ -491,8 +491,7 @@ impl EngineVolume {
                     if tier.is_none() {
                         self.pool.note_heat(write.device, write.offset, true, 1);
                     }
-                    self.pool.note_data_write();
-                    self.pool.data_bytes.fetch_add(length, Ordering::Relaxed);
+                    self.pool.note_data_write(write.device, length);
                     done.push(write)
                 }
                 Err(e) => {
@@ -645,7 +644,7 @@ impl EngineVolume {
             if entry & map_entry::VALID != 0 {
                 if step == self.block_bytes() {
                     self.invalidate_read_cache(position, step);
-                    let _gate = self.pool.enter_write().await;
+                    let _gate = self.pool.enter_write(self.id).await;
                     // A slot a snapshot shares is unmapped, not freed.
                     let entry = if self.make_private(block, block, None)? {
                         self.pool.lookup(self.id, block).map_err(meta_error)?

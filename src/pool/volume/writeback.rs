@@ -609,7 +609,7 @@ impl EngineVolume {
         self.invalidate_read_cache(offset, length);
         let log_data = durable && !self.log_throughput.load(Ordering::Acquire);
         let gate = if log_data {
-            Some(self.pool.enter_write().await)
+            Some(self.pool.enter_write(self.id).await)
         } else {
             None
         };
@@ -797,7 +797,7 @@ impl EngineVolume {
             return self.pool.commit().await.map_err(pool_error);
         }
         let guards = self.lock_blocks_shared(&blocks).await;
-        let gate = self.pool.enter_write().await;
+        let gate = self.pool.enter_write(self.id).await;
         let bound = self.pool.log.next_lsn();
         let ordinal = self.pool.cache.next_ordinal();
         let mut records = Vec::new();
