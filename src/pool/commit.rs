@@ -377,19 +377,36 @@ mod tests {
     use std::future::Future;
     use std::task::{Context, Waker};
 
-    #[test]
-    fn concurrent_flushes_of_the_data_devices_share_one_unless_a_write_completed_meanwhile() {
-        let runtime = tokio::runtime::Builder::new_current_thread()
+    /// Runs `test` on a current-thread runtime.
+    fn block_on<F: Future>(test: F) -> F::Output {
+        tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
-            .unwrap();
-        runtime.block_on(async {
-            let sim = SimDevice::new(160 << 20, 7);
-            let device = NewDevice {
+            .unwrap()
+            .block_on(test)
+    }
+
+    /// A new pool on simulated devices of 160 MiB, one per role, in order.
+    async fn pool_on(roles: &[Role]) -> (Arc<Pool>, Vec<SimDevice>) {
+        let sims: Vec<SimDevice> = (0..roles.len())
+            .map(|i| SimDevice::new(160 << 20, 7 + i as u64))
+            .collect();
+        let devices = sims
+            .iter()
+            .zip(roles)
+            .map(|(sim, role)| NewDevice {
                 device: sim.as_device(),
-                role: Role::Fast,
-            };
-            let pool = Pool::create("test", 1 << 20, vec![device]).await.unwrap();
+                role: *role,
+            })
+            .collect();
+        (Pool::create("test", 1 << 20, devices).await.unwrap(), sims)
+    }
+
+    #[test]
+    fn concurrent_flushes_of_the_data_devices_share_one_unless_a_write_completed_meanwhile() {
+        block_on(async {
+            let (pool, sims) = pool_on(&[Role::Fast]).await;
+            let sim = &sims[0];
             sim.set_delays(SimDelays::always(4));
             let flushes = || pool.data_flushes.load(Ordering::Relaxed);
 
@@ -431,55 +448,31 @@ mod tests {
 
     #[test]
     fn a_commit_flushes_only_the_data_devices_written_since_their_last_flush() {
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap();
-        runtime.block_on(async {
-            let fast = SimDevice::new(160 << 20, 7);
-            let capacity = SimDevice::new(160 << 20, 8);
-            let devices = vec![
-                NewDevice {
-                    device: fast.as_device(),
-                    role: Role::Fast,
-                },
-                NewDevice {
-                    device: capacity.as_device(),
-                    role: Role::Capacity,
-                },
-            ];
-            let pool = Pool::create("test", 1 << 20, devices).await.unwrap();
+        block_on(async {
+            let (pool, sims) = pool_on(&[Role::Fast, Role::Capacity]).await;
+            let (fast, capacity) = (&sims[0], &sims[1]);
             pool.flush_data_devices().await.unwrap();
             let flushes = |sim: &SimDevice| sim.stats().flushes;
-            let (fast_before, capacity_before) = (flushes(&fast), flushes(&capacity));
+            let (fast_before, capacity_before) = (flushes(fast), flushes(capacity));
 
             pool.note_data_write(1, 4096);
             pool.flush_data_devices().await.unwrap();
-            assert_eq!(flushes(&capacity), capacity_before + 1);
-            assert_eq!(flushes(&fast), fast_before, "nothing was written to the fast device");
+            assert_eq!(flushes(capacity), capacity_before + 1);
+            assert_eq!(flushes(fast), fast_before, "nothing was written to the fast device");
 
             pool.note_data_write(0, 4096);
             pool.note_data_write(1, 4096);
             pool.flush_data_devices().await.unwrap();
-            assert_eq!(flushes(&fast), fast_before + 1);
-            assert_eq!(flushes(&capacity), capacity_before + 2);
+            assert_eq!(flushes(fast), fast_before + 1);
+            assert_eq!(flushes(capacity), capacity_before + 2);
             assert_eq!(pool.meta_counters().data_bytes, 3 * 4096);
         });
     }
 
     #[test]
     fn closing_the_write_gate_waits_for_writes_in_every_shard_and_keeps_new_ones_out() {
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap();
-        runtime.block_on(async {
-            let sim = SimDevice::new(160 << 20, 7);
-            let device = NewDevice {
-                device: sim.as_device(),
-                role: Role::Fast,
-            };
-            let pool = Pool::create("test", 1 << 20, vec![device]).await.unwrap();
+        block_on(async {
+            let (pool, _sims) = pool_on(&[Role::Fast]).await;
             let mut context = Context::from_waker(Waker::noop());
             // Volumes in different shards write at once.
             let first = pool.enter_write(1).await;
