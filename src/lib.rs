@@ -12,6 +12,7 @@ pub mod control;
 pub mod daemon;
 pub mod device;
 pub mod frontend;
+pub mod fs;
 pub mod meta;
 pub mod pool;
 pub mod private;

@@ -111,6 +111,12 @@ pub enum Record {
         crcs: Vec<u32>,
         owners: Vec<u32>,
     },
+    /// Changes to file dataset `dataset`'s namespace, applied together
+    /// (`fs/ondisk.rs`; a rename is one record).
+    Namespace {
+        dataset: u32,
+        ops: Vec<crate::fs::ondisk::NsOp>,
+    },
 }
 
 /// One snapshot of a [`Record::Snapshot`].
@@ -149,7 +155,8 @@ impl Record {
             | Record::Rollback { .. }
             | Record::Clone { .. }
             | Record::ClonePage { .. }
-            | Record::Promote { .. } => false,
+            | Record::Promote { .. }
+            | Record::Namespace { .. } => false,
         }
     }
 
@@ -178,6 +185,7 @@ impl Record {
             Record::ClonePage { .. } => 13,
             Record::Promote { .. } => 9,
             Record::Relocate { crcs, owners, .. } => 28 + 4 * crcs.len() + 4 * owners.len(),
+            Record::Namespace { ops, .. } => 1 + crate::fs::ondisk::ops_len(ops),
         }
     }
 
@@ -325,6 +333,10 @@ impl Record {
                 for owner in owners {
                     out.extend_from_slice(&owner.to_le_bytes());
                 }
+            }
+            Record::Namespace { dataset, ops } => {
+                out.push(16);
+                crate::fs::ondisk::encode_ops(*dataset, ops, out);
             }
         }
     }
@@ -487,6 +499,10 @@ impl Record {
                     owners,
                 };
                 Some((record, at + 2 + 4 * owner_count))
+            }
+            16 => {
+                let (dataset, ops, used) = crate::fs::ondisk::decode_ops(&bytes[1..])?;
+                Some((Record::Namespace { dataset, ops }, 1 + used))
             }
             _ => None,
         }

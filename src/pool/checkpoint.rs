@@ -115,6 +115,7 @@ impl Pool {
         let destroyed: Vec<u32> = self.destroyed.lock_or_abort().iter().copied().collect();
         let snapshots = self.take_snapshot_state();
         let heat = self.heat_to_save();
+        let namespaces = self.take_namespace_changes();
         drop(releasing);
         drop(gate);
         let released = started.elapsed();
@@ -129,6 +130,7 @@ impl Pool {
                 &destroyed,
                 snapshots.as_ref(),
                 heat.as_deref(),
+                &namespaces,
                 (lsn, data_tail),
                 epoch,
             )
@@ -163,6 +165,7 @@ impl Pool {
                 if snapshots.is_some() {
                     self.restore_snapshot_state();
                 }
+                self.restore_namespace_changes(&namespaces);
                 Err(PoolError::Meta(MetaError::Failed(format!("checkpoint failed: {e}"))))
             }
         }
@@ -178,6 +181,7 @@ impl Pool {
         destroyed: &[u32],
         snapshots: Option<&snapshots::SnapshotState>,
         heat: Option<&[((u32, u64), u64)]>,
+        namespaces: &files::NamespaceChanges,
         (lsn, data_tail): (u64, u64),
         epoch: u32,
     ) -> Result<(), MetaError> {
@@ -200,6 +204,7 @@ impl Pool {
             }
         }
         write_pages(&txn, CRC_PAGES, crcs)?;
+        files::write_namespaces(&txn, namespaces, destroyed)?;
         {
             let mut table = txn.open_table(CHUNKS)?;
             for ((device, chunk), state) in chunks {

@@ -24,6 +24,7 @@ pub mod cache;
 mod checkpoint;
 mod commit;
 mod destage;
+pub mod files;
 mod freeing;
 pub mod fuzzing;
 pub mod grow;
@@ -385,6 +386,8 @@ pub struct Pool {
     pub(crate) migrator: migrate::Migrator,
     /// Open volumes, for the destager (weak: a volume's owner closes it).
     engines: Mutex<std::collections::HashMap<u32, std::sync::Weak<volume::EngineVolume>>>,
+    /// File datasets' namespaces (`pool/files.rs`).
+    namespaces: Mutex<std::collections::HashMap<u32, files::SharedNamespace>>,
     /// Lets `&self` methods start background work that needs an `Arc<Pool>`.
     self_ref: std::sync::OnceLock<std::sync::Weak<Pool>>,
     /// Unit tests: `set_mapping` fails once this many more calls have

@@ -299,6 +299,7 @@ impl Pool {
         };
         let epoch = store::read_state(&db, "epoch").map_err(PoolError::Meta)? as u32;
         let snapshots = snapshots::load(&db).map_err(PoolError::Meta)?;
+        let namespaces = files::load_namespaces(&db).map_err(PoolError::Meta)?;
 
         // Space: every data device minus chunk 0 and the metadata/log regions.
         let spaces = devices
@@ -447,6 +448,7 @@ impl Pool {
             migrator: Default::default(),
             data_tail: AtomicU64::new(data_tail),
             engines: Mutex::new(std::collections::HashMap::new()),
+            namespaces: Mutex::new(namespaces),
             self_ref: std::sync::OnceLock::new(),
             #[cfg(test)]
             fail_mapping_after: std::sync::atomic::AtomicI64::new(-1),
@@ -584,6 +586,7 @@ impl Pool {
                     .map_err(|e| corrupt(format!("log record moving block {block} of {owners:?}: {e}")))?;
             }
             Record::Destroy { volume } => self.free_volume_blocks(volume, Release::Replaying)?,
+            Record::Namespace { dataset, ops } => self.replay_namespace(dataset, &ops),
             Record::Data { .. } | Record::Written { .. } => {}
             Record::Snapshot {
                 generation,

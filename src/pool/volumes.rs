@@ -214,6 +214,7 @@ impl Pool {
             self.freer_wake.notify_one();
         }
         self.map_pages.forget_owner(id);
+        self.forget_namespace(id);
         self.destroyed.lock_or_abort().insert(id);
         self.forget_origin(id);
         Ok(())

@@ -1,0 +1,1119 @@
+//! The file service: datasets of files and directories in a pool, beside
+//! its volumes (ARCHITECTURE.md, "The file service"). A dataset's namespace
+//! (inodes, directory entries) lives in memory, is changed by log records
+//! and checkpointed to the metadata store (`pool/files.rs`); its files'
+//! data lives in one engine object of the pool (the dataset's id), each
+//! file in a 1 TiB range of it at `inode << 40`: thin, checksummed, cached
+//! and tiered like a volume's blocks.
+
+pub mod export;
+pub mod namespace;
+pub mod ondisk;
+pub mod types;
+
+pub use export::{ClientNet, Export, ExportOptions, Exports, Squash};
+pub use types::*;
+
+use std::collections::HashSet;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use crate::device::IoBuf;
+use crate::pool::files::SharedNamespace;
+use crate::pool::volume::EngineVolume;
+use crate::pool::{Pool, PoolError};
+use crate::sync::LockOrAbort;
+use crate::volume::{BlockDevice, BlockError};
+use namespace::Namespace;
+use ondisk::{InodeRow, NsOp};
+
+type FsResult<T> = Result<T, FsError>;
+
+/// The dataset's engine object: every file's 1 TiB range.
+const ENGINE_BYTES: u64 = MAX_INODES << FILE_BITS;
+/// Alignment of the engine's requests.
+const ALIGN: u64 = crate::volume::SECTOR_BYTES as u64;
+/// Data locks: inodes share one of these by number.
+const DATA_LOCKS: usize = 64;
+/// Most hard links to one file.
+const MAX_LINKS: u32 = 65_535;
+
+/// One dataset, as the NFS frontend uses it.
+pub struct FileSystem {
+    dataset: u32,
+    pool: Arc<Pool>,
+    engine: Arc<EngineVolume>,
+    namespace: SharedNamespace,
+    verifier: [u8; 8],
+    /// Bytes the dataset may hold (0: no quota).
+    quota: AtomicU64,
+    /// Held shared by reads and aligned writes of a file, exclusively by
+    /// unaligned writes (their read-modify-write of a sector), truncation
+    /// and the freeing of a removed file's data.
+    data_locks: Box<[tokio::sync::RwLock<()>]>,
+    /// Inodes whose size or times changed since their last log record (a
+    /// COMMIT logs them).
+    unlogged: Mutex<HashSet<u64>>,
+}
+
+fn io(error: impl std::fmt::Display) -> FsError {
+    FsError::Io(error.to_string())
+}
+
+fn block_error(error: BlockError) -> FsError {
+    match error {
+        BlockError::NoSpace => FsError::NoSpace,
+        BlockError::ReadOnly => FsError::ReadOnly,
+        other => io(other),
+    }
+}
+
+fn pool_error(error: PoolError) -> FsError {
+    match error {
+        PoolError::Io(e) if e.is_no_space() => FsError::NoSpace,
+        other => io(other),
+    }
+}
+
+fn check_name(name: &[u8]) -> FsResult<()> {
+    if name.len() > MAX_NAME {
+        return Err(FsError::NameTooLong);
+    }
+    if name.is_empty() || name == b"." || name == b".." || name.contains(&b'/') || name.contains(&0) {
+        return Err(FsError::Inval);
+    }
+    Ok(())
+}
+
+/// Whether `cred` has all of `want` (4 read, 2 write, 1 execute) on `row`.
+fn permits(row: &InodeRow, cred: &Cred, want: u32) -> bool {
+    if cred.uid == 0 {
+        // Root reads and writes anything; executes what anyone may.
+        return want & 1 == 0 || row.kind == FileType::Directory || row.mode & 0o111 != 0;
+    }
+    let bits = if cred.uid == row.uid {
+        row.mode >> 6
+    } else if cred.in_group(row.gid) {
+        row.mode >> 3
+    } else {
+        row.mode
+    } & 7;
+    bits & want == want
+}
+
+/// In a sticky directory only the file's or the directory's owner (or
+/// root) may remove or rename an entry.
+fn sticky_allows(dir: &InodeRow, file: &InodeRow, cred: &Cred) -> bool {
+    dir.mode & 0o1000 == 0 || cred.uid == 0 || cred.uid == dir.uid || cred.uid == file.uid
+}
+
+fn round_up(value: u64, to: u64) -> u64 {
+    value.div_ceil(to) * to
+}
+
+fn set_time(set: SetTime, now: Time) -> Option<Time> {
+    match set {
+        SetTime::Keep => None,
+        SetTime::ServerNow => Some(now),
+        SetTime::Client(t) => Some(t),
+    }
+}
+
+/// The inodes a change touches, copied on first change, logged once each.
+struct Changed<'a> {
+    ns: &'a Namespace,
+    rows: Vec<(u64, InodeRow)>,
+}
+
+impl<'a> Changed<'a> {
+    fn new(ns: &'a Namespace) -> Self {
+        Changed { ns, rows: Vec::new() }
+    }
+
+    fn get(&mut self, ino: u64) -> &mut InodeRow {
+        let at = match self.rows.iter().position(|(i, _)| *i == ino) {
+            Some(at) => at,
+            None => {
+                self.rows.push((ino, self.ns.inodes[&ino].clone()));
+                self.rows.len() - 1
+            }
+        };
+        &mut self.rows[at].1
+    }
+
+    fn into_ops(self, mut ops: Vec<NsOp>) -> Vec<NsOp> {
+        ops.extend(self.rows.into_iter().map(|(ino, row)| NsOp::Inode { ino, row }));
+        ops
+    }
+}
+
+impl FileSystem {
+    /// Opens dataset `dataset` of `pool` (creating its root directory the
+    /// first time) and frees the data of files removed before a crash.
+    pub async fn open(pool: &Arc<Pool>, dataset: u32, recordsize: u32, quota: u64) -> Result<Arc<Self>, PoolError> {
+        let engine = pool.open_volume(dataset, ENGINE_BYTES, recordsize)?;
+        let namespace = pool.namespace(dataset);
+        let mut verifier = [0u8; 8];
+        let now = Time::now();
+        verifier[..4].copy_from_slice(&(now.seconds as u32).to_le_bytes());
+        verifier[4..].copy_from_slice(&(now.nanos ^ std::process::id()).to_le_bytes());
+        let fs = Arc::new(FileSystem {
+            dataset,
+            pool: pool.clone(),
+            engine,
+            namespace,
+            verifier,
+            quota: AtomicU64::new(quota),
+            data_locks: (0..DATA_LOCKS).map(|_| tokio::sync::RwLock::new(())).collect(),
+            unlogged: Mutex::new(HashSet::new()),
+        });
+        let missing_root = !fs.namespace.lock_or_abort().has_root();
+        if missing_root {
+            let gate = pool.enter_write(dataset).await;
+            {
+                let mut ns = fs.namespace.lock_or_abort();
+                let row = InodeRow {
+                    kind: FileType::Directory,
+                    mode: 0o755,
+                    nlink: 2,
+                    parent: ROOT_INO,
+                    next_cookie: 3,
+                    generation: ns.next_generation,
+                    atime: now,
+                    mtime: now,
+                    ctime: now,
+                    ..InodeRow::dataset_row(0)
+                };
+                pool.log_namespace(&mut ns, vec![NsOp::Inode { ino: ROOT_INO, row }]);
+            }
+            drop(gate);
+            pool.commit().await?;
+        }
+        let reaping = fs.namespace.lock_or_abort().reaping();
+        for ino in reaping {
+            fs.reap(ino)
+                .await
+                .map_err(|e| PoolError::Invalid(format!("freeing a removed file: {e}")))?;
+        }
+        Ok(fs)
+    }
+
+    /// The dataset id (in file handles).
+    pub fn dataset(&self) -> u32 {
+        self.dataset
+    }
+
+    /// The root directory's handle.
+    pub fn root(&self) -> Handle {
+        let ns = self.namespace.lock_or_abort();
+        Handle {
+            dataset: self.dataset,
+            ino: ROOT_INO,
+            generation: ns.inodes.get(&ROOT_INO).map_or(0, |row| row.generation),
+        }
+    }
+
+    /// This daemon instance's write verifier: a new one at every start, so
+    /// clients resend UNSTABLE writes they had not committed before it.
+    pub fn write_verifier(&self) -> [u8; 8] {
+        self.verifier
+    }
+
+    pub fn set_quota(&self, bytes: u64) {
+        self.quota.store(bytes, Ordering::Relaxed);
+    }
+
+    fn data_lock(&self, ino: u64) -> &tokio::sync::RwLock<()> {
+        &self.data_locks[ino as usize % DATA_LOCKS]
+    }
+
+    /// The live inode a handle names.
+    fn row<'a>(&self, ns: &'a Namespace, handle: &Handle) -> FsResult<&'a InodeRow> {
+        if handle.dataset != self.dataset {
+            return Err(FsError::Stale);
+        }
+        match ns.inodes.get(&handle.ino) {
+            Some(row) if row.generation == handle.generation && row.nlink > 0 => Ok(row),
+            _ => Err(FsError::Stale),
+        }
+    }
+
+    fn dir_row<'a>(&self, ns: &'a Namespace, handle: &Handle) -> FsResult<&'a InodeRow> {
+        let row = self.row(ns, handle)?;
+        if row.kind != FileType::Directory {
+            return Err(FsError::NotDir);
+        }
+        Ok(row)
+    }
+
+    fn attr(&self, ino: u64, row: &InodeRow) -> Attr {
+        let used = match row.kind {
+            FileType::Regular => round_up(row.size, 4096),
+            FileType::Directory => 4096,
+            _ => 0,
+        };
+        Attr {
+            kind: row.kind,
+            mode: row.mode & 0o7777,
+            nlink: row.nlink,
+            uid: row.uid,
+            gid: row.gid,
+            size: match row.kind {
+                FileType::Directory => 4096,
+                FileType::Symlink => row.target.len() as u64,
+                _ => row.size,
+            },
+            used,
+            rdev: row.rdev,
+            fsid: self.dataset as u64,
+            fileid: ino,
+            atime: row.atime,
+            mtime: row.mtime,
+            ctime: row.ctime,
+        }
+    }
+
+    fn handle(&self, ino: u64, row: &InodeRow) -> Handle {
+        Handle {
+            dataset: self.dataset,
+            ino,
+            generation: row.generation,
+        }
+    }
+
+    /// Runs a namespace change: `change` checks and returns the operations
+    /// (applied and logged as one record) and its result; the record is
+    /// durable before this returns.
+    async fn change<T>(&self, change: impl FnOnce(&mut Namespace, Time) -> FsResult<(Vec<NsOp>, T)>) -> FsResult<T> {
+        let gate = self.pool.enter_write(self.dataset).await;
+        let value = {
+            let mut ns = self.namespace.lock_or_abort();
+            let (ops, value) = change(&mut ns, Time::now())?;
+            if !ops.is_empty() {
+                self.pool.log_namespace(&mut ns, ops);
+            }
+            value
+        };
+        drop(gate);
+        self.pool.commit().await.map_err(pool_error)?;
+        Ok(value)
+    }
+
+    pub fn getattr(&self, handle: &Handle) -> FsResult<Attr> {
+        let ns = self.namespace.lock_or_abort();
+        let row = self.row(&ns, handle)?;
+        Ok(self.attr(handle.ino, row))
+    }
+
+    /// Sets attributes. `guard`: SETATTR's ctime guard, checked by the
+    /// caller (the frontend answers NOT_SYNC); ignored here.
+    pub async fn setattr(&self, handle: &Handle, cred: &Cred, set: SetAttrs, _guard: Option<Time>) -> FsResult<Attr> {
+        let _data = match set.size {
+            Some(_) => Some(self.data_lock(handle.ino).write().await),
+            None => None,
+        };
+        // Check and learn the old size first; the truncation's zeroing and
+        // freeing happen before the size is logged.
+        let old_size = {
+            let ns = self.namespace.lock_or_abort();
+            let row = self.row(&ns, handle)?;
+            self.check_setattr(row, cred, &set)?;
+            row.size
+        };
+        if let Some(size) = set.size {
+            if size < old_size {
+                self.discard(handle.ino, size, old_size).await?;
+            }
+        }
+        let attr = self
+            .change(|ns, now| {
+                let row = self.row(ns, handle)?.clone();
+                self.check_setattr(&row, cred, &set)?;
+                let mut row = row;
+                if let Some(mode) = set.mode {
+                    row.mode = mode & 0o7777;
+                }
+                if let Some(uid) = set.uid {
+                    if uid != row.uid && cred.uid != 0 {
+                        row.mode &= !0o6000;
+                    }
+                    row.uid = uid;
+                }
+                if let Some(gid) = set.gid {
+                    if gid != row.gid && cred.uid != 0 {
+                        row.mode &= !0o6000;
+                    }
+                    row.gid = gid;
+                }
+                if let Some(size) = set.size {
+                    if size != row.size {
+                        row.mtime = now;
+                    }
+                    row.size = size;
+                }
+                if let Some(t) = set_time(set.atime, now) {
+                    row.atime = t;
+                }
+                if let Some(t) = set_time(set.mtime, now) {
+                    row.mtime = t;
+                }
+                row.ctime = now;
+                let attr = self.attr(handle.ino, &row);
+                Ok((vec![NsOp::Inode { ino: handle.ino, row }], attr))
+            })
+            .await?;
+        self.unlogged.lock_or_abort().remove(&handle.ino);
+        Ok(attr)
+    }
+
+    fn check_setattr(&self, row: &InodeRow, cred: &Cred, set: &SetAttrs) -> FsResult<()> {
+        let owner = cred.uid == 0 || cred.uid == row.uid;
+        if set.mode.is_some() && !owner {
+            return Err(FsError::Perm);
+        }
+        if let Some(uid) = set.uid {
+            if uid != row.uid && cred.uid != 0 {
+                return Err(FsError::Perm);
+            }
+        }
+        if let Some(gid) = set.gid {
+            if gid != row.gid && !(cred.uid == 0 || (cred.uid == row.uid && cred.in_group(gid))) {
+                return Err(FsError::Perm);
+            }
+        }
+        if let Some(size) = set.size {
+            match row.kind {
+                FileType::Regular => {}
+                FileType::Directory => return Err(FsError::IsDir),
+                _ => return Err(FsError::Inval),
+            }
+            if size > MAX_FILE_SIZE {
+                return Err(FsError::FBig);
+            }
+            if !owner && !permits(row, cred, 2) {
+                return Err(FsError::Access);
+            }
+        }
+        let times_to_now = matches!(set.atime, SetTime::ServerNow) || matches!(set.mtime, SetTime::ServerNow);
+        let times_given = matches!(set.atime, SetTime::Client(_)) || matches!(set.mtime, SetTime::Client(_));
+        if times_given && !owner {
+            return Err(FsError::Perm);
+        }
+        if times_to_now && !owner && !permits(row, cred, 2) {
+            return Err(FsError::Access);
+        }
+        Ok(())
+    }
+
+    /// Zeroes file `ino` from `from` and frees its blocks up to `to`.
+    async fn discard(&self, ino: u64, from: u64, to: u64) -> FsResult<()> {
+        let base = ino << FILE_BITS;
+        let aligned = round_up(from, ALIGN);
+        if aligned > from {
+            // The rest of the sector `from` falls in reads back as zeros.
+            let start = aligned - ALIGN;
+            let (mut buf, result) = self.engine.read(base + start, IoBuf::new(ALIGN as usize)).await;
+            result.map_err(block_error)?;
+            buf.payload_mut()[(from - start) as usize..].fill(0);
+            self.engine.write(base + start, buf, false).await.map_err(block_error)?;
+        }
+        let end = round_up(to, ALIGN);
+        if end > aligned {
+            self.engine
+                .trim(base + aligned, end - aligned, false)
+                .await
+                .map_err(block_error)?;
+        }
+        Ok(())
+    }
+
+    pub fn lookup(&self, dir: &Handle, name: &[u8], cred: &Cred) -> FsResult<(Handle, Attr)> {
+        let ns = self.namespace.lock_or_abort();
+        let dir_row = self.dir_row(&ns, dir)?;
+        if !permits(dir_row, cred, 1) {
+            return Err(FsError::Access);
+        }
+        let ino = match name {
+            b"." => dir.ino,
+            b".." => dir_row.parent,
+            _ => {
+                if name.len() > MAX_NAME {
+                    return Err(FsError::NameTooLong);
+                }
+                let entries = ns.dirs.get(&dir.ino).ok_or(FsError::NoEnt)?;
+                let cookie = entries.names.get(name).ok_or(FsError::NoEnt)?;
+                entries.entries[cookie].1
+            }
+        };
+        let row = ns.inodes.get(&ino).ok_or(FsError::NoEnt)?;
+        Ok((self.handle(ino, row), self.attr(ino, row)))
+    }
+
+    /// The subset of `mask` (ACCESS3 bits) `cred` is granted.
+    pub fn access(&self, handle: &Handle, cred: &Cred, mask: u32) -> FsResult<u32> {
+        let ns = self.namespace.lock_or_abort();
+        let row = self.row(&ns, handle)?;
+        let dir = row.kind == FileType::Directory;
+        let mut granted = 0;
+        if permits(row, cred, 4) {
+            granted |= access::READ;
+        }
+        if permits(row, cred, 2) {
+            granted |= access::MODIFY | access::EXTEND;
+            if dir {
+                granted |= access::DELETE;
+            }
+        }
+        if permits(row, cred, 1) {
+            granted |= if dir { access::LOOKUP } else { access::EXECUTE };
+        }
+        Ok(granted & mask)
+    }
+
+    pub fn readlink(&self, handle: &Handle) -> FsResult<Vec<u8>> {
+        let ns = self.namespace.lock_or_abort();
+        let row = self.row(&ns, handle)?;
+        if row.kind != FileType::Symlink {
+            return Err(FsError::Inval);
+        }
+        Ok(row.target.clone())
+    }
+
+    /// The regular file a data request is for, checked.
+    fn data_row(&self, handle: &Handle, cred: &Cred, want: u32) -> FsResult<InodeRow> {
+        let ns = self.namespace.lock_or_abort();
+        let row = self.row(&ns, handle)?;
+        match row.kind {
+            FileType::Regular => {}
+            FileType::Directory => return Err(FsError::IsDir),
+            _ => return Err(FsError::Inval),
+        }
+        // The owner may read and write a file whatever its mode (it was
+        // checked when the client opened it; knfsd does the same).
+        if !(permits(row, cred, want) || cred.uid == row.uid) {
+            return Err(FsError::Access);
+        }
+        Ok(row.clone())
+    }
+
+    /// Up to `count` bytes at `offset`; `true` when the read reached the
+    /// end of the file.
+    pub async fn read(&self, handle: &Handle, cred: &Cred, offset: u64, count: u32) -> FsResult<(Vec<u8>, bool)> {
+        let _data = self.data_lock(handle.ino).read().await;
+        let row = self.data_row(handle, cred, 4)?;
+        if offset >= row.size {
+            return Ok((Vec::new(), true));
+        }
+        let end = row.size.min(offset + count as u64);
+        let start = offset / ALIGN * ALIGN;
+        let base = handle.ino << FILE_BITS;
+        let length = round_up(end, ALIGN) - start;
+        let (buf, result) = self.engine.read(base + start, IoBuf::new(length as usize)).await;
+        result.map_err(block_error)?;
+        let skip = (offset - start) as usize;
+        let data = buf.payload()[skip..skip + (end - offset) as usize].to_vec();
+        Ok((data, end >= row.size))
+    }
+
+    /// Returns the bytes written, how durable they are and the file's
+    /// attributes after.
+    pub async fn write(
+        &self,
+        handle: &Handle,
+        cred: &Cred,
+        offset: u64,
+        data: &[u8],
+        stable: Stable,
+    ) -> FsResult<(u32, Stable, Attr)> {
+        let end = offset.checked_add(data.len() as u64).ok_or(FsError::FBig)?;
+        if end > MAX_FILE_SIZE {
+            return Err(FsError::FBig);
+        }
+        let aligned = offset.is_multiple_of(ALIGN) && end.is_multiple_of(ALIGN);
+        let lock = self.data_lock(handle.ino);
+        let (_shared, _exclusive) = if aligned {
+            (Some(lock.read().await), None)
+        } else {
+            (None, Some(lock.write().await))
+        };
+        let row = self.data_row(handle, cred, 2)?;
+        if data.is_empty() {
+            return Ok((0, stable, self.attr(handle.ino, &row)));
+        }
+        let quota = self.quota.load(Ordering::Relaxed);
+        if quota != 0 && end > row.size && self.engine_used() + (end - row.size) > quota {
+            return Err(FsError::DQuot);
+        }
+        let durable = stable != Stable::Unstable;
+        let base = handle.ino << FILE_BITS;
+        if aligned {
+            self.engine
+                .write(base + offset, IoBuf::copy_from(data), durable)
+                .await
+                .map_err(block_error)?;
+        } else {
+            let start = offset / ALIGN * ALIGN;
+            let length = round_up(end, ALIGN) - start;
+            let (mut buf, result) = self.engine.read(base + start, IoBuf::new(length as usize)).await;
+            result.map_err(block_error)?;
+            // Bytes past the end of the file read as zeros whatever the
+            // sector holds.
+            let valid = row.size.saturating_sub(start).min(length) as usize;
+            buf.payload_mut()[valid..].fill(0);
+            let at = (offset - start) as usize;
+            buf.payload_mut()[at..at + data.len()].copy_from_slice(data);
+            self.engine
+                .write(base + start, buf, durable)
+                .await
+                .map_err(block_error)?;
+        }
+        let now = Time::now();
+        let attr = {
+            let gate = self.pool.enter_write(self.dataset).await;
+            let mut ns = self.namespace.lock_or_abort();
+            let row = match ns.inodes.get_mut(&handle.ino) {
+                Some(row) if row.generation == handle.generation => row,
+                _ => return Err(FsError::Stale),
+            };
+            row.size = row.size.max(end);
+            row.mtime = now;
+            row.ctime = now;
+            let attr = self.attr(handle.ino, row);
+            if stable == Stable::FileSync {
+                let row = row.clone();
+                self.pool
+                    .log_namespace(&mut ns, vec![NsOp::Inode { ino: handle.ino, row }]);
+                self.unlogged.lock_or_abort().remove(&handle.ino);
+            } else {
+                ns.touch(handle.ino);
+                self.unlogged.lock_or_abort().insert(handle.ino);
+            }
+            drop(gate);
+            attr
+        };
+        if stable == Stable::FileSync {
+            self.pool.commit().await.map_err(pool_error)?;
+        }
+        Ok((data.len() as u32, stable.max(Stable::Unstable), attr))
+    }
+
+    /// Pool space the dataset's files take (for the quota).
+    fn engine_used(&self) -> u64 {
+        self.engine.used_bytes()
+    }
+
+    /// Makes every write to the file durable (COMMIT): its size and times
+    /// logged, the dataset's cached writes logged or placed, one commit.
+    pub async fn commit(&self, handle: &Handle) -> FsResult<()> {
+        {
+            let ns = self.namespace.lock_or_abort();
+            self.row(&ns, handle)?;
+        }
+        if self.unlogged.lock_or_abort().remove(&handle.ino) {
+            let gate = self.pool.enter_write(self.dataset).await;
+            let mut ns = self.namespace.lock_or_abort();
+            if let Some(row) = ns.inodes.get(&handle.ino).filter(|r| r.nlink > 0).cloned() {
+                self.pool
+                    .log_namespace(&mut ns, vec![NsOp::Inode { ino: handle.ino, row }]);
+            }
+            drop(gate);
+        }
+        self.engine.flush().await.map_err(block_error)?;
+        self.pool.commit().await.map_err(pool_error)
+    }
+
+    /// A new inode's row, owned by `cred`.
+    fn new_row(ns: &Namespace, dir: u64, kind: FileType, cred: &Cred, attrs: &SetAttrs, now: Time) -> InodeRow {
+        let dir_row = &ns.inodes[&dir];
+        // A set-group-id directory gives its group to what is made in it.
+        let gid = if dir_row.mode & 0o2000 != 0 {
+            dir_row.gid
+        } else {
+            attrs.gid.unwrap_or(cred.gid)
+        };
+        let default_mode = match kind {
+            FileType::Directory => 0o755,
+            FileType::Symlink => 0o777,
+            _ => 0o644,
+        };
+        let mut mode = attrs.mode.unwrap_or(default_mode) & 0o7777;
+        if kind == FileType::Directory && dir_row.mode & 0o2000 != 0 {
+            mode |= 0o2000;
+        }
+        InodeRow {
+            generation: 0,
+            kind,
+            mode,
+            uid: if cred.uid == 0 {
+                attrs.uid.unwrap_or(0)
+            } else {
+                cred.uid
+            },
+            gid,
+            nlink: if kind == FileType::Directory { 2 } else { 1 },
+            size: 0,
+            atime: set_time(attrs.atime, now).unwrap_or(now),
+            mtime: set_time(attrs.mtime, now).unwrap_or(now),
+            ctime: now,
+            rdev: (0, 0),
+            parent: if kind == FileType::Directory { dir } else { 0 },
+            next_cookie: if kind == FileType::Directory { 3 } else { 0 },
+            verifier: 0,
+            target: Vec::new(),
+        }
+    }
+
+    /// Checks that `cred` may add `name` to `dir`; returns the inode it
+    /// names now, if any.
+    fn check_insert(&self, ns: &Namespace, dir: &Handle, name: &[u8], cred: &Cred) -> FsResult<Option<u64>> {
+        check_name(name)?;
+        let dir_row = self.dir_row(ns, dir)?;
+        if !permits(dir_row, cred, 3) {
+            return Err(FsError::Access);
+        }
+        let entries = ns.dirs.get(&dir.ino).ok_or(FsError::Stale)?;
+        Ok(entries.names.get(name).map(|cookie| entries.entries[cookie].1))
+    }
+
+    /// Makes a new inode `row` and links it as `name` in `dir`.
+    fn insert_new(
+        &self,
+        ns: &mut Namespace,
+        dir: u64,
+        name: &[u8],
+        mut row: InodeRow,
+        now: Time,
+    ) -> FsResult<(Vec<NsOp>, (Handle, Attr))> {
+        let (ino, generation) = ns.allocate().ok_or(FsError::NoSpace)?;
+        row.generation = generation;
+        let mut changed = Changed::new(ns);
+        let dir_row = changed.get(dir);
+        let cookie = dir_row.next_cookie;
+        dir_row.next_cookie += 1;
+        if row.kind == FileType::Directory {
+            dir_row.nlink += 1;
+        }
+        dir_row.mtime = now;
+        dir_row.ctime = now;
+        let result = (self.handle(ino, &row), self.attr(ino, &row));
+        let ops = vec![
+            NsOp::Inode { ino, row },
+            NsOp::Link {
+                dir,
+                cookie,
+                ino,
+                name: name.to_vec(),
+            },
+        ];
+        Ok((changed.into_ops(ops), result))
+    }
+
+    pub async fn create(&self, dir: &Handle, name: &[u8], cred: &Cred, how: CreateHow) -> FsResult<(Handle, Attr)> {
+        let (handle, attr, truncate) = self
+            .change(|ns, now| {
+                let existing = self.check_insert(ns, dir, name, cred)?;
+                if let Some(ino) = existing {
+                    let row = &ns.inodes[&ino];
+                    let found = (self.handle(ino, row), self.attr(ino, row));
+                    return match how {
+                        CreateHow::Guarded(_) => Err(FsError::Exist),
+                        CreateHow::Exclusive(verifier)
+                            if row.verifier == u64::from_le_bytes(verifier) && row.kind == FileType::Regular =>
+                        {
+                            Ok((Vec::new(), (found.0, found.1, None)))
+                        }
+                        CreateHow::Exclusive(_) => Err(FsError::Exist),
+                        CreateHow::Unchecked(attrs) => match row.kind {
+                            FileType::Regular => Ok((Vec::new(), (found.0, found.1, attrs.size))),
+                            FileType::Directory => Err(FsError::IsDir),
+                            _ => Err(FsError::Exist),
+                        },
+                    };
+                }
+                let (attrs, verifier) = match how {
+                    CreateHow::Unchecked(attrs) | CreateHow::Guarded(attrs) => (attrs, 0),
+                    CreateHow::Exclusive(verifier) => (SetAttrs::default(), u64::from_le_bytes(verifier)),
+                };
+                let mut row = Self::new_row(ns, dir.ino, FileType::Regular, cred, &attrs, now);
+                row.verifier = verifier;
+                let (ops, (handle, attr)) = self.insert_new(ns, dir.ino, name, row, now)?;
+                Ok((ops, (handle, attr, None)))
+            })
+            .await?;
+        match truncate {
+            Some(size) if size != attr.size => {
+                let set = SetAttrs {
+                    size: Some(size),
+                    ..SetAttrs::default()
+                };
+                let attr = self.setattr(&handle, cred, set, None).await?;
+                Ok((handle, attr))
+            }
+            _ => Ok((handle, attr)),
+        }
+    }
+
+    pub async fn mkdir(&self, dir: &Handle, name: &[u8], cred: &Cred, attrs: SetAttrs) -> FsResult<(Handle, Attr)> {
+        self.make(dir, name, cred, FileType::Directory, attrs, |_| {}).await
+    }
+
+    pub async fn symlink(
+        &self,
+        dir: &Handle,
+        name: &[u8],
+        cred: &Cred,
+        target: &[u8],
+        attrs: SetAttrs,
+    ) -> FsResult<(Handle, Attr)> {
+        if target.len() > MAX_SYMLINK {
+            return Err(FsError::NameTooLong);
+        }
+        if target.is_empty() {
+            return Err(FsError::Inval);
+        }
+        let attrs = SetAttrs {
+            mode: Some(0o777),
+            ..attrs
+        };
+        self.make(dir, name, cred, FileType::Symlink, attrs, |row| {
+            row.target = target.to_vec()
+        })
+        .await
+    }
+
+    /// A device, socket or FIFO special file.
+    pub async fn mknod(
+        &self,
+        dir: &Handle,
+        name: &[u8],
+        cred: &Cred,
+        kind: FileType,
+        rdev: (u32, u32),
+        attrs: SetAttrs,
+    ) -> FsResult<(Handle, Attr)> {
+        match kind {
+            FileType::Block | FileType::Char => {
+                if cred.uid != 0 {
+                    return Err(FsError::Perm);
+                }
+            }
+            FileType::Socket | FileType::Fifo => {}
+            _ => return Err(FsError::BadType),
+        }
+        self.make(dir, name, cred, kind, attrs, |row| row.rdev = rdev).await
+    }
+
+    async fn make(
+        &self,
+        dir: &Handle,
+        name: &[u8],
+        cred: &Cred,
+        kind: FileType,
+        attrs: SetAttrs,
+        finish: impl FnOnce(&mut InodeRow),
+    ) -> FsResult<(Handle, Attr)> {
+        self.change(|ns, now| {
+            if self.check_insert(ns, dir, name, cred)?.is_some() {
+                return Err(FsError::Exist);
+            }
+            let mut row = Self::new_row(ns, dir.ino, kind, cred, &attrs, now);
+            finish(&mut row);
+            if kind == FileType::Directory && ns.inodes[&dir.ino].nlink >= MAX_LINKS {
+                return Err(FsError::MLink);
+            }
+            self.insert_new(ns, dir.ino, name, row, now)
+        })
+        .await
+    }
+
+    /// Checks that `cred` may remove `name` from `dir`: its cookie and inode.
+    fn check_remove(&self, ns: &Namespace, dir: &Handle, name: &[u8], cred: &Cred) -> FsResult<(u64, u64)> {
+        if name == b"." || name == b".." {
+            return Err(FsError::Inval);
+        }
+        if name.len() > MAX_NAME {
+            return Err(FsError::NameTooLong);
+        }
+        let dir_row = self.dir_row(ns, dir)?;
+        if !permits(dir_row, cred, 3) {
+            return Err(FsError::Access);
+        }
+        let entries = ns.dirs.get(&dir.ino).ok_or(FsError::Stale)?;
+        let cookie = *entries.names.get(name).ok_or(FsError::NoEnt)?;
+        let ino = entries.entries[&cookie].1;
+        if !sticky_allows(dir_row, &ns.inodes[&ino], cred) {
+            return Err(FsError::Access);
+        }
+        Ok((cookie, ino))
+    }
+
+    /// One link fewer for `ino` (two for a directory, whose `.` goes too);
+    /// returns whether it was the last (the inode freed).
+    fn drop_link(changed: &mut Changed, ops: &mut Vec<NsOp>, ino: u64, now: Time) -> bool {
+        let row = changed.get(ino);
+        let dir = row.kind == FileType::Directory;
+        row.nlink = row.nlink.saturating_sub(if dir { 2 } else { 1 });
+        row.ctime = now;
+        if row.nlink > 0 {
+            return false;
+        }
+        let has_data = row.kind == FileType::Regular;
+        changed.rows.retain(|(i, _)| *i != ino);
+        ops.push(NsOp::Free { ino });
+        if !has_data {
+            ops.push(NsOp::Reaped { ino });
+        }
+        has_data
+    }
+
+    pub async fn remove(&self, dir: &Handle, name: &[u8], cred: &Cred) -> FsResult<()> {
+        let freed = self
+            .change(|ns, now| {
+                let (cookie, ino) = self.check_remove(ns, dir, name, cred)?;
+                if ns.inodes[&ino].kind == FileType::Directory {
+                    return Err(FsError::IsDir);
+                }
+                let mut ops = vec![NsOp::Unlink { dir: dir.ino, cookie }];
+                let mut changed = Changed::new(ns);
+                let dir_row = changed.get(dir.ino);
+                dir_row.mtime = now;
+                dir_row.ctime = now;
+                let freed = Self::drop_link(&mut changed, &mut ops, ino, now).then_some(ino);
+                Ok((changed.into_ops(ops), freed))
+            })
+            .await?;
+        if let Some(ino) = freed {
+            self.reap(ino).await?;
+        }
+        Ok(())
+    }
+
+    pub async fn rmdir(&self, dir: &Handle, name: &[u8], cred: &Cred) -> FsResult<()> {
+        self.change(|ns, now| {
+            let (cookie, ino) = self.check_remove(ns, dir, name, cred)?;
+            if ns.inodes[&ino].kind != FileType::Directory {
+                return Err(FsError::NotDir);
+            }
+            if ns.dirs.get(&ino).is_some_and(|d| !d.entries.is_empty()) {
+                return Err(FsError::NotEmpty);
+            }
+            let mut ops = vec![NsOp::Unlink { dir: dir.ino, cookie }];
+            let mut changed = Changed::new(ns);
+            let dir_row = changed.get(dir.ino);
+            dir_row.nlink -= 1;
+            dir_row.mtime = now;
+            dir_row.ctime = now;
+            Self::drop_link(&mut changed, &mut ops, ino, now);
+            Ok((changed.into_ops(ops), ()))
+        })
+        .await
+    }
+
+    pub async fn rename(
+        &self,
+        from_dir: &Handle,
+        from_name: &[u8],
+        to_dir: &Handle,
+        to_name: &[u8],
+        cred: &Cred,
+    ) -> FsResult<()> {
+        let freed = self
+            .change(|ns, now| {
+                let (from_cookie, ino) = self.check_remove(ns, from_dir, from_name, cred)?;
+                let existing = self.check_insert(ns, to_dir, to_name, cred)?;
+                let moving_dir = ns.inodes[&ino].kind == FileType::Directory;
+                if existing == Some(ino) {
+                    // Two links to one file, or a name renamed to itself.
+                    return Ok((Vec::new(), None));
+                }
+                if moving_dir {
+                    // Not into itself or below it.
+                    let mut at = to_dir.ino;
+                    loop {
+                        if at == ino {
+                            return Err(FsError::Inval);
+                        }
+                        if at == ROOT_INO {
+                            break;
+                        }
+                        at = ns.inodes[&at].parent;
+                    }
+                }
+                let mut ops = vec![NsOp::Unlink {
+                    dir: from_dir.ino,
+                    cookie: from_cookie,
+                }];
+                let mut changed = Changed::new(ns);
+                let mut freed = None;
+                if let Some(target) = existing {
+                    let target_row = &ns.inodes[&target];
+                    let target_dir = target_row.kind == FileType::Directory;
+                    if !sticky_allows(&ns.inodes[&to_dir.ino], target_row, cred) {
+                        return Err(FsError::Access);
+                    }
+                    match (moving_dir, target_dir) {
+                        (true, false) => return Err(FsError::NotDir),
+                        (false, true) => return Err(FsError::IsDir),
+                        (true, true) if ns.dirs.get(&target).is_some_and(|d| !d.entries.is_empty()) => {
+                            return Err(FsError::NotEmpty)
+                        }
+                        _ => {}
+                    }
+                    let cookie = ns.dirs[&to_dir.ino].names[to_name];
+                    ops.push(NsOp::Unlink {
+                        dir: to_dir.ino,
+                        cookie,
+                    });
+                    if target_dir {
+                        changed.get(to_dir.ino).nlink -= 1;
+                    }
+                    if Self::drop_link(&mut changed, &mut ops, target, now) {
+                        freed = Some(target);
+                    }
+                }
+                let to_row = changed.get(to_dir.ino);
+                let cookie = to_row.next_cookie;
+                to_row.next_cookie += 1;
+                to_row.mtime = now;
+                to_row.ctime = now;
+                if moving_dir && from_dir.ino != to_dir.ino {
+                    to_row.nlink += 1;
+                    changed.get(from_dir.ino).nlink -= 1;
+                    changed.get(ino).parent = to_dir.ino;
+                }
+                let from_row = changed.get(from_dir.ino);
+                from_row.mtime = now;
+                from_row.ctime = now;
+                changed.get(ino).ctime = now;
+                ops.push(NsOp::Link {
+                    dir: to_dir.ino,
+                    cookie,
+                    ino,
+                    name: to_name.to_vec(),
+                });
+                Ok((changed.into_ops(ops), freed))
+            })
+            .await?;
+        if let Some(ino) = freed {
+            self.reap(ino).await?;
+        }
+        Ok(())
+    }
+
+    pub async fn link(&self, file: &Handle, dir: &Handle, name: &[u8], cred: &Cred) -> FsResult<()> {
+        self.change(|ns, now| {
+            let row = self.row(ns, file)?;
+            if row.kind == FileType::Directory {
+                return Err(FsError::IsDir);
+            }
+            if row.nlink >= MAX_LINKS {
+                return Err(FsError::MLink);
+            }
+            if self.check_insert(ns, dir, name, cred)?.is_some() {
+                return Err(FsError::Exist);
+            }
+            let mut changed = Changed::new(ns);
+            let row = changed.get(file.ino);
+            row.nlink += 1;
+            row.ctime = now;
+            let dir_row = changed.get(dir.ino);
+            let cookie = dir_row.next_cookie;
+            dir_row.next_cookie += 1;
+            dir_row.mtime = now;
+            dir_row.ctime = now;
+            let ops = vec![NsOp::Link {
+                dir: dir.ino,
+                cookie,
+                ino: file.ino,
+                name: name.to_vec(),
+            }];
+            Ok((changed.into_ops(ops), ()))
+        })
+        .await
+    }
+
+    /// Frees a removed file's data, then lets its number be used again.
+    async fn reap(&self, ino: u64) -> FsResult<()> {
+        let _data = self.data_lock(ino).write().await;
+        let size = match self.namespace.lock_or_abort().inodes.get(&ino) {
+            Some(row) if row.nlink == 0 => row.size,
+            _ => return Ok(()),
+        };
+        self.discard(ino, 0, size).await?;
+        let gate = self.pool.enter_write(self.dataset).await;
+        let mut ns = self.namespace.lock_or_abort();
+        self.pool.log_namespace(&mut ns, vec![NsOp::Reaped { ino }]);
+        drop(gate);
+        Ok(())
+    }
+
+    /// Entries after `cookie` (0: from the start; `.` and `..` are cookies
+    /// 1 and 2), at most `max` of them; `true` when the listing is complete.
+    pub fn readdir(&self, dir: &Handle, cred: &Cred, cookie: u64, max: usize) -> FsResult<(Vec<DirEntry>, bool)> {
+        let ns = self.namespace.lock_or_abort();
+        let dir_row = self.dir_row(&ns, dir)?;
+        if !permits(dir_row, cred, 4) {
+            return Err(FsError::Access);
+        }
+        let mut out = Vec::new();
+        let entry = |ino: u64, cookie: u64, name: &[u8]| -> Option<DirEntry> {
+            let row = ns.inodes.get(&ino)?;
+            Some(DirEntry {
+                cookie,
+                name: name.to_vec(),
+                fileid: ino,
+                handle: self.handle(ino, row),
+                attr: self.attr(ino, row),
+            })
+        };
+        if cookie == 0 && out.len() < max {
+            out.extend(entry(dir.ino, 1, b"."));
+        }
+        if cookie <= 1 && out.len() < max {
+            out.extend(entry(dir_row.parent, 2, b".."));
+        }
+        let Some(entries) = ns.dirs.get(&dir.ino) else {
+            return Ok((out, true));
+        };
+        let mut rest = entries.entries.range(cookie.max(2) + 1..);
+        for (cookie, (name, ino)) in rest.by_ref() {
+            if out.len() >= max {
+                return Ok((out, false));
+            }
+            out.extend(entry(*ino, *cookie, name));
+        }
+        Ok((out, true))
+    }
+
+    pub fn fsstat(&self) -> FsStat {
+        let (total, used) = self
+            .pool
+            .status()
+            .iter()
+            .filter(|d| d.role.holds_data())
+            .fold((0, 0), |(t, u), d| (t + d.data_bytes, u + d.used_bytes));
+        let mut free = total.saturating_sub(used);
+        let mut total_bytes = total;
+        let quota = self.quota.load(Ordering::Relaxed);
+        if quota != 0 {
+            total_bytes = quota;
+            free = free.min(quota.saturating_sub(self.engine_used()));
+        }
+        let files = self.namespace.lock_or_abort().files();
+        FsStat {
+            total_bytes,
+            free_bytes: free,
+            avail_bytes: free,
+            total_files: MAX_INODES,
+            free_files: MAX_INODES.saturating_sub(files),
+        }
+    }
+
+    /// Files and bytes (for `fs list`).
+    pub fn usage(&self) -> (u64, u64) {
+        (self.namespace.lock_or_abort().files(), self.engine_used())
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,329 @@
+//! A dataset's namespace in memory: inodes and directories, changed only by
+//! applying [`NsOp`]s (the same code path for a live change and for replay
+//! of the log), with the rows changed since the last checkpoint.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+
+use super::ondisk::{InodeRow, NsOp};
+use super::types::{FileType, MAX_INODES, ROOT_INO};
+
+/// A directory's entries: by name for LOOKUP, by cookie for READDIR.
+#[derive(Debug, Default)]
+pub struct Dir {
+    pub names: HashMap<Box<[u8]>, u64>,
+    pub entries: BTreeMap<u64, (Box<[u8]>, u64)>,
+}
+
+/// A directory entry row: (directory, cookie) → (inode, name), `None`
+/// when deleted.
+pub type EntryChange = ((u64, u64), Option<(u64, Box<[u8]>)>);
+
+/// What a checkpoint stores of a namespace: every inode row and entry
+/// changed since the last one (`None`: deleted).
+#[derive(Debug, Default)]
+pub struct Changes {
+    pub inodes: Vec<(u64, Option<InodeRow>)>,
+    pub entries: Vec<EntryChange>,
+}
+
+impl Changes {
+    pub fn is_empty(&self) -> bool {
+        self.inodes.is_empty() && self.entries.is_empty()
+    }
+}
+
+#[derive(Debug)]
+pub struct Namespace {
+    pub dataset: u32,
+    pub inodes: HashMap<u64, InodeRow>,
+    pub dirs: HashMap<u64, Dir>,
+    /// Inode numbers below `next_ino` that are free (removed and reaped).
+    free: BTreeSet<u64>,
+    next_ino: u64,
+    pub next_generation: u64,
+    dirty_inodes: HashSet<u64>,
+    dirty_entries: HashSet<(u64, u64)>,
+    /// Whether the dataset row (0: the next generation) changed.
+    dirty_state: bool,
+}
+
+impl Namespace {
+    /// An empty namespace (rows are loaded or replayed into it).
+    pub fn new(dataset: u32) -> Namespace {
+        Namespace {
+            dataset,
+            inodes: HashMap::new(),
+            dirs: HashMap::new(),
+            free: BTreeSet::new(),
+            next_ino: ROOT_INO + 1,
+            next_generation: 1,
+            dirty_inodes: HashSet::new(),
+            dirty_entries: HashSet::new(),
+            dirty_state: false,
+        }
+    }
+
+    /// A stored inode row (loading): row 0 holds the next generation.
+    pub fn load_inode(&mut self, ino: u64, row: InodeRow) {
+        if ino == 0 {
+            self.next_generation = self.next_generation.max(row.generation);
+            return;
+        }
+        self.insert_inode(ino, row);
+    }
+
+    /// A stored directory entry (loading).
+    pub fn load_entry(&mut self, dir: u64, cookie: u64, ino: u64, name: &[u8]) {
+        let entries = self.dirs.entry(dir).or_default();
+        entries.names.insert(name.into(), cookie);
+        entries.entries.insert(cookie, (name.into(), ino));
+    }
+
+    /// After loading: the free inode numbers are the gaps.
+    pub fn finish_loading(&mut self) {
+        self.next_ino = self.inodes.keys().copied().max().unwrap_or(ROOT_INO).max(ROOT_INO) + 1;
+        self.free = (ROOT_INO + 1..self.next_ino)
+            .filter(|ino| !self.inodes.contains_key(ino))
+            .collect();
+    }
+
+    fn insert_inode(&mut self, ino: u64, row: InodeRow) {
+        self.next_generation = self.next_generation.max(row.generation + 1);
+        if ino >= self.next_ino {
+            self.free.extend(self.next_ino..ino);
+            self.next_ino = ino + 1;
+        }
+        self.free.remove(&ino);
+        if row.kind == FileType::Directory && row.nlink > 0 {
+            self.dirs.entry(ino).or_default();
+        }
+        self.inodes.insert(ino, row);
+    }
+
+    /// Whether the dataset has its root directory (a new one does not).
+    pub fn has_root(&self) -> bool {
+        self.inodes.contains_key(&ROOT_INO)
+    }
+
+    /// An inode number for a new file, and its generation (taken: the
+    /// next `Inode` operation for it must follow).
+    pub fn allocate(&mut self) -> Option<(u64, u64)> {
+        let ino = match self.free.pop_first() {
+            Some(ino) => ino,
+            None if self.next_ino < MAX_INODES => {
+                self.next_ino += 1;
+                self.next_ino - 1
+            }
+            None => return None,
+        };
+        let generation = self.next_generation;
+        self.next_generation += 1;
+        self.dirty_state = true;
+        Some((ino, generation))
+    }
+
+    /// Gives back a number [`Namespace::allocate`] handed out that no
+    /// operation used (the change failed before it was logged).
+    pub fn unallocate(&mut self, ino: u64) {
+        if !self.inodes.contains_key(&ino) {
+            self.free.insert(ino);
+        }
+    }
+
+    /// Live inodes (the root included).
+    pub fn files(&self) -> u64 {
+        self.inodes.values().filter(|row| row.nlink > 0).count() as u64
+    }
+
+    /// Applies one change (live or replayed; replaying one already in the
+    /// stored rows changes nothing).
+    pub fn apply(&mut self, op: &NsOp) {
+        match op {
+            NsOp::Inode { ino, row } => {
+                self.insert_inode(*ino, row.clone());
+                self.dirty_inodes.insert(*ino);
+                self.dirty_state = true;
+            }
+            NsOp::Free { ino } => {
+                if let Some(row) = self.inodes.get_mut(ino) {
+                    row.nlink = 0;
+                }
+                self.dirs.remove(ino);
+                self.dirty_inodes.insert(*ino);
+            }
+            NsOp::Reaped { ino } => {
+                if self.inodes.get(ino).is_some_and(|row| row.nlink == 0) {
+                    self.inodes.remove(ino);
+                    if *ino < self.next_ino {
+                        self.free.insert(*ino);
+                    }
+                    self.dirty_inodes.insert(*ino);
+                }
+            }
+            NsOp::Link { dir, cookie, ino, name } => {
+                let entries = self.dirs.entry(*dir).or_default();
+                if let Some((old, _)) = entries.entries.insert(*cookie, (name.as_slice().into(), *ino)) {
+                    entries.names.remove(&old);
+                }
+                entries.names.insert(name.as_slice().into(), *cookie);
+                self.dirty_entries.insert((*dir, *cookie));
+            }
+            NsOp::Unlink { dir, cookie } => {
+                if let Some(entries) = self.dirs.get_mut(dir) {
+                    if let Some((name, _)) = entries.entries.remove(cookie) {
+                        entries.names.remove(&name);
+                    }
+                }
+                self.dirty_entries.insert((*dir, *cookie));
+            }
+        }
+    }
+
+    /// Marks an inode changed in memory only (a write's times and size):
+    /// the next checkpoint stores it.
+    pub fn touch(&mut self, ino: u64) {
+        self.dirty_inodes.insert(ino);
+    }
+
+    /// The rows changed since the last call, with their current values.
+    pub fn take_changes(&mut self) -> Changes {
+        let mut changes = Changes::default();
+        for ino in self.dirty_inodes.drain() {
+            changes.inodes.push((ino, self.inodes.get(&ino).cloned()));
+        }
+        if std::mem::take(&mut self.dirty_state) {
+            changes
+                .inodes
+                .push((0, Some(InodeRow::dataset_row(self.next_generation))));
+        }
+        for (dir, cookie) in self.dirty_entries.drain() {
+            let entry = self
+                .dirs
+                .get(&dir)
+                .and_then(|d| d.entries.get(&cookie))
+                .map(|(name, ino)| (*ino, name.clone()));
+            changes.entries.push(((dir, cookie), entry));
+        }
+        changes
+    }
+
+    /// A checkpoint that failed: its rows are stored again next time.
+    pub fn restore_changes(&mut self, changes: &Changes) {
+        for (ino, _) in &changes.inodes {
+            if *ino == 0 {
+                self.dirty_state = true;
+            } else {
+                self.dirty_inodes.insert(*ino);
+            }
+        }
+        self.dirty_entries.extend(changes.entries.iter().map(|(key, _)| *key));
+    }
+
+    /// Removed inodes whose data is not freed yet (after a restart).
+    pub fn reaping(&self) -> Vec<u64> {
+        let mut inos: Vec<u64> = self
+            .inodes
+            .iter()
+            .filter(|(_, row)| row.nlink == 0)
+            .map(|(ino, _)| *ino)
+            .collect();
+        inos.sort_unstable();
+        inos
+    }
+}
+
+impl InodeRow {
+    /// Row 0: not a file, only the dataset's next generation.
+    pub fn dataset_row(next_generation: u64) -> InodeRow {
+        InodeRow {
+            generation: next_generation,
+            kind: FileType::Directory,
+            mode: 0,
+            uid: 0,
+            gid: 0,
+            nlink: 0,
+            size: 0,
+            atime: Default::default(),
+            mtime: Default::default(),
+            ctime: Default::default(),
+            rdev: (0, 0),
+            parent: 0,
+            next_cookie: 0,
+            verifier: 0,
+            target: Vec::new(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn file(generation: u64) -> InodeRow {
+        InodeRow {
+            kind: FileType::Regular,
+            mode: 0o644,
+            nlink: 1,
+            ..InodeRow::dataset_row(generation)
+        }
+    }
+
+    #[test]
+    fn applied_changes_are_taken_once_and_numbers_are_reused_after_reaping() {
+        let mut ns = Namespace::new(3);
+        let root = InodeRow {
+            kind: FileType::Directory,
+            nlink: 2,
+            parent: ROOT_INO,
+            next_cookie: 3,
+            ..InodeRow::dataset_row(1)
+        };
+        ns.apply(&NsOp::Inode {
+            ino: ROOT_INO,
+            row: root,
+        });
+        let (ino, generation) = ns.allocate().unwrap();
+        assert_eq!((ino, generation), (2, 2));
+        ns.apply(&NsOp::Inode {
+            ino,
+            row: file(generation),
+        });
+        ns.apply(&NsOp::Link {
+            dir: ROOT_INO,
+            cookie: 3,
+            ino,
+            name: b"a".to_vec(),
+        });
+        assert_eq!(ns.dirs[&ROOT_INO].names[&b"a"[..]], 3);
+        let changes = ns.take_changes();
+        assert_eq!(changes.inodes.len(), 3, "root, file, dataset row");
+        assert_eq!(changes.entries.len(), 1);
+        assert!(ns.take_changes().is_empty());
+
+        ns.apply(&NsOp::Unlink {
+            dir: ROOT_INO,
+            cookie: 3,
+        });
+        ns.apply(&NsOp::Free { ino });
+        assert_eq!(ns.reaping(), vec![ino]);
+        // Not reusable before its data is freed.
+        assert_eq!(ns.allocate().unwrap().0, 3);
+        ns.apply(&NsOp::Reaped { ino });
+        let (again, generation2) = ns.allocate().unwrap();
+        assert_eq!(again, ino);
+        assert!(generation2 > generation);
+        let changes = ns.take_changes();
+        assert!(changes.inodes.contains(&(ino, None)));
+        assert!(changes.entries.contains(&((ROOT_INO, 3), None)));
+
+        // Loading the rows back gives the same free numbers.
+        let mut loaded = Namespace::new(3);
+        for (ino, row) in &ns.inodes {
+            loaded.load_inode(*ino, row.clone());
+        }
+        loaded.load_inode(0, InodeRow::dataset_row(ns.next_generation));
+        loaded.finish_loading();
+        assert_eq!(loaded.next_generation, ns.next_generation);
+        assert_eq!(loaded.allocate().unwrap().0, 2);
+    }
+}

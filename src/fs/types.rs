@@ -1,0 +1,304 @@
+//! What the file service's callers (the NFS frontend, the admin API) see of a
+//! dataset: attributes, handles, credentials, errors. Nothing here knows NFS's
+//! wire format; the frontend maps these to it.
+
+/// Longest name of a directory entry, in bytes (NFS's usual 255).
+pub const MAX_NAME: usize = 255;
+/// Longest symbolic link target, in bytes (it travels in one log record).
+pub const MAX_SYMLINK: usize = 1024;
+/// Bits of a file's byte offset: a file holds at most 1 TiB.
+pub const FILE_BITS: u32 = 40;
+/// Largest file size.
+pub const MAX_FILE_SIZE: u64 = 1 << FILE_BITS;
+/// Most inodes a dataset has at once (files share the dataset's address
+/// space, 1 TiB each: 2^23 of them fill 2^63 bytes). Inode numbers are
+/// reused after a file is removed, with a new generation.
+pub const MAX_INODES: u64 = 1 << 23;
+/// The root directory's inode number.
+pub const ROOT_INO: u64 = 1;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum FileType {
+    Regular,
+    Directory,
+    Symlink,
+    Block,
+    Char,
+    Socket,
+    Fifo,
+}
+
+impl FileType {
+    /// The code stored on disk (docs/FORMAT.md) and NFS's `ftype3` value.
+    pub fn code(self) -> u8 {
+        match self {
+            FileType::Regular => 1,
+            FileType::Directory => 2,
+            FileType::Block => 3,
+            FileType::Char => 4,
+            FileType::Symlink => 5,
+            FileType::Socket => 6,
+            FileType::Fifo => 7,
+        }
+    }
+
+    pub fn from_code(code: u8) -> Option<FileType> {
+        Some(match code {
+            1 => FileType::Regular,
+            2 => FileType::Directory,
+            3 => FileType::Block,
+            4 => FileType::Char,
+            5 => FileType::Symlink,
+            6 => FileType::Socket,
+            7 => FileType::Fifo,
+            _ => return None,
+        })
+    }
+}
+
+/// A point in time: seconds and nanoseconds since the Unix epoch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Default, Hash)]
+pub struct Time {
+    pub seconds: u64,
+    pub nanos: u32,
+}
+
+impl Time {
+    pub fn now() -> Time {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default();
+        Time {
+            seconds: now.as_secs(),
+            nanos: now.subsec_nanos(),
+        }
+    }
+}
+
+/// A file's attributes (NFS's `fattr3`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Attr {
+    pub kind: FileType,
+    /// Permission bits and set-id/sticky bits (the low 12 bits).
+    pub mode: u32,
+    pub nlink: u32,
+    pub uid: u32,
+    pub gid: u32,
+    pub size: u64,
+    /// Bytes of pool space the file's data takes (its mapped blocks).
+    pub used: u64,
+    /// Major and minor number of a device special file.
+    pub rdev: (u32, u32),
+    /// The dataset's file system id.
+    pub fsid: u64,
+    /// The inode number.
+    pub fileid: u64,
+    pub atime: Time,
+    pub mtime: Time,
+    pub ctime: Time,
+}
+
+/// A file handle: stable across restarts, never valid for another file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Handle {
+    pub dataset: u32,
+    pub ino: u64,
+    pub generation: u64,
+}
+
+/// Encoded handle length.
+pub const HANDLE_BYTES: usize = 24;
+const HANDLE_VERSION: u8 = 1;
+
+impl Handle {
+    /// version `u8`, three reserved zero bytes, dataset `u32`, inode
+    /// `u64`, generation `u64` (little endian; docs/FORMAT.md).
+    pub fn encode(&self) -> [u8; HANDLE_BYTES] {
+        let mut out = [0u8; HANDLE_BYTES];
+        out[0] = HANDLE_VERSION;
+        out[4..8].copy_from_slice(&self.dataset.to_le_bytes());
+        out[8..16].copy_from_slice(&self.ino.to_le_bytes());
+        out[16..24].copy_from_slice(&self.generation.to_le_bytes());
+        out
+    }
+
+    /// `None` for bytes that are not a handle of ours (NFS3ERR_BADHANDLE).
+    pub fn decode(bytes: &[u8]) -> Option<Handle> {
+        if bytes.len() != HANDLE_BYTES || bytes[0] != HANDLE_VERSION || bytes[1..4] != [0, 0, 0] {
+            return None;
+        }
+        Some(Handle {
+            dataset: u32::from_le_bytes(bytes[4..8].try_into().ok()?),
+            ino: u64::from_le_bytes(bytes[8..16].try_into().ok()?),
+            generation: u64::from_le_bytes(bytes[16..24].try_into().ok()?),
+        })
+    }
+}
+
+/// Who asks (AUTH_SYS credentials after squashing; AUTH_NONE is the
+/// anonymous user).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Cred {
+    pub uid: u32,
+    pub gid: u32,
+    /// Supplementary groups (at most 16 in AUTH_SYS).
+    pub gids: Vec<u32>,
+}
+
+impl Cred {
+    pub fn root() -> Cred {
+        Cred {
+            uid: 0,
+            gid: 0,
+            gids: Vec::new(),
+        }
+    }
+
+    pub fn in_group(&self, gid: u32) -> bool {
+        self.gid == gid || self.gids.contains(&gid)
+    }
+}
+
+/// How SETATTR (or CREATE's attributes) sets a time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum SetTime {
+    #[default]
+    Keep,
+    ServerNow,
+    Client(Time),
+}
+
+/// Attributes to set (NFS's `sattr3`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct SetAttrs {
+    pub mode: Option<u32>,
+    pub uid: Option<u32>,
+    pub gid: Option<u32>,
+    pub size: Option<u64>,
+    pub atime: SetTime,
+    pub mtime: SetTime,
+}
+
+/// How CREATE treats an existing name (NFS's `createhow3`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CreateHow {
+    /// An existing regular file is used as it is (its size set if asked).
+    Unchecked(SetAttrs),
+    /// An existing name is an error.
+    Guarded(SetAttrs),
+    /// Exclusive create: a retransmission with the same verifier finds the
+    /// file it created.
+    Exclusive([u8; 8]),
+}
+
+/// A write's durability (NFS's `stable_how`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Stable {
+    /// In the RAM tier; durable after a COMMIT.
+    Unstable,
+    /// The data durable before the reply.
+    DataSync,
+    /// Data and attributes durable before the reply.
+    FileSync,
+}
+
+/// One directory entry as READDIR(PLUS) returns it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DirEntry {
+    /// Where the next READDIR resumes after this entry (never 0; cookies
+    /// 1 and 2 are `.` and `..`).
+    pub cookie: u64,
+    pub name: Vec<u8>,
+    pub fileid: u64,
+    pub handle: Handle,
+    pub attr: Attr,
+}
+
+/// A dataset's space and file counts (FSSTAT).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FsStat {
+    pub total_bytes: u64,
+    pub free_bytes: u64,
+    pub avail_bytes: u64,
+    pub total_files: u64,
+    pub free_files: u64,
+}
+
+/// What a file-service operation can fail with; the NFS frontend maps each
+/// to its `nfsstat3`.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum FsError {
+    #[error("not owner")]
+    Perm,
+    #[error("no such file or directory")]
+    NoEnt,
+    #[error("I/O error: {0}")]
+    Io(String),
+    #[error("permission denied")]
+    Access,
+    #[error("file exists")]
+    Exist,
+    #[error("cross-device link")]
+    XDev,
+    #[error("not a directory")]
+    NotDir,
+    #[error("is a directory")]
+    IsDir,
+    #[error("invalid argument")]
+    Inval,
+    #[error("file too large")]
+    FBig,
+    #[error("no space left")]
+    NoSpace,
+    #[error("read-only file system")]
+    ReadOnly,
+    #[error("too many links")]
+    MLink,
+    #[error("name too long")]
+    NameTooLong,
+    #[error("directory not empty")]
+    NotEmpty,
+    #[error("quota exceeded")]
+    DQuot,
+    #[error("stale file handle")]
+    Stale,
+    #[error("bad file handle")]
+    BadHandle,
+    #[error("not supported")]
+    NotSupp,
+    #[error("wrong file type")]
+    BadType,
+}
+
+/// ACCESS bits (NFS's ACCESS3_*).
+pub mod access {
+    pub const READ: u32 = 0x01;
+    pub const LOOKUP: u32 = 0x02;
+    pub const MODIFY: u32 = 0x04;
+    pub const EXTEND: u32 = 0x08;
+    pub const DELETE: u32 = 0x10;
+    pub const EXECUTE: u32 = 0x20;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn handles_round_trip_and_foreign_bytes_are_refused() {
+        let handle = Handle {
+            dataset: 7,
+            ino: 1234,
+            generation: 99,
+        };
+        assert_eq!(Handle::decode(&handle.encode()), Some(handle));
+        let mut bad = handle.encode();
+        bad[0] = 2;
+        assert_eq!(Handle::decode(&bad), None);
+        assert_eq!(Handle::decode(&handle.encode()[..20]), None);
+        for code in 1..=7 {
+            assert_eq!(FileType::from_code(code).map(FileType::code), Some(code));
+        }
+        assert_eq!(FileType::from_code(0), None);
+    }
+}

@@ -1,0 +1,177 @@
+//! File datasets' namespaces in the pool (`fs/`): kept in memory, changed
+//! through `Namespace` log records, stored by checkpoints in two tables of
+//! the metadata store, loaded at open and brought up to date by replay.
+
+use super::*;
+use crate::fs::namespace::{Changes, Namespace};
+use crate::fs::ondisk::{decode_entry, encode_entry, InodeRow, NsOp};
+use std::collections::HashMap;
+
+/// Inode rows: (dataset, inode) → the encoded row (`fs/ondisk.rs`).
+pub const FS_INODES: TableDefinition<(u32, u64), &[u8]> = TableDefinition::new("fs_inodes");
+/// Directory entries: (dataset, directory, cookie) → inode and name.
+pub const FS_ENTRIES: TableDefinition<(u32, u64, u64), &[u8]> = TableDefinition::new("fs_entries");
+
+/// One dataset's namespace, shared by its file system and the pool.
+pub type SharedNamespace = Arc<Mutex<Namespace>>;
+
+/// What a checkpoint takes from every namespace.
+pub(super) type NamespaceChanges = Vec<(u32, Changes)>;
+
+impl Pool {
+    /// Dataset `dataset`'s namespace (empty if it has none yet).
+    pub fn namespace(&self, dataset: u32) -> SharedNamespace {
+        self.namespaces
+            .lock_or_abort()
+            .entry(dataset)
+            .or_insert_with(|| Arc::new(Mutex::new(Namespace::new(dataset))))
+            .clone()
+    }
+
+    /// Applies `ops` to `namespace` and appends them to the log as one
+    /// record. The caller holds the dataset's gate shard (so a checkpoint
+    /// sees each change with its record, or neither) and the namespace's
+    /// lock (so the log's order is the order they were applied in); it
+    /// commits afterwards if the change must be durable before its reply.
+    pub fn log_namespace(&self, namespace: &mut Namespace, ops: Vec<NsOp>) {
+        debug_assert!(crate::fs::ondisk::ops_len(&ops) <= crate::fs::ondisk::MAX_OPS_BYTES);
+        for op in &ops {
+            namespace.apply(op);
+        }
+        self.log.append(Record::Namespace {
+            dataset: namespace.dataset,
+            ops,
+        });
+    }
+
+    /// Replay of a namespace record.
+    pub(super) fn replay_namespace(&self, dataset: u32, ops: &[NsOp]) {
+        if self.destroyed.lock_or_abort().contains(&dataset) {
+            return;
+        }
+        let namespace = self.namespace(dataset);
+        let mut namespace = namespace.lock_or_abort();
+        for op in ops {
+            namespace.apply(op);
+        }
+    }
+
+    /// A destroyed dataset's namespace goes with it (its rows are deleted
+    /// by the next checkpoint).
+    pub(super) fn forget_namespace(&self, dataset: u32) {
+        self.namespaces.lock_or_abort().remove(&dataset);
+    }
+
+    /// Every namespace's changes since the last checkpoint (under the gate).
+    pub(super) fn take_namespace_changes(&self) -> NamespaceChanges {
+        let namespaces: Vec<SharedNamespace> = self.namespaces.lock_or_abort().values().cloned().collect();
+        namespaces
+            .iter()
+            .filter_map(|ns| {
+                let mut ns = ns.lock_or_abort();
+                let changes = ns.take_changes();
+                (!changes.is_empty()).then(|| (ns.dataset, changes))
+            })
+            .collect()
+    }
+
+    /// A checkpoint that failed: the rows are stored next time.
+    pub(super) fn restore_namespace_changes(&self, changes: &NamespaceChanges) {
+        for (dataset, changes) in changes {
+            self.namespace(*dataset).lock_or_abort().restore_changes(changes);
+        }
+    }
+}
+
+/// Writes the namespaces' changed rows and deletes destroyed datasets' rows.
+pub(super) fn write_namespaces(
+    txn: &redb::WriteTransaction,
+    changes: &NamespaceChanges,
+    destroyed: &[u32],
+) -> Result<(), MetaError> {
+    let mut inodes = txn.open_table(FS_INODES)?;
+    let mut entries = txn.open_table(FS_ENTRIES)?;
+    let mut bytes = Vec::new();
+    for (dataset, changes) in changes {
+        for (ino, row) in &changes.inodes {
+            match row {
+                Some(row) => {
+                    bytes.clear();
+                    row.encode(&mut bytes);
+                    inodes.insert((*dataset, *ino), bytes.as_slice())?;
+                }
+                None => {
+                    inodes.remove((*dataset, *ino))?;
+                }
+            }
+        }
+        for ((dir, cookie), entry) in &changes.entries {
+            match entry {
+                Some((ino, name)) => {
+                    entries.insert((*dataset, *dir, *cookie), encode_entry(*ino, name).as_slice())?;
+                }
+                None => {
+                    entries.remove((*dataset, *dir, *cookie))?;
+                }
+            }
+        }
+    }
+    for dataset in destroyed {
+        let keys: Vec<(u32, u64)> = inodes
+            .range((*dataset, 0)..=(*dataset, u64::MAX))?
+            .filter_map(|row| row.ok().map(|(k, _)| k.value()))
+            .collect();
+        for key in keys {
+            inodes.remove(key)?;
+        }
+        let keys: Vec<(u32, u64, u64)> = entries
+            .range((*dataset, 0, 0)..=(*dataset, u64::MAX, u64::MAX))?
+            .filter_map(|row| row.ok().map(|(k, _)| k.value()))
+            .collect();
+        for key in keys {
+            entries.remove(key)?;
+        }
+    }
+    Ok(())
+}
+
+/// Every stored namespace (at open, before replay).
+pub(super) fn load_namespaces(db: &redb::Database) -> Result<HashMap<u32, SharedNamespace>, MetaError> {
+    let mut namespaces: HashMap<u32, Namespace> = HashMap::new();
+    let txn = db.begin_read()?;
+    match txn.open_table(FS_INODES) {
+        Ok(table) => {
+            for row in table.iter()? {
+                let (key, value) = row?;
+                let (dataset, ino) = key.value();
+                let (inode, _) = InodeRow::decode(value.value())
+                    .ok_or_else(|| MetaError::Corrupt(format!("damaged inode row {dataset}/{ino}")))?;
+                namespaces
+                    .entry(dataset)
+                    .or_insert_with(|| Namespace::new(dataset))
+                    .load_inode(ino, inode);
+            }
+        }
+        Err(redb::TableError::TableDoesNotExist(_)) => return Ok(HashMap::new()),
+        Err(e) => return Err(e.into()),
+    }
+    if let Ok(table) = txn.open_table(FS_ENTRIES) {
+        for row in table.iter()? {
+            let (key, value) = row?;
+            let (dataset, dir, cookie) = key.value();
+            let (ino, name) = decode_entry(value.value())
+                .ok_or_else(|| MetaError::Corrupt(format!("damaged directory entry {dataset}/{dir}/{cookie}")))?;
+            namespaces
+                .entry(dataset)
+                .or_insert_with(|| Namespace::new(dataset))
+                .load_entry(dir, cookie, ino, name);
+        }
+    }
+    Ok(namespaces
+        .into_iter()
+        .map(|(dataset, mut ns)| {
+            ns.finish_loading();
+            (dataset, Arc::new(Mutex::new(ns)))
+        })
+        .collect())
+}
