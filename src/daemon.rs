@@ -13,6 +13,7 @@ use tokio::sync::watch;
 use crate::control::manager::VolumeManager;
 use crate::device::DeviceWraps;
 use crate::frontend::{iscsi, nbd};
+use crate::fs::Exports as _;
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct ServeArgs {
@@ -26,6 +27,10 @@ pub struct ServeArgs {
     /// Address for iSCSI initiators (port 0 picks a free port).
     #[arg(long, default_value = "127.0.0.1:3260")]
     pub iscsi: SocketAddr,
+    /// Address for NFSv3 clients (MOUNT and a portmapper answer on the same
+    /// port), or `off`. Port 0 picks a free port.
+    #[arg(long, value_name = "ADDR|off", default_value = "127.0.0.1:2049", value_parser = parse_nfs_address)]
+    pub nfs: NfsAddress,
     /// TCP address of the REST API and /metrics. Every request but `GET
     /// /metrics` needs the bearer token (DATA_DIR/api.token); an address
     /// other than loopback is served with TLS only.
@@ -160,6 +165,19 @@ fn tune_allocator() {
     }
 }
 
+/// `--nfs`: an address or `off`.
+#[derive(Debug, Clone, Copy)]
+pub struct NfsAddress(pub Option<SocketAddr>);
+
+fn parse_nfs_address(text: &str) -> Result<NfsAddress, String> {
+    if text == "off" {
+        return Ok(NfsAddress(None));
+    }
+    text.parse()
+        .map(|a| NfsAddress(Some(a)))
+        .map_err(|e| format!("{text:?} is not an address (HOST:PORT) or off: {e}"))
+}
+
 async fn bind(what: &str, address: SocketAddr) -> Result<TcpListener, String> {
     TcpListener::bind(address)
         .await
@@ -184,6 +202,10 @@ async fn serve(args: ServeArgs) -> Result<(), String> {
     );
     let nbd_listener = bind("NBD", args.nbd).await?;
     let iscsi_listener = bind("iSCSI", args.iscsi).await?;
+    let nfs_listener = match args.nfs.0 {
+        Some(address) => Some(bind("NFS", address).await?),
+        None => None,
+    };
     let api_listener = bind("the REST API", args.api).await?;
     let api = open_api(&args, api_tls, &manager, api_listener)?;
     let iscsi_address = iscsi_listener.local_addr().map_err(|e| e.to_string())?;
@@ -207,6 +229,19 @@ async fn serve(args: ServeArgs) -> Result<(), String> {
         let _ = writeln!(out, "strata: nbd listening on {nbd_address}");
         let _ = writeln!(out, "strata: api listening on {api_scheme}://{api_address}");
         let _ = writeln!(out, "strata: api socket {}", api.socket_path.display());
+        if let Some(listener) = &nfs_listener {
+            let address = listener.local_addr().map_err(|e| e.to_string())?;
+            let exports: Vec<String> = manager.all().iter().map(|e| e.path.clone()).collect();
+            let _ = writeln!(
+                out,
+                "strata: nfs listening on {address} (exports: {})",
+                if exports.is_empty() {
+                    "none".to_string()
+                } else {
+                    exports.join(", ")
+                }
+            );
+        }
         let _ = writeln!(out, "strata: iscsi listening on {iscsi_address}");
         let _ = writeln!(
             out,
@@ -234,6 +269,10 @@ async fn serve(args: ServeArgs) -> Result<(), String> {
         limits("iscsi"),
         stop.clone(),
     ));
+    let nfs_task = nfs_listener.map(|listener| {
+        let exports: Arc<dyn crate::fs::Exports> = manager.clone();
+        tokio::spawn(crate::frontend::nfs::server::serve(listener, exports, stop.clone()))
+    });
     let api_task = tokio::spawn(crate::admin::server::serve(
         api.router,
         api.socket,
@@ -253,6 +292,9 @@ async fn serve(args: ServeArgs) -> Result<(), String> {
     let _ = stop_sender.send(true);
     let _ = nbd_task.await;
     let _ = iscsi_task.await;
+    if let Some(task) = nfs_task {
+        let _ = task.await;
+    }
     let _ = api_task.await;
     let _ = retention_task.await;
     let _ = analytics_task.await;

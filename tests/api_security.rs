@@ -506,6 +506,8 @@ fn an_api_on_other_than_loopback_without_tls_is_refused_before_listening() {
             "127.0.0.1:0",
             "--iscsi",
             "127.0.0.1:0",
+            "--nfs",
+            "127.0.0.1:0",
             "--api",
             "0.0.0.0:0",
             "--api-tls",

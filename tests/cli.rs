@@ -38,7 +38,16 @@ impl Server {
         let mut child = Command::new(BIN)
             .args(["serve", "--data-dir"])
             .arg(data_dir)
-            .args(["--nbd", "127.0.0.1:0", "--api", "127.0.0.1:0", "--iscsi", "127.0.0.1:0"])
+            .args([
+                "--nbd",
+                "127.0.0.1:0",
+                "--api",
+                "127.0.0.1:0",
+                "--iscsi",
+                "127.0.0.1:0",
+                "--nfs",
+                "127.0.0.1:0",
+            ])
             .env("STRATA_LOG", "warn")
             .env("STRATA_RAM_DIR", data_dir)
             .stdin(Stdio::null())
@@ -1182,7 +1191,16 @@ fn an_interrupted_pool_add_device_is_settled_at_start() {
     let output = Command::new(BIN)
         .args(["serve", "--data-dir"])
         .arg(&data)
-        .args(["--nbd", "127.0.0.1:0", "--api", "127.0.0.1:0", "--iscsi", "127.0.0.1:0"])
+        .args([
+            "--nbd",
+            "127.0.0.1:0",
+            "--api",
+            "127.0.0.1:0",
+            "--iscsi",
+            "127.0.0.1:0",
+            "--nfs",
+            "127.0.0.1:0",
+        ])
         .env("STRATA_LOG", "warn")
         .env("STRATA_RAM_DIR", &data)
         .stdin(Stdio::null())
@@ -1194,4 +1212,207 @@ fn an_interrupted_pool_add_device_is_settled_at_start() {
         stderr.contains("pool tank: pool 'tank' is missing its capacity device") && stderr.contains("catalog.json"),
         "{stderr}"
     );
+}
+
+/// `fs get` rows as (property, value).
+fn fs_properties(text: &str, dataset: &str) -> Vec<(String, String)> {
+    let rows = table(text);
+    assert_eq!(rows[0], ["NAME", "PROPERTY", "VALUE"], "fs get header:\n{text}");
+    rows[1..]
+        .iter()
+        .map(|r| {
+            assert_eq!(r.len(), 3, "fs get row:\n{text}");
+            assert_eq!(r[0], dataset);
+            (r[1].clone(), r[2].clone())
+        })
+        .collect()
+}
+
+#[test]
+fn fs_lifecycle() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(dir.path());
+
+    // A fresh data directory has default/files (id 2) beside default/vol0.
+    let list = server.cli(&["fs", "list"]).ok().to_string();
+    assert_eq!(table(&list)[0], ["NAME", "EXPORT", "FILES", "USED", "QUOTA"]);
+    let files = row(&list, "default/files").expect("default/files listed");
+    assert_eq!(cell(&files, "EXPORT"), "/default/files");
+    assert_eq!(cell(&files, "QUOTA"), "none");
+    let json = server.cli(&["fs", "list", "--json"]).json();
+    let all = json.as_array().expect("a JSON array");
+    assert_eq!(all.len(), 1, "{json}");
+    assert_eq!(all[0]["name"], "default/files");
+    assert_eq!(all[0]["id"], 2);
+    assert_eq!(all[0]["export"], "/default/files");
+
+    // Create with properties; human create prints nothing.
+    let created = server.cli(&["fs", "create", "default/docs", "-o", "quota=1G", "-o", "nfs.ro=on"]);
+    assert_eq!(created.ok(), "");
+    let list = server.cli(&["fs", "ls"]).ok().to_string();
+    let docs = row(&list, "default/docs").expect("default/docs listed");
+    assert_eq!(cell(&docs, "EXPORT"), "/default/docs");
+    assert_eq!(cell(&docs, "QUOTA"), "1G");
+    assert!(cell(&docs, "FILES").parse::<u64>().is_ok(), "{list}");
+    assert!(cell(&docs, "USED").ends_with(['B', 'K', 'M']), "{list}");
+    assert!(row(&list, "default/files").is_some());
+
+    // get: every property in the documented order, or the ones asked for.
+    let get = server.cli(&["fs", "get", "default/docs"]).ok().to_string();
+    let names: Vec<String> = fs_properties(&get, "default/docs")
+        .into_iter()
+        .map(|(p, _)| p)
+        .collect();
+    assert_eq!(
+        names,
+        [
+            "recordsize",
+            "quota",
+            "nfs.clients",
+            "nfs.ro",
+            "nfs.squash",
+            "nfs.anonuid",
+            "nfs.anongid",
+            "nfs.insecure"
+        ]
+    );
+    let one = server.cli(&["fs", "get", "default/docs", "quota"]).ok().to_string();
+    assert_eq!(
+        fs_properties(&one, "default/docs"),
+        [("quota".to_string(), "1G".to_string())]
+    );
+    let one = server.cli(&["fs", "get", "default/docs", "nfs.ro"]).ok().to_string();
+    assert_eq!(
+        fs_properties(&one, "default/docs"),
+        [("nfs.ro".to_string(), "on".to_string())]
+    );
+    let json = server.cli(&["fs", "get", "default/docs", "quota", "--json"]).json();
+    assert_eq!(json["name"], "default/docs");
+    assert_eq!(json["properties"], serde_json::json!({ "quota": "1073741824" }));
+
+    // set, then get shows it; --json answers with the dataset.
+    assert_eq!(server.cli(&["fs", "set", "default/docs", "nfs.squash=all"]).ok(), "");
+    let one = server
+        .cli(&["fs", "get", "default/docs", "nfs.squash"])
+        .ok()
+        .to_string();
+    assert_eq!(
+        fs_properties(&one, "default/docs"),
+        [("nfs.squash".to_string(), "all".to_string())]
+    );
+    let json = server
+        .cli(&["fs", "set", "default/docs", "nfs.anonuid=1000", "--json"])
+        .json();
+    assert_eq!(json["properties"]["nfs.anonuid"], "1000");
+    assert_eq!(json["properties"]["nfs.squash"], "all");
+
+    // Refusals: one line, exit status 1, nothing changed.
+    server
+        .cli(&["fs", "create", "default/bad", "-o", "recordsize=3K"])
+        .fails_with("recordsize must be a power of two from 4K to 128K");
+    server
+        .cli(&["fs", "create", "default/bad", "-o", "colour=red"])
+        .fails_with("unknown dataset property \"colour\"");
+    server
+        .cli(&["fs", "set", "default/docs", "colour=red"])
+        .fails_with("unknown dataset property \"colour\"");
+    server
+        .cli(&["fs", "set", "default/docs", "recordsize=64K"])
+        .fails_with("recordsize is set when a dataset is created and cannot change");
+    server
+        .cli(&["fs", "set", "default/docs", "nfs.squash=some"])
+        .fails_with("some");
+    server
+        .cli(&["fs", "get", "default/docs", "colour"])
+        .fails_with("unknown dataset property 'colour'");
+    server
+        .cli(&["fs", "create", "default/docs"])
+        .fails_with("'default/docs' already exists");
+    server
+        .cli(&["fs", "create", "default/vol0"])
+        .fails_with("'default/vol0' already exists");
+    server
+        .cli(&["fs", "create", "nopool/docs"])
+        .fails_with("pool 'nopool' does not exist");
+    server
+        .cli(&["fs", "create", "docs"])
+        .fails_with("invalid dataset name 'docs': expected POOL/NAME");
+    server
+        .cli(&["fs", "set", "default/docs", "nfs.ro=off", "-o", "quota=2G"])
+        .fails_with("only valid with 'fs create'; use 'strata fs set POOL/NAME quota=2G'");
+    let list = server.cli(&["fs", "list"]).ok().to_string();
+    assert!(row(&list, "default/bad").is_none(), "{list}");
+    let json = server.cli(&["fs", "get", "default/docs", "--json"]).json();
+    assert_eq!(json["properties"]["recordsize"], "16384");
+    assert_eq!(json["properties"]["nfs.ro"], "on");
+
+    // The REST API: the same objects, the usual statuses.
+    let api = server.api.clone();
+    let json_type = Some("application/json");
+    let (status, _, body) = http(&api, "GET", "/v1/filesystems/default/files", None, "");
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(serde_json::from_str::<Value>(&body).unwrap()["id"], 2);
+    let (status, _, body) = http(
+        &api,
+        "POST",
+        "/v1/filesystems",
+        json_type,
+        r#"{"name": "default/web", "properties": {"recordsize": 65536, "nfs.ro": true}}"#,
+    );
+    assert_eq!(status, 201, "{body}");
+    let web: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(web["export"], "/default/web");
+    assert_eq!(web["properties"]["recordsize"], "65536");
+    assert_eq!(web["properties"]["nfs.ro"], "on");
+    let (status, _, body) = http(
+        &api,
+        "PATCH",
+        "/v1/filesystems/default/web",
+        json_type,
+        r#"{"properties": {"quota": "10M"}}"#,
+    );
+    assert_eq!(status, 200, "{body}");
+    let (status, _, body) = http(
+        &api,
+        "PATCH",
+        "/v1/filesystems/default/web",
+        json_type,
+        r#"{"properties": {"recordsize": "4K"}}"#,
+    );
+    assert_eq!(status, 400);
+    assert!(error_message(&body).contains("recordsize"), "{body}");
+    let (status, _, body) = http(&api, "POST", "/v1/filesystems", json_type, r#"{"name": "default/web"}"#);
+    assert_eq!(status, 409);
+    assert!(error_message(&body).contains("already exists"), "{body}");
+    let (status, _, body) = http(&api, "DELETE", "/v1/filesystems/default/web", None, "");
+    assert_eq!(status, 204, "{body}");
+    let (status, _, body) = http(&api, "GET", "/v1/filesystems/default/web", None, "");
+    assert_eq!(status, 404);
+    assert_eq!(error_message(&body), "dataset 'default/web' does not exist");
+
+    // Datasets and their properties survive a restart.
+    let (status, _) = server.stop();
+    assert!(status.success());
+    let server = Server::start(dir.path());
+    let json = server.cli(&["fs", "get", "default/docs", "--json"]).json();
+    assert_eq!(json["properties"]["quota"], "1073741824");
+    assert_eq!(json["properties"]["nfs.squash"], "all");
+
+    // destroy: gone from list and get.
+    assert_eq!(server.cli(&["fs", "destroy", "default/docs"]).ok(), "");
+    let list = server.cli(&["fs", "list"]).ok().to_string();
+    assert!(
+        row(&list, "default/docs").is_none(),
+        "destroyed dataset still listed:\n{list}"
+    );
+    assert!(row(&list, "default/files").is_some());
+    server
+        .cli(&["fs", "get", "default/docs"])
+        .fails_with("dataset 'default/docs' does not exist");
+    server
+        .cli(&["fs", "destroy", "default/docs"])
+        .fails_with("dataset 'default/docs' does not exist");
+
+    let (status, _) = server.stop();
+    assert!(status.success(), "strata serve exited with {status}");
 }

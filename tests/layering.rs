@@ -19,6 +19,7 @@ const LAYERS: &[&[&str]] = &[
     &["volume"],
     &["analytics"],
     &["pool"],
+    &["fs"],
     &["control"],
     &["scsi"],
     &["frontend"],

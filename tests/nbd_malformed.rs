@@ -311,6 +311,8 @@ fn a_wrap_for_a_device_no_pool_has_is_refused() {
             "127.0.0.1:0",
             "--iscsi",
             "127.0.0.1:0",
+            "--nfs",
+            "127.0.0.1:0",
         ])
         .arg("--data-dir")
         .arg(dir.path())

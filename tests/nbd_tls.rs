@@ -394,7 +394,16 @@ fn refused_start(data: &Path, args: &[&str]) -> String {
         .arg("serve")
         .arg("--data-dir")
         .arg(data)
-        .args(["--nbd", "127.0.0.1:0", "--api", "127.0.0.1:0", "--iscsi", "127.0.0.1:0"])
+        .args([
+            "--nbd",
+            "127.0.0.1:0",
+            "--api",
+            "127.0.0.1:0",
+            "--iscsi",
+            "127.0.0.1:0",
+            "--nfs",
+            "127.0.0.1:0",
+        ])
         .args(args)
         .env("STRATA_RAM_DIR", data)
         .output()

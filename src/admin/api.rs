@@ -3,7 +3,7 @@
 //!
 //! Errors are always `{"error": "<one line>"}` with a status that says what
 //! kind of failure it was: 400 invalid request (bad JSON, bad value, unknown
-//! property), 404 no such pool/volume/endpoint, 409 name taken or volume busy,
+//! property), 404 no such pool/volume/dataset/endpoint, 409 name taken or volume busy,
 //! 500 internal. The endpoint list is in docs/CLI.md and at `GET /v1`.
 
 use std::collections::BTreeMap;
@@ -21,7 +21,9 @@ use serde_json::{json, Value};
 use super::auth::{authenticate, ApiAuth};
 use crate::analytics::query as analytics;
 use crate::control::catalog::DeviceRecord;
-use crate::control::manager::{role_for_add, AdminError, PoolStatus, SnapshotView, VolumeInfo, VolumeManager};
+use crate::control::manager::{
+    role_for_add, validate_component, AdminError, DatasetInfo, PoolStatus, SnapshotView, VolumeInfo, VolumeManager,
+};
 use crate::pool::migrate::{MigrationStatus, PassSummary};
 use crate::units::parse_size;
 
@@ -29,7 +31,7 @@ use crate::units::parse_size;
 pub const METRICS_CONTENT_TYPE: &str = "text/plain; version=0.0.4";
 
 /// Every endpoint, as listed by `GET /` and `GET /v1`.
-pub const ENDPOINTS: [&str; 35] = [
+pub const ENDPOINTS: [&str; 40] = [
     "GET /metrics",
     "GET /v1/pools",
     "POST /v1/pools",
@@ -42,6 +44,11 @@ pub const ENDPOINTS: [&str; 35] = [
     "POST /v1/volumes/{pool}/{name}/resize",
     "DELETE /v1/volumes/{pool}/{name}",
     "POST /v1/volumes/{pool}/{name}/promote",
+    "GET /v1/filesystems",
+    "POST /v1/filesystems",
+    "GET /v1/filesystems/{pool}/{name}",
+    "PATCH /v1/filesystems/{pool}/{name}",
+    "DELETE /v1/filesystems/{pool}/{name}",
     "POST /v1/pools/{pool}/sync",
     "GET /v1/pools/{pool}/properties",
     "PATCH /v1/pools/{pool}/properties",
@@ -224,6 +231,17 @@ struct ResizeRequest {
 #[into_params(parameter_in = Query)]
 struct ListQuery {
     pool: Option<String>,
+}
+
+/// Splits a dataset's `pool/name` and validates both parts (as
+/// `split_volume_name` does volumes', with a dataset's wording).
+pub(super) fn split_dataset_name(text: &str) -> Result<(&str, &str), AdminError> {
+    let (pool, name) = text
+        .split_once('/')
+        .ok_or_else(|| AdminError::Invalid(format!("invalid dataset name '{text}': expected POOL/NAME")))?;
+    validate_component("pool", pool)?;
+    validate_component("dataset", name)?;
+    Ok((pool, name))
 }
 
 fn full_name(pool: &str, name: &str) -> String {
@@ -492,6 +510,71 @@ async fn delete_volume(
 
 #[derive(Debug, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
+struct CreateDatasetRequest {
+    /// `pool/name` of the new dataset (volumes and datasets share names).
+    name: String,
+    /// `recordsize` (fixed at creation), `quota`, `nfs.clients`, `nfs.ro`,
+    /// `nfs.squash`, `nfs.anonuid`, `nfs.anongid`, `nfs.insecure`; the
+    /// others have their defaults.
+    #[serde(default)]
+    properties: BTreeMap<String, Value>,
+}
+
+#[utoipa::path(get, path = "/v1/filesystems", tag = "filesystems", responses((status = 200, description = "File datasets", body = Vec<DatasetInfo>), (status = 400, description = "Invalid request", body = ErrorBody), (status = 401, description = "No valid token (TCP)", body = ErrorBody)))]
+async fn list_filesystems(State(manager): State<Manager>) -> ApiResult<Json<Vec<DatasetInfo>>> {
+    blocking(&manager, |m| Ok(m.fs_list())).await.map(Json)
+}
+
+#[utoipa::path(post, path = "/v1/filesystems", tag = "filesystems", request_body = CreateDatasetRequest, responses((status = 201, description = "The new dataset, exported over NFS at once", body = DatasetInfo), (status = 404, description = "No such pool", body = ErrorBody), (status = 409, description = "Name taken (by a dataset or a volume)", body = ErrorBody), (status = 400, description = "Invalid request", body = ErrorBody), (status = 401, description = "No valid token (TCP)", body = ErrorBody)))]
+async fn create_filesystem(
+    State(manager): State<Manager>,
+    body: Result<Json<CreateDatasetRequest>, JsonRejection>,
+) -> ApiResult<(StatusCode, Json<DatasetInfo>)> {
+    let Json(request) = body?;
+    split_dataset_name(&request.name)?;
+    let properties = properties_from_json(&request.properties)?;
+    let name = request.name;
+    let info = blocking(&manager, move |m| m.fs_create(&name, &properties)).await?;
+    Ok((StatusCode::CREATED, Json(info)))
+}
+
+#[utoipa::path(get, path = "/v1/filesystems/{pool}/{name}", tag = "filesystems", params(("pool" = String, Path, description = "Pool name"), ("name" = String, Path, description = "Dataset name")), responses((status = 200, description = "The dataset", body = DatasetInfo), (status = 404, description = "No such dataset", body = ErrorBody), (status = 400, description = "Invalid request", body = ErrorBody), (status = 401, description = "No valid token (TCP)", body = ErrorBody)))]
+async fn get_filesystem(
+    State(manager): State<Manager>,
+    path: Result<Path<(String, String)>, PathRejection>,
+) -> ApiResult<Json<DatasetInfo>> {
+    let Path((pool, name)) = path?;
+    blocking(&manager, move |m| m.fs_info(&full_name(&pool, &name)))
+        .await
+        .map(Json)
+}
+
+#[utoipa::path(patch, path = "/v1/filesystems/{pool}/{name}", tag = "filesystems", params(("pool" = String, Path, description = "Pool name"), ("name" = String, Path, description = "Dataset name")), request_body = SetRequest, responses((status = 200, description = "The dataset with its new properties (all checked before any is applied; recordsize cannot change)", body = DatasetInfo), (status = 404, description = "No such dataset", body = ErrorBody), (status = 400, description = "Invalid request", body = ErrorBody), (status = 401, description = "No valid token (TCP)", body = ErrorBody)))]
+async fn set_filesystem(
+    State(manager): State<Manager>,
+    path: Result<Path<(String, String)>, PathRejection>,
+    body: Result<Json<SetRequest>, JsonRejection>,
+) -> ApiResult<Json<DatasetInfo>> {
+    let Path((pool, name)) = path?;
+    let Json(request) = body?;
+    let properties = properties_from_json(&request.properties)?;
+    blocking(&manager, move |m| m.fs_set(&full_name(&pool, &name), &properties))
+        .await
+        .map(Json)
+}
+
+#[utoipa::path(delete, path = "/v1/filesystems/{pool}/{name}", tag = "filesystems", params(("pool" = String, Path, description = "Pool name"), ("name" = String, Path, description = "Dataset name")), responses((status = 204, description = "Destroyed with its files (NFS clients still using it get NFS3ERR_STALE)"), (status = 404, description = "No such dataset", body = ErrorBody), (status = 400, description = "Invalid request", body = ErrorBody), (status = 401, description = "No valid token (TCP)", body = ErrorBody)))]
+async fn destroy_filesystem(
+    State(manager): State<Manager>,
+    path: Result<Path<(String, String)>, PathRejection>,
+) -> ApiResult<StatusCode> {
+    let Path((pool, name)) = path?;
+    blocking(&manager, move |m| m.fs_destroy(&full_name(&pool, &name))).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
 struct SnapshotRequest {
     /// `pool/volume@snapshot` names, taken at one consistency point.
     names: Vec<String>,
@@ -727,12 +810,13 @@ struct PropertyList {
 #[openapi(
     info(
         title = "strata",
-        description = "The strata daemon's REST API: pools, volumes, snapshots, send/receive, iSCSI settings and analytics. Over TCP every request but an open GET /metrics, GET /ui and GET /openapi.json carries `Authorization: Bearer TOKEN` (the token in DATA_DIR/api.token); the Unix socket DATA_DIR/api.sock needs none. Errors are `{\"error\": \"...\"}`."
+        description = "The strata daemon's REST API: pools, volumes, file datasets, snapshots, send/receive, iSCSI settings and analytics. Over TCP every request but an open GET /metrics, GET /ui and GET /openapi.json carries `Authorization: Bearer TOKEN` (the token in DATA_DIR/api.token); the Unix socket DATA_DIR/api.sock needs none. Errors are `{\"error\": \"...\"}`."
     ),
     paths(
         index, metrics, openapi, dashboard, list_pools, create_pool, get_pool, add_device, sync_pool,
         get_pool_properties, set_pool_properties, migrate_pool, list_volumes,
-        create_volume, get_volume, set_volume, resize_volume, delete_volume, promote_volume, list_snapshots,
+        create_volume, get_volume, set_volume, resize_volume, delete_volume, promote_volume, list_filesystems,
+        create_filesystem, get_filesystem, set_filesystem, destroy_filesystem, list_snapshots,
         create_snapshots, delete_snapshot, rollback_snapshot, clone_snapshot, super::send::send,
         super::send::receive, super::send::receive_status, super::send::abort_receive, get_iscsi, set_iscsi,
         analytics_status, analytics_stats, analytics_heatmap, analytics_rates, analytics_offsets
@@ -784,6 +868,11 @@ pub fn router(manager: Arc<VolumeManager>, auth: Arc<ApiAuth>) -> Router {
             get(get_volume).patch(set_volume).delete(delete_volume),
         )
         .route("/v1/volumes/:pool/:name/resize", post(resize_volume))
+        .route("/v1/filesystems", get(list_filesystems).post(create_filesystem))
+        .route(
+            "/v1/filesystems/:pool/:name",
+            get(get_filesystem).patch(set_filesystem).delete(destroy_filesystem),
+        )
         .route("/v1/snapshots", get(list_snapshots).post(create_snapshots))
         .route("/v1/snapshots/:pool/:name", axum::routing::delete(delete_snapshot))
         .route("/v1/snapshots/:pool/:name/rollback", post(rollback_snapshot))

@@ -11,9 +11,10 @@ use std::process::ExitCode;
 use serde::de::DeserializeOwned;
 use serde_json::{json, Value};
 
+use super::api::split_dataset_name;
 use crate::control::manager::{
-    role_for_add, split_snapshot_name, split_volume_name, validate_component, PoolStatus, SnapshotView, VolumeInfo,
-    POOL_PROPERTY_NAMES,
+    role_for_add, split_snapshot_name, split_volume_name, validate_component, DatasetInfo, PoolStatus, SnapshotView,
+    VolumeInfo, DATASET_PROPERTIES, POOL_PROPERTY_NAMES,
 };
 use crate::pool::migrate::{MigrationStatus, PassSummary};
 use crate::units::{format_size, parse_size};
@@ -54,8 +55,8 @@ pub struct ClientOptions {
     /// Print the API's JSON instead of a table (same as `-o json`).
     #[arg(long, global = true)]
     pub json: bool,
-    /// `json` for JSON output; with `volume create`, PROPERTY=VALUE sets a
-    /// property (repeatable).
+    /// `json` for JSON output; with `volume create` and `fs create`,
+    /// PROPERTY=VALUE sets a property (repeatable).
     #[arg(short = 'o', global = true, value_name = "json|PROPERTY=VALUE")]
     pub options: Vec<String>,
 }
@@ -66,6 +67,9 @@ pub enum AdminCommand {
     Volume(VolumeArgs),
     /// Create pools, add devices to them, show capacity, usage and errors.
     Pool(PoolArgs),
+    /// Create, list, inspect, change and destroy file datasets (exported
+    /// over NFS as /POOL/NAME).
+    Fs(FsArgs),
     /// Daemon-wide iSCSI settings: CHAP for discovery sessions.
     Iscsi(IscsiArgs),
     /// Take, list and delete snapshots (read-only images of volumes,
@@ -223,6 +227,67 @@ pub enum VolumeCommand {
 }
 
 #[derive(Debug, clap::Args)]
+pub struct FsArgs {
+    #[command(flatten)]
+    pub client: ClientOptions,
+    #[command(subcommand)]
+    pub command: FsCommand,
+}
+
+#[derive(Debug, clap::Subcommand)]
+pub enum FsCommand {
+    /// Create a file dataset, exported over NFS at once as /POOL/NAME
+    /// (`-o PROPERTY=VALUE` sets properties).
+    #[command(after_help = dataset_properties_help())]
+    Create {
+        /// POOL/NAME of the new dataset (volumes and datasets share names).
+        name: String,
+    },
+    /// List file datasets.
+    #[command(visible_alias = "ls")]
+    List,
+    /// Show a dataset's properties: NAME PROPERTY VALUE.
+    Get {
+        /// POOL/NAME of the dataset.
+        name: String,
+        /// Properties to show (default: all).
+        #[arg(value_name = "PROPERTY")]
+        properties: Vec<String>,
+    },
+    /// Set properties; they take effect at once (recordsize is fixed at
+    /// creation).
+    #[command(after_help = dataset_properties_help())]
+    Set {
+        /// POOL/NAME of the dataset.
+        name: String,
+        /// PROPERTY=VALUE assignments.
+        #[arg(required = true, value_name = "PROPERTY=VALUE")]
+        assignments: Vec<String>,
+    },
+    /// Destroy a dataset with its files and directories (NFS clients still
+    /// using it get stale file handles).
+    #[command(visible_alias = "delete")]
+    Destroy {
+        /// POOL/NAME of the dataset.
+        name: String,
+    },
+}
+
+/// The dataset properties with their defaults, under `fs create --help`
+/// and `fs set --help`.
+fn dataset_properties_help() -> String {
+    let name_width = DATASET_PROPERTIES.iter().map(|p| p.0.len()).max().unwrap_or(0);
+    let default_width = DATASET_PROPERTIES.iter().map(|p| p.1.len()).max().unwrap_or(0);
+    let mut help = String::from("Properties and their defaults:\n");
+    for (name, default, meaning) in DATASET_PROPERTIES {
+        help.push_str(&format!(
+            "  {name:<name_width$}  {default:<default_width$}  {meaning}\n"
+        ));
+    }
+    help
+}
+
+#[derive(Debug, clap::Args)]
 pub struct PoolArgs {
     #[command(flatten)]
     pub client: ClientOptions,
@@ -344,6 +409,7 @@ pub fn run(command: AdminCommand) -> ExitCode {
     let result = match command {
         AdminCommand::Volume(args) => run_volume(args),
         AdminCommand::Pool(args) => run_pool(args),
+        AdminCommand::Fs(args) => run_fs(args),
         AdminCommand::Iscsi(args) => run_iscsi(args),
         AdminCommand::Snapshot(args) => run_snapshot(args),
         AdminCommand::Iostat(args) => super::iostat::run(args),
@@ -393,6 +459,12 @@ struct Output {
 }
 
 fn parse_options(client: &ClientOptions, properties_allowed: bool) -> CliResult<Output> {
+    parse_options_for("volume", client, properties_allowed)
+}
+
+/// [`parse_options`] for `KIND create` (`volume`, `fs`): what a misplaced
+/// `-o PROPERTY=VALUE` is told to use instead.
+fn parse_options_for(kind: &str, client: &ClientOptions, properties_allowed: bool) -> CliResult<Output> {
     let mut output = Output {
         json: client.json,
         properties: Vec::new(),
@@ -403,7 +475,7 @@ fn parse_options(client: &ClientOptions, properties_allowed: bool) -> CliResult<
         } else if option.contains('=') {
             if !properties_allowed {
                 return Err(CliError(format!(
-                    "-o {option}: setting properties with -o is only valid with 'volume create'; use 'strata volume set POOL/NAME {option}'"
+                    "-o {option}: setting properties with -o is only valid with '{kind} create'; use 'strata {kind} set POOL/NAME {option}'"
                 )));
             }
             output.properties.push(split_assignment(option)?);
@@ -685,6 +757,131 @@ fn run_pool(args: PoolArgs) -> CliResult<String> {
             })
         }
     }
+}
+
+fn run_fs(args: FsArgs) -> CliResult<String> {
+    let creating = matches!(args.command, FsCommand::Create { .. });
+    let output = parse_options_for("fs", &args.client, creating)?;
+    // Names and assignments are checked here; values by the daemon.
+    match args.command {
+        FsCommand::Create { name } => {
+            split_dataset_name(&name)?;
+            let properties: serde_json::Map<String, Value> = output
+                .properties
+                .iter()
+                .map(|(k, v)| (k.clone(), Value::String(v.clone())))
+                .collect();
+            let client = Client::new(&args.client)?;
+            let body = json!({ "name": name, "properties": properties });
+            let info: DatasetInfo = client.send("POST", "/v1/filesystems", Some(body))?;
+            Ok(if output.json { pretty(&info) } else { String::new() })
+        }
+        FsCommand::List => {
+            let datasets: Vec<DatasetInfo> = Client::new(&args.client)?.get("/v1/filesystems")?;
+            Ok(if output.json {
+                pretty(&datasets)
+            } else {
+                dataset_table(&datasets)
+            })
+        }
+        FsCommand::Get { name, properties } => {
+            split_dataset_name(&name)?;
+            let mut info: DatasetInfo = Client::new(&args.client)?.get(&dataset_path(&name))?;
+            // In the order the properties are documented (or asked for).
+            let mut wanted: Vec<String> = DATASET_PROPERTIES.iter().map(|p| p.0.to_string()).collect();
+            wanted.extend(
+                info.properties
+                    .keys()
+                    .filter(|k| !wanted.contains(k))
+                    .cloned()
+                    .collect::<Vec<_>>(),
+            );
+            if !(properties.is_empty() || properties.iter().any(|p| p == "all")) {
+                for property in &properties {
+                    if !info.properties.contains_key(property) {
+                        return Err(CliError(format!(
+                            "unknown dataset property '{property}' (known: {})",
+                            DATASET_PROPERTIES.iter().map(|p| p.0).collect::<Vec<_>>().join(", ")
+                        )));
+                    }
+                }
+                wanted = properties;
+                info.properties.retain(|k, _| wanted.contains(k));
+            }
+            if output.json {
+                return Ok(pretty(&info));
+            }
+            let rows: Vec<Vec<String>> = wanted
+                .iter()
+                .filter_map(|property| {
+                    let value = info.properties.get(property)?;
+                    Some(vec![
+                        info.name.clone(),
+                        property.clone(),
+                        dataset_value(property, value),
+                    ])
+                })
+                .collect();
+            use Align::*;
+            Ok(table(&[("NAME", Left), ("PROPERTY", Left), ("VALUE", Left)], &rows))
+        }
+        FsCommand::Set { name, assignments } => {
+            split_dataset_name(&name)?;
+            let mut properties = serde_json::Map::new();
+            for assignment in &assignments {
+                let (key, value) = split_assignment(assignment)?;
+                properties.insert(key, Value::String(value));
+            }
+            let client = Client::new(&args.client)?;
+            let info: DatasetInfo =
+                client.send("PATCH", &dataset_path(&name), Some(json!({ "properties": properties })))?;
+            Ok(if output.json { pretty(&info) } else { String::new() })
+        }
+        FsCommand::Destroy { name } => {
+            split_dataset_name(&name)?;
+            Client::new(&args.client)?.send_empty("DELETE", &dataset_path(&name))?;
+            Ok(String::new())
+        }
+    }
+}
+
+/// A dataset property's value as tables show it: byte counts as sizes
+/// (`quota` 1073741824 is 1G).
+fn dataset_value(property: &str, value: &str) -> String {
+    match (property, value.parse::<u64>()) {
+        ("recordsize" | "quota", Ok(bytes)) => format_size(bytes),
+        _ => value.to_string(),
+    }
+}
+
+fn dataset_table(datasets: &[DatasetInfo]) -> String {
+    use Align::*;
+    let headers = [
+        ("NAME", Left),
+        ("EXPORT", Left),
+        ("FILES", Right),
+        ("USED", Right),
+        ("QUOTA", Right),
+    ];
+    let rows: Vec<Vec<String>> = datasets
+        .iter()
+        .map(|d| {
+            let quota = d.properties.get("quota").map(String::as_str).unwrap_or("none");
+            vec![
+                d.name.clone(),
+                d.export.clone(),
+                d.files.to_string(),
+                format_size(d.used_bytes),
+                dataset_value("quota", quota),
+            ]
+        })
+        .collect();
+    table(&headers, &rows)
+}
+
+/// `/v1/filesystems/POOL/NAME` for an already validated `POOL/NAME`.
+fn dataset_path(name: &str) -> String {
+    format!("/v1/filesystems/{name}")
 }
 
 /// `pool migrate --wait`: runs the pass (a request that lasts as long as

@@ -63,6 +63,23 @@ pub struct PoolRecord {
     /// none.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub properties: BTreeMap<String, String>,
+    /// File datasets (`strata fs`), by name; their ids come from the same
+    /// space as volumes' (`next_volume_id`). Absent in catalogs written
+    /// before they existed.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub datasets: BTreeMap<String, DatasetRecord>,
+}
+
+/// A file dataset: its id in the pool (its namespace and its files' engine
+/// object) and the properties set on it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DatasetRecord {
+    pub id: u32,
+    pub created_unix: u64,
+    /// Canonical values by name (`recordsize`, `quota`, `nfs.*`); absent
+    /// ones have their defaults.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub properties: BTreeMap<String, String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]

@@ -26,10 +26,12 @@ use crate::volume::props::{
 use crate::volume::{full_name, Volume};
 
 mod clones;
+mod datasets;
 mod pool_props;
 mod retention;
 mod send;
 mod snapshots;
+pub use datasets::{canonical_dataset_value, DatasetInfo, DATASET_PROPERTIES};
 pub use pool_props::{canonical_pool_value, format_window, migration_settings, pool_rows, POOL_PROPERTY_NAMES};
 pub use retention::{ScheduledSnapshot, ScheduledVolume};
 pub use send::{ReceiveOutcome, ReceiveStatus, ResumeToken, SendJob};
@@ -37,6 +39,7 @@ pub use snapshots::{split_snapshot_name, SnapshotView};
 
 pub const DEFAULT_POOL: &str = "default";
 pub const DEFAULT_VOLUME: &str = "vol0";
+pub const DEFAULT_DATASET: &str = "files";
 pub const DEFAULT_VOLUME_BYTES: u64 = 10 << 30;
 /// The embedded default pool's sparse device files (they cost nothing until written).
 pub const DEFAULT_FAST_BYTES: u64 = 16 << 30;
@@ -202,6 +205,8 @@ pub struct VolumeManager {
     volumes: RwLock<HashMap<String, Arc<Volume>>>,
     engines: RwLock<HashMap<String, Arc<EngineVolume>>>,
     pools: RwLock<HashMap<String, Arc<Pool>>>,
+    /// Open file datasets, by `pool/name`.
+    datasets: RwLock<HashMap<String, datasets::OpenDataset>>,
     /// Runs pool work from admin calls (which run on blocking threads).
     runtime: tokio::runtime::Handle,
     /// Wrappers stacked on chosen devices as they are opened (`--wrap`).
@@ -316,6 +321,7 @@ impl VolumeManager {
         let mut volumes = HashMap::new();
         let mut engines = HashMap::new();
         let mut pools = HashMap::new();
+        let mut open_datasets = HashMap::new();
         let mut settled = catalog.clone();
         for (pool_name, record) in &catalog.pools {
             let (pool, joined) = open_pool(data_dir, pool_name, record, &wraps).await?;
@@ -351,6 +357,12 @@ impl VolumeManager {
                 }
                 engines.insert(full_name(pool_name, name), engine);
             }
+            for (name, record) in &record.datasets {
+                let opened = datasets::open_dataset(&pool, record)
+                    .await
+                    .map_err(|e| internal(&format!("cannot open dataset {pool_name}/{name}"), e))?;
+                open_datasets.insert(full_name(pool_name, name), opened);
+            }
             if pool.suspect_chunks() > 0 {
                 let scrubbing = pool.clone();
                 tokio::spawn(async move {
@@ -378,6 +390,7 @@ impl VolumeManager {
             volumes: RwLock::new(volumes),
             engines: RwLock::new(engines),
             pools: RwLock::new(pools),
+            datasets: RwLock::new(open_datasets),
             runtime: tokio::runtime::Handle::current(),
             wraps,
             schedule_changed: tokio::sync::Notify::new(),
@@ -490,6 +503,7 @@ impl VolumeManager {
                 adding: None,
                 snapshot_guids: Default::default(),
                 properties: Default::default(),
+                datasets: Default::default(),
             },
         );
         updated
@@ -1486,9 +1500,18 @@ async fn initialise(data_dir: &Path, wraps: &DeviceWraps) -> Result<Catalog, Adm
         created_unix: now_unix(),
         uuid,
         devices: records,
-        next_volume_id: 2,
+        next_volume_id: 3,
         ..Default::default()
     };
+    // A file dataset beside the volume, exported over NFS as /default/files.
+    pool.datasets.insert(
+        DEFAULT_DATASET.to_string(),
+        super::catalog::DatasetRecord {
+            id: 2,
+            created_unix: now_unix(),
+            properties: Default::default(),
+        },
+    );
     pool.volumes.insert(
         DEFAULT_VOLUME.to_string(),
         VolumeRecord {

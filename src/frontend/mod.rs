@@ -5,6 +5,7 @@ pub mod iscsi;
 pub mod lane;
 pub mod limits;
 pub mod nbd;
+pub mod nfs;
 pub mod outbox;
 
 use std::time::Duration;

@@ -7,8 +7,6 @@
 //! and tiered like a volume's blocks.
 
 pub mod export;
-pub mod namespace;
-pub mod ondisk;
 pub mod types;
 
 pub use export::{ClientNet, Export, ExportOptions, Exports, Squash};
@@ -19,13 +17,13 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use crate::device::IoBuf;
+use crate::meta::fsrows::{InodeRow, NsOp};
+use crate::meta::namespace::Namespace;
 use crate::pool::files::SharedNamespace;
 use crate::pool::volume::EngineVolume;
 use crate::pool::{Pool, PoolError};
 use crate::sync::LockOrAbort;
 use crate::volume::{BlockDevice, BlockError};
-use namespace::Namespace;
-use ondisk::{InodeRow, NsOp};
 
 type FsResult<T> = Result<T, FsError>;
 
@@ -172,9 +170,11 @@ impl FileSystem {
             let gate = pool.enter_write(dataset).await;
             {
                 let mut ns = fs.namespace.lock_or_abort();
+                // Like /tmp: with root squashed (the default) nobody could
+                // otherwise ever write to a new dataset over NFS.
                 let row = InodeRow {
                     kind: FileType::Directory,
-                    mode: 0o755,
+                    mode: 0o1777,
                     nlink: 2,
                     parent: ROOT_INO,
                     next_cookie: 3,

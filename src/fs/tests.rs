@@ -139,9 +139,15 @@ fn permissions_names_and_directories_are_checked() {
         let pool = new_pool(&sim).await;
         let fs = FileSystem::open(&pool, DATASET, 16 << 10, 0).await.unwrap();
         let root = fs.root();
-        // The root is 0755 root's: a user may not create in it.
+        // A new dataset's root is 1777 (like /tmp); a 0755 directory of
+        // root's is closed to a user.
         let how = CreateHow::Guarded(attrs(0o644));
-        assert_eq!(fs.create(&root, b"x", &user(), how).await.err(), Some(FsError::Access));
+        assert_eq!(fs.getattr(&root).unwrap().mode, 0o1777);
+        let (locked, _) = fs.mkdir(&root, b"locked", &Cred::root(), attrs(0o755)).await.unwrap();
+        assert_eq!(
+            fs.create(&locked, b"x", &user(), how).await.err(),
+            Some(FsError::Access)
+        );
         let (home, _) = fs.mkdir(&root, b"home", &Cred::root(), attrs(0o755)).await.unwrap();
         fs.setattr(
             &home,

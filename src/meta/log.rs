@@ -115,7 +115,7 @@ pub enum Record {
     /// (`fs/ondisk.rs`; a rename is one record).
     Namespace {
         dataset: u32,
-        ops: Vec<crate::fs::ondisk::NsOp>,
+        ops: Vec<crate::meta::fsrows::NsOp>,
     },
 }
 
@@ -185,7 +185,7 @@ impl Record {
             Record::ClonePage { .. } => 13,
             Record::Promote { .. } => 9,
             Record::Relocate { crcs, owners, .. } => 28 + 4 * crcs.len() + 4 * owners.len(),
-            Record::Namespace { ops, .. } => 1 + crate::fs::ondisk::ops_len(ops),
+            Record::Namespace { ops, .. } => 1 + crate::meta::fsrows::ops_len(ops),
         }
     }
 
@@ -336,7 +336,7 @@ impl Record {
             }
             Record::Namespace { dataset, ops } => {
                 out.push(16);
-                crate::fs::ondisk::encode_ops(*dataset, ops, out);
+                crate::meta::fsrows::encode_ops(*dataset, ops, out);
             }
         }
     }
@@ -501,7 +501,7 @@ impl Record {
                 Some((record, at + 2 + 4 * owner_count))
             }
             16 => {
-                let (dataset, ops, used) = crate::fs::ondisk::decode_ops(&bytes[1..])?;
+                let (dataset, ops, used) = crate::meta::fsrows::decode_ops(&bytes[1..])?;
                 Some((Record::Namespace { dataset, ops }, 1 + used))
             }
             _ => None,

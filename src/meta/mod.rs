@@ -1,8 +1,11 @@
 //! On-disk metadata of a pool: the metadata store (redb on a pool device),
-//! the bounded page caches over it, and the intent log.
+//! the bounded page caches over it, the intent log, and file datasets'
+//! namespaces (rows, log operations, the in-memory tables).
 
 pub mod error;
+pub mod fsrows;
 pub mod log;
+pub mod namespace;
 pub mod pages;
 pub mod store;
 

@@ -3,8 +3,8 @@
 //! the metadata store, loaded at open and brought up to date by replay.
 
 use super::*;
-use crate::fs::namespace::{Changes, Namespace};
-use crate::fs::ondisk::{decode_entry, encode_entry, InodeRow, NsOp};
+use crate::meta::fsrows::{decode_entry, encode_entry, InodeRow, NsOp};
+use crate::meta::namespace::{Changes, Namespace};
 use std::collections::HashMap;
 
 /// Inode rows: (dataset, inode) → the encoded row (`fs/ondisk.rs`).
@@ -34,7 +34,7 @@ impl Pool {
     /// lock (so the log's order is the order they were applied in); it
     /// commits afterwards if the change must be durable before its reply.
     pub fn log_namespace(&self, namespace: &mut Namespace, ops: Vec<NsOp>) {
-        debug_assert!(crate::fs::ondisk::ops_len(&ops) <= crate::fs::ondisk::MAX_OPS_BYTES);
+        debug_assert!(crate::meta::fsrows::ops_len(&ops) <= crate::meta::fsrows::MAX_OPS_BYTES);
         for op in &ops {
             namespace.apply(op);
         }

@@ -42,6 +42,8 @@ pub struct Server {
     pub api: String,
     /// `127.0.0.1:PORT` of the iSCSI target.
     pub iscsi: String,
+    /// `127.0.0.1:PORT` of the NFS server (printed before the iSCSI line).
+    pub nfs: Option<String>,
     pub data_dir: PathBuf,
     /// What the daemon prints on stdout after its listening lines.
     stdout: mpsc::Receiver<String>,
@@ -80,7 +82,16 @@ impl Server {
             .arg("serve")
             .arg("--data-dir")
             .arg(data_dir)
-            .args(["--nbd", "127.0.0.1:0", "--api", "127.0.0.1:0", "--iscsi", "127.0.0.1:0"])
+            .args([
+                "--nbd",
+                "127.0.0.1:0",
+                "--api",
+                "127.0.0.1:0",
+                "--iscsi",
+                "127.0.0.1:0",
+                "--nfs",
+                "127.0.0.1:0",
+            ])
             .args(extra)
             .env("STRATA_LOG", if log.is_some() { "info" } else { "warn" })
             .stdout(Stdio::piped())
@@ -104,6 +115,7 @@ impl Server {
         let mut nbd = None;
         let mut api = None;
         let mut iscsi = None;
+        let mut nfs = None;
         while nbd.is_none() || api.is_none() || iscsi.is_none() {
             let line = received.recv_timeout(Duration::from_secs(60)).unwrap_or_else(|_| {
                 panic!(
@@ -120,6 +132,9 @@ impl Server {
             if let Some(address) = api_line {
                 api = Some(address.trim().to_string());
             }
+            if let Some(rest) = line.strip_prefix("strata: nfs listening on ") {
+                nfs = rest.split_whitespace().next().map(str::to_string);
+            }
             if let Some(address) = line.strip_prefix("strata: iscsi listening on ") {
                 iscsi = Some(address.trim().to_string());
             }
@@ -131,6 +146,7 @@ impl Server {
             nbd: nbd.unwrap(),
             api,
             iscsi: iscsi.unwrap(),
+            nfs,
             data_dir: data_dir.to_path_buf(),
             stdout: received,
         }

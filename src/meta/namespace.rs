@@ -4,8 +4,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
-use super::ondisk::{InodeRow, NsOp};
-use super::types::{FileType, MAX_INODES, ROOT_INO};
+use super::fsrows::{FileType, InodeRow, NsOp, MAX_INODES, ROOT_INO};
 
 /// A directory's entries: by name for LOOKUP, by cookie for READDIR.
 #[derive(Debug, Default)]

@@ -1,8 +1,79 @@
 //! A dataset's namespace as stored: inode rows, directory entry rows, and
 //! the operations a log record carries (docs/FORMAT.md, "File datasets").
-//! All integers little endian.
+//! All integers little endian. (The file service, `fs/`, builds on these.)
 
-use super::types::{FileType, Time, MAX_NAME, MAX_SYMLINK};
+/// Longest name of a directory entry, in bytes (NFS's usual 255).
+pub const MAX_NAME: usize = 255;
+/// Longest symbolic link target, in bytes (it travels in one log record).
+pub const MAX_SYMLINK: usize = 1024;
+/// Bits of a file's byte offset: a file holds at most 1 TiB.
+pub const FILE_BITS: u32 = 40;
+/// Largest file size.
+pub const MAX_FILE_SIZE: u64 = 1 << FILE_BITS;
+/// Most inodes a dataset has at once (files share the dataset's address
+/// space, 1 TiB each: 2^23 of them fill 2^63 bytes). Inode numbers are
+/// reused after a file is removed, with a new generation.
+pub const MAX_INODES: u64 = 1 << 23;
+/// The root directory's inode number.
+pub const ROOT_INO: u64 = 1;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum FileType {
+    Regular,
+    Directory,
+    Symlink,
+    Block,
+    Char,
+    Socket,
+    Fifo,
+}
+
+impl FileType {
+    /// The code stored on disk (docs/FORMAT.md) and NFS's `ftype3` value.
+    pub fn code(self) -> u8 {
+        match self {
+            FileType::Regular => 1,
+            FileType::Directory => 2,
+            FileType::Block => 3,
+            FileType::Char => 4,
+            FileType::Symlink => 5,
+            FileType::Socket => 6,
+            FileType::Fifo => 7,
+        }
+    }
+
+    pub fn from_code(code: u8) -> Option<FileType> {
+        Some(match code {
+            1 => FileType::Regular,
+            2 => FileType::Directory,
+            3 => FileType::Block,
+            4 => FileType::Char,
+            5 => FileType::Symlink,
+            6 => FileType::Socket,
+            7 => FileType::Fifo,
+            _ => return None,
+        })
+    }
+}
+
+/// A point in time: seconds and nanoseconds since the Unix epoch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Default, Hash)]
+pub struct Time {
+    pub seconds: u64,
+    pub nanos: u32,
+}
+
+impl Time {
+    pub fn now() -> Time {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default();
+        Time {
+            seconds: now.as_secs(),
+            nanos: now.subsec_nanos(),
+        }
+    }
+}
 
 /// An inode as the metadata store and the log keep it. Row 0 of a dataset
 /// is not a file: its `generation` is the dataset's next generation.

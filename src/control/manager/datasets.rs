@@ -1,0 +1,366 @@
+//! File datasets (`strata fs`): created, listed, changed and destroyed
+//! here; opened with their pool; exported over NFS through [`Exports`].
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use serde::{Deserialize, Serialize};
+
+use super::{internal, now_unix, split_volume_name, AdminError, VolumeManager};
+use crate::control::catalog::{Catalog, DatasetRecord};
+use crate::fs::{ClientNet, Export, ExportOptions, Exports, FileSystem, Squash};
+use crate::pool::Pool;
+
+/// Dataset properties: name, default, what it means.
+pub const DATASET_PROPERTIES: &[(&str, &str, &str)] = &[
+    (
+        "recordsize",
+        "16384",
+        "block size of the files' data, 4K to 128K (set at creation only)",
+    ),
+    (
+        "quota",
+        "none",
+        "most bytes the dataset's files may take (none: the pool's space)",
+    ),
+    (
+        "nfs.clients",
+        "127.0.0.1/8,::1",
+        "addresses (CIDR) that may mount it; * for any",
+    ),
+    ("nfs.ro", "off", "exported read-only"),
+    (
+        "nfs.squash",
+        "root",
+        "credentials mapped to the anonymous user: root, all or none",
+    ),
+    ("nfs.anonuid", "65534", "the anonymous user's uid"),
+    ("nfs.anongid", "65534", "the anonymous user's gid"),
+    (
+        "nfs.insecure",
+        "on",
+        "serve clients from source ports above 1023 (the kernel client through NAT or socat)",
+    ),
+];
+
+/// What `fs list` and `fs get` show.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct DatasetInfo {
+    /// `POOL/NAME`.
+    pub name: String,
+    /// The NFS export path, `/POOL/NAME`.
+    pub export: String,
+    pub id: u32,
+    pub created_unix: u64,
+    /// Live files and directories.
+    pub files: u64,
+    /// Pool bytes the files' data takes.
+    pub used_bytes: u64,
+    /// Every property's value (set or default).
+    pub properties: BTreeMap<String, String>,
+}
+
+/// An open dataset.
+pub(super) struct OpenDataset {
+    pub id: u32,
+    pub fs: Arc<FileSystem>,
+    pub options: ExportOptions,
+}
+
+fn on_off(key: &str, value: &str) -> Result<String, AdminError> {
+    match value {
+        "on" | "yes" | "true" => Ok("on".into()),
+        "off" | "no" | "false" => Ok("off".into()),
+        _ => Err(AdminError::Invalid(format!("{key} must be on or off, not {value:?}"))),
+    }
+}
+
+/// The canonical spelling of a property value, or why it is refused.
+pub fn canonical_dataset_value(key: &str, value: &str) -> Result<String, AdminError> {
+    let value = value.trim();
+    match key {
+        "recordsize" => {
+            let bytes = crate::units::parse_size(value).map_err(AdminError::Invalid)?;
+            if !bytes.is_power_of_two() || !(4096..=128 << 10).contains(&bytes) {
+                return Err(AdminError::Invalid(format!(
+                    "recordsize must be a power of two from 4K to 128K, not {value}"
+                )));
+            }
+            Ok(bytes.to_string())
+        }
+        "quota" => match value {
+            "none" | "0" => Ok("none".into()),
+            _ => Ok(crate::units::parse_size(value)
+                .map_err(AdminError::Invalid)?
+                .to_string()),
+        },
+        "nfs.clients" => {
+            if value == "*" {
+                return Ok("*".into());
+            }
+            let nets = value
+                .split(',')
+                .map(|part| ClientNet::parse(part.trim()).map(|n| n.to_string()))
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(|e| AdminError::Invalid(format!("nfs.clients: {e}")))?;
+            Ok(nets.join(","))
+        }
+        "nfs.ro" | "nfs.insecure" => on_off(key, value),
+        "nfs.squash" => Squash::parse(value)
+            .map(|s| s.as_str().to_string())
+            .map_err(AdminError::Invalid),
+        "nfs.anonuid" | "nfs.anongid" => value
+            .parse::<u32>()
+            .map(|v| v.to_string())
+            .map_err(|_| AdminError::Invalid(format!("{key} must be a number from 0 to 4294967295"))),
+        _ => Err(AdminError::Invalid(format!(
+            "unknown dataset property {key:?} (known: {})",
+            DATASET_PROPERTIES.iter().map(|p| p.0).collect::<Vec<_>>().join(", ")
+        ))),
+    }
+}
+
+fn value<'a>(props: &'a BTreeMap<String, String>, key: &str) -> &'a str {
+    props
+        .get(key)
+        .map(String::as_str)
+        .or_else(|| DATASET_PROPERTIES.iter().find(|p| p.0 == key).map(|p| p.1))
+        .unwrap_or("")
+}
+
+fn recordsize(props: &BTreeMap<String, String>) -> u32 {
+    crate::units::parse_size(value(props, "recordsize")).unwrap_or(16 << 10) as u32
+}
+
+fn quota(props: &BTreeMap<String, String>) -> u64 {
+    value(props, "quota").parse().unwrap_or(0)
+}
+
+/// The export options the properties say.
+pub fn export_options(props: &BTreeMap<String, String>) -> ExportOptions {
+    let defaults = ExportOptions::default();
+    let clients = match value(props, "nfs.clients") {
+        "*" => vec![
+            ClientNet::parse("0.0.0.0/0").expect("valid"),
+            ClientNet::parse("::/0").expect("valid"),
+        ],
+        list => list
+            .split(',')
+            .filter_map(|n| ClientNet::parse(n.trim()).ok())
+            .collect(),
+    };
+    ExportOptions {
+        clients,
+        read_only: value(props, "nfs.ro") == "on",
+        squash: Squash::parse(value(props, "nfs.squash")).unwrap_or(defaults.squash),
+        anon_uid: value(props, "nfs.anonuid").parse().unwrap_or(defaults.anon_uid),
+        anon_gid: value(props, "nfs.anongid").parse().unwrap_or(defaults.anon_gid),
+        insecure: value(props, "nfs.insecure") == "on",
+    }
+}
+
+/// Opens a dataset of an open pool.
+pub(super) async fn open_dataset(pool: &Arc<Pool>, record: &DatasetRecord) -> Result<OpenDataset, AdminError> {
+    let fs = FileSystem::open(
+        pool,
+        record.id,
+        recordsize(&record.properties),
+        quota(&record.properties),
+    )
+    .await
+    .map_err(|e| internal("cannot open dataset", e))?;
+    Ok(OpenDataset {
+        id: record.id,
+        fs,
+        options: export_options(&record.properties),
+    })
+}
+
+impl VolumeManager {
+    fn dataset_info(&self, catalog: &Catalog, name: &str) -> Result<DatasetInfo, AdminError> {
+        let (pool, short) = split_volume_name(name)?;
+        let record = catalog
+            .pools
+            .get(pool)
+            .and_then(|p| p.datasets.get(short))
+            .ok_or_else(|| AdminError::NotFound(format!("dataset '{name}' does not exist")))?;
+        let (files, used_bytes) = self
+            .datasets
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(name)
+            .map(|d| d.fs.usage())
+            .unwrap_or_default();
+        let properties = DATASET_PROPERTIES
+            .iter()
+            .map(|(key, _, _)| (key.to_string(), value(&record.properties, key).to_string()))
+            .collect();
+        Ok(DatasetInfo {
+            name: name.to_string(),
+            export: format!("/{name}"),
+            id: record.id,
+            created_unix: record.created_unix,
+            files,
+            used_bytes,
+            properties,
+        })
+    }
+
+    /// Every dataset.
+    pub fn fs_list(&self) -> Vec<DatasetInfo> {
+        let catalog = self.catalog();
+        let names: Vec<String> = catalog
+            .pools
+            .iter()
+            .flat_map(|(pool, record)| record.datasets.keys().map(move |name| format!("{pool}/{name}")))
+            .collect();
+        names
+            .iter()
+            .filter_map(|n| self.dataset_info(&catalog, n).ok())
+            .collect()
+    }
+
+    pub fn fs_info(&self, name: &str) -> Result<DatasetInfo, AdminError> {
+        let catalog = self.catalog();
+        self.dataset_info(&catalog, name)
+    }
+
+    /// Creates dataset `POOL/NAME` with `properties`; exported at once.
+    pub fn fs_create(&self, name: &str, properties: &[(String, String)]) -> Result<DatasetInfo, AdminError> {
+        let (pool, short) = split_volume_name(name)?;
+        let mut catalog = self.catalog();
+        let pool_record = catalog
+            .pools
+            .get(pool)
+            .ok_or_else(|| AdminError::NotFound(format!("pool '{pool}' does not exist")))?;
+        if pool_record.datasets.contains_key(short) || pool_record.volumes.contains_key(short) {
+            return Err(AdminError::AlreadyExists(format!(
+                "'{name}' already exists (volumes and datasets share names)"
+            )));
+        }
+        let mut props = BTreeMap::new();
+        for (key, value) in properties {
+            props.insert(key.clone(), canonical_dataset_value(key, value)?);
+        }
+        let pool_handle = self
+            .pool(pool)
+            .ok_or_else(|| AdminError::Internal(format!("pool '{pool}' is in the catalog but not open")))?;
+        let mut updated = catalog.clone();
+        let pool_record = updated.pools.get_mut(pool).expect("checked above");
+        let id = pool_record.next_volume_id.max(1);
+        pool_record.next_volume_id = id + 1;
+        let record = DatasetRecord {
+            id,
+            created_unix: now_unix(),
+            properties: props,
+        };
+        pool_record.datasets.insert(short.to_string(), record.clone());
+        // The catalog first: a crash before the root directory is logged
+        // leaves a dataset that gets its root at the next open.
+        updated
+            .save(&self.data_dir)
+            .map_err(|e| internal("cannot save catalog", e))?;
+        catalog.set(updated);
+        let opened = self.runtime.block_on(open_dataset(&pool_handle, &record))?;
+        self.datasets
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(name.to_string(), opened);
+        self.dataset_info(&catalog, name)
+    }
+
+    /// Sets properties (all validated first, saved in one catalog update).
+    pub fn fs_set(&self, name: &str, properties: &[(String, String)]) -> Result<DatasetInfo, AdminError> {
+        let (pool, short) = split_volume_name(name)?;
+        let mut changes = Vec::new();
+        for (key, value) in properties {
+            if key == "recordsize" {
+                return Err(AdminError::Invalid(
+                    "recordsize is set when a dataset is created and cannot change".into(),
+                ));
+            }
+            changes.push((key.clone(), canonical_dataset_value(key, value)?));
+        }
+        let mut catalog = self.catalog();
+        let mut updated = catalog.clone();
+        let record = updated
+            .pools
+            .get_mut(pool)
+            .and_then(|p| p.datasets.get_mut(short))
+            .ok_or_else(|| AdminError::NotFound(format!("dataset '{name}' does not exist")))?;
+        record.properties.extend(changes);
+        let props = record.properties.clone();
+        updated
+            .save(&self.data_dir)
+            .map_err(|e| internal("cannot save catalog", e))?;
+        catalog.set(updated);
+        if let Some(open) = self.datasets.write().unwrap_or_else(|e| e.into_inner()).get_mut(name) {
+            open.options = export_options(&props);
+            open.fs.set_quota(quota(&props));
+        }
+        self.dataset_info(&catalog, name)
+    }
+
+    /// Destroys a dataset: its files, directories and data. Clients that
+    /// still use it get NFS3ERR_STALE.
+    pub fn fs_destroy(&self, name: &str) -> Result<(), AdminError> {
+        let (pool, short) = split_volume_name(name)?;
+        let mut catalog = self.catalog();
+        let mut updated = catalog.clone();
+        let record = updated
+            .pools
+            .get_mut(pool)
+            .and_then(|p| p.datasets.remove(short))
+            .ok_or_else(|| AdminError::NotFound(format!("dataset '{name}' does not exist")))?;
+        updated
+            .save(&self.data_dir)
+            .map_err(|e| internal("cannot save catalog", e))?;
+        catalog.set(updated);
+        self.datasets.write().unwrap_or_else(|e| e.into_inner()).remove(name);
+        if let Some(pool_handle) = self.pool(pool) {
+            if let Err(e) = self.runtime.block_on(pool_handle.destroy_volume(record.id)) {
+                tracing::error!("dataset {name} destroyed but freeing its data failed: {e}");
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Exports for VolumeManager {
+    fn by_path(&self, path: &str) -> Option<Export> {
+        let name = path.trim_end_matches('/').strip_prefix('/')?;
+        let datasets = self.datasets.read().unwrap_or_else(|e| e.into_inner());
+        let open = datasets.get(name)?;
+        Some(Export {
+            path: format!("/{name}"),
+            fs: open.fs.clone(),
+            options: open.options.clone(),
+        })
+    }
+
+    fn by_dataset(&self, dataset: u32) -> Option<Export> {
+        let datasets = self.datasets.read().unwrap_or_else(|e| e.into_inner());
+        datasets
+            .iter()
+            .find(|(_, d)| d.id == dataset)
+            .map(|(name, open)| Export {
+                path: format!("/{name}"),
+                fs: open.fs.clone(),
+                options: open.options.clone(),
+            })
+    }
+
+    fn all(&self) -> Vec<Export> {
+        let datasets = self.datasets.read().unwrap_or_else(|e| e.into_inner());
+        let mut all: Vec<Export> = datasets
+            .iter()
+            .map(|(name, open)| Export {
+                path: format!("/{name}"),
+                fs: open.fs.clone(),
+                options: open.options.clone(),
+            })
+            .collect();
+        all.sort_by(|a, b| a.path.cmp(&b.path));
+        all
+    }
+}

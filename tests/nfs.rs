@@ -1,0 +1,172 @@
+//! The NFS file service against clients nobody here wrote (libnfs's
+//! nfs-cp, nfs-cat, nfs-ls) and against malformed RPC input.
+
+mod common;
+
+use common::{require_tool, run, small_default_pool, Server};
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::path::Path;
+use std::process::Command;
+use std::time::Duration;
+
+fn url(server: &Server, path: &str) -> String {
+    let port = server
+        .nfs
+        .as_deref()
+        .and_then(|a| a.rsplit(':').next())
+        .expect("the daemon printed its NFS address");
+    format!("nfs://127.0.0.1{path}?nfsport={port}&mountport={port}&version=3")
+}
+
+fn start(dir: &Path) -> Server {
+    small_default_pool(dir);
+    Server::start(dir)
+}
+
+fn nfs_cp(from: &str, to: &str) -> std::process::Output {
+    Command::new("nfs-cp").args([from, to]).output().unwrap()
+}
+
+fn nfs_cat(server: &Server, path: &str) -> Vec<u8> {
+    run(Command::new("nfs-cat").arg(url(server, path))).stdout
+}
+
+fn nfs_ls(server: &Server, path: &str) -> String {
+    String::from_utf8_lossy(&run(Command::new("nfs-ls").arg(url(server, path))).stdout).into_owned()
+}
+
+#[test]
+fn files_copied_in_read_back_and_survive_a_kill() {
+    for tool in ["nfs-cp", "nfs-cat", "nfs-ls"] {
+        require_tool(tool);
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let mut server = start(dir.path());
+    let big = common::pseudo_random(11, 3_000_017);
+    let small = b"hello over NFS\n".to_vec();
+    let local = dir.path().join("in");
+    std::fs::create_dir(&local).unwrap();
+    std::fs::write(local.join("big.bin"), &big).unwrap();
+    std::fs::write(local.join("small.txt"), &small).unwrap();
+    for name in ["big.bin", "small.txt"] {
+        let output = nfs_cp(
+            local.join(name).to_str().unwrap(),
+            &url(&server, &format!("/default/files/{name}")),
+        );
+        assert!(output.status.success(), "nfs-cp {name}: {output:?}");
+    }
+    let listing = nfs_ls(&server, "/default/files");
+    assert!(
+        listing.contains("big.bin") && listing.contains("3000017") && listing.contains("small.txt"),
+        "{listing}"
+    );
+    assert_eq!(nfs_cat(&server, "/default/files/big.bin"), big);
+    assert_eq!(nfs_cat(&server, "/default/files/small.txt"), small);
+
+    // nfs-cp closes (COMMIT) before it exits: the files are durable.
+    server.kill9();
+    let server = Server::start(dir.path());
+    assert_eq!(nfs_cat(&server, "/default/files/big.bin"), big);
+    assert_eq!(nfs_cat(&server, "/default/files/small.txt"), small);
+    // Copying back out with nfs-cp gives the same bytes.
+    let out = dir.path().join("out.bin");
+    let output = nfs_cp(&url(&server, "/default/files/big.bin"), out.to_str().unwrap());
+    assert!(output.status.success(), "{output:?}");
+    assert_eq!(std::fs::read(out).unwrap(), big);
+}
+
+/// One RPC call record: AUTH_NONE, no verifier.
+fn call(xid: u32, program: u32, version: u32, procedure: u32, args: &[u8]) -> Vec<u8> {
+    let mut body = Vec::new();
+    for word in [xid, 0, 2, program, version, procedure, 0, 0, 0, 0] {
+        body.extend_from_slice(&word.to_be_bytes());
+    }
+    body.extend_from_slice(args);
+    let mut record = (0x8000_0000u32 | body.len() as u32).to_be_bytes().to_vec();
+    record.extend_from_slice(&body);
+    record
+}
+
+/// Reads one reply record; `None` when the server closed the connection.
+fn reply(stream: &mut TcpStream) -> Option<Vec<u8>> {
+    let mut mark = [0u8; 4];
+    stream.read_exact(&mut mark).ok()?;
+    let length = (u32::from_be_bytes(mark) & 0x7fff_ffff) as usize;
+    let mut body = vec![0u8; length];
+    stream.read_exact(&mut body).ok()?;
+    Some(body)
+}
+
+fn word(bytes: &[u8], index: usize) -> u32 {
+    u32::from_be_bytes(bytes[index * 4..index * 4 + 4].try_into().unwrap())
+}
+
+fn connect(server: &Server) -> TcpStream {
+    let stream = TcpStream::connect(server.nfs.as_deref().unwrap()).unwrap();
+    stream.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    stream
+}
+
+#[test]
+fn malformed_rpc_gets_errors_and_the_server_keeps_serving() {
+    require_tool("nfs-ls");
+    let dir = tempfile::tempdir().unwrap();
+    let server = start(dir.path());
+
+    // Replies: xid, REPLY(1), MSG_ACCEPTED(0), verifier (flavor, length),
+    // accept_stat.
+    let mut stream = connect(&server);
+    stream.write_all(&call(7, 100_099, 1, 0, &[])).unwrap();
+    let body = reply(&mut stream).unwrap();
+    assert_eq!((word(&body, 0), word(&body, 1), word(&body, 2)), (7, 1, 0));
+    assert_eq!(word(&body, 5), 1, "PROG_UNAVAIL");
+    stream.write_all(&call(8, 100_003, 4, 0, &[])).unwrap();
+    let body = reply(&mut stream).unwrap();
+    assert_eq!(word(&body, 5), 2, "PROG_MISMATCH");
+    assert_eq!((word(&body, 6), word(&body, 7)), (3, 3));
+    stream.write_all(&call(9, 100_003, 3, 99, &[])).unwrap();
+    let body = reply(&mut stream).unwrap();
+    assert_eq!(word(&body, 5), 3, "PROC_UNAVAIL");
+    // GETATTR with arguments cut short, then with a handle not of ours.
+    stream.write_all(&call(10, 100_003, 3, 1, &[0, 0, 0])).unwrap();
+    let body = reply(&mut stream).unwrap();
+    assert_eq!(word(&body, 5), 4, "GARBAGE_ARGS");
+    let mut handle = 8u32.to_be_bytes().to_vec();
+    handle.extend_from_slice(b"notours!");
+    stream.write_all(&call(11, 100_003, 3, 1, &handle)).unwrap();
+    let body = reply(&mut stream).unwrap();
+    assert_eq!((word(&body, 5), word(&body, 6)), (0, 10001), "NFS3ERR_BADHANDLE");
+    // MOUNT of a path that is not exported.
+    let path = b"/default/nothere";
+    let mut args = (path.len() as u32).to_be_bytes().to_vec();
+    args.extend_from_slice(path);
+    args.resize(4 + path.len().div_ceil(4) * 4, 0);
+    stream.write_all(&call(12, 100_005, 3, 1, &args)).unwrap();
+    let body = reply(&mut stream).unwrap();
+    assert_eq!((word(&body, 5), word(&body, 6)), (0, 2), "MNT3ERR_NOENT");
+
+    // A record claiming 2 GiB is refused by closing, not by allocating.
+    let mut stream = connect(&server);
+    stream.write_all(&0xffff_fff0u32.to_be_bytes()).unwrap();
+    stream.write_all(&[0u8; 64]).unwrap();
+    assert!(reply(&mut stream).is_none(), "the connection is closed");
+    // Garbage where a call header belongs.
+    let mut stream = connect(&server);
+    let mut garbage = 40u32.to_be_bytes().to_vec();
+    garbage[0] |= 0x80;
+    garbage.extend_from_slice(&[0xAB; 40]);
+    stream.write_all(&garbage).unwrap();
+    let _ = reply(&mut stream);
+    // A client that goes away mid-record.
+    let mut stream = connect(&server);
+    stream.write_all(&[0x80, 0, 1, 0, 1, 2]).unwrap();
+    drop(stream);
+
+    // Everything else still works.
+    let output = Command::new("nfs-ls")
+        .arg(url(&server, "/default/files"))
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{output:?}");
+}
