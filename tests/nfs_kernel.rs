@@ -1,0 +1,173 @@
+//! The Linux kernel's NFSv3 client against strata: a Debian kernel booted
+//! under qemu (`../shared/tools/linux-guest`) mounts `default/files`, copies
+//! a tree in and compares checksums, checks rename/link/symlink/chmod/chown,
+//! runs fio with verification, and writes files with fsync while the daemon
+//! is killed with SIGKILL and restarted on the same port: after a remount
+//! every fsync'ed byte is there.
+
+mod common;
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// Where the guest scripts are: `STRATA_LINUX_GUEST`, else the workplace's
+/// tools beside the checkout.
+fn guest_tools() -> PathBuf {
+    let candidates = [
+        std::env::var_os("STRATA_LINUX_GUEST").map(PathBuf::from),
+        Some(Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/tools/linux-guest")),
+        Some(PathBuf::from("/work/shared/tools/linux-guest")),
+    ];
+    candidates
+        .into_iter()
+        .flatten()
+        .find(|dir| dir.join("run.sh").is_file())
+        .expect("the linux-guest tools (run.sh, build.sh) were not found: set STRATA_LINUX_GUEST")
+}
+
+const GUEST_DIR: &str = "/tmp/strata-linux-guest-nfs";
+
+/// A daemon killed when the test ends, however it ends.
+struct Daemon(Child);
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Starts `strata serve` with NFS on `nfs` ("127.0.0.1:0" or a fixed
+/// port); returns it and the NFS address it printed.
+fn start(data: &Path, nfs: &str) -> (Daemon, String) {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_strata"))
+        .args(["serve", "--data-dir"])
+        .arg(data)
+        .args(["--nbd", "127.0.0.1:0", "--api", "127.0.0.1:0", "--iscsi", "127.0.0.1:0"])
+        .args(["--nfs", nfs])
+        .env("STRATA_RAM_DIR", data)
+        .env("STRATA_LOG", "warn")
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let mut address = None;
+    for line in lines.by_ref() {
+        let line = line.unwrap();
+        if let Some(rest) = line.strip_prefix("strata: nfs listening on ") {
+            address = rest.split_whitespace().next().map(str::to_string);
+        }
+        if line.starts_with("strata: iscsi listening on ") {
+            break;
+        }
+    }
+    // Keep draining stdout so the daemon never blocks on a full pipe.
+    std::thread::spawn(move || for _ in lines {});
+    (Daemon(child), address.expect("the daemon printed its NFS address"))
+}
+
+const GUEST_SCRIPT: &str = r#"
+set -e
+M="mount -t nfs -o vers=3,proto=tcp,port=$TARGET_PORT,mountport=$TARGET_PORT,mountproto=tcp,nolock,timeo=50 $TARGET_HOST:/default/files /mnt/nfs"
+mkdir -p /mnt/nfs
+$M
+echo mounted
+cd /mnt/nfs
+mkdir tree
+tar -C / -cf - usr/bin usr/sbin | tar -C tree -xf -
+(cd /usr && find bin sbin -type f -exec md5sum {} + | sort) > /tmp/a
+(cd tree/usr && find bin sbin -type f -exec md5sum {} + | sort) > /tmp/b
+cmp /tmp/a /tmp/b
+echo "tree ok: $(wc -l < /tmp/a) files"
+echo x > f; ln f g; test "$(stat -c %h f)" = 2
+ln -s f s; test "$(readlink s)" = f
+mv f h; test -e h; test ! -e f; test "$(cat g)" = x
+chmod 640 h; test "$(stat -c %a h)" = 640
+chown 1234:5678 h; test "$(stat -c %u:%g h)" = 1234:5678
+mkdir -p d1/d2; mv d1 d3; test -d d3/d2; rmdir d3/d2 d3
+if rmdir tree 2>/dev/null; then echo "rmdir of a full directory succeeded"; exit 1; fi
+rm g h s
+echo "semantics ok"
+fio --name=v --directory=/mnt/nfs --size=16M --rw=randwrite --bs=4k --verify=crc32c --ioengine=psync --fsync=64 --output-format=terse > /dev/null
+echo "fio verify ok"
+dd if=/dev/urandom of=/tmp/x bs=1M count=4 2>/dev/null
+dd if=/dev/urandom of=/tmp/y bs=1M count=4 2>/dev/null
+cp /tmp/x x; sync x
+echo "synced x"
+dd if=/tmp/y of=y bs=64k conv=fsync 2>/dev/null
+echo "synced y"
+cd /
+umount /mnt/nfs
+$M
+cmp /tmp/x /mnt/nfs/x
+cmp /tmp/y /mnt/nfs/y
+(cd /mnt/nfs/tree/usr && find bin sbin -type f -exec md5sum {} + | sort) > /tmp/c
+cmp /tmp/a /tmp/c
+umount /mnt/nfs
+echo "after kill ok"
+"#;
+
+#[test]
+fn the_kernel_client_mounts_writes_and_keeps_what_it_synced_across_a_kill() {
+    let tools = guest_tools();
+    // Seconds once built; about a minute and a half the first time.
+    let built = Command::new(tools.join("build.sh"))
+        .env("GUEST_DIR", GUEST_DIR)
+        .env("EXTRA_PKGS", "nfs-common,netbase")
+        .env("EXTRA_MODS", "nfs nfsv3 sunrpc lockd")
+        .status()
+        .unwrap();
+    assert!(built.success(), "building the guest failed");
+
+    let dir = tempfile::tempdir().unwrap();
+    common::small_default_pool(dir.path());
+    let (daemon, address) = start(dir.path(), "127.0.0.1:0");
+    let port = address.rsplit(':').next().unwrap().to_string();
+    // Root in the guest stays root (chown, and a tree of root's files).
+    let set = Command::new(env!("CARGO_BIN_EXE_strata"))
+        .args(["fs", "set", "default/files", "nfs.squash=none", "--data-dir"])
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    assert!(set.status.success(), "{set:?}");
+
+    let script = dir.path().join("guest.sh");
+    std::fs::write(&script, GUEST_SCRIPT).unwrap();
+    let run_dir = dir.path().join("run");
+    let mut guest = Command::new(tools.join("run.sh"))
+        .arg(&script)
+        .arg(&port)
+        .env("GUEST_DIR", GUEST_DIR)
+        .env("RUN_DIR", &run_dir)
+        .env("TIMEOUT", "900")
+        .spawn()
+        .unwrap();
+
+    // Kill the daemon once the guest has fsync'ed x, while it writes y.
+    let output = run_dir.join("output.log");
+    let deadline = Instant::now() + Duration::from_secs(900);
+    loop {
+        let log = std::fs::read_to_string(&output).unwrap_or_default();
+        if log.contains("synced x") {
+            break;
+        }
+        if let Ok(Some(status)) = guest.try_wait() {
+            panic!("the guest ended ({status}) before it synced x:\n{log}");
+        }
+        assert!(Instant::now() < deadline, "the guest did not sync x in time:\n{log}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    drop(daemon);
+    let (daemon, again) = start(dir.path(), &address);
+    assert_eq!(again, address);
+
+    let status = guest.wait().unwrap();
+    let log = std::fs::read_to_string(&output).unwrap_or_default();
+    drop(daemon);
+    assert!(status.success(), "the guest script failed ({status}):\n{log}");
+    for line in ["mounted", "tree ok", "semantics ok", "fio verify ok", "synced y", "after kill ok"] {
+        assert!(log.contains(line), "missing {line:?} in the guest's output:\n{log}");
+    }
+}
