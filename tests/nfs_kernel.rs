@@ -167,7 +167,14 @@ fn the_kernel_client_mounts_writes_and_keeps_what_it_synced_across_a_kill() {
     let log = std::fs::read_to_string(&output).unwrap_or_default();
     drop(daemon);
     assert!(status.success(), "the guest script failed ({status}):\n{log}");
-    for line in ["mounted", "tree ok", "semantics ok", "fio verify ok", "synced y", "after kill ok"] {
+    for line in [
+        "mounted",
+        "tree ok",
+        "semantics ok",
+        "fio verify ok",
+        "synced y",
+        "after kill ok",
+    ] {
         assert!(log.contains(line), "missing {line:?} in the guest's output:\n{log}");
     }
 }
