@@ -38,7 +38,7 @@ pub struct ServeArgs {
     pub api: SocketAddr,
     #[command(flatten)]
     pub api_security: ApiSecurityArgs,
-    /// Most connections each of the NBD and iSCSI listeners serves at once.
+    /// Most connections each of the NBD, iSCSI and NFS listeners serves at once.
     #[arg(long, default_value_t = crate::frontend::limits::DEFAULT_MAX_CONNECTIONS, value_name = "N")]
     pub max_connections: usize,
     /// Most connections one client address may hold on each listener.
@@ -271,7 +271,12 @@ async fn serve(args: ServeArgs) -> Result<(), String> {
     ));
     let nfs_task = nfs_listener.map(|listener| {
         let exports: Arc<dyn crate::fs::Exports> = manager.clone();
-        tokio::spawn(crate::frontend::nfs::server::serve(listener, exports, stop.clone()))
+        tokio::spawn(crate::frontend::nfs::server::serve(
+            listener,
+            exports,
+            limits("nfs"),
+            stop.clone(),
+        ))
     });
     let api_task = tokio::spawn(crate::admin::server::serve(
         api.router,

@@ -305,9 +305,15 @@ impl FileSystem {
         Ok(self.attr(handle.ino, row))
     }
 
-    /// Sets attributes. `guard`: SETATTR's ctime guard, checked by the
-    /// caller (the frontend answers NOT_SYNC); ignored here.
-    pub async fn setattr(&self, handle: &Handle, cred: &Cred, set: SetAttrs, _guard: Option<Time>) -> FsResult<Attr> {
+    /// Sets attributes. `guard`: SETATTR's ctime guard (seconds compared
+    /// as NFS's 32 bits carry them): `NotSync` when the file's differs.
+    pub async fn setattr(&self, handle: &Handle, cred: &Cred, set: SetAttrs, guard: Option<Time>) -> FsResult<Attr> {
+        let guarded = |row: &InodeRow| match guard {
+            Some(t) if (row.ctime.seconds as u32, row.ctime.nanos) != (t.seconds as u32, t.nanos) => {
+                Err(FsError::NotSync)
+            }
+            _ => Ok(()),
+        };
         let _data = match set.size {
             Some(_) => Some(self.data_lock(handle.ino).write().await),
             None => None,
@@ -317,6 +323,7 @@ impl FileSystem {
         let old_size = {
             let ns = self.namespace.lock_or_abort();
             let row = self.row(&ns, handle)?;
+            guarded(row)?;
             self.check_setattr(row, cred, &set)?;
             row.size
         };
@@ -328,6 +335,7 @@ impl FileSystem {
         let attr = self
             .change(|ns, now| {
                 let row = self.row(ns, handle)?.clone();
+                guarded(&row)?;
                 self.check_setattr(&row, cred, &set)?;
                 let mut row = row;
                 if let Some(mode) = set.mode {

@@ -214,6 +214,19 @@ fn permissions_names_and_directories_are_checked() {
             ..SetAttrs::default()
         };
         fs.setattr(&f, &user(), grow, None).await.unwrap();
+        // SETATTR's guard: the ctime the client saw, else nothing changes.
+        let ctime = fs.getattr(&f).unwrap().ctime;
+        let stale = Time {
+            seconds: ctime.seconds - 1,
+            ..ctime
+        };
+        assert_eq!(
+            fs.setattr(&f, &user(), attrs(0o600), Some(stale)).await.err(),
+            Some(FsError::NotSync)
+        );
+        assert_eq!(fs.getattr(&f).unwrap().mode, 0o644);
+        fs.setattr(&f, &user(), attrs(0o600), Some(ctime)).await.unwrap();
+        assert_eq!(fs.getattr(&f).unwrap().mode, 0o600);
         let (data, eof) = fs.read(&f, &user(), 0, 4000).await.unwrap();
         assert!(eof);
         assert_eq!(&data[..5], b"\0\0\0he");

@@ -197,6 +197,9 @@ pub enum FsError {
     NotSupp,
     #[error("wrong file type")]
     BadType,
+    /// SETATTR's guard did not match the file's ctime.
+    #[error("the file changed since the client looked (ctime guard)")]
+    NotSync,
 }
 
 /// ACCESS bits (NFS's ACCESS3_*).

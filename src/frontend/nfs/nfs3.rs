@@ -416,6 +416,7 @@ pub fn status_of(error: &FsError) -> u32 {
         FsError::BadHandle => status::BADHANDLE,
         FsError::NotSupp => status::NOTSUPP,
         FsError::BadType => status::BADTYPE,
+        FsError::NotSync => status::NOT_SYNC,
     }
 }
 
@@ -826,18 +827,11 @@ pub async fn execute(exports: &dyn Exports, peer: SocketAddr, auth: &Auth, call:
     }
 }
 
-/// SETATTR: the guard is checked here against the current ctime
-/// (NFS3ERR_NOT_SYNC when it differs), then the change is made unguarded.
+/// SETATTR: the file system checks the guard with the change, under one
+/// lock (NFS3ERR_NOT_SYNC when the ctime differs).
 async fn setattr(t: &Target, set: SetAttrs, guard: Option<Time>) -> Status<()> {
     check_times(&set)?;
-    if let Some(expected) = guard {
-        let attr = fs(t.fs().getattr(&t.handle))?;
-        // Compared as the client saw the ctime: in nfstime3.
-        if (wire_seconds(attr.ctime), attr.ctime.nanos) != (wire_seconds(expected), expected.nanos) {
-            return Err(status::NOT_SYNC);
-        }
-    }
-    fs(t.fs().setattr(&t.handle, &t.cred, set, None).await).map(|_| ())
+    fs(t.fs().setattr(&t.handle, &t.cred, set, guard).await).map(|_| ())
 }
 
 /// For FSSTAT, FSINFO and PATHCONF: the gate, then the object's attributes

@@ -30,6 +30,7 @@ use super::nfs3::{self, NfsCall};
 use super::portmap::{self, PortmapCall};
 use super::rpc::{self, Accept, Call, CallError, RecordError};
 use super::{ArgsError, MOUNT_PROGRAM, MOUNT_VERSION, NFS_PROGRAM, NFS_VERSION, PORTMAP_PROGRAM, PORTMAP_VERSION};
+use crate::frontend::limits::ConnectionLimits;
 use crate::frontend::{run_or_spawn, Connections, Shutdown};
 use crate::fs::Exports;
 
@@ -40,8 +41,14 @@ pub const MAX_IN_FLIGHT: usize = 64;
 const SOCKET_BUFFER_BYTES: usize = 64 << 10;
 
 /// Accepts NFS clients until `stop` turns true, then waits for the calls
-/// in flight to be answered (see [`Connections::drain`]).
-pub async fn serve(listener: TcpListener, exports: Arc<dyn Exports>, mut stop: Shutdown) {
+/// in flight to be answered (see [`Connections::drain`]). Connections
+/// beyond `limits` are closed at accept, before a byte is read.
+pub async fn serve(
+    listener: TcpListener,
+    exports: Arc<dyn Exports>,
+    limits: Arc<ConnectionLimits>,
+    mut stop: Shutdown,
+) {
     let mut connections = Connections::default();
     loop {
         let accepted = tokio::select! {
@@ -57,9 +64,13 @@ pub async fn serve(listener: TcpListener, exports: Arc<dyn Exports>, mut stop: S
                 continue;
             }
         };
+        let Ok(slot) = limits.admit(peer.ip()) else {
+            continue;
+        };
         let exports = exports.clone();
         let stop = stop.clone();
         connections.spawn(async move {
+            let _slot = slot;
             match connection(stream, peer, exports, stop).await {
                 Ok(()) => tracing::debug!("nfs: {peer} disconnected"),
                 // Clients commonly reset the connection instead of closing
@@ -365,7 +376,12 @@ mod tests {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let address = listener.local_addr().unwrap();
         let (stop_sender, stop) = tokio::sync::watch::channel(false);
-        let server = tokio::spawn(serve(listener, Arc::new(NoExports), stop));
+        let server = tokio::spawn(serve(
+            listener,
+            Arc::new(NoExports),
+            ConnectionLimits::new("nfs", 16, 16),
+            stop,
+        ));
 
         let mut client = TcpStream::connect(address).await.unwrap();
         let mut calls = Vec::new();

@@ -239,7 +239,12 @@ async fn a_client_mounts_writes_reads_and_lists() {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let address = listener.local_addr().unwrap();
     let (stop_sender, stop) = tokio::sync::watch::channel(false);
-    let server = tokio::spawn(super::server::serve(listener, exports.clone(), stop));
+    let server = tokio::spawn(super::server::serve(
+        listener,
+        exports.clone(),
+        crate::frontend::limits::ConnectionLimits::new("nfs", 16, 16),
+        stop,
+    ));
     let mut client = Client {
         stream: TcpStream::connect(address).await.unwrap(),
         xid: 0,
