@@ -73,6 +73,48 @@ impl Connections {
     }
 }
 
+/// Accepts connections on `listener` until `stop` turns true: each one
+/// `limits` admits runs `connection(stream, peer)` as a task of its own
+/// (holding its slot); one `limits` refuses is closed at accept, before a
+/// byte is sent. Then waits for the connections (see [`Connections::drain`]).
+pub async fn accept_loop<F, Fut>(
+    protocol: &'static str,
+    listener: tokio::net::TcpListener,
+    limits: std::sync::Arc<limits::ConnectionLimits>,
+    mut stop: Shutdown,
+    mut connection: F,
+) where
+    F: FnMut(tokio::net::TcpStream, std::net::SocketAddr) -> Fut,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
+    let mut connections = Connections::default();
+    loop {
+        let accepted = tokio::select! {
+            _ = stop.wait_for(|stopped| *stopped) => break,
+            accepted = listener.accept() => accepted,
+        };
+        let (stream, peer) = match accepted {
+            Ok(connection) => connection,
+            Err(e) => {
+                // Typically EMFILE; back off instead of spinning.
+                tracing::warn!("{protocol}: accept failed: {e}");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        let Ok(slot) = limits.admit(peer.ip()) else {
+            // Dropping the stream closes it.
+            continue;
+        };
+        let work = connection(stream, peer);
+        connections.spawn(async move {
+            let _slot = slot;
+            work.await
+        });
+    }
+    connections.drain(protocol).await;
+}
+
 /// Runs `work` on the calling task as far as it goes without waiting, and
 /// spawns it only if it has to wait. Most requests never wait (a write into
 /// the RAM tier, a read the page cache or the read cache serves): they skip

@@ -40,7 +40,6 @@ use crate::device::ReadBuffers;
 use crate::frontend::lane::Lane;
 use crate::frontend::limits::ConnectionLimits;
 use crate::frontend::outbox::{Outbox, ReplySocket};
-use crate::frontend::Connections;
 use crate::frontend::Shutdown;
 use crate::volume::stats::{Op, Protocol};
 use crate::volume::{full_name, BlockError, Client, HandleGuard, IoBuf, Volume, ZeroFlags, MAX_REQUEST_BYTES};
@@ -121,40 +120,21 @@ pub async fn serve(
     manager: Arc<VolumeManager>,
     limits: Arc<ConnectionLimits>,
     tls: Arc<NbdTls>,
-    mut stop: Shutdown,
+    stop: Shutdown,
 ) {
-    let mut connections = Connections::default();
-    loop {
-        let accepted = tokio::select! {
-            _ = stop.wait_for(|stopped| *stopped) => break,
-            accepted = listener.accept() => accepted,
-        };
-        let (stream, peer) = match accepted {
-            Ok(connection) => connection,
-            Err(e) => {
-                // Typically EMFILE; back off instead of spinning.
-                tracing::warn!("nbd: accept failed: {e}");
-                tokio::time::sleep(Duration::from_millis(100)).await;
-                continue;
-            }
-        };
-        let Ok(slot) = limits.admit(peer.ip()) else {
-            // Dropping the stream closes it: the client sees the connection
-            // end before any greeting.
-            continue;
-        };
+    let connection_stop = stop.clone();
+    crate::frontend::accept_loop("nbd", listener, limits, stop, |stream, peer| {
         let manager = manager.clone();
-        let stop = stop.clone();
+        let stop = connection_stop.clone();
         let tls = tls.clone();
-        connections.spawn(async move {
-            let _slot = slot;
+        async move {
             match handle_connection(stream, peer, &manager, &tls, stop).await {
                 Ok(()) => tracing::debug!("nbd: {peer} disconnected"),
                 Err(e) => tracing::info!("nbd: {peer} closed: {e}"),
             }
-        });
-    }
-    connections.drain("nbd").await;
+        }
+    })
+    .await;
 }
 
 async fn handle_connection(

@@ -18,7 +18,6 @@
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::Duration;
 
 use tokio::io::{AsyncWriteExt, BufReader, BufWriter};
 use tokio::net::tcp::OwnedWriteHalf;
@@ -31,7 +30,7 @@ use super::portmap::{self, PortmapCall};
 use super::rpc::{self, Accept, Call, CallError, RecordError};
 use super::{ArgsError, MOUNT_PROGRAM, MOUNT_VERSION, NFS_PROGRAM, NFS_VERSION, PORTMAP_PROGRAM, PORTMAP_VERSION};
 use crate::frontend::limits::ConnectionLimits;
-use crate::frontend::{run_or_spawn, Connections, Shutdown};
+use crate::frontend::{run_or_spawn, Shutdown};
 use crate::fs::Exports;
 
 /// Calls one connection may have in flight (received, not yet replied).
@@ -43,34 +42,12 @@ const SOCKET_BUFFER_BYTES: usize = 64 << 10;
 /// Accepts NFS clients until `stop` turns true, then waits for the calls
 /// in flight to be answered (see [`Connections::drain`]). Connections
 /// beyond `limits` are closed at accept, before a byte is read.
-pub async fn serve(
-    listener: TcpListener,
-    exports: Arc<dyn Exports>,
-    limits: Arc<ConnectionLimits>,
-    mut stop: Shutdown,
-) {
-    let mut connections = Connections::default();
-    loop {
-        let accepted = tokio::select! {
-            _ = stop.wait_for(|stopped| *stopped) => break,
-            accepted = listener.accept() => accepted,
-        };
-        let (stream, peer) = match accepted {
-            Ok(connection) => connection,
-            Err(e) => {
-                // Typically EMFILE; back off instead of spinning.
-                tracing::warn!("nfs: accept failed: {e}");
-                tokio::time::sleep(Duration::from_millis(100)).await;
-                continue;
-            }
-        };
-        let Ok(slot) = limits.admit(peer.ip()) else {
-            continue;
-        };
+pub async fn serve(listener: TcpListener, exports: Arc<dyn Exports>, limits: Arc<ConnectionLimits>, stop: Shutdown) {
+    let connection_stop = stop.clone();
+    crate::frontend::accept_loop("nfs", listener, limits, stop, |stream, peer| {
         let exports = exports.clone();
-        let stop = stop.clone();
-        connections.spawn(async move {
-            let _slot = slot;
+        let stop = connection_stop.clone();
+        async move {
             match connection(stream, peer, exports, stop).await {
                 Ok(()) => tracing::debug!("nfs: {peer} disconnected"),
                 // Clients commonly reset the connection instead of closing
@@ -80,9 +57,9 @@ pub async fn serve(
                 }
                 Err(e) => tracing::info!("nfs: {peer} closed: {e}"),
             }
-        });
-    }
-    connections.drain("nfs").await;
+        }
+    })
+    .await;
 }
 
 /// A reply on its way to the writer, with the in-flight slot it frees.
@@ -252,6 +229,7 @@ mod tests {
     use crate::frontend::nfs::rpc::{LAST_FRAGMENT, MARK_BYTES, MAX_RECORD};
     use crate::frontend::nfs::xdr::Encode;
     use crate::fs::{Export, Handle};
+    use std::time::Duration;
 
     /// No dataset is exported: every handle is stale, every path unknown.
     struct NoExports;
