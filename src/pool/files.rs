@@ -170,7 +170,13 @@ pub(super) fn load_namespaces(db: &redb::Database) -> Result<HashMap<u32, Shared
     Ok(namespaces
         .into_iter()
         .map(|(dataset, mut ns)| {
-            ns.finish_loading();
+            let damaged = ns.finish_loading();
+            if damaged > 0 {
+                tracing::error!(
+                    "dataset {dataset}: {damaged} damaged namespace rows (entries naming missing files or \
+                     directories) set aside"
+                );
+            }
             (dataset, Arc::new(Mutex::new(ns)))
         })
         .collect())
