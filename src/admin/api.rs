@@ -22,7 +22,8 @@ use super::auth::{authenticate, ApiAuth};
 use crate::analytics::query as analytics;
 use crate::control::catalog::DeviceRecord;
 use crate::control::manager::{
-    role_for_add, validate_component, AdminError, DatasetInfo, PoolStatus, SnapshotView, VolumeInfo, VolumeManager,
+    role_for_add, validate_component, AdminError, DatasetInfo, DatasetSnapshotInfo, PoolStatus, SnapshotView,
+    VolumeInfo, VolumeManager,
 };
 use crate::pool::migrate::{MigrationStatus, PassSummary};
 use crate::units::parse_size;
@@ -31,7 +32,7 @@ use crate::units::parse_size;
 pub const METRICS_CONTENT_TYPE: &str = "text/plain; version=0.0.4";
 
 /// Every endpoint, as listed by `GET /` and `GET /v1`.
-pub const ENDPOINTS: [&str; 40] = [
+pub const ENDPOINTS: [&str; 44] = [
     "GET /metrics",
     "GET /v1/pools",
     "POST /v1/pools",
@@ -49,6 +50,10 @@ pub const ENDPOINTS: [&str; 40] = [
     "GET /v1/filesystems/{pool}/{name}",
     "PATCH /v1/filesystems/{pool}/{name}",
     "DELETE /v1/filesystems/{pool}/{name}",
+    "GET /v1/filesystems/{pool}/{name}/snapshots",
+    "POST /v1/filesystems/{pool}/{name}/snapshots",
+    "DELETE /v1/filesystems/{pool}/{name}/snapshots/{snapshot}",
+    "GET /v1/filesystem-snapshots",
     "POST /v1/pools/{pool}/sync",
     "GET /v1/pools/{pool}/properties",
     "PATCH /v1/pools/{pool}/properties",
@@ -573,6 +578,53 @@ async fn destroy_filesystem(
     Ok(StatusCode::NO_CONTENT)
 }
 
+#[utoipa::path(get, path = "/v1/filesystems/{pool}/{name}/snapshots", tag = "filesystems", params(("pool" = String, Path, description = "Pool name"), ("name" = String, Path, description = "Dataset name")), responses((status = 200, description = "The dataset's snapshots, oldest first", body = Vec<DatasetSnapshotInfo>), (status = 404, description = "No such dataset", body = ErrorBody), (status = 401, description = "No valid token (TCP)", body = ErrorBody)))]
+async fn list_filesystem_snapshots(
+    State(manager): State<Manager>,
+    path: Result<Path<(String, String)>, PathRejection>,
+) -> ApiResult<Json<Vec<DatasetSnapshotInfo>>> {
+    let Path((pool, name)) = path?;
+    blocking(&manager, move |m| m.fs_snapshots(Some(&full_name(&pool, &name))))
+        .await
+        .map(Json)
+}
+
+#[utoipa::path(get, path = "/v1/filesystem-snapshots", tag = "filesystems", responses((status = 200, description = "Every dataset's snapshots", body = Vec<DatasetSnapshotInfo>), (status = 401, description = "No valid token (TCP)", body = ErrorBody)))]
+async fn list_all_filesystem_snapshots(State(manager): State<Manager>) -> ApiResult<Json<Vec<DatasetSnapshotInfo>>> {
+    blocking(&manager, |m| m.fs_snapshots(None)).await.map(Json)
+}
+
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+struct CreateDatasetSnapshotRequest {
+    /// The snapshot's name (seen by NFS clients as `.snapshot/NAME`).
+    name: String,
+}
+
+#[utoipa::path(post, path = "/v1/filesystems/{pool}/{name}/snapshots", tag = "filesystems", params(("pool" = String, Path, description = "Pool name"), ("name" = String, Path, description = "Dataset name")), request_body = CreateDatasetSnapshotRequest, responses((status = 201, description = "Taken: every write acknowledged before is in it", body = DatasetSnapshotInfo), (status = 404, description = "No such dataset", body = ErrorBody), (status = 409, description = "The dataset has a snapshot of that name", body = ErrorBody), (status = 400, description = "Invalid request", body = ErrorBody), (status = 401, description = "No valid token (TCP)", body = ErrorBody)))]
+async fn create_filesystem_snapshot(
+    State(manager): State<Manager>,
+    path: Result<Path<(String, String)>, PathRejection>,
+    body: Result<Json<CreateDatasetSnapshotRequest>, JsonRejection>,
+) -> ApiResult<(StatusCode, Json<DatasetSnapshotInfo>)> {
+    let Path((pool, name)) = path?;
+    let Json(request) = body?;
+    let full = format!("{}@{}", full_name(&pool, &name), request.name);
+    let info = blocking(&manager, move |m| m.fs_snapshot(&full)).await?;
+    Ok((StatusCode::CREATED, Json(info)))
+}
+
+#[utoipa::path(delete, path = "/v1/filesystems/{pool}/{name}/snapshots/{snapshot}", tag = "filesystems", params(("pool" = String, Path, description = "Pool name"), ("name" = String, Path, description = "Dataset name"), ("snapshot" = String, Path, description = "Snapshot name")), responses((status = 204, description = "Destroyed (NFS clients still in it get NFS3ERR_STALE)"), (status = 404, description = "No such snapshot", body = ErrorBody), (status = 401, description = "No valid token (TCP)", body = ErrorBody)))]
+async fn destroy_filesystem_snapshot(
+    State(manager): State<Manager>,
+    path: Result<Path<(String, String, String)>, PathRejection>,
+) -> ApiResult<StatusCode> {
+    let Path((pool, name, snapshot)) = path?;
+    let full = format!("{}@{snapshot}", full_name(&pool, &name));
+    blocking(&manager, move |m| m.fs_snapshot_destroy(&full)).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
 #[derive(Debug, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 struct SnapshotRequest {
@@ -816,7 +868,8 @@ struct PropertyList {
         index, metrics, openapi, dashboard, list_pools, create_pool, get_pool, add_device, sync_pool,
         get_pool_properties, set_pool_properties, migrate_pool, list_volumes,
         create_volume, get_volume, set_volume, resize_volume, delete_volume, promote_volume, list_filesystems,
-        create_filesystem, get_filesystem, set_filesystem, destroy_filesystem, list_snapshots,
+        create_filesystem, get_filesystem, set_filesystem, destroy_filesystem, list_filesystem_snapshots,
+        list_all_filesystem_snapshots, create_filesystem_snapshot, destroy_filesystem_snapshot, list_snapshots,
         create_snapshots, delete_snapshot, rollback_snapshot, clone_snapshot, super::send::send,
         super::send::receive, super::send::receive_status, super::send::abort_receive, get_iscsi, set_iscsi,
         analytics_status, analytics_stats, analytics_heatmap, analytics_rates, analytics_offsets
@@ -873,6 +926,15 @@ pub fn router(manager: Arc<VolumeManager>, auth: Arc<ApiAuth>) -> Router {
             "/v1/filesystems/:pool/:name",
             get(get_filesystem).patch(set_filesystem).delete(destroy_filesystem),
         )
+        .route(
+            "/v1/filesystems/:pool/:name/snapshots",
+            get(list_filesystem_snapshots).post(create_filesystem_snapshot),
+        )
+        .route(
+            "/v1/filesystems/:pool/:name/snapshots/:snapshot",
+            axum::routing::delete(destroy_filesystem_snapshot),
+        )
+        .route("/v1/filesystem-snapshots", get(list_all_filesystem_snapshots))
         .route("/v1/snapshots", get(list_snapshots).post(create_snapshots))
         .route("/v1/snapshots/:pool/:name", axum::routing::delete(delete_snapshot))
         .route("/v1/snapshots/:pool/:name/rollback", post(rollback_snapshot))

@@ -13,8 +13,8 @@ use serde_json::{json, Value};
 
 use super::api::split_dataset_name;
 use crate::control::manager::{
-    role_for_add, split_snapshot_name, split_volume_name, validate_component, DatasetInfo, PoolStatus, SnapshotView,
-    VolumeInfo, DATASET_PROPERTIES, POOL_PROPERTY_NAMES,
+    role_for_add, split_snapshot_name, split_volume_name, validate_component, DatasetInfo, DatasetSnapshotInfo,
+    PoolStatus, SnapshotView, VolumeInfo, DATASET_PROPERTIES, POOL_PROPERTY_NAMES,
 };
 use crate::pool::migrate::{MigrationStatus, PassSummary};
 use crate::units::{format_size, parse_size};
@@ -264,12 +264,25 @@ pub enum FsCommand {
         #[arg(required = true, value_name = "PROPERTY=VALUE")]
         assignments: Vec<String>,
     },
-    /// Destroy a dataset with its files and directories (NFS clients still
-    /// using it get stale file handles).
+    /// Destroy a dataset with its files and directories (refused while it
+    /// has snapshots), or one snapshot of it (POOL/NAME@SNAPSHOT). NFS
+    /// clients still using it get stale file handles.
     #[command(visible_alias = "delete")]
     Destroy {
-        /// POOL/NAME of the dataset.
+        /// POOL/NAME of the dataset, or POOL/NAME@SNAPSHOT.
         name: String,
+    },
+    /// Take a snapshot of a dataset: read-only, every write acknowledged
+    /// before it included, seen by NFS clients under
+    /// /POOL/NAME/.snapshot/SNAPSHOT.
+    Snapshot {
+        /// POOL/NAME@SNAPSHOT.
+        name: String,
+    },
+    /// List the snapshots of one dataset or of all.
+    Snapshots {
+        /// POOL/NAME of the dataset (default: all).
+        name: Option<String>,
     },
 }
 
@@ -838,11 +851,83 @@ fn run_fs(args: FsArgs) -> CliResult<String> {
             Ok(if output.json { pretty(&info) } else { String::new() })
         }
         FsCommand::Destroy { name } => {
-            split_dataset_name(&name)?;
-            Client::new(&args.client)?.send_empty("DELETE", &dataset_path(&name))?;
+            let path = match name.split_once('@') {
+                Some((dataset, snapshot)) => {
+                    split_dataset_name(dataset)?;
+                    check_snapshot_part(&name, snapshot)?;
+                    format!("{}/snapshots/{snapshot}", dataset_path(dataset))
+                }
+                None => {
+                    split_dataset_name(&name)?;
+                    dataset_path(&name)
+                }
+            };
+            Client::new(&args.client)?.send_empty("DELETE", &path)?;
             Ok(String::new())
         }
+        FsCommand::Snapshot { name } => {
+            let (dataset, snapshot) = name
+                .split_once('@')
+                .ok_or_else(|| CliError(format!("invalid snapshot name '{name}': expected POOL/NAME@SNAPSHOT")))?;
+            split_dataset_name(dataset)?;
+            check_snapshot_part(&name, snapshot)?;
+            let client = Client::new(&args.client)?;
+            let info: DatasetSnapshotInfo = client.send(
+                "POST",
+                &format!("{}/snapshots", dataset_path(dataset)),
+                Some(json!({ "name": snapshot })),
+            )?;
+            Ok(if output.json { pretty(&info) } else { String::new() })
+        }
+        FsCommand::Snapshots { name } => {
+            let path = match &name {
+                Some(dataset) => {
+                    split_dataset_name(dataset)?;
+                    format!("{}/snapshots", dataset_path(dataset))
+                }
+                None => "/v1/filesystem-snapshots".to_string(),
+            };
+            let snapshots: Vec<DatasetSnapshotInfo> = Client::new(&args.client)?.get(&path)?;
+            if output.json {
+                return Ok(pretty(&snapshots));
+            }
+            use Align::*;
+            let rows: Vec<Vec<String>> = snapshots
+                .iter()
+                .map(|s| {
+                    vec![
+                        s.name.clone(),
+                        s.path.clone(),
+                        s.files.to_string(),
+                        format_size(s.used_bytes),
+                        format_size(s.referenced_bytes),
+                        crate::utc::UtcTime::of_unix(s.created_unix).to_string(),
+                    ]
+                })
+                .collect();
+            Ok(table(
+                &[
+                    ("NAME", Left),
+                    ("PATH", Left),
+                    ("FILES", Right),
+                    ("USED", Right),
+                    ("REFER", Right),
+                    ("CREATED", Left),
+                ],
+                &rows,
+            ))
+        }
     }
+}
+
+/// The SNAPSHOT of POOL/NAME@SNAPSHOT: a name NFS clients can look up.
+fn check_snapshot_part(name: &str, snapshot: &str) -> CliResult<()> {
+    if snapshot.is_empty() || snapshot.len() > 255 || snapshot.contains(['/', '@']) || snapshot.starts_with('.') {
+        return Err(CliError(format!(
+            "invalid snapshot name '{name}': SNAPSHOT is 1 to 255 bytes, no '/' or '@', not starting with '.'"
+        )));
+    }
+    Ok(())
 }
 
 /// A dataset property's value as tables show it: byte counts as sizes

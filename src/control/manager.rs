@@ -31,7 +31,7 @@ mod pool_props;
 mod retention;
 mod send;
 mod snapshots;
-pub use datasets::{canonical_dataset_value, DatasetInfo, DATASET_PROPERTIES};
+pub use datasets::{canonical_dataset_value, DatasetInfo, DatasetSnapshotInfo, DATASET_PROPERTIES};
 pub use pool_props::{canonical_pool_value, format_window, migration_settings, pool_rows, POOL_PROPERTY_NAMES};
 pub use retention::{ScheduledSnapshot, ScheduledVolume};
 pub use send::{ReceiveOutcome, ReceiveStatus, ResumeToken, SendJob};

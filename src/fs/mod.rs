@@ -12,7 +12,7 @@ pub mod types;
 pub use export::{ClientNet, Export, ExportOptions, Exports, Squash};
 pub use types::*;
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -20,6 +20,7 @@ use crate::device::IoBuf;
 use crate::meta::fsrows::{InodeRow, NsOp};
 use crate::meta::namespace::Namespace;
 use crate::pool::files::SharedNamespace;
+use crate::pool::snapshots::{SnapshotInfo, SnapshotRequest};
 use crate::pool::volume::EngineVolume;
 use crate::pool::{Pool, PoolError};
 use crate::sync::LockOrAbort;
@@ -35,10 +36,32 @@ const ALIGN: u64 = crate::volume::SECTOR_BYTES as u64;
 const DATA_LOCKS: usize = 64;
 /// Most hard links to one file.
 const MAX_LINKS: u32 = 65_535;
+/// The name of the directory of a dataset's snapshots in its root: hidden
+/// (not listed, found by LOOKUP), like ZFS's `snapdir=hidden`.
+pub const SNAPSHOT_DIR: &[u8] = b".snapshot";
+/// Its inode number: one no file ever has (numbers are below
+/// `MAX_INODES`).
+pub const SNAPSHOT_DIR_INO: u64 = MAX_INODES;
 
-/// One dataset, as the NFS frontend uses it.
+/// A dataset's view of one of its snapshots, open or being destroyed.
+enum SnapshotView {
+    Open(Arc<FileSystem>),
+    Destroying,
+}
+
+/// One dataset, or one snapshot of a dataset (read-only), as the NFS
+/// frontend uses it.
 pub struct FileSystem {
+    /// The dataset's id, or the snapshot's (in handles).
     dataset: u32,
+    /// A snapshot's dataset (`None`: a live dataset).
+    snapshot_of: Option<u32>,
+    /// What GETATTR reports: a snapshot's files are in their dataset's
+    /// file system (no mount point to cross), their file ids above the
+    /// dataset's (the snapshot id in the high 32 bits).
+    fsid: u64,
+    fileid_base: u64,
+    recordsize: u32,
     pool: Arc<Pool>,
     engine: Arc<EngineVolume>,
     namespace: SharedNamespace,
@@ -52,6 +75,13 @@ pub struct FileSystem {
     /// Inodes whose size or times changed since their last log record (a
     /// COMMIT logs them).
     unlogged: Mutex<HashSet<u64>>,
+    /// Held shared by every call that reads or changes files' data or the
+    /// namespace's durable state, exclusively while a snapshot is taken (so
+    /// it sees no call half done) and when the dataset or snapshot goes
+    /// away (`true`: gone, calls get NFS3ERR_STALE).
+    quiesce: tokio::sync::RwLock<bool>,
+    /// This dataset's snapshots that clients opened (under `.snapshot`).
+    snapshots: Mutex<HashMap<u32, SnapshotView>>,
 }
 
 fn io(error: impl std::fmt::Display) -> FsError {
@@ -151,20 +181,10 @@ impl FileSystem {
     pub async fn open(pool: &Arc<Pool>, dataset: u32, recordsize: u32, quota: u64) -> Result<Arc<Self>, PoolError> {
         let engine = pool.open_volume(dataset, ENGINE_BYTES, recordsize)?;
         let namespace = pool.namespace(dataset);
-        let mut verifier = [0u8; 8];
         let now = Time::now();
-        verifier[..4].copy_from_slice(&(now.seconds as u32).to_le_bytes());
-        verifier[4..].copy_from_slice(&(now.nanos ^ std::process::id()).to_le_bytes());
-        let fs = Arc::new(FileSystem {
-            dataset,
-            pool: pool.clone(),
-            engine,
-            namespace,
-            verifier,
-            quota: AtomicU64::new(quota),
-            data_locks: (0..DATA_LOCKS).map(|_| tokio::sync::RwLock::new(())).collect(),
-            unlogged: Mutex::new(HashSet::new()),
-        });
+        let fs = Arc::new(FileSystem::new(
+            pool, dataset, None, recordsize, engine, namespace, quota,
+        ));
         let missing_root = !fs.namespace.lock_or_abort().has_root();
         if missing_root {
             let gate = pool.enter_write(dataset).await;
@@ -198,9 +218,285 @@ impl FileSystem {
         Ok(fs)
     }
 
-    /// The dataset id (in file handles).
+    fn new(
+        pool: &Arc<Pool>,
+        dataset: u32,
+        snapshot_of: Option<u32>,
+        recordsize: u32,
+        engine: Arc<EngineVolume>,
+        namespace: SharedNamespace,
+        quota: u64,
+    ) -> FileSystem {
+        let mut verifier = [0u8; 8];
+        let now = Time::now();
+        verifier[..4].copy_from_slice(&(now.seconds as u32).to_le_bytes());
+        verifier[4..].copy_from_slice(&(now.nanos ^ std::process::id()).to_le_bytes());
+        FileSystem {
+            dataset,
+            snapshot_of,
+            fsid: snapshot_of.unwrap_or(dataset) as u64,
+            fileid_base: if snapshot_of.is_some() {
+                (dataset as u64) << 32
+            } else {
+                0
+            },
+            recordsize,
+            pool: pool.clone(),
+            engine,
+            namespace,
+            verifier,
+            quota: AtomicU64::new(quota),
+            data_locks: (0..DATA_LOCKS).map(|_| tokio::sync::RwLock::new(())).collect(),
+            unlogged: Mutex::new(HashSet::new()),
+            quiesce: tokio::sync::RwLock::new(false),
+            snapshots: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// The dataset id (in file handles; a snapshot's id for a snapshot).
     pub fn dataset(&self) -> u32 {
         self.dataset
+    }
+
+    /// A snapshot's dataset (`None` for a live dataset).
+    pub fn snapshot_of(&self) -> Option<u32> {
+        self.snapshot_of
+    }
+
+    /// Enters a call that reads or changes data or logs namespace changes
+    /// (never while holding another entry: the lock is fair, a waiting
+    /// snapshot would stop the second).
+    async fn enter(&self) -> FsResult<tokio::sync::RwLockReadGuard<'_, bool>> {
+        let guard = self.quiesce.read().await;
+        if *guard {
+            return Err(FsError::Stale);
+        }
+        Ok(guard)
+    }
+
+    /// Enters a call that changes something: refused in a snapshot.
+    async fn enter_change(&self) -> FsResult<tokio::sync::RwLockReadGuard<'_, bool>> {
+        if self.snapshot_of.is_some() {
+            return Err(FsError::ReadOnly);
+        }
+        self.enter().await
+    }
+
+    /// Waits for the calls under way, then refuses every later one with
+    /// NFS3ERR_STALE (the dataset or snapshot is being destroyed).
+    pub async fn retire(&self) {
+        *self.quiesce.write().await = true;
+    }
+
+    /// Takes snapshot `name` of the dataset: every write acknowledged
+    /// before it and every namespace change are in it, nothing after.
+    /// Calls wait meanwhile: the files' sizes and times still only in
+    /// memory are logged, the data cached in RAM is made durable, then the
+    /// pool's snapshot record (which copies the namespace) is committed.
+    pub async fn snapshot(&self, name: &str) -> Result<SnapshotInfo, FsError> {
+        if self.snapshot_of.is_some() {
+            return Err(FsError::ReadOnly);
+        }
+        check_name(name.as_bytes())?;
+        if name.as_bytes() == SNAPSHOT_DIR {
+            return Err(FsError::Inval);
+        }
+        let quiet = self.quiesce.write().await;
+        if *quiet {
+            return Err(FsError::Stale);
+        }
+        let unlogged: Vec<u64> = self.unlogged.lock_or_abort().drain().collect();
+        for ino in unlogged {
+            let gate = self.pool.enter_write(self.dataset).await;
+            let mut ns = self.namespace.lock_or_abort();
+            if let Some(row) = ns.inodes.get(&ino).filter(|r| r.nlink > 0).cloned() {
+                self.pool.log_namespace(&mut ns, vec![NsOp::Inode { ino, row }]);
+            }
+            drop(gate);
+        }
+        self.engine.flush().await.map_err(block_error)?;
+        let taken = self
+            .pool
+            .create_snapshots(&[SnapshotRequest {
+                volume: &self.engine,
+                name: name.to_string(),
+            }])
+            .await
+            .map_err(|e| match e {
+                PoolError::Invalid(message) => FsError::Io(message),
+                other => pool_error(other),
+            })?;
+        drop(quiet);
+        Ok(taken.into_iter().next().expect("one snapshot per request"))
+    }
+
+    pub fn recordsize(&self) -> u32 {
+        self.recordsize
+    }
+
+    /// The space of this dataset's snapshots, in records: (snapshot id,
+    /// what destroying it would free, what it maps that the one before
+    /// does not).
+    pub fn snapshot_space(&self) -> Vec<(u32, u64, u64)> {
+        self.pool.snapshot_space(self.dataset).unwrap_or_default()
+    }
+
+    /// This dataset's snapshots, oldest first.
+    pub fn snapshot_list(&self) -> Vec<SnapshotInfo> {
+        self.pool.snapshots_of(self.dataset)
+    }
+
+    /// Destroys snapshot `name` of the dataset: calls in its files finish
+    /// first, later ones get NFS3ERR_STALE.
+    pub async fn destroy_snapshot(&self, name: &str) -> Result<(), FsError> {
+        let info = self.pool.snapshot_named(self.dataset, name).ok_or(FsError::NoEnt)?;
+        let open = self.snapshots.lock_or_abort().insert(info.id, SnapshotView::Destroying);
+        if let Some(SnapshotView::Open(view)) = open {
+            view.retire().await;
+        }
+        let result = self.pool.destroy_snapshot(info.id).await.map_err(pool_error);
+        self.snapshots.lock_or_abort().remove(&info.id);
+        result
+    }
+
+    /// The read-only file system of snapshot `id` of this dataset (opened
+    /// on first use); `None` if the dataset has no such snapshot.
+    pub fn snapshot_fs(&self, id: u32) -> Option<Arc<FileSystem>> {
+        if self.snapshot_of.is_some() || !crate::pool::snapshots::is_snapshot_id(id) {
+            return None;
+        }
+        let mut views = self.snapshots.lock_or_abort();
+        match views.get(&id) {
+            Some(SnapshotView::Open(fs)) => return Some(fs.clone()),
+            Some(SnapshotView::Destroying) => return None,
+            None => {}
+        }
+        let info = self.pool.snapshot(id).filter(|info| info.volume == self.dataset)?;
+        let namespace = self.pool.existing_namespace(info.id)?;
+        let engine = self.pool.open_snapshot(info.id, self.recordsize).ok()?;
+        let fs = Arc::new(FileSystem::new(
+            &self.pool,
+            info.id,
+            Some(self.dataset),
+            self.recordsize,
+            engine,
+            namespace,
+            0,
+        ));
+        views.insert(id, SnapshotView::Open(fs.clone()));
+        Some(fs)
+    }
+
+    /// The `.snapshot` directory's attributes: read-only, its times
+    /// changed by every snapshot taken or destroyed (so clients' caches of
+    /// its listing go stale).
+    fn snapshot_dir_attr(&self, snapshots: &[SnapshotInfo]) -> Attr {
+        let newest = snapshots.iter().map(|s| s.created_unix).max().unwrap_or(0);
+        let time = Time {
+            seconds: newest,
+            nanos: snapshots.len() as u32,
+        };
+        Attr {
+            kind: FileType::Directory,
+            mode: 0o555,
+            nlink: 2,
+            uid: 0,
+            gid: 0,
+            size: 4096,
+            used: 4096,
+            rdev: (0, 0),
+            fsid: self.fsid,
+            fileid: SNAPSHOT_DIR_INO,
+            atime: time,
+            mtime: time,
+            ctime: time,
+        }
+    }
+
+    fn snapshot_dir_handle(&self) -> Handle {
+        Handle {
+            dataset: self.snapshot_of.unwrap_or(self.dataset),
+            ino: SNAPSHOT_DIR_INO,
+            generation: 0,
+        }
+    }
+
+    /// Whether `handle` names this dataset's `.snapshot` directory.
+    fn is_snapshot_dir(&self, handle: &Handle) -> bool {
+        self.snapshot_of.is_none() && handle.dataset == self.dataset && handle.ino == SNAPSHOT_DIR_INO
+    }
+
+    /// A snapshot's root directory, as its dataset's `.snapshot` lists it.
+    fn snapshot_root(&self, info: &SnapshotInfo) -> Option<(Handle, Attr)> {
+        let fs = self.snapshot_fs(info.id)?;
+        let root = fs.root();
+        let attr = fs.getattr(&root).ok()?;
+        Some((root, attr))
+    }
+
+    /// LOOKUP in `.snapshot`.
+    fn snapshot_dir_lookup(&self, name: &[u8]) -> FsResult<(Handle, Attr)> {
+        let snapshots = self.snapshot_list();
+        match name {
+            b"." => Ok((self.snapshot_dir_handle(), self.snapshot_dir_attr(&snapshots))),
+            b".." => {
+                let root = self.root();
+                let attr = self.getattr(&root)?;
+                Ok((root, attr))
+            }
+            _ => {
+                let name = std::str::from_utf8(name).map_err(|_| FsError::NoEnt)?;
+                let info = snapshots.iter().find(|s| s.name == name).ok_or(FsError::NoEnt)?;
+                self.snapshot_root(info).ok_or(FsError::NoEnt)
+            }
+        }
+    }
+
+    /// READDIR of `.snapshot`: `.`, `..`, then the snapshots oldest first
+    /// (cookie: 3 + the snapshot's number, so a listing resumes right).
+    fn snapshot_dir_readdir(&self, cookie: u64, max: usize) -> FsResult<(Vec<DirEntry>, bool)> {
+        let snapshots = self.snapshot_list();
+        let mut out = Vec::new();
+        if cookie == 0 {
+            let attr = self.snapshot_dir_attr(&snapshots);
+            out.push(DirEntry {
+                cookie: 1,
+                name: b".".to_vec(),
+                fileid: attr.fileid,
+                handle: self.snapshot_dir_handle(),
+                attr,
+            });
+        }
+        if cookie <= 1 {
+            let root = self.root();
+            let attr = self.getattr(&root)?;
+            out.push(DirEntry {
+                cookie: 2,
+                name: b"..".to_vec(),
+                fileid: attr.fileid,
+                handle: root,
+                attr,
+            });
+        }
+        for info in &snapshots {
+            let at = 3 + (info.id & !crate::pool::snapshots::SNAPSHOT_ID_BASE) as u64;
+            if at <= cookie {
+                continue;
+            }
+            if out.len() >= max {
+                return Ok((out, false));
+            }
+            if let Some((handle, attr)) = self.snapshot_root(info) {
+                out.push(DirEntry {
+                    cookie: at,
+                    name: info.name.as_bytes().to_vec(),
+                    fileid: attr.fileid,
+                    handle,
+                    attr,
+                });
+            }
+        }
+        Ok((out, true))
     }
 
     /// The root directory's handle.
@@ -229,6 +525,10 @@ impl FileSystem {
 
     /// The live inode a handle names.
     fn row<'a>(&self, ns: &'a Namespace, handle: &Handle) -> FsResult<&'a InodeRow> {
+        if self.is_snapshot_dir(handle) {
+            // Nothing in `.snapshot` changes but by the admin's commands.
+            return Err(FsError::ReadOnly);
+        }
         if handle.dataset != self.dataset {
             return Err(FsError::Stale);
         }
@@ -265,8 +565,8 @@ impl FileSystem {
             },
             used,
             rdev: row.rdev,
-            fsid: self.dataset as u64,
-            fileid: ino,
+            fsid: self.fsid,
+            fileid: self.fileid_base | ino,
             atime: row.atime,
             mtime: row.mtime,
             ctime: row.ctime,
@@ -285,6 +585,15 @@ impl FileSystem {
     /// (applied and logged as one record) and its result; the record is
     /// durable before this returns.
     async fn change<T>(&self, change: impl FnOnce(&mut Namespace, Time) -> FsResult<(Vec<NsOp>, T)>) -> FsResult<T> {
+        let _entered = self.enter_change().await?;
+        self.change_entered(change).await
+    }
+
+    /// [`FileSystem::change`] in a call that entered already.
+    async fn change_entered<T>(
+        &self,
+        change: impl FnOnce(&mut Namespace, Time) -> FsResult<(Vec<NsOp>, T)>,
+    ) -> FsResult<T> {
         let gate = self.pool.enter_write(self.dataset).await;
         let value = {
             let mut ns = self.namespace.lock_or_abort();
@@ -300,6 +609,9 @@ impl FileSystem {
     }
 
     pub fn getattr(&self, handle: &Handle) -> FsResult<Attr> {
+        if self.is_snapshot_dir(handle) {
+            return Ok(self.snapshot_dir_attr(&self.snapshot_list()));
+        }
         let ns = self.namespace.lock_or_abort();
         let row = self.row(&ns, handle)?;
         Ok(self.attr(handle.ino, row))
@@ -314,6 +626,7 @@ impl FileSystem {
             }
             _ => Ok(()),
         };
+        let _entered = self.enter_change().await?;
         let _data = match set.size {
             Some(_) => Some(self.data_lock(handle.ino).write().await),
             None => None,
@@ -333,7 +646,7 @@ impl FileSystem {
             }
         }
         let attr = self
-            .change(|ns, now| {
+            .change_entered(|ns, now| {
                 let row = self.row(ns, handle)?.clone();
                 guarded(&row)?;
                 self.check_setattr(&row, cred, &set)?;
@@ -436,6 +749,9 @@ impl FileSystem {
     }
 
     pub fn lookup(&self, dir: &Handle, name: &[u8], cred: &Cred) -> FsResult<(Handle, Attr)> {
+        if self.is_snapshot_dir(dir) {
+            return self.snapshot_dir_lookup(name);
+        }
         let ns = self.namespace.lock_or_abort();
         let dir_row = self.dir_row(&ns, dir)?;
         if !permits(dir_row, cred, 1) {
@@ -443,6 +759,17 @@ impl FileSystem {
         }
         let ino = match name {
             b"." => dir.ino,
+            b".." if dir.ino == ROOT_INO && self.snapshot_of.is_some() => {
+                // A snapshot's root is in its dataset's `.snapshot`.
+                drop(ns);
+                let parent = self.snapshot_of.unwrap_or(self.dataset);
+                let attr = self.snapshot_dir_attr(&self.pool.snapshots_of(parent));
+                return Ok((self.snapshot_dir_handle(), attr));
+            }
+            SNAPSHOT_DIR if dir.ino == ROOT_INO && self.snapshot_of.is_none() => {
+                drop(ns);
+                return self.snapshot_dir_lookup(b".");
+            }
             b".." => dir_row.parent,
             _ => {
                 if name.len() > MAX_NAME {
@@ -459,6 +786,9 @@ impl FileSystem {
 
     /// The subset of `mask` (ACCESS3 bits) `cred` is granted.
     pub fn access(&self, handle: &Handle, cred: &Cred, mask: u32) -> FsResult<u32> {
+        if self.is_snapshot_dir(handle) {
+            return Ok((access::READ | access::LOOKUP) & mask);
+        }
         let ns = self.namespace.lock_or_abort();
         let row = self.row(&ns, handle)?;
         let dir = row.kind == FileType::Directory;
@@ -489,6 +819,9 @@ impl FileSystem {
 
     /// The regular file a data request is for, checked.
     fn data_row(&self, handle: &Handle, cred: &Cred, want: u32) -> FsResult<InodeRow> {
+        if self.is_snapshot_dir(handle) {
+            return Err(FsError::IsDir);
+        }
         let ns = self.namespace.lock_or_abort();
         let row = self.row(&ns, handle)?;
         match row.kind {
@@ -507,6 +840,7 @@ impl FileSystem {
     /// Up to `count` bytes at `offset`; `true` when the read reached the
     /// end of the file.
     pub async fn read(&self, handle: &Handle, cred: &Cred, offset: u64, count: u32) -> FsResult<(Vec<u8>, bool)> {
+        let _entered = self.enter().await?;
         let _data = self.data_lock(handle.ino).read().await;
         let row = self.data_row(handle, cred, 4)?;
         if offset >= row.size {
@@ -538,6 +872,7 @@ impl FileSystem {
             return Err(FsError::FBig);
         }
         let aligned = offset.is_multiple_of(ALIGN) && end.is_multiple_of(ALIGN);
+        let _entered = self.enter_change().await?;
         let lock = self.data_lock(handle.ino);
         let (_shared, _exclusive) = if aligned {
             (Some(lock.read().await), None)
@@ -613,6 +948,11 @@ impl FileSystem {
     /// Makes every write to the file durable (COMMIT): its size and times
     /// logged, the dataset's cached writes logged or placed, one commit.
     pub async fn commit(&self, handle: &Handle) -> FsResult<()> {
+        if self.snapshot_of.is_some() {
+            // Nothing in a snapshot is ever unstable.
+            return Ok(());
+        }
+        let _entered = self.enter().await?;
         {
             let ns = self.namespace.lock_or_abort();
             self.row(&ns, handle)?;
@@ -675,6 +1015,9 @@ impl FileSystem {
     /// names now, if any.
     fn check_insert(&self, ns: &Namespace, dir: &Handle, name: &[u8], cred: &Cred) -> FsResult<Option<u64>> {
         check_name(name)?;
+        if dir.ino == ROOT_INO && name == SNAPSHOT_DIR && self.snapshot_of.is_none() {
+            return Err(FsError::Exist);
+        }
         let dir_row = self.dir_row(ns, dir)?;
         if !permits(dir_row, cred, 3) {
             return Err(FsError::Access);
@@ -1042,6 +1385,7 @@ impl FileSystem {
 
     /// Frees a removed file's data, then lets its number be used again.
     async fn reap(&self, ino: u64) -> FsResult<()> {
+        let _entered = self.enter().await?;
         let _data = self.data_lock(ino).write().await;
         let size = match self.namespace.lock_or_abort().inodes.get(&ino) {
             Some(row) if row.nlink == 0 => row.size,
@@ -1058,6 +1402,9 @@ impl FileSystem {
     /// Entries after `cookie` (0: from the start; `.` and `..` are cookies
     /// 1 and 2), at most `max` of them; `true` when the listing is complete.
     pub fn readdir(&self, dir: &Handle, cred: &Cred, cookie: u64, max: usize) -> FsResult<(Vec<DirEntry>, bool)> {
+        if self.is_snapshot_dir(dir) {
+            return self.snapshot_dir_readdir(cookie, max);
+        }
         let ns = self.namespace.lock_or_abort();
         let dir_row = self.dir_row(&ns, dir)?;
         if !permits(dir_row, cred, 4) {
@@ -1069,7 +1416,7 @@ impl FileSystem {
             Some(DirEntry {
                 cookie,
                 name: name.to_vec(),
-                fileid: ino,
+                fileid: self.fileid_base | ino,
                 handle: self.handle(ino, row),
                 attr: self.attr(ino, row),
             })

@@ -263,3 +263,161 @@ fn readdir_resumes_after_a_cookie_whose_entry_was_removed() {
         assert_eq!(rest[0].name, b"f10");
     });
 }
+
+/// What snapshot `s1` of [`a_snapshot_keeps_the_tree_as_it_was`] must hold,
+/// through the dataset's `.snapshot` directory as a client finds it.
+async fn check_snapshot(fs: &FileSystem, a: &Handle) -> Arc<FileSystem> {
+    let root = fs.root();
+    let cred = Cred::root();
+    assert!(
+        !names(fs, &root).contains(&".snapshot".to_string()),
+        "hidden from listings"
+    );
+    let (dir, dir_attr) = fs.lookup(&root, SNAPSHOT_DIR, &cred).unwrap();
+    assert_eq!(
+        (dir_attr.kind, dir_attr.mode, dir_attr.fileid),
+        (FileType::Directory, 0o555, SNAPSHOT_DIR_INO)
+    );
+    assert_eq!(fs.getattr(&dir).unwrap(), dir_attr);
+    assert_eq!(names(fs, &dir), [".", "..", "s1"]);
+    assert_eq!(fs.lookup(&dir, b"..", &cred).unwrap().0, root);
+    assert_eq!(fs.lookup(&dir, b"nope", &cred), Err(FsError::NoEnt));
+    assert_eq!(
+        fs.mkdir(&dir, b"x", &cred, SetAttrs::default()).await,
+        Err(FsError::ReadOnly)
+    );
+    let (snap_root, attr) = fs.lookup(&dir, b"s1", &cred).unwrap();
+    assert_ne!(snap_root.dataset, fs.dataset());
+    assert_eq!(
+        attr.fsid,
+        fs.getattr(&root).unwrap().fsid,
+        "one file system for clients"
+    );
+    assert_ne!(attr.fileid, fs.getattr(&root).unwrap().fileid, "file ids never collide");
+    let snap = fs.snapshot_fs(snap_root.dataset).expect("the snapshot opens");
+    assert_eq!(snap.root(), snap_root);
+    assert_eq!(names(&snap, &snap_root), [".", "..", "a", "d", "l", "u"]);
+    assert_eq!(
+        snap.lookup(&snap_root, b"..", &cred).unwrap().0,
+        dir,
+        "up into .snapshot"
+    );
+    let (sa, attr) = snap.lookup(&snap_root, b"a", &cred).unwrap();
+    assert_eq!((sa.ino, attr.size, attr.nlink), (a.ino, 10_000, 2));
+    let (data, eof) = snap.read(&sa, &cred, 0, 20_000).await.unwrap();
+    assert!(eof);
+    assert_eq!(data, (0..10_000u32).map(|i| (i % 251) as u8).collect::<Vec<_>>());
+    let (su, attr) = snap.lookup(&snap_root, b"u", &cred).unwrap();
+    assert_eq!(attr.size, 6_000, "an UNSTABLE write acknowledged before is in it");
+    assert_eq!(snap.read(&su, &cred, 0, 8_000).await.unwrap().0, vec![5u8; 6_000]);
+    let (sd, _) = snap.lookup(&snap_root, b"d", &cred).unwrap();
+    assert_eq!(snap.lookup(&sd, b"b", &cred).unwrap().0, sa);
+    // Nothing in it changes.
+    assert_eq!(
+        snap.write(&sa, &cred, 0, &[1; 512], Stable::FileSync).await,
+        Err(FsError::ReadOnly)
+    );
+    assert_eq!(snap.remove(&snap_root, b"a", &cred).await, Err(FsError::ReadOnly));
+    assert_eq!(
+        snap.setattr(&sa, &cred, attrs(0o600), None).await,
+        Err(FsError::ReadOnly)
+    );
+    // A live handle is not the snapshot's, nor the other way round.
+    assert_eq!(snap.getattr(a), Err(FsError::Stale));
+    assert_eq!(fs.getattr(&sa), Err(FsError::Stale));
+    snap
+}
+
+/// The live dataset after [`a_snapshot_keeps_the_tree_as_it_was`]'s changes.
+async fn check_live(fs: &FileSystem) {
+    let root = fs.root();
+    let cred = Cred::root();
+    assert_eq!(names(fs, &root), [".", "..", "d", "u", "l2", "new"]);
+    let (u, attr) = fs.lookup(&root, b"u", &cred).unwrap();
+    assert_eq!(attr.size, 10);
+    assert_eq!(fs.read(&u, &cred, 0, 100).await.unwrap().0, vec![5u8; 10]);
+    let (d, _) = fs.lookup(&root, b"d", &cred).unwrap();
+    assert_eq!(names(fs, &d), [".", ".."]);
+}
+
+#[test]
+fn a_snapshot_keeps_the_tree_as_it_was() {
+    block_on(async {
+        let sim = SimDevice::new(160 << 20, 5);
+        let pool = new_pool(&sim).await;
+        let fs = FileSystem::open(&pool, DATASET, 16 << 10, 0).await.unwrap();
+        let cred = Cred::root();
+        let root = fs.root();
+        let (a, d) = build(&fs).await;
+        let (u, _) = fs
+            .create(&root, b"u", &cred, CreateHow::Guarded(attrs(0o644)))
+            .await
+            .unwrap();
+        fs.write(&u, &cred, 0, &[5u8; 6_000], Stable::Unstable).await.unwrap();
+        assert_eq!(
+            fs.create(&root, SNAPSHOT_DIR, &cred, CreateHow::Guarded(attrs(0o644)))
+                .await,
+            Err(FsError::Exist),
+            "the name is taken"
+        );
+        fs.snapshot("s1").await.unwrap();
+        assert!(fs.snapshot("s1").await.is_err(), "names are unique");
+        assert_eq!(fs.snapshot_list().len(), 1);
+
+        // Everything changes after it.
+        fs.write(&a, &cred, 0, &[0xee; 4096], Stable::FileSync).await.unwrap();
+        fs.remove(&d, b"b", &cred).await.unwrap();
+        fs.remove(&root, b"a", &cred).await.unwrap();
+        fs.rename(&root, b"l", &root, b"l2", &cred).await.unwrap();
+        let truncate = SetAttrs {
+            size: Some(10),
+            ..SetAttrs::default()
+        };
+        fs.setattr(&u, &cred, truncate, None).await.unwrap();
+        fs.mkdir(&root, b"new", &cred, attrs(0o755)).await.unwrap();
+        check_live(&fs).await;
+        check_snapshot(&fs, &a).await;
+
+        // Power loss: the log replays the snapshot at its place among the
+        // namespace's changes.
+        drop(fs);
+        drop(pool);
+        sim.crash();
+        let pool = Pool::open(vec![sim.as_device()]).await.unwrap();
+        let fs = FileSystem::open(&pool, DATASET, 16 << 10, 0).await.unwrap();
+        check_live(&fs).await;
+        check_snapshot(&fs, &a).await;
+
+        // From the metadata store's rows.
+        pool.checkpoint().await.unwrap();
+        drop(fs);
+        drop(pool);
+        sim.crash();
+        let pool = Pool::open(vec![sim.as_device()]).await.unwrap();
+        let fs = FileSystem::open(&pool, DATASET, 16 << 10, 0).await.unwrap();
+        check_live(&fs).await;
+        let snap = check_snapshot(&fs, &a).await;
+        let snap_root = snap.root();
+
+        // Destroyed: its handles are stale, its rows go.
+        fs.destroy_snapshot("s1").await.unwrap();
+        assert_eq!(
+            snap.read(&snap_root, &cred, 0, 1).await,
+            Err(FsError::Stale),
+            "calls after the destroy are refused"
+        );
+        assert!(fs.snapshot_fs(snap_root.dataset).is_none());
+        let (dir, _) = fs.lookup(&root, SNAPSHOT_DIR, &cred).unwrap();
+        assert_eq!(names(&fs, &dir), [".", ".."]);
+        assert_eq!(fs.destroy_snapshot("s1").await, Err(FsError::NoEnt));
+        pool.checkpoint().await.unwrap();
+        drop((snap, fs));
+        drop(pool);
+        sim.crash();
+        let pool = Pool::open(vec![sim.as_device()]).await.unwrap();
+        assert!(pool.existing_namespace(snap_root.dataset).is_none());
+        let fs = FileSystem::open(&pool, DATASET, 16 << 10, 0).await.unwrap();
+        check_live(&fs).await;
+        assert!(fs.snapshot_fs(snap_root.dataset).is_none());
+    });
+}

@@ -7,7 +7,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use super::fsrows::{FileType, InodeRow, NsOp, MAX_INODES, ROOT_INO};
 
 /// A directory's entries: by name for LOOKUP, by cookie for READDIR.
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone)]
 pub struct Dir {
     pub names: HashMap<Box<[u8]>, u64>,
     pub entries: BTreeMap<u64, (Box<[u8]>, u64)>,
@@ -247,6 +247,32 @@ impl Namespace {
             }
         }
         self.dirty_entries.extend(changes.entries.iter().map(|(key, _)| *key));
+    }
+
+    /// A copy of this namespace for snapshot `snapshot` of the dataset,
+    /// every row marked changed (the next checkpoint stores them under the
+    /// snapshot's id); `None` when there is nothing to copy (no root: not a
+    /// file dataset).
+    pub fn copy_as(&self, snapshot: u32) -> Option<Namespace> {
+        if !self.has_root() {
+            return None;
+        }
+        let dirty_entries = self
+            .dirs
+            .iter()
+            .flat_map(|(dir, entries)| entries.entries.keys().map(move |cookie| (*dir, *cookie)))
+            .collect();
+        Some(Namespace {
+            dataset: snapshot,
+            inodes: self.inodes.clone(),
+            dirs: self.dirs.clone(),
+            free: self.free.clone(),
+            next_ino: self.next_ino,
+            next_generation: self.next_generation,
+            dirty_inodes: self.inodes.keys().copied().collect(),
+            dirty_entries,
+            dirty_state: true,
+        })
     }
 
     /// Removed inodes whose data is not freed yet (after a restart).

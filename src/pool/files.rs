@@ -56,10 +56,40 @@ impl Pool {
         }
     }
 
-    /// A destroyed dataset's namespace goes with it (its rows are deleted
-    /// by the next checkpoint).
+    /// A destroyed dataset's (or dataset snapshot's) namespace goes with it
+    /// (its rows are deleted by the next checkpoint).
     pub(super) fn forget_namespace(&self, dataset: u32) {
         self.namespaces.lock_or_abort().remove(&dataset);
+    }
+
+    /// A snapshot of a file dataset gets a copy of the dataset's namespace
+    /// as it is at the snapshot's record: called where the record is
+    /// appended (under the gate) and where it is replayed, so both see the
+    /// namespace at the same place in the log. Nothing for a volume.
+    pub(super) fn copy_namespace(&self, dataset: u32, snapshot: u32) {
+        let source = {
+            let namespaces = self.namespaces.lock_or_abort();
+            if namespaces.contains_key(&snapshot) {
+                return;
+            }
+            match namespaces.get(&dataset) {
+                Some(source) => source.clone(),
+                None => return,
+            }
+        };
+        let copy = source.lock_or_abort().copy_as(snapshot);
+        if let Some(copy) = copy {
+            self.namespaces
+                .lock_or_abort()
+                .entry(snapshot)
+                .or_insert_with(|| Arc::new(Mutex::new(copy)));
+        }
+    }
+
+    /// The namespace of dataset or snapshot `id`, if it has one (never
+    /// makes an empty one).
+    pub fn existing_namespace(&self, id: u32) -> Option<SharedNamespace> {
+        self.namespaces.lock_or_abort().get(&id).cloned()
     }
 
     /// Every namespace's changes since the last checkpoint (under the gate).

@@ -712,6 +712,12 @@ impl Pool {
             for volume in &volumes {
                 self.cache.volume(volume.id()).lock().set_floor(cache_seq);
             }
+            // A file dataset's namespace is copied at the record, still
+            // under the gate (its changes are logged under it too).
+            drop(snapshots);
+            for info in &taken {
+                self.copy_namespace(info.volume, info.id);
+            }
             (taken, gated)
         };
         // Writes go on as soon as the record is appended: whatever they log
@@ -1151,6 +1157,7 @@ impl Pool {
         self.has_snapshots
             .store(!self.snapshots_read().is_empty(), Ordering::Release);
         self.map_pages.forget_owner(snapshot);
+        self.forget_namespace(snapshot);
         self.destroyed.lock_or_abort().insert(snapshot);
         Ok(freed)
     }
@@ -1906,6 +1913,7 @@ impl Pool {
             if snapshots.by_id.contains_key(&entry.snapshot) {
                 continue;
             }
+            self.copy_namespace(entry.volume, entry.snapshot);
             snapshots.insert(SnapshotInfo {
                 id: entry.snapshot,
                 volume: entry.volume,

@@ -8,7 +8,8 @@ use serde::{Deserialize, Serialize};
 
 use super::{internal, now_unix, split_volume_name, AdminError, VolumeManager};
 use crate::control::catalog::{Catalog, DatasetRecord};
-use crate::fs::{ClientNet, Export, ExportOptions, Exports, FileSystem, Squash};
+use crate::fs::{ClientNet, Export, ExportOptions, Exports, FileSystem, FsError, Squash};
+use crate::pool::snapshots::SnapshotInfo;
 use crate::pool::Pool;
 
 /// Dataset properties: name, default, what it means.
@@ -58,6 +59,25 @@ pub struct DatasetInfo {
     pub used_bytes: u64,
     /// Every property's value (set or default).
     pub properties: BTreeMap<String, String>,
+}
+
+/// What `fs snapshots` shows of a dataset's snapshot.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct DatasetSnapshotInfo {
+    /// `POOL/NAME@SNAPSHOT`.
+    pub name: String,
+    /// `POOL/NAME`.
+    pub dataset: String,
+    pub snapshot: String,
+    /// Where NFS clients find it: `/POOL/NAME/.snapshot/SNAPSHOT`.
+    pub path: String,
+    pub created_unix: u64,
+    /// Files and directories in it.
+    pub files: u64,
+    /// Pool bytes of data it maps.
+    pub referenced_bytes: u64,
+    /// What destroying it would free.
+    pub used_bytes: u64,
 }
 
 /// An open dataset.
@@ -157,6 +177,16 @@ pub fn export_options(props: &BTreeMap<String, String>) -> ExportOptions {
         anon_gid: value(props, "nfs.anongid").parse().unwrap_or(defaults.anon_gid),
         insecure: value(props, "nfs.insecure") == "on",
     }
+}
+
+/// Splits `POOL/NAME@SNAPSHOT` into the dataset and the snapshot name.
+fn split_dataset_snapshot(text: &str) -> Result<(&str, &str), AdminError> {
+    let (dataset, snapshot) = text
+        .split_once('@')
+        .filter(|(d, s)| !d.is_empty() && !s.is_empty())
+        .ok_or_else(|| AdminError::Invalid(format!("invalid snapshot name '{text}': expected POOL/NAME@SNAPSHOT")))?;
+    split_volume_name(dataset)?;
+    Ok((dataset, snapshot))
 }
 
 /// Opens a dataset of an open pool.
@@ -301,10 +331,107 @@ impl VolumeManager {
         self.dataset_info(&catalog, name)
     }
 
-    /// Destroys a dataset: its files, directories and data. Clients that
-    /// still use it get NFS3ERR_STALE.
+    /// The open dataset `POOL/NAME`.
+    fn open_fs(&self, name: &str) -> Result<Arc<FileSystem>, AdminError> {
+        self.datasets
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(name)
+            .map(|d| d.fs.clone())
+            .ok_or_else(|| AdminError::NotFound(format!("dataset '{name}' does not exist")))
+    }
+
+    fn dataset_snapshot_info(dataset: &str, fs: &FileSystem, info: &SnapshotInfo) -> DatasetSnapshotInfo {
+        let recordsize = fs.recordsize() as u64;
+        let used = fs
+            .snapshot_space()
+            .into_iter()
+            .find(|(id, _, _)| *id == info.id)
+            .map_or(0, |(_, used, _)| used);
+        DatasetSnapshotInfo {
+            name: format!("{dataset}@{}", info.name),
+            dataset: dataset.to_string(),
+            snapshot: info.name.clone(),
+            path: format!("/{dataset}/.snapshot/{}", info.name),
+            created_unix: info.created_unix,
+            files: fs.snapshot_fs(info.id).map_or(0, |s| s.usage().0),
+            referenced_bytes: info.mapped_blocks * recordsize,
+            used_bytes: used * recordsize,
+        }
+    }
+
+    /// Takes snapshot `POOL/NAME@SNAPSHOT` of a dataset: every write
+    /// acknowledged before it is in it; NFS calls to the dataset wait
+    /// while it is taken.
+    pub fn fs_snapshot(&self, name: &str) -> Result<DatasetSnapshotInfo, AdminError> {
+        let (dataset, snapshot) = split_dataset_snapshot(name)?;
+        let fs = self.open_fs(dataset)?;
+        let info = self.runtime.block_on(fs.snapshot(snapshot)).map_err(|e| match e {
+            FsError::Io(message) if message.contains("exists") => AdminError::AlreadyExists(message),
+            FsError::Io(message) => AdminError::Invalid(message),
+            FsError::Inval | FsError::NameTooLong => AdminError::Invalid(format!("invalid snapshot name '{snapshot}'")),
+            other => AdminError::Internal(format!("snapshot of {dataset}: {other:?}")),
+        })?;
+        tracing::info!("snapshot {name} taken");
+        Ok(Self::dataset_snapshot_info(dataset, &fs, &info))
+    }
+
+    /// The snapshots of dataset `POOL/NAME`, or of every dataset.
+    pub fn fs_snapshots(&self, dataset: Option<&str>) -> Result<Vec<DatasetSnapshotInfo>, AdminError> {
+        let open: Vec<(String, Arc<FileSystem>)> = match dataset {
+            Some(name) => vec![(name.to_string(), self.open_fs(name)?)],
+            None => {
+                let datasets = self.datasets.read().unwrap_or_else(|e| e.into_inner());
+                let mut all: Vec<(String, Arc<FileSystem>)> =
+                    datasets.iter().map(|(name, d)| (name.clone(), d.fs.clone())).collect();
+                all.sort_by(|a, b| a.0.cmp(&b.0));
+                all
+            }
+        };
+        Ok(open
+            .iter()
+            .flat_map(|(name, fs)| {
+                fs.snapshot_list()
+                    .into_iter()
+                    .map(|info| Self::dataset_snapshot_info(name, fs, &info))
+                    .collect::<Vec<_>>()
+            })
+            .collect())
+    }
+
+    /// Destroys snapshot `POOL/NAME@SNAPSHOT`: calls in its files finish
+    /// first; clients still using it get NFS3ERR_STALE.
+    pub fn fs_snapshot_destroy(&self, name: &str) -> Result<(), AdminError> {
+        let (dataset, snapshot) = split_dataset_snapshot(name)?;
+        let fs = self.open_fs(dataset)?;
+        self.runtime
+            .block_on(fs.destroy_snapshot(snapshot))
+            .map_err(|e| match e {
+                FsError::NoEnt => AdminError::NotFound(format!("snapshot '{name}' does not exist")),
+                other => AdminError::Internal(format!("destroying {name}: {other:?}")),
+            })?;
+        tracing::info!("snapshot {name} destroyed");
+        Ok(())
+    }
+
+    /// Destroys a dataset: its files, directories and data (refused while
+    /// it has snapshots). Calls under way finish first; clients that still
+    /// use it get NFS3ERR_STALE. `POOL/NAME@SNAPSHOT` destroys a snapshot.
     pub fn fs_destroy(&self, name: &str) -> Result<(), AdminError> {
+        if name.contains('@') {
+            return self.fs_snapshot_destroy(name);
+        }
         let (pool, short) = split_volume_name(name)?;
+        if let Ok(fs) = self.open_fs(name) {
+            let snapshots = fs.snapshot_list();
+            if !snapshots.is_empty() {
+                return Err(AdminError::Busy(format!(
+                    "dataset '{name}' has {} snapshot(s): destroy them first (strata fs destroy {name}@{})",
+                    snapshots.len(),
+                    snapshots[0].name
+                )));
+            }
+        }
         let mut catalog = self.catalog();
         let mut updated = catalog.clone();
         let record = updated
@@ -316,7 +443,11 @@ impl VolumeManager {
             .save(&self.data_dir)
             .map_err(|e| internal("cannot save catalog", e))?;
         catalog.set(updated);
-        self.datasets.write().unwrap_or_else(|e| e.into_inner()).remove(name);
+        let open = self.datasets.write().unwrap_or_else(|e| e.into_inner()).remove(name);
+        if let Some(open) = open {
+            // Calls under way finish before the data goes.
+            self.runtime.block_on(open.fs.retire());
+        }
         if let Some(pool_handle) = self.pool(pool) {
             if let Err(e) = self.runtime.block_on(pool_handle.destroy_volume(record.id)) {
                 tracing::error!("dataset {name} destroyed but freeing its data failed: {e}");
@@ -340,6 +471,20 @@ impl Exports for VolumeManager {
 
     fn by_dataset(&self, dataset: u32) -> Option<Export> {
         let datasets = self.datasets.read().unwrap_or_else(|e| e.into_inner());
+        if crate::pool::snapshots::is_snapshot_id(dataset) {
+            // A snapshot: read-only whatever its dataset's options say.
+            return datasets.iter().find_map(|(name, open)| {
+                let fs = open.fs.snapshot_fs(dataset)?;
+                Some(Export {
+                    path: format!("/{name}/.snapshot"),
+                    fs,
+                    options: ExportOptions {
+                        read_only: true,
+                        ..open.options.clone()
+                    },
+                })
+            });
+        }
         datasets
             .iter()
             .find(|(_, d)| d.id == dataset)

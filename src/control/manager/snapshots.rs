@@ -230,7 +230,15 @@ impl VolumeManager {
             let Some(pool) = self.pool(pool_name) else { continue };
             let infos = match wanted {
                 Some((_, id)) => pool.snapshots_of(id),
-                None => pool.snapshots(),
+                // Volumes' snapshots only (datasets' are `fs snapshots`).
+                None => {
+                    let volumes: std::collections::HashSet<u32> =
+                        catalog.pools[pool_name].volumes.values().map(|r| r.id).collect();
+                    pool.snapshots()
+                        .into_iter()
+                        .filter(|s| volumes.contains(&s.volume))
+                        .collect()
+                }
             };
             for info in infos {
                 views.push(self.snapshot_view(&catalog, pool_name, &pool, &info, &mut space));
