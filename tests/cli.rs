@@ -1390,7 +1390,42 @@ fn fs_lifecycle() {
     assert_eq!(status, 404);
     assert_eq!(error_message(&body), "dataset 'default/web' does not exist");
 
-    // Datasets and their properties survive a restart.
+    // Snapshots of a dataset: created, listed (CLI and REST), refused
+    // names, the dataset kept while it has them, destroyed.
+    let json = server.cli(&["fs", "snapshot", "default/docs@one", "--json"]).json();
+    assert_eq!(json["name"], "default/docs@one");
+    assert_eq!(json["path"], "/default/docs/.snapshot/one");
+    assert_eq!(server.cli(&["fs", "snapshot", "default/docs@two"]).ok(), "");
+    let list = server.cli(&["fs", "snapshots", "default/docs"]).ok().to_string();
+    // (CREATED is a date and a time: split by hand.)
+    let lines: Vec<Vec<&str>> = list.lines().map(|l| l.split_whitespace().collect()).collect();
+    assert_eq!(lines[0], ["NAME", "PATH", "FILES", "USED", "REFER", "CREATED"]);
+    assert_eq!(lines[1][..3], ["default/docs@one", "/default/docs/.snapshot/one", "1"]);
+    assert_eq!(lines[2][0], "default/docs@two", "{list}");
+    let all = server.cli(&["fs", "snapshots", "--json"]).json();
+    assert_eq!(all.as_array().map(Vec::len), Some(2), "{all}");
+    server.cli(&["fs", "snapshot", "default/docs@one"]).fails_with("exists");
+    server
+        .cli(&["fs", "snapshot", "default/docs@.hidden"])
+        .fails_with("invalid snapshot name");
+    server
+        .cli(&["fs", "snapshot", "default/nope@one"])
+        .fails_with("dataset 'default/nope' does not exist");
+    server
+        .cli(&["fs", "destroy", "default/docs"])
+        .fails_with("has 2 snapshot(s)");
+    let (status, _, body) = http(&api, "GET", "/v1/filesystems/default/docs/snapshots", None, "");
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(serde_json::from_str::<Value>(&body).unwrap()[1]["snapshot"], "two");
+    let (status, _, body) = http(&api, "DELETE", "/v1/filesystems/default/docs/snapshots/two", None, "");
+    assert_eq!(status, 204, "{body}");
+    let (status, _, body) = http(&api, "DELETE", "/v1/filesystems/default/docs/snapshots/two", None, "");
+    assert_eq!(status, 404, "{body}");
+    // Volumes' snapshot listings leave datasets' out.
+    let volumes = server.cli(&["snapshot", "list", "--json"]).json();
+    assert!(!volumes.to_string().contains("default/docs"), "{volumes}");
+
+    // Datasets, their properties and snapshots survive a restart.
     let (status, _) = server.stop();
     assert!(status.success());
     let server = Server::start(dir.path());
@@ -1398,7 +1433,11 @@ fn fs_lifecycle() {
     assert_eq!(json["properties"]["quota"], "1073741824");
     assert_eq!(json["properties"]["nfs.squash"], "all");
 
+    let list = server.cli(&["fs", "snapshots"]).ok().to_string();
+    assert!(list.lines().any(|l| l.starts_with("default/docs@one ")), "{list}");
+
     // destroy: gone from list and get.
+    assert_eq!(server.cli(&["fs", "destroy", "default/docs@one"]).ok(), "");
     assert_eq!(server.cli(&["fs", "destroy", "default/docs"]).ok(), "");
     let list = server.cli(&["fs", "list"]).ok().to_string();
     assert!(

@@ -170,3 +170,67 @@ fn malformed_rpc_gets_errors_and_the_server_keeps_serving() {
         .unwrap();
     assert!(output.status.success(), "{output:?}");
 }
+
+/// `strata fs snapshot` through the CLI, read back by libnfs under the
+/// export's hidden `.snapshot` directory, read-only, across a kill -9;
+/// `fs destroy` refuses a dataset with snapshots and destroys a snapshot.
+#[test]
+fn snapshots_are_read_only_under_dot_snapshot_and_survive_a_kill() {
+    for tool in ["nfs-cp", "nfs-cat", "nfs-ls"] {
+        require_tool(tool);
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let mut server = start(dir.path());
+    let before = common::pseudo_random(3, 200_003);
+    let after = common::pseudo_random(4, 100_001);
+    let local = dir.path().join("in");
+    std::fs::create_dir(&local).unwrap();
+    std::fs::write(local.join("before"), &before).unwrap();
+    std::fs::write(local.join("after"), &after).unwrap();
+    let copy = |server: &Server, from: &str, to: &str| nfs_cp(local.join(from).to_str().unwrap(), &url(server, to));
+    assert!(copy(&server, "before", "/default/files/f.bin").status.success());
+
+    common::cli_ok(&server, &["fs", "snapshot", "default/files@monday"]);
+    let again = common::cli(&server, &["fs", "snapshot", "default/files@monday"]);
+    assert!(!again.status.success(), "a second snapshot of that name is refused");
+    let listing = common::cli_ok(&server, &["fs", "snapshots", "default/files"]);
+    assert!(
+        listing.contains("default/files@monday") && listing.contains("/default/files/.snapshot/monday"),
+        "{listing}"
+    );
+
+    // The live dataset changes (nfs-cp only creates: GUARDED); the
+    // snapshot does not. (Data overwritten after a snapshot: src/fs/tests.rs.)
+    let output = copy(&server, "after", "/default/files/g.bin");
+    assert!(output.status.success(), "{output:?}");
+    assert_eq!(nfs_cat(&server, "/default/files/g.bin"), after);
+    assert_eq!(nfs_cat(&server, "/default/files/.snapshot/monday/f.bin"), before);
+    let snapshots = nfs_ls(&server, "/default/files/.snapshot");
+    assert!(snapshots.contains("monday"), "{snapshots}");
+    let files = nfs_ls(&server, "/default/files/.snapshot/monday");
+    assert!(files.contains("f.bin") && !files.contains("g.bin"), "{files}");
+    assert!(!nfs_ls(&server, "/default/files").contains(".snapshot"), "hidden");
+    let refused = copy(&server, "after", "/default/files/.snapshot/monday/h.bin");
+    assert!(!refused.status.success(), "a snapshot is read-only");
+
+    server.kill9();
+    let server = Server::start(dir.path());
+    assert_eq!(nfs_cat(&server, "/default/files/.snapshot/monday/f.bin"), before);
+    assert_eq!(nfs_cat(&server, "/default/files/g.bin"), after);
+
+    let busy = common::cli(&server, &["fs", "destroy", "default/files"]);
+    assert!(!busy.status.success());
+    assert!(
+        String::from_utf8_lossy(&busy.stderr).contains("snapshot"),
+        "{}",
+        String::from_utf8_lossy(&busy.stderr)
+    );
+    common::cli_ok(&server, &["fs", "destroy", "default/files@monday"]);
+    let gone = Command::new("nfs-cat")
+        .arg(url(&server, "/default/files/.snapshot/monday/f.bin"))
+        .output()
+        .unwrap();
+    assert!(!gone.status.success(), "destroyed");
+    assert!(!common::cli_ok(&server, &["fs", "snapshots"]).contains("monday"));
+    assert_eq!(nfs_cat(&server, "/default/files/f.bin"), before);
+}

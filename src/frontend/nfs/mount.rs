@@ -8,7 +8,7 @@ use std::net::SocketAddr;
 
 use super::xdr::{Decoder, Encode};
 use super::ArgsError;
-use crate::fs::Exports;
+use crate::fs::{Cred, Export, Exports, FileType, Handle};
 
 /// Longest path MNT and UMNT take (MNTPATHLEN).
 pub const MAX_PATH: usize = 1024;
@@ -27,6 +27,7 @@ pub mod status {
     pub const OK: u32 = 0;
     pub const NOENT: u32 = 2;
     pub const ACCES: u32 = 13;
+    pub const NOTDIR: u32 = 20;
 }
 
 /// A decoded MOUNT call.
@@ -66,15 +67,57 @@ fn export_path(path: &[u8]) -> Option<&str> {
     Some(if trimmed.is_empty() { path } else { trimmed })
 }
 
+/// The export `path` is in and the directory it names: an export's root,
+/// or (as knfsd's mountd allows) a directory below it, looked up as root
+/// on the server, `.snapshot/NAME` included (libnfs's tools mount the
+/// directory of the file they open).
+fn resolve(exports: &dyn Exports, path: &str) -> Result<(Export, Handle), u32> {
+    if let Some(export) = exports.by_path(path) {
+        let root = export.fs.root();
+        return Ok((export, root));
+    }
+    let mut prefix = path;
+    let export = loop {
+        prefix = match prefix.rsplit_once('/') {
+            Some((head, _)) if !head.is_empty() => head,
+            _ => return Err(status::NOENT),
+        };
+        if let Some(export) = exports.by_path(prefix) {
+            break export;
+        }
+    };
+    let mut fs = export.fs.clone();
+    let mut handle = fs.root();
+    for name in path[prefix.len()..].split('/').filter(|n| !n.is_empty()) {
+        if name == "." || name == ".." {
+            return Err(status::NOENT);
+        }
+        let (next, attr) = fs
+            .lookup(&handle, name.as_bytes(), &Cred::root())
+            .map_err(|_| status::NOENT)?;
+        if attr.kind != FileType::Directory {
+            return Err(status::NOTDIR);
+        }
+        if next.dataset != handle.dataset {
+            fs = exports.by_dataset(next.dataset).ok_or(status::NOENT)?.fs;
+        }
+        handle = next;
+    }
+    Ok((export, handle))
+}
+
 /// Runs a MOUNT call from `peer`, appending its results to `out` (a
 /// SUCCESS reply).
 pub fn execute(exports: &dyn Exports, peer: SocketAddr, call: &MountCall<'_>, out: &mut Vec<u8>) {
     match *call {
         MountCall::Null | MountCall::Umnt { .. } | MountCall::UmntAll => {}
         MountCall::Mnt { path } => {
-            let Some(export) = export_path(path).and_then(|path| exports.by_path(path)) else {
-                out.put_u32(status::NOENT);
-                return;
+            let (export, handle) = match export_path(path).ok_or(status::NOENT).and_then(|p| resolve(exports, p)) {
+                Ok(found) => found,
+                Err(code) => {
+                    out.put_u32(code);
+                    return;
+                }
             };
             if !export.options.allows(peer.ip(), peer.port()) {
                 tracing::info!("nfs: MNT {} refused to {peer}", export.path);
@@ -82,7 +125,7 @@ pub fn execute(exports: &dyn Exports, peer: SocketAddr, call: &MountCall<'_>, ou
                 return;
             }
             out.put_u32(status::OK);
-            out.put_opaque(&export.fs.root().encode());
+            out.put_opaque(&handle.encode());
             // AUTH_SYS first: the client uses the first flavor it knows.
             out.put_u32(2);
             out.put_u32(super::rpc::AUTH_SYS);
