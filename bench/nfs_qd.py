@@ -69,20 +69,20 @@ def compile_load(tmp):
 class Strata:
     name = "strata"
 
-    def __init__(self, binary, tmp):
-        self.data = tmp / "strata"
-        self.out = tmp / "strata.out"
+    def __init__(self, binary, tmp, tag=""):
+        self.data = tmp / f"strata{tag}"
+        self.out = tmp / f"strata{tag}.out"
         self.proc = subprocess.Popen(
             [binary, "serve", "--data-dir", str(self.data), "--nbd", "127.0.0.1:0", "--api", "127.0.0.1:0",
              "--iscsi", "127.0.0.1:0", "--nfs", "127.0.0.1:0"],
-            stdout=open(self.out, "w"), stderr=open(tmp / "strata.err", "w"),
+            stdout=open(self.out, "w"), stderr=open(tmp / f"strata{tag}.err", "w"),
             env={**os.environ, "STRATA_RAM_DIR": str(tmp)})
         self.pid = self.proc.pid
         deadline = time.time() + 60
         text = ""
         while "strata: iscsi listening" not in text:
             if time.time() > deadline or self.proc.poll() is not None:
-                raise RuntimeError(f"strata did not start: {(tmp / 'strata.err').read_text()[-2000:]}")
+                raise RuntimeError(f"strata did not start: {(tmp / f'strata{tag}.err').read_text()[-2000:]}")
             time.sleep(0.1)
             text = self.out.read_text()
         nfs = re.search(r"strata: nfs listening on 127\.0\.0\.1:(\d+)", text).group(1)
@@ -104,11 +104,11 @@ class Strata:
 class Ganesha:
     name = "ganesha"
 
-    def __init__(self, tmp):
+    def __init__(self, tmp, tag=""):
         with socket.socket() as s:
             if s.connect_ex(("127.0.0.1", 12049)) == 0:
                 raise RuntimeError("something already listens on 127.0.0.1:12049 (another ganesha?)")
-        export = tmp / "ganesha-export"
+        export = tmp / f"ganesha-export{tag}"
         export.mkdir()
         subprocess.run([str(GANESHA_TOOLS / "start.sh"), str(export)], check=True)
         self.pid = int((GANESHA_STATE / "ganesha.pid").read_text())
@@ -116,6 +116,10 @@ class Ganesha:
 
     def stop(self):
         subprocess.run([str(GANESHA_TOOLS / "stop.sh")], check=False)
+        for _ in range(100):  # its ports must be free for the next start
+            if not Path(f"/proc/{self.pid}").exists():
+                break
+            time.sleep(0.1)
 
 
 def load_avg():
@@ -238,6 +242,14 @@ def main():
         if not args.skip_meta:
             print("metadata:", flush=True)
             for r in range(args.rounds):
+                # Fresh servers each round: a directory that held 100,000
+                # names stays large on ext4 after they are removed, and
+                # ganesha's next round in it ran 2.7x slower.
+                for s in reversed(servers):
+                    s.stop()
+                servers.clear()
+                servers.append(Strata(args.binary, tmp, f"-meta{r}"))
+                servers.append(Ganesha(tmp, f"-meta{r}"))
                 for s in servers:
                     for key, label, unit, target, load_args in meta_rows:
                         record(key, s.name, run_load(exe, s, load_args + ["-q", str(args.qd)], loads))
