@@ -20,7 +20,8 @@ Rows (file 1 GiB, QD 32 unless told):
 Before the reads: nfs_load's verify mode writes 64 blocks with a full
 pattern (UNSTABLE + COMMIT, then FILE_SYNC) and reads them back, on both.
 
-Servers run side by side for the whole run; each row runs strata then
+Servers run side by side; each metadata round starts both afresh (fresh
+directories). Each row runs strata then
 ganesha (A B A B ...) for --rounds rounds; the table gives medians, the
 min-max over rounds, the ratio of the medians and the min-max of the
 per-round ratios, and server CPU µs per operation (per MiB for the 1M rows)
