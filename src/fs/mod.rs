@@ -888,29 +888,33 @@ impl FileSystem {
             return Err(FsError::DQuot);
         }
         let durable = stable != Stable::Unstable;
+        // A FILE_SYNC write, or a DATA_SYNC one that extends the file, makes
+        // the file's row durable with its data: the row is logged first, so
+        // the data's own commit carries both (one commit, not two in turn).
+        let log_row = stable == Stable::FileSync || (stable == Stable::DataSync && end > row.size);
+        let now = Time::now();
+        let before = if log_row {
+            Some(self.log_row_update(handle, end, now).await?)
+        } else {
+            None
+        };
         let base = handle.ino << FILE_BITS;
-        if aligned {
+        let written = if aligned {
             self.engine
                 .write(base + offset, IoBuf::copy_from(data), durable)
                 .await
-                .map_err(block_error)?;
+                .map_err(block_error)
         } else {
-            let start = offset / ALIGN * ALIGN;
-            let length = round_up(end, ALIGN) - start;
-            let (mut buf, result) = self.engine.read(base + start, IoBuf::new(length as usize)).await;
-            result.map_err(block_error)?;
-            // Bytes past the end of the file read as zeros whatever the
-            // sector holds.
-            let valid = row.size.saturating_sub(start).min(length) as usize;
-            buf.payload_mut()[valid..].fill(0);
-            let at = (offset - start) as usize;
-            buf.payload_mut()[at..at + data.len()].copy_from_slice(data);
-            self.engine
-                .write(base + start, buf, durable)
-                .await
-                .map_err(block_error)?;
+            self.write_unaligned(base, &row, offset, end, data, durable).await
+        };
+        if let Err(e) = written {
+            if let Some(size) = before {
+                // The size logged ahead goes back (unless a later write
+                // grew the file further meanwhile).
+                let _ = self.undo_row_update(handle, size, end).await;
+            }
+            return Err(e);
         }
-        let now = Time::now();
         let attr = {
             let gate = self.pool.enter_write(self.dataset).await;
             let mut ns = self.namespace.lock_or_abort();
@@ -918,26 +922,92 @@ impl FileSystem {
                 Some(row) if row.generation == handle.generation => row,
                 _ => return Err(FsError::Stale),
             };
-            row.size = row.size.max(end);
-            row.mtime = now;
-            row.ctime = now;
-            let attr = self.attr(handle.ino, row);
-            if stable == Stable::FileSync {
-                let row = row.clone();
-                self.pool
-                    .log_namespace(&mut ns, vec![NsOp::Inode { ino: handle.ino, row }]);
-                self.unlogged.lock_or_abort().remove(&handle.ino);
-            } else {
+            if !log_row {
+                row.size = row.size.max(end);
+                row.mtime = now;
+                row.ctime = now;
                 ns.touch(handle.ino);
                 self.unlogged.lock_or_abort().insert(handle.ino);
             }
+            let row = &ns.inodes[&handle.ino];
+            let attr = self.attr(handle.ino, row);
             drop(gate);
             attr
         };
-        if stable == Stable::FileSync {
+        Ok((data.len() as u32, stable.max(Stable::Unstable), attr))
+    }
+
+    /// A write of a partial sector: read, merge, write the sectors whole
+    /// (under the file's exclusive data lock).
+    async fn write_unaligned(
+        &self,
+        base: u64,
+        row: &InodeRow,
+        offset: u64,
+        end: u64,
+        data: &[u8],
+        durable: bool,
+    ) -> FsResult<()> {
+        let start = offset / ALIGN * ALIGN;
+        let length = round_up(end, ALIGN) - start;
+        let (mut buf, result) = self.engine.read(base + start, IoBuf::new(length as usize)).await;
+        result.map_err(block_error)?;
+        // Bytes past the end of the file read as zeros whatever the
+        // sector holds.
+        let valid = row.size.saturating_sub(start).min(length) as usize;
+        buf.payload_mut()[valid..].fill(0);
+        let at = (offset - start) as usize;
+        buf.payload_mut()[at..at + data.len()].copy_from_slice(data);
+        self.engine.write(base + start, buf, durable).await.map_err(block_error)
+    }
+
+    /// Grows the file's size to `end` and sets its times, logging its row
+    /// (not committed: the write's commit that follows carries it).
+    /// Returns the size before.
+    async fn log_row_update(&self, handle: &Handle, end: u64, now: Time) -> FsResult<u64> {
+        let gate = self.pool.enter_write(self.dataset).await;
+        let mut ns = self.namespace.lock_or_abort();
+        let row = match ns.inodes.get_mut(&handle.ino) {
+            Some(row) if row.generation == handle.generation && row.nlink > 0 => row,
+            _ => return Err(FsError::Stale),
+        };
+        let before = row.size;
+        row.size = row.size.max(end);
+        row.mtime = now;
+        row.ctime = now;
+        let row = row.clone();
+        self.pool
+            .log_namespace(&mut ns, vec![NsOp::Inode { ino: handle.ino, row }]);
+        self.unlogged.lock_or_abort().remove(&handle.ino);
+        drop(gate);
+        Ok(before)
+    }
+
+    /// A write whose row was logged ahead failed: its size goes back to
+    /// `before` if it is still the `end` that write set, and is committed.
+    async fn undo_row_update(&self, handle: &Handle, before: u64, end: u64) -> FsResult<()> {
+        let changed = {
+            let gate = self.pool.enter_write(self.dataset).await;
+            let mut ns = self.namespace.lock_or_abort();
+            let changed = match ns.inodes.get_mut(&handle.ino) {
+                Some(row) if row.generation == handle.generation && row.size == end && before < end => {
+                    row.size = before;
+                    Some(row.clone())
+                }
+                _ => None,
+            };
+            if let Some(row) = &changed {
+                let row = row.clone();
+                self.pool
+                    .log_namespace(&mut ns, vec![NsOp::Inode { ino: handle.ino, row }]);
+            }
+            drop(gate);
+            changed.is_some()
+        };
+        if changed {
             self.pool.commit().await.map_err(pool_error)?;
         }
-        Ok((data.len() as u32, stable.max(Stable::Unstable), attr))
+        Ok(())
     }
 
     /// Pool space the dataset's files take (for the quota).
