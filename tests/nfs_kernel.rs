@@ -49,7 +49,7 @@ fn guest_tools() -> PathBuf {
 const GUEST_DIR: &str = "/tmp/strata-linux-guest-nfs";
 
 /// Operations of the guest's fsx run (`tests/nfs_guest.py`).
-const FSX_OPS: u32 = 2000;
+const FSX_OPS: u32 = 1500;
 
 /// A daemon killed when the test ends, however it ends.
 struct Daemon(Child);
