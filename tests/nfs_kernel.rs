@@ -3,19 +3,20 @@
 //! python3-minimal added to its packages) mounts `default/files` and
 //!
 //! - copies a tree in (`/usr/bin`, `/usr/sbin`) and compares checksums;
-//! - makes a git repository of some of perl's modules, commits, modifies, renames,
-//!   deletes and adds files, commits again, and checks `git fsck --full`,
-//!   a clean `git status` and both commits;
+//! - makes a git repository of some of perl's modules (144 files),
+//!   commits, modifies, renames, deletes and adds files, commits again,
+//!   and checks `git fsck --full`, a clean `git status` and both commits;
 //! - checks rename/link/symlink/chmod/chown in shell, then the POSIX
 //!   semantics of `tests/nfs_guest.py posix` (O_EXCL, unlinking and
 //!   renaming over open files, ENOTEMPTY, rename of directories, link
 //!   counts, a directory's times, truncation's zeros, permissions as a
 //!   user who is not root, readdir of 250 entries while removing them);
 //! - runs `tests/nfs_guest.py fsx`, an fsx-like exerciser (xfstests and
-//!   pjdfstest are not Debian packages): thousands of seeded random writes,
+//!   pjdfstest are not Debian packages): 1,500 seeded random writes,
 //!   truncations, reads, mmap reads and writes, fsyncs, reopens and cache
-//!   drops checked against a model of the file, then the whole file
-//!   compared after dropping caches and after a remount;
+//!   drops on a file of up to 256 KiB, checked against a model of the
+//!   file, then the whole file compared after dropping caches and after a
+//!   remount;
 //! - runs fio with verification;
 //! - writes files with fsync while the daemon is killed with SIGKILL and
 //!   restarted on the same port: after a remount every fsync'ed byte is
@@ -130,7 +131,8 @@ echo new > new
 git add -A
 git commit -q -m two
 git fsck --full --strict || fail "git fsck --full"
-test -z "$(git status --porcelain)" || fail "git status after the commits: $(git status --porcelain)"
+st=$(git status --porcelain) || fail "git status"
+test -z "$st" || fail "git status after the commits: $st"
 test "$(git rev-list --count HEAD)" = 2 || fail "git log: $(git log --oneline)"
 printf 'A\tnew\nD\t%s\nM\t%s\nR100\t%s\trenamed\n' "$3" "$1" "$2" > /tmp/want
 git diff --name-status -M HEAD~1 HEAD | sort > /tmp/got
@@ -179,7 +181,8 @@ cmp /tmp/y /mnt/nfs/y
 cmp /tmp/a /tmp/c
 python3 /tmp/nfs_guest.py verify /mnt/nfs/fsx /tmp/fsx.model
 git -C /mnt/nfs/repo fsck --full --strict || fail "git fsck --full after the restart"
-test -z "$(git -C /mnt/nfs/repo status --porcelain)" || fail "git status after the restart"
+st=$(git -C /mnt/nfs/repo status --porcelain) || fail "git status after the restart"
+test -z "$st" || fail "git status after the restart: $st"
 umount /mnt/nfs
 echo "after kill ok at $(up) s"
 "#;
