@@ -1,9 +1,29 @@
 //! The Linux kernel's NFSv3 client against strata: a Debian kernel booted
-//! under qemu (`../shared/tools/linux-guest`) mounts `default/files`, copies
-//! a tree in and compares checksums, checks rename/link/symlink/chmod/chown,
-//! runs fio with verification, and writes files with fsync while the daemon
-//! is killed with SIGKILL and restarted on the same port: after a remount
-//! every fsync'ed byte is there.
+//! under qemu (`../shared/tools/linux-guest`, with nfs-common, git and
+//! python3-minimal added to its packages) mounts `default/files` and
+//!
+//! - copies a tree in (`/usr/bin`, `/usr/sbin`) and compares checksums;
+//! - makes a git repository of some of perl's modules (144 files),
+//!   commits, modifies, renames, deletes and adds files, commits again,
+//!   and checks `git fsck --full`, a clean `git status` and both commits;
+//! - checks rename/link/symlink/chmod/chown in shell, then the POSIX
+//!   semantics of `tests/nfs_guest.py posix` (O_EXCL, unlinking and
+//!   renaming over open files, ENOTEMPTY, rename of directories, link
+//!   counts, a directory's times, truncation's zeros, permissions as a
+//!   user who is not root, readdir of 250 entries while removing them);
+//! - runs `tests/nfs_guest.py fsx`, an fsx-like exerciser (xfstests and
+//!   pjdfstest are not Debian packages): 1,500 seeded random writes,
+//!   truncations, reads, mmap reads and writes, fsyncs, reopens and cache
+//!   drops on a file of up to 256 KiB, checked against a model of the
+//!   file, then the whole file compared after dropping caches and after a
+//!   remount;
+//! - runs fio with verification;
+//! - writes files with fsync while the daemon is killed with SIGKILL and
+//!   restarted on the same port: after a remount every fsync'ed byte is
+//!   there, the tree, the fsx file and the git repository too.
+//!
+//! The fsx seed is new each run and printed; `STRATA_FSX_SEED=N` replays
+//! one, `STRATA_FSX_OPS=N` changes the number of operations.
 
 mod common;
 
@@ -28,6 +48,9 @@ fn guest_tools() -> PathBuf {
 }
 
 const GUEST_DIR: &str = "/tmp/strata-linux-guest-nfs";
+
+/// Operations of the guest's fsx run (`tests/nfs_guest.py`).
+const FSX_OPS: u32 = 1500;
 
 /// A daemon killed when the test ends, however it ends.
 struct Daemon(Child);
@@ -68,19 +91,55 @@ fn start(data: &Path, nfs: &str) -> (Daemon, String) {
     (Daemon(child), address.expect("the daemon printed its NFS address"))
 }
 
+/// The guest's script. `@SEED@`, `@FSX_OPS@` and `@NFS_GUEST_PY@` (the
+/// checks of `tests/nfs_guest.py`) are filled in by [`guest_script`].
 const GUEST_SCRIPT: &str = r#"
 set -e
 M="mount -t nfs -o vers=3,proto=tcp,port=$TARGET_PORT,mountport=$TARGET_PORT,mountproto=tcp,nolock,timeo=50 $TARGET_HOST:/default/files /mnt/nfs"
+fail() { echo "FAILED: $*"; exit 1; }
+up() { cut -d' ' -f1 /proc/uptime; }
+cat > /tmp/nfs_guest.py <<'NFS_GUEST_PY'
+@NFS_GUEST_PY@
+NFS_GUEST_PY
 mkdir -p /mnt/nfs
 $M
-echo mounted
+echo "mounted at $(up) s"
 cd /mnt/nfs
 mkdir tree
 tar -C / -cf - usr/bin usr/sbin | tar -C tree -xf -
 (cd /usr && find bin sbin -type f -exec md5sum {} + | sort) > /tmp/a
 (cd tree/usr && find bin sbin -type f -exec md5sum {} + | sort) > /tmp/b
 cmp /tmp/a /tmp/b
-echo "tree ok: $(wc -l < /tmp/a) files"
+echo "tree ok: $(wc -l < /tmp/a) files at $(up) s"
+
+# git: two commits (the second modifies, renames, deletes and adds), fsck.
+git config --global user.name "strata test"
+git config --global user.email test@strata.invalid
+git config --global init.defaultBranch main
+mkdir repo
+cd /usr/share/perl/5.*.*/
+tar -cf - Pod IO TAP Getopt Text File | tar -C /mnt/nfs/repo -xf -
+cd /mnt/nfs/repo
+git init -q
+git add -A
+git commit -q -m one
+set -- $(git ls-files -s | awk '$1 == "100644" || $1 == "100755" { print $4 }' | sed -n '1p;2p;3p')
+echo more >> "$1"
+git mv "$2" renamed
+git rm -q "$3"
+echo new > new
+git add -A
+git commit -q -m two
+git fsck --full --strict || fail "git fsck --full"
+st=$(git status --porcelain) || fail "git status"
+test -z "$st" || fail "git status after the commits: $st"
+test "$(git rev-list --count HEAD)" = 2 || fail "git log: $(git log --oneline)"
+printf 'A\tnew\nD\t%s\nM\t%s\nR100\t%s\trenamed\n' "$3" "$1" "$2" > /tmp/want
+git diff --name-status -M HEAD~1 HEAD | sort > /tmp/got
+cmp /tmp/want /tmp/got || fail "the second commit: $(cat /tmp/got)"
+cd /mnt/nfs
+echo "git ok: $(git -C repo ls-files | wc -l) files at $(up) s"
+
 echo x > f; ln f g; test "$(stat -c %h f)" = 2
 ln -s f s; test "$(readlink s)" = f
 mv f h; test -e h; test ! -e f; test "$(cat g)" = x
@@ -89,9 +148,24 @@ chown 1234:5678 h; test "$(stat -c %u:%g h)" = 1234:5678
 mkdir -p d1/d2; mv d1 d3; test -d d3/d2; rmdir d3/d2 d3
 if rmdir tree 2>/dev/null; then echo "rmdir of a full directory succeeded"; exit 1; fi
 rm g h s
-echo "semantics ok"
+echo "semantics ok at $(up) s"
+mkdir posix
+python3 /tmp/nfs_guest.py posix /mnt/nfs/posix
+rmdir posix
+echo "posix ok at $(up) s"
+
+python3 /tmp/nfs_guest.py fsx /mnt/nfs/fsx /tmp/fsx.model @SEED@ @FSX_OPS@ 262144
+echo 3 > /proc/sys/vm/drop_caches
+python3 /tmp/nfs_guest.py verify /mnt/nfs/fsx /tmp/fsx.model
+cd /
+umount /mnt/nfs
+$M
+python3 /tmp/nfs_guest.py verify /mnt/nfs/fsx /tmp/fsx.model
+cd /mnt/nfs
+echo "fsx ok at $(up) s"
+
 fio --name=v --directory=/mnt/nfs --size=16M --rw=randwrite --bs=4k --verify=crc32c --ioengine=psync --fsync=64 --output-format=terse > /dev/null
-echo "fio verify ok"
+echo "fio verify ok at $(up) s"
 dd if=/dev/urandom of=/tmp/x bs=1M count=4 2>/dev/null
 dd if=/dev/urandom of=/tmp/y bs=1M count=4 2>/dev/null
 cp /tmp/x x; sync x
@@ -105,9 +179,27 @@ cmp /tmp/x /mnt/nfs/x
 cmp /tmp/y /mnt/nfs/y
 (cd /mnt/nfs/tree/usr && find bin sbin -type f -exec md5sum {} + | sort) > /tmp/c
 cmp /tmp/a /tmp/c
+python3 /tmp/nfs_guest.py verify /mnt/nfs/fsx /tmp/fsx.model
+git -C /mnt/nfs/repo fsck --full --strict || fail "git fsck --full after the restart"
+st=$(git -C /mnt/nfs/repo status --porcelain) || fail "git status after the restart"
+test -z "$st" || fail "git status after the restart: $st"
 umount /mnt/nfs
-echo "after kill ok"
+echo "after kill ok at $(up) s"
 "#;
+
+/// The guest script with the fsx seed, its number of operations and the
+/// Python checks filled in.
+fn guest_script(seed: u64, fsx_ops: u32) -> String {
+    let python = include_str!("nfs_guest.py");
+    assert!(
+        !python.contains("\nNFS_GUEST_PY\n"),
+        "the here-document's delimiter is in the script"
+    );
+    GUEST_SCRIPT
+        .replace("@SEED@", &seed.to_string())
+        .replace("@FSX_OPS@", &fsx_ops.to_string())
+        .replace("@NFS_GUEST_PY@", python.trim_end())
+}
 
 #[test]
 fn the_kernel_client_mounts_writes_and_keeps_what_it_synced_across_a_kill() {
@@ -115,7 +207,7 @@ fn the_kernel_client_mounts_writes_and_keeps_what_it_synced_across_a_kill() {
     // Seconds once built; about a minute and a half the first time.
     let built = Command::new(tools.join("build.sh"))
         .env("GUEST_DIR", GUEST_DIR)
-        .env("EXTRA_PKGS", "nfs-common,netbase")
+        .env("EXTRA_PKGS", "nfs-common,netbase,git,python3-minimal")
         .env("EXTRA_MODS", "nfs nfsv3 sunrpc lockd")
         .status()
         .unwrap();
@@ -133,8 +225,23 @@ fn the_kernel_client_mounts_writes_and_keeps_what_it_synced_across_a_kill() {
         .unwrap();
     assert!(set.status.success(), "{set:?}");
 
+    // A new seed each run (printed, and in any failure's output); set
+    // STRATA_FSX_SEED to replay one, STRATA_FSX_OPS for a longer run.
+    let seed = match std::env::var("STRATA_FSX_SEED") {
+        Ok(seed) => seed.parse().expect("STRATA_FSX_SEED is a number"),
+        Err(_) => {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_nanos() as u64
+                % 1_000_000_000
+        }
+    };
+    let fsx_ops =
+        std::env::var("STRATA_FSX_OPS").map_or(FSX_OPS, |ops| ops.parse().expect("STRATA_FSX_OPS is a number"));
+    println!("nfs_kernel: fsx seed {seed}, {fsx_ops} operations (STRATA_FSX_SEED={seed} replays it)");
     let script = dir.path().join("guest.sh");
-    std::fs::write(&script, GUEST_SCRIPT).unwrap();
+    std::fs::write(&script, guest_script(seed, fsx_ops)).unwrap();
     let run_dir = dir.path().join("run");
     let mut guest = Command::new(tools.join("run.sh"))
         .arg(&script)
@@ -170,7 +277,10 @@ fn the_kernel_client_mounts_writes_and_keeps_what_it_synced_across_a_kill() {
     for line in [
         "mounted",
         "tree ok",
+        "git ok",
         "semantics ok",
+        "posix ok",
+        "fsx ok",
         "fio verify ok",
         "synced y",
         "after kill ok",

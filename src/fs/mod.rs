@@ -680,10 +680,14 @@ impl FileSystem {
                 }
                 row.ctime = now;
                 let attr = self.attr(handle.ino, &row);
+                // The row logged holds every write so far, so COMMIT need
+                // not log it again. Cleared here, under the namespace lock:
+                // after the commit's wait it would also clear the mark of a
+                // write that ran meanwhile, whose size no record would hold.
+                self.unlogged.lock_or_abort().remove(&handle.ino);
                 Ok((vec![NsOp::Inode { ino: handle.ino, row }], attr))
             })
             .await?;
-        self.unlogged.lock_or_abort().remove(&handle.ino);
         Ok(attr)
     }
 

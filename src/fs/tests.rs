@@ -2,7 +2,7 @@
 //! as a client sees them, after a clean reopen and after a power loss.
 
 use super::*;
-use crate::device::sim::SimDevice;
+use crate::device::sim::{SimDelays, SimDevice};
 use crate::pool::superblock::Role;
 use crate::pool::NewDevice;
 
@@ -419,5 +419,61 @@ fn a_snapshot_keeps_the_tree_as_it_was() {
         let fs = FileSystem::open(&pool, DATASET, 16 << 10, 0).await.unwrap();
         check_live(&fs).await;
         assert!(fs.snapshot_fs(snap_root.dataset).is_none());
+    });
+}
+
+/// A SETATTR that changes no size (chmod) logs the file's row; an UNSTABLE
+/// WRITE that extends the file while that record commits must still have
+/// its new size logged by the COMMIT that follows, or a power loss after
+/// the COMMIT loses bytes the client was told are durable.
+#[test]
+fn a_write_during_a_chmod_keeps_its_size_for_the_commit() {
+    block_on(async {
+        let sim = SimDevice::new(160 << 20, 7);
+        let pool = new_pool(&sim).await;
+        let fs = FileSystem::open(&pool, DATASET, 16 << 10, 0).await.unwrap();
+        let (f, _) = fs
+            .create(&fs.root(), b"f", &Cred::root(), CreateHow::Guarded(attrs(0o644)))
+            .await
+            .unwrap();
+        // Poll the chmod until its change is applied and it waits for the
+        // record's commit (every device operation yields once); the write
+        // runs then, the chmod answers after.
+        let root = Cred::root();
+        sim.set_delays(SimDelays::always(1));
+        {
+            let mut chmod = std::pin::pin!(fs.setattr(&f, &root, attrs(0o600), None));
+            loop {
+                let answered = std::future::poll_fn(|cx| match std::future::Future::poll(chmod.as_mut(), cx) {
+                    std::task::Poll::Ready(result) => std::task::Poll::Ready(Some(result)),
+                    std::task::Poll::Pending => std::task::Poll::Ready(None),
+                })
+                .await;
+                assert!(answered.is_none(), "the chmod waited for its commit");
+                if fs.getattr(&f).unwrap().mode & 0o777 == 0o600 {
+                    break;
+                }
+                tokio::task::yield_now().await;
+            }
+            let (_, _, attr) = fs.write(&f, &root, 0, &[5u8; 8192], Stable::Unstable).await.unwrap();
+            assert_eq!(attr.size, 8192);
+            chmod.await.unwrap();
+        }
+        sim.set_delays(SimDelays::default());
+        fs.commit(&f).await.unwrap();
+
+        drop(fs);
+        drop(pool);
+        sim.crash();
+        let pool = Pool::open(vec![sim.as_device()]).await.unwrap();
+        let fs = FileSystem::open(&pool, DATASET, 16 << 10, 0).await.unwrap();
+        let attr = fs.getattr(&f).unwrap();
+        assert_eq!(
+            (attr.size, attr.mode & 0o777),
+            (8192, 0o600),
+            "the committed size and the mode survive"
+        );
+        let (data, _) = fs.read(&f, &Cred::root(), 0, 8192).await.unwrap();
+        assert_eq!(data, [5u8; 8192]);
     });
 }
