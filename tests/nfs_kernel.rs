@@ -20,7 +20,11 @@
 //! - runs fio with verification;
 //! - writes files with fsync while the daemon is killed with SIGKILL and
 //!   restarted on the same port: after a remount every fsync'ed byte is
-//!   there, the tree, the fsx file and the git repository too.
+//!   there, the tree, the fsx file and the git repository too;
+//! - reads the tree back from snapshot `s1` (taken by the host with
+//!   `strata fs snapshot` once the tree was in, before the kill) under the
+//!   hidden `.snapshot`, finds it read-only and unchanged after the live
+//!   tree loses `usr/sbin`.
 //!
 //! The fsx seed is new each run and printed; `STRATA_FSX_SEED=N` replays
 //! one, `STRATA_FSX_OPS=N` changes the number of operations.
@@ -183,9 +187,37 @@ python3 /tmp/nfs_guest.py verify /mnt/nfs/fsx /tmp/fsx.model
 git -C /mnt/nfs/repo fsck --full --strict || fail "git fsck --full after the restart"
 st=$(git -C /mnt/nfs/repo status --porcelain) || fail "git status after the restart"
 test -z "$st" || fail "git status after the restart: $st"
-umount /mnt/nfs
 echo "after kill ok at $(up) s"
+
+# The host took snapshot s1 once the tree was in (before the kill): its
+# tree reads back whole, read-only, and stays so when the live one goes.
+(cd /mnt/nfs/.snapshot/s1/tree/usr && find bin sbin -type f -exec md5sum {} + | sort) > /tmp/s || fail "reading snapshot s1"
+cmp /tmp/a /tmp/s || fail "snapshot s1's tree differs"
+if touch /mnt/nfs/.snapshot/s1/new 2>/dev/null; then fail "a file was made in a snapshot"; fi
+if ls /mnt/nfs | grep -q snapshot; then fail ".snapshot is listed"; fi
+rm -rf /mnt/nfs/tree/usr/sbin
+test ! -e /mnt/nfs/tree/usr/sbin
+(cd /mnt/nfs/.snapshot/s1/tree/usr && find bin sbin -type f -exec md5sum {} + | sort) > /tmp/s
+cmp /tmp/a /tmp/s || fail "snapshot s1 changed with the live tree"
+umount /mnt/nfs
+echo "snapshot ok at $(up) s"
 "#;
+
+/// Waits until the guest's output (`output`) has `line`; fails the test
+/// if the guest ends first or `deadline` passes.
+fn wait_for_guest(output: &Path, guest: &mut Child, deadline: Instant, line: &str) {
+    loop {
+        let log = std::fs::read_to_string(output).unwrap_or_default();
+        if log.contains(line) {
+            return;
+        }
+        if let Ok(Some(status)) = guest.try_wait() {
+            panic!("the guest ended ({status}) before {line:?}:\n{log}");
+        }
+        assert!(Instant::now() < deadline, "no {line:?} from the guest in time:\n{log}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
 
 /// The guest script with the fsx seed, its number of operations and the
 /// Python checks filled in.
@@ -252,20 +284,20 @@ fn the_kernel_client_mounts_writes_and_keeps_what_it_synced_across_a_kill() {
         .spawn()
         .unwrap();
 
-    // Kill the daemon once the guest has fsync'ed x, while it writes y.
+    // A snapshot of the dataset once the tree is in (the guest reads it
+    // back at the end, after the kill).
     let output = run_dir.join("output.log");
     let deadline = Instant::now() + Duration::from_secs(900);
-    loop {
-        let log = std::fs::read_to_string(&output).unwrap_or_default();
-        if log.contains("synced x") {
-            break;
-        }
-        if let Ok(Some(status)) = guest.try_wait() {
-            panic!("the guest ended ({status}) before it synced x:\n{log}");
-        }
-        assert!(Instant::now() < deadline, "the guest did not sync x in time:\n{log}");
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    wait_for_guest(&output, &mut guest, deadline, "tree ok");
+    let snapshot = Command::new(env!("CARGO_BIN_EXE_strata"))
+        .args(["fs", "snapshot", "default/files@s1", "--data-dir"])
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    assert!(snapshot.status.success(), "fs snapshot: {snapshot:?}");
+
+    // Kill the daemon once the guest has fsync'ed x, while it writes y.
+    wait_for_guest(&output, &mut guest, deadline, "synced x");
     drop(daemon);
     let (daemon, again) = start(dir.path(), &address);
     assert_eq!(again, address);
@@ -284,6 +316,7 @@ fn the_kernel_client_mounts_writes_and_keeps_what_it_synced_across_a_kill() {
         "fio verify ok",
         "synced y",
         "after kill ok",
+        "snapshot ok",
     ] {
         assert!(log.contains(line), "missing {line:?} in the guest's output:\n{log}");
     }

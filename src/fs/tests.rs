@@ -24,6 +24,15 @@ async fn new_pool(sim: &SimDevice) -> Arc<Pool> {
     Pool::create("test", 1 << 20, devices).await.unwrap()
 }
 
+/// Drops the pool and the file system, loses power, opens both again.
+async fn power_loss(sim: &SimDevice, open: (Arc<Pool>, Arc<FileSystem>)) -> (Arc<Pool>, Arc<FileSystem>) {
+    drop(open);
+    sim.crash();
+    let pool = Pool::open(vec![sim.as_device()]).await.unwrap();
+    let fs = FileSystem::open(&pool, DATASET, 16 << 10, 0).await.unwrap();
+    (pool, fs)
+}
+
 fn user() -> Cred {
     Cred {
         uid: 1000,
@@ -101,11 +110,7 @@ fn a_tree_survives_a_reopen_and_a_power_loss() {
         check(&fs, &a, &d).await;
 
         // Power loss with nothing checkpointed: the log replays it all.
-        drop(fs);
-        drop(pool);
-        sim.crash();
-        let pool = Pool::open(vec![sim.as_device()]).await.unwrap();
-        let fs = FileSystem::open(&pool, DATASET, 16 << 10, 0).await.unwrap();
+        let (pool, fs) = power_loss(&sim, (pool, fs)).await;
         check(&fs, &a, &d).await;
 
         // From a checkpoint (the metadata store's rows), then more changes
@@ -115,11 +120,7 @@ fn a_tree_survives_a_reopen_and_a_power_loss() {
         fs.rename(&fs.root(), b"a", &d, b"b", &Cred::root()).await.unwrap();
         assert_eq!(names(&fs, &fs.root()), [".", "..", "a", "d", "l"]);
         fs.rename(&fs.root(), b"a", &d, b"c", &Cred::root()).await.unwrap();
-        drop(fs);
-        drop(pool);
-        sim.crash();
-        let pool = Pool::open(vec![sim.as_device()]).await.unwrap();
-        let fs = FileSystem::open(&pool, DATASET, 16 << 10, 0).await.unwrap();
+        let (_pool, fs) = power_loss(&sim, (pool, fs)).await;
         assert_eq!(names(&fs, &fs.root()), [".", "..", "d", "l"]);
         assert_eq!(names(&fs, &d), [".", "..", "b", "c"]);
         let (c, attr) = fs.lookup(&d, b"c", &Cred::root()).unwrap();
@@ -380,21 +381,13 @@ fn a_snapshot_keeps_the_tree_as_it_was() {
 
         // Power loss: the log replays the snapshot at its place among the
         // namespace's changes.
-        drop(fs);
-        drop(pool);
-        sim.crash();
-        let pool = Pool::open(vec![sim.as_device()]).await.unwrap();
-        let fs = FileSystem::open(&pool, DATASET, 16 << 10, 0).await.unwrap();
+        let (pool, fs) = power_loss(&sim, (pool, fs)).await;
         check_live(&fs).await;
         check_snapshot(&fs, &a).await;
 
         // From the metadata store's rows.
         pool.checkpoint().await.unwrap();
-        drop(fs);
-        drop(pool);
-        sim.crash();
-        let pool = Pool::open(vec![sim.as_device()]).await.unwrap();
-        let fs = FileSystem::open(&pool, DATASET, 16 << 10, 0).await.unwrap();
+        let (pool, fs) = power_loss(&sim, (pool, fs)).await;
         check_live(&fs).await;
         let snap = check_snapshot(&fs, &a).await;
         let snap_root = snap.root();
@@ -462,11 +455,7 @@ fn a_write_during_a_chmod_keeps_its_size_for_the_commit() {
         sim.set_delays(SimDelays::default());
         fs.commit(&f).await.unwrap();
 
-        drop(fs);
-        drop(pool);
-        sim.crash();
-        let pool = Pool::open(vec![sim.as_device()]).await.unwrap();
-        let fs = FileSystem::open(&pool, DATASET, 16 << 10, 0).await.unwrap();
+        let (_pool, fs) = power_loss(&sim, (pool, fs)).await;
         let attr = fs.getattr(&f).unwrap();
         assert_eq!(
             (attr.size, attr.mode & 0o777),
