@@ -1425,6 +1425,69 @@ fn fs_lifecycle() {
     let volumes = server.cli(&["snapshot", "list", "--json"]).json();
     assert!(!volumes.to_string().contains("default/docs"), "{volumes}");
 
+    // Clones: the origin's properties, -o over them, the snapshot kept.
+    let json = server
+        .cli(&[
+            "fs",
+            "clone",
+            "default/docs@one",
+            "default/docs2",
+            "-o",
+            "nfs.ro=on",
+            "--json",
+        ])
+        .json();
+    assert_eq!(json["name"], "default/docs2");
+    assert_eq!(json["origin"], "default/docs@one");
+    assert_eq!(json["properties"]["nfs.squash"], "all", "taken from the origin");
+    assert_eq!(json["properties"]["nfs.ro"], "on");
+    let get = server.cli(&["fs", "get", "default/docs2"]).ok().to_string();
+    assert!(
+        get.lines()
+            .any(|l| l.split_whitespace().collect::<Vec<_>>() == ["default/docs2", "origin", "default/docs@one"]),
+        "{get}"
+    );
+    server
+        .cli(&["fs", "clone", "default/docs@one", "default/docs2"])
+        .fails_with("already exists");
+    server
+        .cli(&[
+            "fs",
+            "clone",
+            "default/docs@one",
+            "default/docs3",
+            "-o",
+            "recordsize=64K",
+        ])
+        .fails_with("keeps its origin's recordsize");
+    server
+        .cli(&["fs", "clone", "default/docs@nope", "default/docs3"])
+        .fails_with("does not exist");
+    server
+        .cli(&["fs", "destroy", "default/docs@one"])
+        .fails_with("has clones (default/docs2)");
+
+    // Rollback: to the newest; -r (REST destroy_newer) destroys newer ones.
+    assert_eq!(server.cli(&["fs", "rollback", "default/docs@one"]).ok(), "");
+    assert_eq!(server.cli(&["fs", "snapshot", "default/docs@three"]).ok(), "");
+    server
+        .cli(&["fs", "rollback", "default/docs@one"])
+        .fails_with("more recent snapshots of 'default/docs' exist (@three)");
+    let path = "/v1/filesystems/default/docs/snapshots/one/rollback";
+    let (status, _, body) = http(
+        &api,
+        "POST",
+        path,
+        Some("application/json"),
+        r#"{"destroy_newer": true}"#,
+    );
+    assert_eq!(status, 204, "{body}");
+    let left = server.cli(&["fs", "snapshots", "default/docs", "--json"]).json();
+    assert_eq!(left.as_array().map(Vec::len), Some(1), "three destroyed: {left}");
+    server
+        .cli(&["fs", "rollback", "default/docs@gone"])
+        .fails_with("does not exist");
+
     // Datasets, their properties and snapshots survive a restart.
     let (status, _) = server.stop();
     assert!(status.success());
@@ -1436,7 +1499,11 @@ fn fs_lifecycle() {
     let list = server.cli(&["fs", "snapshots"]).ok().to_string();
     assert!(list.lines().any(|l| l.starts_with("default/docs@one ")), "{list}");
 
-    // destroy: gone from list and get.
+    let json = server.cli(&["fs", "get", "default/docs2", "--json"]).json();
+    assert_eq!(json["origin"], "default/docs@one", "a clone stays one");
+
+    // destroy: gone from list and get (the clone first, then its origin).
+    assert_eq!(server.cli(&["fs", "destroy", "default/docs2"]).ok(), "");
     assert_eq!(server.cli(&["fs", "destroy", "default/docs@one"]).ok(), "");
     assert_eq!(server.cli(&["fs", "destroy", "default/docs"]).ok(), "");
     let list = server.cli(&["fs", "list"]).ok().to_string();

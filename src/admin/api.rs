@@ -32,7 +32,7 @@ use crate::units::parse_size;
 pub const METRICS_CONTENT_TYPE: &str = "text/plain; version=0.0.4";
 
 /// Every endpoint, as listed by `GET /` and `GET /v1`.
-pub const ENDPOINTS: [&str; 44] = [
+pub const ENDPOINTS: [&str; 46] = [
     "GET /metrics",
     "GET /v1/pools",
     "POST /v1/pools",
@@ -53,6 +53,8 @@ pub const ENDPOINTS: [&str; 44] = [
     "GET /v1/filesystems/{pool}/{name}/snapshots",
     "POST /v1/filesystems/{pool}/{name}/snapshots",
     "DELETE /v1/filesystems/{pool}/{name}/snapshots/{snapshot}",
+    "POST /v1/filesystems/{pool}/{name}/snapshots/{snapshot}/rollback",
+    "POST /v1/filesystems/{pool}/{name}/snapshots/{snapshot}/clone",
     "GET /v1/filesystem-snapshots",
     "POST /v1/pools/{pool}/sync",
     "GET /v1/pools/{pool}/properties",
@@ -625,6 +627,41 @@ async fn destroy_filesystem_snapshot(
     Ok(StatusCode::NO_CONTENT)
 }
 
+#[derive(Debug, Default, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+struct FsRollbackRequest {
+    /// Destroy the snapshots newer than this one first.
+    #[serde(default)]
+    destroy_newer: bool,
+}
+
+#[utoipa::path(post, path = "/v1/filesystems/{pool}/{name}/snapshots/{snapshot}/rollback", tag = "filesystems", params(("pool" = String, Path, description = "Pool name"), ("name" = String, Path, description = "Dataset name"), ("snapshot" = String, Path, description = "Snapshot name")), request_body = FsRollbackRequest, responses((status = 204, description = "Rolled back"), (status = 404, description = "No such dataset or snapshot", body = ErrorBody), (status = 400, description = "Newer snapshots exist (destroy_newer not set)", body = ErrorBody), (status = 409, description = "A newer snapshot has clones", body = ErrorBody), (status = 401, description = "No valid token (TCP)", body = ErrorBody)))]
+async fn rollback_filesystem(
+    State(manager): State<Manager>,
+    path: Result<Path<(String, String, String)>, PathRejection>,
+    body: Option<Json<FsRollbackRequest>>,
+) -> ApiResult<StatusCode> {
+    let Path((pool, name, snapshot)) = path?;
+    let Json(request) = body.unwrap_or_default();
+    let full = format!("{}@{snapshot}", full_name(&pool, &name));
+    blocking(&manager, move |m| m.fs_rollback(&full, request.destroy_newer)).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+#[utoipa::path(post, path = "/v1/filesystems/{pool}/{name}/snapshots/{snapshot}/clone", tag = "filesystems", params(("pool" = String, Path, description = "Pool name"), ("name" = String, Path, description = "Dataset name"), ("snapshot" = String, Path, description = "Snapshot name")), request_body = CloneRequest, responses((status = 201, description = "The new dataset", body = DatasetInfo), (status = 404, description = "No such dataset or snapshot", body = ErrorBody), (status = 409, description = "Name taken", body = ErrorBody), (status = 400, description = "Invalid request", body = ErrorBody), (status = 401, description = "No valid token (TCP)", body = ErrorBody)))]
+async fn clone_filesystem_snapshot(
+    State(manager): State<Manager>,
+    path: Result<Path<(String, String, String)>, PathRejection>,
+    body: Result<Json<CloneRequest>, JsonRejection>,
+) -> ApiResult<(StatusCode, Json<DatasetInfo>)> {
+    let Path((pool, name, snapshot)) = path?;
+    let Json(request) = body?;
+    let properties = properties_from_json(&request.properties)?;
+    let origin = format!("{}@{snapshot}", full_name(&pool, &name));
+    let info = blocking(&manager, move |m| m.fs_clone(&origin, &request.name, &properties)).await?;
+    Ok((StatusCode::CREATED, Json(info)))
+}
+
 #[derive(Debug, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 struct SnapshotRequest {
@@ -869,7 +906,8 @@ struct PropertyList {
         get_pool_properties, set_pool_properties, migrate_pool, list_volumes,
         create_volume, get_volume, set_volume, resize_volume, delete_volume, promote_volume, list_filesystems,
         create_filesystem, get_filesystem, set_filesystem, destroy_filesystem, list_filesystem_snapshots,
-        list_all_filesystem_snapshots, create_filesystem_snapshot, destroy_filesystem_snapshot, list_snapshots,
+        list_all_filesystem_snapshots, create_filesystem_snapshot, destroy_filesystem_snapshot,
+        rollback_filesystem, clone_filesystem_snapshot, list_snapshots,
         create_snapshots, delete_snapshot, rollback_snapshot, clone_snapshot, super::send::send,
         super::send::receive, super::send::receive_status, super::send::abort_receive, get_iscsi, set_iscsi,
         analytics_status, analytics_stats, analytics_heatmap, analytics_rates, analytics_offsets
@@ -933,6 +971,14 @@ pub fn router(manager: Arc<VolumeManager>, auth: Arc<ApiAuth>) -> Router {
         .route(
             "/v1/filesystems/:pool/:name/snapshots/:snapshot",
             axum::routing::delete(destroy_filesystem_snapshot),
+        )
+        .route(
+            "/v1/filesystems/:pool/:name/snapshots/:snapshot/rollback",
+            post(rollback_filesystem),
+        )
+        .route(
+            "/v1/filesystems/:pool/:name/snapshots/:snapshot/clone",
+            post(clone_filesystem_snapshot),
         )
         .route("/v1/filesystem-snapshots", get(list_all_filesystem_snapshots))
         .route("/v1/snapshots", get(list_snapshots).post(create_snapshots))

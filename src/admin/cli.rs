@@ -284,6 +284,26 @@ pub enum FsCommand {
         /// POOL/NAME of the dataset (default: all).
         name: Option<String>,
     },
+    /// Roll a dataset back to a snapshot: its files become the snapshot's
+    /// again and everything written since is discarded. NFS clients stay
+    /// mounted (files made since get stale file handles).
+    Rollback {
+        /// POOL/NAME@SNAPSHOT
+        name: String,
+        /// Destroy the snapshots newer than this one first.
+        #[arg(short = 'r')]
+        destroy_newer: bool,
+    },
+    /// Create a writable dataset from a snapshot, instantly: its files are
+    /// the snapshot's and share their data until they change (`-o
+    /// PROPERTY=VALUE` sets properties; it takes the origin's otherwise).
+    /// Exported over NFS at once as /POOL/NEW.
+    Clone {
+        /// POOL/NAME@SNAPSHOT to clone.
+        origin: String,
+        /// POOL/NEW: the new dataset (same pool).
+        name: String,
+    },
 }
 
 /// The dataset properties with their defaults, under `fs create --help`
@@ -772,22 +792,57 @@ fn run_pool(args: PoolArgs) -> CliResult<String> {
     }
 }
 
+/// `-o PROPERTY=VALUE` options as the API takes them, values as given.
+fn string_properties(output: &Output) -> serde_json::Map<String, Value> {
+    output
+        .properties
+        .iter()
+        .map(|(k, v)| (k.clone(), Value::String(v.clone())))
+        .collect()
+}
+
+/// Splits and checks `POOL/NAME@SNAPSHOT` (a dataset's snapshot).
+fn split_dataset_snapshot_name(name: &str) -> CliResult<(&str, &str)> {
+    let (dataset, snapshot) = name
+        .split_once('@')
+        .ok_or_else(|| CliError(format!("invalid snapshot name '{name}': expected POOL/NAME@SNAPSHOT")))?;
+    split_dataset_name(dataset)?;
+    check_snapshot_part(name, snapshot)?;
+    Ok((dataset, snapshot))
+}
+
 fn run_fs(args: FsArgs) -> CliResult<String> {
-    let creating = matches!(args.command, FsCommand::Create { .. });
+    let creating = matches!(args.command, FsCommand::Create { .. } | FsCommand::Clone { .. });
     let output = parse_options_for("fs", &args.client, creating)?;
     // Names and assignments are checked here; values by the daemon.
     match args.command {
         FsCommand::Create { name } => {
             split_dataset_name(&name)?;
-            let properties: serde_json::Map<String, Value> = output
-                .properties
-                .iter()
-                .map(|(k, v)| (k.clone(), Value::String(v.clone())))
-                .collect();
             let client = Client::new(&args.client)?;
-            let body = json!({ "name": name, "properties": properties });
+            let body = json!({ "name": name, "properties": string_properties(&output) });
             let info: DatasetInfo = client.send("POST", "/v1/filesystems", Some(body))?;
             Ok(if output.json { pretty(&info) } else { String::new() })
+        }
+        FsCommand::Clone { origin, name } => {
+            let (dataset, snapshot) = split_dataset_snapshot_name(&origin)?;
+            split_dataset_name(&name)?;
+            let client = Client::new(&args.client)?;
+            let body = json!({ "name": name, "properties": string_properties(&output) });
+            let info: DatasetInfo = client.send(
+                "POST",
+                &format!("{}/snapshots/{snapshot}/clone", dataset_path(dataset)),
+                Some(body),
+            )?;
+            Ok(if output.json { pretty(&info) } else { String::new() })
+        }
+        FsCommand::Rollback { name, destroy_newer } => {
+            let (dataset, snapshot) = split_dataset_snapshot_name(&name)?;
+            Client::new(&args.client)?.call(
+                "POST",
+                &format!("{}/snapshots/{snapshot}/rollback", dataset_path(dataset)),
+                Some(json!({ "destroy_newer": destroy_newer })),
+            )?;
+            Ok(String::new())
         }
         FsCommand::List => {
             let datasets: Vec<DatasetInfo> = Client::new(&args.client)?.get("/v1/filesystems")?;
@@ -809,7 +864,8 @@ fn run_fs(args: FsArgs) -> CliResult<String> {
                     .cloned()
                     .collect::<Vec<_>>(),
             );
-            if !(properties.is_empty() || properties.iter().any(|p| p == "all")) {
+            let all = properties.is_empty() || properties.iter().any(|p| p == "all");
+            if !all {
                 for property in &properties {
                     if !info.properties.contains_key(property) {
                         return Err(CliError(format!(
@@ -824,7 +880,7 @@ fn run_fs(args: FsArgs) -> CliResult<String> {
             if output.json {
                 return Ok(pretty(&info));
             }
-            let rows: Vec<Vec<String>> = wanted
+            let mut rows: Vec<Vec<String>> = wanted
                 .iter()
                 .filter_map(|property| {
                     let value = info.properties.get(property)?;
@@ -835,6 +891,9 @@ fn run_fs(args: FsArgs) -> CliResult<String> {
                     ])
                 })
                 .collect();
+            if let (Some(origin), true) = (&info.origin, all) {
+                rows.push(vec![info.name.clone(), "origin".into(), origin.clone()]);
+            }
             use Align::*;
             Ok(table(&[("NAME", Left), ("PROPERTY", Left), ("VALUE", Left)], &rows))
         }
@@ -866,11 +925,7 @@ fn run_fs(args: FsArgs) -> CliResult<String> {
             Ok(String::new())
         }
         FsCommand::Snapshot { name } => {
-            let (dataset, snapshot) = name
-                .split_once('@')
-                .ok_or_else(|| CliError(format!("invalid snapshot name '{name}': expected POOL/NAME@SNAPSHOT")))?;
-            split_dataset_name(dataset)?;
-            check_snapshot_part(&name, snapshot)?;
+            let (dataset, snapshot) = split_dataset_snapshot_name(&name)?;
             let client = Client::new(&args.client)?;
             let info: DatasetSnapshotInfo = client.send(
                 "POST",

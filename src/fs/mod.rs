@@ -307,12 +307,7 @@ impl FileSystem {
         }
         let unlogged: Vec<u64> = self.unlogged.lock_or_abort().drain().collect();
         for ino in unlogged {
-            let gate = self.pool.enter_write(self.dataset).await;
-            let mut ns = self.namespace.lock_or_abort();
-            if let Some(row) = ns.inodes.get(&ino).filter(|r| r.nlink > 0).cloned() {
-                self.pool.log_namespace(&mut ns, vec![NsOp::Inode { ino, row }]);
-            }
-            drop(gate);
+            self.log_row(ino).await;
         }
         self.engine.flush().await.map_err(block_error)?;
         let taken = self
@@ -328,6 +323,17 @@ impl FileSystem {
             })?;
         drop(quiet);
         Ok(taken.into_iter().next().expect("one snapshot per request"))
+    }
+
+    /// Logs inode `ino`'s row as it is now (its size and times were only
+    /// in memory), unless the file is removed.
+    async fn log_row(&self, ino: u64) {
+        let gate = self.pool.enter_write(self.dataset).await;
+        let mut ns = self.namespace.lock_or_abort();
+        if let Some(row) = ns.inodes.get(&ino).filter(|r| r.nlink > 0).cloned() {
+            self.pool.log_namespace(&mut ns, vec![NsOp::Inode { ino, row }]);
+        }
+        drop(gate);
     }
 
     pub fn recordsize(&self) -> u32 {
@@ -357,6 +363,36 @@ impl FileSystem {
         let result = self.pool.destroy_snapshot(info.id).await.map_err(pool_error);
         self.snapshots.lock_or_abort().remove(&info.id);
         result
+    }
+
+    /// Rolls the dataset back to snapshot `name`, its newest: its files,
+    /// directories and data become the snapshot's again, and everything
+    /// written since is discarded (committed or not). Calls under way
+    /// finish first. Handles of files the snapshot has stay valid (their
+    /// contents and times go back); those of files made since get
+    /// NFS3ERR_STALE.
+    pub async fn rollback(&self, name: &str) -> Result<(), FsError> {
+        if self.snapshot_of.is_some() {
+            return Err(FsError::ReadOnly);
+        }
+        let info = self.pool.snapshot_named(self.dataset, name).ok_or(FsError::NoEnt)?;
+        let quiet = self.quiesce.write().await;
+        if *quiet {
+            return Err(FsError::Stale);
+        }
+        // Sizes and times only in memory belong to what is undone.
+        self.unlogged.lock_or_abort().clear();
+        self.pool.rollback(&self.engine, info.id).await.map_err(|e| match e {
+            PoolError::Invalid(message) => FsError::Io(message),
+            other => pool_error(other),
+        })?;
+        drop(quiet);
+        // Files the snapshot holds removed but not yet freed.
+        let reaping = self.namespace.lock_or_abort().reaping();
+        for ino in reaping {
+            self.reap(ino).await?;
+        }
+        Ok(())
     }
 
     /// The read-only file system of snapshot `id` of this dataset (opened
@@ -1032,13 +1068,7 @@ impl FileSystem {
             self.row(&ns, handle)?;
         }
         if self.unlogged.lock_or_abort().remove(&handle.ino) {
-            let gate = self.pool.enter_write(self.dataset).await;
-            let mut ns = self.namespace.lock_or_abort();
-            if let Some(row) = ns.inodes.get(&handle.ino).filter(|r| r.nlink > 0).cloned() {
-                self.pool
-                    .log_namespace(&mut ns, vec![NsOp::Inode { ino: handle.ino, row }]);
-            }
-            drop(gate);
+            self.log_row(handle.ino).await;
         }
         self.engine.flush().await.map_err(block_error)?;
         self.pool.commit().await.map_err(pool_error)

@@ -466,3 +466,135 @@ fn a_write_during_a_chmod_keeps_its_size_for_the_commit() {
         assert_eq!(data, [5u8; 8192]);
     });
 }
+
+const CLONE: u32 = 77;
+
+/// The tree [`build`] made, with /u of 6,000 bytes: what snapshot `s1`
+/// of [`a_rollback_and_a_clone_bring_a_snapshot_back`] holds.
+async fn check_as_at_s1(fs: &FileSystem, a: &Handle) {
+    let root = fs.root();
+    let cred = Cred::root();
+    assert_eq!(names(fs, &root), [".", "..", "a", "d", "l", "u"]);
+    let (found, attr) = fs.lookup(&root, b"a", &cred).unwrap();
+    assert_eq!((found.ino, attr.size, attr.nlink), (a.ino, 10_000, 2));
+    let (data, _) = fs.read(&found, &cred, 0, 20_000).await.unwrap();
+    assert_eq!(data, (0..10_000u32).map(|i| (i % 251) as u8).collect::<Vec<_>>());
+    let (d, _) = fs.lookup(&root, b"d", &cred).unwrap();
+    assert_eq!(fs.lookup(&d, b"b", &cred).unwrap().0, found);
+    let (u, attr) = fs.lookup(&root, b"u", &cred).unwrap();
+    assert_eq!(attr.size, 6_000);
+    assert_eq!(fs.read(&u, &cred, 0, 8_000).await.unwrap().0, vec![5u8; 6_000]);
+}
+
+/// A clone of a snapshot: /a rewritten, /c added after it was made.
+async fn check_clone(clone: &FileSystem) {
+    let root = clone.root();
+    let cred = Cred::root();
+    assert_eq!(names(clone, &root), [".", "..", "a", "d", "l", "u", "c"]);
+    let (a, attr) = clone.lookup(&root, b"a", &cred).unwrap();
+    assert_eq!(attr.size, 10_000);
+    let (data, _) = clone.read(&a, &cred, 0, 4096).await.unwrap();
+    assert_eq!(data, vec![0x77; 4096], "the clone's own write");
+    let (c, _) = clone.lookup(&root, b"c", &cred).unwrap();
+    assert_eq!(clone.read(&c, &cred, 0, 100).await.unwrap().0, vec![3u8; 100]);
+}
+
+#[test]
+fn a_rollback_and_a_clone_bring_a_snapshot_back() {
+    block_on(async {
+        let sim = SimDevice::new(160 << 20, 11);
+        let pool = new_pool(&sim).await;
+        let fs = FileSystem::open(&pool, DATASET, 16 << 10, 0).await.unwrap();
+        let cred = Cred::root();
+        let root = fs.root();
+        let (a, d) = build(&fs).await;
+        let (u, _) = fs
+            .create(&root, b"u", &cred, CreateHow::Guarded(attrs(0o644)))
+            .await
+            .unwrap();
+        fs.write(&u, &cred, 0, &[5u8; 6_000], Stable::Unstable).await.unwrap();
+        let s1 = fs.snapshot("s1").await.unwrap();
+
+        // Changes after it, a file made since among them.
+        fs.write(&a, &cred, 0, &[0xee; 4096], Stable::FileSync).await.unwrap();
+        fs.remove(&d, b"b", &cred).await.unwrap();
+        fs.remove(&root, b"a", &cred).await.unwrap();
+        fs.rename(&root, b"l", &root, b"l2", &cred).await.unwrap();
+        fs.write(&u, &cred, 0, &[9u8; 20_000], Stable::Unstable).await.unwrap();
+        let (later, _) = fs
+            .create(&root, b"later", &cred, CreateHow::Guarded(attrs(0o644)))
+            .await
+            .unwrap();
+        fs.write(&later, &cred, 0, &[1u8; 50_000], Stable::FileSync)
+            .await
+            .unwrap();
+
+        // A clone starts as the snapshot and changes on its own.
+        pool.create_clone(CLONE, s1.id).await.unwrap();
+        let clone = FileSystem::open(&pool, CLONE, 16 << 10, 0).await.unwrap();
+        check_as_at_s1(&clone, &a).await;
+        let clone_root = clone.root();
+        assert_eq!(clone_root.dataset, CLONE);
+        let (ca, _) = clone.lookup(&clone_root, b"a", &cred).unwrap();
+        clone
+            .write(&ca, &cred, 0, &[0x77; 4096], Stable::FileSync)
+            .await
+            .unwrap();
+        let (c, _) = clone
+            .create(&clone_root, b"c", &cred, CreateHow::Guarded(attrs(0o644)))
+            .await
+            .unwrap();
+        clone.write(&c, &cred, 0, &[3u8; 100], Stable::FileSync).await.unwrap();
+        check_clone(&clone).await;
+        assert_eq!(
+            fs.getattr(&ca),
+            Err(FsError::Stale),
+            "a clone's handle is not the dataset's"
+        );
+
+        // A newer snapshot stands in the way.
+        fs.snapshot("s2").await.unwrap();
+        assert!(matches!(fs.rollback("s1").await, Err(FsError::Io(_))));
+        fs.destroy_snapshot("s2").await.unwrap();
+        assert_eq!(fs.rollback("nope").await, Err(FsError::NoEnt));
+
+        fs.rollback("s1").await.unwrap();
+        check_as_at_s1(&fs, &a).await;
+        assert_eq!(
+            fs.getattr(&a).unwrap().size,
+            10_000,
+            "a handle the snapshot has stays valid"
+        );
+        assert_eq!(fs.getattr(&later), Err(FsError::Stale), "a file made since is gone");
+        let (again, _) = fs
+            .create(&root, b"later", &cred, CreateHow::Guarded(attrs(0o644)))
+            .await
+            .unwrap();
+        assert_ne!(again, later, "a new file never gets the handle of one rolled back");
+        assert_eq!(fs.getattr(&later), Err(FsError::Stale));
+        fs.remove(&root, b"later", &cred).await.unwrap();
+        check_clone(&clone).await;
+        let snap = fs.snapshot_fs(s1.id).unwrap();
+        check_as_at_s1(&snap, &a).await;
+        drop(snap);
+
+        // Power loss: the log replays the clone and the rollback in order.
+        drop(clone);
+        let (pool, fs) = power_loss(&sim, (pool, fs)).await;
+        check_as_at_s1(&fs, &a).await;
+        assert_eq!(fs.getattr(&later), Err(FsError::Stale));
+        let clone = FileSystem::open(&pool, CLONE, 16 << 10, 0).await.unwrap();
+        check_clone(&clone).await;
+
+        // From the metadata store's rows.
+        pool.checkpoint().await.unwrap();
+        drop(clone);
+        let (pool, fs) = power_loss(&sim, (pool, fs)).await;
+        check_as_at_s1(&fs, &a).await;
+        assert_eq!(fs.getattr(&later), Err(FsError::Stale));
+        let clone = FileSystem::open(&pool, CLONE, 16 << 10, 0).await.unwrap();
+        check_clone(&clone).await;
+        // The snapshot has a clone: the pool keeps it.
+        assert!(fs.destroy_snapshot("s1").await.is_err());
+    });
+}

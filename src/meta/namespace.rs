@@ -275,6 +275,33 @@ impl Namespace {
         })
     }
 
+    /// Becomes `kept`'s tree again (a rollback to the snapshot that holds
+    /// it), under its own dataset id. The next generation stays the larger
+    /// of the two: a handle of a file made after the snapshot must never
+    /// name a file made after the rollback. Every row either tree has is
+    /// marked changed, so the next checkpoint replaces the stored rows.
+    pub fn roll_back_to(&mut self, kept: &Namespace) {
+        let old_entries: Vec<(u64, u64)> = self
+            .dirs
+            .iter()
+            .flat_map(|(dir, entries)| entries.entries.keys().map(move |cookie| (*dir, *cookie)))
+            .collect();
+        self.dirty_entries.extend(old_entries);
+        self.dirty_entries.extend(
+            kept.dirs
+                .iter()
+                .flat_map(|(dir, entries)| entries.entries.keys().map(move |cookie| (*dir, *cookie))),
+        );
+        self.dirty_inodes.extend(self.inodes.keys().copied());
+        self.dirty_inodes.extend(kept.inodes.keys().copied());
+        self.dirty_state = true;
+        self.inodes = kept.inodes.clone();
+        self.dirs = kept.dirs.clone();
+        self.free = kept.free.clone();
+        self.next_ino = kept.next_ino;
+        self.next_generation = self.next_generation.max(kept.next_generation);
+    }
+
     /// Removed inodes whose data is not freed yet (after a restart).
     pub fn reaping(&self) -> Vec<u64> {
         let mut inos: Vec<u64> = self

@@ -63,9 +63,11 @@ impl Pool {
     }
 
     /// A snapshot of a file dataset gets a copy of the dataset's namespace
-    /// as it is at the snapshot's record: called where the record is
-    /// appended (under the gate) and where it is replayed, so both see the
-    /// namespace at the same place in the log. Nothing for a volume.
+    /// as it is at the snapshot's record (and a clone of such a snapshot a
+    /// copy of the snapshot's, at the `Clone` record): called where the
+    /// record is appended (under the gate) and where it is replayed, so
+    /// both see the namespace at the same place in the log. Nothing for a
+    /// volume.
     pub(super) fn copy_namespace(&self, dataset: u32, snapshot: u32) {
         let source = {
             let namespaces = self.namespaces.lock_or_abort();
@@ -84,6 +86,18 @@ impl Pool {
                 .entry(snapshot)
                 .or_insert_with(|| Arc::new(Mutex::new(copy)));
         }
+    }
+
+    /// A rollback of file dataset `dataset` to its snapshot `snapshot`
+    /// gives it the snapshot's namespace back: called where the `Rollback`
+    /// record is appended (under the gate) and where it is replayed, like
+    /// [`Pool::copy_namespace`]. Nothing for a volume.
+    pub(super) fn roll_back_namespace(&self, dataset: u32, snapshot: u32) {
+        let (Some(live), Some(kept)) = (self.existing_namespace(dataset), self.existing_namespace(snapshot)) else {
+            return;
+        };
+        let kept = kept.lock_or_abort();
+        live.lock_or_abort().roll_back_to(&kept);
     }
 
     /// The namespace of dataset or snapshot `id`, if it has one (never

@@ -604,13 +604,17 @@ impl Pool {
                 .map_err(PoolError::Meta)?,
             Record::Rollback { volume, snapshot } => {
                 let freed = self.apply_rollback(volume, snapshot)?;
+                self.roll_back_namespace(volume, snapshot);
                 let mut allocator = self.allocator.lock_or_abort();
                 for (device, offset) in freed {
                     // Already free if the checkpoint came after this record.
                     let _ = allocator.free(device, offset);
                 }
             }
-            Record::Clone { volume, origin } => self.apply_clone(volume, origin),
+            Record::Clone { volume, origin } => {
+                self.apply_clone(volume, origin);
+                self.copy_namespace(origin, volume);
+            }
             Record::ClonePage { volume, page } => self.apply_clone_page(volume, page).map_err(PoolError::Meta)?,
             Record::Promote { volume, origin } => self.apply_promote(volume, origin)?,
             Record::DestroySnapshot { snapshot } => {

@@ -1187,6 +1187,7 @@ impl Pool {
             let _gate = self.gate(id).read().await;
             let _copying = self.page_copy.lock_or_abort();
             let freed = self.apply_rollback(id, snapshot)?;
+            self.roll_back_namespace(id, snapshot);
             self.log.append_frees(Record::Rollback { volume: id, snapshot }, freed);
         }
         self.read_cache.invalidate_volume(id);
@@ -1627,6 +1628,8 @@ impl Pool {
             drop(snapshots);
             let _copying = self.page_copy.lock_or_abort();
             self.apply_clone(volume, origin);
+            // A clone of a file dataset's snapshot starts with its files.
+            self.copy_namespace(origin, volume);
             self.log.append(Record::Clone { volume, origin });
         }
         self.commit().await
@@ -1684,8 +1687,25 @@ impl Pool {
     /// clone sees its origin's where it has no page of its own).
     pub(super) fn count_view_blocks(&self, volume: u32, size_bytes: u64, volblocksize: u32) -> Result<u64, MetaError> {
         let blocks = size_bytes.div_ceil(volblocksize as u64);
+        let pages = blocks.div_ceil(MAP_ENTRIES_PER_PAGE);
+        // Only pages someone in its ancestry has can map anything (a file
+        // dataset's engine object is so large that walking every page
+        // index would never end): its own, and those of each origin's
+        // volume and that volume's snapshots, up the chain of origins.
+        let mut owners = vec![volume];
+        let mut next = self.origin_of(volume);
+        while let Some(origin) = next.filter(|o| !owners.contains(o)) {
+            let Some(info) = self.snapshot(origin) else { break };
+            owners.push(info.volume);
+            owners.extend(self.snapshots_of(info.volume).into_iter().map(|s| s.id));
+            next = self.origin_of(info.volume);
+        }
+        let mut indexes = std::collections::BTreeSet::new();
+        for owner in owners {
+            indexes.extend(self.own_pages(owner)?.into_iter().filter(|index| *index < pages));
+        }
         let mut mapped = 0;
-        for index in 0..blocks.div_ceil(MAP_ENTRIES_PER_PAGE) {
+        for index in indexes {
             mapped += self
                 .view_entries(volume, index)?
                 .iter()

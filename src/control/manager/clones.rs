@@ -212,7 +212,7 @@ impl VolumeManager {
 /// between `clone`'s two steps): nothing refers to them.
 pub(super) async fn remove_unnamed_clones(pool_name: &str, pool: &Pool, record: &PoolRecord) {
     for (volume, _) in pool.clones() {
-        if record.volumes.values().any(|v| v.id == volume) {
+        if record.volumes.values().any(|v| v.id == volume) || record.datasets.values().any(|d| d.id == volume) {
             continue;
         }
         match pool.destroy_volume(volume).await {

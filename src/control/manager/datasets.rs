@@ -59,6 +59,9 @@ pub struct DatasetInfo {
     pub used_bytes: u64,
     /// Every property's value (set or default).
     pub properties: BTreeMap<String, String>,
+    /// The snapshot it is a clone of (`POOL/NAME@SNAPSHOT`), if it is one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub origin: Option<String>,
 }
 
 /// What `fs snapshots` shows of a dataset's snapshot.
@@ -189,6 +192,26 @@ fn split_dataset_snapshot(text: &str) -> Result<(&str, &str), AdminError> {
     Ok((dataset, snapshot))
 }
 
+/// Adds dataset `short`'s record to pool `pool` of `catalog` (which has
+/// it), with a new id.
+fn add_dataset_record(
+    catalog: &mut Catalog,
+    pool: &str,
+    short: &str,
+    properties: BTreeMap<String, String>,
+) -> DatasetRecord {
+    let pool_record = catalog.pools.get_mut(pool).expect("the caller found the pool");
+    let id = pool_record.next_volume_id.max(1);
+    pool_record.next_volume_id = id + 1;
+    let record = DatasetRecord {
+        id,
+        created_unix: now_unix(),
+        properties,
+    };
+    pool_record.datasets.insert(short.to_string(), record.clone());
+    record
+}
+
 /// Opens a dataset of an open pool.
 pub(super) async fn open_dataset(pool: &Arc<Pool>, record: &DatasetRecord) -> Result<OpenDataset, AdminError> {
     let fs = FileSystem::open(
@@ -225,6 +248,10 @@ impl VolumeManager {
             .iter()
             .map(|(key, _, _)| (key.to_string(), value(&record.properties, key).to_string()))
             .collect();
+        let origin = self.pool(pool).and_then(|handle| {
+            let snapshot = handle.snapshot(handle.origin_of(record.id)?)?;
+            Some(self.snapshot_name(catalog, pool, &snapshot))
+        });
         Ok(DatasetInfo {
             name: name.to_string(),
             export: format!("/{name}"),
@@ -233,6 +260,7 @@ impl VolumeManager {
             files,
             used_bytes,
             properties,
+            origin,
         })
     }
 
@@ -276,15 +304,7 @@ impl VolumeManager {
             .pool(pool)
             .ok_or_else(|| AdminError::Internal(format!("pool '{pool}' is in the catalog but not open")))?;
         let mut updated = catalog.clone();
-        let pool_record = updated.pools.get_mut(pool).expect("checked above");
-        let id = pool_record.next_volume_id.max(1);
-        pool_record.next_volume_id = id + 1;
-        let record = DatasetRecord {
-            id,
-            created_unix: now_unix(),
-            properties: props,
-        };
-        pool_record.datasets.insert(short.to_string(), record.clone());
+        let record = add_dataset_record(&mut updated, pool, short, props);
         // The catalog first: a crash before the root directory is logged
         // leaves a dataset that gets its root at the next open.
         updated
@@ -297,6 +317,114 @@ impl VolumeManager {
             .unwrap_or_else(|e| e.into_inner())
             .insert(name.to_string(), opened);
         self.dataset_info(&catalog, name)
+    }
+
+    /// Creates dataset `name` (`POOL/NEW`, same pool) as a writable clone
+    /// of snapshot `origin` (`POOL/NAME@SNAPSHOT`): instant, its files
+    /// those of the snapshot, sharing their data until they change. It
+    /// takes the origin dataset's properties but its schedule;
+    /// `properties` override them (`recordsize` cannot change).
+    pub fn fs_clone(
+        &self,
+        origin: &str,
+        name: &str,
+        properties: &[(String, String)],
+    ) -> Result<DatasetInfo, AdminError> {
+        let (origin_dataset, snapshot_name) = split_dataset_snapshot(origin)?;
+        let (origin_pool, origin_short) = split_volume_name(origin_dataset)?;
+        let (pool, short) = split_volume_name(name)?;
+        if origin_pool != pool {
+            return Err(AdminError::Invalid(format!(
+                "a clone lives in its origin's pool: '{name}' is not in pool '{origin_pool}'"
+            )));
+        }
+        let mut catalog = self.catalog();
+        let missing = || AdminError::NotFound(format!("snapshot '{origin}' does not exist"));
+        let pool_record = catalog.pools.get(pool).ok_or_else(missing)?;
+        let source = pool_record.datasets.get(origin_short).ok_or_else(missing)?;
+        if pool_record.datasets.contains_key(short) || pool_record.volumes.contains_key(short) {
+            return Err(AdminError::AlreadyExists(format!(
+                "'{name}' already exists (volumes and datasets share names)"
+            )));
+        }
+        let pool_handle = self.pool(pool).ok_or_else(missing)?;
+        let snapshot = pool_handle
+            .snapshot_named(source.id, snapshot_name)
+            .ok_or_else(missing)?;
+        let mut props = source.properties.clone();
+        // Like a volume's clone: a copy must not start taking (and
+        // pruning) snapshots because its origin does.
+        props.remove("snapshot.schedule");
+        for (key, value) in properties {
+            let value = canonical_dataset_value(key, value)?;
+            if key == "recordsize" && value != recordsize(&props).to_string() {
+                return Err(AdminError::Invalid(format!(
+                    "a clone keeps its origin's recordsize ({}): it shares its data",
+                    recordsize(&props)
+                )));
+            }
+            props.insert(key.clone(), value);
+        }
+        let mut updated = catalog.clone();
+        let record = add_dataset_record(&mut updated, pool, short, props);
+        // The engine first: a crash before the catalog names the clone
+        // leaves an engine clone no dataset has, removed at the next start.
+        self.runtime
+            .block_on(pool_handle.create_clone(record.id, snapshot.id))
+            .map_err(|e| internal("cannot create the clone", e))?;
+        let opened = updated
+            .save(&self.data_dir)
+            .map_err(|e| internal("cannot save catalog", e))
+            .and_then(|()| self.runtime.block_on(open_dataset(&pool_handle, &record)));
+        let opened = match opened {
+            Ok(opened) => opened,
+            Err(e) => {
+                if let Err(undo) = self.runtime.block_on(pool_handle.destroy_volume(record.id)) {
+                    tracing::error!("clone {name} failed and could not be undone: {undo}");
+                }
+                return Err(e);
+            }
+        };
+        catalog.set(updated);
+        self.datasets
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(name.to_string(), opened);
+        tracing::info!("dataset {name} cloned from {origin}");
+        self.dataset_info(&catalog, name)
+    }
+
+    /// Rolls dataset `POOL/NAME` back to its snapshot `POOL/NAME@SNAPSHOT`:
+    /// its files become the snapshot's again, everything written since is
+    /// discarded. It must be the newest snapshot, unless `destroy_newer`
+    /// (`-r`), which destroys the newer ones first (refused if one has
+    /// clones). NFS clients stay mounted: calls under way finish first.
+    pub fn fs_rollback(&self, name: &str, destroy_newer: bool) -> Result<(), AdminError> {
+        let (dataset, snapshot) = split_dataset_snapshot(name)?;
+        let fs = self.open_fs(dataset)?;
+        let snapshots = fs.snapshot_list();
+        let target = snapshots
+            .iter()
+            .find(|s| s.name == snapshot)
+            .ok_or_else(|| AdminError::NotFound(format!("snapshot '{name}' does not exist")))?;
+        let newer: Vec<&SnapshotInfo> = snapshots.iter().filter(|s| s.generation > target.generation).collect();
+        if !newer.is_empty() && !destroy_newer {
+            let names: Vec<String> = newer.iter().map(|s| format!("@{}", s.name)).collect();
+            return Err(AdminError::Invalid(format!(
+                "more recent snapshots of '{dataset}' exist ({}): destroy them, or roll back with -r to destroy them",
+                names.join(", ")
+            )));
+        }
+        for snapshot in newer.iter().rev() {
+            self.fs_snapshot_destroy(&format!("{dataset}@{}", snapshot.name))?;
+        }
+        self.runtime.block_on(fs.rollback(snapshot)).map_err(|e| match e {
+            FsError::NoEnt => AdminError::NotFound(format!("snapshot '{name}' does not exist")),
+            FsError::Io(message) => AdminError::Invalid(message),
+            other => AdminError::Internal(format!("rolling {dataset} back: {other:?}")),
+        })?;
+        tracing::info!("dataset {dataset} rolled back to {name}");
+        Ok(())
     }
 
     /// Sets properties (all validated first, saved in one catalog update).
@@ -404,6 +532,24 @@ impl VolumeManager {
     pub fn fs_snapshot_destroy(&self, name: &str) -> Result<(), AdminError> {
         let (dataset, snapshot) = split_dataset_snapshot(name)?;
         let fs = self.open_fs(dataset)?;
+        let (pool, _) = split_volume_name(dataset)?;
+        if let (Some(info), Some(pool_handle)) = (
+            fs.snapshot_list().into_iter().find(|s| s.name == snapshot),
+            self.pool(pool),
+        ) {
+            let clones: Vec<u32> = pool_handle
+                .clones()
+                .into_iter()
+                .filter(|(_, origin)| *origin == info.id)
+                .map(|(clone, _)| clone)
+                .collect();
+            if !clones.is_empty() {
+                return Err(AdminError::Busy(format!(
+                    "snapshot '{name}' has clones ({}): destroy them first",
+                    Self::clone_names(&self.catalog(), pool, &clones)
+                )));
+            }
+        }
         self.runtime
             .block_on(fs.destroy_snapshot(snapshot))
             .map_err(|e| match e {

@@ -515,8 +515,17 @@ impl VolumeManager {
         catalog
             .pools
             .get(pool)
-            .and_then(|p| p.volumes.iter().find(|(_, record)| record.id == id))
-            .map(|(name, _)| full_name(pool, name))
+            .and_then(|p| {
+                p.volumes
+                    .iter()
+                    .find_map(|(name, record)| (record.id == id).then_some(name))
+                    .or_else(|| {
+                        p.datasets
+                            .iter()
+                            .find_map(|(name, record)| (record.id == id).then_some(name))
+                    })
+            })
+            .map(|name| full_name(pool, name))
             .unwrap_or_else(|| format!("{pool}/#{id}"))
     }
 
