@@ -619,29 +619,53 @@ impl FileSystem {
 
     /// Runs a namespace change: `change` checks and returns the operations
     /// (applied and logged as one record) and its result; the record is
-    /// durable before this returns.
-    async fn change<T>(&self, change: impl FnOnce(&mut Namespace, Time) -> FsResult<(Vec<NsOp>, T)>) -> FsResult<T> {
+    /// durable before this returns. Returns with it the attributes of the
+    /// `watched` objects right before and after the change, taken under
+    /// the namespace lock with it (`None`: the object is gone).
+    async fn change<T, const N: usize>(
+        &self,
+        watched: [&Handle; N],
+        change: impl FnOnce(&mut Namespace, Time) -> FsResult<(Vec<NsOp>, T)>,
+    ) -> FsResult<(T, [Option<Wcc>; N])> {
         let _entered = self.enter_change().await?;
-        self.change_entered(change).await
+        self.change_entered(watched, change).await
     }
 
     /// [`FileSystem::change`] in a call that entered already.
-    async fn change_entered<T>(
+    async fn change_entered<T, const N: usize>(
         &self,
+        watched: [&Handle; N],
         change: impl FnOnce(&mut Namespace, Time) -> FsResult<(Vec<NsOp>, T)>,
-    ) -> FsResult<T> {
+    ) -> FsResult<(T, [Option<Wcc>; N])> {
         let gate = self.pool.enter_write(self.dataset).await;
         let value = {
             let mut ns = self.namespace.lock_or_abort();
+            let before = watched.map(|handle| self.live_attr(&ns, handle));
             let (ops, value) = change(&mut ns, Time::now())?;
             if !ops.is_empty() {
                 self.pool.log_namespace(&mut ns, ops);
             }
-            value
+            let mut wcc = [None; N];
+            for (i, handle) in watched.iter().enumerate() {
+                wcc[i] = self.live_attr(&ns, handle).map(|after| Wcc {
+                    before: before[i].as_ref().map(PreAttr::from),
+                    after,
+                });
+            }
+            (value, wcc)
         };
         drop(gate);
         self.pool.commit().await.map_err(pool_error)?;
         Ok(value)
+    }
+
+    /// The attributes of the live object `handle` names, if it does.
+    fn live_attr(&self, ns: &Namespace, handle: &Handle) -> Option<Attr> {
+        if handle.dataset != self.dataset {
+            return None;
+        }
+        let row = ns.inodes.get(&handle.ino)?;
+        (row.generation == handle.generation && row.nlink > 0).then(|| self.attr(handle.ino, row))
     }
 
     pub fn getattr(&self, handle: &Handle) -> FsResult<Attr> {
@@ -655,7 +679,8 @@ impl FileSystem {
 
     /// Sets attributes. `guard`: SETATTR's ctime guard (seconds compared
     /// as NFS's 32 bits carry them): `NotSync` when the file's differs.
-    pub async fn setattr(&self, handle: &Handle, cred: &Cred, set: SetAttrs, guard: Option<Time>) -> FsResult<Attr> {
+    /// Returns the file's attributes around the change.
+    pub async fn setattr(&self, handle: &Handle, cred: &Cred, set: SetAttrs, guard: Option<Time>) -> FsResult<Wcc> {
         let guarded = |row: &InodeRow| match guard {
             Some(t) if (row.ctime.seconds as u32, row.ctime.nanos) != (t.seconds as u32, t.nanos) => {
                 Err(FsError::NotSync)
@@ -681,8 +706,8 @@ impl FileSystem {
                 self.discard(handle.ino, size, old_size).await?;
             }
         }
-        let attr = self
-            .change_entered(|ns, now| {
+        let ((), [wcc]) = self
+            .change_entered([handle], |ns, now| {
                 let row = self.row(ns, handle)?.clone();
                 guarded(&row)?;
                 self.check_setattr(&row, cred, &set)?;
@@ -715,16 +740,16 @@ impl FileSystem {
                     row.mtime = t;
                 }
                 row.ctime = now;
-                let attr = self.attr(handle.ino, &row);
                 // The row logged holds every write so far, so COMMIT need
                 // not log it again. Cleared here, under the namespace lock:
                 // after the commit's wait it would also clear the mark of a
                 // write that ran meanwhile, whose size no record would hold.
                 self.unlogged.lock_or_abort().remove(&handle.ino);
-                Ok((vec![NsOp::Inode { ino: handle.ino, row }], attr))
+                Ok((vec![NsOp::Inode { ino: handle.ino, row }], ()))
             })
             .await?;
-        Ok(attr)
+        // The file was live under the lock with the change.
+        wcc.ok_or(FsError::Stale)
     }
 
     fn check_setattr(&self, row: &InodeRow, cred: &Cred, set: &SetAttrs) -> FsResult<()> {
@@ -898,7 +923,7 @@ impl FileSystem {
     }
 
     /// Returns the bytes written, how durable they are and the file's
-    /// attributes after.
+    /// attributes around the write.
     pub async fn write(
         &self,
         handle: &Handle,
@@ -906,7 +931,7 @@ impl FileSystem {
         offset: u64,
         data: &[u8],
         stable: Stable,
-    ) -> FsResult<(u32, Stable, Attr)> {
+    ) -> FsResult<(u32, Stable, Wcc)> {
         let end = offset.checked_add(data.len() as u64).ok_or(FsError::FBig)?;
         if end > MAX_FILE_SIZE {
             return Err(FsError::FBig);
@@ -921,7 +946,10 @@ impl FileSystem {
         };
         let row = self.data_row(handle, cred, 2)?;
         if data.is_empty() {
-            return Ok((0, stable, self.attr(handle.ino, &row)));
+            // Nothing changes: one read of the attributes is both.
+            let after = self.attr(handle.ino, &row);
+            let before = Some(PreAttr::from(&after));
+            return Ok((0, stable, Wcc { before, after }));
         }
         let quota = self.quota.load(Ordering::Relaxed);
         if quota != 0 && end > row.size && self.engine_used() + (end - row.size) > quota {
@@ -933,7 +961,7 @@ impl FileSystem {
         // the data's own commit carries both (one commit, not two in turn).
         let log_row = stable == Stable::FileSync || (stable == Stable::DataSync && end > row.size);
         let now = Time::now();
-        let before = if log_row {
+        let logged = if log_row {
             Some(self.log_row_update(handle, end, now).await?)
         } else {
             None
@@ -948,19 +976,29 @@ impl FileSystem {
             self.write_unaligned(base, &row, offset, end, data, durable).await
         };
         if let Err(e) = written {
-            if let Some(size) = before {
+            if let Some((size, _, _)) = logged {
                 // The size logged ahead goes back (unless a later write
                 // grew the file further meanwhile).
                 let _ = self.undo_row_update(handle, size, end).await;
             }
             return Err(e);
         }
-        let attr = {
+        let wcc = {
             let gate = self.pool.enter_write(self.dataset).await;
             let mut ns = self.namespace.lock_or_abort();
             let row = match ns.inodes.get_mut(&handle.ino) {
                 Some(row) if row.generation == handle.generation => row,
                 _ => return Err(FsError::Stale),
+            };
+            let before = match logged {
+                // The row was changed when it was logged: `before` holds
+                // only if nothing changed it since (else the client would
+                // take another's change for its own).
+                Some((_, before, after)) => {
+                    let now_is = (row.size, row.mtime, row.ctime);
+                    (now_is == (after.size, after.mtime, after.ctime)).then_some(before)
+                }
+                None => Some(PreAttr::from(&self.attr(handle.ino, row))),
             };
             if !log_row {
                 row.size = row.size.max(end);
@@ -970,11 +1008,11 @@ impl FileSystem {
                 self.unlogged.lock_or_abort().insert(handle.ino);
             }
             let row = &ns.inodes[&handle.ino];
-            let attr = self.attr(handle.ino, row);
+            let after = self.attr(handle.ino, row);
             drop(gate);
-            attr
+            Wcc { before, after }
         };
-        Ok((data.len() as u32, stable.max(Stable::Unstable), attr))
+        Ok((data.len() as u32, stable.max(Stable::Unstable), wcc))
     }
 
     /// A write of a partial sector: read, merge, write the sectors whole
@@ -1003,8 +1041,8 @@ impl FileSystem {
 
     /// Grows the file's size to `end` and sets its times, logging its row
     /// (not committed: the write's commit that follows carries it).
-    /// Returns the size before.
-    async fn log_row_update(&self, handle: &Handle, end: u64, now: Time) -> FsResult<u64> {
+    /// Returns the size before, and the size and times before and after.
+    async fn log_row_update(&self, handle: &Handle, end: u64, now: Time) -> FsResult<(u64, PreAttr, PreAttr)> {
         let gate = self.pool.enter_write(self.dataset).await;
         let mut ns = self.namespace.lock_or_abort();
         let row = match ns.inodes.get_mut(&handle.ino) {
@@ -1012,15 +1050,18 @@ impl FileSystem {
             _ => return Err(FsError::Stale),
         };
         let before = row.size;
+        let pre = |row: &InodeRow| PreAttr::from(&self.attr(handle.ino, row));
+        let pre_before = pre(row);
         row.size = row.size.max(end);
         row.mtime = now;
         row.ctime = now;
+        let pre_after = pre(row);
         let row = row.clone();
         self.pool
             .log_namespace(&mut ns, vec![NsOp::Inode { ino: handle.ino, row }]);
         self.unlogged.lock_or_abort().remove(&handle.ino);
         drop(gate);
-        Ok(before)
+        Ok((before, pre_before, pre_after))
     }
 
     /// A write whose row was logged ahead failed: its size goes back to
@@ -1163,9 +1204,17 @@ impl FileSystem {
         Ok((changed.into_ops(ops), result))
     }
 
-    pub async fn create(&self, dir: &Handle, name: &[u8], cred: &Cred, how: CreateHow) -> FsResult<(Handle, Attr)> {
-        let (handle, attr, truncate) = self
-            .change(|ns, now| {
+    /// Creates (or, as `how` allows, finds) a regular file: its handle and
+    /// attributes, and the directory's attributes around the change.
+    pub async fn create(
+        &self,
+        dir: &Handle,
+        name: &[u8],
+        cred: &Cred,
+        how: CreateHow,
+    ) -> FsResult<(Handle, Attr, Option<Wcc>)> {
+        let ((handle, attr, truncate), [dir_wcc]) = self
+            .change([dir], |ns, now| {
                 let existing = self.check_insert(ns, dir, name, cred)?;
                 if let Some(ino) = existing {
                     let row = &ns.inodes[&ino];
@@ -1201,14 +1250,20 @@ impl FileSystem {
                     size: Some(size),
                     ..SetAttrs::default()
                 };
-                let attr = self.setattr(&handle, cred, set, None).await?;
-                Ok((handle, attr))
+                let attr = self.setattr(&handle, cred, set, None).await?.after;
+                Ok((handle, attr, dir_wcc))
             }
-            _ => Ok((handle, attr)),
+            _ => Ok((handle, attr, dir_wcc)),
         }
     }
 
-    pub async fn mkdir(&self, dir: &Handle, name: &[u8], cred: &Cred, attrs: SetAttrs) -> FsResult<(Handle, Attr)> {
+    pub async fn mkdir(
+        &self,
+        dir: &Handle,
+        name: &[u8],
+        cred: &Cred,
+        attrs: SetAttrs,
+    ) -> FsResult<(Handle, Attr, Option<Wcc>)> {
         self.make(dir, name, cred, FileType::Directory, attrs, |_| {}).await
     }
 
@@ -1219,7 +1274,7 @@ impl FileSystem {
         cred: &Cred,
         target: &[u8],
         attrs: SetAttrs,
-    ) -> FsResult<(Handle, Attr)> {
+    ) -> FsResult<(Handle, Attr, Option<Wcc>)> {
         if target.len() > MAX_SYMLINK {
             return Err(FsError::NameTooLong);
         }
@@ -1245,7 +1300,7 @@ impl FileSystem {
         kind: FileType,
         rdev: (u32, u32),
         attrs: SetAttrs,
-    ) -> FsResult<(Handle, Attr)> {
+    ) -> FsResult<(Handle, Attr, Option<Wcc>)> {
         match kind {
             FileType::Block | FileType::Char => {
                 if cred.uid != 0 {
@@ -1266,8 +1321,8 @@ impl FileSystem {
         kind: FileType,
         attrs: SetAttrs,
         finish: impl FnOnce(&mut InodeRow),
-    ) -> FsResult<(Handle, Attr)> {
-        self.change(|ns, now| {
+    ) -> FsResult<(Handle, Attr, Option<Wcc>)> {
+        self.change([dir], |ns, now| {
             if self.check_insert(ns, dir, name, cred)?.is_some() {
                 return Err(FsError::Exist);
             }
@@ -1279,6 +1334,7 @@ impl FileSystem {
             self.insert_new(ns, dir.ino, name, row, now)
         })
         .await
+        .map(|((handle, attr), [dir_wcc])| (handle, attr, dir_wcc))
     }
 
     /// Checks that `cred` may remove `name` from `dir`: its cookie and inode.
@@ -1321,9 +1377,11 @@ impl FileSystem {
         has_data
     }
 
-    pub async fn remove(&self, dir: &Handle, name: &[u8], cred: &Cred) -> FsResult<()> {
-        let freed = self
-            .change(|ns, now| {
+    /// Removes a name (not a directory's): the directory's attributes
+    /// around the change.
+    pub async fn remove(&self, dir: &Handle, name: &[u8], cred: &Cred) -> FsResult<Option<Wcc>> {
+        let (freed, [dir_wcc]) = self
+            .change([dir], |ns, now| {
                 let (cookie, ino) = self.check_remove(ns, dir, name, cred)?;
                 if ns.inodes[&ino].kind == FileType::Directory {
                     return Err(FsError::IsDir);
@@ -1340,11 +1398,13 @@ impl FileSystem {
         if let Some(ino) = freed {
             self.reap(ino).await?;
         }
-        Ok(())
+        Ok(dir_wcc)
     }
 
-    pub async fn rmdir(&self, dir: &Handle, name: &[u8], cred: &Cred) -> FsResult<()> {
-        self.change(|ns, now| {
+    /// Removes an empty directory: its parent's attributes around the
+    /// change.
+    pub async fn rmdir(&self, dir: &Handle, name: &[u8], cred: &Cred) -> FsResult<Option<Wcc>> {
+        self.change([dir], |ns, now| {
             let (cookie, ino) = self.check_remove(ns, dir, name, cred)?;
             if ns.inodes[&ino].kind != FileType::Directory {
                 return Err(FsError::NotDir);
@@ -1362,6 +1422,7 @@ impl FileSystem {
             Ok((changed.into_ops(ops), ()))
         })
         .await
+        .map(|((), [dir_wcc])| dir_wcc)
     }
 
     pub async fn rename(
@@ -1371,9 +1432,9 @@ impl FileSystem {
         to_dir: &Handle,
         to_name: &[u8],
         cred: &Cred,
-    ) -> FsResult<()> {
-        let freed = self
-            .change(|ns, now| {
+    ) -> FsResult<[Option<Wcc>; 2]> {
+        let (freed, dirs_wcc) = self
+            .change([from_dir, to_dir], |ns, now| {
                 let (from_cookie, ino) = self.check_remove(ns, from_dir, from_name, cred)?;
                 let existing = self.check_insert(ns, to_dir, to_name, cred)?;
                 let moving_dir = ns.inodes[&ino].kind == FileType::Directory;
@@ -1452,11 +1513,13 @@ impl FileSystem {
         if let Some(ino) = freed {
             self.reap(ino).await?;
         }
-        Ok(())
+        Ok(dirs_wcc)
     }
 
-    pub async fn link(&self, file: &Handle, dir: &Handle, name: &[u8], cred: &Cred) -> FsResult<()> {
-        self.change(|ns, now| {
+    /// A new name for a file: the directory's attributes around the
+    /// change.
+    pub async fn link(&self, file: &Handle, dir: &Handle, name: &[u8], cred: &Cred) -> FsResult<Option<Wcc>> {
+        self.change([dir], |ns, now| {
             let row = self.row(ns, file)?;
             if row.kind == FileType::Directory {
                 return Err(FsError::IsDir);
@@ -1485,6 +1548,7 @@ impl FileSystem {
             Ok((changed.into_ops(ops), ()))
         })
         .await
+        .map(|((), [dir_wcc])| dir_wcc)
     }
 
     /// Frees a removed file's data, then lets its number be used again.

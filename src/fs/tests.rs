@@ -61,19 +61,19 @@ fn names(fs: &FileSystem, dir: &Handle) -> Vec<String> {
 /// (a hard link to /a), /l (symbolic link), /gone (removed).
 async fn build(fs: &FileSystem) -> (Handle, Handle) {
     let root = fs.root();
-    let (a, _) = fs
+    let (a, _, _) = fs
         .create(&root, b"a", &Cred::root(), CreateHow::Guarded(attrs(0o666)))
         .await
         .unwrap();
     let data: Vec<u8> = (0..10_000u32).map(|i| (i % 251) as u8).collect();
     let (n, _, attr) = fs.write(&a, &Cred::root(), 0, &data, Stable::FileSync).await.unwrap();
-    assert_eq!((n, attr.size), (10_000, 10_000));
-    let (d, _) = fs.mkdir(&root, b"d", &Cred::root(), attrs(0o777)).await.unwrap();
+    assert_eq!((n, attr.after.size), (10_000, 10_000));
+    let (d, _, _) = fs.mkdir(&root, b"d", &Cred::root(), attrs(0o777)).await.unwrap();
     fs.link(&a, &d, b"b", &Cred::root()).await.unwrap();
     fs.symlink(&root, b"l", &Cred::root(), b"d/b", SetAttrs::default())
         .await
         .unwrap();
-    let (gone, _) = fs
+    let (gone, _, _) = fs
         .create(&root, b"gone", &Cred::root(), CreateHow::Guarded(attrs(0o644)))
         .await
         .unwrap();
@@ -144,12 +144,12 @@ fn permissions_names_and_directories_are_checked() {
         // root's is closed to a user.
         let how = CreateHow::Guarded(attrs(0o644));
         assert_eq!(fs.getattr(&root).unwrap().mode, 0o1777);
-        let (locked, _) = fs.mkdir(&root, b"locked", &Cred::root(), attrs(0o755)).await.unwrap();
+        let (locked, _, _) = fs.mkdir(&root, b"locked", &Cred::root(), attrs(0o755)).await.unwrap();
         assert_eq!(
             fs.create(&locked, b"x", &user(), how).await.err(),
             Some(FsError::Access)
         );
-        let (home, _) = fs.mkdir(&root, b"home", &Cred::root(), attrs(0o755)).await.unwrap();
+        let (home, _, _) = fs.mkdir(&root, b"home", &Cred::root(), attrs(0o755)).await.unwrap();
         fs.setattr(
             &home,
             &Cred::root(),
@@ -162,7 +162,7 @@ fn permissions_names_and_directories_are_checked() {
         )
         .await
         .unwrap();
-        let (f, attr) = fs.create(&home, b"f", &user(), how).await.unwrap();
+        let (f, attr, _) = fs.create(&home, b"f", &user(), how).await.unwrap();
         assert_eq!((attr.uid, attr.gid, attr.mode), (1000, 1000, 0o644));
         assert_eq!(fs.create(&home, b"f", &user(), how).await.err(), Some(FsError::Exist));
         for bad in [&b""[..], b".", b"..", b"a/b"] {
@@ -184,7 +184,7 @@ fn permissions_names_and_directories_are_checked() {
         assert_eq!(fs.access(&f, &other, 0x3f).unwrap(), access::READ);
         assert_eq!(fs.remove(&home, b"f", &other).await.err(), Some(FsError::Access));
         // A directory: not removed by REMOVE, nor while it has entries.
-        let (sub, _) = fs.mkdir(&home, b"sub", &user(), attrs(0o755)).await.unwrap();
+        let (sub, _, _) = fs.mkdir(&home, b"sub", &user(), attrs(0o755)).await.unwrap();
         assert_eq!(fs.remove(&home, b"sub", &user()).await.err(), Some(FsError::IsDir));
         fs.create(&sub, b"inner", &user(), how).await.unwrap();
         assert_eq!(fs.rmdir(&home, b"sub", &user()).await.err(), Some(FsError::NotEmpty));
@@ -350,7 +350,7 @@ fn a_snapshot_keeps_the_tree_as_it_was() {
         let cred = Cred::root();
         let root = fs.root();
         let (a, d) = build(&fs).await;
-        let (u, _) = fs
+        let (u, _, _) = fs
             .create(&root, b"u", &cred, CreateHow::Guarded(attrs(0o644)))
             .await
             .unwrap();
@@ -425,7 +425,7 @@ fn a_write_during_a_chmod_keeps_its_size_for_the_commit() {
         let sim = SimDevice::new(160 << 20, 7);
         let pool = new_pool(&sim).await;
         let fs = FileSystem::open(&pool, DATASET, 16 << 10, 0).await.unwrap();
-        let (f, _) = fs
+        let (f, _, _) = fs
             .create(&fs.root(), b"f", &Cred::root(), CreateHow::Guarded(attrs(0o644)))
             .await
             .unwrap();
@@ -449,7 +449,7 @@ fn a_write_during_a_chmod_keeps_its_size_for_the_commit() {
                 tokio::task::yield_now().await;
             }
             let (_, _, attr) = fs.write(&f, &root, 0, &[5u8; 8192], Stable::Unstable).await.unwrap();
-            assert_eq!(attr.size, 8192);
+            assert_eq!(attr.after.size, 8192);
             chmod.await.unwrap();
         }
         sim.set_delays(SimDelays::default());

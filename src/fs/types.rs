@@ -27,6 +27,35 @@ pub struct Attr {
     pub ctime: Time,
 }
 
+/// An object's size and times right before a change (NFS's `wcc_attr`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PreAttr {
+    pub size: u64,
+    pub mtime: Time,
+    pub ctime: Time,
+}
+
+impl From<&Attr> for PreAttr {
+    fn from(attr: &Attr) -> PreAttr {
+        PreAttr {
+            size: attr.size,
+            mtime: attr.mtime,
+            ctime: attr.ctime,
+        }
+    }
+}
+
+/// An object's attributes around one change (NFS's `wcc_data`): `before`
+/// is there only when it was taken under the same lock as the change and
+/// `after` (a client that sees `before` equal to what it cached keeps its
+/// cache, so a `before` that misses another client's change would be
+/// worse than none).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Wcc {
+    pub before: Option<PreAttr>,
+    pub after: Attr,
+}
+
 /// A file handle: stable across restarts, never valid for another file.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Handle {

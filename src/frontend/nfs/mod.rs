@@ -6,6 +6,7 @@
 //! alone), then executed against the [`crate::fs::FileSystem`] of the
 //! export the file handle names (ARCHITECTURE.md, "The file service").
 
+pub mod drc;
 pub mod fuzzing;
 pub mod mount;
 pub mod nfs3;

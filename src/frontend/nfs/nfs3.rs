@@ -20,6 +20,7 @@ use crate::fs::{
     access, Attr, CreateHow, Cred, DirEntry, Export, Exports, FileType, FsError, Handle, SetAttrs, SetTime, Stable,
     Time, MAX_FILE_SIZE, MAX_NAME, MAX_SYMLINK,
 };
+use crate::fs::{PreAttr, Wcc};
 
 pub mod procedure {
     pub const NULL: u32 = 0;
@@ -543,9 +544,8 @@ pub async fn execute(exports: &dyn Exports, peer: SocketAddr, auth: &Auth, call:
                 Ok(t) => setattr(t, set, guard).await,
                 Err(s) => Err(*s),
             };
-            let after = target.ok().and_then(|t| t.attr());
             put_status(out, &result);
-            put_wcc(out, after.as_ref());
+            put_wcc_of(out, result.ok(), || target.ok().and_then(|t| t.attr()));
         }
         NfsCall::Lookup(DirOp { dir, name }) => {
             let target = gate.target(dir, false);
@@ -624,8 +624,8 @@ pub async fn execute(exports: &dyn Exports, peer: SocketAddr, auth: &Auth, call:
             };
             put_status(out, &result);
             match result {
-                Ok((count, committed, attr)) => {
-                    put_wcc(out, Some(&attr));
+                Ok((count, committed, wcc)) => {
+                    put_wcc_of(out, Some(wcc), || None);
                     out.put_u32(count);
                     out.put_u32(stable_code(committed));
                     let verifier = target.as_ref().map(|t| t.fs().write_verifier()).unwrap_or_default();
@@ -650,7 +650,7 @@ pub async fn execute(exports: &dyn Exports, peer: SocketAddr, auth: &Auth, call:
                 }
                 Err(s) => Err(*s),
             };
-            encode_made(out, result, target.ok().and_then(|t| t.attr()));
+            encode_made(out, result, target);
         }
         NfsCall::Mkdir { at, attrs } => {
             let target = gate.target(at.dir, true);
@@ -665,7 +665,7 @@ pub async fn execute(exports: &dyn Exports, peer: SocketAddr, auth: &Auth, call:
                 }
                 Err(s) => Err(*s),
             };
-            encode_made(out, result, target.ok().and_then(|t| t.attr()));
+            encode_made(out, result, target);
         }
         NfsCall::Symlink {
             at,
@@ -687,7 +687,7 @@ pub async fn execute(exports: &dyn Exports, peer: SocketAddr, auth: &Auth, call:
                 }
                 Err(s) => Err(*s),
             };
-            encode_made(out, result, target.ok().and_then(|t| t.attr()));
+            encode_made(out, result, target);
         }
         NfsCall::Mknod { at, what } => {
             let target = gate.target(at.dir, true);
@@ -707,7 +707,7 @@ pub async fn execute(exports: &dyn Exports, peer: SocketAddr, auth: &Auth, call:
                 }
                 Err(s) => Err(*s),
             };
-            encode_made(out, result, target.ok().and_then(|t| t.attr()));
+            encode_made(out, result, target);
         }
         NfsCall::Remove(DirOp { dir, name }) | NfsCall::Rmdir(DirOp { dir, name }) => {
             let target = gate.target(dir, true);
@@ -720,7 +720,7 @@ pub async fn execute(exports: &dyn Exports, peer: SocketAddr, auth: &Auth, call:
                 Err(s) => Err(*s),
             };
             put_status(out, &result);
-            put_wcc(out, target.ok().and_then(|t| t.attr()).as_ref());
+            put_wcc_of(out, result.ok().flatten(), || target.ok().and_then(|t| t.attr()));
         }
         NfsCall::Rename { from, to } => {
             let target = gate.target(from.dir, true);
@@ -740,9 +740,11 @@ pub async fn execute(exports: &dyn Exports, peer: SocketAddr, auth: &Auth, call:
             };
             put_status(out, &result);
             let target = target.ok();
-            put_wcc(out, target.as_ref().and_then(|t| t.attr()).as_ref());
-            let to_attr = target.as_ref().zip(to_dir).and_then(|(t, h)| t.attr_of(&h));
-            put_wcc(out, to_attr.as_ref());
+            let [from_wcc, to_wcc] = result.unwrap_or_default();
+            put_wcc_of(out, from_wcc, || target.as_ref().and_then(|t| t.attr()));
+            put_wcc_of(out, to_wcc, || {
+                target.as_ref().zip(to_dir).and_then(|(t, h)| t.attr_of(&h))
+            });
         }
         NfsCall::Link { fh, at } => {
             let target = gate.target(fh, true);
@@ -762,8 +764,10 @@ pub async fn execute(exports: &dyn Exports, peer: SocketAddr, auth: &Auth, call:
             put_status(out, &result);
             let target = target.ok();
             put_attr(out, target.as_ref().and_then(|t| t.attr()).as_ref());
-            let dir_attr = target.as_ref().zip(dir).and_then(|(t, h)| t.attr_of(&h));
-            put_wcc(out, dir_attr.as_ref());
+            let dir_wcc = result.ok().flatten();
+            put_wcc_of(out, dir_wcc, || {
+                target.as_ref().zip(dir).and_then(|(t, h)| t.attr_of(&h))
+            });
         }
         NfsCall::ReadDir { dir, cookie, count, .. } => {
             readdir(&gate, out, dir, cookie, count, false);
@@ -819,7 +823,14 @@ pub async fn execute(exports: &dyn Exports, peer: SocketAddr, auth: &Auth, call:
                 Err(s) => Err(*s),
             };
             put_status(out, &result);
-            put_wcc(out, target.ok().and_then(|t| t.attr()).as_ref());
+            // COMMIT changes no attribute: one read is both before and
+            // after.
+            let after = target.ok().and_then(|t| t.attr());
+            let wcc = after.map(|after| Wcc {
+                before: Some(PreAttr::from(&after)),
+                after,
+            });
+            put_wcc_of(out, wcc, || None);
             if let Ok(verifier) = result {
                 out.put_fixed(&verifier);
             }
@@ -829,9 +840,9 @@ pub async fn execute(exports: &dyn Exports, peer: SocketAddr, auth: &Auth, call:
 
 /// SETATTR: the file system checks the guard with the change, under one
 /// lock (NFS3ERR_NOT_SYNC when the ctime differs).
-async fn setattr(t: &Target, set: SetAttrs, guard: Option<Time>) -> Status<()> {
+async fn setattr(t: &Target, set: SetAttrs, guard: Option<Time>) -> Status<Wcc> {
     check_times(&set)?;
-    fs(t.fs().setattr(&t.handle, &t.cred, set, guard).await).map(|_| ())
+    fs(t.fs().setattr(&t.handle, &t.cred, set, guard).await)
 }
 
 /// For FSSTAT, FSINFO and PATHCONF: the gate, then the object's attributes
@@ -847,14 +858,18 @@ fn checked(gate: &Gate<'_>, fh: &[u8]) -> (Status<Target>, Option<Attr>) {
 }
 
 /// The results of CREATE, MKDIR, SYMLINK and MKNOD.
-fn encode_made(out: &mut Vec<u8>, result: Status<(Handle, Attr)>, dir_after: Option<Attr>) {
+fn encode_made(out: &mut Vec<u8>, result: Status<(Handle, Attr, Option<Wcc>)>, target: Status<Target>) {
     put_status(out, &result);
-    if let Ok((handle, attr)) = result {
-        out.put_bool(true);
-        out.put_opaque(&handle.encode());
-        put_attr(out, Some(&attr));
-    }
-    put_wcc(out, dir_after.as_ref());
+    let dir_wcc = match result {
+        Ok((handle, attr, dir_wcc)) => {
+            out.put_bool(true);
+            out.put_opaque(&handle.encode());
+            put_attr(out, Some(&attr));
+            dir_wcc
+        }
+        Err(_) => None,
+    };
+    put_wcc_of(out, dir_wcc, || target.ok().and_then(|t| t.attr()));
 }
 
 /// READDIR and READDIRPLUS.
@@ -1018,10 +1033,30 @@ fn put_attr(out: &mut Vec<u8>, attr: Option<&Attr>) {
     }
 }
 
-/// `wcc_data` without pre-operation attributes.
+/// `wcc_data` without pre-operation attributes (a call that failed, or
+/// whose change could not be seen atomically with them).
 fn put_wcc(out: &mut Vec<u8>, after: Option<&Attr>) {
     out.put_bool(false);
     put_attr(out, after);
+}
+
+/// `wcc_data` of a change the file system saw, or, if it gave none (the
+/// call failed), the post-operation attributes of `fallback()` alone.
+fn put_wcc_of(out: &mut Vec<u8>, wcc: Option<Wcc>, fallback: impl FnOnce() -> Option<Attr>) {
+    match wcc {
+        Some(Wcc {
+            before: Some(before),
+            after,
+        }) => {
+            out.put_bool(true);
+            out.put_u64(before.size);
+            put_time(out, before.mtime);
+            put_time(out, before.ctime);
+            put_attr(out, Some(&after));
+        }
+        Some(Wcc { before: None, after }) => put_wcc(out, Some(&after)),
+        None => put_wcc(out, fallback().as_ref()),
+    }
 }
 
 #[cfg(test)]

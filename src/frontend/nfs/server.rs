@@ -11,10 +11,9 @@
 //! it is written, so a client that stops reading its replies stops being
 //! read from too, and the memory one connection pins stays bounded.
 //!
-//! Known gap: there is no duplicate-request cache yet. A retransmitted
-//! non-idempotent call (REMOVE, RENAME, CREATE GUARDED...) after a lost
-//! reply runs again and may answer an error for a change that was made
-//! (ARCHITECTURE.md plans a bounded one, as knfsd's `nfscache.c`).
+//! A retransmitted non-idempotent call (REMOVE, RENAME, CREATE
+//! GUARDED...) is answered from the daemon's duplicate-request cache
+//! ([`super::drc`]), shared by all connections, instead of running again.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -24,6 +23,7 @@ use tokio::net::tcp::OwnedWriteHalf;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
 
+use super::drc::{self, Lookup, ReplyCache};
 use super::mount::{self, MountCall};
 use super::nfs3::{self, NfsCall};
 use super::portmap::{self, PortmapCall};
@@ -43,12 +43,24 @@ const SOCKET_BUFFER_BYTES: usize = 64 << 10;
 /// in flight to be answered (see [`Connections::drain`]). Connections
 /// beyond `limits` are closed at accept, before a byte is read.
 pub async fn serve(listener: TcpListener, exports: Arc<dyn Exports>, limits: Arc<ConnectionLimits>, stop: Shutdown) {
+    serve_with_cache(listener, exports, ReplyCache::new(), limits, stop).await
+}
+
+/// [`serve`] with the duplicate-request cache given (tests look into it).
+pub async fn serve_with_cache(
+    listener: TcpListener,
+    exports: Arc<dyn Exports>,
+    cache: Arc<ReplyCache>,
+    limits: Arc<ConnectionLimits>,
+    stop: Shutdown,
+) {
     let connection_stop = stop.clone();
     crate::frontend::accept_loop("nfs", listener, limits, stop, |stream, peer| {
         let exports = exports.clone();
         let stop = connection_stop.clone();
+        let cache = cache.clone();
         async move {
-            match connection(stream, peer, exports, stop).await {
+            match connection(stream, peer, exports, cache, stop).await {
                 Ok(()) => tracing::debug!("nfs: {peer} disconnected"),
                 // Clients commonly reset the connection instead of closing
                 // it (libnfs after every command).
@@ -71,6 +83,7 @@ async fn connection(
     stream: TcpStream,
     peer: SocketAddr,
     exports: Arc<dyn Exports>,
+    cache: Arc<ReplyCache>,
     mut stop: Shutdown,
 ) -> Result<(), RecordError> {
     stream.set_nodelay(true)?;
@@ -110,8 +123,8 @@ async fn connection(
         }
         // The header is checked here, so that a garbled one closes the
         // connection at once; the call is decoded again where it runs.
-        match rpc::parse_call(&record) {
-            Ok(_) => {}
+        let key = match rpc::parse_call(&record) {
+            Ok(call) => drc::Key::of(peer.ip(), &call),
             Err(e @ CallError::Garbled(_)) => {
                 break Err(std::io::Error::new(std::io::ErrorKind::InvalidData, e.to_string()).into());
             }
@@ -122,11 +135,26 @@ async fn connection(
                 }
                 continue;
             }
-        }
+        };
+        let pending = match key.map(|key| cache.lookup(key)) {
+            None => None,
+            Some(Lookup::Run(pending)) => Some(pending),
+            Some(Lookup::Replay(reply)) => {
+                let _ = replies.try_send((reply.to_vec(), slot));
+                continue;
+            }
+            Some(Lookup::InProgress) => {
+                tracing::debug!("nfs: {peer}: a retransmitted call still running, dropped");
+                continue;
+            }
+        };
         let exports = exports.clone();
         let replies = replies.clone();
         run_or_spawn(async move {
             if let Some(reply) = answer(&*exports, peer, port, &record).await {
+                if let Some(pending) = pending {
+                    pending.finish(&reply);
+                }
                 // Fails only when the writer has given up on the socket.
                 let _ = replies.try_send((reply, slot));
             }

@@ -130,6 +130,7 @@ struct Attrs {
     kind: u32,
     size: u64,
     fileid: u64,
+    mtime: (u32, u32),
     ctime: (u32, u32),
 }
 
@@ -143,14 +144,16 @@ fn fattr(d: &mut Decoder<'_>) -> Attrs {
     d.u64().unwrap();
     d.u64().unwrap();
     let fileid = d.u64().unwrap();
-    for _ in 0..4 {
+    for _ in 0..2 {
         d.u32().unwrap();
     }
+    let mtime = (d.u32().unwrap(), d.u32().unwrap());
     let ctime = (d.u32().unwrap(), d.u32().unwrap());
     Attrs {
         kind,
         size,
         fileid,
+        mtime,
         ctime,
     }
 }
@@ -159,9 +162,28 @@ fn post_op_attr(d: &mut Decoder<'_>) -> Option<Attrs> {
     d.bool().unwrap().then(|| fattr(d))
 }
 
+/// `wcc_attr`: size, mtime, ctime.
+#[derive(Debug, PartialEq, Eq)]
+struct PreAttrs {
+    size: u64,
+    mtime: (u32, u32),
+    ctime: (u32, u32),
+}
+
+/// `wcc_data`: the pre-operation attributes, if sent, and the post-operation
+/// ones.
+fn wcc_data(d: &mut Decoder<'_>) -> (Option<PreAttrs>, Option<Attrs>) {
+    let before = d.bool().unwrap().then(|| PreAttrs {
+        size: d.u64().unwrap(),
+        mtime: (d.u32().unwrap(), d.u32().unwrap()),
+        ctime: (d.u32().unwrap(), d.u32().unwrap()),
+    });
+    (before, post_op_attr(d))
+}
+
+/// The post-operation attributes of a `wcc_data`.
 fn wcc(d: &mut Decoder<'_>) -> Option<Attrs> {
-    assert!(!d.bool().unwrap(), "pre-operation attributes are not sent");
-    post_op_attr(d)
+    wcc_data(d).1
 }
 
 /// Results after accept_stat (SUCCESS) and the NFS status.
@@ -455,4 +477,249 @@ fn args_create(dir: &[u8], name: &[u8]) -> Vec<u8> {
     args.put_u32(0);
     args.extend(mode(0o644));
     args
+}
+
+/// A dataset served on a loopback port, its root mounted.
+struct Served {
+    fs: Arc<FileSystem>,
+    address: std::net::SocketAddr,
+    root: Vec<u8>,
+    cache: Arc<super::drc::ReplyCache>,
+    stop: tokio::sync::watch::Sender<bool>,
+    server: tokio::task::JoinHandle<()>,
+}
+
+impl Served {
+    async fn start() -> Served {
+        let sim = SimDevice::new(160 << 20, 12);
+        let devices = vec![NewDevice {
+            device: sim.as_device(),
+            role: Role::Fast,
+        }];
+        let pool = Pool::create("test", 1 << 20, devices).await.unwrap();
+        let fs = FileSystem::open(&pool, DATASET, 16 << 10, 0).await.unwrap();
+        let exports = Arc::new(OneExport {
+            fs: fs.clone(),
+            options: Mutex::new(ExportOptions {
+                squash: Squash::None,
+                ..ExportOptions::default()
+            }),
+        });
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let address = listener.local_addr().unwrap();
+        let (stop, stopped) = tokio::sync::watch::channel(false);
+        let cache = super::drc::ReplyCache::new();
+        let server = tokio::spawn(super::server::serve_with_cache(
+            listener,
+            exports,
+            cache.clone(),
+            crate::frontend::limits::ConnectionLimits::new("nfs", 16, 16),
+            stopped,
+        ));
+        let root = fs.root().encode().to_vec();
+        Served {
+            fs,
+            cache,
+            address,
+            root,
+            stop,
+            server,
+        }
+    }
+
+    /// A new connection (a new source port), its XIDs from `xid + 1`.
+    async fn client(&self, xid: u32) -> Client {
+        Client {
+            stream: TcpStream::connect(self.address).await.unwrap(),
+            xid,
+            uid: 0,
+        }
+    }
+
+    async fn stop(self) {
+        self.stop.send(true).unwrap();
+        self.server.await.unwrap();
+    }
+}
+
+/// Sends a record built before and reads its reply's results.
+async fn resend(client: &mut Client, xid: u32, record: &[u8]) -> Vec<u8> {
+    client.stream.write_all(record).await.unwrap();
+    let (got, results) = client.reply().await;
+    assert_eq!(got, xid);
+    results
+}
+
+fn create_guarded(dir: &[u8], name: &[u8]) -> Vec<u8> {
+    let mut args = dirop(dir, name);
+    args.put_u32(1);
+    args.extend(mode(0o644));
+    args
+}
+
+#[tokio::test]
+async fn a_remove_resent_on_a_new_connection_is_answered_from_the_cache() {
+    let served = Served::start().await;
+    let mut first = served.client(100).await;
+    made(&first.nfs(p::CREATE, &create_guarded(&served.root, b"gone")).await);
+    let (xid, record) = first.record(NFS_PROGRAM, p::REMOVE, &dirop(&served.root, b"gone"));
+    let reply = resend(&mut first, xid, &record).await;
+    assert_eq!(status_of(&reply), status::OK);
+    // The connection breaks before the reply arrives; the client resends
+    // the same call on a new one.
+    drop(first);
+    let mut second = served.client(5000).await;
+    assert_eq!(resend(&mut second, xid, &record).await, reply);
+    // Removed once: a new REMOVE (another XID) runs and finds nothing.
+    let results = second.nfs(p::REMOVE, &dirop(&served.root, b"gone")).await;
+    assert_eq!(status_of(&results), status::NOENT);
+    served.stop().await;
+}
+
+#[tokio::test]
+async fn a_create_guarded_resent_gets_the_same_handle() {
+    let served = Served::start().await;
+    let mut first = served.client(100).await;
+    let (xid, record) = first.record(NFS_PROGRAM, p::CREATE, &create_guarded(&served.root, b"new"));
+    let reply = resend(&mut first, xid, &record).await;
+    let handle = made(&reply);
+    let mut second = served.client(5000).await;
+    let again = resend(&mut second, xid, &record).await;
+    assert_eq!(again, reply);
+    assert_eq!(made(&again), handle);
+    // Not from the cache (another XID): the name exists.
+    let results = second.nfs(p::CREATE, &create_guarded(&served.root, b"new")).await;
+    assert_eq!(status_of(&results), status::EXIST);
+    served.stop().await;
+}
+
+#[tokio::test]
+async fn an_xid_reused_with_other_arguments_runs() {
+    let served = Served::start().await;
+    let mut first = served.client(100).await;
+    made(&first.nfs(p::CREATE, &create_guarded(&served.root, b"a")).await);
+    made(&first.nfs(p::CREATE, &create_guarded(&served.root, b"b")).await);
+    let (xid, record) = first.record(NFS_PROGRAM, p::REMOVE, &dirop(&served.root, b"a"));
+    assert_eq!(status_of(&resend(&mut first, xid, &record).await), status::OK);
+    // The same XID from the same address, removing another name.
+    let mut second = served.client(xid - 1).await;
+    let results = second.nfs(p::REMOVE, &dirop(&served.root, b"b")).await;
+    assert_eq!(status_of(&results), status::OK);
+    let results = second.nfs(p::LOOKUP, &dirop(&served.root, b"b")).await;
+    assert_eq!(status_of(&results), status::NOENT);
+    served.stop().await;
+}
+
+#[tokio::test]
+async fn the_reply_cache_stays_within_its_bound() {
+    let served = Served::start().await;
+    let mut client = served.client(0).await;
+    let file = made(&client.nfs(p::CREATE, &create_guarded(&served.root, b"f")).await);
+    // More distinct SETATTRs than the cache holds, pipelined in batches.
+    let calls = super::drc::MAX_ENTRIES + 200;
+    for batch in (0..calls).collect::<Vec<_>>().chunks(50) {
+        let mut burst = Vec::new();
+        for _ in batch {
+            let mut args = fh_args(&file);
+            args.extend(mode(0o600));
+            args.put_u32(0);
+            burst.extend(client.record(NFS_PROGRAM, p::SETATTR, &args).1);
+        }
+        client.stream.write_all(&burst).await.unwrap();
+        for _ in batch {
+            assert_eq!(status_of(&client.reply().await.1), status::OK);
+        }
+    }
+    let (entries, bytes) = served.cache.len_and_bytes();
+    assert_eq!(entries, super::drc::MAX_ENTRIES);
+    assert!(bytes <= super::drc::MAX_BYTES);
+    // READ, GETATTR and the like are not cached.
+    client.nfs(p::GETATTR, &fh_args(&file)).await;
+    assert_eq!(served.cache.len_and_bytes().0, super::drc::MAX_ENTRIES);
+    served.stop().await;
+}
+
+fn wire_time(time: crate::fs::Time) -> (u32, u32) {
+    (time.seconds as u32, time.nanos)
+}
+
+fn write_args(fh: &[u8], offset: u64, data: &[u8], stable: u32) -> Vec<u8> {
+    let mut args = fh_args(fh);
+    args.put_u64(offset);
+    args.put_u32(data.len() as u32);
+    args.put_u32(stable);
+    args.put_opaque(data);
+    args
+}
+
+#[tokio::test]
+async fn a_write_reply_carries_the_size_and_times_before_it() {
+    let served = Served::start().await;
+    let mut client = served.client(0).await;
+    let file = made(&client.nfs(p::CREATE, &create_guarded(&served.root, b"w")).await);
+    let created = served.fs.getattr(&crate::fs::Handle::decode(&file).unwrap()).unwrap();
+    // UNSTABLE (the size changes in memory) and FILE_SYNC (the row is
+    // logged ahead of the data): both report what was there before.
+    let mut expected_before = PreAttrs {
+        size: 0,
+        mtime: wire_time(created.mtime),
+        ctime: wire_time(created.ctime),
+    };
+    for (offset, stable) in [(0u64, 0u32), (5000, 2), (2000, 0)] {
+        let results = client
+            .nfs(p::WRITE, &write_args(&file, offset, &[9; 5000], stable))
+            .await;
+        assert_eq!(status_of(&results), status::OK);
+        let (before, after) = wcc_data(&mut body(&results));
+        let after = after.unwrap();
+        assert_eq!(before.unwrap(), expected_before, "write at {offset}");
+        assert_eq!(after.size, (offset + 5000).max(expected_before.size));
+        expected_before = PreAttrs {
+            size: after.size,
+            mtime: after.mtime,
+            ctime: after.ctime,
+        };
+    }
+    // COMMIT changes nothing: before is after.
+    let mut args = fh_args(&file);
+    args.put_u64(0);
+    args.put_u32(0);
+    let results = client.nfs(p::COMMIT, &args).await;
+    assert_eq!(status_of(&results), status::OK);
+    let (before, after) = wcc_data(&mut body(&results));
+    assert_eq!(before.unwrap(), expected_before);
+    assert_eq!(after.unwrap().size, 10_000);
+    served.stop().await;
+}
+
+#[tokio::test]
+async fn directory_changes_carry_the_directory_before_them() {
+    let served = Served::start().await;
+    let mut client = served.client(0).await;
+    let root = served.fs.getattr(&served.fs.root()).unwrap();
+    // Times in whole nanoseconds apart: the change's own time differs.
+    tokio::time::sleep(std::time::Duration::from_millis(2)).await;
+    let results = client.nfs(p::CREATE, &create_guarded(&served.root, b"c")).await;
+    assert_eq!(status_of(&results), status::OK);
+    let mut d = body(&results);
+    assert!(d.bool().unwrap());
+    d.opaque(64).unwrap();
+    assert!(post_op_attr(&mut d).is_some());
+    let (before, after) = wcc_data(&mut d);
+    let before = before.unwrap();
+    assert_eq!(before.mtime, wire_time(root.mtime));
+    assert_eq!(before.ctime, wire_time(root.ctime));
+    let after = after.unwrap();
+    assert_ne!(after.mtime, before.mtime);
+    // REMOVE's directory before is the CREATE's after.
+    let results = client.nfs(p::REMOVE, &dirop(&served.root, b"c")).await;
+    assert_eq!(status_of(&results), status::OK);
+    let (removed_before, _) = wcc_data(&mut body(&results));
+    assert_eq!(removed_before.unwrap().mtime, after.mtime);
+    // A failed change sends no pre-operation attributes.
+    let results = client.nfs(p::REMOVE, &dirop(&served.root, b"c")).await;
+    assert_eq!(status_of(&results), status::NOENT);
+    let (before, after) = wcc_data(&mut body(&results));
+    assert!(before.is_none() && after.is_some());
+    served.stop().await;
 }
