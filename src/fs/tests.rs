@@ -508,7 +508,7 @@ fn a_rollback_and_a_clone_bring_a_snapshot_back() {
         let cred = Cred::root();
         let root = fs.root();
         let (a, d) = build(&fs).await;
-        let (u, _) = fs
+        let (u, _, _) = fs
             .create(&root, b"u", &cred, CreateHow::Guarded(attrs(0o644)))
             .await
             .unwrap();
@@ -521,7 +521,7 @@ fn a_rollback_and_a_clone_bring_a_snapshot_back() {
         fs.remove(&root, b"a", &cred).await.unwrap();
         fs.rename(&root, b"l", &root, b"l2", &cred).await.unwrap();
         fs.write(&u, &cred, 0, &[9u8; 20_000], Stable::Unstable).await.unwrap();
-        let (later, _) = fs
+        let (later, _, _) = fs
             .create(&root, b"later", &cred, CreateHow::Guarded(attrs(0o644)))
             .await
             .unwrap();
@@ -540,7 +540,7 @@ fn a_rollback_and_a_clone_bring_a_snapshot_back() {
             .write(&ca, &cred, 0, &[0x77; 4096], Stable::FileSync)
             .await
             .unwrap();
-        let (c, _) = clone
+        let (c, _, _) = clone
             .create(&clone_root, b"c", &cred, CreateHow::Guarded(attrs(0o644)))
             .await
             .unwrap();
@@ -566,7 +566,7 @@ fn a_rollback_and_a_clone_bring_a_snapshot_back() {
             "a handle the snapshot has stays valid"
         );
         assert_eq!(fs.getattr(&later), Err(FsError::Stale), "a file made since is gone");
-        let (again, _) = fs
+        let (again, _, _) = fs
             .create(&root, b"later", &cred, CreateHow::Guarded(attrs(0o644)))
             .await
             .unwrap();
