@@ -135,8 +135,9 @@ pub fn canonical_dataset_value(key: &str, value: &str) -> Result<String, AdminEr
             .map(|s| s.as_str().to_string())
             .map_err(AdminError::Invalid),
         // The volume property's grammar, canonical form and messages.
-        "snapshot.schedule" => crate::volume::props::canonical_value(key, value)
-            .map_err(|e| AdminError::Invalid(e.to_string())),
+        "snapshot.schedule" => {
+            crate::volume::props::canonical_value(key, value).map_err(|e| AdminError::Invalid(e.to_string()))
+        }
         "nfs.anonuid" | "nfs.anongid" => value
             .parse::<u32>()
             .map(|v| v.to_string())

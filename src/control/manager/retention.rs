@@ -175,8 +175,12 @@ mod tests {
         let manager = Arc::new(VolumeManager::open(dir.path()).await.unwrap());
         let m = manager.clone();
         tokio::task::spawn_blocking(move || {
-            m.create("default/db", 16 << 20, &props(&[("snapshot.schedule", "daily:7, hourly:24")]))
-                .unwrap();
+            m.create(
+                "default/db",
+                16 << 20,
+                &props(&[("snapshot.schedule", "daily:7, hourly:24")]),
+            )
+            .unwrap();
             m.create("default/plain", 16 << 20, &[]).unwrap();
             m.fs_create("default/home", &props(&[("snapshot.schedule", " daily:2 ,hourly:3")]))
                 .unwrap();
@@ -212,8 +216,10 @@ mod tests {
             );
 
             // Setting the property adds the dataset, `off` takes it away.
-            m.fs_set("default/later", &props(&[("snapshot.schedule", "2s:3")])).unwrap();
-            m.fs_set("default/home", &props(&[("snapshot.schedule", "off")])).unwrap();
+            m.fs_set("default/later", &props(&[("snapshot.schedule", "2s:3")]))
+                .unwrap();
+            m.fs_set("default/home", &props(&[("snapshot.schedule", "off")]))
+                .unwrap();
             let listed: Vec<(ScheduledKind, String)> =
                 m.scheduled_objects().into_iter().map(|o| (o.kind, o.name)).collect();
             assert_eq!(
