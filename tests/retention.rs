@@ -14,8 +14,12 @@ use common::{cli, cli_ok, Server};
 
 /// The snapshot names (after `@`) of `volume`, oldest first.
 fn snapshot_names(server: &Server, volume: &str) -> Vec<String> {
-    let listed: serde_json::Value =
-        serde_json::from_str(&cli_ok(server, &["snapshot", "list", volume, "--json"])).unwrap();
+    listed_names(server, &["snapshot", "list", volume, "--json"])
+}
+
+/// The `snapshot` field of each row a `--json` listing prints.
+fn listed_names(server: &Server, args: &[&str]) -> Vec<String> {
+    let listed: serde_json::Value = serde_json::from_str(&cli_ok(server, args)).unwrap();
     listed
         .as_array()
         .unwrap()
@@ -256,16 +260,7 @@ fn a_restart_takes_no_burst_and_no_duplicate() {
 fn a_dataset_gets_automatic_snapshots_pruned_to_its_keep_count() {
     let dir = tempfile::tempdir().unwrap();
     let server = Server::start(dir.path());
-    let names = |server: &Server| -> Vec<String> {
-        let listed: serde_json::Value =
-            serde_json::from_str(&cli_ok(server, &["fs", "snapshots", "default/home", "--json"])).unwrap();
-        listed
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|s| s["snapshot"].as_str().unwrap().to_string())
-            .collect()
-    };
+    let names = |server: &Server| listed_names(server, &["fs", "snapshots", "default/home", "--json"]);
     // The volume property's validation and message.
     let output = cli(
         &server,
