@@ -1273,7 +1273,8 @@ fn fs_lifecycle() {
             "nfs.squash",
             "nfs.anonuid",
             "nfs.anongid",
-            "nfs.insecure"
+            "nfs.insecure",
+            "snapshot.schedule"
         ]
     );
     let one = server.cli(&["fs", "get", "default/docs", "quota"]).ok().to_string();

@@ -14,8 +14,12 @@ use common::{cli, cli_ok, Server};
 
 /// The snapshot names (after `@`) of `volume`, oldest first.
 fn snapshot_names(server: &Server, volume: &str) -> Vec<String> {
-    let listed: serde_json::Value =
-        serde_json::from_str(&cli_ok(server, &["snapshot", "list", volume, "--json"])).unwrap();
+    listed_names(server, &["snapshot", "list", volume, "--json"])
+}
+
+/// The `snapshot` field of each row a `--json` listing prints.
+fn listed_names(server: &Server, args: &[&str]) -> Vec<String> {
+    let listed: serde_json::Value = serde_json::from_str(&cli_ok(server, args)).unwrap();
     listed
         .as_array()
         .unwrap()
@@ -250,4 +254,45 @@ fn a_restart_takes_no_burst_and_no_duplicate() {
         (now.len() == 1 && !probe.contains(&now[0])).then_some(())
     });
     server.stop();
+}
+
+#[test]
+fn a_dataset_gets_automatic_snapshots_pruned_to_its_keep_count() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(dir.path());
+    let names = |server: &Server| listed_names(server, &["fs", "snapshots", "default/home", "--json"]);
+    // The volume property's validation and message.
+    let output = cli(
+        &server,
+        &["fs", "create", "default/bad", "-o", "snapshot.schedule=hourly:0"],
+    );
+    let said = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        !output.status.success() && said.contains("snapshot.schedule") && said.contains("1 to 1000"),
+        "{said}"
+    );
+    cli_ok(
+        &server,
+        &["fs", "create", "default/home", "-o", "snapshot.schedule=off"],
+    );
+    cli_ok(&server, &["fs", "snapshot", "default/home@by-hand"]);
+    cli_ok(&server, &["fs", "set", "default/home", "snapshot.schedule=2s:2"]);
+    assert!(cli_ok(&server, &["fs", "get", "default/home"]).contains("2s:2"));
+
+    // Four periods on, the newest two remain beside the one taken by hand.
+    let mut seen = BTreeSet::new();
+    let first = wait_for(Duration::from_secs(20), "a first automatic snapshot", || {
+        automatic(&names(&server)).first().cloned()
+    });
+    assert!(first.ends_with("Z-2s"), "{first}");
+    let remaining = wait_for(Duration::from_secs(60), "pruning to two", || {
+        let autos = automatic(&names(&server));
+        seen.extend(autos.iter().cloned());
+        let newest = autos.last().map_or(0, |n| second_of_day(n));
+        (newest >= second_of_day(&first) + 8 && autos.len() == 2).then_some(autos)
+    });
+    assert!(names(&server).contains(&"by-hand".to_string()));
+    assert!(!remaining.contains(&first), "{remaining:?}");
+    assert!(seen.len() > 2, "nothing was pruned: {seen:?}");
+    assert!(cli_ok(&server, &["fs", "snapshots"]).contains(&remaining[1]));
 }

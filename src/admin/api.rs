@@ -521,8 +521,8 @@ struct CreateDatasetRequest {
     /// `pool/name` of the new dataset (volumes and datasets share names).
     name: String,
     /// `recordsize` (fixed at creation), `quota`, `nfs.clients`, `nfs.ro`,
-    /// `nfs.squash`, `nfs.anonuid`, `nfs.anongid`, `nfs.insecure`; the
-    /// others have their defaults.
+    /// `nfs.squash`, `nfs.anonuid`, `nfs.anongid`, `nfs.insecure`,
+    /// `snapshot.schedule`; the others have their defaults.
     #[serde(default)]
     properties: BTreeMap<String, Value>,
 }

@@ -76,8 +76,8 @@ pub struct PoolRecord {
 pub struct DatasetRecord {
     pub id: u32,
     pub created_unix: u64,
-    /// Canonical values by name (`recordsize`, `quota`, `nfs.*`); absent
-    /// ones have their defaults.
+    /// Canonical values by name (`recordsize`, `quota`, `nfs.*`,
+    /// `snapshot.schedule`); absent ones have their defaults.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub properties: BTreeMap<String, String>,
 }

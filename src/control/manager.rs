@@ -33,7 +33,7 @@ mod send;
 mod snapshots;
 pub use datasets::{canonical_dataset_value, DatasetInfo, DatasetSnapshotInfo, DATASET_PROPERTIES};
 pub use pool_props::{canonical_pool_value, format_window, migration_settings, pool_rows, POOL_PROPERTY_NAMES};
-pub use retention::{ScheduledSnapshot, ScheduledVolume};
+pub use retention::{ScheduledKind, ScheduledObject, ScheduledSnapshot};
 pub use send::{ReceiveOutcome, ReceiveStatus, ResumeToken, SendJob};
 pub use snapshots::{split_snapshot_name, SnapshotView};
 

@@ -1,13 +1,15 @@
 //! Automatic snapshots: the daemon takes and prunes snapshots of every
-//! volume whose `snapshot.schedule` is set (`volume/schedule.rs`), like
-//! sanoid or zfs-auto-snapshot.
+//! volume and file dataset whose `snapshot.schedule` is set
+//! (`volume/schedule.rs`), like sanoid or zfs-auto-snapshot. Both kinds are
+//! planned alike; only the manager's calls that take and delete differ.
 //!
 //! The decision is a pure function, [`plan`]: from the time, a schedule and
-//! the volume's snapshots it says which snapshots to take and which to
+//! the object's snapshots it says which snapshots to take and which to
 //! delete; it is tested with fixed times. [`run`] is the daemon's task around
 //! it: a round at start (the catch-up after downtime), then one at each
-//! period boundary, and one at once when a volume's properties change. A
-//! round runs on a blocking thread, because the manager's calls do.
+//! period boundary, and one at once when a volume's or dataset's
+//! properties change. A round runs on a blocking thread, because the
+//! manager's calls do.
 //!
 //! Names: `auto-YYYY-MM-DDTHHMMSSZ-PERIOD`, e.g.
 //! `auto-2026-11-25T090000Z-hourly`: the UTC time the round ran, so names
@@ -21,7 +23,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use tokio::sync::watch;
 
-use crate::control::manager::{AdminError, ScheduledVolume, VolumeManager};
+use crate::control::manager::{AdminError, ScheduledObject, VolumeManager};
 use crate::utc::UtcTime;
 use crate::volume::schedule::{Period, Rule, Schedule};
 
@@ -89,7 +91,8 @@ pub fn parse_auto_name(name: &str) -> Option<(u64, Period)> {
 pub enum Hold {
     /// Clones depend on it (the engine refuses to delete it).
     Clones,
-    /// Its read-only export has clients.
+    /// Its read-only export has clients (volumes only: a dataset's
+    /// snapshot may go while NFS clients read it).
     Clients(usize),
 }
 
@@ -102,14 +105,14 @@ impl fmt::Display for Hold {
     }
 }
 
-/// A snapshot of the volume as [`plan`] sees it.
+/// A snapshot of the volume or dataset as [`plan`] sees it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Existing {
     pub name: String,
     pub hold: Option<Hold>,
 }
 
-/// What one round does to one volume.
+/// What one round does to one volume or dataset.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Plan {
     /// Snapshots to take (names), with the rule each is for.
@@ -122,7 +125,7 @@ pub struct Plan {
     pub held: Vec<(String, Hold)>,
 }
 
-/// Decides, at `now` (Unix seconds), what `schedule` asks of a volume whose
+/// Decides, at `now` (Unix seconds), what `schedule` asks of a volume or dataset whose
 /// snapshots are `existing`.
 ///
 /// For each period of the schedule: a snapshot is due when none of that
@@ -195,22 +198,22 @@ impl Scheduler {
         }
     }
 
-    /// One round at `now`: takes and prunes what every scheduled volume
+    /// One round at `now`: takes and prunes what every scheduled object
     /// needs. Blocks (the manager's calls do). Returns when the next round
     /// is due (Unix seconds).
     pub fn round(&mut self, now: u64) -> u64 {
         let mut seen = Seen::new();
         let mut next = now + IDLE_WAKE_SECONDS;
         let mut retry = false;
-        for volume in self.manager.scheduled_volumes() {
-            let schedule = match Schedule::parse(&volume.schedule) {
+        for object in self.manager.scheduled_objects() {
+            let schedule = match Schedule::parse(&object.schedule) {
                 Ok(schedule) => schedule,
                 Err(why) => {
-                    let key = format!("schedule {}", volume.volume);
+                    let key = format!("schedule {}", object.name);
                     self.once(&mut seen, key, || {
                         format!(
                             "{}: snapshot.schedule '{}' is not valid, ignored: {why}",
-                            volume.volume, volume.schedule
+                            object.name, object.schedule
                         )
                     });
                     continue;
@@ -219,7 +222,7 @@ impl Scheduler {
             if let Some(boundary) = next_boundary(now, &schedule) {
                 next = next.min(boundary);
             }
-            retry |= self.apply(now, &schedule, &volume, &mut seen);
+            retry |= self.apply(now, &schedule, &object, &mut seen);
         }
         // Problems that went away may be logged again if they come back.
         self.logged.retain(|key| seen.contains(key));
@@ -229,10 +232,10 @@ impl Scheduler {
         next
     }
 
-    /// Carries out the plan for one volume; whether something must be tried
-    /// again soon.
-    fn apply(&mut self, now: u64, schedule: &Schedule, volume: &ScheduledVolume, seen: &mut Seen) -> bool {
-        let existing: Vec<Existing> = volume
+    /// Carries out the plan for one volume or dataset; whether something
+    /// must be tried again soon.
+    fn apply(&mut self, now: u64, schedule: &Schedule, object: &ScheduledObject, seen: &mut Seen) -> bool {
+        let existing: Vec<Existing> = object
             .snapshots
             .iter()
             .map(|s| Existing {
@@ -249,13 +252,13 @@ impl Scheduler {
         let plan = plan(now, schedule, &existing);
         let mut retry = false;
         for (name, rule) in &plan.take {
-            let full = format!("{}@{name}", volume.volume);
+            let full = format!("{}@{name}", object.name);
             // The manager logs the snapshot taken, inside this span.
             let span = tracing::info_span!("retention", rule = %rule_text(rule));
             let _entered = span.enter();
-            if let Err(e) = self.manager.create_snapshots(std::slice::from_ref(&full)) {
+            if let Err(e) = self.manager.take_scheduled_snapshot(object.kind, &full) {
                 retry = true;
-                self.once(seen, format!("take {} {}", volume.volume, rule.period.label()), || {
+                self.once(seen, format!("take {} {}", object.name, rule.period.label()), || {
                     format!("cannot take snapshot {full}: {e}")
                 });
             }
@@ -266,7 +269,7 @@ impl Scheduler {
         }
         for (name, hold) in &plan.held {
             retry |= matches!(hold, Hold::Clients(_));
-            let full = format!("{}@{name}", volume.volume);
+            let full = format!("{}@{name}", object.name);
             let kind = match hold {
                 Hold::Clones => "clones",
                 Hold::Clients(_) => "clients",
@@ -276,11 +279,11 @@ impl Scheduler {
             });
         }
         for (name, rule) in &plan.prune {
-            let full = format!("{}@{name}", volume.volume);
+            let full = format!("{}@{name}", object.name);
             // The manager logs the snapshot deleted, inside this span.
             let span = tracing::info_span!("retention", prune = %rule_text(rule));
             let _entered = span.enter();
-            match self.manager.delete_snapshot(&full) {
+            match self.manager.delete_scheduled_snapshot(object.kind, &full) {
                 Ok(()) => {}
                 // Deleted by hand meanwhile: nothing left to do.
                 Err(AdminError::NotFound(_)) => {}
@@ -315,8 +318,9 @@ fn rule_text(rule: &Rule) -> String {
 
 /// The daemon's retention task: a round now (catching up on what was missed
 /// while the daemon was down), then at the next boundary of any schedule,
-/// when properties change, and at most [`IDLE_WAKE_SECONDS`] apart. Returns
-/// when `stop` turns true, never in the middle of a round.
+/// when a volume's or dataset's properties change, and at most
+/// [`IDLE_WAKE_SECONDS`] apart. Returns when `stop` turns true, never in
+/// the middle of a round.
 pub async fn run(manager: Arc<VolumeManager>, mut stop: watch::Receiver<bool>) {
     let mut scheduler = Scheduler::new(manager.clone());
     loop {

@@ -42,6 +42,11 @@ pub const DATASET_PROPERTIES: &[(&str, &str, &str)] = &[
         "on",
         "serve clients from source ports above 1023 (the kernel client through NAT or socat)",
     ),
+    (
+        "snapshot.schedule",
+        "off",
+        "automatic snapshots and how many of each to keep, e.g. hourly:24,daily:7 (as for volumes)",
+    ),
 ];
 
 /// What `fs list` and `fs get` show.
@@ -132,6 +137,10 @@ pub fn canonical_dataset_value(key: &str, value: &str) -> Result<String, AdminEr
         "nfs.squash" => Squash::parse(value)
             .map(|s| s.as_str().to_string())
             .map_err(AdminError::Invalid),
+        // The volume property's grammar, canonical form and messages.
+        "snapshot.schedule" => {
+            crate::volume::props::canonical_value(key, value).map_err(|e| AdminError::Invalid(e.to_string()))
+        }
         "nfs.anonuid" | "nfs.anongid" => value
             .parse::<u32>()
             .map(|v| v.to_string())
@@ -316,6 +325,7 @@ impl VolumeManager {
             .write()
             .unwrap_or_else(|e| e.into_inner())
             .insert(name.to_string(), opened);
+        self.schedule_changed.notify_one();
         self.dataset_info(&catalog, name)
     }
 
@@ -456,11 +466,12 @@ impl VolumeManager {
             open.options = export_options(&props);
             open.fs.set_quota(quota(&props));
         }
+        self.schedule_changed.notify_one();
         self.dataset_info(&catalog, name)
     }
 
     /// The open dataset `POOL/NAME`.
-    fn open_fs(&self, name: &str) -> Result<Arc<FileSystem>, AdminError> {
+    pub(super) fn open_fs(&self, name: &str) -> Result<Arc<FileSystem>, AdminError> {
         self.datasets
             .read()
             .unwrap_or_else(|e| e.into_inner())
