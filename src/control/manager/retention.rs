@@ -114,13 +114,16 @@ impl VolumeManager {
                 };
                 let dataset = full_name(pool_name, name);
                 let Ok(fs) = self.open_fs(&dataset) else { continue };
+                let origins: std::collections::HashSet<u32> = self
+                    .pool(pool_name)
+                    .map(|pool| pool.clones().into_iter().map(|(_, origin)| origin).collect())
+                    .unwrap_or_default();
                 let snapshots = fs
                     .snapshot_list()
                     .into_iter()
                     .map(|s| ScheduledSnapshot {
+                        has_clones: origins.contains(&s.id),
                         name: s.name,
-                        // Datasets have no clones yet: nothing can depend on a snapshot.
-                        has_clones: false,
                         connections: 0,
                     })
                     .collect();
