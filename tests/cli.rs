@@ -745,6 +745,9 @@ fn rest_api() {
         "{body}"
     );
     assert!(body.contains("# TYPE strata_volume_operations_total counter"), "{body}");
+    // The NFS server runs: its duplicate-request cache is shown, empty.
+    assert!(body.contains("\nstrata_nfs_drc_replays_total 0\n"), "{body}");
+    assert!(body.contains("\nstrata_nfs_drc_entries 0\n"), "{body}");
 
     // Index.
     let (status, _, body) = http(&api, "GET", "/v1", None, "");
@@ -1474,6 +1477,16 @@ fn fs_lifecycle() {
     server
         .cli(&["fs", "rollback", "default/docs@one"])
         .fails_with("more recent snapshots of 'default/docs' exist (@three)");
+    // -r with a newer snapshot that has a clone: refused before any newer
+    // snapshot is destroyed.
+    server.cli(&["fs", "clone", "default/docs@three", "default/docs3"]).ok();
+    assert_eq!(server.cli(&["fs", "snapshot", "default/docs@four"]).ok(), "");
+    server
+        .cli(&["fs", "rollback", "default/docs@one", "-r"])
+        .fails_with("snapshot 'default/docs@three' has clones (default/docs3)");
+    let left = server.cli(&["fs", "snapshots", "default/docs", "--json"]).json();
+    assert_eq!(left.as_array().map(Vec::len), Some(3), "none destroyed: {left}");
+    assert_eq!(server.cli(&["fs", "destroy", "default/docs3"]).ok(), "");
     let path = "/v1/filesystems/default/docs/snapshots/one/rollback";
     let (status, _, body) = http(
         &api,
@@ -1484,7 +1497,11 @@ fn fs_lifecycle() {
     );
     assert_eq!(status, 204, "{body}");
     let left = server.cli(&["fs", "snapshots", "default/docs", "--json"]).json();
-    assert_eq!(left.as_array().map(Vec::len), Some(1), "three destroyed: {left}");
+    assert_eq!(
+        left.as_array().map(Vec::len),
+        Some(1),
+        "three and four destroyed: {left}"
+    );
     server
         .cli(&["fs", "rollback", "default/docs@gone"])
         .fails_with("does not exist");

@@ -267,7 +267,9 @@ async fn index() -> Json<Value> {
 #[utoipa::path(get, path = "/metrics", tag = "meta", responses((status = 200, description = "Prometheus text exposition (text/plain; version=0.0.4)", body = String, content_type = "text/plain")))]
 async fn metrics(State(manager): State<Manager>) -> Response {
     let pools = blocking(&manager, |m| Ok(m.pool_status())).await.unwrap_or_default();
-    let body = super::metrics::render(&manager.volumes()) + &super::metrics::render_backing(&pools);
+    let body = super::metrics::render(&manager.volumes())
+        + &super::metrics::render_backing(&pools)
+        + &super::metrics::render_nfs(crate::frontend::nfs::drc::daemon_stats());
     ([(header::CONTENT_TYPE, METRICS_CONTENT_TYPE)], body).into_response()
 }
 

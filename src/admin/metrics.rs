@@ -308,3 +308,50 @@ fn render_migration(out: &mut String, pools: &[crate::control::manager::PoolStat
         }
     }
 }
+
+/// The NFS duplicate-request cache (`frontend::nfs::drc`), once the NFS
+/// server runs: replays and drops of retransmitted calls, early evictions
+/// (the cache too small for the retransmissions it should catch), and
+/// what it holds.
+pub fn render_nfs(stats: Option<crate::frontend::nfs::drc::DrcStats>) -> String {
+    let mut out = String::new();
+    let Some(stats) = stats else {
+        return out;
+    };
+    let rows = [
+        (
+            "strata_nfs_drc_replays_total",
+            "counter",
+            "Retransmitted non-idempotent NFS calls answered from the duplicate-request cache.",
+            stats.replayed,
+        ),
+        (
+            "strata_nfs_drc_dropped_total",
+            "counter",
+            "Retransmitted NFS calls dropped unanswered because their first copy was still running.",
+            stats.dropped,
+        ),
+        (
+            "strata_nfs_drc_evictions_total",
+            "counter",
+            "Replies dropped from the duplicate-request cache before they expired, to keep its bounds.",
+            stats.evicted,
+        ),
+        (
+            "strata_nfs_drc_entries",
+            "gauge",
+            "Replies held in the duplicate-request cache.",
+            stats.entries,
+        ),
+        (
+            "strata_nfs_drc_bytes",
+            "gauge",
+            "Bytes of replies held in the duplicate-request cache.",
+            stats.bytes,
+        ),
+    ];
+    for (name, kind, help, value) in rows {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value}");
+    }
+    out
+}

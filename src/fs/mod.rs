@@ -655,7 +655,9 @@ impl FileSystem {
             (value, wcc)
         };
         drop(gate);
-        self.pool.commit().await.map_err(pool_error)?;
+        // A namespace change is all in its record (a truncation made its
+        // data changes durable before: see `setattr`).
+        self.pool.commit_records().await.map_err(pool_error)?;
         Ok(value)
     }
 
@@ -704,6 +706,9 @@ impl FileSystem {
         if let Some(size) = set.size {
             if size < old_size {
                 self.discard(handle.ino, size, old_size).await?;
+                // The zeroed tail, wherever it went, durable with the
+                // trims before the smaller size is.
+                self.pool.commit().await.map_err(pool_error)?;
             }
         }
         let ((), [wcc]) = self
@@ -1086,7 +1091,7 @@ impl FileSystem {
             changed.is_some()
         };
         if changed {
-            self.pool.commit().await.map_err(pool_error)?;
+            self.pool.commit_records().await.map_err(pool_error)?;
         }
         Ok(())
     }

@@ -607,7 +607,11 @@ pub struct Log {
     /// Commit tickets: every `commit` call takes one when it starts; a commit
     /// that begins after a ticket was issued serves it.
     tickets_issued: AtomicU64,
+    /// Tickets served by a commit that flushed the data devices first.
     tickets_served: AtomicU64,
+    /// Tickets served by any commit (their records are durable, and the
+    /// data those records need, but not necessarily other writes).
+    records_served: AtomicU64,
     commit_lock: tokio::sync::Mutex<()>,
     /// Bytes written to the log device (for the metadata-cost benchmark).
     pub bytes_written: AtomicU64,
@@ -642,6 +646,7 @@ impl Log {
             tail_lsn: AtomicU64::new(tail_lsn),
             tickets_issued: AtomicU64::new(0),
             tickets_served: AtomicU64::new(0),
+            records_served: AtomicU64::new(0),
             commit_lock: tokio::sync::Mutex::new(()),
             bytes_written: AtomicU64::new(0),
             appended: AtomicU64::new(0),
@@ -748,7 +753,8 @@ impl Log {
 
     /// Makes every record appended before this call durable, after running
     /// `before_write` (the pool flushes its data devices there, so a record
-    /// never becomes durable before the data it points to). Concurrent calls
+    /// never becomes durable before the data it points to, and every data
+    /// write completed before the call is durable too). Concurrent calls
     /// are merged: whoever commits serves everyone who asked before it began.
     /// `reserve` lets a checkpoint use the last quarter of the region.
     /// Returns the slots whose release became durable.
@@ -757,9 +763,44 @@ impl Log {
         F: FnOnce() -> Fut,
         Fut: std::future::Future<Output = Result<(), DeviceError>>,
     {
+        self.commit_served(before_write, reserve, true).await
+    }
+
+    /// [`Log::commit`] for a caller that needs only the records appended
+    /// before this call durable, not its other data writes (a synchronous
+    /// write whose data is in its `Data` records, a file's namespace
+    /// change): `before_write` runs only if a record taken needs data
+    /// written before it durable. A commit that took only such records
+    /// (Data records, marks, namespace rows) is one log write and one flush
+    /// of the log, whatever the destager wrote meanwhile.
+    pub async fn commit_records<F, Fut>(&self, before_write: F) -> Result<Vec<(u8, u64)>, LogError>
+    where
+        F: FnOnce() -> Fut,
+        Fut: std::future::Future<Output = Result<(), DeviceError>>,
+    {
+        self.commit_served(before_write, false, false).await
+    }
+
+    /// A commit serving tickets: with `data`, the caller's ticket counts as
+    /// served only by a commit that ran `before_write`.
+    async fn commit_served<F, Fut>(
+        &self,
+        before_write: F,
+        reserve: bool,
+        data: bool,
+    ) -> Result<Vec<(u8, u64)>, LogError>
+    where
+        F: FnOnce() -> Fut,
+        Fut: std::future::Future<Output = Result<(), DeviceError>>,
+    {
         let ticket = self.tickets_issued.fetch_add(1, Ordering::AcqRel) + 1;
         let _guard = self.commit_lock.lock().await;
-        if self.tickets_served.load(Ordering::Acquire) >= ticket {
+        let served = if data {
+            &self.tickets_served
+        } else {
+            &self.records_served
+        };
+        if served.load(Ordering::Acquire) >= ticket {
             return Ok(Vec::new());
         }
         let covering = self.tickets_issued.load(Ordering::Acquire);
@@ -769,10 +810,13 @@ impl Log {
         // records after the flush committed such mappings with their data
         // not yet durable). Every covered ticket's records are pending by
         // now: a writer appends before it takes its ticket.
-        let (records, frees) = self.take_pending(reserve, false)?.unwrap_or_default();
-        if let Err(e) = before_write().await {
-            self.restore_pending(records, frees);
-            return Err(e.into());
+        let (records, frees, need_data) = self.take_pending(reserve, false)?.unwrap_or_default();
+        let flush = data || need_data;
+        if flush {
+            if let Err(e) = before_write().await {
+                self.restore_pending(records, frees);
+                return Err(e.into());
+            }
         }
         if !records.is_empty() {
             if let Err(e) = self.write_blocks(&records, true, 0).await {
@@ -781,7 +825,10 @@ impl Log {
             }
             self.count_commit(records.len());
         }
-        self.tickets_served.store(covering, Ordering::Release);
+        if flush {
+            self.tickets_served.store(covering, Ordering::Release);
+        }
+        self.records_served.store(covering, Ordering::Release);
         Ok(frees)
     }
 
@@ -796,7 +843,7 @@ impl Log {
     /// data flush.
     pub async fn commit_marks(&self) -> Result<Option<Vec<(u8, u64)>>, LogError> {
         let _guard = self.commit_lock.lock().await;
-        let Some((records, frees)) = self.take_pending(false, true)? else {
+        let Some((records, frees, _)) = self.take_pending(false, true)? else {
             return Ok(None);
         };
         if !records.is_empty() {
@@ -815,10 +862,15 @@ impl Log {
     }
 
     /// Takes every pending record (and the frees they make) for a commit, if
-    /// the log has room for them. With `only_marks`, takes nothing and
+    /// the log has room for them, and whether one of them needs the data
+    /// devices flushed before it. With `only_marks`, takes nothing and
     /// returns `None` when a record needs durable data before it.
     #[allow(clippy::type_complexity)]
-    fn take_pending(&self, reserve: bool, only_marks: bool) -> Result<Option<(Vec<Record>, Vec<(u8, u64)>)>, LogError> {
+    fn take_pending(
+        &self,
+        reserve: bool,
+        only_marks: bool,
+    ) -> Result<Option<(Vec<Record>, Vec<(u8, u64)>, bool)>, LogError> {
         let mut pending = self.pending.lock_or_abort();
         if only_marks && pending.need_data > 0 {
             return Ok(None);
@@ -829,7 +881,9 @@ impl Log {
             return Err(LogError::Full);
         }
         self.pending_bytes.store(0, Ordering::Relaxed);
-        Ok(Some(pending.take()))
+        let need_data = pending.need_data > 0;
+        let (records, frees) = pending.take();
+        Ok(Some((records, frees, need_data)))
     }
 
     /// Puts records whose write failed back in front, so a later commit
@@ -1351,6 +1405,64 @@ mod tests {
         .encode(&mut bytes);
         bytes[17..25].fill(0);
         assert_eq!(Record::decode(&bytes), None);
+    }
+
+    #[test]
+    fn a_records_commit_flushes_data_only_for_records_that_need_it() {
+        use crate::device::SimDevice;
+        use std::sync::atomic::AtomicUsize;
+        let device: Arc<dyn Device> = Arc::new(SimDevice::new(1 << 20, 1));
+        let log = Log::new(device.clone(), 0, 64 * LOG_BLOCK_BYTES, 7, 0, 0);
+        let data_flushes = AtomicUsize::new(0);
+        let flush_data = || async {
+            data_flushes.fetch_add(1, Ordering::SeqCst);
+            Ok(())
+        };
+        let data = |sector: u64| Record::Data {
+            volume: 1,
+            sector,
+            crc: crate::checksum::crc32c(&[sector as u8; 4096]),
+            seq: sector,
+            data: Arc::from(vec![sector as u8; 4096]),
+        };
+        crate::meta::store::block_on(async {
+            // A synchronous write's Data records: one log write, no data flush.
+            log.append(data(8));
+            log.commit_records(flush_data).await.unwrap();
+            assert_eq!(data_flushes.load(Ordering::SeqCst), 0);
+            let after_data = log.next_lsn();
+            assert!(after_data > 0, "the Data record was written");
+            // A records commit that takes a new mapping flushes data first.
+            log.append(data(9));
+            log.append(Record::Map {
+                volume: 1,
+                block: 3,
+                new: 1 << 63 | 6,
+                old: 0,
+                crcs: vec![1, 2, 3, 4],
+            });
+            log.commit_records(flush_data).await.unwrap();
+            assert_eq!(data_flushes.load(Ordering::SeqCst), 1);
+            // A caller that needs its in-place writes durable (a FLUSH) gets
+            // a data flush even with nothing pending: a records commit
+            // served nobody's data ticket.
+            log.append(data(10));
+            log.commit_records(flush_data).await.unwrap();
+            assert_eq!(data_flushes.load(Ordering::SeqCst), 1);
+            log.commit(flush_data, false).await.unwrap();
+            assert_eq!(data_flushes.load(Ordering::SeqCst), 2);
+        });
+        // Everything committed is what replay finds, in order.
+        let (records, _, _) =
+            crate::meta::store::block_on(Log::replay(&device, 0, 64 * LOG_BLOCK_BYTES, 7, 0)).unwrap();
+        let sectors: Vec<u64> = records
+            .iter()
+            .filter_map(|(r, committed, _)| match r {
+                Record::Data { sector, .. } if *committed => Some(*sector),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(sectors, vec![8, 9, 10]);
     }
 
     #[test]

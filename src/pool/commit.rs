@@ -211,13 +211,19 @@ impl Pool {
         Ok(())
     }
 
-    /// One log commit (data devices flushed first) and the release of the
-    /// slots its records freed, with no checkpoint in between (see
-    /// `Pool::releasing`).
-    async fn commit_and_release(&self, reserve: bool) -> Result<(), LogError> {
+    /// One log commit (data devices flushed first unless `data` is false
+    /// and no record taken needs it: see [`Log::commit_records`]) and the
+    /// release of the slots its records freed, with no checkpoint in
+    /// between (see `Pool::releasing`).
+    async fn commit_and_release(&self, reserve: bool, data: bool) -> Result<(), LogError> {
         let _releasing = self.releasing.read().await;
         let waited = std::time::Instant::now();
-        let committed = self.log.commit(|| self.flush_data_devices(), reserve).await;
+        let flush = || self.flush_data_devices();
+        let committed = if data {
+            self.log.commit(flush, reserve).await
+        } else {
+            self.log.commit_records(flush).await
+        };
         crate::analytics::phase::add_commit_wait(waited);
         let frees = committed?;
         self.release_frees(frees).await;
@@ -231,9 +237,24 @@ impl Pool {
     /// room, made by one writer at a time ([`Pool::make_log_room`]), and
     /// fails only when three rounds in a row free nothing.
     pub async fn commit(&self) -> Result<(), PoolError> {
+        self.commit_client(true).await
+    }
+
+    /// Makes the log records appended so far durable (and the data they
+    /// point to), without flushing other completed writes: for a caller
+    /// whose own change is all in records, such as a synchronous write
+    /// whose data went into `Data` records or a file's namespace change.
+    /// Its commit writes the log only, unless a record it takes (a new
+    /// mapping) needs the data devices flushed first. Otherwise as
+    /// [`Pool::commit`].
+    pub async fn commit_records(&self) -> Result<(), PoolError> {
+        self.commit_client(false).await
+    }
+
+    async fn commit_client(&self, data: bool) -> Result<(), PoolError> {
         let mut fruitless = 0;
         loop {
-            match self.commit_and_release(false).await {
+            match self.commit_and_release(false, data).await {
                 Ok(()) => {
                     self.maybe_checkpoint_soon();
                     return Ok(());
@@ -298,7 +319,7 @@ impl Pool {
         // Into the reserve before a metadata checkpoint: while logged data
         // pins the tail, a checkpoint frees nothing and only uses log space.
         for attempt in 0..3 {
-            match self.commit_and_release(attempt > 0).await {
+            match self.commit_and_release(attempt > 0, true).await {
                 Ok(()) => return Ok(()),
                 Err(LogError::Full) if attempt == 1 => self.checkpoint_metadata().await?,
                 Err(LogError::Full) if attempt == 0 => {}

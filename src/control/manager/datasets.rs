@@ -425,6 +425,12 @@ impl VolumeManager {
                 names.join(", ")
             )));
         }
+        // Every newer snapshot is checked before any is destroyed: one with
+        // clones refuses the whole rollback, with nothing changed.
+        let (pool, _) = split_volume_name(dataset)?;
+        for snapshot in &newer {
+            self.refuse_if_cloned(pool, &format!("{dataset}@{}", snapshot.name), snapshot.id)?;
+        }
         for snapshot in newer.iter().rev() {
             self.fs_snapshot_destroy(&format!("{dataset}@{}", snapshot.name))?;
         }
@@ -540,26 +546,33 @@ impl VolumeManager {
 
     /// Destroys snapshot `POOL/NAME@SNAPSHOT`: calls in its files finish
     /// first; clients still using it get NFS3ERR_STALE.
+    /// Busy, naming the clones, if snapshot `name` (engine id `id`) of a
+    /// dataset in `pool` has any.
+    fn refuse_if_cloned(&self, pool: &str, name: &str, id: u32) -> Result<(), AdminError> {
+        let Some(pool_handle) = self.pool(pool) else {
+            return Ok(());
+        };
+        let clones: Vec<u32> = pool_handle
+            .clones()
+            .into_iter()
+            .filter(|(_, origin)| *origin == id)
+            .map(|(clone, _)| clone)
+            .collect();
+        if clones.is_empty() {
+            return Ok(());
+        }
+        Err(AdminError::Busy(format!(
+            "snapshot '{name}' has clones ({}): destroy them first",
+            Self::clone_names(&self.catalog(), pool, &clones)
+        )))
+    }
+
     pub fn fs_snapshot_destroy(&self, name: &str) -> Result<(), AdminError> {
         let (dataset, snapshot) = split_dataset_snapshot(name)?;
         let fs = self.open_fs(dataset)?;
         let (pool, _) = split_volume_name(dataset)?;
-        if let (Some(info), Some(pool_handle)) = (
-            fs.snapshot_list().into_iter().find(|s| s.name == snapshot),
-            self.pool(pool),
-        ) {
-            let clones: Vec<u32> = pool_handle
-                .clones()
-                .into_iter()
-                .filter(|(_, origin)| *origin == info.id)
-                .map(|(clone, _)| clone)
-                .collect();
-            if !clones.is_empty() {
-                return Err(AdminError::Busy(format!(
-                    "snapshot '{name}' has clones ({}): destroy them first",
-                    Self::clone_names(&self.catalog(), pool, &clones)
-                )));
-            }
+        if let Some(info) = fs.snapshot_list().into_iter().find(|s| s.name == snapshot) {
+            self.refuse_if_cloned(pool, name, info.id)?;
         }
         self.runtime
             .block_on(fs.destroy_snapshot(snapshot))

@@ -100,6 +100,39 @@ struct Inner {
     /// Completed entries and their reply bytes.
     done: usize,
     bytes: usize,
+    /// Counters since start (see [`DrcStats`]).
+    replayed: u64,
+    dropped: u64,
+    evicted: u64,
+}
+
+/// What the cache did since the daemon started, and what it holds
+/// (`GET /metrics`: `strata_nfs_drc_*`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DrcStats {
+    /// Retransmitted calls answered from the cache.
+    pub replayed: u64,
+    /// Retransmissions dropped because their first copy was still running.
+    pub dropped: u64,
+    /// Replies dropped to keep the bounds before they expired (many
+    /// evictions mean a retransmission may find its reply gone).
+    pub evicted: u64,
+    /// Replies held, and their bytes.
+    pub entries: u64,
+    pub bytes: u64,
+}
+
+/// The daemon's cache, for `GET /metrics` (tests' servers keep theirs).
+static DAEMON_CACHE: std::sync::OnceLock<Arc<ReplyCache>> = std::sync::OnceLock::new();
+
+/// The daemon's cache: made by the first call, the same one afterwards.
+pub fn daemon_cache() -> Arc<ReplyCache> {
+    DAEMON_CACHE.get_or_init(ReplyCache::new).clone()
+}
+
+/// The counters of the daemon's cache, if its NFS server runs.
+pub fn daemon_stats() -> Option<DrcStats> {
+    DAEMON_CACHE.get().map(|cache| cache.stats())
 }
 
 impl Inner {
@@ -120,15 +153,19 @@ impl Inner {
                 Some(Slot::Done { at, seq: stored, .. }) if *stored == seq => Some(*at),
                 _ => None,
             };
-            let keep = match live {
-                None => false,
-                Some(at) => self.done <= MAX_ENTRIES && self.bytes <= MAX_BYTES && now.duration_since(at) < EXPIRY,
+            let (keep, early) = match live {
+                None => (false, false),
+                Some(at) => {
+                    let fresh = now.duration_since(at) < EXPIRY;
+                    (self.done <= MAX_ENTRIES && self.bytes <= MAX_BYTES && fresh, fresh)
+                }
             };
             if keep {
                 break;
             }
             self.order.pop_front();
             self.remove_done(&key, seq);
+            self.evicted += u64::from(early);
         }
     }
 }
@@ -160,9 +197,14 @@ impl ReplyCache {
         let mut inner = self.inner.lock_or_abort();
         inner.evict(now);
         match inner.slots.get(&key) {
-            Some(Slot::Running) => return Lookup::InProgress,
+            Some(Slot::Running) => {
+                inner.dropped += 1;
+                return Lookup::InProgress;
+            }
             Some(Slot::Done { reply, at, .. }) if now.duration_since(*at) < EXPIRY => {
-                return Lookup::Replay(reply.clone());
+                let reply = reply.clone();
+                inner.replayed += 1;
+                return Lookup::Replay(reply);
             }
             Some(Slot::Done { seq, .. }) => {
                 let seq = *seq;
@@ -182,6 +224,17 @@ impl ReplyCache {
     pub fn len_and_bytes(&self) -> (usize, usize) {
         let inner = self.inner.lock_or_abort();
         (inner.done, inner.bytes)
+    }
+
+    pub fn stats(&self) -> DrcStats {
+        let inner = self.inner.lock_or_abort();
+        DrcStats {
+            replayed: inner.replayed,
+            dropped: inner.dropped,
+            evicted: inner.evicted,
+            entries: inner.done as u64,
+            bytes: inner.bytes as u64,
+        }
     }
 }
 
@@ -284,6 +337,16 @@ mod tests {
         drop(abandoned);
         assert!(matches!(cache.lookup(key(2, b"a")), Lookup::Run(_)));
         assert_eq!(cache.len_and_bytes(), (1, 5));
+        assert_eq!(
+            cache.stats(),
+            DrcStats {
+                replayed: 1,
+                dropped: 1,
+                evicted: 0,
+                entries: 1,
+                bytes: 5
+            }
+        );
     }
 
     #[test]
@@ -296,6 +359,7 @@ mod tests {
             pending.finish(&[0; 100]);
         }
         assert_eq!(cache.len_and_bytes(), (MAX_ENTRIES, MAX_ENTRIES * 100));
+        assert_eq!(cache.stats().evicted, 100, "the oldest 100 went early");
         assert!(matches!(cache.lookup(key(0, b"a")), Lookup::Run(_)));
         assert!(matches!(
             cache.lookup(key(MAX_ENTRIES as u32 + 99, b"a")),

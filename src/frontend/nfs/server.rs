@@ -42,8 +42,15 @@ const SOCKET_BUFFER_BYTES: usize = 64 << 10;
 /// Accepts NFS clients until `stop` turns true, then waits for the calls
 /// in flight to be answered (see [`Connections::drain`]). Connections
 /// beyond `limits` are closed at accept, before a byte is read.
-pub async fn serve(listener: TcpListener, exports: Arc<dyn Exports>, limits: Arc<ConnectionLimits>, stop: Shutdown) {
-    serve_with_cache(listener, exports, ReplyCache::new(), limits, stop).await
+/// The daemon's duplicate-request cache is made (and shown by `GET
+/// /metrics`) when this is called, not when the future first runs.
+pub fn serve(
+    listener: TcpListener,
+    exports: Arc<dyn Exports>,
+    limits: Arc<ConnectionLimits>,
+    stop: Shutdown,
+) -> impl std::future::Future<Output = ()> {
+    serve_with_cache(listener, exports, drc::daemon_cache(), limits, stop)
 }
 
 /// [`serve`] with the duplicate-request cache given (tests look into it).

@@ -643,7 +643,9 @@ impl EngineVolume {
         drop(barrier);
         if durable {
             if log_data {
-                self.pool.commit().await.map_err(pool_error)?;
+                // The data is in its Data records: they are what must be
+                // durable, not whatever the destager wrote meanwhile.
+                self.pool.commit_records().await.map_err(pool_error)?;
             } else {
                 let blocks: Vec<u64> = (first_block..=last_block).collect();
                 self.destage_blocks(&blocks).await?;
