@@ -346,21 +346,32 @@ static void plain_cb(int err, struct nfs_context *nfs, void *data, void *priv)
 	next(s);
 }
 
+/* The checks both raw calls' replies share: the RPC went through and the
+ * NFS status (the first field of every result union) is NFS3_OK. Fails
+ * the slot and returns 0 otherwise. */
+static int check_reply(const char *what, struct slot *s, int status, void *data)
+{
+	if (status != RPC_STATUS_SUCCESS) {
+		fail("%s %s: rpc status %d %s", what, s->path, status, status == RPC_STATUS_ERROR ? (char *)data : "");
+		retire(s);
+		return 0;
+	}
+	nfsstat3 nfs_status = *(nfsstat3 *)data;
+	if (nfs_status != NFS3_OK) {
+		fail("%s %s: nfsstat3 %d", what, s->path, (int)nfs_status);
+		retire(s);
+		return 0;
+	}
+	return 1;
+}
+
 static void lookup_cb(struct rpc_context *rpc, int status, void *data, void *priv)
 {
 	struct slot *s = priv;
 	(void)rpc;
-	if (status != RPC_STATUS_SUCCESS) {
-		fail("LOOKUP %s: rpc status %d %s", s->path, status, status == RPC_STATUS_ERROR ? (char *)data : "");
-		retire(s);
+	if (!check_reply("LOOKUP", s, status, data))
 		return;
-	}
 	LOOKUP3res *res = data;
-	if (res->status != NFS3_OK) {
-		fail("LOOKUP %s: nfsstat3 %d", s->path, (int)res->status);
-		retire(s);
-		return;
-	}
 	nfs_fh3 *fh = &res->LOOKUP3res_u.resok.object;
 	if (fh->data.data_len == 0 || fh->data.data_len > sizeof(g.handles[0].data)) {
 		fail("LOOKUP %s: handle of %u bytes", s->path, fh->data.data_len);
@@ -380,17 +391,9 @@ static void getattr_cb(struct rpc_context *rpc, int status, void *data, void *pr
 {
 	struct slot *s = priv;
 	(void)rpc;
-	if (status != RPC_STATUS_SUCCESS) {
-		fail("GETATTR %s: rpc status %d %s", s->path, status, status == RPC_STATUS_ERROR ? (char *)data : "");
-		retire(s);
+	if (!check_reply("GETATTR", s, status, data))
 		return;
-	}
 	GETATTR3res *res = data;
-	if (res->status != NFS3_OK) {
-		fail("GETATTR %s: nfsstat3 %d", s->path, (int)res->status);
-		retire(s);
-		return;
-	}
 	if (res->GETATTR3res_u.resok.obj_attributes.type != NF3REG) {
 		fail("GETATTR %s: not a regular file", s->path);
 		retire(s);
