@@ -234,3 +234,81 @@ fn snapshots_are_read_only_under_dot_snapshot_and_survive_a_kill() {
     assert!(!common::cli_ok(&server, &["fs", "snapshots"]).contains("monday"));
     assert_eq!(nfs_cat(&server, "/default/files/f.bin"), before);
 }
+
+/// `fs promote`: both datasets stay exported; the promoted clone's
+/// `.snapshot` holds the moved snapshots with their files, the former
+/// origin keeps its newer one; after a kill -9 too (replay of the
+/// promotion), and once the former origin is destroyed.
+#[test]
+fn a_promoted_clone_serves_the_moved_snapshots() {
+    for tool in ["nfs-cp", "nfs-cat", "nfs-ls"] {
+        require_tool(tool);
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let mut server = start(dir.path());
+    let before = common::pseudo_random(5, 150_001);
+    let after = common::pseudo_random(6, 70_001);
+    let mine = common::pseudo_random(7, 30_003);
+    let local = dir.path().join("in");
+    std::fs::create_dir(&local).unwrap();
+    for (name, data) in [("before", &before), ("after", &after), ("mine", &mine)] {
+        std::fs::write(local.join(name), data).unwrap();
+    }
+    let copy = |server: &Server, from: &str, to: &str| {
+        let output = nfs_cp(local.join(from).to_str().unwrap(), &url(server, to));
+        assert!(output.status.success(), "nfs-cp {from} {to}: {output:?}");
+    };
+    copy(&server, "before", "/default/files/f.bin");
+    common::cli_ok(&server, &["fs", "snapshot", "default/files@monday"]);
+    copy(&server, "after", "/default/files/g.bin");
+    common::cli_ok(&server, &["fs", "snapshot", "default/files@tuesday"]);
+    common::cli_ok(&server, &["fs", "clone", "default/files@monday", "default/work"]);
+    copy(&server, "mine", "/default/work/w.bin");
+    common::cli_ok(&server, &["fs", "promote", "default/work"]);
+
+    let check = |server: &Server| {
+        assert_eq!(nfs_cat(server, "/default/work/.snapshot/monday/f.bin"), before);
+        let files = nfs_ls(server, "/default/work/.snapshot/monday");
+        assert!(files.contains("f.bin") && !files.contains("g.bin"), "{files}");
+        let snapshots = nfs_ls(server, "/default/work/.snapshot");
+        assert!(
+            snapshots.contains("monday") && !snapshots.contains("tuesday"),
+            "{snapshots}"
+        );
+        assert_eq!(nfs_cat(server, "/default/work/w.bin"), mine);
+        assert_eq!(nfs_cat(server, "/default/work/f.bin"), before);
+        let snapshots = nfs_ls(server, "/default/files/.snapshot");
+        assert!(
+            snapshots.contains("tuesday") && !snapshots.contains("monday"),
+            "{snapshots}"
+        );
+        assert_eq!(nfs_cat(server, "/default/files/.snapshot/tuesday/g.bin"), after);
+        assert_eq!(nfs_cat(server, "/default/files/g.bin"), after);
+        assert_eq!(nfs_cat(server, "/default/files/f.bin"), before);
+        let moved = Command::new("nfs-cat")
+            .arg(url(server, "/default/files/.snapshot/monday/f.bin"))
+            .output()
+            .unwrap();
+        assert!(!moved.status.success(), "monday is the clone's now");
+    };
+    check(&server);
+    server.kill9();
+    let mut server = Server::start(dir.path());
+    check(&server);
+
+    // The former origin goes; the promoted clone keeps everything.
+    common::cli_ok(&server, &["fs", "destroy", "default/files@tuesday"]);
+    common::cli_ok(&server, &["fs", "destroy", "default/files"]);
+    let gone = Command::new("nfs-cat")
+        .arg(url(&server, "/default/files/f.bin"))
+        .output()
+        .unwrap();
+    assert!(!gone.status.success(), "destroyed");
+    assert_eq!(nfs_cat(&server, "/default/work/.snapshot/monday/f.bin"), before);
+    assert_eq!(nfs_cat(&server, "/default/work/w.bin"), mine);
+    server.kill9();
+    let server = Server::start(dir.path());
+    assert_eq!(nfs_cat(&server, "/default/work/.snapshot/monday/f.bin"), before);
+    assert_eq!(nfs_cat(&server, "/default/work/f.bin"), before);
+    assert_eq!(nfs_cat(&server, "/default/work/w.bin"), mine);
+}
