@@ -1540,3 +1540,165 @@ fn fs_lifecycle() {
     let (status, _) = server.stop();
     assert!(status.success(), "strata serve exited with {status}");
 }
+
+/// The snapshot names of `fs snapshots DATASET --json`.
+fn fs_snapshot_names(server: &Server, dataset: &str) -> Vec<String> {
+    let json = server.cli(&["fs", "snapshots", dataset, "--json"]).json();
+    json.as_array()
+        .expect("a JSON array")
+        .iter()
+        .map(|s| {
+            assert_eq!(s["dataset"], dataset, "{json}");
+            s["snapshot"].as_str().unwrap().to_string()
+        })
+        .collect()
+}
+
+/// The `origin` row of `fs get DATASET`, if it has one.
+fn fs_origin_row(server: &Server, dataset: &str) -> Option<String> {
+    let get = server.cli(&["fs", "get", dataset]).ok().to_string();
+    fs_properties(&get, dataset)
+        .into_iter()
+        .find(|(property, _)| property == "origin")
+        .map(|(_, value)| value)
+}
+
+/// `fs promote` (CLI and REST): the clone takes its origin snapshot and the
+/// older ones, names kept; the origin becomes its clone (`fs get`, `fs
+/// list --json`); refusals name the problem; it survives a restart, and
+/// the former origin can be destroyed afterwards.
+#[test]
+fn fs_promote() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(dir.path());
+    let api = server.api.clone();
+    for snapshot in ["one", "two", "three"] {
+        assert_eq!(
+            server
+                .cli(&["fs", "snapshot", &format!("default/files@{snapshot}")])
+                .ok(),
+            ""
+        );
+    }
+    assert_eq!(
+        server.cli(&["fs", "clone", "default/files@two", "default/work"]).ok(),
+        ""
+    );
+
+    // Refusals.
+    server
+        .cli(&["fs", "promote", "default/files"])
+        .fails_with("dataset 'default/files' is not a clone");
+    server
+        .cli(&["fs", "promote", "default/nope"])
+        .fails_with("dataset 'default/nope' does not exist");
+    server
+        .cli(&["fs", "promote", "work"])
+        .fails_with("invalid dataset name 'work'");
+    server
+        .cli(&["fs", "promote", "default/vol0"])
+        .fails_with("dataset 'default/vol0' does not exist");
+    assert_eq!(server.cli(&["fs", "snapshot", "default/work@one"]).ok(), "");
+    server
+        .cli(&["fs", "promote", "default/work"])
+        .fails_with("'default/work' has a snapshot named 'one' like default/files@one");
+    let (status, _, body) = http(&api, "POST", "/v1/filesystems/default/work/promote", None, "");
+    assert_eq!(status, 400, "{body}");
+    assert!(
+        error_message(&body).contains("destroy default/work@one first"),
+        "{body}"
+    );
+    let (status, _, body) = http(&api, "POST", "/v1/filesystems/default/files/promote", None, "");
+    assert_eq!(status, 400, "{body}");
+    let (status, _, body) = http(&api, "POST", "/v1/filesystems/default/nope/promote", None, "");
+    assert_eq!(status, 404, "{body}");
+    assert_eq!(fs_snapshot_names(&server, "default/files"), ["one", "two", "three"]);
+    assert_eq!(
+        fs_origin_row(&server, "default/work").as_deref(),
+        Some("default/files@two")
+    );
+    assert_eq!(server.cli(&["fs", "destroy", "default/work@one"]).ok(), "");
+    assert_eq!(server.cli(&["fs", "snapshot", "default/work@mine"]).ok(), "");
+
+    // CLI: work takes one and two; files becomes a clone of work@two.
+    let json = server.cli(&["fs", "promote", "default/work", "--json"]).json();
+    assert_eq!(json["name"], "default/work");
+    assert!(json.get("origin").is_none(), "no origin any more: {json}");
+    let promoted = |server: &Server| {
+        assert_eq!(fs_snapshot_names(server, "default/work"), ["one", "two", "mine"]);
+        assert_eq!(fs_snapshot_names(server, "default/files"), ["three"]);
+        assert_eq!(fs_origin_row(server, "default/work"), None);
+        assert_eq!(
+            fs_origin_row(server, "default/files").as_deref(),
+            Some("default/work@two")
+        );
+        let list = server.cli(&["fs", "list", "--json"]).json();
+        let origin_of = |name: &str| {
+            list.as_array()
+                .unwrap()
+                .iter()
+                .find(|d| d["name"] == name)
+                .unwrap_or_else(|| panic!("{name} listed: {list}"))
+                .get("origin")
+                .cloned()
+        };
+        assert_eq!(origin_of("default/files"), Some(Value::from("default/work@two")));
+        assert_eq!(origin_of("default/work"), None);
+        let snapshots = server.cli(&["fs", "snapshots"]).ok().to_string();
+        assert!(
+            snapshots
+                .lines()
+                .any(|l| l.starts_with("default/work@two ") && l.contains("/default/work/.snapshot/two")),
+            "{snapshots}"
+        );
+    };
+    promoted(&server);
+    server
+        .cli(&["fs", "promote", "default/work"])
+        .fails_with("dataset 'default/work' is not a clone");
+    server
+        .cli(&["fs", "destroy", "default/work@two"])
+        .fails_with("has clones (default/files)");
+
+    // REST: promoting files back returns one and two to it, and again.
+    let (status, _, body) = http(&api, "POST", "/v1/filesystems/default/files/promote", None, "");
+    assert_eq!(status, 200, "{body}");
+    let json: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(json["name"], "default/files");
+    assert!(json.get("origin").is_none(), "{json}");
+    assert_eq!(fs_snapshot_names(&server, "default/files"), ["one", "two", "three"]);
+    assert_eq!(fs_snapshot_names(&server, "default/work"), ["mine"]);
+    assert_eq!(
+        fs_origin_row(&server, "default/work").as_deref(),
+        Some("default/files@two")
+    );
+    assert_eq!(fs_origin_row(&server, "default/files"), None);
+    let (status, _, body) = http(&api, "POST", "/v1/filesystems/default/work/promote", None, "");
+    assert_eq!(status, 200, "{body}");
+    promoted(&server);
+
+    // A restart keeps it.
+    let (status, _) = server.stop();
+    assert!(status.success());
+    let server = Server::start(dir.path());
+    promoted(&server);
+
+    // The former origin can go (its own snapshot first); the promoted
+    // clone keeps its snapshots, now free of clones.
+    server
+        .cli(&["fs", "destroy", "default/files"])
+        .fails_with("has 1 snapshot(s)");
+    assert_eq!(server.cli(&["fs", "destroy", "default/files@three"]).ok(), "");
+    assert_eq!(server.cli(&["fs", "destroy", "default/files"]).ok(), "");
+    let list = server.cli(&["fs", "list"]).ok().to_string();
+    assert!(row(&list, "default/files").is_none(), "{list}");
+    assert_eq!(fs_snapshot_names(&server, "default/work"), ["one", "two", "mine"]);
+    assert_eq!(server.cli(&["fs", "destroy", "default/work@one"]).ok(), "");
+    let (status, _) = server.stop();
+    assert!(status.success());
+    let server = Server::start(dir.path());
+    assert_eq!(fs_snapshot_names(&server, "default/work"), ["two", "mine"]);
+    assert_eq!(fs_origin_row(&server, "default/work"), None);
+    let (status, _) = server.stop();
+    assert!(status.success(), "strata serve exited with {status}");
+}

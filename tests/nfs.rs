@@ -234,3 +234,227 @@ fn snapshots_are_read_only_under_dot_snapshot_and_survive_a_kill() {
     assert!(!common::cli_ok(&server, &["fs", "snapshots"]).contains("monday"));
     assert_eq!(nfs_cat(&server, "/default/files/f.bin"), before);
 }
+
+/// `fs promote`: both datasets stay exported; the promoted clone's
+/// `.snapshot` holds the moved snapshots with their files, the former
+/// origin keeps its newer one; after a kill -9 too (replay of the
+/// promotion), and once the former origin is destroyed.
+#[test]
+fn a_promoted_clone_serves_the_moved_snapshots() {
+    for tool in ["nfs-cp", "nfs-cat", "nfs-ls"] {
+        require_tool(tool);
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let mut server = start(dir.path());
+    let before = common::pseudo_random(5, 150_001);
+    let after = common::pseudo_random(6, 70_001);
+    let mine = common::pseudo_random(7, 30_003);
+    let local = dir.path().join("in");
+    std::fs::create_dir(&local).unwrap();
+    for (name, data) in [("before", &before), ("after", &after), ("mine", &mine)] {
+        std::fs::write(local.join(name), data).unwrap();
+    }
+    let copy = |server: &Server, from: &str, to: &str| {
+        let output = nfs_cp(local.join(from).to_str().unwrap(), &url(server, to));
+        assert!(output.status.success(), "nfs-cp {from} {to}: {output:?}");
+    };
+    copy(&server, "before", "/default/files/f.bin");
+    common::cli_ok(&server, &["fs", "snapshot", "default/files@monday"]);
+    copy(&server, "after", "/default/files/g.bin");
+    common::cli_ok(&server, &["fs", "snapshot", "default/files@tuesday"]);
+    common::cli_ok(&server, &["fs", "clone", "default/files@monday", "default/work"]);
+    copy(&server, "mine", "/default/work/w.bin");
+    common::cli_ok(&server, &["fs", "promote", "default/work"]);
+
+    let check = |server: &Server| {
+        assert_eq!(nfs_cat(server, "/default/work/.snapshot/monday/f.bin"), before);
+        let files = nfs_ls(server, "/default/work/.snapshot/monday");
+        assert!(files.contains("f.bin") && !files.contains("g.bin"), "{files}");
+        let snapshots = nfs_ls(server, "/default/work/.snapshot");
+        assert!(
+            snapshots.contains("monday") && !snapshots.contains("tuesday"),
+            "{snapshots}"
+        );
+        assert_eq!(nfs_cat(server, "/default/work/w.bin"), mine);
+        assert_eq!(nfs_cat(server, "/default/work/f.bin"), before);
+        let snapshots = nfs_ls(server, "/default/files/.snapshot");
+        assert!(
+            snapshots.contains("tuesday") && !snapshots.contains("monday"),
+            "{snapshots}"
+        );
+        assert_eq!(nfs_cat(server, "/default/files/.snapshot/tuesday/g.bin"), after);
+        assert_eq!(nfs_cat(server, "/default/files/g.bin"), after);
+        assert_eq!(nfs_cat(server, "/default/files/f.bin"), before);
+        let moved = Command::new("nfs-cat")
+            .arg(url(server, "/default/files/.snapshot/monday/f.bin"))
+            .output()
+            .unwrap();
+        assert!(!moved.status.success(), "monday is the clone's now");
+    };
+    check(&server);
+    server.kill9();
+    let mut server = Server::start(dir.path());
+    check(&server);
+
+    // The former origin goes; the promoted clone keeps everything.
+    common::cli_ok(&server, &["fs", "destroy", "default/files@tuesday"]);
+    common::cli_ok(&server, &["fs", "destroy", "default/files"]);
+    let gone = Command::new("nfs-cat")
+        .arg(url(&server, "/default/files/f.bin"))
+        .output()
+        .unwrap();
+    assert!(!gone.status.success(), "destroyed");
+    assert_eq!(nfs_cat(&server, "/default/work/.snapshot/monday/f.bin"), before);
+    assert_eq!(nfs_cat(&server, "/default/work/w.bin"), mine);
+    server.kill9();
+    let server = Server::start(dir.path());
+    assert_eq!(nfs_cat(&server, "/default/work/.snapshot/monday/f.bin"), before);
+    assert_eq!(nfs_cat(&server, "/default/work/f.bin"), before);
+    assert_eq!(nfs_cat(&server, "/default/work/w.bin"), mine);
+}
+
+/// `len` and `bytes` as XDR `opaque<>`, padded to four bytes.
+fn xdr_opaque(bytes: &[u8]) -> Vec<u8> {
+    let mut out = (bytes.len() as u32).to_be_bytes().to_vec();
+    out.extend_from_slice(bytes);
+    out.resize(4 + bytes.len().div_ceil(4) * 4, 0);
+    out
+}
+
+/// The XDR `opaque<>` at byte `at` of `body`.
+fn opaque_at(body: &[u8], at: usize) -> Vec<u8> {
+    let length = u32::from_be_bytes(body[at..at + 4].try_into().unwrap()) as usize;
+    body[at + 4..at + 4 + length].to_vec()
+}
+
+fn u64_at(body: &[u8], at: usize) -> u64 {
+    u64::from_be_bytes(body[at..at + 8].try_into().unwrap())
+}
+
+/// A client that keeps file handles across admin commands and restarts,
+/// as a mounted client does (libnfs's tools mount afresh every time).
+/// Replies: xid, REPLY, MSG_ACCEPTED, verifier, accept_stat (words 0-5),
+/// then the procedure's status (word 6, byte 24) and results (byte 28).
+struct RawClient {
+    stream: TcpStream,
+    xid: u32,
+}
+
+impl RawClient {
+    fn new(server: &Server) -> RawClient {
+        RawClient {
+            stream: connect(server),
+            xid: 0,
+        }
+    }
+
+    /// Runs one call; its status, and the reply.
+    fn call(&mut self, program: u32, procedure: u32, args: &[u8]) -> (u32, Vec<u8>) {
+        self.xid += 1;
+        self.stream
+            .write_all(&call(self.xid, program, 3, procedure, args))
+            .unwrap();
+        let body = reply(&mut self.stream).expect("a reply");
+        assert_eq!((word(&body, 0), word(&body, 5)), (self.xid, 0), "accepted");
+        (word(&body, 6), body)
+    }
+
+    /// MNT: the root handle of `path`, or MOUNT's status.
+    fn mount(&mut self, path: &str) -> Result<Vec<u8>, u32> {
+        match self.call(100_005, 1, &xdr_opaque(path.as_bytes())) {
+            (0, body) => Ok(opaque_at(&body, 28)),
+            (status, _) => Err(status),
+        }
+    }
+
+    fn lookup(&mut self, dir: &[u8], name: &str) -> Result<Vec<u8>, u32> {
+        let mut args = xdr_opaque(dir);
+        args.extend(xdr_opaque(name.as_bytes()));
+        match self.call(100_003, 3, &args) {
+            (0, body) => Ok(opaque_at(&body, 28)),
+            (status, _) => Err(status),
+        }
+    }
+
+    /// GETATTR: the size and the fsid, or NFS's status.
+    fn size_and_fsid(&mut self, handle: &[u8]) -> Result<(u64, u64), u32> {
+        match self.call(100_003, 1, &xdr_opaque(handle)) {
+            // fattr3: type, mode, nlink, uid, gid, size, used, rdev, fsid.
+            (0, body) => Ok((u64_at(&body, 28 + 20), u64_at(&body, 28 + 44))),
+            (status, _) => Err(status),
+        }
+    }
+
+    fn read(&mut self, handle: &[u8], offset: u64, count: u32) -> Result<Vec<u8>, u32> {
+        let mut args = xdr_opaque(handle);
+        args.extend_from_slice(&offset.to_be_bytes());
+        args.extend_from_slice(&count.to_be_bytes());
+        match self.call(100_003, 6, &args) {
+            // post_op_attr (a bool, then fattr3's 84 bytes), count, eof, data.
+            (0, body) => {
+                let at = if word(&body, 7) == 1 { 32 + 84 } else { 32 };
+                Ok(opaque_at(&body, at + 8))
+            }
+            (status, _) => Err(status),
+        }
+    }
+}
+
+/// What the docs promise of a handle of a file in a snapshot that a
+/// promotion moves: it stays valid, same file, same data, served through
+/// the promoted clone (its fsid) from then on; across a kill -9 and once
+/// the former origin is destroyed too. The snapshot's path under the
+/// origin is gone.
+#[test]
+fn a_handle_in_a_moved_snapshot_stays_valid() {
+    require_tool("nfs-cp");
+    let dir = tempfile::tempdir().unwrap();
+    let mut server = start(dir.path());
+    let before = common::pseudo_random(8, 90_001);
+    let local = dir.path().join("before");
+    std::fs::write(&local, &before).unwrap();
+    let output = nfs_cp(local.to_str().unwrap(), &url(&server, "/default/files/f.bin"));
+    assert!(output.status.success(), "{output:?}");
+    common::cli_ok(&server, &["fs", "snapshot", "default/files@monday"]);
+    common::cli_ok(&server, &["fs", "clone", "default/files@monday", "default/work"]);
+
+    let mut client = RawClient::new(&server);
+    let files = client.mount("/default/files").unwrap();
+    let (_, files_fsid) = client.size_and_fsid(&files).unwrap();
+    let work = client.mount("/default/work").unwrap();
+    let (_, work_fsid) = client.size_and_fsid(&work).unwrap();
+    assert_ne!(files_fsid, work_fsid);
+    let snap_root = client.mount("/default/files/.snapshot/monday").unwrap();
+    let f = client.lookup(&snap_root, "f.bin").unwrap();
+    assert_eq!(client.size_and_fsid(&f).unwrap(), (before.len() as u64, files_fsid));
+    assert_eq!(client.read(&f, 0, 4096).unwrap(), before[..4096]);
+
+    common::cli_ok(&server, &["fs", "promote", "default/work"]);
+    let check = |client: &mut RawClient| {
+        assert_eq!(
+            client.size_and_fsid(&f),
+            Ok((before.len() as u64, work_fsid)),
+            "the same file, through the clone"
+        );
+        assert_eq!(client.read(&f, 80_000, 20_000).unwrap(), before[80_000..]);
+        assert_eq!(client.lookup(&snap_root, "f.bin").as_ref(), Ok(&f));
+        assert_eq!(
+            client.mount("/default/work/.snapshot/monday").as_ref(),
+            Ok(&snap_root),
+            "a handle names the snapshot, not its dataset"
+        );
+        assert_eq!(
+            client.mount("/default/files/.snapshot/monday"),
+            Err(2),
+            "MNT3ERR_NOENT: moved away"
+        );
+    };
+    check(&mut client);
+    server.kill9();
+    let mut server = Server::start(dir.path());
+    let mut client = RawClient::new(&server);
+    check(&mut client);
+    common::cli_ok(&server, &["fs", "destroy", "default/files"]);
+    check(&mut client);
+    server.stop();
+}

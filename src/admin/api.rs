@@ -32,7 +32,7 @@ use crate::units::parse_size;
 pub const METRICS_CONTENT_TYPE: &str = "text/plain; version=0.0.4";
 
 /// Every endpoint, as listed by `GET /` and `GET /v1`.
-pub const ENDPOINTS: [&str; 46] = [
+pub const ENDPOINTS: [&str; 47] = [
     "GET /metrics",
     "GET /v1/pools",
     "POST /v1/pools",
@@ -50,6 +50,7 @@ pub const ENDPOINTS: [&str; 46] = [
     "GET /v1/filesystems/{pool}/{name}",
     "PATCH /v1/filesystems/{pool}/{name}",
     "DELETE /v1/filesystems/{pool}/{name}",
+    "POST /v1/filesystems/{pool}/{name}/promote",
     "GET /v1/filesystems/{pool}/{name}/snapshots",
     "POST /v1/filesystems/{pool}/{name}/snapshots",
     "DELETE /v1/filesystems/{pool}/{name}/snapshots/{snapshot}",
@@ -582,6 +583,17 @@ async fn destroy_filesystem(
     Ok(StatusCode::NO_CONTENT)
 }
 
+#[utoipa::path(post, path = "/v1/filesystems/{pool}/{name}/promote", tag = "filesystems", params(("pool" = String, Path, description = "Pool name"), ("name" = String, Path, description = "Dataset name (a clone)")), responses((status = 200, description = "The promoted clone: its origin snapshot and the older ones of the origin's dataset are its own now, and that dataset is a clone of the snapshot", body = DatasetInfo), (status = 404, description = "No such dataset", body = ErrorBody), (status = 409, description = "A snapshot that would move is being destroyed", body = ErrorBody), (status = 400, description = "Not a clone, or a snapshot name of the clone clashes with one that would move", body = ErrorBody), (status = 401, description = "No valid token (TCP)", body = ErrorBody)))]
+async fn promote_filesystem(
+    State(manager): State<Manager>,
+    path: Result<Path<(String, String)>, PathRejection>,
+) -> ApiResult<Json<DatasetInfo>> {
+    let Path((pool, name)) = path?;
+    blocking(&manager, move |m| m.fs_promote(&full_name(&pool, &name)))
+        .await
+        .map(Json)
+}
+
 #[utoipa::path(get, path = "/v1/filesystems/{pool}/{name}/snapshots", tag = "filesystems", params(("pool" = String, Path, description = "Pool name"), ("name" = String, Path, description = "Dataset name")), responses((status = 200, description = "The dataset's snapshots, oldest first", body = Vec<DatasetSnapshotInfo>), (status = 404, description = "No such dataset", body = ErrorBody), (status = 401, description = "No valid token (TCP)", body = ErrorBody)))]
 async fn list_filesystem_snapshots(
     State(manager): State<Manager>,
@@ -907,7 +919,7 @@ struct PropertyList {
         index, metrics, openapi, dashboard, list_pools, create_pool, get_pool, add_device, sync_pool,
         get_pool_properties, set_pool_properties, migrate_pool, list_volumes,
         create_volume, get_volume, set_volume, resize_volume, delete_volume, promote_volume, list_filesystems,
-        create_filesystem, get_filesystem, set_filesystem, destroy_filesystem, list_filesystem_snapshots,
+        create_filesystem, get_filesystem, set_filesystem, destroy_filesystem, promote_filesystem, list_filesystem_snapshots,
         list_all_filesystem_snapshots, create_filesystem_snapshot, destroy_filesystem_snapshot,
         rollback_filesystem, clone_filesystem_snapshot, list_snapshots,
         create_snapshots, delete_snapshot, rollback_snapshot, clone_snapshot, super::send::send,
@@ -966,6 +978,7 @@ pub fn router(manager: Arc<VolumeManager>, auth: Arc<ApiAuth>) -> Router {
             "/v1/filesystems/:pool/:name",
             get(get_filesystem).patch(set_filesystem).delete(destroy_filesystem),
         )
+        .route("/v1/filesystems/:pool/:name/promote", post(promote_filesystem))
         .route(
             "/v1/filesystems/:pool/:name/snapshots",
             get(list_filesystem_snapshots).post(create_filesystem_snapshot),

@@ -304,6 +304,14 @@ pub enum FsCommand {
         /// POOL/NEW: the new dataset (same pool).
         name: String,
     },
+    /// Make a clone independent of its origin snapshot: the snapshot (and
+    /// the older ones of its dataset) move to the clone, names kept, and
+    /// the origin's dataset becomes a clone of it, so that it can be
+    /// destroyed. NFS clients of both stay mounted.
+    Promote {
+        /// POOL/NAME of the clone.
+        name: String,
+    },
 }
 
 /// The dataset properties with their defaults, under `fs create --help`
@@ -833,6 +841,12 @@ fn run_fs(args: FsArgs) -> CliResult<String> {
                 &format!("{}/snapshots/{snapshot}/clone", dataset_path(dataset)),
                 Some(body),
             )?;
+            Ok(if output.json { pretty(&info) } else { String::new() })
+        }
+        FsCommand::Promote { name } => {
+            split_dataset_name(&name)?;
+            let client = Client::new(&args.client)?;
+            let info: DatasetInfo = client.send("POST", &format!("{}/promote", dataset_path(&name)), None)?;
             Ok(if output.json { pretty(&info) } else { String::new() })
         }
         FsCommand::Rollback { name, destroy_newer } => {

@@ -395,6 +395,88 @@ impl FileSystem {
         Ok(())
     }
 
+    /// Promotes this dataset, a clone, over `origin`, the dataset its
+    /// origin snapshot belongs to (`zfs promote`): that snapshot and
+    /// `origin`'s older ones become this dataset's, with their names, and
+    /// `origin` becomes a clone of the snapshot. Returns the ids of the
+    /// snapshots that moved, oldest first.
+    ///
+    /// No file changes: both live namespaces stay as they are, and a
+    /// snapshot's namespace copy is kept under the snapshot's id, which
+    /// does not change, so replay of the pool's `Promote` record and a
+    /// checkpoint need nothing of the file service. Calls to both datasets,
+    /// and to `origin`'s open views of the moving snapshots, finish first
+    /// and wait meanwhile. Handles of files in a moved snapshot name the
+    /// snapshot, not its dataset: they stay valid and are served by this
+    /// dataset from then on (its fsid, its export's rules), same files,
+    /// same data.
+    pub async fn promote(&self, origin: &FileSystem) -> Result<Vec<u32>, FsError> {
+        if self.snapshot_of.is_some() || origin.snapshot_of.is_some() {
+            return Err(FsError::ReadOnly);
+        }
+        let snapshot = self
+            .pool
+            .origin_of(self.dataset)
+            .and_then(|id| self.pool.snapshot(id))
+            .ok_or_else(|| FsError::Io("the dataset is not a clone".into()))?;
+        if snapshot.volume != origin.dataset {
+            return Err(FsError::Io("the origin snapshot is not of that dataset".into()));
+        }
+        // Both datasets' calls (in id order, as the pool takes their
+        // barriers), then the origin's views of what moves.
+        let (first, second) = if self.dataset < origin.dataset {
+            (self, origin)
+        } else {
+            (origin, self)
+        };
+        let first = first.quiesce.write().await;
+        let second = second.quiesce.write().await;
+        if *first || *second {
+            return Err(FsError::Stale);
+        }
+        let moving: Vec<u32> = origin
+            .snapshot_list()
+            .iter()
+            .filter(|s| s.generation <= snapshot.generation)
+            .map(|s| s.id)
+            .collect();
+        let views: Vec<Arc<FileSystem>> = {
+            let views = origin.snapshots.lock_or_abort();
+            let mut open = Vec::new();
+            for id in &moving {
+                match views.get(id) {
+                    Some(SnapshotView::Open(view)) => open.push(view.clone()),
+                    Some(SnapshotView::Destroying) => {
+                        return Err(FsError::Io(format!(
+                            "snapshot {id:#x}, which would move, is being destroyed"
+                        )))
+                    }
+                    None => {}
+                }
+            }
+            open
+        };
+        let mut quiet_views = Vec::with_capacity(views.len());
+        for view in &views {
+            quiet_views.push(view.quiesce.write().await);
+        }
+        self.pool
+            .promote(&self.engine, &origin.engine)
+            .await
+            .map_err(|e| match e {
+                PoolError::Invalid(message) => FsError::Io(message),
+                other => pool_error(other),
+            })?;
+        // The moved snapshots are this dataset's now: the origin forgets
+        // its views of them (a call that found one already finishes on it,
+        // reading the same files), and this dataset opens its own, in its
+        // fsid, when a client next comes with one of their handles.
+        origin.snapshots.lock_or_abort().retain(|id, _| !moving.contains(id));
+        drop(quiet_views);
+        drop((first, second));
+        Ok(moving)
+    }
+
     /// The read-only file system of snapshot `id` of this dataset (opened
     /// on first use); `None` if the dataset has no such snapshot.
     pub fn snapshot_fs(&self, id: u32) -> Option<Arc<FileSystem>> {

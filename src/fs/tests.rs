@@ -598,3 +598,209 @@ fn a_rollback_and_a_clone_bring_a_snapshot_back() {
         assert!(fs.destroy_snapshot("s1").await.is_err());
     });
 }
+
+/// The origin dataset of [`a_promoted_clone_takes_over_the_snapshots`]
+/// after its changes: /a and /d/b removed, /l renamed, /later made.
+async fn check_origin_live(fs: &FileSystem) {
+    let root = fs.root();
+    let cred = Cred::root();
+    assert_eq!(names(fs, &root), [".", "..", "d", "u", "l2", "later"]);
+    let (later, attr) = fs.lookup(&root, b"later", &cred).unwrap();
+    assert_eq!(attr.size, 50_000);
+    assert_eq!(fs.read(&later, &cred, 49_900, 200).await.unwrap().0, vec![1u8; 100]);
+    let (u, attr) = fs.lookup(&root, b"u", &cred).unwrap();
+    assert_eq!(attr.size, 20_000);
+    assert_eq!(fs.read(&u, &cred, 0, 100).await.unwrap().0, vec![9u8; 100]);
+}
+
+/// Snapshot `s0` of [`a_promoted_clone_takes_over_the_snapshots`]: the tree
+/// [`build`] made, before /u.
+async fn check_as_at_s0(snap: &FileSystem) {
+    let root = snap.root();
+    let cred = Cred::root();
+    assert_eq!(names(snap, &root), [".", "..", "a", "d", "l"]);
+    let (a, attr) = snap.lookup(&root, b"a", &cred).unwrap();
+    assert_eq!((attr.size, attr.nlink), (10_000, 2));
+    let (data, _) = snap.read(&a, &cred, 0, 20_000).await.unwrap();
+    assert_eq!(data, (0..10_000u32).map(|i| (i % 251) as u8).collect::<Vec<_>>());
+}
+
+/// The snapshot `name` of `fs`, as a client finds it in `.snapshot`.
+fn snapshot_in_dir(fs: &FileSystem, name: &str) -> Arc<FileSystem> {
+    let cred = Cred::root();
+    let (dir, _) = fs.lookup(&fs.root(), SNAPSHOT_DIR, &cred).unwrap();
+    let (snap_root, attr) = fs.lookup(&dir, name.as_bytes(), &cred).unwrap();
+    assert_eq!(attr.fsid, fs.getattr(&fs.root()).unwrap().fsid, "in the dataset's fsid");
+    let snap = fs.snapshot_fs(snap_root.dataset).expect("the snapshot opens");
+    assert_eq!(snap.root(), snap_root);
+    snap
+}
+
+/// After the promotion of [`a_promoted_clone_takes_over_the_snapshots`]:
+/// `s0` and `s1` are the clone's (before its own `c1`), the origin keeps
+/// `s2` and is a clone of `s1`; every view as it was. `sa` is the handle
+/// of /a in `s1` a client had before the promotion.
+async fn check_promoted(pool: &Pool, fs: &FileSystem, clone: &FileSystem, sa: &Handle) {
+    let cred = Cred::root();
+    let listed = |fs: &FileSystem| -> Vec<String> { fs.snapshot_list().into_iter().map(|s| s.name).collect() };
+    assert_eq!(listed(clone), ["s0", "s1", "c1"]);
+    assert_eq!(listed(fs), ["s2"]);
+    let s1 = clone.snapshot_list()[1].id;
+    assert_eq!(sa.dataset, s1);
+    assert_eq!(pool.origin_of(DATASET), Some(s1), "the origin is a clone of s1 now");
+    assert_eq!(pool.origin_of(CLONE), None, "the clone is its own");
+    for (dataset, want) in [(clone, vec!["s0", "s1", "c1"]), (fs, vec!["s2"])] {
+        let (dir, _) = dataset.lookup(&dataset.root(), SNAPSHOT_DIR, &cred).unwrap();
+        let mut all = vec![".", ".."];
+        all.extend(want);
+        assert_eq!(names(dataset, &dir), all);
+    }
+    assert_eq!(
+        fs.lookup(&fs.lookup(&fs.root(), SNAPSHOT_DIR, &cred).unwrap().0, b"s1", &cred),
+        Err(FsError::NoEnt),
+        "moved away"
+    );
+    assert!(fs.snapshot_fs(s1).is_none());
+    check_as_at_s0(&snapshot_in_dir(clone, "s0")).await;
+    let snap = snapshot_in_dir(clone, "s1");
+    check_as_at_s1(&snap, sa).await;
+    // The handle from before is the clone's snapshot's now: same file,
+    // same data, in the clone's fsid.
+    let attr = snap.getattr(sa).unwrap();
+    assert_eq!(
+        (attr.size, attr.fsid),
+        (10_000, clone.getattr(&clone.root()).unwrap().fsid)
+    );
+    assert_eq!(
+        snap.read(sa, &cred, 0, 100).await.unwrap().0,
+        (0..100u32).map(|i| (i % 251) as u8).collect::<Vec<_>>()
+    );
+    let c1 = snapshot_in_dir(clone, "c1");
+    check_clone(&c1).await;
+    check_clone(clone).await;
+    check_origin_live(fs).await;
+    assert_eq!(snapshot_in_dir(fs, "s2").root().dataset, fs.snapshot_list()[0].id);
+    check_origin_live(&snapshot_in_dir(fs, "s2")).await;
+}
+
+/// The promoted clone once its former origin is destroyed.
+async fn check_alone(pool: &Pool, clone: &FileSystem, sa: &Handle) {
+    assert_eq!(pool.origin_of(CLONE), None);
+    check_clone(clone).await;
+    check_as_at_s0(&snapshot_in_dir(clone, "s0")).await;
+    check_as_at_s1(&snapshot_in_dir(clone, "s1"), sa).await;
+    check_clone(&snapshot_in_dir(clone, "c1")).await;
+}
+
+/// `zfs promote` for datasets: the clone takes the origin snapshot and the
+/// older ones with their namespaces, the origin becomes a clone of it;
+/// through a power loss (replay of the `Promote` record) and from a
+/// checkpoint; then the former origin can go.
+#[test]
+fn a_promoted_clone_takes_over_the_snapshots() {
+    block_on(async {
+        let sim = SimDevice::new(160 << 20, 13);
+        let pool = new_pool(&sim).await;
+        let fs = FileSystem::open(&pool, DATASET, 16 << 10, 0).await.unwrap();
+        let cred = Cred::root();
+        let root = fs.root();
+        let (a, d) = build(&fs).await;
+        fs.snapshot("s0").await.unwrap();
+        let (u, _, _) = fs
+            .create(&root, b"u", &cred, CreateHow::Guarded(attrs(0o644)))
+            .await
+            .unwrap();
+        fs.write(&u, &cred, 0, &[5u8; 6_000], Stable::Unstable).await.unwrap();
+        let s1 = fs.snapshot("s1").await.unwrap();
+        fs.write(&a, &cred, 0, &[0xee; 4096], Stable::FileSync).await.unwrap();
+        fs.remove(&d, b"b", &cred).await.unwrap();
+        fs.remove(&root, b"a", &cred).await.unwrap();
+        fs.rename(&root, b"l", &root, b"l2", &cred).await.unwrap();
+        fs.write(&u, &cred, 0, &[9u8; 20_000], Stable::Unstable).await.unwrap();
+        let (later, _, _) = fs
+            .create(&root, b"later", &cred, CreateHow::Guarded(attrs(0o644)))
+            .await
+            .unwrap();
+        fs.write(&later, &cred, 0, &[1u8; 50_000], Stable::FileSync)
+            .await
+            .unwrap();
+        fs.snapshot("s2").await.unwrap();
+
+        pool.create_clone(CLONE, s1.id).await.unwrap();
+        let clone = FileSystem::open(&pool, CLONE, 16 << 10, 0).await.unwrap();
+        let clone_root = clone.root();
+        let (ca, _) = clone.lookup(&clone_root, b"a", &cred).unwrap();
+        clone
+            .write(&ca, &cred, 0, &[0x77; 4096], Stable::FileSync)
+            .await
+            .unwrap();
+        let (c, _, _) = clone
+            .create(&clone_root, b"c", &cred, CreateHow::Guarded(attrs(0o644)))
+            .await
+            .unwrap();
+        clone.write(&c, &cred, 0, &[3u8; 100], Stable::Unstable).await.unwrap();
+        // A client has s1 open through the origin, a handle in it.
+        let old_view = snapshot_in_dir(&fs, "s1");
+        let (sa, _) = old_view.lookup(&old_view.root(), b"a", &cred).unwrap();
+
+        // Refused: a snapshot name of the clone that would clash, and a
+        // dataset that is no clone.
+        clone.snapshot("s0").await.unwrap();
+        match clone.promote(&fs).await {
+            Err(FsError::Io(message)) => assert!(message.contains("'s0'"), "{message}"),
+            other => panic!("a clash of names is refused, not {other:?}"),
+        }
+        assert_eq!(clone.snapshot_list().len(), 1, "nothing moved");
+        clone.destroy_snapshot("s0").await.unwrap();
+        match fs.promote(&clone).await {
+            Err(FsError::Io(message)) => assert!(message.contains("not a clone"), "{message}"),
+            other => panic!("promoting no clone is refused, not {other:?}"),
+        }
+        clone.snapshot("c1").await.unwrap();
+
+        let moved = clone.promote(&fs).await.unwrap();
+        assert_eq!(moved.len(), 2);
+        assert_eq!(moved[1], s1.id);
+        check_promoted(&pool, &fs, &clone, &sa).await;
+        // A call that found the origin's view before goes on reading it.
+        assert_eq!(old_view.getattr(&sa).unwrap().size, 10_000);
+        assert!(clone.promote(&fs).await.is_err(), "once");
+        assert!(
+            clone.destroy_snapshot("s1").await.is_err(),
+            "the origin is a clone of it now"
+        );
+        drop(old_view);
+
+        // Power loss: the log replays the promotion.
+        drop(clone);
+        let (pool, fs) = power_loss(&sim, (pool, fs)).await;
+        let clone = FileSystem::open(&pool, CLONE, 16 << 10, 0).await.unwrap();
+        check_promoted(&pool, &fs, &clone, &sa).await;
+
+        // From the metadata store's rows.
+        pool.checkpoint().await.unwrap();
+        drop(clone);
+        let (pool, fs) = power_loss(&sim, (pool, fs)).await;
+        let clone = FileSystem::open(&pool, CLONE, 16 << 10, 0).await.unwrap();
+        check_promoted(&pool, &fs, &clone, &sa).await;
+
+        // The former origin goes (its own snapshot first); the promoted
+        // clone keeps its files and the moved snapshots theirs.
+        fs.destroy_snapshot("s2").await.unwrap();
+        fs.retire().await;
+        pool.destroy_volume(DATASET).await.unwrap();
+        drop(fs);
+        check_alone(&pool, &clone, &sa).await;
+        drop(clone);
+        drop(pool);
+        sim.crash();
+        let pool = Pool::open(vec![sim.as_device()]).await.unwrap();
+        assert!(pool.existing_namespace(DATASET).is_none());
+        let clone = FileSystem::open(&pool, CLONE, 16 << 10, 0).await.unwrap();
+        check_alone(&pool, &clone, &sa).await;
+        clone.destroy_snapshot("s1").await.unwrap();
+        clone.destroy_snapshot("s0").await.unwrap();
+        check_clone(&snapshot_in_dir(&clone, "c1")).await;
+        check_clone(&clone).await;
+    });
+}

@@ -1073,6 +1073,13 @@ impl Pool {
             Some(volume) => Some(volume.placement().write().await),
             None => None,
         };
+        // A promotion that ran while this waited for the barrier moved the
+        // snapshot to its clone, whose writes this does not hold.
+        if self.snapshot(snapshot).is_some_and(|now| now.volume != info.volume) {
+            return Err(PoolError::Invalid(format!(
+                "snapshot {snapshot:#x} moved to another volume (a promotion) while it was being deleted: try again"
+            )));
+        }
         {
             let _gate = self.gate(snapshot).read().await;
             // Who maps a slot changes: not while a shared block moves.

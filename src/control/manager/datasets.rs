@@ -443,6 +443,82 @@ impl VolumeManager {
         Ok(())
     }
 
+    /// Promotes clone `POOL/NAME` (`zfs promote`): its origin snapshot and
+    /// the older snapshots of the origin's dataset become its own, under
+    /// the same names (NFS clients find them in its `.snapshot`), and the
+    /// origin's dataset becomes a clone of that snapshot, so that it can be
+    /// destroyed (its newer snapshots first) while this one keeps every
+    /// file. NFS calls to both datasets wait while the maps are rearranged;
+    /// clients stay mounted, and handles of files in the moved snapshots
+    /// stay valid (served by this dataset from then on).
+    pub fn fs_promote(&self, name: &str) -> Result<DatasetInfo, AdminError> {
+        let (pool, short) = split_volume_name(name)?;
+        // Held to the end: no other admin operation runs meanwhile.
+        let catalog = self.catalog();
+        let pool_record = catalog
+            .pools
+            .get(pool)
+            .ok_or_else(|| AdminError::NotFound(format!("dataset '{name}' does not exist")))?;
+        let record = pool_record
+            .datasets
+            .get(short)
+            .ok_or_else(|| AdminError::NotFound(format!("dataset '{name}' does not exist")))?;
+        let pool_handle = self
+            .pool(pool)
+            .ok_or_else(|| AdminError::Internal(format!("pool '{pool}' is in the catalog but not open")))?;
+        let origin = pool_handle
+            .origin_of(record.id)
+            .and_then(|id| pool_handle.snapshot(id))
+            .ok_or_else(|| {
+                AdminError::Invalid(format!(
+                    "dataset '{name}' is not a clone: it has no origin snapshot to take over"
+                ))
+            })?;
+        let old_short = pool_record
+            .datasets
+            .iter()
+            .find_map(|(n, r)| (r.id == origin.volume).then_some(n.as_str()))
+            .ok_or_else(|| {
+                AdminError::Internal(format!(
+                    "the origin snapshot of '{name}' belongs to no dataset (id {})",
+                    origin.volume
+                ))
+            })?;
+        let old_name = format!("{pool}/{old_short}");
+        let clone_fs = self.open_fs(name)?;
+        let old_fs = self.open_fs(&old_name)?;
+        let moving: Vec<SnapshotInfo> = old_fs
+            .snapshot_list()
+            .into_iter()
+            .filter(|s| s.generation <= origin.generation)
+            .collect();
+        let own = clone_fs.snapshot_list();
+        if let Some(clash) = moving.iter().find(|m| own.iter().any(|s| s.name == m.name)) {
+            return Err(AdminError::Invalid(format!(
+                "'{name}' has a snapshot named '{0}' like {old_name}@{0}, which the promotion would move to it: \
+                 destroy {name}@{0} first",
+                clash.name
+            )));
+        }
+        let moved = self.runtime.block_on(clone_fs.promote(&old_fs)).map_err(|e| match e {
+            FsError::Io(message) if message.contains("being destroyed") => {
+                AdminError::Busy(format!("promoting {name}: {message}"))
+            }
+            FsError::Io(message) => AdminError::Invalid(format!("promoting {name}: {message}")),
+            other => AdminError::Internal(format!("promoting {name}: {other:?}")),
+        })?;
+        debug_assert_eq!(moved.len(), moving.len());
+        let names: Vec<String> = moving.iter().map(|s| format!("@{}", s.name)).collect();
+        tracing::info!(
+            "dataset {name} promoted: {} now its own; {old_name} is a clone of {name}@{}",
+            names.join(", "),
+            origin.name
+        );
+        // The schedule finds each dataset's snapshots anew.
+        self.schedule_changed.notify_one();
+        self.dataset_info(&catalog, name)
+    }
+
     /// Sets properties (all validated first, saved in one catalog update).
     pub fn fs_set(&self, name: &str, properties: &[(String, String)]) -> Result<DatasetInfo, AdminError> {
         let (pool, short) = split_volume_name(name)?;
@@ -544,8 +620,6 @@ impl VolumeManager {
             .collect())
     }
 
-    /// Destroys snapshot `POOL/NAME@SNAPSHOT`: calls in its files finish
-    /// first; clients still using it get NFS3ERR_STALE.
     /// Busy, naming the clones, if snapshot `name` (engine id `id`) of a
     /// dataset in `pool` has any.
     fn refuse_if_cloned(&self, pool: &str, name: &str, id: u32) -> Result<(), AdminError> {
@@ -562,11 +636,13 @@ impl VolumeManager {
             return Ok(());
         }
         Err(AdminError::Busy(format!(
-            "snapshot '{name}' has clones ({}): destroy them first",
+            "snapshot '{name}' has clones ({}): promote them (strata fs promote CLONE) or destroy them first",
             Self::clone_names(&self.catalog(), pool, &clones)
         )))
     }
 
+    /// Destroys snapshot `POOL/NAME@SNAPSHOT`: calls in its files finish
+    /// first; clients still using it get NFS3ERR_STALE.
     pub fn fs_snapshot_destroy(&self, name: &str) -> Result<(), AdminError> {
         let (dataset, snapshot) = split_dataset_snapshot(name)?;
         let fs = self.open_fs(dataset)?;
