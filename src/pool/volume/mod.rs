@@ -752,6 +752,55 @@ mod tests {
         });
     }
 
+    /// A full pool whose newest blocks' mappings are only staged: a rewrite
+    /// of them would go to new slots (see `write_locked`) and there are
+    /// none. It commits and overwrites in place instead of failing with
+    /// ENOSPC. (Two destages of one block overlapping on a nearly full pool,
+    /// the second taking a slot a cached write counted on, failed a FLUSH
+    /// with NoSpace this way: tests/pools.rs, under load.)
+    #[test]
+    fn a_rewrite_of_staged_blocks_on_a_full_pool_commits_instead_of_failing() {
+        current_thread().block_on(async {
+            const BLOCK: u32 = 64 << 10;
+            let (_sim, pool) = sim_pool(13).await;
+            let data_bytes: u64 = pool.status().iter().map(|d| d.data_bytes).sum();
+            let volume = pool.open_volume(1, 2 * data_bytes, BLOCK).unwrap();
+            let big = WRITE_AROUND_BYTES as u64;
+            assert_eq!(data_bytes % big, 0);
+            let data = |byte: u8| IoBuf::copy_from(&vec![byte; big as usize]);
+            // Every slot of the pool, written around the cache; the last
+            // chunk's first blocks twice (an overwrite in place: the chunk
+            // is marked dirty and the mappings committed) before its last
+            // blocks are written (staged mappings, in the marked chunk).
+            let last = data_bytes - big;
+            for at in (0..last).step_by(big as usize) {
+                volume.write(at, data(1), false).await.unwrap();
+            }
+            volume.write(last - big, data(1), false).await.unwrap();
+            volume.write(last, data(1), false).await.unwrap();
+            let used: u64 = pool.status().iter().map(|d| d.used_bytes).sum();
+            assert_eq!(used, data_bytes, "the pool is full");
+            assert!(!pool.space_short());
+            let blocks = (last / BLOCK as u64, (data_bytes - 1) / BLOCK as u64);
+            assert!(
+                !pool.log.pending_allocations(1, blocks.0, blocks.1).is_empty(),
+                "the last blocks' mappings are staged, not committed"
+            );
+            let committed = pool.log.next_lsn();
+            volume.write(last, data(2), false).await.unwrap();
+            assert_ne!(pool.log.next_lsn(), committed, "the rewrite committed the log");
+            let (buf, result) = volume.read(last, IoBuf::new(big as usize)).await;
+            result.unwrap();
+            assert!(buf.payload().iter().all(|&b| b == 2));
+            let (buf, result) = volume.read(0, IoBuf::new(big as usize)).await;
+            result.unwrap();
+            assert!(buf.payload().iter().all(|&b| b == 1));
+            // Nothing else may be written: the pool is still full.
+            let more = volume.write(data_bytes, data(3), false).await;
+            assert!(matches!(more, Err(BlockError::NoSpace)), "{more:?}");
+        });
+    }
+
     /// A dedicated log device too small to hold a log is refused with a
     /// message that says so (before: "superblock is inconsistent: log
     /// region [1048576, +0) outside device 1").

@@ -384,7 +384,6 @@ impl EngineVolume {
         self.invalidate_read_cache(offset, data.len() as u64);
         let first = offset >> self.block_shift;
         let last = (offset + data.len() as u64 - 1) >> self.block_shift;
-        let mut entries = self.pool.lookup_range(self.id, first, last).map_err(meta_error)?;
         // A block whose allocation is not committed yet (its `Map` record at
         // most staged) goes to a new slot, as if a snapshot shared it:
         // recovery after a kill -9 replays a staged mapping only if its data
@@ -392,52 +391,76 @@ impl EngineVolume {
         // would break that, losing the block. Its old slot is freed by the
         // commit of the new mapping. (On a pool short of space, commit
         // instead, and overwrite in place.)
-        // (No look at the log's pending records, and no lock, for a write
-        // that overwrites nothing: a first write.)
-        let mut relocate = if entries.iter().any(|e| map_entry::decode(*e).is_some()) {
-            self.pool.log.pending_allocations(self.id, first, last)
-        } else {
-            Vec::new()
-        };
-        if !relocate.is_empty() && self.pool.space_short() && tier.is_none() {
-            self.pool.commit_quiet().await.map_err(pool_error)?;
-            relocate.clear();
-        }
-        if tier.is_some() {
-            relocate = (first..=last).collect();
-        }
-        // The chunks it overwrites in place must be durably marked dirty
-        // first. A block a snapshot shares (or will, once its page is
-        // copied into the snapshot) goes to a new slot and needs no mark:
-        // after a snapshot, a mark per chunk would often cost a full
-        // commit. The mark belongs to an epoch, and what is overwritten in
-        // place is known only once pages are copied (under the gate): both
-        // are checked there, and the marks taken again if needed.
-        let gate = loop {
-            let places = self.in_place_candidates(first, &entries, written_at, &relocate)?;
-            let epoch = self.pool.mark_dirty(&places).await.map_err(pool_error)?;
-            let gate = self.pool.enter_write(self.id).await;
-            if self.pool.epoch() != epoch {
-                continue;
+        //
+        // Such a new slot is promised to nobody: on a full pool it may be
+        // the last one, which a cached write's reservation counted on (two
+        // destages of one block overlapping, or a rewrite just after a first
+        // write). So when the slots run out and a commit would give some
+        // back (staged mappings then overwrite in place; slots that trims or
+        // overwrites freed become reusable), commit once and plan again.
+        let mut commit_first = self.pool.space_short();
+        let (gate, planned) = loop {
+            let mut entries = self.pool.lookup_range(self.id, first, last).map_err(meta_error)?;
+            // (No look at the log's pending records, and no lock, for a
+            // write that overwrites nothing: a first write.)
+            let mut relocate = if entries.iter().any(|e| map_entry::decode(*e).is_some()) {
+                self.pool.log.pending_allocations(self.id, first, last)
+            } else {
+                Vec::new()
+            };
+            if !relocate.is_empty() && commit_first && tier.is_none() {
+                self.pool.commit_quiet().await.map_err(pool_error)?;
+                relocate.clear();
             }
-            // Pages shared with a snapshot are copied into it first; their
-            // entries are then shared, and those blocks go to new slots.
-            if self.make_private(first, last, written_at)? {
-                entries = self.pool.lookup_range(self.id, first, last).map_err(meta_error)?;
+            if tier.is_some() {
+                relocate = (first..=last).collect();
             }
-            let in_place = (first..)
-                .zip(&entries)
-                .filter(|(block, e)| stays_in_place(**e, *block, &relocate));
-            if in_place
-                .filter_map(|(_, e)| map_entry::decode(*e))
-                .all(|place| self.pool.is_marked(place, epoch))
+            // The chunks it overwrites in place must be durably marked dirty
+            // first. A block a snapshot shares (or will, once its page is
+            // copied into the snapshot) goes to a new slot and needs no mark:
+            // after a snapshot, a mark per chunk would often cost a full
+            // commit. The mark belongs to an epoch, and what is overwritten in
+            // place is known only once pages are copied (under the gate): both
+            // are checked there, and the marks taken again if needed.
+            let gate = loop {
+                let places = self.in_place_candidates(first, &entries, written_at, &relocate)?;
+                let epoch = self.pool.mark_dirty(&places).await.map_err(pool_error)?;
+                let gate = self.pool.enter_write(self.id).await;
+                if self.pool.epoch() != epoch {
+                    continue;
+                }
+                // Pages shared with a snapshot are copied into it first; their
+                // entries are then shared, and those blocks go to new slots.
+                if self.make_private(first, last, written_at)? {
+                    entries = self.pool.lookup_range(self.id, first, last).map_err(meta_error)?;
+                }
+                let in_place = (first..)
+                    .zip(&entries)
+                    .filter(|(block, e)| stays_in_place(**e, *block, &relocate));
+                if in_place
+                    .filter_map(|(_, e)| map_entry::decode(*e))
+                    .all(|place| self.pool.is_marked(place, epoch))
+                {
+                    break gate;
+                }
+            };
+            match self
+                .plan(offset, data.payload(), data.piece_crcs(), &entries, &relocate, tier)
+                .await
             {
-                break gate;
+                Ok(planned) => break (gate, planned),
+                Err(BlockError::NoSpace)
+                    if tier.is_none()
+                        && !commit_first
+                        && (!relocate.is_empty() || self.pool.log.has_pending_frees()) =>
+                {
+                    drop(gate);
+                    self.pool.commit_quiet().await.map_err(pool_error)?;
+                    commit_first = true;
+                }
+                Err(e) => return Err(e),
             }
         };
-        let planned = self
-            .plan(offset, data.payload(), data.piece_crcs(), &entries, &relocate, tier)
-            .await?;
         // New blocks land in chunks that may hold mapped data of other
         // blocks; their records carry checksums, so no mark is needed.
         let mut failure = None;
