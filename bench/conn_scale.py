@@ -103,7 +103,7 @@ def main():
     data_dir = tempfile.mkdtemp(prefix="strata-conn-scale-")
     env = dict(os.environ, STRATA_RAM_DIR=data_dir, STRATA_LOG="warn")
     server = subprocess.Popen(
-        [args.binary, "serve", "--data-dir", data_dir, "--nbd", "127.0.0.1:0", "--iscsi", "127.0.0.1:0",
+        [args.binary, "serve", "--nfs", "127.0.0.1:0", "--data-dir", data_dir, "--nbd", "127.0.0.1:0", "--iscsi", "127.0.0.1:0",
          "--api", "127.0.0.1:0", "--max-connections", "2048"],
         stdout=subprocess.PIPE, env=env, text=True)
     address = None

@@ -96,7 +96,7 @@ class Strata:
         self.iscsi, self.nbd, self.api = free_port(), free_port(), free_port()
         # Hundreds of sessions from one address (--matrix): above the default cap.
         self.proc = subprocess.Popen(
-            [binary, "serve", "--data-dir", self.data_dir, "--nbd", f"127.0.0.1:{self.nbd}",
+            [binary, "serve", "--nfs", "127.0.0.1:0", "--data-dir", self.data_dir, "--nbd", f"127.0.0.1:{self.nbd}",
              "--api", f"127.0.0.1:{self.api}", "--iscsi", f"127.0.0.1:{self.iscsi}",
              "--max-connections-per-client", "1024"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=dict(os.environ, STRATA_LOG="warn"))

@@ -6,7 +6,7 @@
 start_strata() {
     cd "$DIR"
     export STRATA_DATA_DIR=$DIR/d
-    "$1" serve --data-dir ./d --nbd 127.0.0.1:0 --api 127.0.0.1:0 --iscsi 127.0.0.1:0 "${@:2}" >out.txt 2>err.txt &
+    "$1" serve --nfs 127.0.0.1:0 --data-dir ./d --nbd 127.0.0.1:0 --api 127.0.0.1:0 --iscsi 127.0.0.1:0 "${@:2}" >out.txt 2>err.txt &
     PID=$!
     for _ in $(seq 100); do grep -q "nbd listening" out.txt 2>/dev/null && break; sleep 0.1; done
     PORT=$(sed -n 's/^strata: nbd listening on 127.0.0.1://p' out.txt)

@@ -161,7 +161,7 @@ def main():
     # strata: a volume of the same size, filled with the same bytes.
     def start_strata(name, binary, data_dir):
         api = free_port()
-        peer = Peer(name, lambda p: [binary, "serve", "--data-dir", data_dir, "--nbd", f"127.0.0.1:{p}",
+        peer = Peer(name, lambda p: [binary, "serve", "--nfs", "127.0.0.1:0", "--data-dir", data_dir, "--nbd", f"127.0.0.1:{p}",
                                      "--api", f"127.0.0.1:{api}", "--iscsi", "127.0.0.1:0"],
                     lambda p: f"nbd://127.0.0.1:{p}/default/bench", env={"STRATA_LOG": "warn"})
         peer.api = api

@@ -27,7 +27,7 @@ NBD=$(port)
 case $SERVER in
   strata)
     API=$(port)
-    $(pin "${SERVER_CPU:-}") env STRATA_LOG=warn STRATA_RAM_DIR="$WORK" "$STRATA" serve --data-dir "$WORK/data" \
+    $(pin "${SERVER_CPU:-}") env STRATA_LOG=warn STRATA_RAM_DIR="$WORK" "$STRATA" serve --nfs 127.0.0.1:0 --data-dir "$WORK/data" \
       --nbd 127.0.0.1:$NBD --api 127.0.0.1:$API --iscsi 127.0.0.1:0 >/dev/null 2>&1 &
     PID=$!
     # The API token (builds before it need none; an empty one is ignored).

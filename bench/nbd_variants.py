@@ -54,7 +54,7 @@ def start(name, env, work, seed):
     env = dict(os.environ, STRATA_LOG="warn", STRATA_RAM_DIR=work, **env)
     binary = env.pop("BIN", STRATA)
     data_dir = os.path.join(work, name)
-    proc = subprocess.Popen([binary, "serve", "--data-dir", data_dir, "--nbd", f"127.0.0.1:{nbd}",
+    proc = subprocess.Popen([binary, "serve", "--nfs", "127.0.0.1:0", "--data-dir", data_dir, "--nbd", f"127.0.0.1:{nbd}",
                              "--api", f"127.0.0.1:{api}", "--iscsi", "127.0.0.1:0"],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     token = []

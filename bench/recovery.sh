@@ -13,7 +13,7 @@ work=$(mktemp -d /var/tmp/strata-recovery-XXXXXX)
 trap 'kill -9 $pid 2>/dev/null || true; rm -rf "$work"' EXIT
 
 start() {
-    target/release/strata serve --data-dir "$work/data" --nbd 127.0.0.1:0 --api 127.0.0.1:0 --iscsi 127.0.0.1:0 \
+    target/release/strata serve --nfs 127.0.0.1:0 --data-dir "$work/data" --nbd 127.0.0.1:0 --api 127.0.0.1:0 --iscsi 127.0.0.1:0 \
         >"$work/out" 2>"$work/err" &
     pid=$!
     for _ in $(seq 1 600); do

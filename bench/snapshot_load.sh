@@ -18,7 +18,7 @@ DIR=$(mktemp -d)
 trap 'kill "$PID" 2>/dev/null || true; rm -rf "$DIR"' EXIT
 cd "$DIR"
 # Debug lines of snapshot creation give its time inside the daemon.
-STRATA_LOG=${STRATA_LOG:-info,strata::control::manager::snapshots=debug} "$BIN" serve --data-dir ./d --nbd 127.0.0.1:0 --api 127.0.0.1:0 --iscsi 127.0.0.1:0 >out.txt 2>"${SERVER_LOG:-err.txt}" &
+STRATA_LOG=${STRATA_LOG:-info,strata::control::manager::snapshots=debug} "$BIN" serve --nfs 127.0.0.1:0 --data-dir ./d --nbd 127.0.0.1:0 --api 127.0.0.1:0 --iscsi 127.0.0.1:0 >out.txt 2>"${SERVER_LOG:-err.txt}" &
 PID=$!
 for _ in $(seq 100); do grep -q "nbd listening" out.txt 2>/dev/null && break; sleep 0.1; done
 PORT=$(sed -n 's/^strata: nbd listening on 127.0.0.1://p' out.txt)

@@ -12,7 +12,7 @@ BIN=$(realpath "$BIN")
 DIR=$(mktemp -d)
 trap 'kill "$PID" 2>/dev/null || true; rm -rf "$DIR"' EXIT
 cd "$DIR"
-"$BIN" serve --data-dir ./d --nbd 127.0.0.1:0 --api 127.0.0.1:0 --iscsi 127.0.0.1:0 >out.txt 2>err.txt &
+"$BIN" serve --nfs 127.0.0.1:0 --data-dir ./d --nbd 127.0.0.1:0 --api 127.0.0.1:0 --iscsi 127.0.0.1:0 >out.txt 2>err.txt &
 PID=$!
 for _ in $(seq 100); do grep -q "nbd listening" out.txt 2>/dev/null && break; sleep 0.1; done
 PORT=$(sed -n 's/^strata: nbd listening on 127.0.0.1://p' out.txt)

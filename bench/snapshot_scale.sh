@@ -43,7 +43,7 @@ start() {
     local began
     began=$(now_us)
     : >out.txt
-    "$BIN" serve --data-dir ./d --nbd 127.0.0.1:0 --api 127.0.0.1:0 --iscsi 127.0.0.1:0 >out.txt 2>>err.txt &
+    "$BIN" serve --nfs 127.0.0.1:0 --data-dir ./d --nbd 127.0.0.1:0 --api 127.0.0.1:0 --iscsi 127.0.0.1:0 >out.txt 2>>err.txt &
     PID=$!
     for _ in $(seq 6000); do grep -q "nbd listening" out.txt 2>/dev/null && break; sleep 0.01; done
     grep -q "nbd listening" out.txt || { echo "the server did not start:" >&2; tail err.txt >&2; exit 1; }

@@ -14,7 +14,7 @@ work=${1:-$(mktemp -d /tmp/strata-sync-tail.XXXXXX)}
 mkdir -p "$work"
 port() { python3 -c 'import socket;s=socket.socket();s.bind(("127.0.0.1",0));print(s.getsockname()[1])'; }
 nbd=$(port); api=$(port)
-STRATA_LOG=warn "$strata" serve --data-dir "$work/data" --nbd "127.0.0.1:$nbd" --api "127.0.0.1:$api" \
+STRATA_LOG=warn "$strata" serve --nfs 127.0.0.1:0 --data-dir "$work/data" --nbd "127.0.0.1:$nbd" --api "127.0.0.1:$api" \
     --iscsi 127.0.0.1:0 >"$work/daemon.log" 2>&1 &
 pid=$!
 trap 'kill $pid 2>/dev/null; wait $pid 2>/dev/null' EXIT

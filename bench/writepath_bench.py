@@ -101,7 +101,7 @@ def main():
         with open(path, "wb") as f:
             f.truncate(gib << 30)
     api = free_port()
-    strata = Peer("strata", lambda p: [STRATA, "serve", "--data-dir", data_dir, "--nbd", f"127.0.0.1:{p}",
+    strata = Peer("strata", lambda p: [STRATA, "serve", "--nfs", "127.0.0.1:0", "--data-dir", data_dir, "--nbd", f"127.0.0.1:{p}",
                                         "--api", f"127.0.0.1:{api}", "--iscsi", "127.0.0.1:0"],
                   lambda p: f"nbd://127.0.0.1:{p}/", env={"STRATA_LOG": "warn"})
     peer_file = os.path.join(work, "peer.img")
