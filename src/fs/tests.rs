@@ -85,6 +85,44 @@ async fn build(fs: &FileSystem) -> (Handle, Handle) {
     (a, d)
 }
 
+/// A file `u` in the root with 6,000 bytes written UNSTABLE: not
+/// committed, which a snapshot taken next must still hold.
+async fn unstable_u(fs: &FileSystem) -> Handle {
+    let cred = Cred::root();
+    let (u, _, _) = fs
+        .create(&fs.root(), b"u", &cred, CreateHow::Guarded(attrs(0o644)))
+        .await
+        .unwrap();
+    fs.write(&u, &cred, 0, &[5u8; 6_000], Stable::Unstable).await.unwrap();
+    u
+}
+
+/// Changes [`build`]'s tree after a snapshot: `a` rewritten and removed,
+/// `d/b` removed, `l` renamed to `l2`.
+async fn change_tree(fs: &FileSystem, a: &Handle, d: &Handle) {
+    let (cred, root) = (Cred::root(), fs.root());
+    fs.write(a, &cred, 0, &[0xee; 4096], Stable::FileSync).await.unwrap();
+    fs.remove(d, b"b", &cred).await.unwrap();
+    fs.remove(&root, b"a", &cred).await.unwrap();
+    fs.rename(&root, b"l", &root, b"l2", &cred).await.unwrap();
+}
+
+/// [`change_tree`], then `u` rewritten (20,000 bytes UNSTABLE) and a file
+/// `later` made (50,000 bytes FILE_SYNC), returned.
+async fn change_after_s1(fs: &FileSystem, a: &Handle, d: &Handle, u: &Handle) -> Handle {
+    let cred = Cred::root();
+    change_tree(fs, a, d).await;
+    fs.write(u, &cred, 0, &[9u8; 20_000], Stable::Unstable).await.unwrap();
+    let (later, _, _) = fs
+        .create(&fs.root(), b"later", &cred, CreateHow::Guarded(attrs(0o644)))
+        .await
+        .unwrap();
+    fs.write(&later, &cred, 0, &[1u8; 50_000], Stable::FileSync)
+        .await
+        .unwrap();
+    later
+}
+
 async fn check(fs: &FileSystem, a: &Handle, d: &Handle) {
     let root = fs.root();
     assert_eq!(names(fs, &root), [".", "..", "a", "d", "l"]);
@@ -350,11 +388,7 @@ fn a_snapshot_keeps_the_tree_as_it_was() {
         let cred = Cred::root();
         let root = fs.root();
         let (a, d) = build(&fs).await;
-        let (u, _, _) = fs
-            .create(&root, b"u", &cred, CreateHow::Guarded(attrs(0o644)))
-            .await
-            .unwrap();
-        fs.write(&u, &cred, 0, &[5u8; 6_000], Stable::Unstable).await.unwrap();
+        let u = unstable_u(&fs).await;
         assert_eq!(
             fs.create(&root, SNAPSHOT_DIR, &cred, CreateHow::Guarded(attrs(0o644)))
                 .await,
@@ -366,10 +400,7 @@ fn a_snapshot_keeps_the_tree_as_it_was() {
         assert_eq!(fs.snapshot_list().len(), 1);
 
         // Everything changes after it.
-        fs.write(&a, &cred, 0, &[0xee; 4096], Stable::FileSync).await.unwrap();
-        fs.remove(&d, b"b", &cred).await.unwrap();
-        fs.remove(&root, b"a", &cred).await.unwrap();
-        fs.rename(&root, b"l", &root, b"l2", &cred).await.unwrap();
+        change_tree(&fs, &a, &d).await;
         let truncate = SetAttrs {
             size: Some(10),
             ..SetAttrs::default()
@@ -508,26 +539,11 @@ fn a_rollback_and_a_clone_bring_a_snapshot_back() {
         let cred = Cred::root();
         let root = fs.root();
         let (a, d) = build(&fs).await;
-        let (u, _, _) = fs
-            .create(&root, b"u", &cred, CreateHow::Guarded(attrs(0o644)))
-            .await
-            .unwrap();
-        fs.write(&u, &cred, 0, &[5u8; 6_000], Stable::Unstable).await.unwrap();
+        let u = unstable_u(&fs).await;
         let s1 = fs.snapshot("s1").await.unwrap();
 
         // Changes after it, a file made since among them.
-        fs.write(&a, &cred, 0, &[0xee; 4096], Stable::FileSync).await.unwrap();
-        fs.remove(&d, b"b", &cred).await.unwrap();
-        fs.remove(&root, b"a", &cred).await.unwrap();
-        fs.rename(&root, b"l", &root, b"l2", &cred).await.unwrap();
-        fs.write(&u, &cred, 0, &[9u8; 20_000], Stable::Unstable).await.unwrap();
-        let (later, _, _) = fs
-            .create(&root, b"later", &cred, CreateHow::Guarded(attrs(0o644)))
-            .await
-            .unwrap();
-        fs.write(&later, &cred, 0, &[1u8; 50_000], Stable::FileSync)
-            .await
-            .unwrap();
+        let later = change_after_s1(&fs, &a, &d, &u).await;
 
         // A clone starts as the snapshot and changes on its own.
         pool.create_clone(CLONE, s1.id).await.unwrap();
@@ -703,27 +719,11 @@ fn a_promoted_clone_takes_over_the_snapshots() {
         let pool = new_pool(&sim).await;
         let fs = FileSystem::open(&pool, DATASET, 16 << 10, 0).await.unwrap();
         let cred = Cred::root();
-        let root = fs.root();
         let (a, d) = build(&fs).await;
         fs.snapshot("s0").await.unwrap();
-        let (u, _, _) = fs
-            .create(&root, b"u", &cred, CreateHow::Guarded(attrs(0o644)))
-            .await
-            .unwrap();
-        fs.write(&u, &cred, 0, &[5u8; 6_000], Stable::Unstable).await.unwrap();
+        let u = unstable_u(&fs).await;
         let s1 = fs.snapshot("s1").await.unwrap();
-        fs.write(&a, &cred, 0, &[0xee; 4096], Stable::FileSync).await.unwrap();
-        fs.remove(&d, b"b", &cred).await.unwrap();
-        fs.remove(&root, b"a", &cred).await.unwrap();
-        fs.rename(&root, b"l", &root, b"l2", &cred).await.unwrap();
-        fs.write(&u, &cred, 0, &[9u8; 20_000], Stable::Unstable).await.unwrap();
-        let (later, _, _) = fs
-            .create(&root, b"later", &cred, CreateHow::Guarded(attrs(0o644)))
-            .await
-            .unwrap();
-        fs.write(&later, &cred, 0, &[1u8; 50_000], Stable::FileSync)
-            .await
-            .unwrap();
+        change_after_s1(&fs, &a, &d, &u).await;
         fs.snapshot("s2").await.unwrap();
 
         pool.create_clone(CLONE, s1.id).await.unwrap();
