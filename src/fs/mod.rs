@@ -992,11 +992,18 @@ impl FileSystem {
     /// Up to `count` bytes at `offset`; `true` when the read reached the
     /// end of the file.
     pub async fn read(&self, handle: &Handle, cred: &Cred, offset: u64, count: u32) -> FsResult<(Vec<u8>, bool)> {
+        let (data, eof) = self.read_data(handle, cred, offset, count).await?;
+        Ok((data.bytes().to_vec(), eof))
+    }
+
+    /// [`FileSystem::read`] without a copy: the bytes stay in the buffer
+    /// the engine read them into (the NFS server sends them from there).
+    pub async fn read_data(&self, handle: &Handle, cred: &Cred, offset: u64, count: u32) -> FsResult<(FileData, bool)> {
         let _entered = self.enter().await?;
         let _data = self.data_lock(handle.ino).read().await;
         let row = self.data_row(handle, cred, 4)?;
         if offset >= row.size {
-            return Ok((Vec::new(), true));
+            return Ok((FileData::empty(), true));
         }
         let end = row.size.min(offset + count as u64);
         let start = offset / ALIGN * ALIGN;
@@ -1005,7 +1012,10 @@ impl FileSystem {
         let (buf, result) = self.engine.read(base + start, IoBuf::new(length as usize)).await;
         result.map_err(block_error)?;
         let skip = (offset - start) as usize;
-        let data = buf.payload()[skip..skip + (end - offset) as usize].to_vec();
+        let data = FileData {
+            buf,
+            range: skip..skip + (end - offset) as usize,
+        };
         Ok((data, end >= row.size))
     }
 

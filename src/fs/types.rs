@@ -241,6 +241,40 @@ pub mod access {
     pub const EXECUTE: u32 = 0x20;
 }
 
+/// Bytes a READ returns, in the buffer the engine read them into (whole
+/// sectors around them).
+pub struct FileData {
+    pub(super) buf: crate::device::IoBuf,
+    pub(super) range: std::ops::Range<usize>,
+}
+
+impl FileData {
+    pub(super) fn empty() -> FileData {
+        FileData {
+            buf: crate::device::IoBuf::new(0),
+            range: 0..0,
+        }
+    }
+
+    pub fn bytes(&self) -> &[u8] {
+        &self.buf.payload()[self.range.clone()]
+    }
+
+    pub fn len(&self) -> usize {
+        self.range.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.range.is_empty()
+    }
+}
+
+impl std::fmt::Debug for FileData {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "FileData({} bytes)", self.len())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -7,8 +7,9 @@
 //! WRITE we accept (1 MiB) and its headers; a larger one closes the
 //! connection, because what follows it cannot be found again. Replies are
 //! built with a placeholder mark in front ([`MARK_BYTES`]) that
-//! [`finish`] fills in, so each reply goes out as one buffer and one
-//! fragment.
+//! [`finish`] fills in, so each reply goes out as one fragment, in one
+//! buffer (a READ's in two: the data is sent from where the engine read
+//! it, see `server::Reply`).
 
 use tokio::io::{AsyncRead, AsyncReadExt};
 
@@ -340,8 +341,14 @@ pub fn auth_error(xid: u32, stat: u32) -> Vec<u8> {
 
 /// Fills in the record mark of a reply built by the functions above: one
 /// fragment, the last.
-pub fn finish(mut reply: Vec<u8>) -> Vec<u8> {
-    let len = (reply.len() - MARK_BYTES) as u32;
+pub fn finish(reply: Vec<u8>) -> Vec<u8> {
+    finish_before(reply, 0)
+}
+
+/// [`finish`] for a record whose last `trailing` bytes are sent after
+/// `reply` from elsewhere (a READ's data).
+pub fn finish_before(mut reply: Vec<u8>, trailing: usize) -> Vec<u8> {
+    let len = (reply.len() - MARK_BYTES + trailing) as u32;
     reply[..MARK_BYTES].copy_from_slice(&(LAST_FRAGMENT | len).to_be_bytes());
     reply
 }

@@ -28,10 +28,11 @@ use super::mount::{self, MountCall};
 use super::nfs3::{self, NfsCall};
 use super::portmap::{self, PortmapCall};
 use super::rpc::{self, Accept, Call, CallError, RecordError};
+use super::xdr::{padding, Encode};
 use super::{ArgsError, MOUNT_PROGRAM, MOUNT_VERSION, NFS_PROGRAM, NFS_VERSION, PORTMAP_PROGRAM, PORTMAP_VERSION};
 use crate::frontend::limits::ConnectionLimits;
 use crate::frontend::{run_or_spawn, Shutdown};
-use crate::fs::Exports;
+use crate::fs::{Exports, FileData};
 
 /// Calls one connection may have in flight (received, not yet replied).
 pub const MAX_IN_FLIGHT: usize = 64;
@@ -82,7 +83,54 @@ pub async fn serve_with_cache(
 }
 
 /// A reply on its way to the writer, with the in-flight slot it frees.
-type Outgoing = (Vec<u8>, OwnedSemaphorePermit);
+type Outgoing = (Reply, OwnedSemaphorePermit);
+
+/// A reply record: its mark and header and results, then (a READ's) data
+/// where the engine read it, sent after them with its XDR padding.
+pub struct Reply {
+    head: Vec<u8>,
+    data: Option<FileData>,
+}
+
+impl Reply {
+    /// Sets the record mark of `head` (built by `rpc::accepted` and the
+    /// like) for it and `data`.
+    fn finish(head: Vec<u8>, data: Option<FileData>) -> Reply {
+        let trailing = data.as_ref().map_or(0, |d| d.len() + padding(d.len()));
+        Reply {
+            head: rpc::finish_before(head, trailing),
+            data,
+        }
+    }
+
+    /// The record as one run of bytes (borrowed unless it carries data).
+    pub fn bytes(&self) -> std::borrow::Cow<'_, [u8]> {
+        match &self.data {
+            None => std::borrow::Cow::Borrowed(&self.head),
+            Some(data) => {
+                let mut all = self.head.clone();
+                all.put_fixed(data.bytes());
+                std::borrow::Cow::Owned(all)
+            }
+        }
+    }
+
+    async fn send<W: tokio::io::AsyncWrite + Unpin>(&self, socket: &mut W) -> std::io::Result<()> {
+        socket.write_all(&self.head).await?;
+        if let Some(data) = &self.data {
+            socket.write_all(data.bytes()).await?;
+            socket.write_all(&[0u8; 3][..padding(data.len())]).await?;
+        }
+        Ok(())
+    }
+}
+
+impl From<Vec<u8>> for Reply {
+    /// A whole record, mark included.
+    fn from(head: Vec<u8>) -> Reply {
+        Reply { head, data: None }
+    }
+}
 
 /// Serves one connection until the client closes it, sends something
 /// that cannot be a call, or the server stops.
@@ -138,7 +186,7 @@ async fn connection(
             Err(e) => {
                 tracing::debug!("nfs: {peer}: {e}");
                 if let Some(reply) = e.reply() {
-                    let _ = replies.try_send((reply, slot));
+                    let _ = replies.try_send((reply.into(), slot));
                 }
                 continue;
             }
@@ -147,7 +195,7 @@ async fn connection(
             None => None,
             Some(Lookup::Run(pending)) => Some(pending),
             Some(Lookup::Replay(reply)) => {
-                let _ = replies.try_send((reply.to_vec(), slot));
+                let _ = replies.try_send((reply.to_vec().into(), slot));
                 continue;
             }
             Some(Lookup::InProgress) => {
@@ -160,7 +208,7 @@ async fn connection(
         run_or_spawn(async move {
             if let Some(reply) = answer(&*exports, peer, port, &record).await {
                 if let Some(pending) = pending {
-                    pending.finish(&reply);
+                    pending.finish(&reply.bytes());
                 }
                 // Fails only when the writer has given up on the socket.
                 let _ = replies.try_send((reply, slot));
@@ -186,9 +234,9 @@ async fn connection(
 async fn write_replies(socket: OwnedWriteHalf, mut outgoing: mpsc::Receiver<Outgoing>) -> std::io::Result<()> {
     let mut socket = BufWriter::with_capacity(SOCKET_BUFFER_BYTES, socket);
     while let Some((reply, _slot)) = outgoing.recv().await {
-        socket.write_all(&reply).await?;
+        reply.send(&mut socket).await?;
         while let Ok((reply, _slot)) = outgoing.try_recv() {
-            socket.write_all(&reply).await?;
+            reply.send(&mut socket).await?;
         }
         socket.flush().await?;
     }
@@ -228,16 +276,17 @@ pub fn route<'a>(call: &Call<'a>) -> Routed<'a> {
 
 /// The reply to one record from `peer`, received on local port `port`;
 /// `None` when it gets none (not a call, or a garbled header).
-pub async fn answer(exports: &dyn Exports, peer: SocketAddr, port: u16, record: &[u8]) -> Option<Vec<u8>> {
+pub async fn answer(exports: &dyn Exports, peer: SocketAddr, port: u16, record: &[u8]) -> Option<Reply> {
     let call = match rpc::parse_call(record) {
         Ok(call) => call,
-        Err(e) => return e.reply(),
+        Err(e) => return e.reply().map(Reply::from),
     };
+    let mut data = None;
     let reply = match route(&call) {
         Routed::Refused(accept) => rpc::accepted(call.xid, accept),
         Routed::Nfs(nfs) => {
             let mut out = rpc::accepted_with_capacity(call.xid, Accept::Success, nfs.reply_capacity());
-            nfs3::execute(exports, peer, &call.auth, &nfs, &mut out).await;
+            data = nfs3::execute(exports, peer, &call.auth, &nfs, &mut out).await;
             out
         }
         Routed::Mount(mount) => {
@@ -251,7 +300,7 @@ pub async fn answer(exports: &dyn Exports, peer: SocketAddr, port: u16, record: 
             out
         }
     };
-    Some(rpc::finish(reply))
+    Some(Reply::finish(reply, data))
 }
 
 #[cfg(test)]
@@ -284,7 +333,8 @@ mod tests {
     const PEER: &str = "127.0.0.1:801";
 
     async fn answer_to(record: &[u8]) -> Option<Vec<u8>> {
-        answer(&NoExports, PEER.parse().unwrap(), 2049, record).await
+        let reply = answer(&NoExports, PEER.parse().unwrap(), 2049, record).await?;
+        Some(reply.bytes().into_owned())
     }
 
     /// The accept_stat and results of an accepted reply.

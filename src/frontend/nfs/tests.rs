@@ -89,7 +89,13 @@ impl Client {
 
     async fn call(&mut self, prog: u32, procedure: u32, args: &[u8]) -> Vec<u8> {
         let (xid, record) = self.record(prog, procedure, args);
-        self.stream.write_all(&record).await.unwrap();
+        self.send(xid, &record).await
+    }
+
+    /// Sends a record (built by [`Client::record`], perhaps sent before)
+    /// and reads its reply's results.
+    async fn send(&mut self, xid: u32, record: &[u8]) -> Vec<u8> {
+        self.stream.write_all(record).await.unwrap();
         let (got, results) = self.reply().await;
         assert_eq!(got, xid);
         results
@@ -244,34 +250,9 @@ async fn list(client: &mut Client, dir: &[u8], count: u32, plus: bool) -> Vec<St
 
 #[tokio::test]
 async fn a_client_mounts_writes_reads_and_lists() {
-    let sim = SimDevice::new(160 << 20, 11);
-    let devices = vec![NewDevice {
-        device: sim.as_device(),
-        role: Role::Fast,
-    }];
-    let pool = Pool::create("test", 1 << 20, devices).await.unwrap();
-    let fs = FileSystem::open(&pool, DATASET, 16 << 10, 0).await.unwrap();
-    let exports = Arc::new(OneExport {
-        fs: fs.clone(),
-        options: Mutex::new(ExportOptions {
-            squash: Squash::None,
-            ..ExportOptions::default()
-        }),
-    });
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let address = listener.local_addr().unwrap();
-    let (stop_sender, stop) = tokio::sync::watch::channel(false);
-    let server = tokio::spawn(super::server::serve(
-        listener,
-        exports.clone(),
-        crate::frontend::limits::ConnectionLimits::new("nfs", 16, 16),
-        stop,
-    ));
-    let mut client = Client {
-        stream: TcpStream::connect(address).await.unwrap(),
-        xid: 0,
-        uid: 0,
-    };
+    let served = Served::start().await;
+    let (fs, exports) = (served.exports.fs.clone(), served.exports.clone());
+    let mut client = served.client(0).await;
 
     // MOUNT: the root handle, AUTH_SYS offered first; EXPORT lists us.
     let mut args = Vec::new();
@@ -337,6 +318,40 @@ async fn a_client_mounts_writes_reads_and_lists() {
     assert_eq!(d.u32().unwrap(), 40_000);
     assert!(d.bool().unwrap());
     assert_eq!(d.opaque(1 << 20).unwrap(), &expected[..]);
+    assert_eq!(d.remaining(), 0);
+
+    // READs of odd lengths inside sectors and at the end of the file (the
+    // data is sent after the reply's header, its XDR padding after it),
+    // pipelined with a GETATTR: every record is framed right.
+    let mut burst = Vec::new();
+    let mut reads = Vec::new();
+    for (offset, count) in [(4097u64, 1001u32), (39_998, 100), (1, 2), (40_000, 10)] {
+        let mut args = fh_args(&file);
+        args.put_u64(offset);
+        args.put_u32(count);
+        let (xid, record) = client.record(NFS_PROGRAM, p::READ, &args);
+        let end = (offset + count as u64).min(40_000) as usize;
+        reads.push((xid, expected[offset as usize..end].to_vec(), end == 40_000));
+        burst.extend(record);
+    }
+    let (getattr, record) = client.record(NFS_PROGRAM, p::GETATTR, &fh_args(&file));
+    burst.extend(record);
+    client.stream.write_all(&burst).await.unwrap();
+    for _ in 0..5 {
+        let (xid, results) = client.reply().await;
+        if xid == getattr {
+            assert_eq!(fattr(&mut body(&results)).size, 40_000);
+            continue;
+        }
+        let (_, data, eof) = reads.iter().find(|(x, _, _)| *x == xid).expect("a READ's xid");
+        let mut d = body(&results);
+        post_op_attr(&mut d).unwrap();
+        assert_eq!(d.u32().unwrap() as usize, data.len());
+        assert_eq!(d.bool().unwrap(), *eof);
+        assert_eq!(d.opaque(1 << 20).unwrap(), &data[..]);
+        assert_eq!(d.remaining(), 0);
+        assert!(results.len() % 4 == 0 && results.ends_with(&[0u8; 3][..super::xdr::padding(data.len())]));
+    }
 
     // LOOKUP finds it; GETATTR; SETATTR with a wrong and a right guard.
     let results = client.nfs(p::LOOKUP, &dirop(&root, b"hello")).await;
@@ -458,7 +473,7 @@ async fn a_client_mounts_writes_reads_and_lists() {
         options.squash = Squash::Root;
     }
     assert_eq!(
-        status_of(&client.nfs(p::CREATE, &args_create(&dir, b"new")).await),
+        status_of(&client.nfs(p::CREATE, &create_args(&dir, b"new", 0)).await),
         status::ACCES
     );
     // Nobody from this address: NFS3ERR_ACCES, and MNT is refused.
@@ -468,20 +483,20 @@ async fn a_client_mounts_writes_reads_and_lists() {
     args.put_string(PATH.as_bytes());
     assert_eq!(status_of(&client.call(MOUNT_PROGRAM, 1, &args).await), 13);
 
-    stop_sender.send(true).unwrap();
-    server.await.unwrap();
+    served.stop().await;
 }
 
-fn args_create(dir: &[u8], name: &[u8]) -> Vec<u8> {
+/// CREATE's arguments: UNCHECKED (`how` 0) or GUARDED (1), mode 0644.
+fn create_args(dir: &[u8], name: &[u8], how: u32) -> Vec<u8> {
     let mut args = dirop(dir, name);
-    args.put_u32(0);
+    args.put_u32(how);
     args.extend(mode(0o644));
     args
 }
 
 /// A dataset served on a loopback port, its root mounted.
 struct Served {
-    fs: Arc<FileSystem>,
+    exports: Arc<OneExport>,
     address: std::net::SocketAddr,
     root: Vec<u8>,
     cache: Arc<super::drc::ReplyCache>,
@@ -511,14 +526,14 @@ impl Served {
         let cache = super::drc::ReplyCache::new();
         let server = tokio::spawn(super::server::serve_with_cache(
             listener,
-            exports,
+            exports.clone(),
             cache.clone(),
             crate::frontend::limits::ConnectionLimits::new("nfs", 16, 16),
             stopped,
         ));
         let root = fs.root().encode().to_vec();
         Served {
-            fs,
+            exports,
             cache,
             address,
             root,
@@ -542,19 +557,8 @@ impl Served {
     }
 }
 
-/// Sends a record built before and reads its reply's results.
-async fn resend(client: &mut Client, xid: u32, record: &[u8]) -> Vec<u8> {
-    client.stream.write_all(record).await.unwrap();
-    let (got, results) = client.reply().await;
-    assert_eq!(got, xid);
-    results
-}
-
 fn create_guarded(dir: &[u8], name: &[u8]) -> Vec<u8> {
-    let mut args = dirop(dir, name);
-    args.put_u32(1);
-    args.extend(mode(0o644));
-    args
+    create_args(dir, name, 1)
 }
 
 #[tokio::test]
@@ -563,13 +567,13 @@ async fn a_remove_resent_on_a_new_connection_is_answered_from_the_cache() {
     let mut first = served.client(100).await;
     made(&first.nfs(p::CREATE, &create_guarded(&served.root, b"gone")).await);
     let (xid, record) = first.record(NFS_PROGRAM, p::REMOVE, &dirop(&served.root, b"gone"));
-    let reply = resend(&mut first, xid, &record).await;
+    let reply = first.send(xid, &record).await;
     assert_eq!(status_of(&reply), status::OK);
     // The connection breaks before the reply arrives; the client resends
     // the same call on a new one.
     drop(first);
     let mut second = served.client(5000).await;
-    assert_eq!(resend(&mut second, xid, &record).await, reply);
+    assert_eq!(second.send(xid, &record).await, reply);
     // Removed once: a new REMOVE (another XID) runs and finds nothing.
     let results = second.nfs(p::REMOVE, &dirop(&served.root, b"gone")).await;
     assert_eq!(status_of(&results), status::NOENT);
@@ -581,10 +585,10 @@ async fn a_create_guarded_resent_gets_the_same_handle() {
     let served = Served::start().await;
     let mut first = served.client(100).await;
     let (xid, record) = first.record(NFS_PROGRAM, p::CREATE, &create_guarded(&served.root, b"new"));
-    let reply = resend(&mut first, xid, &record).await;
+    let reply = first.send(xid, &record).await;
     let handle = made(&reply);
     let mut second = served.client(5000).await;
-    let again = resend(&mut second, xid, &record).await;
+    let again = second.send(xid, &record).await;
     assert_eq!(again, reply);
     assert_eq!(made(&again), handle);
     // Not from the cache (another XID): the name exists.
@@ -600,7 +604,7 @@ async fn an_xid_reused_with_other_arguments_runs() {
     made(&first.nfs(p::CREATE, &create_guarded(&served.root, b"a")).await);
     made(&first.nfs(p::CREATE, &create_guarded(&served.root, b"b")).await);
     let (xid, record) = first.record(NFS_PROGRAM, p::REMOVE, &dirop(&served.root, b"a"));
-    assert_eq!(status_of(&resend(&mut first, xid, &record).await), status::OK);
+    assert_eq!(status_of(&first.send(xid, &record).await), status::OK);
     // The same XID from the same address, removing another name.
     let mut second = served.client(xid - 1).await;
     let results = second.nfs(p::REMOVE, &dirop(&served.root, b"b")).await;
@@ -657,7 +661,11 @@ async fn a_write_reply_carries_the_size_and_times_before_it() {
     let served = Served::start().await;
     let mut client = served.client(0).await;
     let file = made(&client.nfs(p::CREATE, &create_guarded(&served.root, b"w")).await);
-    let created = served.fs.getattr(&crate::fs::Handle::decode(&file).unwrap()).unwrap();
+    let created = served
+        .exports
+        .fs
+        .getattr(&crate::fs::Handle::decode(&file).unwrap())
+        .unwrap();
     // UNSTABLE (the size changes in memory) and FILE_SYNC (the row is
     // logged ahead of the data): both report what was there before.
     let mut expected_before = PreAttrs {
@@ -696,7 +704,7 @@ async fn a_write_reply_carries_the_size_and_times_before_it() {
 async fn directory_changes_carry_the_directory_before_them() {
     let served = Served::start().await;
     let mut client = served.client(0).await;
-    let root = served.fs.getattr(&served.fs.root()).unwrap();
+    let root = served.exports.fs.getattr(&served.exports.fs.root()).unwrap();
     // Times in whole nanoseconds apart: the change's own time differs.
     tokio::time::sleep(std::time::Duration::from_millis(2)).await;
     let results = client.nfs(p::CREATE, &create_guarded(&served.root, b"c")).await;
