@@ -36,10 +36,7 @@ through ../shared/tools/nfs-ganesha/start.sh (stopped by its stop.sh).
 import argparse
 import json
 import os
-import re
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -47,13 +44,8 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-GANESHA_TOOLS = Path(os.environ.get("GANESHA_TOOLS", HERE.parent.parent / "shared/tools/nfs-ganesha"))
-GANESHA_STATE = Path(os.environ.get("GANESHA_STATE", "/tmp/ganesha-peer"))
-
-
-def cpu_seconds(pid):
-    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+sys.path.insert(0, str(HERE))
+from nfs_peers import Ganesha, Strata, compile_load, cpu_seconds  # noqa: E402
 
 
 def rss_kib(pid):
@@ -66,70 +58,6 @@ def rss_kib(pid):
         if key in ("VmRSS", "RssAnon", "RssFile"):
             rss[key] = int(line.split()[1])
     return rss
-
-
-class Strata:
-    name = "strata"
-
-    def __init__(self, binary, tmp):
-        self.binary, self.tmp = binary, tmp
-        self.data = tmp / "strata"
-        self.starts = 0
-        self.start()
-        subprocess.run([binary, "fs", "set", "default/files", "nfs.squash=none", "--data-dir", str(self.data)],
-                       check=True, stdout=subprocess.DEVNULL)
-
-    def start(self):
-        self.starts += 1
-        self.out = self.tmp / f"strata{self.starts}.out"
-        err = self.tmp / f"strata{self.starts}.err"
-        t0 = time.monotonic()
-        self.proc = subprocess.Popen(
-            [self.binary, "serve", "--data-dir", str(self.data), "--nbd", "127.0.0.1:0", "--api", "127.0.0.1:0",
-             "--iscsi", "127.0.0.1:0", "--nfs", "127.0.0.1:0"],
-            stdout=open(self.out, "w"), stderr=open(err, "w"), env={**os.environ, "STRATA_RAM_DIR": str(self.tmp)})
-        self.pid = self.proc.pid
-        text = ""
-        while "strata: iscsi listening" not in text:
-            if time.monotonic() - t0 > 600 or self.proc.poll() is not None:
-                raise RuntimeError(f"strata did not start: {err.read_text()[-2000:]}")
-            time.sleep(0.02)
-            text = self.out.read_text()
-        self.start_seconds = time.monotonic() - t0
-        nfs = re.search(r"strata: nfs listening on 127\.0\.0\.1:(\d+)", text).group(1)
-        self.url = f"nfs://127.0.0.1/default/files?nfsport={nfs}&mountport={nfs}&version=3"
-
-    def stop(self):
-        self.proc.send_signal(signal.SIGINT)
-        t0 = time.monotonic()
-        try:
-            self.proc.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        return time.monotonic() - t0
-
-
-class Ganesha:
-    name = "ganesha"
-
-    def __init__(self, tmp):
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", 12049)) == 0:
-                raise RuntimeError("something already listens on 127.0.0.1:12049 (another ganesha?)")
-        export = tmp / "ganesha-export"
-        export.mkdir()
-        subprocess.run([str(GANESHA_TOOLS / "start.sh"), str(export)], check=True)
-        self.pid = int((GANESHA_STATE / "ganesha.pid").read_text())
-        self.url = f"nfs://127.0.0.1{export}?nfsport=12049&mountport=12048&version=3"
-
-    def stop(self):
-        subprocess.run([str(GANESHA_TOOLS / "stop.sh")], check=False)
-        for _ in range(100):
-            if not Path(f"/proc/{self.pid}").exists():
-                break
-            time.sleep(0.1)
-        return 0.0
 
 
 def main():
@@ -162,8 +90,7 @@ def main():
             print(f"{rec['time']} {json.dumps(rec)}", flush=True)
 
     tmp = Path(tempfile.mkdtemp(prefix="strata-nfs-bigdir-", dir="/tmp"))
-    exe = tmp / "nfs_load"
-    subprocess.run(["cc", "-O2", "-Wall", "-Wextra", "-o", str(exe), str(HERE / "nfs_load.c"), "-lnfs"], check=True)
+    exe = compile_load(tmp)
     servers = []
     try:
         strata = Strata(args.binary, tmp)

@@ -39,9 +39,7 @@ stopped by PID; ganesha on 127.0.0.1:12049/12048 through
 import argparse
 import json
 import os
-import re
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -50,77 +48,10 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-GANESHA_TOOLS = Path(os.environ.get("GANESHA_TOOLS", HERE.parent.parent / "shared/tools/nfs-ganesha"))
-GANESHA_STATE = Path(os.environ.get("GANESHA_STATE", "/tmp/ganesha-peer"))
+sys.path.insert(0, str(HERE))
+from nfs_peers import Ganesha, Strata, compile_load, cpu_seconds  # noqa: E402
+
 MIB = 1 << 20
-
-
-def cpu_seconds(pid):
-    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def compile_load(tmp):
-    exe = tmp / "nfs_load"
-    subprocess.run(["cc", "-O2", "-Wall", "-Wextra", "-o", str(exe), str(HERE / "nfs_load.c"), "-lnfs"],
-                   check=True)
-    return exe
-
-
-class Strata:
-    name = "strata"
-
-    def __init__(self, binary, tmp, tag=""):
-        self.data = tmp / f"strata{tag}"
-        self.out = tmp / f"strata{tag}.out"
-        self.proc = subprocess.Popen(
-            [binary, "serve", "--data-dir", str(self.data), "--nbd", "127.0.0.1:0", "--api", "127.0.0.1:0",
-             "--iscsi", "127.0.0.1:0", "--nfs", "127.0.0.1:0"],
-            stdout=open(self.out, "w"), stderr=open(tmp / f"strata{tag}.err", "w"),
-            env={**os.environ, "STRATA_RAM_DIR": str(tmp)})
-        self.pid = self.proc.pid
-        deadline = time.time() + 60
-        text = ""
-        while "strata: iscsi listening" not in text:
-            if time.time() > deadline or self.proc.poll() is not None:
-                raise RuntimeError(f"strata did not start: {(tmp / f'strata{tag}.err').read_text()[-2000:]}")
-            time.sleep(0.1)
-            text = self.out.read_text()
-        nfs = re.search(r"strata: nfs listening on 127\.0\.0\.1:(\d+)", text).group(1)
-        nbd = re.search(r"strata: nbd listening on 127\.0\.0\.1:(\d+)", text).group(1)
-        subprocess.run([binary, "fs", "set", "default/files", "nfs.squash=none", "--data-dir", str(self.data)],
-                       check=True, stdout=subprocess.DEVNULL)
-        self.url = f"nfs://127.0.0.1/default/files?nfsport={nfs}&mountport={nfs}&version=3"
-        self.nbd_uri = f"nbd://127.0.0.1:{nbd}/default/vol0"
-
-    def stop(self):
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-
-
-class Ganesha:
-    name = "ganesha"
-
-    def __init__(self, tmp, tag=""):
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", 12049)) == 0:
-                raise RuntimeError("something already listens on 127.0.0.1:12049 (another ganesha?)")
-        export = tmp / f"ganesha-export{tag}"
-        export.mkdir()
-        subprocess.run([str(GANESHA_TOOLS / "start.sh"), str(export)], check=True)
-        self.pid = int((GANESHA_STATE / "ganesha.pid").read_text())
-        self.url = f"nfs://127.0.0.1{export}?nfsport=12049&mountport=12048&version=3"
-
-    def stop(self):
-        subprocess.run([str(GANESHA_TOOLS / "stop.sh")], check=False)
-        for _ in range(100):  # its ports must be free for the next start
-            if not Path(f"/proc/{self.pid}").exists():
-                break
-            time.sleep(0.1)
 
 
 def load_avg():
