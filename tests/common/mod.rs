@@ -47,6 +47,10 @@ pub struct Server {
     pub data_dir: PathBuf,
     /// What the daemon prints on stdout after its listening lines.
     stdout: mpsc::Receiver<String>,
+    /// The daemon's log (stderr, at `info`) when the test gave no file of
+    /// its own for it: shown (its end) if the test fails while the daemon
+    /// is running, deleted otherwise.
+    own_log: Option<tempfile::NamedTempFile>,
 }
 
 impl Server {
@@ -71,8 +75,24 @@ impl Server {
     }
 
     /// Like `start_with_args`, with the daemon's log (stderr, at `info`)
-    /// written to `log` when given.
+    /// written to `log` when given (else to a file of its own, shown if the
+    /// test fails: see `Drop`).
     pub fn start_logged(data_dir: &Path, ram_dir: Option<&Path>, extra: &[&str], log: Option<&Path>) -> Server {
+        let own_log = match log {
+            Some(_) => None,
+            None => Some(
+                tempfile::Builder::new()
+                    .prefix("strata-daemon-")
+                    .suffix(".log")
+                    .tempfile()
+                    .expect("create the daemon's log"),
+            ),
+        };
+        let stderr = match (log, &own_log) {
+            (Some(path), _) => std::fs::File::create(path).expect("create the daemon's log"),
+            (None, Some(file)) => file.reopen().expect("open the daemon's log"),
+            (None, None) => unreachable!(),
+        };
         let mut command = Command::new(env!("CARGO_BIN_EXE_strata"));
         command.env_remove("STRATA_RAM_DIR");
         if let Some(dir) = ram_dir {
@@ -93,12 +113,9 @@ impl Server {
                 "127.0.0.1:0",
             ])
             .args(extra)
-            .env("STRATA_LOG", if log.is_some() { "info" } else { "warn" })
+            .env("STRATA_LOG", "info")
             .stdout(Stdio::piped())
-            .stderr(match log {
-                Some(path) => Stdio::from(std::fs::File::create(path).expect("create the daemon's log")),
-                None => Stdio::inherit(),
-            })
+            .stderr(Stdio::from(stderr))
             .spawn()
             .expect("start strata serve");
         let stdout = child.stdout.take().expect("stdout");
@@ -149,6 +166,7 @@ impl Server {
             nfs,
             data_dir: data_dir.to_path_buf(),
             stdout: received,
+            own_log,
         }
     }
 
@@ -222,6 +240,19 @@ impl Drop for Server {
     fn drop(&mut self) {
         if let Ok(None) = self.child.try_wait() {
             self.kill9();
+        }
+        // A failing test shows what the daemon logged last (a client's
+        // "Input/output error" says nothing of why).
+        if let (true, Some(log)) = (std::thread::panicking(), &self.own_log) {
+            let text = std::fs::read_to_string(log.path()).unwrap_or_default();
+            let lines: Vec<&str> = text.lines().collect();
+            let tail = &lines[lines.len().saturating_sub(80)..];
+            eprintln!(
+                "--- the last {} lines of strata's log ({} in all) ---\n{}\n---",
+                tail.len(),
+                lines.len(),
+                tail.join("\n")
+            );
         }
     }
 }
