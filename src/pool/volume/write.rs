@@ -398,7 +398,7 @@ impl EngineVolume {
         // write). So when the slots run out and a commit would give some
         // back (staged mappings then overwrite in place; slots that trims or
         // overwrites freed become reusable), commit once and plan again.
-        let mut commit_first = self.pool.space_short();
+        let mut retried = false;
         let (gate, planned) = loop {
             let mut entries = self.pool.lookup_range(self.id, first, last).map_err(meta_error)?;
             // (No look at the log's pending records, and no lock, for a
@@ -408,7 +408,7 @@ impl EngineVolume {
             } else {
                 Vec::new()
             };
-            if !relocate.is_empty() && commit_first && tier.is_none() {
+            if !relocate.is_empty() && (retried || self.pool.space_short()) && tier.is_none() {
                 self.pool.commit_quiet().await.map_err(pool_error)?;
                 relocate.clear();
             }
@@ -450,13 +450,11 @@ impl EngineVolume {
             {
                 Ok(planned) => break (gate, planned),
                 Err(BlockError::NoSpace)
-                    if tier.is_none()
-                        && !commit_first
-                        && (!relocate.is_empty() || self.pool.log.has_pending_frees()) =>
+                    if tier.is_none() && !retried && (!relocate.is_empty() || self.pool.log.has_pending_frees()) =>
                 {
                     drop(gate);
                     self.pool.commit_quiet().await.map_err(pool_error)?;
-                    commit_first = true;
+                    retried = true;
                 }
                 Err(e) => return Err(e),
             }
