@@ -45,7 +45,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from nfs_peers import Ganesha, Strata, compile_load, cpu_seconds  # noqa: E402
+from nfs_peers import Ganesha, Strata, compile_load, run_load  # noqa: E402
 
 
 def rss_kib(pid):
@@ -103,23 +103,12 @@ def main():
         emit({"step": "uptime", "uptime": subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()})
 
         def run(server, step, load_args, chunk=None):
-            load1 = os.getloadavg()[0]
-            cpu = cpu_seconds(server.pid)
-            p = subprocess.run([str(exe), server.url] + load_args + ["-q", str(args.qd)],
-                               capture_output=True, text=True, timeout=7200)
-            cpu = cpu_seconds(server.pid) - cpu
-            if p.returncode != 0:
-                emit({"server": server.name, "step": step, "chunk": chunk, "error": p.stderr.strip()[-2000:]})
-                raise RuntimeError(f"nfs_load {' '.join(load_args)} on {server.name} failed")
-            line = next(ln for ln in p.stdout.splitlines() if ln.startswith("RESULT "))
-            res = {"server": server.name, "step": step, "chunk": chunk, "load1": load1}
-            for kv in line.split()[1:]:
-                k, v = kv.split("=", 1)
-                try:
-                    res[k] = float(v)
-                except ValueError:
-                    res[k] = v
-            res["cpu_us_per_op"] = cpu * 1e6 / max(1, res["ops"])
+            res = {"server": server.name, "step": step, "chunk": chunk, "load1": os.getloadavg()[0]}
+            try:
+                res.update(run_load(exe, server, load_args + ["-q", str(args.qd)], timeout=7200))
+            except RuntimeError as e:
+                emit({"server": server.name, "step": step, "chunk": chunk, "error": str(e)})
+                raise
             res["rss_kib"] = rss_kib(server.pid)
             emit(res)
 

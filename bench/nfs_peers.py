@@ -35,6 +35,27 @@ def compile_load(tmp):
     return exe
 
 
+def run_load(exe, server, args, timeout=1800):
+    """One nfs_load run against `server`: its RESULT fields (numbers as
+    floats) and the server's CPU µs per operation; RuntimeError with the
+    end of its stderr if it fails."""
+    cpu = cpu_seconds(server.pid)
+    out = subprocess.run([str(exe), server.url] + args, capture_output=True, text=True, timeout=timeout)
+    cpu = cpu_seconds(server.pid) - cpu
+    if out.returncode != 0:
+        raise RuntimeError(f"nfs_load {' '.join(args)} on {server.name} failed: {out.stderr.strip()[-2000:]}")
+    line = next(ln for ln in out.stdout.splitlines() if ln.startswith("RESULT "))
+    res = {}
+    for kv in line.split()[1:]:
+        k, v = kv.split("=", 1)
+        try:
+            res[k] = float(v)
+        except ValueError:
+            res[k] = v
+    res["cpu_us_per_op"] = cpu * 1e6 / max(1, res["ops"])
+    return res
+
+
 class Strata:
     """A strata daemon serving default/files with root not squashed; `tag`
     tells apart several in one temporary directory."""

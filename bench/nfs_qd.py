@@ -49,6 +49,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+import nfs_peers  # noqa: E402
 from nfs_peers import Ganesha, Strata, compile_load, cpu_seconds  # noqa: E402
 
 MIB = 1 << 20
@@ -59,23 +60,9 @@ def load_avg():
 
 
 def run_load(exe, server, args, loads, timeout=1800):
-    """One nfs_load run; returns its RESULT fields plus server CPU µs/op."""
+    """One nfs_load run (nfs_peers.run_load), the load average noted first."""
     loads.append(load_avg())
-    cpu = cpu_seconds(server.pid)
-    out = subprocess.run([str(exe), server.url] + args, capture_output=True, text=True, timeout=timeout)
-    cpu = cpu_seconds(server.pid) - cpu
-    if out.returncode != 0:
-        raise RuntimeError(f"nfs_load {' '.join(args)} on {server.name} failed: {out.stderr.strip()}")
-    line = next(ln for ln in out.stdout.splitlines() if ln.startswith("RESULT "))
-    res = {}
-    for kv in line.split()[1:]:
-        k, v = kv.split("=", 1)
-        try:
-            res[k] = float(v)
-        except ValueError:
-            res[k] = v
-    res["cpu_us_per_op"] = cpu * 1e6 / max(1, res["ops"])
-    return res
+    return nfs_peers.run_load(exe, server, args, timeout)
 
 
 def run_fio_nbd(uri, pid, args, loads):

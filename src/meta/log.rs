@@ -1407,12 +1407,29 @@ mod tests {
         assert_eq!(Record::decode(&bytes), None);
     }
 
+    /// A log of 64 blocks at the start of a simulated 1 MiB device.
+    fn small_log() -> (Arc<dyn Device>, Log) {
+        let device: Arc<dyn Device> = Arc::new(crate::device::SimDevice::new(1 << 20, 1));
+        let log = Log::new(device.clone(), 0, 64 * LOG_BLOCK_BYTES, 7, 0, 0);
+        (device, log)
+    }
+
+    /// A `Map` record giving block 3 of volume 1 a new slot (a new mapping:
+    /// a commit that takes it must flush data first).
+    fn new_mapping() -> Record {
+        Record::Map {
+            volume: 1,
+            block: 3,
+            new: 1 << 63 | 6,
+            old: 0,
+            crcs: vec![1, 2, 3, 4],
+        }
+    }
+
     #[test]
     fn a_records_commit_flushes_data_only_for_records_that_need_it() {
-        use crate::device::SimDevice;
         use std::sync::atomic::AtomicUsize;
-        let device: Arc<dyn Device> = Arc::new(SimDevice::new(1 << 20, 1));
-        let log = Log::new(device.clone(), 0, 64 * LOG_BLOCK_BYTES, 7, 0, 0);
+        let (device, log) = small_log();
         let data_flushes = AtomicUsize::new(0);
         let flush_data = || async {
             data_flushes.fetch_add(1, Ordering::SeqCst);
@@ -1434,13 +1451,7 @@ mod tests {
             assert!(after_data > 0, "the Data record was written");
             // A records commit that takes a new mapping flushes data first.
             log.append(data(9));
-            log.append(Record::Map {
-                volume: 1,
-                block: 3,
-                new: 1 << 63 | 6,
-                old: 0,
-                crcs: vec![1, 2, 3, 4],
-            });
+            log.append(new_mapping());
             log.commit_records(flush_data).await.unwrap();
             assert_eq!(data_flushes.load(Ordering::SeqCst), 1);
             // A caller that needs its in-place writes durable (a FLUSH) gets
@@ -1467,10 +1478,8 @@ mod tests {
 
     #[test]
     fn dirty_marks_commit_without_a_data_flush_and_serve_no_flush() {
-        use crate::device::SimDevice;
         use std::sync::atomic::AtomicUsize;
-        let device: Arc<dyn Device> = Arc::new(SimDevice::new(1 << 20, 1));
-        let log = Log::new(device, 0, 64 * LOG_BLOCK_BYTES, 7, 0, 0);
+        let (_device, log) = small_log();
         let data_flushes = AtomicUsize::new(0);
         let flush_data = || async {
             data_flushes.fetch_add(1, Ordering::SeqCst);
@@ -1497,13 +1506,7 @@ mod tests {
             // A new mapping points at data: the marks commit declines and
             // writes nothing; a full commit flushes data first.
             log.append(Record::Dirty { device: 0, chunk: 4 });
-            log.append(Record::Map {
-                volume: 1,
-                block: 3,
-                new: 1 << 63 | 6,
-                old: 0,
-                crcs: vec![1, 2, 3, 4],
-            });
+            log.append(new_mapping());
             assert!(log.commit_marks().await.unwrap().is_none());
             assert_eq!(log.next_lsn(), after_marks, "nothing written");
             log.commit(flush_data, false).await.unwrap();
