@@ -258,13 +258,54 @@ impl Allocator {
     /// front to back, and a large request later touches one device run
     /// instead of many. When the hinted slot is taken, a fresh chunk after it
     /// is used (so two writers do not interleave), else `allocate`'s order.
+    ///
+    /// Slots queued for the freer are taken back first (without their holes
+    /// punched) when this allocation would otherwise start a chunk that
+    /// holds nothing: space freed and not punched yet is reused before the
+    /// pool writes into holes of its device files. A file rewritten after a
+    /// truncation, or a volume refilled after a large TRIM, then lands in
+    /// the space its old data held instead of growing the device files
+    /// while the freer punches the old space, slowly, holding the file's
+    /// lock (and, on this project's VM, into page cache memory never touched
+    /// before, which costs the kernel several times the copy: BENCHMARKS.md).
     pub fn allocate_near(&mut self, slot_shift: u8, hint: Option<Hint>) -> Option<(u8, u64)> {
+        if !self.freeing.is_empty() && self.would_open_chunk(slot_shift, hint) {
+            self.reclaim_freeing();
+        }
         let found = match hint {
             Some(Hint::At(device_index, offset)) => self.take_near(slot_shift, device_index, offset),
             Some(Hint::FreshChunk { logical_slot }) => self.take_fresh(slot_shift, logical_slot),
             None => None,
         };
         found.or_else(|| self.allocate(slot_shift))
+    }
+
+    /// Whether `allocate_near(slot_shift, hint)` would take a chunk from the
+    /// free chunks (one that holds no slot in use) rather than a free slot
+    /// of a chunk in use.
+    fn would_open_chunk(&self, slot_shift: u8, hint: Option<Hint>) -> bool {
+        let Some(first) = self.first_with_room(slot_shift) else {
+            return false;
+        };
+        let chunk_shift = self.chunk_shift;
+        match hint {
+            Some(Hint::FreshChunk { .. }) => true,
+            Some(Hint::At(index, offset)) if self.devices.iter().any(|d| d.index == index && d.role == first.role) => {
+                let slot = (offset & ((1 << chunk_shift) - 1)) >> slot_shift;
+                // `take_near`: the hinted slot if free in a chunk of this
+                // slot size, else a free chunk.
+                !self
+                    .slot_shift_of(index, offset >> chunk_shift)
+                    .is_some_and(|(shift, used)| {
+                        shift == slot_shift
+                            && slot < self.slots_per_chunk(slot_shift)
+                            && used[(slot / 64) as usize] & (1 << (slot % 64)) == 0
+                    })
+            }
+            // `allocate`: the first device in tier order with room, a chunk
+            // of this slot size with a free slot before a free chunk.
+            _ => first.with_room.get(&slot_shift).is_none_or(|room| room.is_empty()),
+        }
     }
 
     /// A fresh chunk on the tier `allocate` would use, and in it the slot a
@@ -691,6 +732,55 @@ mod tests {
         assert_eq!(allocator.freeing_bytes(), 0);
         assert!(!allocator.free(a.0, a.1), "already free");
         assert!(!allocator.reclaim_freeing());
+    }
+
+    #[test]
+    fn queued_frees_are_reused_before_a_chunk_that_holds_nothing() {
+        let fast = DeviceSpace::new(0, Role::Fast, 1, 64);
+        let mut allocator = Allocator::new(1 << 20, vec![fast]);
+        // Chunks 1 and 2 filled (64 slots of 16 KiB each), chunk 3 started.
+        let mut old: Vec<(u8, u64)> = (0..128).map(|_| allocator.allocate_near(14, None).unwrap()).collect();
+        assert!(old.iter().all(|&(_, offset)| [1, 2].contains(&(offset >> 20))));
+        let started = allocator.allocate_near(14, None).unwrap();
+        assert_eq!(started.1 >> 20, 3);
+        allocator.defer_frees(&mut old).unwrap();
+        assert_eq!(allocator.freeing_bytes(), 128 << 14);
+        // Room in a chunk in use, hinted or not: the queue is left to the
+        // freer.
+        let next = allocator
+            .allocate_near(14, Some(Hint::At(started.0, started.1 + (1 << 14))))
+            .unwrap();
+        assert_eq!(next, (0, started.1 + (1 << 14)));
+        assert_eq!(allocator.allocate_near(14, None).unwrap().1 >> 20, 3);
+        assert_eq!(allocator.freeing_bytes(), 128 << 14);
+        // The freer punches a batch of chunk 1 meanwhile.
+        let punching = allocator.start_freeing(4);
+        assert!(punching.iter().all(|&(_, offset)| offset >> 20 == 1));
+        // An allocation that would start a chunk holding nothing (a hole in
+        // a sparse device file) takes the queued slots back first: chunk 2,
+        // now empty, is the first free chunk again.
+        let got = allocator
+            .allocate_near(14, Some(Hint::FreshChunk { logical_slot: 7 }))
+            .unwrap();
+        assert_eq!(
+            allocator.freeing_bytes(),
+            4 << 14,
+            "only the batch being punched is left"
+        );
+        assert_eq!(got, (0, (2 << 20) + (7 << 14)));
+        // The rest of chunks 1 and 2 comes before chunk 3's room; never the
+        // batch being punched.
+        let mut reused = vec![got];
+        while let Some(slot) = allocator.allocate_near(14, None) {
+            if slot.1 >> 20 == 3 {
+                break;
+            }
+            reused.push(slot);
+        }
+        assert_eq!(reused.len(), 124, "all of chunks 1 and 2 but the 4 being punched");
+        assert!(reused.iter().all(|slot| !punching.contains(slot)));
+        allocator.finish_freeing();
+        assert_eq!(allocator.freeing_bytes(), 0);
     }
 
     #[test]
