@@ -46,6 +46,9 @@ pub const MAX_SLOT_SHIFT: u8 = 17;
 /// Slots per chunk are at most 256 (1 MiB chunks of 4 KiB slots), so a
 /// bitmap of four words covers any chunk.
 pub const MAX_SLOTS_PER_CHUNK: u64 = 256;
+/// Chunks of queued frees an allocation about to open an empty chunk takes
+/// back (`Allocator::allocate_near`): each at most 256 slots to release.
+const RECLAIM_CHUNKS: usize = 16;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ChunkState {
@@ -259,9 +262,9 @@ impl Allocator {
     /// instead of many. When the hinted slot is taken, a fresh chunk after it
     /// is used (so two writers do not interleave), else `allocate`'s order.
     ///
-    /// Slots queued for the freer are taken back first (without their holes
-    /// punched) when this allocation would otherwise start a chunk that
-    /// holds nothing: space freed and not punched yet is reused before the
+    /// Slots queued for the freer are taken back first, a few chunks' worth
+    /// at a time (without their holes punched), when this allocation would
+    /// otherwise start a chunk that holds nothing: space freed and not punched yet is reused before the
     /// pool writes into holes of its device files. A file rewritten after a
     /// truncation, or a volume refilled after a large TRIM, then lands in
     /// the space its old data held instead of growing the device files
@@ -270,7 +273,7 @@ impl Allocator {
     /// before, which costs the kernel several times the copy: BENCHMARKS.md).
     pub fn allocate_near(&mut self, slot_shift: u8, hint: Option<Hint>) -> Option<(u8, u64)> {
         if !self.freeing.is_empty() && self.would_open_chunk(slot_shift, hint) {
-            self.reclaim_freeing();
+            self.reclaim_chunks(RECLAIM_CHUNKS);
         }
         let found = match hint {
             Some(Hint::At(device_index, offset)) => self.take_near(slot_shift, device_index, offset),
@@ -614,9 +617,20 @@ impl Allocator {
     /// pool needs the space now (it will be written again, so a hole would
     /// not last). Returns whether there was any.
     pub fn reclaim_freeing(&mut self) -> bool {
-        let freeing = std::mem::take(&mut self.freeing);
-        let any = !freeing.is_empty();
-        for ((device, chunk), queued) in freeing {
+        self.reclaim_chunks(usize::MAX)
+    }
+
+    /// Like [`Allocator::reclaim_freeing`], for the queued slots of at most
+    /// `chunks` chunks (the first in device order): a writer about to open a
+    /// chunk takes back a few, so its allocator lock is held for
+    /// microseconds even when a deleted snapshot queued a terabyte.
+    fn reclaim_chunks(&mut self, chunks: usize) -> bool {
+        let mut any = false;
+        for _ in 0..chunks {
+            let Some(((device, chunk), queued)) = self.freeing.pop_first() else {
+                break;
+            };
+            any = true;
             let Some((slot_shift, _)) = self.slot_shift_of(device, chunk) else {
                 continue;
             };
@@ -780,6 +794,23 @@ mod tests {
         assert_eq!(reused.len(), 124, "all of chunks 1 and 2 but the 4 being punched");
         assert!(reused.iter().all(|slot| !punching.contains(slot)));
         allocator.finish_freeing();
+        assert_eq!(allocator.freeing_bytes(), 0);
+    }
+
+    #[test]
+    fn a_writer_takes_back_a_few_chunks_of_a_long_queue_at_a_time() {
+        let fast = DeviceSpace::new(0, Role::Fast, 0, 64);
+        let mut allocator = Allocator::new(1 << 20, vec![fast]);
+        let mut old: Vec<(u8, u64)> = (0..40 * 64).map(|_| allocator.allocate(14).unwrap()).collect();
+        allocator.defer_frees(&mut old).unwrap();
+        assert_eq!(allocator.freeing_bytes(), 40 << 20);
+        let got = allocator
+            .allocate_near(14, Some(Hint::FreshChunk { logical_slot: 0 }))
+            .unwrap();
+        assert_eq!(got, (0, 0), "the first chunk taken back");
+        assert_eq!(allocator.freeing_bytes(), (40 - RECLAIM_CHUNKS as u64) << 20);
+        // Out of space: everything queued comes back at once.
+        assert!(allocator.reclaim_freeing());
         assert_eq!(allocator.freeing_bytes(), 0);
     }
 
