@@ -61,6 +61,13 @@ impl ChunkState {
         self.used.iter().map(|w| w.count_ones()).sum()
     }
 
+    /// Whether `slot` (below the chunk's slot count, which the caller
+    /// checks) is free in this chunk and the chunk holds slots of this size:
+    /// where a hinted allocation can go without opening another chunk.
+    fn slot_free(&self, slot_shift: u8, slot: u64) -> bool {
+        self.slot_shift == slot_shift && self.used[(slot / 64) as usize] & (1 << (slot % 64)) == 0
+    }
+
     /// Stored form: slot shift, then the bitmap (little endian).
     pub fn encode(&self) -> Vec<u8> {
         let mut out = vec![self.slot_shift];
@@ -297,13 +304,12 @@ impl Allocator {
                 let slot = (offset & ((1 << chunk_shift) - 1)) >> slot_shift;
                 // `take_near`: the hinted slot if free in a chunk of this
                 // slot size, else a free chunk.
-                !self
-                    .slot_shift_of(index, offset >> chunk_shift)
-                    .is_some_and(|(shift, used)| {
-                        shift == slot_shift
-                            && slot < self.slots_per_chunk(slot_shift)
-                            && used[(slot / 64) as usize] & (1 << (slot % 64)) == 0
-                    })
+                let in_use = self
+                    .devices
+                    .iter()
+                    .find(|d| d.index == index)
+                    .and_then(|d| d.chunks.get(&(offset >> chunk_shift)));
+                !(slot < self.slots_per_chunk(slot_shift) && in_use.is_some_and(|s| s.slot_free(slot_shift, slot)))
             }
             // `allocate`: the first device in tier order with room, a chunk
             // of this slot size with a free slot before a free chunk.
@@ -344,10 +350,7 @@ impl Allocator {
         let hinted_slot = (offset & ((1 << chunk_shift) - 1)) >> slot_shift;
         let hinted_free = hinted_slot < per_chunk
             && match device.chunks.get(&hinted_chunk) {
-                Some(state) => {
-                    state.slot_shift == slot_shift
-                        && state.used[(hinted_slot / 64) as usize] & (1 << (hinted_slot % 64)) == 0
-                }
+                Some(state) => state.slot_free(slot_shift, hinted_slot),
                 None => device.free_chunks.contains(&hinted_chunk),
             };
         // Taken (typically by another writer's run): this writer moves to a
