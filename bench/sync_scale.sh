@@ -9,8 +9,9 @@
 #            QD1), against one of them alone at QD1;
 #   256:     256 connections on one fresh 1 GiB volume (the log fills many
 #            times over: writers must wait for room, never fail).
-# Prints IOPS, p99 completion latency and the ratios the issue sets
-# (>= 8x). Also counts writes that failed (fio err=).
+# Prints IOPS, p99 completion latency, the daemon's CPU per write, how
+# busy the machine's CPUs were (client included), and the ratios the issue
+# sets (>= 8x). Also counts writes that failed (fio err=).
 # A temporary directory, ephemeral 127.0.0.1 ports, the server stopped by PID.
 #
 # Usage: bench/sync_scale.sh [STRATA_BINARY] [SECONDS]
@@ -45,23 +46,37 @@ run() {
         args+=("--name=v$i" "--uri=nbd://127.0.0.1:$PORT/default/$v" "--numjobs=$jobs")
         i=$((i + 1))
     done
+    local ticks0 busy0
+    ticks0=$(awk '{print $14 + $15}' "/proc/$PID/stat")
+    busy0=$(machine_busy)
     fio --ioengine=nbd --rw=randwrite --bs=4k --iodepth=1 --thread --norandommap \
         --time_based --runtime="$SECS" --group_reporting --output-format=json \
         --output="$DIR/fio.json" "${args[@]}" >/dev/null 2>"$DIR/fio.err" || { cat "$DIR/fio.err" >&2; }
-    python3 - "$label" "$DIR/fio.json" <<'EOF'
+    local ticks=$(($(awk '{print $14 + $15}' "/proc/$PID/stat") - ticks0))
+    local busy
+    busy=$(machine_busy | awk -v a="$busy0" '{split(a, x, " "); printf "%.0f", 100 * ($1 - x[1]) / ($2 - x[2])}')
+    python3 - "$label" "$DIR/fio.json" "$ticks" "$(getconf CLK_TCK)" "$busy" <<'EOF'
 import json, sys
 label, path = sys.argv[1], sys.argv[2]
+ticks, per_second, busy = int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
 text = open(path).read()
 # (fio's nbd engine prints "connected" lines into the same file first.)
 jobs = json.loads(text[text.index("{"):])["jobs"]
 iops = sum(j["write"]["iops"] for j in jobs)
 errors = sum(j.get("error", 0) != 0 for j in jobs)
 p99 = max(j["write"]["clat_ns"]["percentile"].get("99.000000", 0) for j in jobs) / 1000
-print(f"{label:<28} {iops:>9.0f} IOPS   p99 {p99:>8.0f} us   jobs with errors: {errors}")
+ios = sum(j["write"]["total_ios"] for j in jobs)
+cpu = ticks / per_second * 1e6 / max(ios, 1)
+print(f"{label:<28} {iops:>9.0f} IOPS   p99 {p99:>8.0f} us   daemon CPU {cpu:>5.1f} us/write   "
+      f"machine CPU busy {busy} %   jobs with errors: {errors}")
 open(sys.argv[2] + ".iops", "w").write(f"{iops}\n")
 EOF
     cat "$DIR/fio.json.iops" >"$DIR/$label.iops"
 }
+
+# All CPUs' busy and total jiffies from /proc/stat (busy: not idle, not
+# waiting for I/O, not stolen), as "busy total".
+machine_busy() { awk '/^cpu / {t = 0; for (i = 2; i <= NF; i++) t += $i; print t - $5 - $6 - $9, t}' /proc/stat; }
 
 ratio() { python3 -c "import sys; a, b = (float(open(f).read()) for f in sys.argv[1:]); print(f'{a / b:.1f}x')" "$DIR/$1.iops" "$DIR/$2.iops"; }
 
