@@ -18,17 +18,17 @@ HERE=$(realpath "$(dirname "$0")")
 DIR=$(mktemp -d)
 PID=
 trap '[ -n "$PID" ] && kill -INT "$PID" 2>/dev/null; sleep 0.5; rm -rf "$DIR"' EXIT
+# shellcheck source=bench/lib.sh
+source "$HERE/lib.sh"
 cc -O2 -o "$DIR/nfs_load" "$HERE/nfs_load.c" -lnfs
-STRATA_RAM_DIR=$DIR "$BIN" serve --data-dir "$DIR/d" --nbd 127.0.0.1:0 --api 127.0.0.1:0 \
-    --iscsi 127.0.0.1:0 --nfs 127.0.0.1:0 > "$DIR/out" 2> "$DIR/err" &
-PID=$!
-until grep -q "iscsi listening" "$DIR/out"; do
-    kill -0 "$PID" || { cat "$DIR/err"; exit 1; }
+start_strata "$BIN"
+until grep -q "iscsi listening" "$DIR/out.txt"; do
+    kill -0 "$PID" || { cat "$DIR/err.txt"; exit 1; }
     sleep 0.1
 done
-"$BIN" fs set default/files nfs.squash=none --data-dir "$DIR/d" > /dev/null
-NFS=$(grep -o "nfs listening on 127.0.0.1:[0-9]*" "$DIR/out" | cut -d: -f2)
-API=$(grep -o "api listening on http://127.0.0.1:[0-9]*" "$DIR/out" | grep -o "[0-9]*$")
+"$BIN" fs set default/files nfs.squash=none > /dev/null
+NFS=$(grep -o "nfs listening on 127.0.0.1:[0-9]*" "$DIR/out.txt" | cut -d: -f2)
+API=$(grep -o "api listening on http://127.0.0.1:[0-9]*" "$DIR/out.txt" | grep -o "[0-9]*$")
 URL="nfs://127.0.0.1/default/files?nfsport=$NFS&mountport=$NFS&version=3"
 metric() { curl -s "http://127.0.0.1:$API/metrics" | awk -v m="$1" '$1 ~ "^"m"[{ ]" {print $2}'; }
 switches() { cat /proc/"$PID"/task/*/status | awk '/ctxt_switches/ {s += $2} END {print s}'; }
