@@ -10,8 +10,10 @@
 #   256:     256 connections on one fresh 1 GiB volume (the log fills many
 #            times over: writers must wait for room, never fail).
 # Prints IOPS, p99 completion latency, the daemon's CPU per write, how
-# busy the machine's CPUs were (client included), and the ratios the issue
-# sets (>= 8x). Also counts writes that failed (fio err=).
+# busy the machine's CPUs were (client included), the log commits a second
+# and the flushes of the data devices a second, all and those made by a
+# commit under its lock (from /metrics; the others are the destager's), and
+# the ratios the issue sets (>= 8x). Also counts writes that failed (fio err=).
 # A temporary directory, ephemeral 127.0.0.1 ports, the server stopped by PID.
 #
 # Usage: bench/sync_scale.sh [STRATA_BINARY] [SECONDS]
@@ -27,6 +29,8 @@ trap '[ -n "$PID" ] && kill "$PID" 2>/dev/null; sleep 0.5; rm -rf "$DIR"' EXIT
 # shellcheck source=bench/lib.sh
 source "$LIB"
 start_strata "$BIN" --max-connections-per-client 512
+API=$(grep -o "api listening on http://127.0.0.1:[0-9]*" out.txt | grep -o "[0-9]*$")
+metric() { curl -s "http://127.0.0.1:$API/metrics" | awk -v m="$1" '$1 ~ "^"m"[{ ]" {print $2}'; }
 
 volume() { # NAME SIZE [fill]
     "$BIN" volume create "default/$1" --size "$2" >/dev/null
@@ -46,19 +50,27 @@ run() {
         args+=("--name=v$i" "--uri=nbd://127.0.0.1:$PORT/default/$v" "--numjobs=$jobs")
         i=$((i + 1))
     done
-    local ticks0 busy0
+    local ticks0 busy0 commits0 flushes0 cflushes0
     ticks0=$(awk '{print $14 + $15}' "/proc/$PID/stat")
+    commits0=$(metric strata_pool_log_commits_total)
+    flushes0=$(metric strata_pool_data_flushes_total)
+    cflushes0=$(metric strata_pool_commit_data_flushes_total)
     busy0=$(machine_busy)
     fio --ioengine=nbd --rw=randwrite --bs=4k --iodepth=1 --thread --norandommap \
         --time_based --runtime="$SECS" --group_reporting --output-format=json \
         --output="$DIR/fio.json" "${args[@]}" >/dev/null 2>"$DIR/fio.err" || { cat "$DIR/fio.err" >&2; }
     local ticks=$(($(awk '{print $14 + $15}' "/proc/$PID/stat") - ticks0))
+    local commits=$(($(metric strata_pool_log_commits_total) - commits0))
+    local flushes=$(($(metric strata_pool_data_flushes_total) - flushes0))
+    local cflushes=$(($(metric strata_pool_commit_data_flushes_total || true) - ${cflushes0:-0}))
     local busy
     busy=$(machine_busy | awk -v a="$busy0" '{split(a, x, " "); printf "%.0f", 100 * ($1 - x[1]) / ($2 - x[2])}')
-    python3 - "$label" "$DIR/fio.json" "$ticks" "$(getconf CLK_TCK)" "$busy" <<'EOF'
+    python3 - "$label" "$DIR/fio.json" "$ticks" "$(getconf CLK_TCK)" "$busy" "$commits" "$flushes" "$SECS" "$cflushes" <<'EOF'
 import json, sys
 label, path = sys.argv[1], sys.argv[2]
 ticks, per_second, busy = int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+commits, flushes, secs = int(sys.argv[6]), int(sys.argv[7]), float(sys.argv[8])
+commit_flushes = int(sys.argv[9])
 text = open(path).read()
 # (fio's nbd engine prints "connected" lines into the same file first.)
 jobs = json.loads(text[text.index("{"):])["jobs"]
@@ -68,7 +80,9 @@ p99 = max(j["write"]["clat_ns"]["percentile"].get("99.000000", 0) for j in jobs)
 ios = sum(j["write"]["total_ios"] for j in jobs)
 cpu = ticks / per_second * 1e6 / max(ios, 1)
 print(f"{label:<28} {iops:>9.0f} IOPS   p99 {p99:>8.0f} us   daemon CPU {cpu:>5.1f} us/write   "
-      f"machine CPU busy {busy} %   jobs with errors: {errors}")
+      f"machine CPU busy {busy} %   commits/s {commits / secs:.0f}, data flushes/s {flushes / secs:.0f} "
+      f"({commit_flushes / secs:.0f} in commits)   "
+      f"jobs with errors: {errors}")
 open(sys.argv[2] + ".iops", "w").write(f"{iops}\n")
 EOF
     cat "$DIR/fio.json.iops" >"$DIR/$label.iops"

@@ -104,7 +104,7 @@ pub fn render_backing(pools: &[crate::control::manager::PoolStatus]) -> String {
         ),
     ];
     type PoolValue = fn(&crate::control::manager::PoolStatus) -> u64;
-    let pool_series: [(&str, &str, &str, PoolValue); 11] = [
+    let pool_series: [(&str, &str, &str, PoolValue); 12] = [
         (
             "strata_pool_size_bytes",
             "gauge",
@@ -168,8 +168,14 @@ pub fn render_backing(pools: &[crate::control::manager::PoolStatus]) -> String {
         (
             "strata_pool_data_flushes_total",
             "counter",
-            "Flushes of the data devices (fdatasync of each), mostly before log commits.",
+            "Flushes of the data devices (fdatasync of each): by log commits and by the destager.",
             |p| p.data_flushes,
+        ),
+        (
+            "strata_pool_commit_data_flushes_total",
+            "counter",
+            "Flushes of the data devices made by a log commit, under its lock (synchronous writers wait for them).",
+            |p| p.commit_data_flushes,
         ),
     ];
     for (name, kind, help, value) in pool_series {

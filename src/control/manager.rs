@@ -120,6 +120,10 @@ pub struct PoolStatus {
     /// needs one when data was written in place since the last).
     #[serde(default)]
     pub data_flushes: u64,
+    /// Of those, the ones log commits made under their lock (synchronous
+    /// writers wait for them); the others are the destager's.
+    #[serde(default)]
+    pub commit_data_flushes: u64,
     pub cache: PoolCacheStatus,
     pub devices: Vec<DeviceStatus>,
     /// The fast and capacity tiers' totals (their devices' data space).
@@ -1105,6 +1109,7 @@ impl VolumeManager {
                     log_commits: pool.meta_counters().log_commits,
                     log_records: pool.meta_counters().log_records,
                     data_flushes: pool.meta_counters().data_flushes,
+                    commit_data_flushes: pool.meta_counters().commit_data_flushes,
                     cache,
                     tiers: PoolTiers::of(&devices),
                     migration: pool.migration_status(),

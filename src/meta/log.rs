@@ -539,6 +539,117 @@ struct Pending {
     need_data: usize,
     /// The (volume, block) of every pending allocation's `Map` record.
     allocations: std::collections::HashSet<(u32, u64)>,
+    /// Records held back until the data they need is durable (the
+    /// destager's; see [`Deferred`]). Kept across `take`.
+    deferred: Deferred,
+}
+
+/// Records a destage pass holds back from the log until it has flushed the
+/// data devices itself: its `Map` records (blocks placed in new slots) and
+/// `Written` records (cached data placed), which may become durable only
+/// after that data. Appended with the rest, they made every commit a
+/// synchronous writer ran meanwhile flush the data devices first (1-2 ms
+/// under the commit lock); held back, they are appended once the pass's
+/// own flush is done, and need no flush of anyone.
+///
+/// Replay applies records in log order, and only the order of records of
+/// one block matters (a slot is reused only after the record freeing it is
+/// durable). So a record about to be appended or held back that touches a
+/// block with records held back by another pass pushes those first, in
+/// their order: they then need the data flush as before (the rare case of
+/// a block changed again within a pass's few milliseconds). Records whose
+/// block is not known here (snapshots, page copies, destroys) push every
+/// record held back.
+/// A record held back: (pass, record, the slot it frees once durable).
+type HeldRecord = (u64, Record, Option<(u8, u64)>);
+
+#[derive(Default)]
+struct Deferred {
+    /// In the order held back.
+    records: Vec<HeldRecord>,
+    /// The pass holding records of each (volume, block).
+    blocks: std::collections::HashMap<(u32, u64), u64>,
+    /// Sectors per block of the volumes with `Written` records held back
+    /// (a `Data` record names a sector).
+    per_block: std::collections::HashMap<u32, u32>,
+}
+
+/// What a record touches, for the order of held-back records.
+enum Touches {
+    Nothing,
+    Blocks(Vec<(u32, u64)>),
+    Everything,
+}
+
+impl Deferred {
+    fn touches(&self, record: &Record) -> Touches {
+        match record {
+            Record::Dirty { .. } | Record::Namespace { .. } => Touches::Nothing,
+            Record::Map { volume, block, .. } => Touches::Blocks(vec![(*volume, *block)]),
+            Record::Written {
+                volume,
+                first_sector,
+                count,
+            } => Touches::Blocks(vec![(*volume, first_sector / (*count).max(1) as u64)]),
+            Record::Data { volume, sector, .. } => match self.per_block.get(volume) {
+                Some(per_block) => Touches::Blocks(vec![(*volume, sector / *per_block as u64)]),
+                None => Touches::Nothing,
+            },
+            Record::Relocate { block, owners, .. } => {
+                Touches::Blocks(owners.iter().map(|owner| (*owner, *block)).collect())
+            }
+            _ => Touches::Everything,
+        }
+    }
+
+    /// Takes out, in order, the records held back by passes other than
+    /// `keep` that `record` must follow.
+    fn conflicting(&mut self, record: &Record, keep: Option<u64>) -> Vec<HeldRecord> {
+        if self.records.is_empty() {
+            return Vec::new();
+        }
+        match self.touches(record) {
+            Touches::Nothing => Vec::new(),
+            Touches::Everything => self.take_where(|_, _| true),
+            Touches::Blocks(blocks) => {
+                let owners: Vec<u64> = blocks
+                    .iter()
+                    .filter_map(|block| self.blocks.get(block).copied())
+                    .filter(|pass| Some(*pass) != keep)
+                    .collect();
+                if owners.is_empty() {
+                    return Vec::new();
+                }
+                self.take_where(|pass, key| owners.contains(&pass) && blocks.contains(&key))
+            }
+        }
+    }
+
+    /// Takes out the records `pick(pass, (volume, block))` selects, in order.
+    fn take_where(&mut self, pick: impl Fn(u64, (u32, u64)) -> bool) -> Vec<HeldRecord> {
+        let mut taken = Vec::new();
+        let mut kept = Vec::with_capacity(self.records.len());
+        for (pass, record, free) in std::mem::take(&mut self.records) {
+            let key = match self.touches(&record) {
+                Touches::Blocks(blocks) => blocks[0],
+                _ => (u32::MAX, u64::MAX),
+            };
+            if pick(pass, key) {
+                if self.blocks.get(&key) == Some(&pass) {
+                    self.blocks.remove(&key);
+                }
+                taken.push((pass, record, free));
+            } else {
+                kept.push((pass, record, free));
+            }
+        }
+        self.records = kept;
+        if self.records.is_empty() {
+            self.blocks.clear();
+            self.per_block.clear();
+        }
+        taken
+    }
 }
 
 impl Pending {
@@ -553,11 +664,22 @@ impl Pending {
             last_block_used: HEADER_BYTES,
             need_data: 0,
             allocations: std::collections::HashSet::new(),
+            deferred: Deferred::default(),
         }
     }
 
-    /// Appends `record`, counting `extra` more bytes for it in `bytes`.
+    /// Appends `record` after the held-back records it must follow.
     fn push(&mut self, record: Record, extra: usize) {
+        for (_, earlier, free) in self.deferred.conflicting(&record, None) {
+            self.push_now(earlier, 0, true);
+            self.frees.extend(free);
+        }
+        self.push_now(record, extra, true);
+    }
+
+    /// Appends `record`, counting `extra` more bytes for it in `bytes`;
+    /// `data_pending`: false for a record whose data is durable already.
+    fn push_now(&mut self, record: Record, extra: usize, data_pending: bool) {
         match &record {
             Record::Map { volume, block, new, .. } if *new != 0 => {
                 self.allocations.insert((*volume, *block));
@@ -576,18 +698,48 @@ impl Pending {
         if record.payload().is_some() {
             self.units += 1;
         }
-        if record.needs_durable_data() {
+        if data_pending && record.needs_durable_data() {
             self.need_data += 1;
         }
         self.bytes += length + extra;
         self.records.push(record);
     }
 
-    /// Takes every record, leaving nothing pending.
+    /// Takes every record, leaving nothing pending (held-back records stay
+    /// held back).
     fn take(&mut self) -> (Vec<Record>, Vec<(u8, u64)>) {
         let taken = (std::mem::take(&mut self.records), std::mem::take(&mut self.frees));
+        let deferred = std::mem::take(&mut self.deferred);
         *self = Pending::new();
+        self.deferred = deferred;
         taken
+    }
+
+    /// Appends the records `pass` held back (their data durable already
+    /// if `flushed`).
+    fn release(&mut self, pass: u64, flushed: bool) -> usize {
+        let released = self.deferred.take_where(|owner, _| owner == pass);
+        let count = released.len();
+        for (_, record, free) in released {
+            self.push_now(record, 0, !flushed);
+            self.frees.extend(free);
+        }
+        count
+    }
+
+    /// Appends every held-back record of `volume`'s blocks `first..=last`
+    /// (all of them with `None`), to be committed with their data flush.
+    fn settle(&mut self, blocks: Option<(u32, u64, u64)>) -> usize {
+        let released = self.deferred.take_where(|_, (volume, block)| match blocks {
+            Some((v, first, last)) => v == volume && (first..=last).contains(&block),
+            None => true,
+        });
+        let count = released.len();
+        for (_, record, free) in released {
+            self.push_now(record, 0, true);
+            self.frees.extend(free);
+        }
+        count
     }
 }
 
@@ -613,6 +765,8 @@ pub struct Log {
     /// data those records need, but not necessarily other writes).
     records_served: AtomicU64,
     commit_lock: tokio::sync::Mutex<()>,
+    /// Destage passes numbered so far ([`Log::new_pass`]).
+    passes: AtomicU64,
     /// Bytes written to the log device (for the metadata-cost benchmark).
     pub bytes_written: AtomicU64,
     /// Records appended since start (lets writers tell whether they added any).
@@ -648,6 +802,7 @@ impl Log {
             tickets_served: AtomicU64::new(0),
             records_served: AtomicU64::new(0),
             commit_lock: tokio::sync::Mutex::new(()),
+            passes: AtomicU64::new(0),
             bytes_written: AtomicU64::new(0),
             appended: AtomicU64::new(0),
             staged_bytes: AtomicU64::new(0),
@@ -670,14 +825,88 @@ impl Log {
     /// if the data it maps matches its checksums, so the block goes to a
     /// new slot instead (see `EngineVolume::write_locked`). No lookups
     /// while no allocation is pending (the usual case for a mapped block).
+    ///
+    /// Blocks with records held back by a destage pass count too: their
+    /// new slot is not even staged.
     pub fn pending_allocations(&self, volume: u32, first: u64, last: u64) -> Vec<u64> {
         let pending = self.pending.lock_or_abort();
-        if pending.allocations.is_empty() {
+        if pending.allocations.is_empty() && pending.deferred.blocks.is_empty() {
             return Vec::new();
         }
         (first..=last)
-            .filter(|block| pending.allocations.contains(&(volume, *block)))
+            .filter(|block| {
+                pending.allocations.contains(&(volume, *block))
+                    || pending.deferred.blocks.contains_key(&(volume, *block))
+            })
             .collect()
+    }
+
+    /// A new destage pass's number, for [`Log::defer`].
+    pub fn new_pass(&self) -> u64 {
+        self.passes.fetch_add(1, Ordering::Relaxed) + 1
+    }
+
+    /// Holds `record` back for `pass` (freeing `free` once durable) until
+    /// [`Log::release`]: see [`Deferred`]. Records of its block that other
+    /// passes hold back are appended first.
+    pub fn defer(&self, pass: u64, record: Record, free: Option<(u8, u64)>) {
+        let mut pending = self.pending.lock_or_abort();
+        let earlier = pending.deferred.conflicting(&record, Some(pass));
+        let pushed = earlier.len();
+        for (_, earlier, free) in earlier {
+            pending.push_now(earlier, 0, true);
+            pending.frees.extend(free);
+        }
+        // (Only Map and Written records are held back: one block each.)
+        let Touches::Blocks(blocks) = pending.deferred.touches(&record) else {
+            pending.push(record, 0);
+            pending.frees.extend(free);
+            self.pending_bytes.store(pending.bytes, Ordering::Relaxed);
+            self.appended.fetch_add(pushed as u64 + 1, Ordering::Relaxed);
+            return;
+        };
+        let key = blocks[0];
+        if let Record::Written { volume, count, .. } = &record {
+            pending.deferred.per_block.insert(*volume, *count);
+        }
+        pending.deferred.blocks.insert(key, pass);
+        pending.deferred.records.push((pass, record, free));
+        self.pending_bytes.store(pending.bytes, Ordering::Relaxed);
+        self.appended.fetch_add(pushed as u64, Ordering::Relaxed);
+    }
+
+    /// Appends what `pass` held back: with `flushed`, the data devices were
+    /// flushed after every data write those records need, so they need no
+    /// flush before their commit. Returns how many.
+    pub fn release(&self, pass: u64, flushed: bool) -> usize {
+        let mut pending = self.pending.lock_or_abort();
+        if pending.deferred.records.is_empty() {
+            return 0;
+        }
+        let count = pending.release(pass, flushed);
+        self.pending_bytes.store(pending.bytes, Ordering::Relaxed);
+        self.appended.fetch_add(count as u64, Ordering::Relaxed);
+        count
+    }
+
+    /// Appends every held-back record (of `volume`'s blocks `first..=last`,
+    /// or all with `None`), to be committed after a data flush like any
+    /// other: before a commit that must cover every change made so far (a
+    /// checkpoint), or that must give slots back.
+    pub fn settle(&self, blocks: Option<(u32, u64, u64)>) {
+        let mut pending = self.pending.lock_or_abort();
+        if pending.deferred.records.is_empty() {
+            return;
+        }
+        let count = pending.settle(blocks);
+        self.pending_bytes.store(pending.bytes, Ordering::Relaxed);
+        self.appended.fetch_add(count as u64, Ordering::Relaxed);
+    }
+
+    /// Whether `pass` holds records back.
+    pub fn holds(&self, pass: u64) -> bool {
+        let pending = self.pending.lock_or_abort();
+        pending.deferred.records.iter().any(|(owner, _, _)| *owner == pass)
     }
 
     /// Queues a record that releases a slot; `commit` hands the slot back
@@ -730,7 +959,8 @@ impl Log {
     /// Bytes of records waiting for a commit.
     /// Whether slots wait for a commit to become free again.
     pub fn has_pending_frees(&self) -> bool {
-        !self.pending.lock_or_abort().frees.is_empty()
+        let pending = self.pending.lock_or_abort();
+        !pending.frees.is_empty() || pending.deferred.records.iter().any(|(_, _, free)| free.is_some())
     }
 
     pub fn pending_bytes(&self) -> usize {
@@ -773,12 +1003,14 @@ impl Log {
     /// written before it durable. A commit that took only such records
     /// (Data records, marks, namespace rows) is one log write and one flush
     /// of the log, whatever the destager wrote meanwhile.
-    pub async fn commit_records<F, Fut>(&self, before_write: F) -> Result<Vec<(u8, u64)>, LogError>
+    ///
+    /// `reserve` as for [`Log::commit`].
+    pub async fn commit_records<F, Fut>(&self, before_write: F, reserve: bool) -> Result<Vec<(u8, u64)>, LogError>
     where
         F: FnOnce() -> Fut,
         Fut: std::future::Future<Output = Result<(), DeviceError>>,
     {
-        self.commit_served(before_write, false, false).await
+        self.commit_served(before_write, reserve, false).await
     }
 
     /// A commit serving tickets: with `data`, the caller's ticket counts as
@@ -891,8 +1123,9 @@ impl Log {
     fn restore_pending(&self, records: Vec<Record>, frees: Vec<(u8, u64)>) {
         let mut pending = self.pending.lock_or_abort();
         let (later, later_frees) = pending.take();
+        // Held-back records stay after them: they came later.
         for record in records.into_iter().chain(later) {
-            pending.push(record, 0);
+            pending.push_now(record, 0, true);
         }
         self.pending_bytes.store(pending.bytes, Ordering::Relaxed);
         pending.frees = frees;
@@ -1445,20 +1678,20 @@ mod tests {
         crate::meta::store::block_on(async {
             // A synchronous write's Data records: one log write, no data flush.
             log.append(data(8));
-            log.commit_records(flush_data).await.unwrap();
+            log.commit_records(flush_data, false).await.unwrap();
             assert_eq!(data_flushes.load(Ordering::SeqCst), 0);
             let after_data = log.next_lsn();
             assert!(after_data > 0, "the Data record was written");
             // A records commit that takes a new mapping flushes data first.
             log.append(data(9));
             log.append(new_mapping());
-            log.commit_records(flush_data).await.unwrap();
+            log.commit_records(flush_data, false).await.unwrap();
             assert_eq!(data_flushes.load(Ordering::SeqCst), 1);
             // A caller that needs its in-place writes durable (a FLUSH) gets
             // a data flush even with nothing pending: a records commit
             // served nobody's data ticket.
             log.append(data(10));
-            log.commit_records(flush_data).await.unwrap();
+            log.commit_records(flush_data, false).await.unwrap();
             assert_eq!(data_flushes.load(Ordering::SeqCst), 1);
             log.commit(flush_data, false).await.unwrap();
             assert_eq!(data_flushes.load(Ordering::SeqCst), 2);
@@ -1519,6 +1752,151 @@ mod tests {
                 count: 4,
             });
             assert!(log.commit_marks().await.unwrap().is_none());
+        });
+    }
+
+    fn map_of(volume: u32, block: u64, slot: u64) -> Record {
+        Record::Map {
+            volume,
+            block,
+            new: 1 << 63 | slot,
+            old: 0,
+            crcs: vec![7; 8],
+        }
+    }
+
+    fn pending_records(log: &Log) -> Vec<Record> {
+        log.pending.lock_or_abort().records.clone()
+    }
+
+    #[test]
+    fn held_back_records_wait_for_their_pass_and_then_need_no_data_flush() {
+        let (_device, log) = small_log();
+        let pass = log.new_pass();
+        log.defer(pass, map_of(1, 5, 40), Some((0, 4096)));
+        log.defer(
+            pass,
+            Record::Written {
+                volume: 1,
+                first_sector: 40,
+                count: 8,
+            },
+            None,
+        );
+        assert!(log.holds(pass));
+        // Nothing pending: a writer's commit meanwhile needs no data flush.
+        let data = Record::Data {
+            volume: 2,
+            sector: 41,
+            crc: 1,
+            seq: 9,
+            data: Arc::from(vec![0u8; 4096]),
+        };
+        log.append(data.clone());
+        assert_eq!(pending_records(&log), vec![data.clone()]);
+        assert_eq!(log.pending.lock_or_abort().need_data, 0);
+        // A held-back allocation is one a write must not overwrite in place.
+        assert_eq!(log.pending_allocations(1, 0, 9), vec![5]);
+        assert!(log.has_pending_frees(), "the old slot comes back with the commit");
+        // Released after the pass's own data flush: appended in order, with
+        // the slot they free, and no data flush needed for them.
+        assert_eq!(log.release(pass, true), 2);
+        assert!(!log.holds(pass));
+        let records = pending_records(&log);
+        assert_eq!(records.len(), 3);
+        assert_eq!(records[1], map_of(1, 5, 40));
+        assert!(matches!(records[2], Record::Written { first_sector: 40, .. }));
+        let pending = log.pending.lock_or_abort();
+        assert_eq!(pending.need_data, 0);
+        assert_eq!(pending.frees, vec![(0, 4096)]);
+        assert!(pending.allocations.contains(&(1, 5)), "pending until committed");
+    }
+
+    #[test]
+    fn a_change_of_a_held_back_block_appends_its_records_first() {
+        let (_device, log) = small_log();
+        let first = log.new_pass();
+        log.defer(first, map_of(1, 5, 40), None);
+        log.defer(
+            first,
+            Record::Written {
+                volume: 1,
+                first_sector: 40,
+                count: 8,
+            },
+            None,
+        );
+        log.defer(first, map_of(1, 6, 41), None);
+        // The same pass's records of one block stay held back, in order.
+        assert!(pending_records(&log).is_empty());
+        // A newer synchronous write of a sector of block 5 logs its Data:
+        // block 5's records go first (the Written record must not land
+        // after it, or replay would retire it), block 6's stay held back.
+        let data = Record::Data {
+            volume: 1,
+            sector: 43,
+            crc: 1,
+            seq: 9,
+            data: Arc::from(vec![0u8; 4096]),
+        };
+        log.append(data.clone());
+        let records = pending_records(&log);
+        assert_eq!(records.len(), 3);
+        assert_eq!(records[0], map_of(1, 5, 40));
+        assert!(matches!(records[1], Record::Written { first_sector: 40, .. }));
+        assert_eq!(records[2], data);
+        assert_eq!(log.pending.lock_or_abort().need_data, 2, "pushed out before the flush");
+        // Another pass placing block 6 again: the first pass's record goes
+        // first, the second's is held back.
+        let second = log.new_pass();
+        log.defer(second, map_of(1, 6, 42), None);
+        assert_eq!(pending_records(&log)[3], map_of(1, 6, 41));
+        assert!(!log.holds(first));
+        assert!(log.holds(second));
+        // A record whose blocks the log cannot tell (a snapshot's page
+        // copy) appends everything held back first.
+        log.append(Record::CopyPage {
+            volume: 1,
+            page: 0,
+            snapshot: 0x8000_0001,
+            generation: 2,
+        });
+        let records = pending_records(&log);
+        assert_eq!(records[4], map_of(1, 6, 42));
+        assert!(matches!(records[5], Record::CopyPage { .. }));
+        assert!(!log.holds(second));
+        // A pass that ends without its flush (an error) appends what it
+        // holds as records that still need it.
+        let third = log.new_pass();
+        log.defer(third, map_of(2, 1, 50), None);
+        let before = log.pending.lock_or_abort().need_data;
+        assert_eq!(log.release(third, false), 1);
+        assert_eq!(log.pending.lock_or_abort().need_data, before + 1);
+        // `settle` appends them all, for a checkpoint or a write short of space.
+        let fourth = log.new_pass();
+        log.defer(fourth, map_of(2, 2, 51), None);
+        log.defer(fourth, map_of(3, 2, 52), None);
+        log.settle(Some((3, 0, 9)));
+        assert_eq!(pending_records(&log).last(), Some(&map_of(3, 2, 52)));
+        assert!(log.holds(fourth));
+        log.settle(None);
+        assert!(!log.holds(fourth));
+    }
+
+    #[test]
+    fn held_back_records_stay_out_of_other_commits_until_released() {
+        let (_device, log) = small_log();
+        crate::meta::store::block_on(async {
+            let pass = log.new_pass();
+            log.defer(pass, map_of(1, 5, 40), None);
+            log.append(Record::Dirty { device: 0, chunk: 3 });
+            // A commit meanwhile takes the pending records only.
+            assert!(log.commit_marks().await.unwrap().is_some());
+            assert!(log.holds(pass));
+            log.release(pass, true);
+            // Released after the flush: the marks-only commit takes them.
+            assert!(log.commit_marks().await.unwrap().is_some());
+            assert!(pending_records(&log).is_empty());
         });
     }
 

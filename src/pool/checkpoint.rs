@@ -93,7 +93,10 @@ impl Pool {
         // past those records), and none starts until the state is taken.
         let releasing = self.releasing.write().await;
         // Everything logged so far becomes durable first, so the checkpoint
-        // LSN is a position every earlier record precedes.
+        // LSN is a position every earlier record precedes (records destage
+        // passes hold back included: the state taken below has their
+        // changes).
+        self.log.settle(None);
         let frees = match self.log.commit(|| self.flush_data_devices(), true).await {
             Ok(frees) => frees,
             Err(e) => {

@@ -49,14 +49,33 @@ impl Pool {
     }
 
     pub(crate) fn log_mapping(&self, record: Record) {
-        match &record {
-            // A slot a snapshot shares is not freed by the volume's change.
+        self.log_mapping_in(record, None);
+    }
+
+    /// [`Pool::log_mapping`]; with a destage `pass`, held back until the
+    /// pass has flushed the data devices ([`Log::defer`]).
+    pub(crate) fn log_mapping_in(&self, record: Record, pass: Option<u64>) {
+        // A slot a snapshot shares is not freed by the volume's change.
+        let free = match &record {
             Record::Map { old, .. } if *old & map_entry::VALID != 0 && *old & map_entry::SHARED == 0 => {
-                let slot = map_entry::decode(*old).unwrap_or((0, 0));
-                self.log.append_free(record, slot);
+                Some(map_entry::decode(*old).unwrap_or((0, 0)))
             }
-            _ => self.log.append(record),
+            _ => None,
+        };
+        match (pass, free) {
+            (Some(pass), free) => self.log.defer(pass, record, free),
+            (None, Some(slot)) => self.log.append_free(record, slot),
+            (None, None) => self.log.append(record),
         }
+    }
+
+    /// Commits so that slots freed by records not durable yet become
+    /// reusable, the records destage passes hold back included (they are
+    /// committed after a data flush, as any other): for a write short of
+    /// space.
+    pub(crate) async fn commit_for_space(&self) -> Result<(), PoolError> {
+        self.log.settle(None);
+        self.commit_quiet().await
     }
 
     pub(crate) fn epoch(&self) -> u32 {
@@ -178,6 +197,12 @@ impl Pool {
     /// the log's commit lock and writers' commits flush under it; each used
     /// to issue its own `fdatasync` of the same files at the same time.)
     pub(crate) async fn flush_data_devices(&self) -> Result<(), DeviceError> {
+        self.flush_data_devices_counted().await.map(|_| ())
+    }
+
+    /// [`Pool::flush_data_devices`]; true if it flushed any device (not
+    /// when every write was flushed already, by it or another caller).
+    async fn flush_data_devices_counted(&self) -> Result<bool, DeviceError> {
         // The writes each device must have flushed (those completed by now).
         let needed: Vec<u64> = self
             .devices
@@ -188,7 +213,7 @@ impl Pool {
             device.member.role.holds_data() && device.written.flushed.load(Ordering::Acquire) < *needed
         };
         if !self.devices.into_iter().zip(&needed).any(unflushed) {
-            return Ok(());
+            return Ok(false);
         }
         let _one = self.data_flush.lock().await;
         let mut counted = false;
@@ -208,7 +233,7 @@ impl Pool {
             }
             device.written.flushed.fetch_max(written, Ordering::AcqRel);
         }
-        Ok(())
+        Ok(counted)
     }
 
     /// One log commit (data devices flushed first unless `data` is false
@@ -218,11 +243,17 @@ impl Pool {
     async fn commit_and_release(&self, reserve: bool, data: bool) -> Result<(), LogError> {
         let _releasing = self.releasing.read().await;
         let waited = std::time::Instant::now();
-        let flush = || self.flush_data_devices();
+        let flush = || async {
+            let flushed = self.flush_data_devices_counted().await?;
+            if flushed {
+                self.commit_data_flushes.fetch_add(1, Ordering::Relaxed);
+            }
+            Ok(())
+        };
         let committed = if data {
             self.log.commit(flush, reserve).await
         } else {
-            self.log.commit_records(flush).await
+            self.log.commit_records(flush, reserve).await
         };
         crate::analytics::phase::add_commit_wait(waited);
         let frees = committed?;
@@ -316,10 +347,21 @@ impl Pool {
     /// A commit for the engine's own work (dirty marks, destaging): never
     /// destages, so it can run inside a destage; may use the log's reserve.
     pub(crate) async fn commit_quiet(&self) -> Result<(), PoolError> {
+        self.commit_quiet_with(true).await
+    }
+
+    /// [`Pool::commit_quiet`] for records only: the data devices are
+    /// flushed first only if a record taken needs it (the destager's, once
+    /// it has flushed them itself: [`crate::meta::log::Log::release`]).
+    pub(crate) async fn commit_quiet_records(&self) -> Result<(), PoolError> {
+        self.commit_quiet_with(false).await
+    }
+
+    async fn commit_quiet_with(&self, data: bool) -> Result<(), PoolError> {
         // Into the reserve before a metadata checkpoint: while logged data
         // pins the tail, a checkpoint frees nothing and only uses log space.
         for attempt in 0..3 {
-            match self.commit_and_release(attempt > 0, true).await {
+            match self.commit_and_release(attempt > 0, data).await {
                 Ok(()) => return Ok(()),
                 Err(LogError::Full) if attempt == 1 => self.checkpoint_metadata().await?,
                 Err(LogError::Full) if attempt == 0 => {}
@@ -330,7 +372,12 @@ impl Pool {
     }
 
     /// Makes the pending `Dirty` marks durable: one log write when nothing
-    /// pending needs the data devices flushed first, else a full commit.
+    /// pending needs the data devices flushed first, else a commit of the
+    /// records with that flush. (Not a commit of every completed write: a
+    /// destage pass marks chunks before each write in place, and such a
+    /// commit flushed the data devices under the commit lock, with
+    /// synchronous writers queued behind it, for writes nobody asked to
+    /// be durable yet.)
     pub(crate) async fn commit_marks(&self) -> Result<(), PoolError> {
         let releasing = self.releasing.read().await;
         let waited = std::time::Instant::now();
@@ -343,7 +390,7 @@ impl Pool {
             }
             Ok(None) | Err(LogError::Full) => {
                 drop(releasing);
-                self.commit_quiet().await
+                self.commit_quiet_records().await
             }
             Err(e) => Err(e.into()),
         }

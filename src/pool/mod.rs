@@ -291,6 +291,9 @@ pub struct MetaCounters {
     /// Flushes of the data devices (each an `fdatasync` of every data
     /// device file): what a commit pays beyond its log write.
     pub data_flushes: u64,
+    /// Those made by a log commit, under its lock (the others: the
+    /// destager's, before it appends its records).
+    pub commit_data_flushes: u64,
 }
 
 /// The runtime the pool's background tasks (destager, freer, migrator)
@@ -378,6 +381,8 @@ pub struct Pool {
     open_engines: Mutex<Vec<(u32, std::sync::Weak<volume::EngineVolume>)>>,
     /// Flushes of the data devices done (see `MetaCounters::data_flushes`).
     data_flushes: AtomicU64,
+    /// Of those, the ones a log commit made (`MetaCounters::commit_data_flushes`).
+    commit_data_flushes: AtomicU64,
     /// Held by the one flush of the data devices under way.
     data_flush: tokio::sync::Mutex<()>,
     /// Where replay of Data records starts (at or before the checkpoint LSN).
@@ -494,6 +499,7 @@ impl Pool {
             log_commits: self.log.commits.load(Ordering::Relaxed),
             log_records: self.log.committed_records.load(Ordering::Relaxed),
             data_flushes: self.data_flushes.load(Ordering::Relaxed),
+            commit_data_flushes: self.commit_data_flushes.load(Ordering::Relaxed),
         }
     }
 

@@ -444,6 +444,7 @@ impl Pool {
             relocations: AtomicU64::new(0),
             open_engines: Mutex::new(Vec::new()),
             data_flushes: AtomicU64::new(0),
+            commit_data_flushes: AtomicU64::new(0),
             data_flush: tokio::sync::Mutex::new(()),
             migrator: Default::default(),
             data_tail: AtomicU64::new(data_tail),

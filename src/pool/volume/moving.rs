@@ -136,7 +136,7 @@ impl EngineVolume {
                 data.payload_mut()[from..from + block_bytes as usize].copy_from_slice(copy.payload());
             }
             let offset = blocks[run[0].0].0 << self.block_shift;
-            let result = self.write_locked_in(offset, data, None, Some(to)).await;
+            let result = self.write_locked_in(offset, data, None, Some(to), None).await;
             if matches!(result, Err(BlockError::NoSpace)) {
                 return Err(BlockError::NoSpace);
             }

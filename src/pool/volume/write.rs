@@ -368,18 +368,21 @@ impl EngineVolume {
     /// number (which snapshot the change comes after: `Pool::ensure_private`);
     /// `None` for a change made now.
     pub(super) async fn write_locked(&self, offset: u64, data: IoBuf, written_at: Option<u64>) -> BlockResult<()> {
-        self.write_locked_in(offset, data, written_at, None).await
+        self.write_locked_in(offset, data, written_at, None, None).await
     }
 
     /// [`Self::write_locked`]; with a `tier`, every block of the range goes
     /// to a new slot on that tier (the migrator moving blocks: whole
-    /// blocks of their own data), and the write adds no heat.
+    /// blocks of their own data), and the write adds no heat. With a
+    /// destage `pass`, the `Map` records are held back for it
+    /// ([`crate::meta::log::Log::defer`]).
     pub(super) async fn write_locked_in(
         &self,
         offset: u64,
         data: IoBuf,
         written_at: Option<u64>,
         tier: Option<Role>,
+        pass: Option<u64>,
     ) -> BlockResult<()> {
         self.invalidate_read_cache(offset, data.len() as u64);
         let first = offset >> self.block_shift;
@@ -409,7 +412,7 @@ impl EngineVolume {
                 Vec::new()
             };
             if !relocate.is_empty() && (retried || self.pool.space_short()) && tier.is_none() {
-                self.pool.commit_quiet().await.map_err(pool_error)?;
+                self.pool.commit_for_space().await.map_err(pool_error)?;
                 relocate.clear();
             }
             if tier.is_some() {
@@ -453,7 +456,7 @@ impl EngineVolume {
                     if tier.is_none() && !retried && (!relocate.is_empty() || self.pool.log.has_pending_frees()) =>
                 {
                     drop(gate);
-                    self.pool.commit_quiet().await.map_err(pool_error)?;
+                    self.pool.commit_for_space().await.map_err(pool_error)?;
                     retried = true;
                 }
                 Err(e) => return Err(e),
@@ -536,7 +539,7 @@ impl EngineVolume {
         // back: written, but referenced by nothing.
         let mut done = done.into_iter();
         for write in done.by_ref() {
-            if let Err(e) = self.account_write(&write) {
+            if let Err(e) = self.account_write(&write, pass) {
                 failure = Some(meta_error(e));
                 break;
             }
@@ -555,7 +558,7 @@ impl EngineVolume {
     /// Records one completed device write: its sectors' checksums, then a
     /// map entry and log record for each block it newly placed. On an error
     /// the new blocks not mapped yet are given back to the allocator.
-    fn account_write(&self, write: &PlannedWrite) -> Result<(), MetaError> {
+    fn account_write(&self, write: &PlannedWrite, pass: Option<u64>) -> Result<(), MetaError> {
         if let Err(e) = self.pool.set_crcs(write.device, write.offset, &write.crcs) {
             write.release_new_slots(&self.pool);
             return Err(e);
@@ -575,13 +578,16 @@ impl EngineVolume {
             if part.replaces == 0 {
                 self.mapped_blocks.fetch_add(1, Ordering::Relaxed);
             }
-            self.pool.log_mapping(Record::Map {
-                volume: self.id,
-                block,
-                new: entry,
-                old: part.replaces,
-                crcs: write.crcs[part.sectors.clone()].to_vec(),
-            });
+            self.pool.log_mapping_in(
+                Record::Map {
+                    volume: self.id,
+                    block,
+                    new: entry,
+                    old: part.replaces,
+                    crcs: write.crcs[part.sectors.clone()].to_vec(),
+                },
+                pass,
+            );
         }
         Ok(())
     }

@@ -173,12 +173,19 @@ impl EngineVolume {
         // the writes below supersede.
         let snap_lsn = self.pool.log.next_lsn();
         let appends = self.pool.log_appends();
+        // The pass's Map and Written records are held back until its own
+        // data flush below (`Log::defer`): appended with the rest, every
+        // synchronous writer's commit meanwhile would flush the data
+        // devices first, under the commit lock. On any way out before that
+        // (an error, the task dropped), the guard appends them as records
+        // that still need the flush.
+        let pass = HeldBack::new(&self.pool.log);
         let units: Vec<&[u64]> = blocks
             .chunk_by(|a, b| a / MAP_ENTRIES_PER_PAGE == b / MAP_ENTRIES_PER_PAGE)
             .collect();
         let mut placed = Vec::with_capacity(units.len());
         for unit in units {
-            if let Some(done) = self.place_unit(unit).await? {
+            if let Some(done) = self.place_unit(unit, pass.id).await? {
                 placed.push(done);
             }
         }
@@ -187,17 +194,20 @@ impl EngineVolume {
         }
         let written_records = placed.iter().any(|done| done.superseding);
         drop(_placement);
-        if written_records || self.pool.log_appends() != appends {
+        if written_records || self.pool.log.holds(pass.id) || self.pool.log_appends() != appends {
             // Written records supersede Data records only once the data is
             // durable in place, and new mappings (Map records) are
             // committed so that later writes can overwrite their blocks in
             // place (a block whose mapping is pending goes to a new slot:
-            // see `write_locked`). Commit (data devices flushed first). The destager flushes
-            // them itself, before the commit: the commit does it under the
-            // log's commit lock, where synchronous writers would queue behind
-            // a flush of everything this pass wrote.
+            // see `write_locked`). The destager flushes the data devices
+            // itself, then appends its records, which need no flush of
+            // anyone after that, and commits them: a commit of records
+            // only, which flushes the data devices under the commit lock
+            // only if some record taken still needs it (one a change of
+            // its block pushed out before the flush).
             self.pool.flush_data_devices().await.map_err(io_error)?;
-            self.pool.commit_quiet().await.map_err(pool_error)?;
+            pass.release_flushed();
+            self.pool.commit_quiet_records().await.map_err(pool_error)?;
         }
         // Otherwise only never-logged sectors of mapped blocks were written
         // in place: no record, no durability promised yet, nothing to
@@ -217,7 +227,7 @@ impl EngineVolume {
     /// writes cached, all in one map page) and of the older versions of
     /// their pages, holding their stripes only meanwhile. `None` when
     /// nothing was cached there any more.
-    async fn place_unit(&self, blocks: &[u64]) -> BlockResult<Option<Placed>> {
+    async fn place_unit(&self, blocks: &[u64], pass: u64) -> BlockResult<Option<Placed>> {
         let per_block = self.sectors_per_block();
         // The blocks, and the older pending entries of their pages (found
         // with the blocks locked, so what they hold cannot change; others
@@ -292,7 +302,7 @@ impl EngineVolume {
                 unsafe { self.pool.cache.ram.read(entry.slot, 0, dst) };
             }
             let written_at = order[start].2.seq;
-            self.write_locked(order[start].1 * SECTOR_BYTES, buf, Some(written_at))
+            self.write_locked_in(order[start].1 * SECTOR_BYTES, buf, Some(written_at), None, Some(pass))
                 .await?;
             // Placed: no longer holding a snapshot's page back. (Only
             // where snapshots exist: an entry of a volume without any that
@@ -319,9 +329,11 @@ impl EngineVolume {
             start = stop;
         }
         // Older Data records of these blocks are superseded once this is
-        // committed (after the data devices are flushed). Appended with
-        // the stripes still held: a record appended after a newer write of
-        // one of these blocks logged its Data would supersede that too.
+        // committed (after the data devices are flushed). Held back with
+        // the stripes still held: a newer write of one of these blocks
+        // that logs its Data then appends this record first (`Log::defer`),
+        // and a record appended after such a Data record would supersede
+        // it too.
         let mut written = Vec::new();
         let mut last_block = None;
         for (sector, entry) in &versions {
@@ -336,8 +348,8 @@ impl EngineVolume {
             }
         }
         let superseding = !written.is_empty();
-        if superseding {
-            self.pool.log.append_all(written);
+        for record in written {
+            self.pool.log.defer(pass, record, None);
         }
         let released = {
             let mut state = self.cache.lock();
@@ -582,7 +594,7 @@ impl EngineVolume {
                     drop(barrier);
                     if matches!(e, BlockError::NoSpace) && !committed_for_space && self.pool.log.has_pending_frees() {
                         committed_for_space = true;
-                        self.pool.commit_quiet().await.map_err(pool_error)?;
+                        self.pool.commit_for_space().await.map_err(pool_error)?;
                         continue;
                     }
                     return Err(e);
@@ -738,7 +750,7 @@ impl EngineVolume {
                     drop(guards);
                     drop(barrier);
                     committed_for_space = true;
-                    self.pool.commit_quiet().await.map_err(pool_error)?;
+                    self.pool.commit_for_space().await.map_err(pool_error)?;
                 }
                 Err(e) => return Err(e),
             }
@@ -838,5 +850,38 @@ impl EngineVolume {
         drop(gate);
         drop(guards);
         self.pool.commit().await.map_err(pool_error)
+    }
+}
+
+/// A destage pass's number for the records it holds back; appends them on
+/// drop (needing the data flush still) unless released after the flush.
+struct HeldBack<'a> {
+    log: &'a crate::meta::log::Log,
+    id: u64,
+    released: bool,
+}
+
+impl<'a> HeldBack<'a> {
+    fn new(log: &'a crate::meta::log::Log) -> Self {
+        HeldBack {
+            log,
+            id: log.new_pass(),
+            released: false,
+        }
+    }
+
+    /// After a flush of the data devices that began once every write of
+    /// the pass was done.
+    fn release_flushed(mut self) {
+        self.log.release(self.id, true);
+        self.released = true;
+    }
+}
+
+impl Drop for HeldBack<'_> {
+    fn drop(&mut self) {
+        if !self.released {
+            self.log.release(self.id, false);
+        }
     }
 }
