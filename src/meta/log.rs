@@ -1765,6 +1765,16 @@ mod tests {
         }
     }
 
+    fn data_of(volume: u32, sector: u64) -> Record {
+        Record::Data {
+            volume,
+            sector,
+            crc: 1,
+            seq: 9,
+            data: Arc::from(vec![0u8; 4096]),
+        }
+    }
+
     fn pending_records(log: &Log) -> Vec<Record> {
         log.pending.lock_or_abort().records.clone()
     }
@@ -1785,13 +1795,7 @@ mod tests {
         );
         assert!(log.holds(pass));
         // Nothing pending: a writer's commit meanwhile needs no data flush.
-        let data = Record::Data {
-            volume: 2,
-            sector: 41,
-            crc: 1,
-            seq: 9,
-            data: Arc::from(vec![0u8; 4096]),
-        };
+        let data = data_of(2, 41);
         log.append(data.clone());
         assert_eq!(pending_records(&log), vec![data.clone()]);
         assert_eq!(log.pending.lock_or_abort().need_data, 0);
@@ -1832,13 +1836,7 @@ mod tests {
         // A newer synchronous write of a sector of block 5 logs its Data:
         // block 5's records go first (the Written record must not land
         // after it, or replay would retire it), block 6's stay held back.
-        let data = Record::Data {
-            volume: 1,
-            sector: 43,
-            crc: 1,
-            seq: 9,
-            data: Arc::from(vec![0u8; 4096]),
-        };
+        let data = data_of(1, 43);
         log.append(data.clone());
         let records = pending_records(&log);
         assert_eq!(records.len(), 3);
