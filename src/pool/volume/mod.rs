@@ -865,6 +865,60 @@ mod tests {
     }
 
     #[test]
+    fn a_destage_pass_marks_the_chunks_it_overwrites_in_one_commit() {
+        current_thread().block_on(async {
+            let (_sim, pool) = sim_pool(11).await;
+            let block = 16 * 1024u64;
+            let volume = pool.open_volume(1, 32 * MIB, block as u32).unwrap();
+            let blocks = 32 * MIB / block;
+            for index in 0..blocks {
+                volume
+                    .write(index * block, IoBuf::copy_from(&vec![1u8; block as usize]), false)
+                    .await
+                    .unwrap();
+            }
+            pool.destage_all().await.unwrap();
+            // A new epoch: every chunk needs its mark again.
+            pool.checkpoint().await.unwrap();
+            // The blocks in every other chunk, so that no mark is one of a
+            // stream's marked ahead (`Pool::mark_dirty`): one by one, each
+            // chunk would cost a commit of its own.
+            let chunk_of = |index: u64| {
+                let (_, offset) = crate::pool::map_entry::decode(pool.lookup(1, index).unwrap()).unwrap();
+                offset / MIB
+            };
+            let chosen: Vec<u64> = (0..blocks).filter(|&index| chunk_of(index) % 2 == 0).collect();
+            let mut chunks: Vec<u64> = chosen.iter().map(|&index| chunk_of(index)).collect();
+            chunks.dedup();
+            assert!(chunks.len() >= 8, "{} chunks", chunks.len());
+            for &index in &chosen {
+                volume
+                    .write(index * block, IoBuf::copy_from(&[2u8; 4096]), false)
+                    .await
+                    .unwrap();
+            }
+            let commits = pool.log.commits.load(Ordering::Relaxed);
+            pool.destage_all().await.unwrap();
+            let commits = pool.log.commits.load(Ordering::Relaxed) - commits;
+            // Per pass of up to 512 blocks: the marks, then the records.
+            let passes = chosen.len().div_ceil(512) as u64;
+            assert!(
+                commits <= 2 * passes,
+                "{commits} commits for {passes} passes over {} chunks",
+                chunks.len()
+            );
+            // Overwritten in place, and read back.
+            for &index in &chosen {
+                assert_eq!(chunk_of(index) % 2, 0);
+                let (buf, result) = volume.read(index * block, IoBuf::new(8192)).await;
+                result.unwrap();
+                assert!(buf.payload()[..4096].iter().all(|&b| b == 2));
+                assert!(buf.payload()[4096..].iter().all(|&b| b == 1));
+            }
+        });
+    }
+
+    #[test]
     fn a_sequential_stream_marks_the_chunks_ahead_in_one_log_write_and_random_writes_mark_only_their_own() {
         current_thread().block_on(async {
             let (_sim, pool) = sim_pool(7).await;
