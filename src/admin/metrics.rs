@@ -104,7 +104,7 @@ pub fn render_backing(pools: &[crate::control::manager::PoolStatus]) -> String {
         ),
     ];
     type PoolValue = fn(&crate::control::manager::PoolStatus) -> u64;
-    let pool_series: [(&str, &str, &str, PoolValue); 12] = [
+    let pool_series: [(&str, &str, &str, PoolValue); 14] = [
         (
             "strata_pool_size_bytes",
             "gauge",
@@ -176,6 +176,18 @@ pub fn render_backing(pools: &[crate::control::manager::PoolStatus]) -> String {
             "counter",
             "Flushes of the data devices made by a log commit, under its lock (synchronous writers wait for them).",
             |p| p.commit_data_flushes,
+        ),
+        (
+            "strata_pool_log_room_waits_total",
+            "counter",
+            "Synchronous writes that waited for room in the intent log (a checkpoint to free it): many mean the log is too small for the write rate.",
+            |p| p.log_room_waits,
+        ),
+        (
+            "strata_pool_log_room_wait_microseconds_total",
+            "counter",
+            "Time those writes waited, summed over the writers.",
+            |p| p.log_room_wait_micros,
         ),
     ];
     for (name, kind, help, value) in pool_series {

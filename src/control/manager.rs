@@ -124,6 +124,12 @@ pub struct PoolStatus {
     /// writers wait for them); the others are the destager's.
     #[serde(default)]
     pub commit_data_flushes: u64,
+    /// Synchronous writes that waited for room in the intent log, and how
+    /// long they waited in all (µs, summed over the writers).
+    #[serde(default)]
+    pub log_room_waits: u64,
+    #[serde(default)]
+    pub log_room_wait_micros: u64,
     pub cache: PoolCacheStatus,
     pub devices: Vec<DeviceStatus>,
     /// The fast and capacity tiers' totals (their devices' data space).
@@ -1110,6 +1116,8 @@ impl VolumeManager {
                     log_records: pool.meta_counters().log_records,
                     data_flushes: pool.meta_counters().data_flushes,
                     commit_data_flushes: pool.meta_counters().commit_data_flushes,
+                    log_room_waits: pool.meta_counters().log_room_waits,
+                    log_room_wait_micros: pool.meta_counters().log_room_wait_micros,
                     cache,
                     tiers: PoolTiers::of(&devices),
                     migration: pool.migration_status(),

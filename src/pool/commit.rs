@@ -304,11 +304,22 @@ impl Pool {
     /// and every write failed with "the log is full" (256 `sync=always`
     /// writers did it in seconds).
     pub(crate) async fn wait_for_log_room(&self, bytes: u64) -> Result<(), PoolError> {
-        let mut fruitless = 0;
-        while self.log.room() < bytes {
-            self.log_room_round(bytes, &mut fruitless).await?;
+        if self.log.room() >= bytes {
+            return Ok(());
         }
-        Ok(())
+        let waited = std::time::Instant::now();
+        let mut fruitless = 0;
+        let result = async {
+            while self.log.room() < bytes {
+                self.log_room_round(bytes, &mut fruitless).await?;
+            }
+            Ok(())
+        }
+        .await;
+        self.log_room_waits.fetch_add(1, Ordering::Relaxed);
+        self.log_room_wait_micros
+            .fetch_add(waited.elapsed().as_micros() as u64, Ordering::Relaxed);
+        result
     }
 
     /// One round of [`Pool::make_log_room`] for a caller short of log room;

@@ -294,6 +294,10 @@ pub struct MetaCounters {
     /// Those made by a log commit, under its lock (the others: the
     /// destager's, before it appends its records).
     pub commit_data_flushes: u64,
+    /// Writes that waited for log room ([`Pool::wait_for_log_room`]), and
+    /// their waits summed (µs).
+    pub log_room_waits: u64,
+    pub log_room_wait_micros: u64,
 }
 
 /// The runtime the pool's background tasks (destager, freer, migrator)
@@ -383,6 +387,9 @@ pub struct Pool {
     data_flushes: AtomicU64,
     /// Of those, the ones a log commit made (`MetaCounters::commit_data_flushes`).
     commit_data_flushes: AtomicU64,
+    /// See `MetaCounters::log_room_waits`.
+    log_room_waits: AtomicU64,
+    log_room_wait_micros: AtomicU64,
     /// Held by the one flush of the data devices under way.
     data_flush: tokio::sync::Mutex<()>,
     /// Where replay of Data records starts (at or before the checkpoint LSN).
@@ -500,6 +507,8 @@ impl Pool {
             log_records: self.log.committed_records.load(Ordering::Relaxed),
             data_flushes: self.data_flushes.load(Ordering::Relaxed),
             commit_data_flushes: self.commit_data_flushes.load(Ordering::Relaxed),
+            log_room_waits: self.log_room_waits.load(Ordering::Relaxed),
+            log_room_wait_micros: self.log_room_wait_micros.load(Ordering::Relaxed),
         }
     }
 

@@ -445,6 +445,8 @@ impl Pool {
             open_engines: Mutex::new(Vec::new()),
             data_flushes: AtomicU64::new(0),
             commit_data_flushes: AtomicU64::new(0),
+            log_room_waits: AtomicU64::new(0),
+            log_room_wait_micros: AtomicU64::new(0),
             data_flush: tokio::sync::Mutex::new(()),
             migrator: Default::default(),
             data_tail: AtomicU64::new(data_tail),

@@ -865,6 +865,45 @@ mod tests {
     }
 
     #[test]
+    fn synchronous_writers_short_of_log_room_wait_for_it_and_are_counted() {
+        current_thread().block_on(async {
+            // A 3 MiB log (a 4 MiB log device less its superblock chunk).
+            let fast = SimDevice::new(160 * MIB, 13);
+            let log = SimDevice::new(4 * MIB, 14);
+            let devices = vec![
+                NewDevice {
+                    device: fast.as_device(),
+                    role: Role::Fast,
+                },
+                NewDevice {
+                    device: log.as_device(),
+                    role: Role::Log,
+                },
+            ];
+            let pool = Pool::create("test", 1 << 20, devices).await.unwrap();
+            let volume = pool.open_volume(1, 32 * MIB, 16 << 10).unwrap();
+            let counters = pool.meta_counters();
+            assert_eq!((counters.log_room_waits, counters.log_room_wait_micros), (0, 0));
+            // 8 MiB of synchronous 4K writes: their Data records fill the
+            // log more than twice over.
+            let count = 2048u64;
+            for index in 0..count {
+                let data = IoBuf::copy_from(&[(index % 251) as u8 + 1; 4096]);
+                volume.write(index * 4096 * 3, data, true).await.unwrap();
+            }
+            assert!(pool.meta_counters().log_room_waits > 0);
+            for index in 0..count {
+                let (buf, result) = volume.read(index * 4096 * 3, IoBuf::new(4096)).await;
+                result.unwrap();
+                assert!(
+                    buf.payload().iter().all(|&b| b == (index % 251) as u8 + 1),
+                    "write {index}"
+                );
+            }
+        });
+    }
+
+    #[test]
     fn a_destage_pass_marks_the_chunks_it_overwrites_in_one_commit() {
         current_thread().block_on(async {
             let (_sim, pool) = sim_pool(11).await;
