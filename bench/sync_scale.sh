@@ -12,8 +12,10 @@
 # Prints IOPS, p99 completion latency, the daemon's CPU per write, how
 # busy the machine's CPUs were (client included), the log commits a second
 # and the flushes of the data devices a second, all and those made by a
-# commit under its lock (from /metrics; the others are the destager's), and
-# the ratios the issue sets (>= 8x). Also counts writes that failed (fio err=).
+# commit under its lock (from /metrics; the others are the destager's), the
+# writes that waited for room in the intent log (and how long, summed over
+# the writers), and the ratios the issue sets (>= 8x). Also counts writes
+# that failed (fio err=).
 # A temporary directory, ephemeral 127.0.0.1 ports, the server stopped by PID.
 #
 # Usage: bench/sync_scale.sh [STRATA_BINARY] [SECONDS]
@@ -50,11 +52,13 @@ run() {
         args+=("--name=v$i" "--uri=nbd://127.0.0.1:$PORT/default/$v" "--numjobs=$jobs")
         i=$((i + 1))
     done
-    local ticks0 busy0 commits0 flushes0 cflushes0
+    local ticks0 busy0 commits0 flushes0 cflushes0 waits0 waited0
     ticks0=$(awk '{print $14 + $15}' "/proc/$PID/stat")
     commits0=$(metric strata_pool_log_commits_total)
     flushes0=$(metric strata_pool_data_flushes_total)
     cflushes0=$(metric strata_pool_commit_data_flushes_total)
+    waits0=$(metric strata_pool_log_room_waits_total)
+    waited0=$(metric strata_pool_log_room_wait_microseconds_total)
     busy0=$(machine_busy)
     fio --ioengine=nbd --rw=randwrite --bs=4k --iodepth=1 --thread --norandommap \
         --time_based --runtime="$SECS" --group_reporting --output-format=json \
@@ -63,14 +67,17 @@ run() {
     local commits=$(($(metric strata_pool_log_commits_total) - commits0))
     local flushes=$(($(metric strata_pool_data_flushes_total) - flushes0))
     local cflushes=$(($(metric strata_pool_commit_data_flushes_total || true) - ${cflushes0:-0}))
+    local waits=$(($(metric strata_pool_log_room_waits_total || true) - ${waits0:-0}))
+    local waited=$(($(metric strata_pool_log_room_wait_microseconds_total || true) - ${waited0:-0}))
     local busy
     busy=$(machine_busy | awk -v a="$busy0" '{split(a, x, " "); printf "%.0f", 100 * ($1 - x[1]) / ($2 - x[2])}')
-    python3 - "$label" "$DIR/fio.json" "$ticks" "$(getconf CLK_TCK)" "$busy" "$commits" "$flushes" "$SECS" "$cflushes" <<'EOF'
+    python3 - "$label" "$DIR/fio.json" "$ticks" "$(getconf CLK_TCK)" "$busy" "$commits" "$flushes" "$SECS" "$cflushes" "$waits" "$waited" <<'EOF'
 import json, sys
 label, path = sys.argv[1], sys.argv[2]
 ticks, per_second, busy = int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
 commits, flushes, secs = int(sys.argv[6]), int(sys.argv[7]), float(sys.argv[8])
 commit_flushes = int(sys.argv[9])
+room_waits, room_waited = int(sys.argv[10]), int(sys.argv[11]) / 1e6
 text = open(path).read()
 # (fio's nbd engine prints "connected" lines into the same file first.)
 jobs = json.loads(text[text.index("{"):])["jobs"]
@@ -82,6 +89,7 @@ cpu = ticks / per_second * 1e6 / max(ios, 1)
 print(f"{label:<28} {iops:>9.0f} IOPS   p99 {p99:>8.0f} us   daemon CPU {cpu:>5.1f} us/write   "
       f"machine CPU busy {busy} %   commits/s {commits / secs:.0f}, data flushes/s {flushes / secs:.0f} "
       f"({commit_flushes / secs:.0f} in commits)   "
+      f"log-room waits {room_waits} ({room_waited:.1f} writer-s)   "
       f"jobs with errors: {errors}")
 open(sys.argv[2] + ".iops", "w").write(f"{iops}\n")
 EOF
