@@ -2,7 +2,8 @@
 """Side-by-side NBD benchmark: strata vs nbdkit (file, null) and qemu-nbd.
 
 Every server gets an equal 1 GiB backing file filled with the same random
-data (nbdkit null has none: it is the client's ceiling), listens on an
+data, written the same way, in 1 MiB writes (nbdkit null has none: it is
+the client's ceiling), listens on an
 ephemeral 127.0.0.1 port and is stopped by PID. fio's nbd engine drives each
 workload; the server's CPU time (utime+stime from /proc/PID/stat) over the run
 is divided by the operations fio completed.
@@ -178,8 +179,16 @@ def main():
     if options.baseline:
         stratas.append(start_strata("strata (base)", options.baseline, os.path.join(work, "strata-base")))
 
+    # Written with 1 MiB writes, as strata's device file is written while
+    # nbdcopy fills its volume: a file system that caches files in large
+    # folios (ext4 on Linux 6.16 and later) then caches both alike. A copy
+    # (`shutil.copyfile`, copy_file_range) left the peers' file in small
+    # folios, where a 4 KiB write costs a fraction of what it costs in a
+    # large one (BENCHMARKS.md, thirty-sixth session).
     peer_file = os.path.join(work, "peer.img")
-    shutil.copyfile(seed, peer_file)
+    with open(seed, "rb") as src, open(peer_file, "wb") as dst:
+        while chunk := src.read(1 << 20):
+            dst.write(chunk)
     peers = stratas + [
         Peer("nbdkit file", lambda p: ["nbdkit", "-f", "-i", "127.0.0.1", "-p", str(p), "file", peer_file],
              lambda p: f"nbd://127.0.0.1:{p}/"),
