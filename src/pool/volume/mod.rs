@@ -602,6 +602,20 @@ mod tests {
         (sim, pool)
     }
 
+    /// A fast device and a dedicated log device, for `Pool::create`.
+    fn fast_and_log(fast: &SimDevice, log: &SimDevice) -> Vec<NewDevice> {
+        vec![
+            NewDevice {
+                device: fast.as_device(),
+                role: Role::Fast,
+            },
+            NewDevice {
+                device: log.as_device(),
+                role: Role::Log,
+            },
+        ]
+    }
+
     #[test]
     fn scans_are_told_from_random_reads_and_from_blocks_read_again() {
         let streams = Streams::new();
@@ -809,16 +823,7 @@ mod tests {
         current_thread().block_on(async {
             let fast = SimDevice::new(160 * MIB, 1);
             let log = SimDevice::new(MIB + MIB / 2, 2);
-            let devices = vec![
-                NewDevice {
-                    device: fast.as_device(),
-                    role: Role::Fast,
-                },
-                NewDevice {
-                    device: log.as_device(),
-                    role: Role::Log,
-                },
-            ];
+            let devices = fast_and_log(&fast, &log);
             match Pool::create("test", 1 << 20, devices).await {
                 Err(crate::pool::PoolError::Invalid(message)) => {
                     assert!(message.contains("too small for a log"), "{message}")
@@ -870,16 +875,7 @@ mod tests {
             // A 3 MiB log (a 4 MiB log device less its superblock chunk).
             let fast = SimDevice::new(160 * MIB, 13);
             let log = SimDevice::new(4 * MIB, 14);
-            let devices = vec![
-                NewDevice {
-                    device: fast.as_device(),
-                    role: Role::Fast,
-                },
-                NewDevice {
-                    device: log.as_device(),
-                    role: Role::Log,
-                },
-            ];
+            let devices = fast_and_log(&fast, &log);
             let pool = Pool::create("test", 1 << 20, devices).await.unwrap();
             let volume = pool.open_volume(1, 32 * MIB, 16 << 10).unwrap();
             let counters = pool.meta_counters();
