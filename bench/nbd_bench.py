@@ -117,6 +117,11 @@ AUTH = {}
 def auth_args(api, data_dir):
     """curl arguments with strata's API token, remembered for `api`."""
     path = os.path.join(data_dir, "api.token")
+    # The daemon writes its token at start; give it a moment.
+    for _ in range(50):
+        if os.path.exists(path):
+            break
+        time.sleep(0.1)
     AUTH[api] = ["-H", f"Authorization: Bearer {open(path).read().strip()}"] if os.path.exists(path) else []
     return AUTH[api]
 

@@ -51,6 +51,50 @@ impl EngineChoice {
 /// Largest buffered write done inline by the calling thread.
 pub const INLINE_WRITE_MAX: usize = 1 << 20;
 
+/// The most a buffered write hands the kernel in one call, and the
+/// boundary its pieces never cross (see [`write_in_pieces`]).
+pub const BUFFERED_PIECE_BYTES: usize = 64 << 10;
+
+/// Writes all of `data` at `offset` of a buffered file, in pieces that
+/// never cross a [`BUFFERED_PIECE_BYTES`] boundary.
+///
+/// Why: ext4 on Linux 6.16 and later caches a regular file in folios as
+/// large as the write that brought them in (up to 2 MiB), and every later
+/// write into a large folio, however small, walks all of that folio's
+/// buffer heads, once to prepare the write and once to commit it, and
+/// writeback walks them again. A volume filled with 1 MiB writes left its
+/// device file in 1 MiB folios, and each 4 KiB block the destager then
+/// wrote there paid for 256 buffer heads: 26-38 % of the daemon's CPU on
+/// 4K random writes (BENCHMARKS.md, "Buffered writes in 64 KiB pieces").
+/// Pieces of 64 KiB keep folios at 16 buffer heads or fewer, for 16 system
+/// calls a megabyte instead of one; only a write that brings pages into
+/// the cache needs them (the caller decides: `FileDevice` asks the page
+/// cache first), since a write into cached pages keeps their folios.
+pub fn write_in_pieces(file: &File, data: &[u8], offset: u64) -> io::Result<()> {
+    use std::os::unix::fs::FileExt;
+    for (start, end) in pieces(offset, data.len()) {
+        file.write_all_at(&data[start..end], offset + start as u64)?;
+    }
+    Ok(())
+}
+
+/// The pieces of a write of `len` bytes at `offset`, as ranges of its
+/// data: each ends at a [`BUFFERED_PIECE_BYTES`] boundary of the file or
+/// at the end of the data.
+fn pieces(offset: u64, len: usize) -> impl Iterator<Item = (usize, usize)> {
+    let mut done = 0;
+    std::iter::from_fn(move || {
+        if done >= len {
+            return None;
+        }
+        let at = offset + done as u64;
+        let to_boundary = BUFFERED_PIECE_BYTES - (at % BUFFERED_PIECE_BYTES as u64) as usize;
+        let piece = (done, len.min(done + to_boundary));
+        done = piece.1;
+        Some(piece)
+    })
+}
+
 /// An I/O engine. Cloning is cheap (the io_uring variant shares one ring
 /// thread per process).
 ///
@@ -154,9 +198,32 @@ impl IoEngine {
     /// any hand-off (io_uring punts buffered writes to kernel worker threads,
     /// which cost a wake-up per write). Like nbdkit's worker threads, this
     /// can block the calling thread while the kernel throttles dirty pages.
-    pub async fn write(&self, file: &Arc<File>, offset: u64, buf: IoBuf, direct: bool) -> (IoBuf, io::Result<()>) {
-        if let Some(result) = self.write_now(file, offset, buf.payload(), direct) {
+    /// With `pieces`, a buffered write goes in 64 KiB pieces
+    /// ([`write_in_pieces`]), and one larger than an inline write runs on
+    /// the blocking pool.
+    pub async fn write(
+        &self,
+        file: &Arc<File>,
+        offset: u64,
+        buf: IoBuf,
+        direct: bool,
+        pieces: bool,
+    ) -> (IoBuf, io::Result<()>) {
+        if let Some(result) = self.write_now(file, offset, buf.payload(), direct, pieces) {
             return (buf, result);
+        }
+        if !direct && pieces {
+            // Larger than an inline write: the same pieces, on the blocking
+            // pool (io_uring would hand a buffered write to a kernel worker
+            // thread all the same).
+            let file = file.clone();
+            let len = buf.len();
+            let joined = super::blocking::run_blocking(move || {
+                let result = write_in_pieces(&file, buf.payload(), offset);
+                (buf, result)
+            })
+            .await;
+            return joined.unwrap_or_else(|e| (IoBuf::new(len), Err(e)));
         }
         match self {
             IoEngine::IoUring(ring, _) => ring.write(file.clone(), offset, buf).await,
@@ -185,11 +252,24 @@ impl IoEngine {
     }
 
     /// Writes `data` at `offset` on the calling thread if this write is one
-    /// done inline ([`IoEngine::writes_inline`]); `None` if it is not.
-    pub fn write_now(&self, file: &File, offset: u64, data: &[u8], direct: bool) -> Option<io::Result<()>> {
+    /// done inline ([`IoEngine::writes_inline`]), in pieces with `pieces`;
+    /// `None` if it is not.
+    pub fn write_now(
+        &self,
+        file: &File,
+        offset: u64,
+        data: &[u8],
+        direct: bool,
+        pieces: bool,
+    ) -> Option<io::Result<()>> {
         use std::os::unix::fs::FileExt;
-        self.writes_inline(data.len(), direct)
-            .then(|| file.write_all_at(data, offset))
+        self.writes_inline(data.len(), direct).then(|| {
+            if pieces {
+                write_in_pieces(file, data, offset)
+            } else {
+                file.write_all_at(data, offset)
+            }
+        })
     }
 
     /// Whether a write of `len` bytes is done inline by the calling thread
@@ -241,7 +321,7 @@ mod tests {
         tmp.set_len(1 << 20).unwrap();
         let file = Arc::new(tmp);
         let data: Vec<u8> = (0..65536u32).map(|i| (i % 253) as u8).collect();
-        let (_, res) = engine.write(&file, 0, IoBuf::copy_from(&data), false).await;
+        let (_, res) = engine.write(&file, 0, IoBuf::copy_from(&data), false, true).await;
         res.unwrap();
         // Cached: served inline. Then a read spanning cached and (after
         // dropping the cache) uncached pages still returns the right bytes.
@@ -254,6 +334,49 @@ mod tests {
         let (buf, res) = engine.read(&file, 16384, IoBuf::new(49152), false).await;
         res.unwrap();
         assert_eq!(buf.payload(), &data[16384..]);
+    }
+
+    #[test]
+    fn buffered_writes_go_in_pieces_that_end_at_64k_boundaries() {
+        let piece = BUFFERED_PIECE_BYTES;
+        // Aligned and a whole number of pieces.
+        let all: Vec<_> = pieces(0, 3 * piece).collect();
+        assert_eq!(all, [(0, piece), (piece, 2 * piece), (2 * piece, 3 * piece)]);
+        // Unaligned at both ends: the first piece runs to the boundary.
+        let all: Vec<_> = pieces(piece as u64 - 4096, 4096 + piece + 100).collect();
+        assert_eq!(
+            all,
+            [(0, 4096), (4096, 4096 + piece), (4096 + piece, 4096 + piece + 100)]
+        );
+        // Small writes are one piece; nothing for an empty one.
+        assert_eq!(pieces(8192, 4096).collect::<Vec<_>>(), [(0, 4096)]);
+        assert_eq!(pieces(8192, 0).count(), 0);
+    }
+
+    #[tokio::test]
+    async fn writes_in_pieces_land_whole_inline_and_on_the_blocking_pool() {
+        for choice in [EngineChoice::Threads, EngineChoice::IoUring] {
+            let Ok(engine) = IoEngine::select(choice) else {
+                continue;
+            };
+            let file = Arc::new(tempfile::tempfile().unwrap());
+            file.set_len(4 << 20).unwrap();
+            // One inline (under 1 MiB), one larger than an inline write;
+            // both start and end off a piece boundary.
+            for (offset, len) in [(12_345u64, 300_000usize), (1 << 20, INLINE_WRITE_MAX + 70_001)] {
+                let data: Vec<u8> = (0..len).map(|i| (i % 251) as u8 ^ offset as u8).collect();
+                let (_, res) = engine.write(&file, offset, IoBuf::copy_from(&data), false, true).await;
+                res.unwrap();
+                let mut back = vec![0u8; len];
+                use std::os::unix::fs::FileExt;
+                file.read_exact_at(&mut back, offset).unwrap();
+                assert!(
+                    back == data,
+                    "{} engine: {len} bytes at {offset} read back different",
+                    engine.name()
+                );
+            }
+        }
     }
 
     #[test]

@@ -362,6 +362,18 @@ impl FileDevice {
         self.sticky.is_failed()
     }
 
+    /// Whether a buffered write of `len` bytes at `offset` goes to the
+    /// kernel in pieces (`engine::write_in_pieces`): when it crosses a piece
+    /// boundary and some page of it is not in the page cache, so that the
+    /// folios it brings in stay small. A write into cached pages keeps
+    /// their folios whatever its size, and goes whole (one system call).
+    fn in_pieces(&self, offset: u64, len: usize) -> bool {
+        let piece = super::engine::BUFFERED_PIECE_BYTES as u64;
+        !self.info.direct_io
+            && offset % piece + len as u64 > piece
+            && !self.mapping.as_ref().is_some_and(|mapping| mapping.holds(offset, len))
+    }
+
     fn check_writable(&self, offset: u64) -> DeviceResult<()> {
         if self.read_only {
             return Err(io_error(
@@ -448,7 +460,11 @@ impl Device for FileDevice {
             {
                 return (buf, Err(e));
             }
-            let (buf, result) = self.engine.write(&self.file, offset, buf, self.info.direct_io).await;
+            let pieces = self.in_pieces(offset, buf.len());
+            let (buf, result) = self
+                .engine
+                .write(&self.file, offset, buf, self.info.direct_io, pieces)
+                .await;
             (buf, result.map_err(|e| self.fail("write", offset, e)))
         })
     }
@@ -474,7 +490,10 @@ impl Device for FileDevice {
             return Some(Ok(()));
         }
         self.pwrites.fetch_add(1, Ordering::AcqRel);
-        let result = self.engine.write_now(&self.file, offset, data, self.info.direct_io);
+        let pieces = self.in_pieces(offset, data.len());
+        let result = self
+            .engine
+            .write_now(&self.file, offset, data, self.info.direct_io, pieces);
         self.pwrites.fetch_sub(1, Ordering::AcqRel);
         result.map(|result| result.map_err(|e| self.fail("write", offset, e)))
     }
@@ -674,6 +693,38 @@ mod tests {
         assert!(dev
             .write_now(0, &vec![0u8; crate::device::engine::INLINE_WRITE_MAX + 4096])
             .is_none());
+    }
+
+    #[tokio::test]
+    async fn large_writes_into_uncached_pages_go_in_pieces_and_into_cached_ones_whole() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("dev.img");
+        create_file(&path, 4 << 20).unwrap();
+        let dev = FileDevice::open(&path, &options(DirectIo::Off)).unwrap();
+        let piece = crate::device::engine::BUFFERED_PIECE_BYTES;
+        // Within one piece: whole, cached or not.
+        assert!(!dev.in_pieces(4096, piece - 4096));
+        // Across a boundary of a sparse file never touched: nothing cached.
+        assert!(dev.in_pieces(0, 1 << 20));
+        let data: Vec<u8> = (0..(1u32 << 20)).map(|i| (i % 251) as u8).collect();
+        let (_, result) = dev.write(0, IoBuf::copy_from(&data)).await;
+        result.unwrap();
+        let (buf, result) = dev.read(0, IoBuf::new(1 << 20)).await;
+        result.unwrap();
+        assert!(buf.payload() == &data[..]);
+        if dev.mapping.is_some() {
+            // Just written, so cached: the next write there goes whole.
+            assert!(!dev.in_pieces(0, 1 << 20));
+            assert!(!dev.in_pieces(4096, 300_000));
+        }
+        // Direct I/O has no page cache to keep small.
+        let direct = dir.path().join("direct.img");
+        create_file(&direct, 4 << 20).unwrap();
+        if let Ok(dev) = FileDevice::open(&direct, &options(DirectIo::On)) {
+            // (On a file system without O_DIRECT the device falls back to
+            // buffered I/O, and pieces again.)
+            assert_eq!(dev.in_pieces(0, 1 << 20), !dev.info.direct_io);
+        }
     }
 
     #[tokio::test]

@@ -309,7 +309,23 @@ impl Mapping {
         false
     }
 
-    /// Whether the page cache holds every page of `[start, start + len)`.
+    /// Whether the page cache holds every page that `[offset, offset +
+    /// len)` touches (`false` for an empty range or one past the mapping).
+    pub fn holds(&self, offset: u64, len: usize) -> bool {
+        let Ok(start) = usize::try_from(offset) else {
+            return false;
+        };
+        match start.checked_add(len) {
+            Some(end) if len > 0 && end <= self.len && !self.broken.load(Ordering::Relaxed) => {
+                let first = start - start % PAGE;
+                self.resident(first, end - first)
+            }
+            _ => false,
+        }
+    }
+
+    /// Whether the page cache holds every page of `[start, start + len)`
+    /// (`start` page aligned).
     fn resident(&self, start: usize, len: usize) -> bool {
         let mut pages = [0u8; RESIDENCY_PAGES];
         let mut at = start;
@@ -407,6 +423,12 @@ mod tests {
         assert!(mapping.copy_summing(128 << 10, &mut dst[..4096], &mut sums[..1]));
         assert_eq!(&dst[..4096], &new[..]);
         assert_eq!(sums[0], crate::checksum::crc32c(&new));
+        // The page cache holds any range of it, aligned or not; an empty
+        // range and one past the end are not held.
+        assert!(mapping.holds(0, 1 << 20));
+        assert!(mapping.holds(100, 70_000));
+        assert!(!mapping.holds(4096, 0));
+        assert!(!mapping.holds((1 << 20) - 4096, 8192));
         // Refused: not whole sectors, sums of the wrong length, past the end.
         assert!(!mapping.copy_summing(100, &mut dst[..4096], &mut sums[..1]));
         assert!(!mapping.copy_summing(0, &mut dst[..4096], &mut sums[..2]));
@@ -430,6 +452,7 @@ mod tests {
         // page; what must hold is that a range is copied only when mincore
         // finds all of it resident.
         let resident = mapping.resident(0, dst.len());
+        assert_eq!(mapping.holds(0, dst.len()), resident);
         assert_eq!(mapping.copy_summing(0, &mut dst, &mut sums), resident);
         if resident {
             assert_eq!(dst, data);

@@ -715,28 +715,14 @@ impl Pending {
         taken
     }
 
-    /// Appends the records `pass` held back (their data durable already
-    /// if `flushed`).
-    fn release(&mut self, pass: u64, flushed: bool) -> usize {
-        let released = self.deferred.take_where(|owner, _| owner == pass);
+    /// Appends the held-back records `pick` chooses (by the pass that holds
+    /// them and their (volume, block)); with `data_pending` their commit
+    /// flushes the data devices first.
+    fn release_where(&mut self, pick: impl Fn(u64, (u32, u64)) -> bool, data_pending: bool) -> usize {
+        let released = self.deferred.take_where(pick);
         let count = released.len();
         for (_, record, free) in released {
-            self.push_now(record, 0, !flushed);
-            self.frees.extend(free);
-        }
-        count
-    }
-
-    /// Appends every held-back record of `volume`'s blocks `first..=last`
-    /// (all of them with `None`), to be committed with their data flush.
-    fn settle(&mut self, blocks: Option<(u32, u64, u64)>) -> usize {
-        let released = self.deferred.take_where(|_, (volume, block)| match blocks {
-            Some((v, first, last)) => v == volume && (first..=last).contains(&block),
-            None => true,
-        });
-        let count = released.len();
-        for (_, record, free) in released {
-            self.push_now(record, 0, true);
+            self.push_now(record, 0, data_pending);
             self.frees.extend(free);
         }
         count
@@ -879,14 +865,7 @@ impl Log {
     /// flushed after every data write those records need, so they need no
     /// flush before their commit. Returns how many.
     pub fn release(&self, pass: u64, flushed: bool) -> usize {
-        let mut pending = self.pending.lock_or_abort();
-        if pending.deferred.records.is_empty() {
-            return 0;
-        }
-        let count = pending.release(pass, flushed);
-        self.pending_bytes.store(pending.bytes, Ordering::Relaxed);
-        self.appended.fetch_add(count as u64, Ordering::Relaxed);
-        count
+        self.release_where(|owner, _| owner == pass, !flushed)
     }
 
     /// Appends every held-back record (of `volume`'s blocks `first..=last`,
@@ -894,13 +873,26 @@ impl Log {
     /// other: before a commit that must cover every change made so far (a
     /// checkpoint), or that must give slots back.
     pub fn settle(&self, blocks: Option<(u32, u64, u64)>) {
+        self.release_where(
+            |_, (volume, block)| match blocks {
+                Some((v, first, last)) => v == volume && (first..=last).contains(&block),
+                None => true,
+            },
+            true,
+        );
+    }
+
+    /// Appends the held-back records `pick` chooses (see
+    /// [`Pending::release_where`]); returns how many.
+    fn release_where(&self, pick: impl Fn(u64, (u32, u64)) -> bool, data_pending: bool) -> usize {
         let mut pending = self.pending.lock_or_abort();
         if pending.deferred.records.is_empty() {
-            return;
+            return 0;
         }
-        let count = pending.settle(blocks);
+        let count = pending.release_where(pick, data_pending);
         self.pending_bytes.store(pending.bytes, Ordering::Relaxed);
         self.appended.fetch_add(count as u64, Ordering::Relaxed);
+        count
     }
 
     /// Whether `pass` holds records back.
