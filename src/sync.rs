@@ -8,7 +8,9 @@
 //! from the last checkpoint and the intent log, which never hold half an
 //! update.
 
-use std::sync::{Mutex, MutexGuard};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, MutexGuard, TryLockError};
+use std::time::Instant;
 
 /// `lock_or_abort` for the engine's mutexes.
 pub trait LockOrAbort<T> {
@@ -23,6 +25,53 @@ impl<T> LockOrAbort<T> for Mutex<T> {
             Ok(guard) => guard,
             Err(_) => poisoned(),
         }
+    }
+}
+
+/// A mutex shared by every volume's writes (the pool's allocator, the
+/// log's pending records) that counts how often a thread found it held and
+/// how long such threads waited: the `strata_pool_*_lock_waits_total`
+/// metrics, which say on a given machine whether the lock is worth
+/// splitting (ARCHITECTURE.md, "Many clients").
+#[derive(Debug, Default)]
+pub struct WatchedMutex<T> {
+    mutex: Mutex<T>,
+    waits: AtomicU64,
+    waited_nanos: AtomicU64,
+}
+
+impl<T> WatchedMutex<T> {
+    pub fn new(value: T) -> Self {
+        WatchedMutex {
+            mutex: Mutex::new(value),
+            waits: AtomicU64::new(0),
+            waited_nanos: AtomicU64::new(0),
+        }
+    }
+
+    /// Locks like [`LockOrAbort::lock_or_abort`]; an uncontended lock costs
+    /// one `try_lock`, a contended one also two clock reads.
+    pub fn lock_or_abort(&self) -> MutexGuard<'_, T> {
+        match self.mutex.try_lock() {
+            Ok(guard) => guard,
+            Err(TryLockError::Poisoned(_)) => poisoned(),
+            Err(TryLockError::WouldBlock) => {
+                let started = Instant::now();
+                let guard = self.mutex.lock_or_abort();
+                let waited = started.elapsed().as_nanos().min(u64::MAX as u128) as u64;
+                self.waits.fetch_add(1, Ordering::Relaxed);
+                self.waited_nanos.fetch_add(waited, Ordering::Relaxed);
+                guard
+            }
+        }
+    }
+
+    /// Times a thread found the lock held, and their waits summed (µs).
+    pub fn contention(&self) -> (u64, u64) {
+        (
+            self.waits.load(Ordering::Relaxed),
+            self.waited_nanos.load(Ordering::Relaxed) / 1000,
+        )
     }
 }
 
@@ -77,5 +126,24 @@ mod tests {
         use std::os::unix::process::ExitStatusExt;
         assert_eq!(output.status.signal(), Some(libc::SIGABRT), "{output:?}");
         assert!(String::from_utf8_lossy(&output.stderr).contains("poisoned lock"));
+    }
+
+    #[test]
+    fn a_watched_mutex_counts_only_the_waits() {
+        let mutex = Arc::new(WatchedMutex::new(0u32));
+        *mutex.lock_or_abort() += 1;
+        assert_eq!(mutex.contention(), (0, 0), "an uncontended lock is no wait");
+        let guard = mutex.lock_or_abort();
+        let other = mutex.clone();
+        let waiter = std::thread::spawn(move || *other.lock_or_abort() += 1);
+        // Held until the other thread has certainly found it held (it
+        // counts its wait once it has the lock).
+        std::thread::sleep(std::time::Duration::from_millis(200));
+        drop(guard);
+        waiter.join().unwrap();
+        let (waits, micros) = mutex.contention();
+        assert_eq!(waits, 1);
+        assert!(micros > 0, "a wait of {micros} µs");
+        assert_eq!(*mutex.lock_or_abort(), 2);
     }
 }

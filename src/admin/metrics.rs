@@ -104,7 +104,7 @@ pub fn render_backing(pools: &[crate::control::manager::PoolStatus]) -> String {
         ),
     ];
     type PoolValue = fn(&crate::control::manager::PoolStatus) -> u64;
-    let pool_series: [(&str, &str, &str, PoolValue); 14] = [
+    let pool_series: [(&str, &str, &str, PoolValue); 24] = [
         (
             "strata_pool_size_bytes",
             "gauge",
@@ -188,6 +188,66 @@ pub fn render_backing(pools: &[crate::control::manager::PoolStatus]) -> String {
             "counter",
             "Time those writes waited, summed over the writers.",
             |p| p.log_room_wait_micros,
+        ),
+        (
+            "strata_pool_allocator_lock_waits_total",
+            "counter",
+            "Times a write found the pool's allocator lock held by another (one lock for all the pool's volumes).",
+            |p| p.allocator_lock_waits,
+        ),
+        (
+            "strata_pool_allocator_lock_wait_microseconds_total",
+            "counter",
+            "Time those writes waited for the allocator lock, summed.",
+            |p| p.allocator_lock_wait_micros,
+        ),
+        (
+            "strata_pool_log_lock_waits_total",
+            "counter",
+            "Times a write found the intent log's pending-records lock held by another (one lock for all the pool's volumes).",
+            |p| p.log_lock_waits,
+        ),
+        (
+            "strata_pool_log_lock_wait_microseconds_total",
+            "counter",
+            "Time those writes waited for the log's pending-records lock, summed.",
+            |p| p.log_lock_wait_micros,
+        ),
+        (
+            "strata_pool_map_cache_pages",
+            "gauge",
+            "Block-map pages cached (2 KiB, each maps 1 MiB of a volume).",
+            |p| p.meta_cache.map_pages,
+        ),
+        (
+            "strata_pool_map_cache_max_pages",
+            "gauge",
+            "The most block-map pages the cache holds (an eighth of the pool's RAM setting).",
+            |p| p.meta_cache.map_max_pages,
+        ),
+        (
+            "strata_pool_map_cache_misses_total",
+            "counter",
+            "Block-map pages read from the metadata store because they were not cached: a steady rate means the cache is too small for the data written in use (raise the pool's RAM).",
+            |p| p.meta_cache.map_misses,
+        ),
+        (
+            "strata_pool_checksum_cache_pages",
+            "gauge",
+            "Checksum pages cached (4 KiB, each covers 4 MiB of data).",
+            |p| p.meta_cache.crc_pages,
+        ),
+        (
+            "strata_pool_checksum_cache_max_pages",
+            "gauge",
+            "The most checksum pages the cache holds (an eighth of the pool's RAM setting).",
+            |p| p.meta_cache.crc_max_pages,
+        ),
+        (
+            "strata_pool_checksum_cache_misses_total",
+            "counter",
+            "Checksum pages read from the metadata store because they were not cached.",
+            |p| p.meta_cache.crc_misses,
         ),
     ];
     for (name, kind, help, value) in pool_series {

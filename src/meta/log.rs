@@ -8,9 +8,8 @@
 //! new block, so a committed block is never rewritten (a torn rewrite could
 //! otherwise destroy records that were already acknowledged).
 
-use crate::sync::LockOrAbort;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use crate::device::{Device, DeviceError, IoBuf};
 
@@ -735,7 +734,7 @@ pub struct Log {
     offset: u64,
     len: u64,
     pool_tag: u64,
-    pending: Mutex<Pending>,
+    pending: crate::sync::WatchedMutex<Pending>,
     /// Mirrors `pending.bytes` so callers can check it without the lock.
     pending_bytes: std::sync::atomic::AtomicUsize,
     /// Position of the next block to write.
@@ -780,7 +779,7 @@ impl Log {
             offset,
             len,
             pool_tag,
-            pending: Mutex::new(Pending::new()),
+            pending: crate::sync::WatchedMutex::new(Pending::new()),
             pending_bytes: std::sync::atomic::AtomicUsize::new(0),
             next_lsn: AtomicU64::new(next_lsn),
             tail_lsn: AtomicU64::new(tail_lsn),
@@ -795,6 +794,12 @@ impl Log {
             commits: AtomicU64::new(0),
             committed_records: AtomicU64::new(0),
         }
+    }
+
+    /// How often a thread found the pending records' lock held, and the
+    /// waits summed (µs): see [`crate::sync::WatchedMutex`].
+    pub fn lock_contention(&self) -> (u64, u64) {
+        self.pending.contention()
     }
 
     /// Queues a record; it becomes durable with the next commit.
@@ -1953,7 +1958,7 @@ mod tests {
                         _ => log.stage().await.unwrap(),
                     }
                     {
-                        let pending = log.pending.lock().unwrap();
+                        let pending = log.pending.lock_or_abort();
                         assert_eq!(pending.units, blocks_needed(&pending.records));
                         assert_eq!(pending.records, expected);
                     }

@@ -181,6 +181,8 @@ pub struct PageCache<P: Page> {
     shards: Vec<Mutex<Shard<P>>>,
     max_pages_per_shard: usize,
     dirty_pages: AtomicUsize,
+    /// Pages read from the store (not found cached), since start.
+    misses: AtomicU64,
 }
 
 /// One shard: its pages, and their indexes by owner (the key's first part),
@@ -231,6 +233,7 @@ impl<P: Page> PageCache<P> {
                 .collect(),
             max_pages_per_shard: (max_pages / SHARDS).max(4),
             dirty_pages: AtomicUsize::new(0),
+            misses: AtomicU64::new(0),
         }
     }
 
@@ -249,6 +252,7 @@ impl<P: Page> PageCache<P> {
                 }
                 shard.removed
             };
+            self.misses.fetch_add(1, Ordering::Relaxed);
             let stored = read_page(db, P::TABLE, key)?;
             let page = Arc::new(P::decode(stored.as_deref()).map_err(|e| match e {
                 MetaError::Corrupt(what) => MetaError::Corrupt(format!("{what} (key {key:?})")),
@@ -376,6 +380,16 @@ impl<P: Page> PageCache<P> {
         }
         indexes.sort_unstable();
         indexes
+    }
+
+    /// Pages read from the store since start because they were not cached.
+    pub fn misses(&self) -> u64 {
+        self.misses.load(Ordering::Relaxed)
+    }
+
+    /// The most pages it holds (clean ones are evicted past it).
+    pub fn capacity(&self) -> usize {
+        self.max_pages_per_shard * SHARDS
     }
 
     /// Number of cached pages.

@@ -28,7 +28,6 @@
 //! get generation + 2 with the old table, and the new device's superblocks
 //! are zeroed.
 
-use crate::sync::LockOrAbort;
 use std::ops::Index;
 use std::sync::atomic::AtomicU32;
 use std::sync::{Arc, OnceLock};

@@ -37,7 +37,6 @@ use super::superblock::Role;
 use super::volume::{EngineVolume, Moved};
 use super::{map_entry, Pool, PoolError, MAP_ENTRIES_PER_PAGE};
 use crate::meta::MetaError;
-use crate::sync::LockOrAbort;
 use crate::volume::BlockDevice;
 
 /// How often the background migrator looks at the tiers.
@@ -250,8 +249,8 @@ impl Pool {
         let blocks = engine.size_bytes().div_ceil(block_bytes);
         let mut fast = 0;
         let mut capacity = 0;
-        let mut first = 0;
-        while first < blocks {
+        for index in self.view_page_indexes(id, blocks)? {
+            let first = index * MAP_ENTRIES_PER_PAGE;
             let last = (first + MAP_ENTRIES_PER_PAGE - 1).min(blocks - 1);
             for entry in self.lookup_range(id, first, last)? {
                 if let Some((device, _)) = map_entry::decode(entry) {
@@ -262,7 +261,6 @@ impl Pool {
                     }
                 }
             }
-            first = last + 1;
         }
         Ok(vec![(Role::Fast, fast), (Role::Capacity, capacity)])
     }
@@ -489,13 +487,12 @@ impl Pool {
                 }
             };
             let blocks = engine.size_bytes().div_ceil(engine.block_bytes());
-            let mut first = 0;
-            while first < blocks {
+            for index in self.view_page_indexes(id, blocks)? {
+                let first = index * MAP_ENTRIES_PER_PAGE;
                 let last = (first + MAP_ENTRIES_PER_PAGE - 1).min(blocks - 1);
                 for (block, entry) in (first..).zip(self.lookup_range(id, first, last)?) {
                     note(block, entry, &mut owners);
                 }
-                first = last + 1;
             }
             let snapshots: Vec<u32> = self.snapshots_of(id).iter().map(|s| s.id).collect();
             for snapshot in snapshots {
@@ -1053,6 +1050,45 @@ mod tests {
             .unwrap()
             .into_iter()
             .all(|e| matches!(map_entry::decode(e), Some((device, _)) if pool.devices[device as usize].member.role == Role::Fast))
+    }
+
+    /// A file dataset's engine object spans 2^60 bytes. With the fast tier
+    /// full, a pass walks every open volume's map: only the pages that can
+    /// map anything, so it ends, and a block far out in such an object
+    /// moves like any other. (A walk of every page index of the object's
+    /// size never ended, on a core of its own, evicting the volumes' map
+    /// pages as it went.)
+    #[test]
+    fn a_pass_walks_only_the_map_pages_that_exist() {
+        let (done_tx, done_rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            block_on(async {
+                let (_fast, _capacity, pool, volume) = two_tier_pool(5).await;
+                let huge = pool.open_volume(2, 1 << 60, 4096).unwrap();
+                let far = (1u64 << 50) / MIB;
+                huge.write(far * MIB, IoBuf::copy_from(&mib_of(far)), false)
+                    .await
+                    .unwrap();
+                let space = pool.tier_space();
+                write_mibs(&volume, 0..space.fast_size * 95 / 100 / MIB).await;
+                pool.commit_quiet().await.unwrap();
+                pool.set_tier_pin(2, TierPin::Capacity);
+                let summary = pool.migrate_now().await.unwrap();
+                assert_eq!(summary.errors, 0);
+                let tiers = pool.volume_tier_bytes(2).unwrap();
+                assert_eq!(tiers, vec![(Role::Fast, 0), (Role::Capacity, MIB)], "{summary:?}");
+                let (buf, result) = huge.read(far * MIB, IoBuf::new(MIB as usize)).await;
+                result.unwrap();
+                assert!(buf.payload() == mib_of(far), "the far MiB differs after its move");
+            });
+            done_tx.send(()).unwrap();
+        });
+        match done_rx.recv_timeout(std::time::Duration::from_secs(120)) {
+            Ok(()) => {}
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => panic!("the pass did not end in 120 s"),
+            // The thread panicked: its assertion is in the test's output.
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => panic!("the test's thread failed"),
+        }
     }
 
     /// A fast tier filled past the high watermark: a pass moves the

@@ -67,9 +67,10 @@ pub const SECTOR_BYTES: u64 = 1 << SECTOR_SHIFT;
 const DEFAULT_LOG_BYTES: u64 = 64 << 20;
 const MIN_META_BYTES: u64 = 32 << 20;
 const MAX_META_BYTES: u64 = 16 << 30;
-/// Page cache sizes (pages): 8192 map pages of 2 KiB, 4096 checksum pages of 4 KiB.
-const MAP_CACHE_PAGES: usize = 8192;
-const CRC_CACHE_PAGES: usize = 4096;
+/// The block-map and checksum page caches of a pool opened without a size
+/// for them (tests, tools): 8192 map pages of 2 KiB and 4096 checksum pages
+/// of 4 KiB, the pages of 8 GiB of written data.
+pub const DEFAULT_META_CACHE_BYTES: u64 = 32 << 20;
 /// Checkpoint when this many pages are dirty (bounds memory).
 const MAX_DIRTY_PAGES: usize = 16384;
 /// How far past a chunk that continues a sequential stream
@@ -93,6 +94,9 @@ pub struct PoolOptions {
     pub background: bool,
     /// Bytes of the clean-data read cache (0 = none).
     pub read_cache_bytes: u64,
+    /// Bytes of the block-map and checksum page caches (see
+    /// [`meta_cache_pages`]).
+    pub meta_cache_bytes: u64,
     /// Frees of more slots than this at once are queued for the background
     /// freer; `None` = `freeing::BACKGROUND_FREE_ABOVE` once the freer runs,
     /// all at once without it. (The simulator sets a small value and drives
@@ -106,9 +110,21 @@ impl Default for PoolOptions {
             ram: None,
             background: true,
             read_cache_bytes: DEFAULT_READ_CACHE_BYTES,
+            meta_cache_bytes: DEFAULT_META_CACHE_BYTES,
             background_free_above: None,
         }
     }
+}
+
+/// How many map and checksum pages `bytes` of page cache hold: half the
+/// bytes each, at least [`DEFAULT_META_CACHE_BYTES`] in all. A map page
+/// (2 KiB) covers 1 MiB of a volume, a checksum page (4 KiB) 4 MiB.
+pub fn meta_cache_pages(bytes: u64) -> (usize, usize) {
+    let half = bytes.max(DEFAULT_META_CACHE_BYTES) / 2;
+    (
+        (half / (MAP_ENTRIES_PER_PAGE * 8)) as usize,
+        (half / (CRCS_PER_PAGE * 4)) as usize,
+    )
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -298,6 +314,23 @@ pub struct MetaCounters {
     /// their waits summed (µs).
     pub log_room_waits: u64,
     pub log_room_wait_micros: u64,
+    /// Times a thread found the allocator's lock held, and their waits
+    /// summed (µs); the same for the lock on the log's pending records.
+    /// Both locks are shared by all volumes' writes (a write that
+    /// allocates takes each once).
+    pub allocator_lock_waits: u64,
+    pub allocator_lock_wait_micros: u64,
+    pub log_lock_waits: u64,
+    pub log_lock_wait_micros: u64,
+    /// The block-map and checksum page caches: pages cached, the most they
+    /// hold, and pages read from the metadata store because they were not
+    /// cached (since start).
+    pub map_cache_pages: u64,
+    pub map_cache_max_pages: u64,
+    pub map_cache_misses: u64,
+    pub crc_cache_pages: u64,
+    pub crc_cache_max_pages: u64,
+    pub crc_cache_misses: u64,
 }
 
 /// The runtime the pool's background tasks (destager, freer, migrator)
@@ -319,7 +352,7 @@ pub struct Pool {
     log: Log,
     map_pages: PageCache<MapPage>,
     crc_pages: PageCache<CrcPage>,
-    allocator: Mutex<Allocator>,
+    allocator: crate::sync::WatchedMutex<Allocator>,
     epoch: AtomicU32,
     /// Chunks whose checksums are not trusted (after a crash, until scrubbed).
     suspect: Mutex<HashSet<(u8, u64)>>,
@@ -492,6 +525,8 @@ impl Pool {
     }
 
     pub fn meta_counters(&self) -> MetaCounters {
+        let (allocator_lock_waits, allocator_lock_wait_micros) = self.allocator.contention();
+        let (log_lock_waits, log_lock_wait_micros) = self.log.lock_contention();
         MetaCounters {
             log_bytes: self.log.bytes_written.load(Ordering::Relaxed),
             staged_log_bytes: self.log.staged_bytes.load(Ordering::Relaxed),
@@ -509,6 +544,16 @@ impl Pool {
             commit_data_flushes: self.commit_data_flushes.load(Ordering::Relaxed),
             log_room_waits: self.log_room_waits.load(Ordering::Relaxed),
             log_room_wait_micros: self.log_room_wait_micros.load(Ordering::Relaxed),
+            allocator_lock_waits,
+            allocator_lock_wait_micros,
+            log_lock_waits,
+            log_lock_wait_micros,
+            map_cache_pages: self.map_pages.len() as u64,
+            map_cache_max_pages: self.map_pages.capacity() as u64,
+            map_cache_misses: self.map_pages.misses(),
+            crc_cache_pages: self.crc_pages.len() as u64,
+            crc_cache_max_pages: self.crc_pages.capacity() as u64,
+            crc_cache_misses: self.crc_pages.misses(),
         }
     }
 

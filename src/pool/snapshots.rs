@@ -1694,11 +1694,26 @@ impl Pool {
     /// clone sees its origin's where it has no page of its own).
     pub(super) fn count_view_blocks(&self, volume: u32, size_bytes: u64, volblocksize: u32) -> Result<u64, MetaError> {
         let blocks = size_bytes.div_ceil(volblocksize as u64);
+        let mut mapped = 0;
+        for index in self.view_page_indexes(volume, blocks)? {
+            mapped += self
+                .view_entries(volume, index)?
+                .iter()
+                .filter(|e| **e & map_entry::VALID != 0)
+                .count() as u64;
+        }
+        Ok(mapped)
+    }
+
+    /// The map page indexes (of the first `blocks` blocks) where volume
+    /// `volume`'s view can map anything, in order: every walk of a view
+    /// goes through these rather than through every index of its size (a
+    /// file dataset's engine object is so large that such a walk would
+    /// never end). Only pages someone in its ancestry has can map
+    /// anything: its own, and those of each origin's volume and that
+    /// volume's snapshots, up the chain of origins.
+    pub(crate) fn view_page_indexes(&self, volume: u32, blocks: u64) -> Result<Vec<u64>, MetaError> {
         let pages = blocks.div_ceil(MAP_ENTRIES_PER_PAGE);
-        // Only pages someone in its ancestry has can map anything (a file
-        // dataset's engine object is so large that walking every page
-        // index would never end): its own, and those of each origin's
-        // volume and that volume's snapshots, up the chain of origins.
         let mut owners = vec![volume];
         let mut next = self.origin_of(volume);
         while let Some(origin) = next.filter(|o| !owners.contains(o)) {
@@ -1711,15 +1726,7 @@ impl Pool {
         for owner in owners {
             indexes.extend(self.own_pages(owner)?.into_iter().filter(|index| *index < pages));
         }
-        let mut mapped = 0;
-        for index in indexes {
-            mapped += self
-                .view_entries(volume, index)?
-                .iter()
-                .filter(|e| **e & map_entry::VALID != 0)
-                .count() as u64;
-        }
-        Ok(mapped)
+        Ok(indexes.into_iter().collect())
     }
 
     /// Promotes clone `clone`: it stops depending on its origin snapshot,
