@@ -2,7 +2,8 @@
 # ephemeral 127.0.0.1 ports with its data in $DIR/d, and sets PID and PORT
 # (the NBD port). The caller owns DIR and stops the server by PID.
 #
-# Usage: start_strata BINARY [EXTRA SERVE ARGUMENTS...]; start_nbdkit (below)
+# Usage: start_strata BINARY [EXTRA SERVE ARGUMENTS...]; start_nbdkit and
+# stop_pid (below)
 start_strata() {
     cd "$DIR"
     export STRATA_DATA_DIR=$DIR/d
@@ -22,4 +23,19 @@ start_nbdkit() {
     PID=$!
     for _ in $(seq 50); do nbdinfo "nbd://127.0.0.1:$PORT/" >/dev/null 2>&1 && break; sleep 0.1; done
     URI=nbd://127.0.0.1:$PORT/
+}
+
+# Stops the server PID (SIGTERM, or the signal given) and waits for it to
+# exit, so that its data directory is not removed under a daemon still
+# flushing (whose open files would keep their space); after 60 s it is
+# killed (-9), with a line saying so: a clean stop that takes that long is
+# a defect to look into.
+#
+# Usage: stop_pid PID [SIGNAL]
+stop_pid() {
+    [ -n "${1:-}" ] || return 0
+    kill "-${2:-TERM}" "$1" 2>/dev/null || return 0
+    for _ in $(seq 600); do kill -0 "$1" 2>/dev/null || return 0; sleep 0.1; done
+    echo "server $1 did not stop within 60 s of SIG${2:-TERM}: killed" >&2
+    kill -9 "$1" 2>/dev/null || true
 }

@@ -27,7 +27,9 @@ VOLUME_MIB=$((1024 / VOLUMES))
 LIB=$(realpath "$(dirname "$0")/lib.sh")
 DIR=$(mktemp -d)
 PID=
-trap '[ -n "$PID" ] && kill "$PID" 2>/dev/null; sleep 0.5; rm -rf "$DIR"' EXIT
+trap 'stop_pid "$PID"; rm -rf "$DIR"' EXIT
+# shellcheck source=bench/lib.sh
+source "$LIB" # stop_pid, for the trap
 TICKS=$(getconf CLK_TCK)
 
 cpu_ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }

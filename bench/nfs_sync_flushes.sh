@@ -17,7 +17,7 @@ MIB=${3:-256}
 HERE=$(realpath "$(dirname "$0")")
 DIR=$(mktemp -d)
 PID=
-trap '[ -n "$PID" ] && kill -INT "$PID" 2>/dev/null; sleep 0.5; rm -rf "$DIR"' EXIT
+trap 'stop_pid "$PID" INT; rm -rf "$DIR"' EXIT
 # shellcheck source=bench/lib.sh
 source "$HERE/lib.sh"
 cc -O2 -o "$DIR/nfs_load" "$HERE/nfs_load.c" -lnfs

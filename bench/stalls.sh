@@ -21,7 +21,9 @@ LIB=$(realpath "$(dirname "$0")/lib.sh")
 DIR=$(mktemp -d)
 PID=
 # KEEP=1 keeps the logs, never the pool (gigabytes once snapshots hold data).
-trap '[ -n "$PID" ] && kill "$PID" 2>/dev/null; sleep 0.5; rm -rf "$DIR/d" "$DIR/img"; [ -n "${KEEP:-}" ] && echo "kept $DIR" || rm -rf "$DIR"' EXIT
+trap 'stop_pid "$PID"; rm -rf "$DIR/d" "$DIR/img"; [ -n "${KEEP:-}" ] && echo "kept $DIR" || rm -rf "$DIR"' EXIT
+# shellcheck source=bench/lib.sh
+source "$LIB" # stop_pid, for the trap
 cd "$DIR"
 if [ "$KIND" = strata ]; then
     # shellcheck source=bench/lib.sh

@@ -27,7 +27,7 @@ SECS=${2:-10}
 LIB=$(realpath "$(dirname "$0")/lib.sh")
 DIR=$(mktemp -d)
 PID=
-trap '[ -n "$PID" ] && kill "$PID" 2>/dev/null; sleep 0.5; rm -rf "$DIR"' EXIT
+trap 'stop_pid "$PID"; rm -rf "$DIR"' EXIT
 # shellcheck source=bench/lib.sh
 source "$LIB"
 start_strata "$BIN" --max-connections-per-client 512

@@ -33,7 +33,9 @@ OUT=$(realpath -m "${OUT:-$HERE/results/tiering-$RW}")
 mkdir -p "$OUT"
 DIR=$(mktemp -d)
 PID=
-trap '[ -n "$PID" ] && kill "$PID" 2>/dev/null; sleep 0.5; rm -rf "$DIR"' EXIT
+trap 'stop_pid "$PID"; rm -rf "$DIR"' EXIT
+# shellcheck source=bench/lib.sh
+source "$HERE/lib.sh" # stop_pid, for the trap
 HDD="delay:4ms+throttle:iops=150,bw=150M"
 SEGMENT=10
 

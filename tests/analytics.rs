@@ -217,6 +217,22 @@ fn every_request_is_counted_once_by_volume_protocol_op_and_client() {
     // still in the write-back cache, so the read cache saw none of them.
     value("strata_pool_read_cache_hits_total{pool=\"default\"}");
     value("strata_pool_read_cache_misses_total{pool=\"default\"}");
+    // The block-map and checksum page caches take a quarter of the pool's
+    // RAM (512 MiB by default), half each: 2 KiB map pages, 4 KiB checksum
+    // pages. These writes used map pages, and the first use of a page is a
+    // miss (read from the store, or made empty).
+    assert_eq!(value("strata_pool_map_cache_max_pages{pool=\"default\"}"), 32768.0);
+    assert_eq!(value("strata_pool_checksum_cache_max_pages{pool=\"default\"}"), 16384.0);
+    assert!(value("strata_pool_map_cache_pages{pool=\"default\"}") > 0.0);
+    assert!(value("strata_pool_map_cache_misses_total{pool=\"default\"}") > 0.0);
+    value("strata_pool_checksum_cache_misses_total{pool=\"default\"}");
+    // The shared locks' waits are counted (how many depends on timing).
+    for lock in ["allocator", "log"] {
+        value(&format!("strata_pool_{lock}_lock_waits_total{{pool=\"default\"}}"));
+        value(&format!(
+            "strata_pool_{lock}_lock_wait_microseconds_total{{pool=\"default\"}}"
+        ));
+    }
     assert!(
         metrics.contains("strata_device_used_bytes{pool=\"default\""),
         "{metrics}"
