@@ -804,3 +804,62 @@ fn a_promoted_clone_takes_over_the_snapshots() {
         check_clone(&clone).await;
     });
 }
+
+/// A file dataset's data moves between tiers like a volume's: its whole
+/// engine object (2^60 bytes) pinned to the capacity tier, a pass moves
+/// the file's blocks there, and the file reads back the same before and
+/// after a power loss.
+#[test]
+fn a_datasets_files_move_between_tiers() {
+    block_on(async {
+        let fast = SimDevice::new(160 << 20, 11);
+        let capacity = SimDevice::new(256 << 20, 12);
+        let devices = vec![
+            NewDevice {
+                device: fast.as_device(),
+                role: Role::Fast,
+            },
+            NewDevice {
+                device: capacity.as_device(),
+                role: Role::Capacity,
+            },
+        ];
+        let pool = Pool::create("test", 1 << 20, devices).await.unwrap();
+        let fs = FileSystem::open(&pool, DATASET, 16 << 10, 0).await.unwrap();
+        let cred = Cred::root();
+        let (f, _, _) = fs
+            .create(&fs.root(), b"f", &cred, CreateHow::Guarded(attrs(0o644)))
+            .await
+            .unwrap();
+        let data: Vec<u8> = (0..4u32 << 20).map(|i| (i / 4096 % 251) as u8).collect();
+        fs.write(&f, &cred, 0, &data, Stable::FileSync).await.unwrap();
+        pool.checkpoint().await.unwrap();
+        let on = |pool: &Pool, role: Role| {
+            pool.volume_tier_bytes(DATASET)
+                .unwrap()
+                .into_iter()
+                .find(|(r, _)| *r == role)
+                .unwrap()
+                .1
+        };
+        assert!(on(&pool, Role::Fast) >= data.len() as u64);
+        assert_eq!(on(&pool, Role::Capacity), 0);
+
+        pool.set_tier_pin(DATASET, crate::pool::migrate::TierPin::Capacity);
+        let summary = pool.migrate_now().await.unwrap();
+        assert_eq!(summary.errors, 0, "{summary:?}");
+        assert_eq!(on(&pool, Role::Fast), 0, "{summary:?}");
+        assert!(on(&pool, Role::Capacity) >= data.len() as u64);
+        let (read, eof) = fs.read(&f, &cred, 0, data.len() as u32).await.unwrap();
+        assert!(eof && read == data, "the file differs after the move");
+
+        drop((fs, pool));
+        fast.crash();
+        capacity.crash();
+        let pool = Pool::open(vec![fast.as_device(), capacity.as_device()]).await.unwrap();
+        let fs = FileSystem::open(&pool, DATASET, 16 << 10, 0).await.unwrap();
+        let (read, _) = fs.read(&f, &cred, 0, data.len() as u32).await.unwrap();
+        assert!(read == data, "the file differs after a power loss");
+        assert_eq!(on(&pool, Role::Fast), 0);
+    });
+}
