@@ -806,7 +806,7 @@ fn a_promoted_clone_takes_over_the_snapshots() {
 }
 
 /// A file dataset's data moves between tiers like a volume's: its whole
-/// engine object (2^60 bytes) pinned to the capacity tier, a pass moves
+/// engine object (2^63 bytes) pinned to the capacity tier, a pass moves
 /// the file's blocks there, and the file reads back the same before and
 /// after a power loss.
 #[test]

@@ -1052,7 +1052,7 @@ mod tests {
             .all(|e| matches!(map_entry::decode(e), Some((device, _)) if pool.devices[device as usize].member.role == Role::Fast))
     }
 
-    /// A file dataset's engine object spans 2^60 bytes. With the fast tier
+    /// A file dataset's engine object spans 2^63 bytes. With the fast tier
     /// full, a pass walks every open volume's map: only the pages that can
     /// map anything, so it ends, and a block far out in such an object
     /// moves like any other. (A walk of every page index of the object's
