@@ -17,6 +17,7 @@ from /proc/PID/stat) over the run, divided by the operations completed.
 
 Usage: bench/iscsi_bench.py [--runtime S] [--count N] [--size-mib N] [--only strata,tgt-file,tgt-null]
                             [--json PATH] [--baseline PATH] [--matrix 1x32,16x4,64x2,128x1,256x1]
+                            [--volumes N]
 --baseline adds a second strata, "strata-base", run from another binary (an
 older build) in the same run: before/after side by side.
 --matrix (many clients, issue 21) replaces the two workloads with, for
@@ -24,6 +25,12 @@ each JOBSxQD, JOBS sessions at once (one process each, its own initiator
 name): 4K random reads with iscsi-perf -m QD for RUNTIME seconds (the
 sum of the sessions' averages), and 4K writes with qemu-img bench -d QD,
 COUNT requests split among them (COUNT / the wall time of them all).
+--volumes N (with --matrix) splits the size into N volumes (strata: N
+volumes of the pool; tgt: N targets, each on its own file), session i
+using volume i mod N.
+Before every measurement the servers settle: strata destages its RAM
+write-back cache (`strata pool sync`), then `sync` writes back the page
+cache, so no row pays for the fill's or an earlier row's writes.
 Needs root (tgtd), libiscsi-bin (iscsi-perf), tgt, qemu-utils with iscsi://
 support (qemu-block-extra) and libnbd-bin (nbdcopy, to fill the strata volume).
 Prints a Markdown table.
@@ -91,7 +98,8 @@ def stop(proc, signals=(signal.SIGTERM,), wait=20):
 class Strata:
     name = "strata"
 
-    def __init__(self, work, seed, size, binary=STRATA, data="strata-data"):
+    def __init__(self, work, seed, size, binary=STRATA, data="strata-data", volumes=1):
+        self.binary = binary
         self.data_dir = os.path.join(work, data)
         self.iscsi, self.nbd, self.api = free_port(), free_port(), free_port()
         # Hundreds of sessions from one address (--matrix): above the default cap.
@@ -102,14 +110,23 @@ class Strata:
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=dict(os.environ, STRATA_LOG="warn"))
         for port in (self.api, self.nbd, self.iscsi):
             wait_port(port, self.proc)
-        request = urllib.request.Request(
-            f"http://127.0.0.1:{self.api}/v1/volumes", method="POST",
-            data=json.dumps({"name": "default/bench", "size": size}).encode(),
-            headers={"Content-Type": "application/json", **self.auth()})
-        urllib.request.urlopen(request, timeout=60).read()
-        subprocess.run(["nbdcopy", "--flush", seed, f"nbd://127.0.0.1:{self.nbd}/default/bench"], check=True)
-        self.url = f"iscsi://127.0.0.1:{self.iscsi}/iqn.2026-11.io.strata:default.bench/0"
+        names = ["bench"] if volumes == 1 else [f"bench{i}" for i in range(volumes)]
+        for name in names:
+            request = urllib.request.Request(
+                f"http://127.0.0.1:{self.api}/v1/volumes", method="POST",
+                data=json.dumps({"name": f"default/{name}", "size": size // volumes}).encode(),
+                headers={"Content-Type": "application/json", **self.auth()})
+            urllib.request.urlopen(request, timeout=60).read()
+            subprocess.run(["nbdcopy", "--flush", seed, f"nbd://127.0.0.1:{self.nbd}/default/{name}"], check=True)
+        self.urls = [f"iscsi://127.0.0.1:{self.iscsi}/iqn.2026-11.io.strata:default.{name}/0" for name in names]
+        self.url = self.urls[0]
         self.pid = self.proc.pid
+
+    def settle(self):
+        """Destages the RAM write-back cache, then the kernel's page cache."""
+        subprocess.run([self.binary, "pool", "sync", "default", "--data-dir", self.data_dir], check=True,
+                       stdout=subprocess.DEVNULL)
+        os.sync()
 
     def auth(self):
         """The API token header (the daemon writes DATA_DIR/api.token before it listens)."""
@@ -121,11 +138,13 @@ class Strata:
 
 
 class Tgt:
-    """One tgtd with two targets: tid 1 on a file, tid 2 on bs-type null."""
+    """One tgtd with two targets: tid 1 on a file, tid 2 on bs-type null
+    (and with volumes > 1, tids 3.. on files of their own)."""
 
-    def __init__(self, work, seed):
+    def __init__(self, work, seed, volumes=1):
         self.file = os.path.join(work, "tgt.img")
         shutil.copyfile(seed, self.file)
+        self.volumes = volumes
         os.makedirs(TGT_IPC_DIR, exist_ok=True)
         # A control port no other tgtd uses (tgtd accepts 0..32767).
         self.control = next(c for c in range(20000 + os.getpid() % 10000, 32768)
@@ -140,7 +159,23 @@ class Tgt:
             self.adm("--op", "new", "--mode", "target", "--tid", str(tid), "-T", f"iqn.2026-11.bench:{name}")
             self.adm("--op", "new", "--mode", "logicalunit", "--tid", str(tid), "--lun", "1", *backing)
             self.adm("--op", "bind", "--mode", "target", "--tid", str(tid), "-I", "ALL")
+        if volumes > 1:
+            for i in range(volumes):
+                path = os.path.join(work, f"tgt{i}.img")
+                shutil.copyfile(seed, path)
+                tid = 3 + i
+                self.adm("--op", "new", "--mode", "target", "--tid", str(tid), "-T", f"iqn.2026-11.bench:file{i}")
+                self.adm("--op", "new", "--mode", "logicalunit", "--tid", str(tid), "--lun", "1", "-b", path)
+                self.adm("--op", "bind", "--mode", "target", "--tid", str(tid), "-I", "ALL")
         self.pid = self.proc.pid
+
+    def file_urls(self):
+        if self.volumes == 1:
+            return [self.url("file")]
+        return [self.url(f"file{i}") for i in range(self.volumes)]
+
+    def settle(self):
+        os.sync()
 
     def adm(self, *args):
         subprocess.run(["tgtadm", "-C", str(self.control), "--lld", "iscsi", *args], check=True,
@@ -193,9 +228,9 @@ def initiator(i):
     return f"iqn.2026-11.io.strata.bench:session{i}"
 
 
-def matrix_read(url, jobs, qd, runtime):
-    outputs = sessions([["iscsi-perf", "-i", initiator(i), "-t", str(runtime), "-m", str(qd), "-b", "8", "-r", url]
-                        for i in range(jobs)])
+def matrix_read(urls, jobs, qd, runtime):
+    outputs = sessions([["iscsi-perf", "-i", initiator(i), "-t", str(runtime), "-m", str(qd), "-b", "8", "-r",
+                         urls[i % len(urls)]] for i in range(jobs)])
     iops = 0.0
     for out in outputs:
         averages = re.findall(r"iops average (\d+)", out)
@@ -205,11 +240,19 @@ def matrix_read(url, jobs, qd, runtime):
     return iops, iops * runtime
 
 
-def matrix_write(url, jobs, qd, count):
+def matrix_write(urls, size, jobs, qd, count):
     each = max(1, count // jobs)
+    # Each session writes `each` blocks one after the other from its own
+    # start, which must leave room for them all before its volume's end
+    # (sessions sharing a volume start where the one before stopped, as
+    # far as that goes).
+    room = (size // len(urls)) - each * 4096 + 4096
+    if room < 4096:
+        raise RuntimeError(f"{each} writes of 4K do not fit a volume of {size // len(urls)} bytes: lower --count")
     started = time.time()
     sessions([["qemu-img", "bench", "-f", "raw", "-w", "-t", "none", "-d", str(qd), "-c", str(each), "-s", "4k",
-               "-o", str(i * each * 4096 % (1 << 30)), url] for i in range(jobs)])
+               "-o", str((i // len(urls)) * each * 4096 % room // 4096 * 4096), urls[i % len(urls)]]
+              for i in range(jobs)])
     return each * jobs / (time.time() - started), each * jobs
 
 
@@ -229,6 +272,7 @@ def main():
     parser.add_argument("--json", default="", help="also write the results as JSON here")
     parser.add_argument("--baseline", default="", help="another strata binary to run side by side (before/after)")
     parser.add_argument("--matrix", default="", help="JOBSxQD,... : many sessions at once (see above)")
+    parser.add_argument("--volumes", type=int, default=1, help="with --matrix: split the size into N volumes")
     options = parser.parse_args()
     for tool in ["iscsi-perf", "qemu-img", "tgtd", "tgtadm", "nbdcopy"]:
         if not shutil.which(tool):
@@ -239,10 +283,12 @@ def main():
         subprocess.run(["cargo", "build", "--release"], cwd=ROOT, check=True)
 
     work = tempfile.mkdtemp(prefix="strata-iscsi-bench-")
+    if options.volumes > 1 and not options.matrix:
+        sys.exit("--volumes needs --matrix")
     size = options.size_mib << 20
     seed = os.path.join(work, "seed.img")
     with open(seed, "wb") as f:
-        for _ in range(options.size_mib):
+        for _ in range(options.size_mib // options.volumes):
             f.write(os.urandom(1 << 20))
 
     wanted = options.only.split(",") if options.only else ["strata", "tgt-file", "tgt-null"]
@@ -254,29 +300,36 @@ def main():
         workloads = []
         for row in options.matrix.split(","):
             jobs, qd = (int(n) for n in row.split("x"))
+            if jobs < options.volumes:
+                continue  # a row with fewer sessions than volumes (as in many_clients.sh)
             workloads.append((f"4K random read {jobs}x{qd}",
-                              lambda url, j=jobs, q=qd: matrix_read(url, j, q, options.runtime)))
+                              lambda urls, j=jobs, q=qd: matrix_read(urls, j, q, options.runtime)))
             workloads.append((f"4K write {jobs}x{qd}",
-                              lambda url, j=jobs, q=qd: matrix_write(url, j, q, options.count)))
+                              lambda urls, j=jobs, q=qd: matrix_write(urls, size, j, q, options.count)))
     results = {}
     strata = base = tgt = None
     if options.baseline:
         wanted.append("strata-base")
     try:
-        strata = Strata(work, seed, size)
+        strata = Strata(work, seed, size, volumes=options.volumes)
         if options.baseline:
-            base = Strata(work, seed, size, options.baseline, "strata-base")
-        tgt = Tgt(work, seed)
+            base = Strata(work, seed, size, options.baseline, "strata-base", volumes=options.volumes)
+        tgt = Tgt(work, seed, volumes=options.volumes)
         os.unlink(seed)
-        peers = [("strata", strata.pid, strata.url)]
+        # (name, pid, where the workload goes: one URL, or with --matrix the
+        # list of volumes' URLs, and how the server settles)
+        matrix = bool(options.matrix)
+        peers = [("strata", strata.pid, strata.urls if matrix else strata.url, strata.settle)]
         if base:
-            peers.append(("strata-base", base.pid, base.url))
-        peers += [("tgt-file", tgt.pid, tgt.url("file")), ("tgt-null", tgt.pid, tgt.url("null"))]
+            peers.append(("strata-base", base.pid, base.urls if matrix else base.url, base.settle))
+        peers += [("tgt-file", tgt.pid, tgt.file_urls() if matrix else tgt.url("file"), tgt.settle),
+                  ("tgt-null", tgt.pid, [tgt.url("null")] if matrix else tgt.url("null"), tgt.settle)]
         peers = [p for p in peers if p[0] in wanted]
         # Interleave servers within each workload, so a slow phase of a noisy
         # machine is shared rather than hitting one server only.
         for workload, run in workloads:
-            for name, pid, url in peers:
+            for name, pid, url, settle in peers:
+                settle()
                 result = measure(pid, lambda: run(url))
                 results.setdefault(workload, {})[name] = result
                 print(f"{name:9} {workload:34} {result['iops']:9.0f} IOPS {result['cpu_us_per_op']:6.1f} us CPU/op",

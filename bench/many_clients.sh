@@ -6,7 +6,9 @@
 # completion latency of the median job, the spread of the jobs' own p99s
 # (slowest job / median job: fairness), and the server's CPU per operation
 # (utime + stime of its process over the run, from /proc).
-# A temporary directory, ephemeral 127.0.0.1 ports, servers stopped by PID.
+# Every row starts with nothing left dirty by the fill or an earlier row
+# (settle, below). A temporary directory, ephemeral 127.0.0.1 ports,
+# servers stopped by PID.
 #
 # VOLUMES=16 splits the same 1 GiB into 16 volumes of 64 MiB (strata: 16
 # volumes of the pool; nbdkit: its file plugin's dir= mode, one file per
@@ -70,6 +72,17 @@ start_server() {
     done
 }
 
+# Before each row: what earlier rows (and the fill) left dirty goes to the
+# disk first, so that no row pays for another's writes: strata destages
+# its RAM write-back cache (`pool sync`), and the kernel writes back the
+# page cache (`sync`: nbdkit's file, strata's device files).
+settle() {
+    if [ "$1" = strata ]; then
+        "$BIN" pool sync default >/dev/null
+    fi
+    sync
+}
+
 stop_server() {
     kill "$PID" 2>/dev/null || true
     wait "$PID" 2>/dev/null || true
@@ -115,6 +128,7 @@ for server in $SERVERS; do
         depth=${row#*x}
         [ "$jobs" -ge "$VOLUMES" ] || continue
         for rw in $RWS; do
+            settle "$server"
             read -r iops p99 spread cpu < <(run_row "$rw" "$jobs" "$depth")
             echo "| $server | $rw | $row | $iops | $p99 | $spread | $cpu |"
         done
