@@ -17,7 +17,9 @@
 #
 # Usage: bench/many_clients.sh [STRATA_BINARY] [SECONDS]
 #        (ROWS="1x32 16x4" picks rows; SERVERS="strata nbdkit" picks servers;
-#        RWS=randwrite picks the direction)
+#        RWS=randwrite picks the direction; RATE=20000 offers that many
+#        requests a second in all instead of a closed loop, for latency at
+#        an equal load)
 set -euo pipefail
 BIN=$(realpath "${1:-$(dirname "$0")/../target/release/strata}")
 SECONDS_RUN=${2:-15}
@@ -25,6 +27,7 @@ ROWS=${ROWS:-1x32 16x4 64x2 128x1 256x1}
 SERVERS=${SERVERS:-strata nbdkit}
 RWS=${RWS:-randread randwrite}
 VOLUMES=${VOLUMES:-1}
+RATE=${RATE:-}
 VOLUME_MIB=$((1024 / VOLUMES))
 LIB=$(realpath "$(dirname "$0")/lib.sh")
 DIR=$(mktemp -d)
@@ -95,6 +98,9 @@ run_row() {
     local rw=$1 jobs=$2 depth=$3 before after
     # One job group per volume, JOBS / VOLUMES connections each.
     local groups=() uri
+    # RATE: an open loop, that many requests a second offered in all,
+    # split evenly among the jobs (a global option: before the first job).
+    [ -z "$RATE" ] || groups+=(--rate_iops=$((RATE / jobs)))
     for uri in "${URIS[@]}"; do
         groups+=(--name=w --uri="$uri" --numjobs=$((jobs / VOLUMES)))
     done

@@ -15,7 +15,8 @@
 # commit under its lock (from /metrics; the others are the destager's), the
 # writes that waited for room in the intent log (and how long, summed over
 # the writers), and the ratios the issue sets (>= 8x). Also counts writes
-# that failed (fio err=).
+# that failed (fio err=). Every row starts settled: nothing an earlier row
+# or a fill wrote is still cached (`strata pool sync`, then `sync`).
 # A temporary directory, ephemeral 127.0.0.1 ports, the server stopped by PID.
 #
 # Usage: bench/sync_scale.sh [STRATA_BINARY] [SECONDS]
@@ -53,6 +54,10 @@ run() {
         i=$((i + 1))
     done
     local ticks0 busy0 commits0 flushes0 cflushes0 waits0 waited0
+    # Settle first: what a fill or an earlier row left in the write-back
+    # cache and the page cache goes to the disk before this row starts.
+    "$BIN" pool sync default >/dev/null
+    sync
     ticks0=$(awk '{print $14 + $15}' "/proc/$PID/stat")
     commits0=$(metric strata_pool_log_commits_total)
     flushes0=$(metric strata_pool_data_flushes_total)

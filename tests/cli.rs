@@ -154,7 +154,16 @@ impl Outcome {
     #[track_caller]
     fn ok(&self) -> &str {
         assert_eq!(self.code, Some(0), "expected success, got {self:#?}");
-        assert!(self.stderr.is_empty(), "unexpected stderr: {self:#?}");
+        // The one warning a success may print comes from the host, not the
+        // test: the file system the test's device files sit on (the
+        // machine's own, shared) has under 10 % free. Anything else on
+        // stderr is a defect.
+        let unexpected: Vec<&str> = self
+            .stderr
+            .lines()
+            .filter(|line| !(line.starts_with("strata: warning: ") && line.contains(": its file system has ")))
+            .collect();
+        assert!(unexpected.is_empty(), "unexpected stderr: {self:#?}");
         &self.stdout
     }
 
