@@ -66,8 +66,9 @@ fn iscsi_ls_discovers_every_volume() {
     // When the host's file system (shared by the machine, not the test's)
     // is under 10 % free, the first command after the pool notices gets the
     // THIN PROVISIONING SOFT THRESHOLD REACHED unit attention, once, and
-    // iscsi-ls gives up on it where a kernel initiator retries. Retry once,
-    // as an initiator would, and only then.
+    // iscsi-ls gives up on it where a kernel initiator retries. So a first
+    // failure is retried once, as an initiator would; a second fails the
+    // test (a unit attention is reported once per nexus and crossing).
     let first = Command::new("iscsi-ls")
         .args(["-s", &portal])
         .output()
