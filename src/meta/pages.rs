@@ -539,7 +539,7 @@ mod tests {
     #[test]
     fn a_stored_page_of_the_wrong_length_is_an_error_not_zeros() {
         // A map page with one entry fewer than it should have: its last
-        // entry used to decode as unmapped.
+        // entry must not decode as unmapped.
         let mut bytes = Vec::new();
         for i in 0..MAP_ENTRIES_PER_PAGE {
             bytes.extend_from_slice(&(i | 1 << 63).to_le_bytes());

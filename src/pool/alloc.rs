@@ -276,8 +276,8 @@ impl Allocator {
     /// truncation, or a volume refilled after a large TRIM, then lands in
     /// the space its old data held instead of growing the device files
     /// while the freer punches the old space, slowly, holding the file's
-    /// lock (and, on this project's VM, into page cache memory never touched
-    /// before, which costs the kernel several times the copy: BENCHMARKS.md).
+    /// lock (and, on a VM, into page cache memory never touched before,
+    /// which can cost the kernel several times the copy: BENCHMARKS.md, NFS).
     pub fn allocate_near(&mut self, slot_shift: u8, hint: Option<Hint>) -> Option<(u8, u64)> {
         if !self.freeing.is_empty() && self.would_open_chunk(slot_shift, hint) {
             self.reclaim_chunks(RECLAIM_CHUNKS);
@@ -982,8 +982,8 @@ mod tests {
                 offset: chunk
             })
         );
-        // The same chunk cannot hold 4 KiB slots too (this used to set the
-        // bit of a different slot and count 4 KiB as used).
+        // The same chunk cannot hold 4 KiB slots too (accepted, this would
+        // set the bit of a different slot and count 4 KiB as used).
         assert_eq!(
             allocator.mark_used(0, chunk + (1 << 14), 12),
             Err(AllocError::SlotSizeMismatch {
@@ -1015,7 +1015,7 @@ mod tests {
         let fast = DeviceSpace::new(0, Role::Fast, 1, 8);
         let mut allocator = Allocator::new(1 << 20, vec![fast]);
         let state = |slot_shift, used| ChunkState { slot_shift, used };
-        // Out of range chunks were dropped silently before.
+        // A chunk outside the device is an error, not silently dropped.
         assert!(matches!(
             allocator.load_chunk(0, 9, state(14, [1, 0, 0, 0])),
             Err(AllocError::OutsideDevice { chunk: 9, .. })

@@ -386,7 +386,7 @@ impl Pool {
     /// pending needs the data devices flushed first, else a commit of the
     /// records with that flush. (Not a commit of every completed write: a
     /// destage pass marks chunks before each write in place, and such a
-    /// commit flushed the data devices under the commit lock, with
+    /// commit would flush the data devices under the commit lock, with
     /// synchronous writers queued behind it, for writes nobody asked to
     /// be durable yet.)
     pub(crate) async fn commit_marks(&self) -> Result<(), PoolError> {

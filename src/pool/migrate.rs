@@ -784,10 +784,10 @@ pub const SWAP_MAX_BYTES: u64 = 256 << 20;
 /// least this many times the mean heat of the colder tier's chunks. Reads
 /// spread evenly over far more chunks than the fast tier holds give every
 /// chunk, fast or capacity, about the same heat, and the chunk that looked
-/// hottest this minute is no hotter than the rest the next: swapping on
-/// that noise (more than twice the coldest fast chunk's heat was enough)
-/// moved 1.2 GiB up and 1.5 GiB down in 10 minutes of `bench/tiering.sh`
-/// for no IOPS, and raised the clients' p99 by a quarter (BENCHMARKS.md).
+/// hottest this minute is no hotter than the rest the next. Swapping on
+/// that noise (at twice the coldest fast chunk's heat) moves 1.2 GiB up
+/// and 1.5 GiB down in 10 minutes of `bench/tiering.sh` for no IOPS, and
+/// raises the clients' p99 by a quarter (BENCHMARKS.md, tiering).
 /// A hot set on the capacity tier stands out from it, and a fast tier
 /// nobody reads is cold: those still trade places.
 pub const SWAP_STANDOUT: u64 = 4;
@@ -1439,9 +1439,10 @@ mod tests {
     /// A client rewrites a block the migrator has just moved, before the
     /// pass commits, into a chunk already marked dirty in this epoch, and
     /// the daemon is killed. The move's `Map` record (it frees the old
-    /// slot) was not counted as a pending allocation, so the rewrite went
-    /// in place over the new slot without logging anything; replay, without
-    /// the record, mapped the old slot: the acknowledged rewrite was lost.
+    /// slot) counts as a pending allocation; if it did not, the rewrite
+    /// would go in place over the new slot without logging anything, and
+    /// replay, without the record, would map the old slot: the acknowledged
+    /// rewrite would be lost.
     #[test]
     fn a_rewrite_of_a_block_just_moved_survives_a_kill() {
         block_on(async {

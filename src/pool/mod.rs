@@ -4,9 +4,10 @@
 //! How the pieces keep data safe (ARCHITECTURE.md has the long version):
 //! - Data is written in place. Every 4 KiB sector of an allocated block has a
 //!   crc32c in the checksum table, verified on every read.
-//! - A new block's mapping and checksums go to the log as one record. Every
-//!   log commit first flushes the data devices, so a durable mapping never
-//!   points at data that is not durable.
+//! - A new block's mapping and checksums go to the log as one record. A log
+//!   commit that carries such a record flushes the data devices first (a
+//!   commit of records that need no flush, such as `Dirty` marks, skips
+//!   it), so a durable mapping never points at data that is not durable.
 //! - Before the first write into a chunk in each checkpoint epoch, a `Dirty`
 //!   record for that chunk is committed. After a crash the chunks named by
 //!   such records are *suspect*: their checksums may describe the data before

@@ -386,7 +386,8 @@ impl Pool {
             cache::live_data_records(&records)
         };
         let (ram_tier, survivors) = if replayed_data.len() > ram_tier.total_slots() {
-            // Smaller than the data the log still holds: grow it for now.
+            // Smaller than the data the log still holds: a larger heap region
+            // until the next start.
             tracing::warn!(
                 "RAM tier {} is smaller than the {} sectors to replay; using a larger heap region",
                 ram_tier.location(),

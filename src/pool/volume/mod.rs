@@ -699,8 +699,8 @@ mod tests {
     /// (their chunk already marked dirty, so nothing committed them) and
     /// before the log write that follows it: the device holds the rewrite's
     /// data, the log what it held before. Every acknowledged write must
-    /// read back. An overwrite in place used to break the staged records'
-    /// checksums here, and recovery dropped the blocks (read back zeros).
+    /// read back: an overwrite in place must not break the staged records'
+    /// checksums, or recovery drops the blocks (they read back as zeros).
     #[test]
     fn a_kill_after_a_rewrite_of_blocks_whose_mappings_are_only_staged_loses_nothing() {
         current_thread().block_on(async {
