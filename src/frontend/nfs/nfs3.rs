@@ -532,7 +532,7 @@ impl Gate<'_> {
 /// results to `out` (a SUCCESS reply being built). A READ's data is not
 /// appended: `out` ends with its length, and the data comes back, still
 /// in the buffer the engine read it into, to be sent after `out` with its
-/// XDR padding (a copy of each 1 MiB READ was a quarter of the server's
+/// XDR padding (copying each 1 MiB READ costs a quarter of the server's
 /// CPU on sequential reads).
 pub async fn execute(
     exports: &dyn Exports,
