@@ -2,14 +2,15 @@
 //!
 //! O_DIRECT policy ([`DirectIo::Auto`], the default): block devices are
 //! opened with O_DIRECT, regular files are buffered. A file-backed pool runs
-//! on a file system whose page cache is, until the RAM tier exists, the only
-//! read cache a file-backed pool has; bypassing it would make every re-read
-//! of hot data a device read, and buffered writes coalesce in the cache
-//! until a flush. A block device is the real medium, usually dedicated to us:
-//! the page cache would double-cache what the pool caches itself and hide
-//! the device's true latency from the tiering decisions. Durability does not
-//! depend on the choice: the contract promises nothing before `flush`, and
-//! `flush` is fdatasync in both modes.
+//! on a file system whose page cache can hold far more of the hot data than
+//! the pool's own read cache (64 MiB by default); bypassing it would make
+//! every re-read of hot data that the read cache does not hold a device
+//! read, and buffered writes coalesce in the page cache until a flush. A
+//! block device is the real medium, usually dedicated to us: the page cache
+//! would double-cache what the pool caches itself and hide the device's true
+//! latency from the tiering decisions. Durability does not depend on the
+//! choice: the contract promises nothing before `flush`, and `flush` is
+//! fdatasync in both modes.
 //!
 //! If an O_DIRECT open (or the first O_DIRECT read) fails with EINVAL, the
 //! file system does not support it; the device falls back to buffered I/O

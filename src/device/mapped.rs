@@ -7,7 +7,7 @@
 //! the page cache once, summed and stored into the buffer
 //! ([`crate::checksum::copy_summing_sectors`]). On the machine of the 1M
 //! sequential read benchmark that is ~90 µs per MiB against ~165 for
-//! `pread` plus checksums (BENCHMARKS.md): the copy costs what the memory
+//! `pread` plus checksums (BENCHMARKS.md, NBD): the copy costs what the memory
 //! costs, and the checksums come free with it.
 //!
 //! What makes it safe:
@@ -37,9 +37,9 @@
 //! `pwrite` of the same file): a write of whole resident pages, up to
 //! 64 KiB, is a memory copy into the page cache, where a buffered `pwrite`
 //! takes the file's inode lock exclusively (ext4, for every buffered write)
-//! and costs ~23 µs per 4 KiB on this class of VM; a hundred connection
-//! threads writing one device file spent most of their time spinning and
-//! sleeping on that lock. The first store to a clean page faults once (the
+//! and costs ~23 µs per 4 KiB on a small cloud VM; a hundred threads
+//! writing one device file spend most of their time spinning and sleeping
+//! on that lock. The first store to a clean page faults once (the
 //! file system's `page_mkwrite`, under a shared lock); later stores until
 //! the page is written back cost only the copy, but a flush write-protects
 //! the page again, so pages flushed after every write are cheaper written
