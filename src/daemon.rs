@@ -120,12 +120,12 @@ pub fn run(args: ServeArgs) -> ExitCode {
 /// a storage server often share its cores (VMs on the same host, a
 /// benchmark's fio), and a client woken by its reply preempts a worker
 /// whatever its nice value (a sleeper's credit): with one worker per core,
-/// the tasks queued on a preempted worker waited for its next turn, and a
+/// the tasks queued on a preempted worker wait for its next turn, and a
 /// spare worker that is on a core steals them. On 2 cores, 16-256 NBD
 /// connections reading 4K: p99 27-28 / 65-70 / 170-225 ms with 2 workers,
 /// 13 / 31 / 95 with 3, 9-10 / 22-23 / 88-91 with 4; but one connection's
-/// 1M reads lost 4-18 % with 4 and none with 3 (BENCHMARKS.md, "Spare
-/// async workers").
+/// 1M reads lost 4-18 % with 4 and none with 3 (BENCHMARKS.md, connections
+/// and memory).
 fn async_workers() -> usize {
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     cores + (cores / 2).max(1)

@@ -1,5 +1,6 @@
 //! strata: a storage server that serves thin block volumes over NBD and
-//! iSCSI (NFSv3 to come). See ARCHITECTURE.md for the layers.
+//! iSCSI, and file datasets over NFSv3, from pooled, tiered devices. See
+//! ARCHITECTURE.md for the layers.
 
 // Every `unsafe` block says why it is sound.
 #![deny(clippy::undocumented_unsafe_blocks)]

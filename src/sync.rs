@@ -32,7 +32,7 @@ impl<T> LockOrAbort<T> for Mutex<T> {
 /// log's pending records) that counts how often a thread found it held and
 /// how long such threads waited: the `strata_pool_*_lock_waits_total`
 /// metrics, which say on a given machine whether the lock is worth
-/// splitting (ARCHITECTURE.md, "Many clients").
+/// splitting.
 #[derive(Debug, Default)]
 pub struct WatchedMutex<T> {
     mutex: Mutex<T>,

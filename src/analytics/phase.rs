@@ -1,7 +1,8 @@
 //! Where a request's time goes: the layers it passes through add the time
-//! it waited for them (today: the intent log's commits) to a task-local
-//! tally that the frontend reads when the request completes. Outside a
-//! measured request (the destager, checkpoints) adding does nothing.
+//! it waited for them (the one layer that does is the intent log's commit)
+//! to a task-local tally that the frontend reads when the request
+//! completes. Outside a measured request (the destager, checkpoints)
+//! adding does nothing.
 
 use std::cell::Cell;
 use std::future::Future;

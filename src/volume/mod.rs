@@ -1,7 +1,8 @@
 //! Volumes: the block-device contract every frontend speaks to.
 //!
-//! [`BlockDevice`] is the boundary between the protocol frontends (NBD and
-//! iSCSI; NFS to come) and storage. The frontends only ever see a [`Volume`], which
+//! [`BlockDevice`] is the boundary between the block frontends (NBD and
+//! iSCSI) and storage; NFS serves file datasets through [`crate::fs`]
+//! instead. The block frontends only ever see a [`Volume`], which
 //! checks every request against the volume's size and alignment, applies the
 //! volume's durability properties (`sync`, `wce`) and forwards to its backing.
 //! The backing is the storage engine's thin volume

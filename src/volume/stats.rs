@@ -3,8 +3,9 @@
 //!
 //! Recording is a handful of relaxed atomic adds on counters the volume owns:
 //! no lock and no map lookup on the data path. The histogram buckets are
-//! powers of two of microseconds, the same buckets the latency heat maps will
-//! read. `admin::metrics` renders them in the Prometheus text format.
+//! powers of two of microseconds; `admin::metrics` renders them in the
+//! Prometheus text format. (The latency heat maps read the finer
+//! log-linear buckets of [`crate::analytics`] instead.)
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
