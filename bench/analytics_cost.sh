@@ -8,11 +8,14 @@
 # A temporary directory, ephemeral 127.0.0.1 ports, servers stopped by PID.
 #
 # Usage: bench/analytics_cost.sh [STRATA_BINARY] [SECONDS]
+#        (BENCH_CSV=FILE appends each median as "test,field,on,off")
 set -euo pipefail
 BIN=$(realpath "${1:-$(dirname "$0")/../target/release/strata}")
 RUNTIME=${2:-10}
 ROUNDS=${ROUNDS:-4}
 LIB=$(realpath "$(dirname "$0")/lib.sh")
+# shellcheck source=bench/lib.sh
+source "$LIB" # bench_csv
 TOP=$(mktemp -d)
 PID=
 trap '[ -n "$PID" ] && kill "$PID" 2>/dev/null; rm -rf "$TOP"' EXIT
@@ -78,5 +81,6 @@ for test in randread-32 randwrite-32 randread-1; do
         on=$(med on) off=$(med off)
         name=$(case $field in 1) echo "IOPS";; 2) echo "server CPU µs/op";; 3) echo "p50 µs";; esac)
         printf '| %s %s | %s | %s | %.3f |\n' "$test" "$name" "$on" "$off" "$(python3 -c "print($on / $off)")"
+        bench_csv "$test" "$(case $field in 1) echo iops;; 2) echo cpu_us_per_op;; 3) echo p50_us;; esac)" "$on" "$off"
     done
 done

@@ -9,7 +9,10 @@ switches of all the daemon's threads (voluntary and not, from
 /proc/PID/task/*/status): per second while idle, per read while active.
 Not in CI. Usage:
 
-    cargo build --release && python3 bench/conn_scale.py [--binary target/release/strata]
+    cargo build --release && python3 bench/conn_scale.py [--binary target/release/strata] [--json PATH]
+
+--json also writes the table as JSON: a list of {state, rss_kib, threads,
+rss_per_conn_kib, threads_per_conn, wakeups, wakeups_unit, reads_per_s}.
 
 Connections come from 127.0.0.x (100 per address) so the per-client cap
 (128 by default) is not what is measured; the listener cap is raised to
@@ -17,6 +20,7 @@ Connections come from 127.0.0.x (100 per address) so the per-client cap
 """
 
 import argparse
+import json
 import os
 import random
 import re
@@ -99,7 +103,9 @@ def reader(sock, stop, counter):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--binary", default="target/release/strata")
+    parser.add_argument("--json", default="", help="also write the rows as JSON here")
     args = parser.parse_args()
+    rows = []
     data_dir = tempfile.mkdtemp(prefix="strata-conn-scale-")
     env = dict(os.environ, STRATA_RAM_DIR=data_dir, STRATA_LOG="warn")
     server = subprocess.Popen(
@@ -122,9 +128,17 @@ def main():
     def idle_wakeups():
         before = switches(pid)
         time.sleep(2.0)
-        return f"{(switches(pid) - before) / 2:10.0f} per s"
+        return (switches(pid) - before) / 2
 
-    print(f"{'no connection':<28} {base_rss / 1024:8.1f} {base_threads:8d} {'':>13} {'':>13} {idle_wakeups():>16}")
+    def record(state, rss, threads, per_conn, wakeups, unit, reads_per_s=None):
+        rows.append({"state": state, "rss_kib": rss, "threads": threads,
+                     "rss_per_conn_kib": None if per_conn is None else (rss - base_rss) / per_conn,
+                     "threads_per_conn": None if per_conn is None else (threads - base_threads) / per_conn,
+                     "wakeups": wakeups, "wakeups_unit": unit, "reads_per_s": reads_per_s})
+
+    wakeups = idle_wakeups()
+    record("no connection", base_rss, base_threads, None, wakeups, "per s")
+    print(f"{'no connection':<28} {base_rss / 1024:8.1f} {base_threads:8d} {'':>13} {'':>13} {f'{wakeups:10.0f} per s':>16}")
     sockets = []
     try:
         for target in (1, 100, 1000):
@@ -133,8 +147,11 @@ def main():
                 sockets.append(nbd_connect(address, source))
             time.sleep(1.0)
             rss, threads = status(pid)
+            wakeups = idle_wakeups()
+            record(f"{target} idle", rss, threads, target, wakeups, "per s")
             print(f"{f'{target} idle':<28} {rss / 1024:8.1f} {threads:8d} "
-                  f"{(rss - base_rss) / target:13.0f} {(threads - base_threads) / target:13.2f} {idle_wakeups():>16}")
+                  f"{(rss - base_rss) / target:13.0f} {(threads - base_threads) / target:13.2f} "
+                  f"{f'{wakeups:10.0f} per s':>16}")
         for sock in sockets[100:]:
             sock.close()
         del sockets[100:]
@@ -156,6 +173,7 @@ def main():
             for worker in workers:
                 worker.join()
             label = f"100 open, {active} reading"
+            record(label, rss, threads, 100, woken / max(done, 1), "per read", done / 5)
             print(f"{label:<28} {rss / 1024:8.1f} {threads:8d} "
                   f"{(rss - base_rss) / 100:13.0f} {(threads - base_threads) / 100:13.2f} "
                   f"{woken / max(done, 1):8.2f} per read   ({done / 5:.0f} reads/s)")
@@ -164,6 +182,9 @@ def main():
             sock.close()
         server.terminate()
         server.wait(timeout=30)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
 
 
 if __name__ == "__main__":

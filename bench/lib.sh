@@ -39,3 +39,14 @@ stop_pid() {
     echo "server $1 did not stop within 60 s of SIG${2:-TERM}: killed" >&2
     kill -9 "$1" 2>/dev/null || true
 }
+
+# Appends one CSV line (the arguments, comma-separated) to $BENCH_CSV when
+# it is set: the machine-readable output bench/all.py reads. Without
+# BENCH_CSV a script prints only what it always printed.
+#
+# Usage: bench_csv FIELD...
+bench_csv() {
+    [ -n "${BENCH_CSV:-}" ] || return 0
+    local IFS=,
+    echo "$*" >>"$BENCH_CSV"
+}

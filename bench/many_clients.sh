@@ -19,7 +19,8 @@
 #        (ROWS="1x32 16x4" picks rows; SERVERS="strata nbdkit" picks servers;
 #        RWS=randwrite picks the direction; RATE=20000 offers that many
 #        requests a second in all instead of a closed loop, for latency at
-#        an equal load)
+#        an equal load; BENCH_CSV=FILE appends each row as
+#        "server,rw,row,volumes,rate,iops,p99_us,spread,cpu_us_per_op")
 set -euo pipefail
 BIN=$(realpath "${1:-$(dirname "$0")/../target/release/strata}")
 SECONDS_RUN=${2:-15}
@@ -137,6 +138,7 @@ for server in $SERVERS; do
             settle "$server"
             read -r iops p99 spread cpu < <(run_row "$rw" "$jobs" "$depth")
             echo "| $server | $rw | $row | $iops | $p99 | $spread | $cpu |"
+            bench_csv "$server" "$rw" "$row" "$VOLUMES" "${RATE:-0}" "$iops" "$p99" "$spread" "$cpu"
         done
     done
     stop_server

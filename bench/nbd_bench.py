@@ -9,14 +9,16 @@ workload; the server's CPU time (utime+stime from /proc/PID/stat) over the run
 is divided by the operations fio completed.
 
 Usage: bench/nbd_bench.py [--runtime SECONDS] [--size-mib N] [--repeat N] [--only NAME,...]
-                          [--workloads SUBSTRING,...] [--baseline PATH]
+                          [--workloads SUBSTRING,...] [--baseline PATH] [--json PATH]
 --baseline adds a second strata, "strata (base)", run from another binary
 (an older build) in the same rounds: before/after in one run.
 Every server runs at once; each workload goes round the servers --repeat
 times (interleaved, so the shared machine's slow phases hit all alike) and
 each cell is the median of its rounds. Before each run every server's dirty
 data is written out (strata `pool sync`, then a system-wide sync).
-Prints a Markdown table (paste into BENCHMARKS.md) and writes JSON next to it.
+Prints a Markdown table and writes the medians as JSON to --json (default
+bench/last-nbd-results.json): {workload: {server: {iops, mib_s, p50_us,
+p99_us, cpu_us_per_op}}}.
 """
 import argparse, json, os, shutil, signal, socket, statistics, subprocess, sys, tempfile, time
 
@@ -150,6 +152,8 @@ def main():
     parser.add_argument("--repeat", type=int, default=3, help="rounds per workload (median reported)")
     parser.add_argument("--workloads", default="", help="comma-separated substrings: run only matching workloads")
     parser.add_argument("--baseline", default="", help="another strata binary to run side by side (before/after)")
+    parser.add_argument("--json", default=os.path.join(ROOT, "bench", "last-nbd-results.json"),
+                        help="where to write the medians as JSON")
     options = parser.parse_args()
     for tool in ["fio", "nbdkit", "qemu-nbd", "nbdcopy"]:
         if not shutil.which(tool):
@@ -248,7 +252,7 @@ def main():
             cells = [f"p50 {row[n]['p50_us']:.0f} µs / p99 {row[n]['p99_us']:.0f} µs, {row[n]['cpu_us_per_op']:.1f} µs CPU/op"
                      for n in names]
         print(f"| {name} | " + " | ".join(cells) + " |")
-    with open(os.path.join(ROOT, "bench", "last-nbd-results.json"), "w") as f:
+    with open(options.json, "w") as f:
         json.dump(results, f, indent=1)
 
 

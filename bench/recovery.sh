@@ -5,8 +5,11 @@
 # kill the daemon with SIGKILL, and time the restart until it serves again.
 #
 # Usage: bench/recovery.sh [GiB]   (default 10)
+#        (BENCH_CSV=FILE appends "gib,seconds,log_records,suspect_chunks,reads_ok")
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# shellcheck source=bench/lib.sh
+source bench/lib.sh # bench_csv
 gib=${1:-10}
 [ -x target/release/strata ] || cargo build --release
 work=$(mktemp -d /var/tmp/strata-recovery-XXXXXX)
@@ -40,5 +43,8 @@ replayed=$(grep -o 'replayed [0-9]* log records ([0-9]* suspect chunks)' "$work/
 printf 'recovery after kill -9 with %s GiB written: %.2f s to serving again (%s)\n' \
     "$gib" "$(echo "$ended - $began" | bc)" "$replayed"
 # The data is all there: read the first and last MiB.
+reads_ok=0
 qemu-io -f raw -c "read 0 1M" -c "read $((gib * 1024 - 1))M 1M" "nbd://$nbd/default/big" | grep -c "^read" \
-    | grep -q 2 && echo "reads after recovery: ok"
+    | grep -q 2 && echo "reads after recovery: ok" && reads_ok=1
+records=$(echo "$replayed" | sed -n 's/replayed \([0-9]*\) log records (\([0-9]*\) suspect chunks)/\1,\2/p')
+bench_csv "$gib" "$(echo "$ended - $began" | bc)" "${records:-0,0}" "$reads_ok"

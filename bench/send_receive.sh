@@ -12,6 +12,8 @@
 # stopped by PID.
 #
 # Usage: [ROUNDS=N] bench/send_receive.sh [STRATA_BINARY] [SIZE]
+# (BENCH_CSV=FILE appends "name,MiB/s" lines: nbd_read, nbd_write,
+# send_full, send_incremental, receive_full, send_receive_pipe)
 set -euo pipefail
 BIN=${1:-$(dirname "$0")/../target/release/strata}
 BIN=$(realpath "$BIN")
@@ -79,3 +81,9 @@ echo "send full:        $send_full MiB/s ($(ratio "$send_full" "$read_nbd")x NBD
 echo "send incremental: $send_incr MiB/s ($(ratio "$send_incr" "$read_nbd")x NBD read; $((MIB / 4)) MiB changed)"
 echo "receive full:     $receive MiB/s ($(ratio "$receive" "$write_nbd")x NBD write)"
 echo "send | receive:   $pipe MiB/s ($(ratio "$pipe" "$write_nbd")x NBD write)"
+bench_csv nbd_read "$read_nbd"
+bench_csv nbd_write "$write_nbd"
+bench_csv send_full "$send_full"
+bench_csv send_incremental "$send_incr"
+bench_csv receive_full "$receive"
+bench_csv send_receive_pipe "$pipe"

@@ -9,8 +9,13 @@
 # 127.0.0.1 ports, the server stopped by PID.
 #
 # Usage: bench/snapshot_load.sh [STRATA_BINARY] [SECONDS_PER_PHASE]
-# (DELETE_ONLY=1 runs the deletion part alone, CREATE_ONLY=1 the rest.)
+# (DELETE_ONLY=1 runs the deletion part alone, CREATE_ONLY=1 the rest;
+# BENCH_CSV=FILE appends "key,value..." lines: phase,LABEL,IOPS,CPU_US,
+# P50,P99,P999,MAX; create_cli_ms,P50,P99,MAX; delete_4g_ms,MS;
+# read_p99_us,IDLE,FREEING; freed_ms,MS.)
 set -euo pipefail
+# shellcheck source=bench/lib.sh
+source "$(dirname "$0")/lib.sh" # bench_csv
 BIN=${1:-$(dirname "$0")/../target/release/strata}
 BIN=$(realpath "$BIN")
 SECONDS_PER_PHASE=${2:-20}
@@ -49,6 +54,7 @@ phase() { # label seconds seed [command to run meanwhile]
     p999=$(echo "$out" | awk -F';' 'NF > 40 {print $61}' | cut -d= -f2)
     max=$(echo "$out" | awk -F';' 'NF > 40 {print $56}')
     echo "| $1 | $iops | $(( (after - before) * 1000000 / $(getconf CLK_TCK) / (iops * $2) )) | ${p50} / ${p99} / ${p999} | $max |"
+    bench_csv phase "$1" "$iops" "$(( (after - before) * 1000000 / $(getconf CLK_TCK) / (iops * $2) ))" "$p50" "$p99" "$p999" "$max"
 }
 take_snapshots() {
     : >create_ms.txt
@@ -68,6 +74,7 @@ phase "no snapshot" "$SECONDS_PER_PHASE" 1
 phase "100 snapshots taken during the run" "$((SECONDS_PER_PHASE + 25))" 2 take_snapshots
 phase "steady state with 100 snapshots" "$SECONDS_PER_PHASE" 3
 sort -n create_ms.txt | awk '{a[NR]=$1} END {printf "snapshot create at the CLI under that load (ms): p50 %d, p99 %d, max %d (n=%d)\n", a[int(NR*0.5)], a[int(NR*0.99)], a[NR], NR}'
+bench_csv create_cli_ms "$(sort -n create_ms.txt | awk '{a[NR]=$1} END {printf "%d,%d,%d", a[int(NR*0.5)], a[int(NR*0.99)], a[NR]}')"
 # The same creates inside the daemon (the engine's part: writes stopped,
 # the record appended and committed), from its debug lines.
 sed -n 's/.*snapshot create: \([0-9]*\) µs in the engine.*/\1/p' "${SERVER_LOG:-err.txt}" | sort -n |
@@ -106,8 +113,12 @@ READER=$!
 sleep 2
 start=$(date +%s%N)
 s snapshot delete default/big@old
-echo "snapshot delete of 4 GiB only it holds: $(( ($(date +%s%N) - start) / 1000000 )) ms at the CLI; freeing: $(freeing)"
+deleted_ms=$(( ($(date +%s%N) - start) / 1000000 ))
+echo "snapshot delete of 4 GiB only it holds: $deleted_ms ms at the CLI; freeing: $(freeing)"
+bench_csv delete_4g_ms "$deleted_ms"
 wait "$READER" || echo "the foreground read failed: $(cat read.txt)"
 echo "foreground 4K read QD1 clat p99: idle ${idle} µs, while freeing $(p99 <read.txt) µs (freeing left: $(freeing))"
+bench_csv read_p99_us "$idle" "$(p99 <read.txt)"
 while [ "$(freeing)" != "0B" ]; do sleep 0.2; done
 echo "space freed $(( ($(date +%s%N) - start) / 1000000 )) ms after the delete began"
+bench_csv freed_ms "$(( ($(date +%s%N) - start) / 1000000 ))"

@@ -20,7 +20,9 @@
 # A temporary directory, ephemeral 127.0.0.1 ports, the server stopped by PID.
 #
 # Usage: bench/sync_scale.sh [STRATA_BINARY] [SECONDS]
-#        (ROWS="fresh filled 16vols 256" picks rows)
+#        (ROWS="fresh filled 16vols 256" picks rows; BENCH_CSV=FILE appends
+#        each run as "label,iops,p99_us,cpu_us_per_write,room_waits,
+#        room_wait_writer_s,jobs_with_errors")
 set -euo pipefail
 ROWS=${ROWS:-fresh filled 16vols 256}
 BIN=$(realpath "${1:-$(dirname "$0")/../target/release/strata}")
@@ -97,7 +99,9 @@ print(f"{label:<28} {iops:>9.0f} IOPS   p99 {p99:>8.0f} us   daemon CPU {cpu:>5.
       f"log-room waits {room_waits} ({room_waited:.1f} writer-s)   "
       f"jobs with errors: {errors}")
 open(sys.argv[2] + ".iops", "w").write(f"{iops}\n")
+open(sys.argv[2] + ".csv", "w").write(f"{label},{iops:.0f},{p99:.0f},{cpu:.1f},{room_waits},{room_waited:.1f},{errors}\n")
 EOF
+    [ -z "${BENCH_CSV:-}" ] || cat "$DIR/fio.json.csv" >>"$BENCH_CSV"
     cat "$DIR/fio.json.iops" >"$DIR/$label.iops"
 }
 
