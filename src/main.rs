@@ -1,7 +1,8 @@
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;
 
-/// strata: tiered thin block volumes served over NBD (and later iSCSI).
+/// strata: thin block volumes over NBD and iSCSI, and file datasets over
+/// NFSv3, on tiered pools.
 #[derive(Parser)]
 #[command(name = "strata", version, about, propagate_version = true)]
 struct Cli {

@@ -6,7 +6,8 @@
 //! of protocol settings to review. This module holds what the REST API needs:
 //! a self-signed certificate made at first start, a server acceptor, and the
 //! client side the CLI uses (trust a CA file or exactly one pinned
-//! certificate).
+//! certificate). NBD's TLS context (certificates and pre-shared keys) is
+//! built in `frontend::nbd::tls`.
 
 use std::net::IpAddr;
 use std::path::Path;

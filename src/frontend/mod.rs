@@ -1,5 +1,8 @@
 //! Protocol frontends. Each speaks a wire protocol and turns requests into
-//! calls on a [`crate::volume::Volume`]; none touches storage directly.
+//! calls on a [`crate::volume::Volume`] (NBD, iSCSI) or on a dataset's
+//! [`crate::fs::FileSystem`] (NFS); none touches storage directly. Beside
+//! them: connection caps ([`limits`]), and the reply path ([`outbox`]) and
+//! bulk-read threads ([`lane`]) that NBD connections use.
 
 pub mod iscsi;
 pub mod lane;

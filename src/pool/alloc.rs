@@ -1,6 +1,6 @@
 //! Space allocation: chunks on devices, slots within chunks.
 //!
-//! A device's data area is cut into chunks (the placement and future
+//! A device's data area is cut into chunks (the placement and
 //! migration unit). A chunk in use is assigned one slot size (a volume's
 //! `volblocksize`) and a bitmap of used slots. New slots come from the
 //! fastest tier that has room: first from partly used chunks there, then

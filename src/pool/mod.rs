@@ -1,5 +1,6 @@
 //! The pool: devices in tiers, the allocator, the metadata store, the log,
-//! checkpoints and recovery. Volumes ([`volume::EngineVolume`]) live on it.
+//! checkpoints and recovery, the caches and the migrator. Volumes
+//! ([`volume::EngineVolume`]) and file datasets' data live on it.
 //!
 //! How the pieces keep data safe (ARCHITECTURE.md has the long version):
 //! - Data is written in place. Every 4 KiB sector of an allocated block has a
