@@ -1290,8 +1290,8 @@ pub fn ram_file_key(data_dir: &Path, pool: &str) -> String {
 /// RAM tier (dirty data; in /dev/shm when it is tmpfs with room, else in
 /// `pools/NAME/ram.tier`), half the read cache; its block-map and checksum
 /// page caches take a quarter of it more (128 MiB at the default, filled
-/// only as pages are read: the map pages of 32 GiB of written data, where a
-/// fixed 32 MiB held those of 8 GiB and 16 filled 1 GiB volumes thrashed it).
+/// only as pages are read: the map pages of 32 GiB of written data; 32 MiB
+/// would hold those of 8 GiB, and 16 filled 1 GiB volumes would thrash it).
 fn pool_options(data_dir: &Path, name: &str, ram_bytes: Option<u64>) -> PoolOptions {
     let ram = ram_bytes.unwrap_or(DEFAULT_POOL_RAM_BYTES);
     let tier_bytes = (ram / 2).max(MIN_RAM_BYTES);

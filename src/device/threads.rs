@@ -30,9 +30,9 @@ pub struct ThreadsConfig {
 
 impl Default for ThreadsConfig {
     fn default() -> Self {
-        // NOWAIT reads measured 5-7x the IOPS of a pool hop on page-cache
+        // NOWAIT reads measure 5-7x the IOPS of a pool hop on page-cache
         // hits. NOWAIT writes stay off: ext4 refuses them (EOPNOTSUPP), so
-        // there was no gain to measure here (docs/DEVICES.md).
+        // they gain nothing there (docs/DEVICES.md).
         ThreadsConfig {
             nowait_reads: true,
             nowait_writes: false,
