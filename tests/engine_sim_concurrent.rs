@@ -834,8 +834,8 @@ fn runtime() -> tokio::runtime::Runtime {
         .unwrap()
 }
 
-// Two engine bugs this test found, both fixed (each keeps a minimal
-// reproduction below). Seeds that failed before the fixes:
+// Two races this test guards against, each with a minimal reproduction
+// below, and seeds that reach them:
 // - a FLUSH racing a destage: 104, 118 (stale data back over a later trim);
 // - a commit taking records appended during its data flush: 96, 199 (a
 //   sector holds another block's data after the crash).
@@ -909,14 +909,14 @@ fn a_seed_replays_the_same_interleaving() {
     }
 }
 
-/// The bug the concurrent simulation found, reduced: a 4 KiB write sits in
+/// A FLUSH racing a destage, reduced: a 4 KiB write sits in
 /// the RAM tier; a destage and a FLUSH of the volume run at once (the device
 /// completes after one scheduler turn, so the destage's commit waits and the
 /// FLUSH runs between its two locked phases: it logs the sector as a Data
 /// record, and the destage then frees the sector anyway); the sector is then
 /// trimmed, or overwritten and destaged, and flushed. After a power loss it
-/// must read as the trim or the overwrite left it; recovery instead replays
-/// the stale Data record and returns the first write's data.
+/// must read as the trim or the overwrite left it, not as the first write
+/// (recovery replaying the stale Data record).
 #[test]
 fn a_flush_racing_a_destage_is_not_undone_by_recovery() {
     async fn run(trim: bool) -> Result<(), String> {
@@ -977,16 +977,17 @@ fn a_flush_racing_a_destage_is_not_undone_by_recovery() {
     assert!(failures.is_empty(), "{failures:#?}");
 }
 
-/// The second bug, reduced: `Log::commit` flushes the data devices and only
-/// then takes the pending records, so a record appended while that flush
-/// was in flight (the Map record of a write whose data completed after the
-/// flush was issued) is committed although its data is not durable. Here a
-/// FLUSH (a commit: an earlier write left the data devices unflushed) runs
-/// at the same time as a 128 KiB write around the cache to unmapped blocks.
-/// After a power loss that drops the unflushed data, the write's blocks are
-/// mapped to slots that never received it: reading them is a checksum error
-/// (or, when the slot was reused, another block's data), where the contract
-/// allows only the old contents or the new.
+/// A commit racing a data write, reduced: if `Log::commit` flushed the data
+/// devices and only then took the pending records, a record appended while
+/// that flush was in flight (the Map record of a write whose data completed
+/// after the flush was issued) would be committed although its data is not
+/// durable. Here a FLUSH (a commit: an earlier write left the data devices
+/// unflushed) runs at the same time as a 128 KiB write around the cache to
+/// unmapped blocks. After a power loss that drops the unflushed data, such
+/// a commit would leave the write's blocks mapped to slots that never
+/// received it: reading them would be a checksum error (or, when the slot
+/// was reused, another block's data), where the contract allows only the
+/// old contents or the new.
 #[test]
 fn a_commit_racing_a_data_write_never_maps_undurable_data() {
     async fn run() -> Result<(), String> {

@@ -1,4 +1,4 @@
-//! Many clients at once (issue 21): hundreds of connections writing over
+//! Many clients at once: hundreds of connections writing over
 //! NBD and iSCSI together while the daemon is killed with SIGKILL, every
 //! acknowledged write read back after the restart; and a storm of a
 //! thousand NBD connections that come and go, after which the daemon's

@@ -255,14 +255,14 @@ fn make_source(a: &Server) {
 const BASE_PLACED: u64 = 64 * MIB;
 const NEXT_PLACED: u64 = (64 + 32 + 160) * MIB;
 
-/// Until the engine logged a map page's copy into a snapshot before making
-/// it visible, about one run in 40 failed here (a hole of @base read the
+/// The receive's eight 1 MiB writes in flight meet in one map page: unless
+/// the engine logs a map page's copy into a snapshot before making it
+/// visible, one can log its mapping ahead of the other's `CopyPage` record,
+/// and about one run in 40 fails here (a hole of @base reads the
 /// incremental stream's data after the kill; after an aborted receive a
-/// block both snapshots share read the aborted stream's): the receive's
-/// eight 1 MiB writes in flight meet in one map page, and one could log
-/// its mapping ahead of the other's `CopyPage` record. The engine's unit
-/// test `a_page_copy_is_logged_before_the_writes_that_find_it_made` forces
-/// that interleaving.
+/// block both snapshots share reads the aborted stream's). The engine's
+/// unit test `a_page_copy_is_logged_before_the_writes_that_find_it_made`
+/// forces that interleaving.
 #[test]
 fn kill9_of_the_receiver_during_an_incremental_receive_resumes_or_aborts_cleanly() {
     require_tool("qemu-img");

@@ -561,9 +561,9 @@ fn visit(address: &str, export: &str) -> Result<(), String> {
 /// while NBD clients keep connecting and a writer keeps the destager busy.
 /// Admin operations wait on the runtime (for writes in flight and the
 /// destager) and the runtime never waits on them: frontends read the
-/// catalog as last published. Once, NBD handshakes blocked on the catalog
-/// while a snapshot deletion holding it waited for the destager, which
-/// had no worker left to run on.
+/// catalog as last published. Otherwise NBD handshakes block on the
+/// catalog while a snapshot deletion holding it waits for the destager,
+/// which has no worker left to run on.
 #[test]
 fn admin_operations_finish_while_clients_connect_and_write() {
     require_tool("fio");
