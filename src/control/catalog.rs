@@ -15,8 +15,8 @@ use std::path::Path;
 use crate::volume::props::StoredProps;
 
 pub const CATALOG_FILE: &str = "catalog.json";
-/// Format 2: pools made of devices (the storage engine). Format 1 was the
-/// foundation's one-sparse-file-per-volume layout.
+/// Format 2: pools made of devices (the storage engine). Format 1, a
+/// one-sparse-file-per-volume layout, is refused with a message.
 pub const CATALOG_FORMAT: u32 = 2;
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
