@@ -1,0 +1,778 @@
+#!/usr/bin/env python3
+"""Runs strata's benchmarks and writes BENCHMARKS.md from their results.
+
+    python3 bench/all.py run FAMILY...   run these families (or `all`), rewrite
+                                         bench/results/FAMILY.csv, then render
+    python3 bench/all.py render          write BENCHMARKS.md from the template
+                                         bench/BENCHMARKS.md.in and the CSVs
+    python3 bench/all.py check           exit 1 if BENCHMARKS.md is not what
+                                         render writes (see "check" below)
+    python3 bench/all.py list            the families, their producers and
+                                         how long each takes to run
+
+Python 3.11, standard library only. `run` uses target/release/strata (build
+it first: `cargo build --release`; STRATA_BIN=PATH runs another binary), the
+peers' packages (`apt-get install -y fio nbdkit qemu-utils libnbd-bin tgt
+libiscsi-bin gnutls-bin bc`, nfs-ganesha through
+../shared/tools/nfs-ganesha) and a quiet machine: every row of a family is
+measured in one run, and only ratios within one run mean anything.
+
+Families and what one `run` of each takes on a 2-core machine (`run all`,
+every family but tiering: about 40 minutes; tiering alone: about 40 more):
+
+FAMILIES_HELP
+
+Each family's rows come from the existing scripts in bench/ (its
+"producers", called with their machine-readable output: `--json FILE`,
+`--out FILE`, or BENCH_CSV=FILE for the shell scripts; tls is measured
+here, with nbdcopy). The command in each row is what reproduces it.
+
+bench/results/FAMILY.csv: one line a row, columns
+
+    row, command, date, cpu, commit, strata, peer_name, peer, unit, ratio,
+    strata_cpu_us, peer_cpu_us, strata_p99_us, peer_p99_us, note
+
+`date` (UTC day), `cpu` (the model in /proc/cpuinfo) and `commit` (HEAD when
+the run began, abbreviated) say where a figure comes from; `ratio` is
+strata / peer (for a unit marked "lower is better", below 1 is strata
+ahead); the CPU columns are the server process's utime+stime over the run
+divided by the operations completed; an empty cell is a figure that was not
+measured. A CSV is only ever written whole by `run` (or by hand when
+figures are transcribed from an earlier run, with that run's date, CPU and
+commit).
+
+"Not rerun since COMMIT". At render time each row's commit is compared with
+HEAD: if `git diff --quiet COMMIT HEAD -- src Cargo.toml Cargo.lock
+<the family's producers>` reports a difference (or the commit is not in
+this clone), the row's run cell ends with " — **not rerun since
+`COMMIT`**". The note thus depends only on the CSV and on git's history,
+never on the working tree, so two renders at the same HEAD are identical.
+
+check. The note above changes whenever a later commit touches src, which
+would make any committed BENCHMARKS.md go stale with every code change. So
+`check` renders with the notes left out and compares with BENCHMARKS.md
+with its notes removed (the exact text " — **not rerun since `HEX`**"):
+everything else — the template's prose, every table's figures, commands,
+dates and commits — must match byte for byte. It needs no git, and it
+fails when the doc was edited by hand, when a CSV changed without a render,
+or when the template changed without a render. tests/benchmarks_doc.rs
+runs it in CI.
+"""
+
+import csv
+import io
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "bench"
+RESULTS = BENCH / "results"
+TEMPLATE = BENCH / "BENCHMARKS.md.in"
+DOC = ROOT / "BENCHMARKS.md"
+COLUMNS = ["row", "command", "date", "cpu", "commit", "strata", "peer_name", "peer", "unit", "ratio",
+           "strata_cpu_us", "peer_cpu_us", "strata_p99_us", "peer_p99_us", "note"]
+CODE = ["src", "Cargo.toml", "Cargo.lock"]
+NOTE = " — **not rerun since `{}`**"
+NOTE_RE = re.compile(r" — \*\*not rerun since `[0-9a-f]+`\*\*")
+LOWER = "lower is better"
+
+
+def num(value, digits=None):
+    """A figure as the CSV holds it: '' for none, else a short decimal."""
+    if value is None or value == "":
+        return ""
+    value = float(value)
+    if digits is None:
+        digits = 0 if abs(value) >= 100 else 1 if abs(value) >= 10 else 2
+    return f"{value:.{digits}f}"
+
+
+def row(name, command, strata, unit, peer_name="", peer=None, strata_cpu=None, peer_cpu=None,
+        strata_p99=None, peer_p99=None, note=""):
+    ratio = ""
+    if strata not in (None, "") and peer not in (None, "") and float(peer) != 0:
+        value = float(strata) / float(peer)
+        ratio = f"{value:.0f}" if value >= 100 else f"{value:.2f}" if value >= 0.1 else f"{value:.2g}"
+    return {"row": name, "command": command, "strata": num(strata), "peer_name": peer_name if peer is not None else "",
+            "peer": num(peer), "unit": unit, "ratio": ratio, "strata_cpu_us": num(strata_cpu),
+            "peer_cpu_us": num(peer_cpu), "strata_p99_us": num(strata_p99), "peer_p99_us": num(peer_p99),
+            "note": note}
+
+
+def sh(command, env=None, cwd=ROOT, timeout=3600):
+    """Runs a producer; its output goes to our stderr (progress), failure raises."""
+    print(f"+ {command if isinstance(command, str) else ' '.join(command)}", file=sys.stderr, flush=True)
+    subprocess.run(command, shell=isinstance(command, str), cwd=cwd, check=True, timeout=timeout,
+                   env=dict(os.environ, **(env or {})), stdout=sys.stderr)
+
+
+def read_bench_csv(path):
+    return [line.split(",") for line in Path(path).read_text().splitlines() if line.strip()] if Path(path).exists() else []
+
+
+# --- producers: each returns the family's rows --------------------------------------------------
+
+def nbd(ctx):
+    runtime, repeat = 5, 2
+    out = ctx.tmp / "nbd.json"
+    shown = f'python3 bench/nbd_bench.py --only "strata,nbdkit file,qemu-nbd" --runtime {runtime} --repeat {repeat}'
+    sh(["python3", "bench/nbd_bench.py", "--only", "strata,nbdkit file,qemu-nbd", "--runtime", str(runtime),
+        "--repeat", str(repeat), "--json", str(out)], env={"STRATA_BIN": ctx.binary})
+    results = json.loads(out.read_text())
+    rows = []
+    for workload, metric, unit in [("4K randread QD32", "iops", "IOPS"), ("4K randwrite QD32", "iops", "IOPS"),
+                                   ("1M seqread QD4", "mib_s", "MiB/s"), ("1M seqwrite QD4", "mib_s", "MiB/s"),
+                                   ("4K randread QD1", "p50_us", f"µs p50 ({LOWER})")]:
+        cells = results[workload]
+        s = cells["strata"]
+        for peer in ("nbdkit file", "qemu-nbd"):
+            p = cells[peer]
+            rows.append(row(f"{workload}, 1 GiB", shown, s[metric], unit, peer, p[metric], s["cpu_us_per_op"],
+                            p["cpu_us_per_op"], s["p99_us"], p["p99_us"]))
+    return rows
+
+
+def iscsi(ctx):
+    runtime, count = 10, 200000
+    out = ctx.tmp / "iscsi.json"
+    shown = f"python3 bench/iscsi_bench.py --only strata,tgt-file --runtime {runtime} --count {count}"
+    sh(["python3", "bench/iscsi_bench.py", "--only", "strata,tgt-file", "--runtime", str(runtime), "--count",
+        str(count), "--json", str(out)], env={"STRATA_BIN": ctx.binary})
+    results = json.loads(out.read_text())
+    rows = []
+    for workload, cells in results.items():
+        s, p = cells["strata"], cells["tgt-file"]
+        rows.append(row(f"{workload}, 1 GiB", shown, s["iops"], "IOPS", "tgt (file)", p["iops"], s["cpu_us_per_op"],
+                        p["cpu_us_per_op"]))
+    return rows
+
+
+NFS_ROWS = [
+    ("seqwrite", "1M sequential write, 1 GiB file (UNSTABLE, COMMIT at the end)", "MiB/s"),
+    ("seqread", "1M sequential read, 1 GiB file", "MiB/s"),
+    ("randwrite_unstable", "4K random write, UNSTABLE + COMMIT every 1 MiB", "IOPS"),
+    ("randwrite_filesync", "4K random write, FILE_SYNC", "IOPS"),
+    ("randread", "4K random read", "IOPS"),
+    ("create", "create (CREATE + close), {files} files", "ops/s"),
+    ("lookup", "lookup (LOOKUP), {files} names", "ops/s"),
+    ("getattr", "getattr (GETATTR), {files} files", "ops/s"),
+    ("stat", "stat (LOOKUP + GETATTR), {files} paths", "ops/s"),
+    ("list", "list (READDIRPLUS, one stream), {files} entries", "entries/s"),
+    ("remove", "remove (REMOVE), {files} files", "ops/s"),
+]
+
+
+def nfs(ctx):
+    rounds, seconds, files = 2, 5, 20000
+    out = ctx.tmp / "nfs.json"
+    shown = f"python3 bench/nfs_qd.py --rounds {rounds} --seconds {seconds} --files {files}"
+    sh(["python3", "bench/nfs_qd.py", "--binary", ctx.binary, "--rounds", str(rounds), "--seconds", str(seconds),
+        "--files", str(files), "--out", str(out)])
+    results = json.loads(out.read_text())["results"]
+
+    def med(key, server, field):
+        return statistics.median(r[field] for r in results[key][server])
+
+    rows = []
+    for key, label, unit in NFS_ROWS:
+        if key not in results:
+            continue
+        cpu_note = "server CPU per MiB" if unit == "MiB/s" else ""
+        rows.append(row(f"{label.format(files=f'{files:,}')}, QD32", shown, med(key, "strata", "ops_per_s"), unit,
+                        "nfs-ganesha", med(key, "ganesha", "ops_per_s"), med(key, "strata", "cpu_us_per_op"),
+                        med(key, "ganesha", "cpu_us_per_op"), med(key, "strata", "p99_us"),
+                        med(key, "ganesha", "p99_us"), cpu_note))
+    if "nbd_randwrite" in results:
+        rows.append(row("4K random write QD32: NFS UNSTABLE + COMMIT every 1 MiB against NBD write-back, same daemon",
+                        shown, med("randwrite_unstable", "strata", "ops_per_s"), "IOPS", "strata NBD (fio)",
+                        med("nbd_randwrite", "strata", "ops_per_s"), med("randwrite_unstable", "strata", "cpu_us_per_op"),
+                        med("nbd_randwrite", "strata", "cpu_us_per_op"), med("randwrite_unstable", "strata", "p99_us"),
+                        med("nbd_randwrite", "strata", "p99_us")))
+    return rows
+
+
+def clients(ctx):
+    seconds, runtime, count = 5, 5, 100000
+    rows = []
+    for volumes in (1, 16):
+        out = ctx.tmp / f"nbd-{volumes}.csv"
+        env = {"BENCH_CSV": str(out), "VOLUMES": str(volumes)}
+        prefix = "" if volumes == 1 else f"VOLUMES={volumes} "
+        shown = f"{prefix}bash bench/many_clients.sh target/release/strata {seconds}"
+        sh(["bash", "bench/many_clients.sh", ctx.binary, str(seconds)], env=env)
+        got = {(r[0], r[1], r[2]): r for r in read_bench_csv(out)}
+        where = "one 1 GiB volume" if volumes == 1 else f"{volumes} volumes of {1024 // volumes} MiB"
+        for rw in ("randread", "randwrite"):
+            for jobs in ("1x32", "16x4", "64x2", "128x1", "256x1"):
+                s, p = got.get(("strata", rw, jobs)), got.get(("nbdkit", rw, jobs))
+                if not s or not p:
+                    continue
+                rows.append(row(f"NBD 4K {rw}, {where}, {jobs} (connections x QD)", shown, s[5], "IOPS",
+                                "nbdkit file", p[5], s[8], p[8], s[6], p[6],
+                                f"fairness (slowest job's p99 / median job's) {s[7]} / {p[7]}"))
+    for volumes in (1, 16):
+        out = ctx.tmp / f"iscsi-{volumes}.json"
+        matrix = "1x32,16x4,64x2,128x1,256x1"
+        extra = [] if volumes == 1 else ["--volumes", str(volumes)]
+        shown = (f"python3 bench/iscsi_bench.py --matrix {matrix} --runtime {runtime} --count {count} "
+                 f"--only strata,tgt-file" + (f" --volumes {volumes}" if volumes > 1 else ""))
+        sh(["python3", "bench/iscsi_bench.py", "--matrix", matrix, "--runtime", str(runtime), "--count", str(count),
+            "--only", "strata,tgt-file", "--json", str(out), *extra], env={"STRATA_BIN": ctx.binary})
+        results = json.loads(out.read_text())
+        where = "one 1 GiB volume" if volumes == 1 else f"{volumes} volumes of {1024 // volumes} MiB"
+        for workload, cells in results.items():
+            what, jobs = workload.rsplit(" ", 1)
+            s, p = cells["strata"], cells["tgt-file"]
+            rows.append(row(f"iSCSI {what}, {where}, {jobs} (sessions x QD)", shown, s["iops"], "IOPS", "tgt (file)",
+                            p["iops"], s["cpu_us_per_op"], p["cpu_us_per_op"]))
+    return rows
+
+
+def sync(ctx):
+    seconds = 10
+    out = ctx.tmp / "sync.csv"
+    shown = f'ROWS="fresh filled 16vols 256" bash bench/sync_scale.sh target/release/strata {seconds}'
+    sh(["bash", "bench/sync_scale.sh", ctx.binary, str(seconds)],
+       env={"BENCH_CSV": str(out), "ROWS": "fresh filled 16vols 256"})
+    got = {r[0]: r for r in read_bench_csv(out)}
+    rows = []
+    for many, one, name in [("fresh-qd32", "fresh-qd1", "fresh 1 GiB volume (writes allocate), 32 connections x QD1"),
+                            ("filled-qd32", "filled-qd1", "filled 1 GiB volume, 32 connections x QD1"),
+                            ("16-vols-qd4", "one-of-16-qd1", "16 filled volumes of 256 MiB, 4 connections x QD1 each")]:
+        if many in got and one in got:
+            m, o = got[many], got[one]
+            rows.append(row(f"sync=always 4K random writes: {name}", shown, m[1], "writes/s",
+                            "one connection, QD1" if one != "one-of-16-qd1" else "one of the volumes alone, QD1",
+                            o[1], m[3], o[3], m[2], o[2],
+                            f"log-room waits {m[4]} ({m[5]} writer-s); jobs with errors {m[6]}"))
+    if "256-connections" in got:
+        m = got["256-connections"]
+        rows.append(row("sync=always 4K random writes: 256 connections x QD1, one fresh 1 GiB volume", shown, m[1],
+                        "writes/s", strata_cpu=m[3], strata_p99=m[2],
+                        note=f"log-room waits {m[4]} ({m[5]} writer-s); jobs with errors {m[6]}"))
+    return rows
+
+
+def snapshots(ctx):
+    seconds = 10
+    out = ctx.tmp / "snap.csv"
+    shown = f"bash bench/snapshot_load.sh target/release/strata {seconds}"
+    sh(["bash", "bench/snapshot_load.sh", ctx.binary, str(seconds)], env={"BENCH_CSV": str(out)})
+    got = read_bench_csv(out)
+    phases = {r[1]: r for r in got if r[0] == "phase"}
+    other = {r[0]: r for r in got if r[0] != "phase"}
+    base = phases.get("no snapshot")
+    rows = []
+    for label, name in [("100 snapshots taken during the run", "while 100 snapshots are taken, one every 200 ms"),
+                        ("steady state with 100 snapshots", "with 100 snapshots, after them")]:
+        s = phases.get(label)
+        if s and base:
+            rows.append(row(f"4K random write QD32, filled 1 GiB volume, {name}", shown, s[2], "IOPS", "no snapshot",
+                            base[2], s[3], base[3], s[5], base[5], f"clat max {s[7]} / {base[7]} µs"))
+    if "create_cli_ms" in other:
+        c = other["create_cli_ms"]
+        rows.append(row("snapshot create at the CLI under that write load", shown, c[1], f"ms p50 ({LOWER})",
+                        note=f"p99 {c[2]} ms, max {c[3]} ms (100 creates)"))
+    if "delete_4g_ms" in other:
+        rows.append(row("snapshot delete of 4 GiB only it holds, at the CLI", shown, other["delete_4g_ms"][1],
+                        f"ms ({LOWER})", note="its space is freed in the background"))
+    if "freed_ms" in other:
+        rows.append(row("the same 4 GiB freed, from the delete's start", shown, other["freed_ms"][1], f"ms ({LOWER})"))
+    if "read_p99_us" in other:
+        r = other["read_p99_us"]
+        rows.append(row("4K random read QD1 on another volume while those 4 GiB are freed", shown, r[2],
+                        f"µs p99 ({LOWER})", "the same reads, idle", r[1]))
+    return rows
+
+
+def tiering_rows(runs, command, note=""):
+    """The tiering rows from tiering.sh's per-configuration CSVs: runs is
+    {"randread"|"hotzone": {"ideal"|"on"|"off": [row dicts]}}, command
+    {"randread"|"hotzone": the command shown}. A window is the 10 s
+    segments that end after START seconds and before the run's half, where
+    the 4 GiB scan starts."""
+
+    def window(rs, start=0):
+        half = rs[-1]["seconds"] / 2
+        return [r for r in rs if start < r["seconds"] < half]
+
+    def med(rs, key):
+        return statistics.median(r[key] for r in rs) if rs else None
+
+    rows = []
+    zipf, shown = runs.get("randread", {}), command.get("randread", "")
+    if "on" in zipf and "off" in zipf:
+        on, off = window(zipf["on"]), window(zipf["off"])
+        rows.append(row("zipf 1.1 random reads QD16, median of the segments before the scan: migration on against off",
+                        shown, med(on, "iops"), "IOPS", "migration off", med(off, "iops"),
+                        strata_p99=med(on, "p99_us"), peer_p99=med(off, "p99_us"), note=note))
+    if "on" in zipf and "ideal" in zipf:
+        on, ideal = window(zipf["on"]), window(zipf["ideal"])
+        rows.append(row("zipf 1.1 random reads QD16, the same against everything on one fast device", shown,
+                        med(on, "iops"), "IOPS", "ideal (one 9 GiB fast device)", med(ideal, "iops"),
+                        strata_p99=med(on, "p99_us"), peer_p99=med(ideal, "p99_us"), note=note))
+    hot, shown = runs.get("hotzone", {}), command.get("hotzone", "")
+    if "on" in hot and "ideal" in hot:
+        on, ideal = window(hot["on"], 150), window(hot["ideal"])
+        rows.append(row("a 512 MiB hot region on the HDD tier, uniform 4K reads QD16, median of the segments from "
+                        "160 s to the scan (ideal: all before the scan)", shown, med(on, "iops"), "IOPS",
+                        "ideal (one 9 GiB fast device)", med(ideal, "iops"), strata_p99=med(on, "p99_us"),
+                        peer_p99=med(ideal, "p99_us"), note=note))
+    if "on" in hot and "off" in hot:
+        on, off = window(hot["on"], 150), window(hot["off"])
+        rows.append(row("the same hot region, migration on (from 160 s) against off (all before the scan)", shown,
+                        med(on, "iops"), "IOPS", "migration off", med(off, "iops"), strata_p99=med(on, "p99_us"),
+                        peer_p99=med(off, "p99_us"), note=note))
+    if "on" in hot and "ideal" in hot:
+        target = 0.9 * med(window(hot["ideal"]), "iops")
+        reach = next((r["seconds"] for r in hot["on"] if r["iops"] >= target), None)
+        if reach is not None:
+            rows.append(row("the same hot region, migration on: the first 10 s segment at 90 % of the ideal's IOPS",
+                            shown, reach, f"s after the fill ({LOWER})", note=note))
+        scan = [i for i, r in enumerate(hot["on"]) if r["scan"]]
+        if scan:
+            before = hot["on"][max(0, scan[0] - 6):scan[0]]
+            after = hot["on"][scan[-1] + 1:scan[-1] + 7]
+            if after:
+                rows.append(row("the same hot region, migration on: the minute after the 4 GiB sequential read",
+                                shown, med(after, "iops"), "IOPS", "the minute before it", med(before, "iops"),
+                                note=note))
+    return rows
+
+
+def read_tiering_csv(path):
+    return [{k: float(v) for k, v in r.items()} for r in csv.DictReader(open(path))]
+
+
+def tiering(ctx):
+    seconds = 300
+    shown = {"randread": f"bash bench/tiering.sh target/release/strata {seconds}",
+             "hotzone": f"RW=hotzone bash bench/tiering.sh target/release/strata {seconds}"}
+    runs = {}
+    for rw in ("randread", "hotzone"):
+        out = ctx.tmp / f"tiering-{rw}"
+        sh(["bash", "bench/tiering.sh", ctx.binary, str(seconds)], env={"RW": rw, "OUT": str(out)})
+        runs[rw] = {c: read_tiering_csv(out / f"{c}.csv") for c in ("ideal", "on", "off")}
+        keep = RESULTS / f"tiering-{rw}"
+        shutil.rmtree(keep, ignore_errors=True)
+        shutil.copytree(out, keep)
+    return tiering_rows(runs, shown)
+
+
+def sendrecv(ctx):
+    size, rounds = "1G", 3
+    out = ctx.tmp / "sr.csv"
+    shown = f"ROUNDS={rounds} bash bench/send_receive.sh target/release/strata {size}"
+    sh(["bash", "bench/send_receive.sh", ctx.binary, size], env={"BENCH_CSV": str(out), "ROUNDS": str(rounds)})
+    got = {r[0]: r[1] for r in read_bench_csv(out)}
+    rows = []
+    for key, name, peer_key, peer_name in [
+            ("send_full", "send of a full snapshot to /dev/null", "nbd_read", "1M sequential NBD read (fio QD8)"),
+            ("send_incremental", "send of an incremental snapshot (a quarter changed) to /dev/null", "nbd_read",
+             "1M sequential NBD read (fio QD8)"),
+            ("receive_full", "receive of the full stream from a file", "nbd_write", "1M sequential NBD write (fio QD8)"),
+            ("send_receive_pipe", "send | receive through a pipe", "nbd_write", "1M sequential NBD write (fio QD8)")]:
+        if key in got:
+            rows.append(row(f"{name}, {size}iB volume", shown, got[key], "MiB/s", peer_name, got.get(peer_key)))
+    return rows
+
+
+def tls(ctx):
+    """NBD over TLS (PSK), 1M sequential with nbdcopy, one connection, 4
+    requests in flight: strata with --tls=on (plaintext and TLS clients on
+    one daemon) and nbdkit's memory plugin with TLS, ROUNDS interleaved
+    rounds, medians."""
+    rounds = 3
+    work = ctx.tmp / "tls"
+    work.mkdir()
+    psk = work / "keys.psk"
+    psk.write_text(f"alice:{os.urandom(32).hex()}\n")
+    psk.chmod(0o600)
+    source = Path("/dev/shm") / f"strata-tls-{os.getpid()}.raw"
+    with open(source, "wb") as f:
+        for _ in range(1024):
+            f.write(os.urandom(1 << 20))
+    copy = ["nbdcopy", "--request-size=1048576", "--connections=1", "--requests=4"]
+    shown = (f"python3 bench/all.py run tls (nbdcopy --request-size=1048576 --connections=1 --requests=4, "
+             f"1 GiB, {rounds} rounds; strata serve --tls=on --tls-psk FILE; nbdkit --tls=on --tls-psk=FILE memory 1G)")
+    procs = []
+    try:
+        strata = subprocess.Popen([ctx.binary, "serve", "--data-dir", str(work / "d"), "--nbd", "127.0.0.1:0",
+                                   "--api", "127.0.0.1:0", "--iscsi", "127.0.0.1:0", "--nfs", "127.0.0.1:0",
+                                   "--tls=on", "--tls-psk", str(psk)], cwd=work, stdout=subprocess.PIPE,
+                                  stderr=subprocess.DEVNULL, text=True, env=dict(os.environ, STRATA_LOG="warn"))
+        procs.append(strata)
+        port = None
+        for line in strata.stdout:
+            m = re.match(r"strata: nbd listening on 127.0.0.1:(\d+)", line)
+            if m:
+                port = int(m.group(1))
+            if line.startswith("strata: iscsi listening") and port:
+                break
+        subprocess.run([ctx.binary, "volume", "create", "default/bench", "--size", "1G", "--data-dir",
+                        str(work / "d")], check=True, stdout=subprocess.DEVNULL, env=dict(os.environ))
+        nbdkit_port = free_port()
+        nbdkit = subprocess.Popen(["nbdkit", "-f", "-i", "127.0.0.1", "-p", str(nbdkit_port), "--tls=on",
+                                   f"--tls-psk={psk}", "memory", "1G"], stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.DEVNULL)
+        procs.append(nbdkit)
+        time.sleep(1)
+        targets = {
+            "strata plaintext": (strata.pid, f"nbd://127.0.0.1:{port}/default/bench"),
+            "strata TLS": (strata.pid, f"nbds://alice@127.0.0.1:{port}/default/bench?tls-psk-file={psk}"),
+            "nbdkit TLS": (nbdkit.pid, f"nbds://alice@127.0.0.1:{nbdkit_port}/?tls-psk-file={psk}"),
+        }
+        # The first write allocates strata's volume: not counted.
+        subprocess.run(copy + [str(source), targets["strata plaintext"][1]], check=True)
+        samples = {}
+        for _ in range(rounds):
+            for name, (pid, uri) in targets.items():
+                for direction, argv in (("write", copy + [str(source), uri]), ("read", copy + [uri, "null:"])):
+                    before = cpu_seconds(pid)
+                    started = time.time()
+                    subprocess.run(argv, check=True)
+                    wall = time.time() - started
+                    cpu = cpu_seconds(pid) - before
+                    samples.setdefault((name, direction), []).append((1024 / wall, cpu * 1e6 / 1024))
+                    print(f"{name} {direction}: {1024 / wall:.0f} MiB/s, {cpu * 1e6 / 1024:.0f} µs CPU/MiB",
+                          file=sys.stderr)
+    finally:
+        for proc in procs:
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        source.unlink(missing_ok=True)
+
+    def med(name, direction, i):
+        return statistics.median(s[i] for s in samples[(name, direction)])
+
+    rows = []
+    for direction in ("write", "read"):
+        rows.append(row(f"1M sequential {direction} over TLS 1.3 (PSK), one connection, QD4", shown,
+                        med("strata TLS", direction, 0), "MiB/s", "nbdkit memory, TLS",
+                        med("nbdkit TLS", direction, 0), med("strata TLS", direction, 1),
+                        med("nbdkit TLS", direction, 1), note="server CPU per MiB"))
+        rows.append(row(f"1M sequential {direction}: TLS against plaintext on one strata daemon", shown,
+                        med("strata TLS", direction, 0), "MiB/s", "strata plaintext",
+                        med("strata plaintext", direction, 0), med("strata TLS", direction, 1),
+                        med("strata plaintext", direction, 1), note="server CPU per MiB"))
+    return rows
+
+
+def analytics(ctx):
+    seconds, rounds = 5, 3
+    out = ctx.tmp / "an.csv"
+    shown = f"ROUNDS={rounds} bash bench/analytics_cost.sh target/release/strata {seconds}"
+    sh(["bash", "bench/analytics_cost.sh", ctx.binary, str(seconds)], env={"BENCH_CSV": str(out),
+                                                                         "ROUNDS": str(rounds)})
+    got = {(r[0], r[1]): (r[2], r[3]) for r in read_bench_csv(out)}
+    rows = []
+    for test, name in [("randread-32", "4K random read QD32"), ("randwrite-32", "4K random write QD32")]:
+        if (test, "iops") in got:
+            on, off = got[(test, "iops")]
+            cpu_on, cpu_off = got.get((test, "cpu_us_per_op"), ("", ""))
+            rows.append(row(f"{name}, filled 1 GiB volume, NBD", shown, on, "IOPS", "--no-analytics", off, cpu_on,
+                            cpu_off))
+    if ("randread-1", "p50_us") in got:
+        on, off = got[("randread-1", "p50_us")]
+        rows.append(row("4K random read QD1, filled 1 GiB volume, NBD", shown, on, f"µs p50 ({LOWER})",
+                        "--no-analytics", off))
+    return rows
+
+
+def recovery(ctx):
+    gib = 10
+    out = ctx.tmp / "rec.csv"
+    shown = f"bash bench/recovery.sh {gib}"
+    if Path(ctx.binary).resolve() != (ROOT / "target/release/strata").resolve():
+        raise RuntimeError("bench/recovery.sh runs target/release/strata only")
+    sh(["bash", "bench/recovery.sh", str(gib)], env={"BENCH_CSV": str(out)})
+    got = read_bench_csv(out)
+    if not got:
+        return []
+    g, seconds, records, suspect, ok = got[-1]
+    return [row(f"restart after kill -9 with {g} GiB written, until NBD serves again", shown, seconds,
+                f"s ({LOWER})", note=f"{records} log records replayed, {suspect} suspect chunks; "
+                                    f"first and last MiB read back: {'yes' if ok == '1' else 'no'}")]
+
+
+def connections(ctx):
+    out = ctx.tmp / "conn.json"
+    shown = "python3 bench/conn_scale.py"
+    sh(["python3", "bench/conn_scale.py", "--binary", ctx.binary, "--json", str(out)])
+    got = {r["state"]: r for r in json.loads(out.read_text())}
+    rows = []
+    for state in ("100 idle", "1000 idle"):
+        if state in got:
+            r = got[state]
+            rows.append(row(f"RSS per idle NBD connection, {state.split()[0]} open", shown, r["rss_per_conn_kib"],
+                            f"KiB ({LOWER})", note=f"threads per connection {r['threads_per_conn']:.2f}; "
+                                                  f"daemon wake-ups {r['wakeups']:.0f} per s"))
+    r = got.get("100 open, 100 reading")
+    if r:
+        rows.append(row("RSS per open NBD connection, 100 open and all reading 4K at QD1", shown,
+                        r["rss_per_conn_kib"], f"KiB ({LOWER})",
+                        note=f"{r['wakeups']:.2f} daemon wake-ups per read, {r['reads_per_s']:.0f} reads/s"))
+    base = got.get("no connection")
+    if base:
+        rows.append(row("daemon RSS with no connection", shown, base["rss_kib"], f"KiB ({LOWER})",
+                        note=f"{base['threads']} threads, {base['wakeups']:.0f} wake-ups per s idle"))
+    return rows
+
+
+def free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cpu_seconds(pid):
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class Family:
+    def __init__(self, key, title, producers, estimate, run, in_all=True):
+        self.key, self.title, self.producers, self.estimate, self.run, self.in_all = \
+            key, title, producers, estimate, run, in_all
+
+
+LIB = "bench/lib.sh"
+FAMILIES = [
+    Family("nbd", "NBD", ["bench/nbd_bench.py"], "4 min", nbd),
+    Family("iscsi", "iSCSI", ["bench/iscsi_bench.py"], "2 min", iscsi),
+    Family("nfs", "NFS", ["bench/nfs_qd.py", "bench/nfs_peers.py", "bench/nfs_load.c"], "5 min", nfs),
+    Family("sync", "Sync writes and group commit", ["bench/sync_scale.sh", LIB], "3 min", sync),
+    Family("tls", "TLS", ["bench/all.py"], "2 min", tls),
+    Family("recovery", "Recovery time", ["bench/recovery.sh", LIB], "1 min", recovery),
+    Family("analytics", "Analytics cost", ["bench/analytics_cost.sh", LIB], "3 min", analytics),
+    Family("connections", "Memory per connection", ["bench/conn_scale.py"], "1 min", connections),
+    Family("snapshots", "Snapshots", ["bench/snapshot_load.sh", LIB], "3 min", snapshots),
+    Family("send-receive", "Send and receive", ["bench/send_receive.sh", LIB], "2 min", sendrecv),
+    Family("many-clients", "Many clients", ["bench/many_clients.sh", "bench/iscsi_bench.py", LIB], "12 min",
+           clients),
+    Family("tiering", "Tiering", ["bench/tiering.sh", LIB], "40 min", tiering, in_all=False),
+]
+BY_KEY = {f.key: f for f in FAMILIES}
+
+
+# --- machine and git -------------------------------------------------------------------------------
+
+def cpu_model():
+    info = {}
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        key, _, value = line.partition(":")
+        info.setdefault(key.strip(), value.strip())
+    name = info.get("model name", "unknown")
+    if "cpu family" in info and "model" in info:
+        name += f" (family {info['cpu family']} model {info['model']})"
+    return f"{name}, {os.cpu_count()} cores"
+
+
+def git(*args):
+    return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True)
+
+
+def changed_since(commit, family, cache={}):
+    """True if the code or the family's producers differ between COMMIT and
+    HEAD (or COMMIT is not in this clone's history)."""
+    key = (commit, family.key)
+    if key not in cache:
+        rc = git("diff", "--quiet", commit, "HEAD", "--", *CODE, *family.producers).returncode
+        cache[key] = rc != 0
+    return cache[key]
+
+
+# --- CSVs and rendering ----------------------------------------------------------------------------
+
+def csv_path(family):
+    return RESULTS / f"{family.key}.csv"
+
+
+def read_rows(family):
+    path = csv_path(family)
+    if not path.exists():
+        return []
+    with open(path, newline="") as f:
+        reader = csv.DictReader(f)
+        if reader.fieldnames != COLUMNS:
+            sys.exit(f"{path}: columns {reader.fieldnames}, want {COLUMNS}")
+        return list(reader)
+
+
+def write_rows(family, rows):
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=COLUMNS, lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(rows)
+    csv_path(family).write_text(buf.getvalue())
+
+
+def figure(text):
+    """A CSV figure for the table: thousands separated."""
+    if text == "":
+        return ""
+    value = float(text)
+    if abs(value) >= 1000:
+        return f"{value:,.0f}"
+    return text
+
+
+def cell(text):
+    return text.replace("|", "\\|")
+
+
+def table(family, notes):
+    rows = read_rows(family)
+    if not rows:
+        return "_No measurement yet: `python3 bench/all.py run " + family.key + "`._"
+    with_p99 = any(r["strata_p99_us"] or r["peer_p99_us"] for r in rows)
+    head = ["row", "unit", "strata", "peer", "strata / peer", "server CPU µs/op, strata / peer"]
+    if with_p99:
+        head.append("p99 µs, strata / peer")
+    head += ["notes", "run (date, CPU, commit)", "command"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        peer = f"{r['peer_name']}: {figure(r['peer'])}" if r["peer"] else (r["peer_name"] or "")
+        ratio = f"{r['ratio']}x" if r["ratio"] else ""
+        cpu = " / ".join(x or "—" for x in (r["strata_cpu_us"], r["peer_cpu_us"])) \
+            if (r["strata_cpu_us"] or r["peer_cpu_us"]) else ""
+        if cpu and not r["peer"] and not r["peer_cpu_us"]:
+            cpu = r["strata_cpu_us"]
+        run = f"{r['date']}, {r['cpu']}, `{r['commit']}`"
+        if notes and changed_since(r["commit"], family):
+            run += NOTE.format(r["commit"])
+        cells = [r["row"], r["unit"], figure(r["strata"]), peer, ratio, cpu]
+        if with_p99:
+            p99 = " / ".join(figure(x) or "—" for x in (r["strata_p99_us"], r["peer_p99_us"])) \
+                if (r["strata_p99_us"] or r["peer_p99_us"]) else ""
+            if p99 and not r["peer"] and not r["peer_p99_us"]:
+                p99 = figure(r["strata_p99_us"])
+            cells.append(p99)
+        cells += [r["note"], run, f"`{r['command']}`"]
+        lines.append("| " + " | ".join(cell(c) for c in cells) + " |")
+    return "\n".join(lines)
+
+
+def families_table():
+    lines = ["| family | rows from | one run takes | in `run all` |", "|---|---|---|---|"]
+    for f in FAMILIES:
+        lines.append(f"| [{f.title}](#{anchor(f)}) | {', '.join(f'`{p}`' for p in f.producers if p != LIB)} "
+                     f"| {f.estimate} | {'yes' if f.in_all else 'no'} |")
+    return "\n".join(lines)
+
+
+def anchor(family):
+    """The GitHub anchor of the family's section ("## TITLE")."""
+    return re.sub(r"[^a-z0-9 -]", "", family.title.lower()).replace(" ", "-")
+
+
+def render(notes=True):
+    text = TEMPLATE.read_text()
+    for f in FAMILIES:
+        if f"\n## {f.title}\n" not in text or "{{table " + f.key + "}}" not in text:
+            sys.exit(f"{TEMPLATE}: wants a section '## {f.title}' with {{{{table {f.key}}}}}")
+    text = text.replace("{{families}}", families_table())
+    for f in FAMILIES:
+        text = text.replace("{{table " + f.key + "}}", table(f, notes))
+    left = re.findall(r"\{\{[^}]*\}\}", text)
+    if left:
+        sys.exit(f"{TEMPLATE}: unknown placeholders {left}")
+    return text
+
+
+def check():
+    expected = render(notes=False)
+    actual = NOTE_RE.sub("", DOC.read_text()) if DOC.exists() else ""
+    if expected == actual:
+        print("BENCHMARKS.md is what bench/all.py render writes (notes aside)")
+        return 0
+    import difflib
+    sys.stdout.writelines(difflib.unified_diff(actual.splitlines(True), expected.splitlines(True),
+                                               "BENCHMARKS.md (notes removed)", "render (notes left out)"))
+    print("\nBENCHMARKS.md differs from what `python3 bench/all.py render` writes: edit bench/BENCHMARKS.md.in "
+          "or bench/results/*.csv, then render (never BENCHMARKS.md by hand)")
+    return 1
+
+
+class Context:
+    def __init__(self, tmp):
+        self.tmp = tmp
+        self.binary = os.environ.get("STRATA_BIN") or str(ROOT / "target/release/strata")
+
+
+def run(keys):
+    if keys == ["all"]:
+        keys = [f.key for f in FAMILIES if f.in_all]
+    unknown = [k for k in keys if k not in BY_KEY]
+    if unknown:
+        sys.exit(f"unknown families {unknown}; known: {', '.join(BY_KEY)}")
+    binary = os.environ.get("STRATA_BIN") or str(ROOT / "target/release/strata")
+    if not os.path.exists(binary):
+        sys.exit(f"no {binary}: cargo build --release first")
+    commit = git("rev-parse", "--short=7", "HEAD").stdout.strip()
+    if git("diff", "--quiet", "HEAD", "--", *CODE).returncode != 0:
+        print(f"warning: src has uncommitted changes; the rows name HEAD ({commit})", file=sys.stderr)
+    failed = []
+    for key in keys:
+        family = BY_KEY[key]
+        started = time.time()
+        date = time.strftime("%Y-%m-%d", time.gmtime())
+        with tempfile.TemporaryDirectory(prefix=f"strata-all-{key}-") as tmp:
+            try:
+                rows = family.run(Context(Path(tmp)))
+            except Exception as error:  # a failed family keeps its old CSV
+                print(f"{key}: failed: {error}", file=sys.stderr)
+                failed.append(key)
+                continue
+        if not rows:
+            print(f"{key}: no rows", file=sys.stderr)
+            failed.append(key)
+            continue
+        for r in rows:
+            r.update(date=date, cpu=cpu_model(), commit=commit)
+        write_rows(family, [{c: r.get(c, "") for c in COLUMNS} for r in rows])
+        DOC.write_text(render())
+        print(f"{key}: {len(rows)} rows in {time.time() - started:.0f} s", file=sys.stderr, flush=True)
+    return 1 if failed else 0
+
+
+def usage():
+    doc = __doc__.replace("FAMILIES_HELP", "\n".join(
+        f"    {f.key:<13} {f.estimate:>7}   {f.title}{'' if f.in_all else ' (not in run all)'}" for f in FAMILIES))
+    return doc
+
+
+def main(argv):
+    if len(argv) < 2 or argv[1] in ("-h", "--help", "help"):
+        print(usage())
+        return 0 if len(argv) >= 2 else 2
+    command = argv[1]
+    if command == "run" and len(argv) > 2:
+        return run(argv[2:])
+    if command == "render":
+        DOC.write_text(render())
+        return 0
+    if command == "check":
+        return check()
+    if command == "list":
+        print(families_table())
+        return 0
+    print(usage())
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
