@@ -144,7 +144,8 @@ pub struct SimFaults {
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct SimDelays {
     /// Probability that an operation is delayed at all (0 draws nothing from
-    /// the device's PRNG, so seeds without delays replay as before).
+    /// the device's PRNG, so a seed without delays replays exactly as on a
+    /// device that has none).
     pub probability: f64,
     /// Most yields a delayed operation waits (at least 1 is used).
     pub max_yields: u32,

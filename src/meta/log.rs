@@ -527,8 +527,8 @@ struct Pending {
     /// first record, its 4 KiB unit from `next_lsn`), in order. Packing is
     /// greedy, so these blocks stay where they are however many records
     /// follow; a stage re-packs only from the block holding the first
-    /// unstaged record (re-packing everything made a stream of allocating
-    /// writes quadratic in the records pending between commits).
+    /// unstaged record (re-packing everything would make a stream of
+    /// allocating writes quadratic in the records pending between commits).
     layout: Vec<(usize, u64)>,
     /// Log units (4 KiB) all of `records` take, and the bytes used in the
     /// last record block: [`blocks_needed`] kept up to date record by record.
@@ -546,8 +546,8 @@ struct Pending {
 /// Records a destage pass holds back from the log until it has flushed the
 /// data devices itself: its `Map` records (blocks placed in new slots) and
 /// `Written` records (cached data placed), which may become durable only
-/// after that data. Appended with the rest, they made every commit a
-/// synchronous writer ran meanwhile flush the data devices first (1-2 ms
+/// after that data. Appended with the rest, they would make every commit a
+/// synchronous writer runs meanwhile flush the data devices first (1-2 ms
 /// under the commit lock); held back, they are appended once the pass's
 /// own flush is done, and need no flush of anyone.
 ///
@@ -555,8 +555,8 @@ struct Pending {
 /// one block matters (a slot is reused only after the record freeing it is
 /// durable). So a record about to be appended or held back that touches a
 /// block with records held back by another pass pushes those first, in
-/// their order: they then need the data flush as before (the rare case of
-/// a block changed again within a pass's few milliseconds). Records whose
+/// their order: they then need the data flush, as if never held back (the
+/// rare case of a block changed again within a pass's few milliseconds). Records whose
 /// block is not known here (snapshots, page copies, destroys) push every
 /// record held back.
 /// A record held back: (pass, record, the slot it frees once durable).

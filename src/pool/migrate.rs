@@ -824,9 +824,9 @@ pub const BURST: Duration = Duration::from_millis(2);
 /// The longest rest after a burst. A chunk whose move took longer spent
 /// that time waiting behind clients' requests at a busy device (a 1 MiB
 /// read on the emulated HDD of `bench/tiering.sh` waits ~100 ms behind 16
-/// client reads): resting as long again halved the migrator's share of
-/// the disk without shortening the clients' queue, which its one request
-/// at a time lengthens by one.
+/// client reads): resting as long again would halve the migrator's share
+/// of the disk without shortening the clients' queue, which its one
+/// request at a time lengthens by one.
 pub const MAX_REST: Duration = Duration::from_millis(20);
 
 fn minute_of_day_utc() -> u16 {

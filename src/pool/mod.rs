@@ -363,9 +363,9 @@ pub struct Pool {
     /// The write gate, in shards by volume id ([`Pool::gate`]): held shared
     /// by every write (in its volume's shard), exclusively by a checkpoint
     /// while it takes its snapshot (every shard, so the snapshot is
-    /// consistent). One lock for all volumes made every write of every
-    /// volume take (and release: tokio's release locks its wait list) the
-    /// same lock.
+    /// consistent). One lock for all volumes would make every write of
+    /// every volume take (and release: tokio's release locks its wait list)
+    /// the same lock.
     gates: Box<[GateShard]>,
     checkpointing: tokio::sync::Mutex<()>,
     /// Held by the one writer that makes room in a full log (see

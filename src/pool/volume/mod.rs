@@ -105,7 +105,7 @@ fn stripes_of(blocks: &[u64]) -> Vec<usize> {
 
 /// Writes of at least this many blocks whose neighbours are not written yet
 /// start a fresh chunk (see [`EngineVolume::first_hint`]); smaller ones (a
-/// random 4 KiB write) take the first free slot as before, so they do not
+/// random 4 KiB write) take the first free slot, so they do not
 /// scatter over every chunk of the pool.
 const FRESH_CHUNK_MIN_BLOCKS: u64 = 4;
 
@@ -320,8 +320,9 @@ impl EngineVolume {
     /// Read-locks the stripes `indices` (sorted). A free stripe is taken
     /// without an `.await`: each awaited tokio lock spends one unit of the
     /// task's cooperative budget (128 per poll), and a megabyte request
-    /// locks 64 stripes, so awaiting every one made the second or third
-    /// request in a poll yield and be spawned although nothing was held.
+    /// locks 64 stripes, so awaiting every one would make the second or
+    /// third request in a poll yield and be spawned although nothing was
+    /// held.
     /// `try_read` does not pass a queued writer (the lock is fair).
     async fn read_stripes(&self, indices: Vec<usize>) -> Vec<RwLockReadGuard<'_, ()>> {
         let mut guards = Vec::with_capacity(indices.len());
@@ -665,9 +666,10 @@ mod tests {
     fn megabyte_requests_run_to_the_end_in_one_poll_when_nothing_is_held() {
         // The NBD reader polls each request once in its own task and spawns
         // it only if it waits. A 1 MiB request locks 64 stripes; awaiting
-        // each tokio lock spent the task's cooperative budget (128 per
-        // poll), so the second or third request of a poll yielded although
-        // nothing was held, and was spawned (a task and a woken worker each).
+        // each tokio lock would spend the task's cooperative budget (128 per
+        // poll), so the second or third request of a poll would yield
+        // although nothing was held, and be spawned (a task and a woken
+        // worker each).
         current_thread().block_on(async {
             let (_sim, pool) = sim_pool(3).await;
             let volume = pool.open_volume(1, 16 * MIB, 16 << 10).unwrap();

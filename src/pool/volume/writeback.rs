@@ -159,12 +159,12 @@ impl EngineVolume {
     /// at a time, each page's stripes locked only while its blocks are
     /// written: a batch grows by the older versions of its pages (often
     /// tens of times its size), and holding all its stripes for all its
-    /// writes made every foreground write wait for the whole batch. The
+    /// writes would make every foreground write wait for the whole batch. The
     /// order that matters is within a page; one commit covers them all.
     pub(crate) async fn destage_blocks(&self, blocks: &[u64]) -> BlockResult<()> {
         // Without an `.await` when free (as the barrier and the stripes:
         // an awaited tokio lock spends the task's cooperative budget; this
-        // one awaited per destage cost 25 % more CPU per cached 4K write).
+        // one awaited per destage costs 25 % more CPU per cached 4K write).
         let _placement = match self.placement.try_read() {
             Ok(guard) => guard,
             Err(_) => self.placement.read().await,
