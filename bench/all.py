@@ -9,6 +9,10 @@
                                          render writes (see "check" below)
     python3 bench/all.py list            the families, their producers and
                                          how long each takes to run
+    python3 bench/all.py try FAMILY...   run them with the shortest settings
+                                         (a minute or two each) to see that
+                                         every step works; prints the rows,
+                                         writes nothing
 
 Python 3.11, standard library only. `run` uses target/release/strata (build
 it first: `cargo build --release`; STRATA_BIN=PATH runs another binary), the
@@ -85,20 +89,32 @@ NOTE_RE = re.compile(r" — \*\*not rerun since `[0-9a-f]+`\*\*")
 LOWER = "lower is better"
 
 
+def number(value):
+    """value as a float, or None when it is not one (a range such as
+    "146–206" transcribed from a run that gave only that)."""
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
+
+
 def num(value, digits=None):
     """A figure as the CSV holds it: '' for none, else a short decimal."""
     if value is None or value == "":
         return ""
+    if number(value) is None:
+        return str(value)
     value = float(value)
     if digits is None:
-        digits = 0 if abs(value) >= 100 else 1 if abs(value) >= 10 else 2
-    return f"{value:.{digits}f}"
+        digits = 0 if abs(value) >= 1000 else 1 if abs(value) >= 10 else 2 if abs(value) >= 1 else 3
+    text = f"{value:.{digits}f}"
+    return text.rstrip("0").rstrip(".") if "." in text else text
 
 
 def row(name, command, strata, unit, peer_name="", peer=None, strata_cpu=None, peer_cpu=None,
         strata_p99=None, peer_p99=None, note=""):
     ratio = ""
-    if strata not in (None, "") and peer not in (None, "") and float(peer) != 0:
+    if number(strata) is not None and number(peer):
         value = float(strata) / float(peer)
         ratio = f"{value:.0f}" if value >= 100 else f"{value:.2f}" if value >= 0.1 else f"{value:.2g}"
     return {"row": name, "command": command, "strata": num(strata), "peer_name": peer_name if peer is not None else "",
@@ -121,11 +137,12 @@ def read_bench_csv(path):
 # --- producers: each returns the family's rows --------------------------------------------------
 
 def nbd(ctx):
-    runtime, repeat = 5, 2
+    runtime, repeat = ctx.pick((5, 2), (1, 1))
+    size = ctx.pick([], ["--size-mib", "64"])
     out = ctx.tmp / "nbd.json"
     shown = f'python3 bench/nbd_bench.py --only "strata,nbdkit file,qemu-nbd" --runtime {runtime} --repeat {repeat}'
     sh(["python3", "bench/nbd_bench.py", "--only", "strata,nbdkit file,qemu-nbd", "--runtime", str(runtime),
-        "--repeat", str(repeat), "--json", str(out)], env={"STRATA_BIN": ctx.binary})
+        "--repeat", str(repeat), "--json", str(out), *size], env={"STRATA_BIN": ctx.binary})
     results = json.loads(out.read_text())
     rows = []
     for workload, metric, unit in [("4K randread QD32", "iops", "IOPS"), ("4K randwrite QD32", "iops", "IOPS"),
@@ -141,11 +158,12 @@ def nbd(ctx):
 
 
 def iscsi(ctx):
-    runtime, count = 10, 200000
+    runtime, count = ctx.pick((10, 200000), (1, 2000))
+    size = ctx.pick([], ["--size-mib", "64"])
     out = ctx.tmp / "iscsi.json"
     shown = f"python3 bench/iscsi_bench.py --only strata,tgt-file --runtime {runtime} --count {count}"
     sh(["python3", "bench/iscsi_bench.py", "--only", "strata,tgt-file", "--runtime", str(runtime), "--count",
-        str(count), "--json", str(out)], env={"STRATA_BIN": ctx.binary})
+        str(count), "--json", str(out), *size], env={"STRATA_BIN": ctx.binary})
     results = json.loads(out.read_text())
     rows = []
     for workload, cells in results.items():
@@ -171,11 +189,12 @@ NFS_ROWS = [
 
 
 def nfs(ctx):
-    rounds, seconds, files = 2, 5, 20000
+    rounds, seconds, files = ctx.pick((2, 5, 20000), (1, 1, 200))
+    size = ctx.pick([], ["--file-mib", "64"])
     out = ctx.tmp / "nfs.json"
     shown = f"python3 bench/nfs_qd.py --rounds {rounds} --seconds {seconds} --files {files}"
     sh(["python3", "bench/nfs_qd.py", "--binary", ctx.binary, "--rounds", str(rounds), "--seconds", str(seconds),
-        "--files", str(files), "--out", str(out)])
+        "--files", str(files), "--out", str(out), *size])
     results = json.loads(out.read_text())["results"]
 
     def med(key, server, field):
@@ -200,11 +219,12 @@ def nfs(ctx):
 
 
 def clients(ctx):
-    seconds, runtime, count = 5, 5, 100000
+    seconds, runtime, count = ctx.pick((5, 5, 100000), (1, 1, 2000))
+    matrix = ctx.pick("1x32,16x4,64x2,128x1,256x1", "1x32,16x4")
     rows = []
     for volumes in (1, 16):
         out = ctx.tmp / f"nbd-{volumes}.csv"
-        env = {"BENCH_CSV": str(out), "VOLUMES": str(volumes)}
+        env = {"BENCH_CSV": str(out), "VOLUMES": str(volumes), **ctx.pick({}, {"ROWS": "1x32 16x4"})}
         prefix = "" if volumes == 1 else f"VOLUMES={volumes} "
         shown = f"{prefix}bash bench/many_clients.sh target/release/strata {seconds}"
         sh(["bash", "bench/many_clients.sh", ctx.binary, str(seconds)], env=env)
@@ -220,7 +240,6 @@ def clients(ctx):
                                 f"fairness (slowest job's p99 / median job's) {s[7]} / {p[7]}"))
     for volumes in (1, 16):
         out = ctx.tmp / f"iscsi-{volumes}.json"
-        matrix = "1x32,16x4,64x2,128x1,256x1"
         extra = [] if volumes == 1 else ["--volumes", str(volumes)]
         shown = (f"python3 bench/iscsi_bench.py --matrix {matrix} --runtime {runtime} --count {count} "
                  f"--only strata,tgt-file" + (f" --volumes {volumes}" if volumes > 1 else ""))
@@ -237,11 +256,10 @@ def clients(ctx):
 
 
 def sync(ctx):
-    seconds = 10
+    seconds, which = ctx.pick((10, "fresh filled 16vols 256"), (1, "fresh 256"))
     out = ctx.tmp / "sync.csv"
-    shown = f'ROWS="fresh filled 16vols 256" bash bench/sync_scale.sh target/release/strata {seconds}'
-    sh(["bash", "bench/sync_scale.sh", ctx.binary, str(seconds)],
-       env={"BENCH_CSV": str(out), "ROWS": "fresh filled 16vols 256"})
+    shown = f'ROWS="{which}" bash bench/sync_scale.sh target/release/strata {seconds}'
+    sh(["bash", "bench/sync_scale.sh", ctx.binary, str(seconds)], env={"BENCH_CSV": str(out), "ROWS": which})
     got = {r[0]: r for r in read_bench_csv(out)}
     rows = []
     for many, one, name in [("fresh-qd32", "fresh-qd1", "fresh 1 GiB volume (writes allocate), 32 connections x QD1"),
@@ -262,7 +280,7 @@ def sync(ctx):
 
 
 def snapshots(ctx):
-    seconds = 10
+    seconds = ctx.pick(10, 2)
     out = ctx.tmp / "snap.csv"
     shown = f"bash bench/snapshot_load.sh target/release/strata {seconds}"
     sh(["bash", "bench/snapshot_load.sh", ctx.binary, str(seconds)], env={"BENCH_CSV": str(out)})
@@ -353,7 +371,7 @@ def read_tiering_csv(path):
 
 
 def tiering(ctx):
-    seconds = 300
+    seconds = ctx.pick(300, 40)
     shown = {"randread": f"bash bench/tiering.sh target/release/strata {seconds}",
              "hotzone": f"RW=hotzone bash bench/tiering.sh target/release/strata {seconds}"}
     runs = {}
@@ -368,7 +386,7 @@ def tiering(ctx):
 
 
 def sendrecv(ctx):
-    size, rounds = "1G", 3
+    size, rounds = ctx.pick(("1G", 3), ("256M", 1))
     out = ctx.tmp / "sr.csv"
     shown = f"ROUNDS={rounds} bash bench/send_receive.sh target/release/strata {size}"
     sh(["bash", "bench/send_receive.sh", ctx.binary, size], env={"BENCH_CSV": str(out), "ROUNDS": str(rounds)})
@@ -381,7 +399,8 @@ def sendrecv(ctx):
             ("receive_full", "receive of the full stream from a file", "nbd_write", "1M sequential NBD write (fio QD8)"),
             ("send_receive_pipe", "send | receive through a pipe", "nbd_write", "1M sequential NBD write (fio QD8)")]:
         if key in got:
-            rows.append(row(f"{name}, {size}iB volume", shown, got[key], "MiB/s", peer_name, got.get(peer_key)))
+            rows.append(row(f"{name}, {size[:-1]} {size[-1]}iB volume", shown, got[key], "MiB/s", peer_name,
+                            got.get(peer_key)))
     return rows
 
 
@@ -390,7 +409,7 @@ def tls(ctx):
     requests in flight: strata with --tls=on (plaintext and TLS clients on
     one daemon) and nbdkit's memory plugin with TLS, ROUNDS interleaved
     rounds, medians."""
-    rounds = 3
+    rounds, mib = ctx.pick((3, 1024), (1, 64))
     work = ctx.tmp / "tls"
     work.mkdir()
     psk = work / "keys.psk"
@@ -398,11 +417,11 @@ def tls(ctx):
     psk.chmod(0o600)
     source = Path("/dev/shm") / f"strata-tls-{os.getpid()}.raw"
     with open(source, "wb") as f:
-        for _ in range(1024):
+        for _ in range(mib):
             f.write(os.urandom(1 << 20))
     copy = ["nbdcopy", "--request-size=1048576", "--connections=1", "--requests=4"]
     shown = (f"python3 bench/all.py run tls (nbdcopy --request-size=1048576 --connections=1 --requests=4, "
-             f"1 GiB, {rounds} rounds; strata serve --tls=on --tls-psk FILE; nbdkit --tls=on --tls-psk=FILE memory 1G)")
+             f"{mib} MiB, {rounds} rounds; strata serve --tls=on --tls-psk FILE; nbdkit --tls=on --tls-psk=FILE memory 1G)")
     procs = []
     try:
         strata = subprocess.Popen([ctx.binary, "serve", "--data-dir", str(work / "d"), "--nbd", "127.0.0.1:0",
@@ -441,8 +460,8 @@ def tls(ctx):
                     subprocess.run(argv, check=True)
                     wall = time.time() - started
                     cpu = cpu_seconds(pid) - before
-                    samples.setdefault((name, direction), []).append((1024 / wall, cpu * 1e6 / 1024))
-                    print(f"{name} {direction}: {1024 / wall:.0f} MiB/s, {cpu * 1e6 / 1024:.0f} µs CPU/MiB",
+                    samples.setdefault((name, direction), []).append((mib / wall, cpu * 1e6 / mib))
+                    print(f"{name} {direction}: {mib / wall:.0f} MiB/s, {cpu * 1e6 / mib:.0f} µs CPU/MiB",
                           file=sys.stderr)
     finally:
         for proc in procs:
@@ -470,7 +489,7 @@ def tls(ctx):
 
 
 def analytics(ctx):
-    seconds, rounds = 5, 3
+    seconds, rounds = ctx.pick((5, 3), (1, 1))
     out = ctx.tmp / "an.csv"
     shown = f"ROUNDS={rounds} bash bench/analytics_cost.sh target/release/strata {seconds}"
     sh(["bash", "bench/analytics_cost.sh", ctx.binary, str(seconds)], env={"BENCH_CSV": str(out),
@@ -491,7 +510,7 @@ def analytics(ctx):
 
 
 def recovery(ctx):
-    gib = 10
+    gib = ctx.pick(10, 1)
     out = ctx.tmp / "rec.csv"
     shown = f"bash bench/recovery.sh {gib}"
     if Path(ctx.binary).resolve() != (ROOT / "target/release/strata").resolve():
@@ -622,9 +641,9 @@ def write_rows(family, rows):
 
 def figure(text):
     """A CSV figure for the table: thousands separated."""
-    if text == "":
-        return ""
-    value = float(text)
+    value = number(text)
+    if value is None:
+        return text
     if abs(value) >= 1000:
         return f"{value:,.0f}"
     return text
@@ -708,12 +727,19 @@ def check():
 
 
 class Context:
-    def __init__(self, tmp):
-        self.tmp = tmp
+    def __init__(self, tmp, quick=False):
+        self.tmp, self.quick = tmp, quick
         self.binary = os.environ.get("STRATA_BIN") or str(ROOT / "target/release/strata")
 
+    def pick(self, normal, quick):
+        """A producer's setting: the normal one, or the shortest that still
+        exercises every step (`try`)."""
+        return quick if self.quick else normal
 
-def run(keys):
+
+def run(keys, quick=False):
+    """Runs the families; with quick (`try`), the shortest settings, and the
+    rows are printed instead of written."""
     if keys == ["all"]:
         keys = [f.key for f in FAMILIES if f.in_all]
     unknown = [k for k in keys if k not in BY_KEY]
@@ -732,7 +758,7 @@ def run(keys):
         date = time.strftime("%Y-%m-%d", time.gmtime())
         with tempfile.TemporaryDirectory(prefix=f"strata-all-{key}-") as tmp:
             try:
-                rows = family.run(Context(Path(tmp)))
+                rows = family.run(Context(Path(tmp), quick))
             except Exception as error:  # a failed family keeps its old CSV
                 print(f"{key}: failed: {error}", file=sys.stderr)
                 failed.append(key)
@@ -743,6 +769,12 @@ def run(keys):
             continue
         for r in rows:
             r.update(date=date, cpu=cpu_model(), commit=commit)
+        if quick:
+            writer = csv.DictWriter(sys.stdout, fieldnames=COLUMNS, lineterminator="\n")
+            writer.writeheader()
+            writer.writerows({c: r.get(c, "") for c in COLUMNS} for r in rows)
+            print(f"{key}: {len(rows)} rows in {time.time() - started:.0f} s (try: nothing written)", file=sys.stderr)
+            continue
         write_rows(family, [{c: r.get(c, "") for c in COLUMNS} for r in rows])
         DOC.write_text(render())
         print(f"{key}: {len(rows)} rows in {time.time() - started:.0f} s", file=sys.stderr, flush=True)
@@ -762,6 +794,8 @@ def main(argv):
     command = argv[1]
     if command == "run" and len(argv) > 2:
         return run(argv[2:])
+    if command == "try" and len(argv) > 2:
+        return run(argv[2:], quick=True)
     if command == "render":
         DOC.write_text(render())
         return 0
