@@ -59,5 +59,8 @@ fn check_fails_on_a_page_that_differs_from_the_render() {
     assert_ne!(edited, page, "the page has an IOPS row to edit");
     let output = check(&edited);
     let _ = std::fs::remove_dir_all(&dir);
-    assert!(!output.status.success(), "a page with a changed figure passed the check");
+    assert!(
+        !output.status.success(),
+        "a page with a changed figure passed the check"
+    );
 }
