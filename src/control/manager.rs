@@ -1,7 +1,9 @@
 //! The volume manager: opens the data directory, keeps the catalog, the
 //! pools and the open volumes, and carries out admin operations (create,
-//! set, resize, delete). Frontends look volumes up here once per connection;
-//! the data path never takes the manager's locks.
+//! set, resize, delete here; snapshots, clones, send and receive, file
+//! datasets, pool properties and what the retention scheduler needs in the
+//! submodules). Frontends look volumes up here once per connection; the
+//! data path never takes the manager's locks.
 
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;

@@ -1,9 +1,10 @@
 //! One iSCSI connection: the login phase, then the full feature phase.
 //!
 //! The reader (this task) parses PDUs, enforces the CmdSN window, gathers
-//! write data (immediate, unsolicited and R2T-solicited Data-Out) and spawns
-//! one task per SCSI command, so commands run concurrently and complete in
-//! any order. Responses go through a channel to a writer task that stamps
+//! write data (immediate, unsolicited and R2T-solicited Data-Out) and runs
+//! each SCSI command on itself until the command has to wait, then on a
+//! task of its own (`frontend::run_or_spawn`), so commands run concurrently
+//! and complete in any order. Responses go through a channel to a writer task that stamps
 //! StatSN/ExpCmdSN/MaxCmdSN at send time and writes every queued PDU before
 //! one flush (replies that complete together leave in one send).
 

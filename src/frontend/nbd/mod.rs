@@ -1,4 +1,5 @@
-//! The NBD server (fixed newstyle handshake, structured replies, base:allocation).
+//! The NBD server (fixed newstyle handshake, structured replies, base:allocation,
+//! TLS through STARTTLS).
 
 pub mod fuzzing;
 pub mod proto;
