@@ -111,7 +111,7 @@ pub enum Record {
         owners: Vec<u32>,
     },
     /// Changes to file dataset `dataset`'s namespace, applied together
-    /// (`fs/ondisk.rs`; a rename is one record).
+    /// (`meta/fsrows.rs`; a rename is one record).
     Namespace {
         dataset: u32,
         ops: Vec<crate::meta::fsrows::NsOp>,
@@ -531,7 +531,8 @@ struct Pending {
     /// allocating writes quadratic in the records pending between commits).
     layout: Vec<(usize, u64)>,
     /// Log units (4 KiB) all of `records` take, and the bytes used in the
-    /// last record block: [`blocks_needed`] kept up to date record by record.
+    /// last record block: `blocks_needed` (a test helper) kept up to date
+    /// record by record.
     units: u64,
     last_block_used: usize,
     /// How many of `records` need the data devices flushed before them.

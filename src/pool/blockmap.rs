@@ -6,13 +6,13 @@ use super::*;
 
 /// A block-map entry is one `u64`: bits 0..48 the slot's first 4 KiB sector
 /// on its device, bits 48..56 the device index, bits 56..63 flags (bit 62
-/// [`SHARED`], the others zero), bit 63 "mapped" (docs/FORMAT.md).
+/// `SHARED`, the others zero), bit 63 "mapped" (docs/FORMAT.md).
 pub mod map_entry {
     const OFFSET_BITS: u32 = 48;
     const OFFSET_MASK: u64 = (1 << OFFSET_BITS) - 1;
     const DEVICE_SHIFT: u32 = OFFSET_BITS;
     const DEVICE_MASK: u64 = 0xff << DEVICE_SHIFT;
-    /// The flag bits (only [`SHARED`] is in use): masked off to compare
+    /// The flag bits (only `SHARED` is in use): masked off to compare
     /// slots.
     pub const RESERVED: u64 = 0x7f << 56;
     /// The slot is also mapped by a snapshot of the volume: a write to the

@@ -7,7 +7,7 @@ use crate::meta::fsrows::{decode_entry, encode_entry, InodeRow, NsOp};
 use crate::meta::namespace::{Changes, Namespace};
 use std::collections::HashMap;
 
-/// Inode rows: (dataset, inode) → the encoded row (`fs/ondisk.rs`).
+/// Inode rows: (dataset, inode) → the encoded row (`meta/fsrows.rs`).
 pub const FS_INODES: TableDefinition<(u32, u64), &[u8]> = TableDefinition::new("fs_inodes");
 /// Directory entries: (dataset, directory, cookie) → inode and name.
 pub const FS_ENTRIES: TableDefinition<(u32, u64, u64), &[u8]> = TableDefinition::new("fs_entries");

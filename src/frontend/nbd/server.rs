@@ -401,7 +401,7 @@ async fn handshake(
 }
 
 /// Shuts a connection's socket down both ways when dropped, as when a
-/// stopping server gives up waiting for it (see [`Connections::drain`]):
+/// stopping server gives up waiting for it (see [`crate::frontend::Connections::drain`]):
 /// the connection's transmission task, which runs on detached, then sends
 /// nothing more and its receive ends. After a normal end it changes nothing.
 struct Hangup(OwnedFd);
