@@ -1,5 +1,5 @@
 //! The file service: datasets of files and directories in a pool, beside
-//! its volumes (ARCHITECTURE.md, "File service (NFS)"). A dataset's namespace
+//! its volumes (docs/NFS.md, "Datasets in the pool"). A dataset's namespace
 //! (inodes, directory entries) lives in memory, is changed by log records
 //! and checkpointed to the metadata store (`pool/files.rs`); its files'
 //! data lives in one engine object of the pool (the dataset's id), each

@@ -787,7 +787,7 @@ pub const SWAP_MAX_BYTES: u64 = 256 << 20;
 /// hottest this minute is no hotter than the rest the next. Swapping on
 /// that noise (at twice the coldest fast chunk's heat) moves 1.2 GiB up
 /// and 1.5 GiB down in 10 minutes of `bench/tiering.sh` for no IOPS, and
-/// raises the clients' p99 by a quarter (BENCHMARKS.md, tiering).
+/// raises the clients' p99 by a quarter (BENCHMARKS.md, "Tiering").
 /// A hot set on the capacity tier stands out from it, and a fast tier
 /// nobody reads is cold: those still trade places.
 pub const SWAP_STANDOUT: u64 = 4;

@@ -137,7 +137,7 @@ impl EngineVolume {
             .all(|(i, dst)| cache.get_into(self.id, first + i as u64, dst));
         if all_hit {
             // No heat: the fast tier is for what the read cache does not
-            // hold (ARCHITECTURE.md, "Tiering: heat and the migrator").
+            // hold (ARCHITECTURE.md, "Migration (tiering)").
             return (buf, Ok(()));
         }
         let (buf, result) = self.read_disk(offset, buf).await;
