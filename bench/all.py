@@ -152,7 +152,7 @@ def nbd(ctx):
         s = cells["strata"]
         for peer in ("nbdkit file", "qemu-nbd"):
             p = cells[peer]
-            rows.append(row(f"{workload}, 1 GiB", shown, s[metric], unit, peer, p[metric], s["cpu_us_per_op"],
+            rows.append(row(f"{workload}, {ctx.pick('1 GiB', '64 MiB')}", shown, s[metric], unit, peer, p[metric], s["cpu_us_per_op"],
                             p["cpu_us_per_op"], s["p99_us"], p["p99_us"]))
     return rows
 
@@ -168,7 +168,7 @@ def iscsi(ctx):
     rows = []
     for workload, cells in results.items():
         s, p = cells["strata"], cells["tgt-file"]
-        rows.append(row(f"{workload}, 1 GiB", shown, s["iops"], "IOPS", "tgt (file)", p["iops"], s["cpu_us_per_op"],
+        rows.append(row(f"{workload}, {ctx.pick('1 GiB', '64 MiB')}", shown, s["iops"], "IOPS", "tgt (file)", p["iops"], s["cpu_us_per_op"],
                         p["cpu_us_per_op"]))
     return rows
 

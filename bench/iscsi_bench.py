@@ -129,8 +129,13 @@ class Strata:
         os.sync()
 
     def auth(self):
-        """The API token header (the daemon writes DATA_DIR/api.token before it listens)."""
+        """The API token header (DATA_DIR/api.token: the daemon may accept
+        connections on its ports a moment before it has written it)."""
         path = os.path.join(self.data_dir, "api.token")
+        for _ in range(100):
+            if os.path.exists(path):
+                break
+            time.sleep(0.1)
         return {"Authorization": f"Bearer {open(path).read().strip()}"} if os.path.exists(path) else {}
 
     def stop(self):
