@@ -557,9 +557,9 @@ struct Pending {
 /// durable). So a record about to be appended or held back that touches a
 /// block with records held back by another pass pushes those first, in
 /// their order: they then need the data flush, as if never held back (the
-/// rare case of a block changed again within a pass's few milliseconds). Records whose
-/// block is not known here (snapshots, page copies, destroys) push every
-/// record held back.
+/// rare case of a block changed again within a pass's few milliseconds).
+/// Records whose block is not known here (snapshots, page copies, destroys)
+/// push every record held back.
 /// A record held back: (pass, record, the slot it frees once durable).
 type HeldRecord = (u64, Record, Option<(u8, u64)>);
 

@@ -4,9 +4,10 @@
 //! write data (immediate, unsolicited and R2T-solicited Data-Out) and runs
 //! each SCSI command on itself until the command has to wait, then on a
 //! task of its own (`frontend::run_or_spawn`), so commands run concurrently
-//! and complete in any order. Responses go through a channel to a writer task that stamps
-//! StatSN/ExpCmdSN/MaxCmdSN at send time and writes every queued PDU before
-//! one flush (replies that complete together leave in one send).
+//! and complete in any order. Responses go through a channel to a writer
+//! task that stamps StatSN/ExpCmdSN/MaxCmdSN at send time and writes every
+//! queued PDU before one flush (replies that complete together leave in one
+//! send).
 
 use std::collections::HashMap;
 use std::io;
