@@ -174,8 +174,8 @@ def iscsi(ctx):
 
 
 NFS_ROWS = [
-    ("seqwrite", "1M sequential write, 1 GiB file (UNSTABLE, COMMIT at the end)", "MiB/s"),
-    ("seqread", "1M sequential read, 1 GiB file", "MiB/s"),
+    ("seqwrite", "1M sequential write, {size} file (UNSTABLE, COMMIT at the end)", "MiB/s"),
+    ("seqread", "1M sequential read, {size} file", "MiB/s"),
     ("randwrite_unstable", "4K random write, UNSTABLE + COMMIT every 1 MiB", "IOPS"),
     ("randwrite_filesync", "4K random write, FILE_SYNC", "IOPS"),
     ("randread", "4K random read", "IOPS"),
@@ -205,7 +205,7 @@ def nfs(ctx):
         if key not in results:
             continue
         cpu_note = "server CPU per MiB" if unit == "MiB/s" else ""
-        rows.append(row(f"{label.format(files=f'{files:,}')}, QD32", shown, med(key, "strata", "ops_per_s"), unit,
+        rows.append(row(f"{label.format(files=f'{files:,}', size=ctx.pick('1 GiB', '64 MiB'))}, QD32", shown, med(key, "strata", "ops_per_s"), unit,
                         "nfs-ganesha", med(key, "ganesha", "ops_per_s"), med(key, "strata", "cpu_us_per_op"),
                         med(key, "ganesha", "cpu_us_per_op"), med(key, "strata", "p99_us"),
                         med(key, "ganesha", "p99_us"), cpu_note))
@@ -572,12 +572,12 @@ FAMILIES = [
     Family("nbd", "NBD", ["bench/nbd_bench.py"], "4 min", nbd),
     Family("iscsi", "iSCSI", ["bench/iscsi_bench.py"], "2 min", iscsi),
     Family("nfs", "NFS", ["bench/nfs_qd.py", "bench/nfs_peers.py", "bench/nfs_load.c"], "5 min", nfs),
-    Family("sync", "Sync writes and group commit", ["bench/sync_scale.sh", LIB], "3 min", sync),
+    Family("sync", "Sync writes", ["bench/sync_scale.sh", LIB], "3 min", sync),
     Family("tls", "TLS", ["bench/all.py"], "2 min", tls),
-    Family("recovery", "Recovery time", ["bench/recovery.sh", LIB], "1 min", recovery),
-    Family("analytics", "Analytics cost", ["bench/analytics_cost.sh", LIB], "3 min", analytics),
-    Family("connections", "Memory per connection", ["bench/conn_scale.py"], "1 min", connections),
-    Family("snapshots", "Snapshots", ["bench/snapshot_load.sh", LIB], "3 min", snapshots),
+    Family("recovery", "Recovery", ["bench/recovery.sh", LIB], "1 min", recovery),
+    Family("analytics", "Analytics", ["bench/analytics_cost.sh", LIB], "3 min", analytics),
+    Family("connections", "Connections", ["bench/conn_scale.py"], "1 min", connections),
+    Family("snapshots", "Snapshots", ["bench/snapshot_load.sh", LIB], "4 min", snapshots),
     Family("send-receive", "Send and receive", ["bench/send_receive.sh", LIB], "2 min", sendrecv),
     Family("many-clients", "Many clients", ["bench/many_clients.sh", "bench/iscsi_bench.py", LIB], "12 min",
            clients),
