@@ -55,8 +55,8 @@ pub struct ClientOptions {
     /// Print the API's JSON instead of a table (same as `-o json`).
     #[arg(long, global = true)]
     pub json: bool,
-    /// `json` for JSON output; with `volume create` and `fs create`,
-    /// PROPERTY=VALUE sets a property (repeatable).
+    /// `json` for JSON output; with `volume create`, `volume clone`, `fs
+    /// create` and `fs clone`, PROPERTY=VALUE sets a property (repeatable).
     #[arg(short = 'o', global = true, value_name = "json|PROPERTY=VALUE")]
     pub options: Vec<String>,
 }
