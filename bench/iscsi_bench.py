@@ -8,7 +8,7 @@ listens on an ephemeral 127.0.0.1 port and is stopped by PID. tgtd gets a
 private control port (its management socket /var/run/tgtd/socket.N), so it
 never touches another tgtd on the machine.
 
-Workloads (the issue's):
+Workloads:
   4K random read QD32:  iscsi-perf -t RUNTIME -m 32 -b 8 -r URL   (8 x 512-byte blocks)
   4K write QD32:        qemu-img bench -f raw -w -t none -d 32 -c COUNT -s 4k URL
 
@@ -20,7 +20,7 @@ Usage: bench/iscsi_bench.py [--runtime S] [--count N] [--size-mib N] [--only str
                             [--volumes N]
 --baseline adds a second strata, "strata-base", run from another binary (an
 older build) in the same run: before/after side by side.
---matrix (many clients, issue 21) replaces the two workloads with, for
+--matrix (many clients) replaces the two workloads with, for
 each JOBSxQD, JOBS sessions at once (one process each, its own initiator
 name): 4K random reads with iscsi-perf -m QD for RUNTIME seconds (the
 sum of the sessions' averages), and 4K writes with qemu-img bench -d QD,
