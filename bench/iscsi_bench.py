@@ -108,16 +108,22 @@ class Strata:
              "--api", f"127.0.0.1:{self.api}", "--iscsi", f"127.0.0.1:{self.iscsi}",
              "--max-connections-per-client", "1024"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=dict(os.environ, STRATA_LOG="warn"))
-        for port in (self.api, self.nbd, self.iscsi):
-            wait_port(port, self.proc)
         names = ["bench"] if volumes == 1 else [f"bench{i}" for i in range(volumes)]
-        for name in names:
-            request = urllib.request.Request(
-                f"http://127.0.0.1:{self.api}/v1/volumes", method="POST",
-                data=json.dumps({"name": f"default/{name}", "size": size // volumes}).encode(),
-                headers={"Content-Type": "application/json", **self.auth()})
-            urllib.request.urlopen(request, timeout=60).read()
-            subprocess.run(["nbdcopy", "--flush", seed, f"nbd://127.0.0.1:{self.nbd}/default/{name}"], check=True)
+        try:
+            for port in (self.api, self.nbd, self.iscsi):
+                wait_port(port, self.proc)
+            for name in names:
+                request = urllib.request.Request(
+                    f"http://127.0.0.1:{self.api}/v1/volumes", method="POST",
+                    data=json.dumps({"name": f"default/{name}", "size": size // volumes}).encode(),
+                    headers={"Content-Type": "application/json", **self.auth()})
+                urllib.request.urlopen(request, timeout=60).read()
+                subprocess.run(["nbdcopy", "--flush", seed, f"nbd://127.0.0.1:{self.nbd}/default/{name}"],
+                               check=True)
+        except BaseException:
+            # The caller never sees this object: stop the daemon here.
+            stop(self.proc)
+            raise
         self.urls = [f"iscsi://127.0.0.1:{self.iscsi}/iqn.2026-11.io.strata:default.{name}/0" for name in names]
         self.url = self.urls[0]
         self.pid = self.proc.pid
