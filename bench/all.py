@@ -29,15 +29,18 @@ FAMILIES_HELP
 Each family's rows come from the existing scripts in bench/ (its
 "producers", called with their machine-readable output: `--json FILE`,
 `--out FILE`, or BENCH_CSV=FILE for the shell scripts; tls is measured
-here, with nbdcopy). The command in each row is what reproduces it.
+here, with nbdcopy, so this file is the tls family's producer and a change
+to it marks the tls rows). The command in each row is what reproduces it.
 
 bench/results/FAMILY.csv: one line a row, columns
 
     row, command, date, cpu, commit, strata, peer_name, peer, unit, ratio,
-    strata_cpu_us, peer_cpu_us, strata_p99_us, peer_p99_us, note
+    strata_cpu_us, peer_cpu_us, strata_p99_us, peer_p99_us, note, load
 
-`date` (UTC day), `cpu` (the model in /proc/cpuinfo) and `commit` (HEAD when
-the run began, abbreviated) say where a figure comes from; `ratio` is
+`date` (UTC day), `cpu` (the model in /proc/cpuinfo), `commit` (HEAD when
+the run began, abbreviated) and `load` (the lowest and highest 1-minute
+load average sampled while the family ran; empty where not recorded) say
+where a figure comes from; `ratio` is
 strata / peer (for a unit marked "lower is better", below 1 is strata
 ahead); the CPU columns are the server process's utime+stime over the run
 divided by the operations completed; an empty cell is a figure that was not
@@ -73,6 +76,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -82,7 +86,7 @@ RESULTS = BENCH / "results"
 TEMPLATE = BENCH / "BENCHMARKS.md.in"
 DOC = ROOT / "BENCHMARKS.md"
 COLUMNS = ["row", "command", "date", "cpu", "commit", "strata", "peer_name", "peer", "unit", "ratio",
-           "strata_cpu_us", "peer_cpu_us", "strata_p99_us", "peer_p99_us", "note"]
+           "strata_cpu_us", "peer_cpu_us", "strata_p99_us", "peer_p99_us", "note", "load"]
 CODE = ["src", "Cargo.toml", "Cargo.lock"]
 NOTE = " — **not rerun since `{}`**"
 NOTE_RE = re.compile(r" — \*\*not rerun since `[0-9a-f]+`\*\*")
@@ -533,7 +537,7 @@ def connections(ctx):
         if state in got:
             r = got[state]
             rows.append(row(f"RSS per idle NBD connection, {state.split()[0]} open", shown, r["rss_per_conn_kib"],
-                            f"KiB ({LOWER})", note=f"threads per connection {r['threads_per_conn']:.2f}; "
+                            f"KiB ({LOWER})", note=f"threads per connection {abs(r['threads_per_conn']):.2f}; "
                                                   f"daemon wake-ups {r['wakeups']:.0f} per s"))
     r = got.get("100 open, 100 reading")
     if r:
@@ -659,7 +663,7 @@ def table(family, notes):
     head = ["row", "unit", "strata", "peer", "strata / peer", "server CPU µs/op, strata / peer"]
     if with_p99:
         head.append("p99 µs, strata / peer")
-    head += ["notes", "run (date, CPU, commit)", "command"]
+    head += ["notes", "run (date, CPU, load, commit)", "command"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         peer = f"{r['peer_name']}: {figure(r['peer'])}" if r["peer"] else (r["peer_name"] or "")
@@ -668,7 +672,8 @@ def table(family, notes):
             if (r["strata_cpu_us"] or r["peer_cpu_us"]) else ""
         if cpu and not r["peer"] and not r["peer_cpu_us"]:
             cpu = r["strata_cpu_us"]
-        run = f"{r['date']}, {r['cpu']}, `{r['commit']}`"
+        load = f", load {r['load']}" if r["load"] else ""
+        run = f"{r['date']}, {r['cpu']}{load}, `{r['commit']}`"
         if notes and changed_since(r["commit"], family):
             run += NOTE.format(r["commit"])
         cells = [r["row"], r["unit"], figure(r["strata"]), peer, ratio, cpu]
@@ -754,6 +759,9 @@ def run(keys, quick=False):
         family = BY_KEY[key]
         started = time.time()
         date = time.strftime("%Y-%m-%d", time.gmtime())
+        loads, done = [os.getloadavg()[0]], threading.Event()
+        sampler = threading.Thread(target=sample_load, args=(loads, done), daemon=True)
+        sampler.start()
         with tempfile.TemporaryDirectory(prefix=f"strata-all-{key}-") as tmp:
             try:
                 rows = family.run(Context(Path(tmp), quick))
@@ -761,12 +769,15 @@ def run(keys, quick=False):
                 print(f"{key}: failed: {error}", file=sys.stderr)
                 failed.append(key)
                 continue
+            finally:
+                done.set()
+                sampler.join()
         if not rows:
             print(f"{key}: no rows", file=sys.stderr)
             failed.append(key)
             continue
         for r in rows:
-            r.update(date=date, cpu=cpu_model(), commit=commit)
+            r.update(date=date, cpu=cpu_model(), commit=commit, load=f"{min(loads):.1f}-{max(loads):.1f}")
         if quick:
             writer = csv.DictWriter(sys.stdout, fieldnames=COLUMNS, lineterminator="\n")
             writer.writeheader()
@@ -777,6 +788,13 @@ def run(keys, quick=False):
         DOC.write_text(render())
         print(f"{key}: {len(rows)} rows in {time.time() - started:.0f} s", file=sys.stderr, flush=True)
     return 1 if failed else 0
+
+
+def sample_load(loads, done):
+    """Appends the 1-minute load average every 10 s until done is set."""
+    while not done.wait(10):
+        loads.append(os.getloadavg()[0])
+    loads.append(os.getloadavg()[0])
 
 
 def usage():
