@@ -15,7 +15,8 @@
                                          writes nothing
 
 Python 3.11, standard library only. `run` uses target/release/strata (build
-it first: `cargo build --release`; STRATA_BIN=PATH runs another binary), the
+it first: `cargo build --release`; STRATA_BIN=PATH runs another binary, and
+STRATA_COMMIT=HASH names the commit it was built from), the
 peers' packages (`apt-get install -y fio nbdkit qemu-utils libnbd-bin tgt
 libiscsi-bin gnutls-bin bc`, nfs-ganesha through
 ../shared/tools/nfs-ganesha) and a quiet machine: every row of a family is
@@ -751,7 +752,9 @@ def run(keys, quick=False):
     binary = os.environ.get("STRATA_BIN") or str(ROOT / "target/release/strata")
     if not os.path.exists(binary):
         sys.exit(f"no {binary}: cargo build --release first")
-    commit = git("rev-parse", "--short=7", "HEAD").stdout.strip()
+    # STRATA_COMMIT names the commit STRATA_BIN was built from, when that
+    # is not HEAD (a binary kept from an earlier build).
+    commit = os.environ.get("STRATA_COMMIT") or git("rev-parse", "--short=7", "HEAD").stdout.strip()
     if git("diff", "--quiet", "HEAD", "--", *CODE).returncode != 0:
         print(f"warning: src has uncommitted changes; the rows name HEAD ({commit})", file=sys.stderr)
     failed = []
