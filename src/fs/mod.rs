@@ -1005,7 +1005,7 @@ impl FileSystem {
         if offset >= row.size {
             return Ok((FileData::empty(), true));
         }
-        let end = row.size.min(offset + count as u64);
+        let end = row.size.min(offset.saturating_add(count as u64));
         let start = offset / ALIGN * ALIGN;
         let base = handle.ino << FILE_BITS;
         let length = round_up(end, ALIGN) - start;
@@ -1695,7 +1695,12 @@ impl FileSystem {
         let Some(entries) = ns.dirs.get(&dir.ino) else {
             return Ok((out, true));
         };
-        let mut rest = entries.entries.range(cookie.max(2) + 1..);
+        // Nothing follows the largest cookie (a client's, never one given
+        // out: cookies count up from 3).
+        let Some(first) = cookie.max(2).checked_add(1) else {
+            return Ok((out, true));
+        };
+        let mut rest = entries.entries.range(first..);
         for (cookie, (name, ino)) in rest.by_ref() {
             if out.len() >= max {
                 return Ok((out, false));
