@@ -270,7 +270,8 @@ async fn metrics(State(manager): State<Manager>) -> Response {
     let pools = blocking(&manager, |m| Ok(m.pool_status())).await.unwrap_or_default();
     let body = super::metrics::render(&manager.volumes())
         + &super::metrics::render_backing(&pools)
-        + &super::metrics::render_nfs(crate::frontend::nfs::drc::daemon_stats());
+        + &super::metrics::render_nfs(crate::frontend::nfs::drc::daemon_stats())
+        + &super::metrics::render_fs(crate::fs::deferred_frees());
     ([(header::CONTENT_TYPE, METRICS_CONTENT_TYPE)], body).into_response()
 }
 
