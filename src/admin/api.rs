@@ -120,6 +120,8 @@ impl From<AdminError> for ApiError {
             AdminError::AlreadyExists(_) | AdminError::Busy(_) => StatusCode::CONFLICT,
             AdminError::Invalid(_) => StatusCode::BAD_REQUEST,
             AdminError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
+            AdminError::NoSpace(_) => StatusCode::INSUFFICIENT_STORAGE,
+            AdminError::Io(_) => StatusCode::SERVICE_UNAVAILABLE,
         };
         ApiError::new(status, error.to_string())
     }
