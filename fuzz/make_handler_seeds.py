@@ -123,6 +123,7 @@ def sattr_size(size):
 
 
 nfs = {
+    "null-and-a-procedure-past-commit": call(0, 0, b"") + call(0, ROOT_FH, b"\x00" * 3) + call(22, ROOT_FH, b""),
     # A cookie no listing gave out: nothing follows it, and the listing
     # never starts over.
     "readdir-cookie-u64-max": readdir(ROOT_FH, U64_MAX) + readdir(DIR_FH, U64_MAX),

@@ -274,15 +274,12 @@ fn check_outcome(command: &Command, outcome: &Outcome) {
         "{command:?}: {outcome:?}"
     );
     if outcome.status == status::GOOD {
-        match *command {
-            Command::Read { blocks, .. } => {
-                assert_eq!(
-                    outcome.data.len(),
-                    blocks as usize * BLOCK_BYTES as usize,
-                    "{command:?}"
-                );
-            }
-            _ => {}
+        if let Command::Read { blocks, .. } = *command {
+            assert_eq!(
+                outcome.data.len(),
+                blocks as usize * BLOCK_BYTES as usize,
+                "{command:?}"
+            );
         }
         match *command {
             Command::Read { lba, blocks, .. }
