@@ -121,6 +121,8 @@ impl From<AdminError> for ApiError {
             AdminError::AlreadyExists(_) | AdminError::Busy(_) => StatusCode::CONFLICT,
             AdminError::Invalid(_) => StatusCode::BAD_REQUEST,
             AdminError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
+            AdminError::NoSpace(_) => StatusCode::INSUFFICIENT_STORAGE,
+            AdminError::Io(_) => StatusCode::SERVICE_UNAVAILABLE,
         };
         ApiError::new(status, error.to_string())
     }
@@ -303,7 +305,8 @@ async fn metrics(State(manager): State<Manager>) -> Response {
     let pools = blocking(&manager, |m| Ok(m.pool_status())).await.unwrap_or_default();
     let body = super::metrics::render(&manager.volumes())
         + &super::metrics::render_backing(&pools)
-        + &super::metrics::render_nfs(crate::frontend::nfs::drc::daemon_stats());
+        + &super::metrics::render_nfs(crate::frontend::nfs::drc::daemon_stats())
+        + &super::metrics::render_fs(crate::fs::deferred_frees());
     ([(header::CONTENT_TYPE, METRICS_CONTENT_TYPE)], body).into_response()
 }
 

@@ -62,6 +62,12 @@ pub enum AdminError {
     Busy(String),
     #[error("{0}")]
     Internal(String),
+    /// The pool has no space for what the call writes (HTTP 507).
+    #[error("{0}")]
+    NoSpace(String),
+    /// A device of the pool failed a read or write (HTTP 503).
+    #[error("{0}")]
+    Io(String),
 }
 
 impl From<PropError> for AdminError {
