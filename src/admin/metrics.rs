@@ -428,10 +428,15 @@ pub fn render_nfs(stats: Option<crate::frontend::nfs::drc::DrcStats>) -> String 
             stats.bytes,
         ),
     ];
+    write_plain_rows(&mut out, &rows);
+    out
+}
+
+/// Writes unlabelled metrics, each a (name, kind, help, value) row.
+fn write_plain_rows(out: &mut String, rows: &[(&str, &str, &str, u64)]) {
     for (name, kind, help, value) in rows {
         let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value}");
     }
-    out
 }
 
 /// The file service: removed files whose data freeing failed after the
@@ -465,8 +470,6 @@ pub fn render_fs(frees: crate::fs::DeferredFrees) -> String {
             frees.pending,
         ),
     ];
-    for (name, kind, help, value) in rows {
-        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value}");
-    }
+    write_plain_rows(&mut out, &rows);
     out
 }
