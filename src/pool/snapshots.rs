@@ -1109,7 +1109,9 @@ impl Pool {
     /// that waits there (holding `making_log_room`), whether or not the
     /// caller placed the volume's cached data first.
     async fn commit_holding_placement(&self) -> Result<(), PoolError> {
-        self.commit().await
+        self.commit_quiet().await?;
+        self.maybe_checkpoint_soon();
+        Ok(())
     }
 
     /// The work of a snapshot's deletion (also replayed): returns the slots
