@@ -1061,7 +1061,13 @@ impl VolumeManager {
             .get_mut(pool)
             .and_then(|p| p.volumes.remove(short))
             .ok_or_else(|| AdminError::NotFound(format!("volume '{name}' does not exist")))?;
-        if let Some(volume) = self.lookup(name) {
+        // New clients are refused before the open ones are counted: a
+        // handshake that found the volume either is counted here (and the
+        // delete refused) or is refused itself (`Volume::try_open_handle`).
+        let refused = self
+            .lookup(name)
+            .map(|volume| snapshots::Eviction::refuse_clients(vec![volume]));
+        if let Some(volume) = refused.as_ref().and_then(|r| r.volumes().first()) {
             let connections = volume.open_handles();
             if connections > 0 {
                 return Err(AdminError::Busy(format!(
@@ -1083,6 +1089,10 @@ impl VolumeManager {
         catalog.set(updated);
         if let Some(volume) = self.volumes.write().unwrap_or_else(|e| e.into_inner()).remove(name) {
             volume.mark_deleted();
+        }
+        // Deleted: its clients stay refused.
+        if let Some(refused) = refused {
+            refused.keep();
         }
         self.engines.write().unwrap_or_else(|e| e.into_inner()).remove(name);
         // The catalog no longer names the volume; now free its blocks. A
