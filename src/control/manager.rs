@@ -233,13 +233,15 @@ pub struct PoolCacheStatus {
 
 pub struct VolumeManager {
     data_dir: PathBuf,
-    /// Serialises admin operations and holds the catalog as last saved.
-    /// Admin operations (on blocking threads) may hold it while they wait
-    /// for the runtime, so tasks on the runtime never take it: they read
-    /// `published`.
+    /// Serialises the admin operations that change something, and holds
+    /// the catalog as last saved. They may hold it for as long as the
+    /// engine's work takes (a volume or snapshot delete, a rollback), so
+    /// tasks on the runtime and read-only admin calls (status, list, get,
+    /// metrics) never take it: they read `published`.
     catalog: Mutex<Catalog>,
     /// A copy of the catalog as last saved, replaced (never held for long)
-    /// each time it changes: what frontends read when admitting clients.
+    /// each time it changes: what frontends read when admitting clients,
+    /// and what read-only admin calls show.
     published: RwLock<Arc<Catalog>>,
     volumes: RwLock<HashMap<String, Arc<Volume>>>,
     engines: RwLock<HashMap<String, Arc<EngineVolume>>>,
@@ -810,7 +812,7 @@ impl VolumeManager {
     }
 
     /// The catalog as last saved, without waiting for an admin operation:
-    /// for code on the runtime (see `catalog`).
+    /// for code on the runtime and read-only admin calls (see `catalog`).
     fn published(&self) -> Arc<Catalog> {
         self.published.read().unwrap_or_else(|e| e.into_inner()).clone()
     }
@@ -864,7 +866,7 @@ impl VolumeManager {
     /// The daemon-wide iSCSI settings as rows (secrets masked), every
     /// known setting with its value or `-`.
     pub fn iscsi_settings(&self) -> Vec<PropertyRow> {
-        discovery_rows(&self.catalog().iscsi)
+        discovery_rows(&self.published().iscsi)
     }
 
     /// Changes daemon-wide iSCSI settings (`strata iscsi set`); an empty
@@ -911,12 +913,12 @@ impl VolumeManager {
     }
 
     pub fn info(&self, name: &str) -> Result<VolumeInfo, AdminError> {
-        let catalog = self.catalog();
+        let catalog = self.published();
         self.info_of(&catalog, name)
     }
 
     pub fn list(&self) -> Vec<VolumeInfo> {
-        let catalog = self.catalog();
+        let catalog = self.published();
         let mut names = Vec::new();
         for (pool, record) in &catalog.pools {
             for (name, volume) in &record.volumes {
@@ -1107,8 +1109,10 @@ impl VolumeManager {
         Ok(())
     }
 
+    /// Every pool's status, from the catalog as last published and the
+    /// pools' own counters: never waits for an admin operation.
     pub fn pool_status(&self) -> Vec<PoolStatus> {
-        let catalog = self.catalog();
+        let catalog = self.published();
         catalog
             .pools
             .iter()

@@ -217,7 +217,7 @@ impl VolumeManager {
 
     /// Every snapshot, or those of volume `POOL/VOL`, oldest first per volume.
     pub fn list_snapshots(&self, volume: Option<&str>) -> Result<Vec<SnapshotView>, AdminError> {
-        let catalog = self.catalog();
+        let catalog = self.published();
         let wanted = match volume {
             Some(name) => {
                 let (pool, short) = split_volume_name(name)?;
