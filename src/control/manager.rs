@@ -440,6 +440,7 @@ impl VolumeManager {
             _lock: lock,
         };
         manager.settle_receives().await;
+        warn_stale_ram_tiers(data_dir);
         Ok(manager)
     }
 
@@ -1302,6 +1303,51 @@ pub fn ram_file_key(data_dir: &Path, pool: &str) -> String {
     format!("{hash:08x}-{pool}")
 }
 
+/// The directory RAM tier files go to, and whether it must be tmpfs:
+/// `STRATA_RAM_DIR`, which may name any directory (the tests keep their RAM
+/// tiers in their own temporary directories), else /dev/shm.
+fn ram_dir(data_dir: &Path) -> (PathBuf, bool) {
+    match std::env::var_os("STRATA_RAM_DIR") {
+        Some(dir) => (PathBuf::from(dir), false),
+        // Unit tests drop managers without a clean shutdown: nothing of
+        // theirs may stay behind in tmpfs.
+        None if cfg!(test) => (data_dir.to_path_buf(), false),
+        None => (PathBuf::from(DEFAULT_RAM_DIR), true),
+    }
+}
+
+/// Warns about each RAM tier file in the RAM directory that no process
+/// holds (every pool of this daemon holds its own by now): left by a
+/// daemon killed without a clean shutdown, it pins its size in RAM until
+/// that data directory's daemon starts again or `strata ram-tier remove`
+/// removes it.
+fn warn_stale_ram_tiers(data_dir: &Path) {
+    let (dir, _) = ram_dir(data_dir);
+    let Ok(files) = ram::region_files(&dir) else {
+        return;
+    };
+    for file in files.iter().filter(|f| f.held_by.is_none()) {
+        let owner = match &file.data_dir {
+            Some(owner) if owner.exists() => owner.display().to_string(),
+            Some(owner) => format!("{} (which no longer exists)", owner.display()),
+            None => "not recorded".to_string(),
+        };
+        let dirty = if file.dirty {
+            "; it holds writes that daemon acknowledged and had not placed, which its next start replays"
+        } else {
+            ""
+        };
+        tracing::warn!(
+            "stale RAM tier file {} ({}): pool {}, data directory {owner}; no running daemon uses it{dirty}. \
+             If no daemon will start on that data directory again, remove it: strata ram-tier remove {}",
+            file.path.display(),
+            crate::units::format_size(file.bytes),
+            file.pool,
+            file.path.display()
+        );
+    }
+}
+
 /// The options a pool of this data directory opens with: half its RAM is the
 /// RAM tier (dirty data; in /dev/shm when it is tmpfs with room, else in
 /// `pools/NAME/ram.tier`), half the read cache; its block-map and checksum
@@ -1311,15 +1357,7 @@ pub fn ram_file_key(data_dir: &Path, pool: &str) -> String {
 fn pool_options(data_dir: &Path, name: &str, ram_bytes: Option<u64>) -> PoolOptions {
     let ram = ram_bytes.unwrap_or(DEFAULT_POOL_RAM_BYTES);
     let tier_bytes = (ram / 2).max(MIN_RAM_BYTES);
-    // STRATA_RAM_DIR may name any directory (the tests keep their RAM tiers
-    // in their own temporary directories); the default must be tmpfs.
-    let (ram_dir, require_tmpfs) = match std::env::var_os("STRATA_RAM_DIR") {
-        Some(dir) => (PathBuf::from(dir), false),
-        // Unit tests drop managers without a clean shutdown: nothing of
-        // theirs may stay behind in tmpfs.
-        None if cfg!(test) => (data_dir.to_path_buf(), false),
-        None => (PathBuf::from(DEFAULT_RAM_DIR), true),
-    };
+    let (ram_dir, require_tmpfs) = ram_dir(data_dir);
     let path = ram::choose_location(
         &pool_dir(data_dir, name),
         &ram_dir,
@@ -1332,6 +1370,7 @@ fn pool_options(data_dir: &Path, name: &str, ram_bytes: Option<u64>) -> PoolOpti
         ram: Some(RamSource::File {
             path,
             bytes: tier_bytes,
+            data_dir: Some(fs::canonicalize(data_dir).unwrap_or_else(|_| data_dir.to_path_buf())),
         }),
         background: true,
         read_cache_bytes: ram / 2,
