@@ -555,6 +555,20 @@ pub(crate) fn taken_before_count(floors: &[u64], seq: u64) -> usize {
     floors.partition_point(|floor| *floor <= seq)
 }
 
+/// Refuses requests naming a snapshot their volume already has.
+fn name_taken(snapshots: &Snapshots, requests: &[SnapshotRequest<'_>]) -> Result<(), PoolError> {
+    for request in requests {
+        let taken = snapshots
+            .by_volume
+            .get(&request.volume.id())
+            .is_some_and(|list| list.iter().any(|s| snapshots.by_id[s].name == request.name));
+        if taken {
+            return Err(PoolError::Invalid(format!("snapshot '{}' exists", request.name)));
+        }
+    }
+    Ok(())
+}
+
 /// What a new snapshot needs from its volume.
 pub struct SnapshotRequest<'a> {
     pub volume: &'a Arc<volume::EngineVolume>,
@@ -631,27 +645,20 @@ impl Pool {
         if volumes.len() != requests.len() {
             return Err(PoolError::Invalid("a volume is named twice".into()));
         }
-        {
-            let snapshots = self.snapshots_read();
-            for request in requests {
-                let id = request.volume.id();
-                if is_snapshot_id(id) {
-                    return Err(PoolError::Invalid("a snapshot cannot be snapshotted".into()));
-                }
-                if request.name.is_empty() || request.name.len() > MAX_SNAPSHOT_NAME {
-                    return Err(PoolError::Invalid(format!(
-                        "a snapshot name has 1 to {MAX_SNAPSHOT_NAME} bytes"
-                    )));
-                }
-                let taken = snapshots
-                    .by_volume
-                    .get(&id)
-                    .is_some_and(|list| list.iter().any(|s| snapshots.by_id[s].name == request.name));
-                if taken {
-                    return Err(PoolError::Invalid(format!("snapshot '{}' exists", request.name)));
-                }
+        for request in requests {
+            if is_snapshot_id(request.volume.id()) {
+                return Err(PoolError::Invalid("a snapshot cannot be snapshotted".into()));
+            }
+            if request.name.is_empty() || request.name.len() > MAX_SNAPSHOT_NAME {
+                return Err(PoolError::Invalid(format!(
+                    "a snapshot name has 1 to {MAX_SNAPSHOT_NAME} bytes"
+                )));
             }
         }
+        // A taken name is refused before writes stop, and checked again
+        // where the snapshot is inserted (below): callers need not hold the
+        // catalog (a receive does not), so two may race for one name.
+        name_taken(&self.snapshots_read(), requests)?;
         // Writes stop (in id order, so two commands cannot deadlock) for as
         // long as it takes to write one record. What the volumes have in
         // the RAM cache stays there: those entries are below the snapshot's
@@ -672,6 +679,8 @@ impl Pool {
             let _gate = self.gate(requests[0].volume.id()).read().await;
             let gated = started.elapsed();
             let mut snapshots = self.snapshots_write();
+            // The check that counts: under the lock the insertion holds.
+            name_taken(&snapshots, requests)?;
             snapshots.generation += 1;
             let generation = snapshots.generation;
             // Every write to these volumes so far is below it (theirs wait

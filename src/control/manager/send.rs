@@ -454,7 +454,7 @@ impl VolumeManager {
     /// The state of a pending (interrupted) receive into `POOL/VOL`.
     pub fn receive_status(&self, name: &str) -> Result<ReceiveStatus, AdminError> {
         let (pool, short) = split_volume_name(name)?;
-        let catalog = self.catalog();
+        let catalog = self.published();
         let state = catalog
             .pools
             .get(pool)
