@@ -144,12 +144,19 @@ impl InodeRow {
     /// cut short, an unknown kind, a size past [`MAX_FILE_SIZE`], a parent
     /// past [`MAX_INODES`], a link target past [`MAX_SYMLINK`].
     pub fn decode_checked(bytes: &[u8]) -> Result<(InodeRow, usize), String> {
-        let (row, used) = Self::parse(bytes).ok_or_else(|| format!("row of {} bytes is cut short or of an unknown kind", bytes.len()))?;
+        let (row, used) = Self::parse(bytes)
+            .ok_or_else(|| format!("row of {} bytes is cut short or of an unknown kind", bytes.len()))?;
         if row.size > MAX_FILE_SIZE {
-            return Err(format!("field size: {} is past the largest file ({MAX_FILE_SIZE})", row.size));
+            return Err(format!(
+                "field size: {} is past the largest file ({MAX_FILE_SIZE})",
+                row.size
+            ));
         }
         if row.parent >= MAX_INODES {
-            return Err(format!("field parent: inode {} is past the inode limit ({MAX_INODES})", row.parent));
+            return Err(format!(
+                "field parent: inode {} is past the inode limit ({MAX_INODES})",
+                row.parent
+            ));
         }
         Ok((row, used))
     }
@@ -456,7 +463,10 @@ mod tests {
                 ino: 1 << 40,
                 name: b"a".to_vec(),
             },
-            NsOp::Unlink { dir: MAX_INODES, cookie: 3 },
+            NsOp::Unlink {
+                dir: MAX_INODES,
+                cookie: 3,
+            },
         ] {
             assert!(NsOp::decode(&encoded(op.clone())).is_none(), "{op:?} decoded");
         }

@@ -155,12 +155,23 @@ mod tests {
         let g = geometry();
         assert!(g.check_map_entry(0).is_ok());
         assert!(g.check_map_entry(map_entry::encode(0, 97 << 20)).is_ok());
-        assert!(g.check_map_entry(map_entry::encode(0, 97 << 20) | map_entry::SHARED).is_ok());
+        assert!(g
+            .check_map_entry(map_entry::encode(0, 97 << 20) | map_entry::SHARED)
+            .is_ok());
         let error = g.check_map_entry(map_entry::encode(7, 97 << 20)).unwrap_err();
         assert!(error.contains("names device 7; the pool has 2"), "{error}");
-        assert!(g.check_map_entry(map_entry::encode(1, 2 << 20)).unwrap_err().contains("holds no data"));
-        assert!(g.check_map_entry(map_entry::encode(0, 4096)).unwrap_err().contains("outside its data"));
-        assert!(g.check_map_entry(map_entry::encode(0, 128 << 20)).unwrap_err().contains("outside"));
+        assert!(g
+            .check_map_entry(map_entry::encode(1, 2 << 20))
+            .unwrap_err()
+            .contains("holds no data"));
+        assert!(g
+            .check_map_entry(map_entry::encode(0, 4096))
+            .unwrap_err()
+            .contains("outside its data"));
+        assert!(g
+            .check_map_entry(map_entry::encode(0, 128 << 20))
+            .unwrap_err()
+            .contains("outside"));
         assert!(g.check_map_entry(5).unwrap_err().contains("not mapped"));
         assert!(g
             .check_map_entry(map_entry::encode(0, 97 << 20) | 1 << 56)

@@ -489,7 +489,11 @@ mod tests {
         loaded.load_inode(MAX_INODES - 1, file(1));
         loaded.load_inode(4, file(2));
         loaded.finish_loading();
-        assert!(started.elapsed() < std::time::Duration::from_millis(500), "{:?}", started.elapsed());
+        assert!(
+            started.elapsed() < std::time::Duration::from_millis(500),
+            "{:?}",
+            started.elapsed()
+        );
         assert_eq!(replayed.allocate().unwrap().0, 2);
         assert_eq!(loaded.allocate().unwrap().0, 2);
         assert_eq!(loaded.allocate().unwrap().0, 3);

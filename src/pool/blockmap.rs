@@ -59,7 +59,9 @@ impl Pool {
     /// The device a map entry (or another stored reference) names: a
     /// damaged index is an error, counted and logged once, never a panic.
     pub(crate) fn data_device(&self, index: u8) -> Result<&PoolDevice, MetaError> {
-        self.devices.at(index).inspect_err(|e| self.corruption.note(&e.to_string()))
+        self.devices
+            .at(index)
+            .inspect_err(|e| self.corruption.note(&e.to_string()))
     }
 
     /// Times corrupt metadata was met since the pool was opened (pages

@@ -188,7 +188,8 @@ pub(super) fn load_namespaces(db: &redb::Database) -> Result<HashMap<u32, Shared
             for row in table.iter()? {
                 let (key, value) = row?;
                 let (dataset, ino) = key.value();
-                let corrupt = |what: String| MetaError::Corrupt(format!("table fs_inodes key ({dataset}, {ino}): {what}"));
+                let corrupt =
+                    |what: String| MetaError::Corrupt(format!("table fs_inodes key ({dataset}, {ino}): {what}"));
                 // Row 0 holds the dataset's next generation; files are 1..MAX_INODES.
                 if ino >= MAX_INODES {
                     return Err(corrupt(format!("inode {ino} is past the inode limit ({MAX_INODES})")));
@@ -207,16 +208,23 @@ pub(super) fn load_namespaces(db: &redb::Database) -> Result<HashMap<u32, Shared
         for row in table.iter()? {
             let (key, value) = row?;
             let (dataset, dir, cookie) = key.value();
-            let corrupt = |what: String| {
-                MetaError::Corrupt(format!("table fs_entries key ({dataset}, {dir}, {cookie}): {what}"))
-            };
-            let (ino, name) = decode_entry(value.value())
-                .ok_or_else(|| corrupt(format!("value of {} bytes (an inode and a name of 1 to {MAX_NAME} bytes)", value.value().len())))?;
+            let corrupt =
+                |what: String| MetaError::Corrupt(format!("table fs_entries key ({dataset}, {dir}, {cookie}): {what}"));
+            let (ino, name) = decode_entry(value.value()).ok_or_else(|| {
+                corrupt(format!(
+                    "value of {} bytes (an inode and a name of 1 to {MAX_NAME} bytes)",
+                    value.value().len()
+                ))
+            })?;
             if !(ROOT_INO..MAX_INODES).contains(&dir) {
-                return Err(corrupt(format!("directory {dir} is outside the inode range 1..{MAX_INODES}")));
+                return Err(corrupt(format!(
+                    "directory {dir} is outside the inode range 1..{MAX_INODES}"
+                )));
             }
             if !(ROOT_INO..MAX_INODES).contains(&ino) {
-                return Err(corrupt(format!("field inode: {ino} is outside the inode range 1..{MAX_INODES}")));
+                return Err(corrupt(format!(
+                    "field inode: {ino} is outside the inode range 1..{MAX_INODES}"
+                )));
             }
             namespaces
                 .entry(dataset)

@@ -166,7 +166,11 @@ pub fn map_page_use(data: &[u8]) {
         }
     }
     SMALL_POOL.with(|small| {
-        small.store(crate::meta::store::MAP_PAGES, (SMALL_VOLUME, (which & 1) as u64), &bytes);
+        small.store(
+            crate::meta::store::MAP_PAGES,
+            (SMALL_VOLUME, (which & 1) as u64),
+            &bytes,
+        );
         small.use_volume();
     });
 }
@@ -357,9 +361,21 @@ mod tests {
             bytes
         };
         // Device 7 of a pool of two: the read that met it used to panic.
-        write("meta_map_page_use", "device-out-of-range", &page(|i| 1 << 63 | 7 << 48 | (97 << 8) + i * 4));
-        write("meta_map_page_use", "log-region", &page(|i| 1 << 63 | (50 << 8) + i * 4));
-        write("meta_map_page_use", "past-the-end", &page(|i| 1 << 63 | 1 << 48 | (200 << 8) + i));
+        write(
+            "meta_map_page_use",
+            "device-out-of-range",
+            &page(|i| 1 << 63 | 7 << 48 | (97 << 8) + i * 4),
+        );
+        write(
+            "meta_map_page_use",
+            "log-region",
+            &page(|i| 1 << 63 | (50 << 8) + i * 4),
+        );
+        write(
+            "meta_map_page_use",
+            "past-the-end",
+            &page(|i| 1 << 63 | 1 << 48 | (200 << 8) + i),
+        );
         write("meta_map_page_use", "flags-unmapped", &page(|i| i));
         write("meta_map_page_use", "valid", &page(|i| 1 << 63 | (97 << 8) + i * 4));
         let mut crc = vec![0x80 | 0x30];
@@ -371,7 +387,11 @@ mod tests {
         // Namespace operations: the inode limit, and past it.
         use crate::meta::fsrows::{encode_ops, NsOp, MAX_INODES};
         let mut ops = Vec::new();
-        encode_ops(2, &[NsOp::Free { ino: MAX_INODES - 1 }, NsOp::Reaped { ino: 7 }], &mut ops);
+        encode_ops(
+            2,
+            &[NsOp::Free { ino: MAX_INODES - 1 }, NsOp::Reaped { ino: 7 }],
+            &mut ops,
+        );
         write("meta_namespace_use", "at-the-limit", &ops);
         let mut past = Vec::new();
         encode_ops(2, &[NsOp::Free { ino: 1 << 60 }], &mut past);
@@ -398,11 +418,18 @@ mod tests {
             assert!(error.to_string().contains("map_pages key (1, 0): entry 0"), "{error}");
             let (_, again) = small.volume.read(8192, crate::device::IoBuf::new(4096)).await;
             assert!(again.is_err());
-            assert!(small.pool.metadata_errors() >= before + 2, "each failed request is counted");
+            assert!(
+                small.pool.metadata_errors() >= before + 2,
+                "each failed request is counted"
+            );
             // The volume's second MiB (another page) reads as written.
             let (buf, result) = small.volume.read(1 << 20, crate::device::IoBuf::new(1 << 20)).await;
             result.unwrap();
-            assert!(buf.payload().chunks(4096).enumerate().all(|(i, s)| s.iter().all(|b| *b == (256 + i) as u8)));
+            assert!(buf
+                .payload()
+                .chunks(4096)
+                .enumerate()
+                .all(|(i, s)| s.iter().all(|b| *b == (256 + i) as u8)));
             let (buf, result) = small.other.read(0, crate::device::IoBuf::new(1 << 20)).await;
             result.unwrap();
             assert!(buf.payload().iter().all(|b| *b == 0x5a), "the other volume reads right");

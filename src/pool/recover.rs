@@ -316,7 +316,14 @@ impl Pool {
         let spaces = devices
             .iter()
             .filter(|d| d.member.role.holds_data())
-            .map(|d| DeviceSpace::new(d.member.index, d.member.role, first_data_chunk(d), d.member.size_bytes / chunk))
+            .map(|d| {
+                DeviceSpace::new(
+                    d.member.index,
+                    d.member.role,
+                    first_data_chunk(d),
+                    d.member.size_bytes / chunk,
+                )
+            })
             .collect();
         // What stored map entries and checksum pages are checked against.
         let geometry = Geometry {
@@ -348,9 +355,9 @@ impl Pool {
                         "table chunks key ({device}, {chunk_index}): device {device} does not exist"
                     ))
                 })?;
-                allocator.load_chunk(device, chunk_index, state).map_err(|e| {
-                    corrupt(format!("table chunks key ({device}, {chunk_index}): {e}"))
-                })?;
+                allocator
+                    .load_chunk(device, chunk_index, state)
+                    .map_err(|e| corrupt(format!("table chunks key ({device}, {chunk_index}): {e}")))?;
             }
             let table = txn.open_table(SUSPECT).map_err(MetaError::from)?;
             for row in table.iter().map_err(MetaError::from)? {
@@ -550,7 +557,11 @@ impl Pool {
     /// new slot comes with (one per sector, a power of two of them).
     pub(super) fn check_replayed(&self, record: &Record) -> Result<(), String> {
         let geometry = self.geometry.read().unwrap_or_else(|_| crate::sync::poisoned());
-        let slot = |field: &str, entry: u64| geometry.check_map_entry(entry).map_err(|e| format!("field {field}: {e}"));
+        let slot = |field: &str, entry: u64| {
+            geometry
+                .check_map_entry(entry)
+                .map_err(|e| format!("field {field}: {e}"))
+        };
         let checksums = |new: u64, crcs: &[u32]| {
             let fits = if new & map_entry::VALID == 0 {
                 crcs.is_empty()
@@ -579,7 +590,9 @@ impl Pool {
                 slot("old", *old).map_err(what)?;
                 checksums(*new, crcs).map_err(what)
             }
-            Record::Relocate { block, old, new, crcs, .. } => {
+            Record::Relocate {
+                block, old, new, crcs, ..
+            } => {
                 let what = |e: String| format!("Relocate of block {block}, {e}");
                 slot("new", *new).map_err(what)?;
                 slot("old", *old).map_err(what)?;

@@ -81,7 +81,10 @@ impl SnapshotInfo {
             return Err(field("the key is not a snapshot id".into()));
         }
         if is_snapshot_id(first & !ROW_WITH_CACHE_SEQ) {
-            return Err(field(format!("field volume: {:#x} is a snapshot id", first & !ROW_WITH_CACHE_SEQ)));
+            return Err(field(format!(
+                "field volume: {:#x} is a snapshot id",
+                first & !ROW_WITH_CACHE_SEQ
+            )));
         }
         Ok(SnapshotInfo {
             id,
