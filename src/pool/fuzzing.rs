@@ -364,20 +364,20 @@ mod tests {
         write(
             "meta_map_page_use",
             "device-out-of-range",
-            &page(|i| 1 << 63 | 7 << 48 | (97 << 8) + i * 4),
+            &page(|i| (1 << 63) | (7 << 48) | ((97 << 8) + i * 4)),
         );
         write(
             "meta_map_page_use",
             "log-region",
-            &page(|i| 1 << 63 | (50 << 8) + i * 4),
+            &page(|i| (1 << 63) | ((50 << 8) + i * 4)),
         );
         write(
             "meta_map_page_use",
             "past-the-end",
-            &page(|i| 1 << 63 | 1 << 48 | (200 << 8) + i),
+            &page(|i| (1 << 63) | (1 << 48) | ((200 << 8) + i)),
         );
         write("meta_map_page_use", "flags-unmapped", &page(|i| i));
-        write("meta_map_page_use", "valid", &page(|i| 1 << 63 | (97 << 8) + i * 4));
+        write("meta_map_page_use", "valid", &page(|i| (1 << 63) | ((97 << 8) + i * 4)));
         let mut crc = vec![0x80 | 0x30];
         crc.extend(&crcs);
         write("meta_crc_page_use", "device-3", &crc);
@@ -408,7 +408,7 @@ mod tests {
         use crate::volume::BlockDevice;
         let small = SmallPool::new();
         let page: Vec<u8> = (0..256u64)
-            .flat_map(|i| (1u64 << 63 | 7 << 48 | (97 << 8) + i * 4).to_le_bytes())
+            .flat_map(|i| ((1u64 << 63) | (7 << 48) | ((97 << 8) + i * 4)).to_le_bytes())
             .collect();
         small.store(crate::meta::store::MAP_PAGES, (SMALL_VOLUME, 0), &page);
         let before = small.pool.metadata_errors();
