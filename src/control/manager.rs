@@ -111,6 +111,11 @@ pub struct PoolStatus {
     pub read_errors: u64,
     pub write_errors: u64,
     pub checksum_errors: u64,
+    /// Corrupt metadata met since the daemon started (map or checksum
+    /// pages that failed their checks, references to missing devices):
+    /// each failed the request that met it with EIO.
+    #[serde(default)]
+    pub metadata_errors: u64,
     /// Chunks not yet re-verified after a crash.
     pub suspect_chunks: usize,
     /// Since the daemon started: volume data written to devices, and
@@ -1160,6 +1165,7 @@ impl VolumeManager {
                     read_errors: devices.iter().map(|d| d.read_errors).sum(),
                     write_errors: devices.iter().map(|d| d.write_errors).sum(),
                     checksum_errors: devices.iter().map(|d| d.checksum_errors).sum(),
+                    metadata_errors: counters.metadata_errors,
                     suspect_chunks: pool.suspect_chunks(),
                     data_bytes_written: counters.data_bytes,
                     metadata_bytes_written: counters.log_bytes + counters.store_bytes,

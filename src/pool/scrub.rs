@@ -13,7 +13,7 @@ impl Pool {
             let _gate = self.close_gate().await;
             let layout = self.allocator.lock_or_abort().slot_shift_of(device, chunk);
             if let Some((slot_shift, used)) = layout {
-                let pool_device = &self.devices[device as usize];
+                let pool_device = self.devices.at(device)?;
                 let chunk_offset = chunk * self.chunk_bytes as u64;
                 let (buf, result) = pool_device
                     .device

@@ -76,6 +76,16 @@ impl SnapshotInfo {
         if name.len() > MAX_SNAPSHOT_NAME {
             return Err(corrupt());
         }
+        let field = |what: String| MetaError::Corrupt(format!("table snapshots key {id:#x}: {what}"));
+        if !is_snapshot_id(id) {
+            return Err(field("the key is not a snapshot id".into()));
+        }
+        if is_snapshot_id(first & !ROW_WITH_CACHE_SEQ) {
+            return Err(field(format!(
+                "field volume: {:#x} is a snapshot id",
+                first & !ROW_WITH_CACHE_SEQ
+            )));
+        }
         Ok(SnapshotInfo {
             id,
             volume: first & !ROW_WITH_CACHE_SEQ,
@@ -448,7 +458,13 @@ pub(super) fn load(db: &redb::Database) -> Result<Snapshots, MetaError> {
     let clones = txn.open_table(CLONES)?;
     for row in clones.iter()? {
         let (volume, origin) = row?;
-        snapshots.origins.insert(volume.value(), origin.value());
+        let (volume, origin) = (volume.value(), origin.value());
+        if is_snapshot_id(volume) || !is_snapshot_id(origin) {
+            return Err(MetaError::Corrupt(format!(
+                "table clones key {volume:#x}: a clone is a volume and its origin ({origin:#x}) a snapshot"
+            )));
+        }
+        snapshots.origins.insert(volume, origin);
     }
     {
         let table = txn.open_table(SNAPSHOT_SPACE)?;
@@ -942,8 +958,16 @@ impl Pool {
     /// next snapshot's copy, or the volume's page) and a clone its origin's
     /// view; a volume that is no clone sees its own (empty) page.
     pub(crate) fn view_page(&self, owner: u32, index: u64) -> Result<Arc<MapPage>, MetaError> {
+        let first = owner;
         let mut owner = owner;
-        loop {
+        // Each step reaches another owner (a newer snapshot, the volume, a
+        // clone's origin): more steps than there are snapshots and clones
+        // is a cycle that damaged `snapshots` or `clones` rows made.
+        let steps = {
+            let snapshots = self.snapshots_read();
+            snapshots.by_id.len() + snapshots.origins.len() + 2
+        };
+        for _ in 0..steps {
             let page = self.map_pages.get(&self.db, (owner, index))?;
             if page.present.load(Ordering::Acquire) {
                 return Ok(page);
@@ -960,6 +984,9 @@ impl Pool {
                 }
             };
         }
+        Err(MetaError::Corrupt(format!(
+            "tables snapshots and clones: the views of map page {index} of {first:#x} form a cycle"
+        )))
     }
 
     /// Where `snapshot`, which has no copy of map page `index`, sees it:

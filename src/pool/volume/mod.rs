@@ -963,7 +963,7 @@ mod tests {
             let ahead = super::super::MARK_AHEAD_BYTES / chunk;
             let log_writes = |pool: &Pool| pool.log.next_lsn();
             let marked = |pool: &Pool, index: u64| {
-                pool.devices[0].chunk_epochs[index as usize].load(Ordering::Acquire) == pool.epoch()
+                pool.devices.at(0).unwrap().chunk_epochs[index as usize].load(Ordering::Acquire) == pool.epoch()
             };
             // The first chunk of a stream: only itself.
             let before = log_writes(&pool);
@@ -988,7 +988,7 @@ mod tests {
             assert!(marked(&pool, 100));
             assert!(!marked(&pool, 101));
             // Near the end of the device nothing past it is marked (or panics).
-            let chunks = pool.devices[0].chunk_epochs.len() as u64;
+            let chunks = pool.devices.at(0).unwrap().chunk_epochs.len() as u64;
             pool.mark_dirty(&[(0, (chunks - 2) * chunk)]).await.unwrap();
             pool.mark_dirty(&[(0, (chunks - 1) * chunk)]).await.unwrap();
             assert!(marked(&pool, chunks - 1));
