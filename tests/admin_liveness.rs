@@ -22,15 +22,12 @@ fn status_list_get_and_metrics_answer_while_a_snapshot_delete_runs() {
     let dir = tempfile::tempdir().unwrap();
     let data = dir.path().join("data");
     small_default_pool(&data);
-    // Made without the delay (making a pool flushes many times), then
-    // served with it.
+    // Everything but the delete is done without the delay (making a pool
+    // and writing to it flush many times); the daemon is then served with
+    // it.
     let mut first = Server::start(&data);
     first.create_volume("default/big", "4G");
-    assert!(first.stop().success());
-    let fast = data.join("pools/default/fast.dev");
-    let wrap = format!("{}=delay:flush={}s", fast.display(), FLUSH_DELAY.as_secs());
-    let server = Server::start_with_args(&data, Some(&data), &["--wrap", &wrap]);
-    let uri = server.uri("default/big");
+    let uri = first.uri("default/big");
     // 64 KiB every 64 MiB of the 4 GiB, snapshotted, then overwritten: the
     // snapshot owns those blocks, and its delete frees them.
     let writes = |pattern: u8| -> Vec<String> {
@@ -49,9 +46,13 @@ fn status_list_get_and_metrics_answer_while_a_snapshot_delete_runs() {
         run(command.arg(&uri));
     };
     qemu_io(writes(0x11));
-    let taken = cli(&server, &["snapshot", "create", "default/big@old"]);
+    let taken = cli(&first, &["snapshot", "create", "default/big@old"]);
     assert!(taken.status.success(), "{}", String::from_utf8_lossy(&taken.stderr));
     qemu_io(writes(0x22));
+    assert!(first.stop().success());
+    let fast = data.join("pools/default/fast.dev");
+    let wrap = format!("{}=delay:flush={}s", fast.display(), FLUSH_DELAY.as_secs());
+    let server = Server::start_with_args(&data, Some(&data), &["--wrap", &wrap]);
 
     let started = Instant::now();
     let deleter = {

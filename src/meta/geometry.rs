@@ -10,7 +10,6 @@ use std::collections::HashSet;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 
-use crate::pool::map_entry;
 use crate::sync::LockOrAbort;
 
 /// One pool device as stored metadata may name it.
@@ -25,27 +24,53 @@ pub struct DeviceExtent {
     pub end: u64,
 }
 
-/// The pool's devices, by member index.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+/// The pool's devices, by member index, and what this layer needs to know
+/// of the block map's entries and checksummed sectors (the pool gives both:
+/// their layout is the block map's own).
+#[derive(Debug, Clone)]
 pub struct Geometry {
     pub devices: Vec<DeviceExtent>,
+    pub entries: EntryLayout,
+    /// Bytes of data one stored checksum covers.
+    pub sector_bytes: u64,
+}
+
+/// A block-map entry's layout, as the pool defines it.
+#[derive(Clone, Copy)]
+pub struct EntryLayout {
+    /// The "mapped" bit.
+    pub valid: u64,
+    /// Flag bits that must be clear.
+    pub must_be_clear: u64,
+    /// (device index, byte offset) of a mapped entry.
+    pub decode: fn(u64) -> Option<(u8, u64)>,
+}
+
+impl std::fmt::Debug for EntryLayout {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "EntryLayout {{ valid: {:#x}, must_be_clear: {:#x} }}",
+            self.valid, self.must_be_clear
+        )
+    }
 }
 
 impl Geometry {
     /// Checks a stored block-map entry: 0 (unmapped), or mapped with no
-    /// reserved flag but [`map_entry::SHARED`], on a data device, inside
-    /// that device's data. The error names the field.
+    /// flag set that must be clear, on a data device, inside that device's
+    /// data. The error names the field.
     pub fn check_map_entry(&self, entry: u64) -> Result<(), String> {
         if entry == 0 {
             return Ok(());
         }
-        if entry & map_entry::VALID == 0 {
+        if entry & self.entries.valid == 0 {
             return Err(format!("entry {entry:#018x} has bits set but is not mapped"));
         }
-        if entry & map_entry::RESERVED & !map_entry::SHARED != 0 {
+        if entry & self.entries.must_be_clear != 0 {
             return Err(format!("entry {entry:#018x} has reserved flag bits set"));
         }
-        let Some((device, offset)) = map_entry::decode(entry) else {
+        let Some((device, offset)) = (self.entries.decode)(entry) else {
             return Ok(());
         };
         let Some(extent) = self.devices.get(device as usize) else {
@@ -80,7 +105,7 @@ impl Geometry {
         }
         let first_byte = page
             .checked_mul(sectors_per_page)
-            .and_then(|s| s.checked_mul(crate::pool::SECTOR_BYTES));
+            .and_then(|s| s.checked_mul(self.sector_bytes));
         if first_byte.is_none_or(|at| at >= extent.end) {
             return Err(format!("page {page} lies past the end of device {device}"));
         }
@@ -132,9 +157,12 @@ impl CorruptionLog {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::pool::map_entry;
 
     fn geometry() -> Geometry {
         Geometry {
+            entries: map_entry::LAYOUT,
+            sector_bytes: crate::pool::SECTOR_BYTES,
             devices: vec![
                 DeviceExtent {
                     holds_data: true,

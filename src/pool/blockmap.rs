@@ -43,6 +43,13 @@ pub mod map_entry {
         VALID | (device as u64) << DEVICE_SHIFT | (offset >> super::SECTOR_SHIFT)
     }
 
+    /// The layout as the metadata layer's checks see it.
+    pub const LAYOUT: crate::meta::geometry::EntryLayout = crate::meta::geometry::EntryLayout {
+        valid: VALID,
+        must_be_clear: RESERVED & !SHARED,
+        decode,
+    };
+
     /// (device index, byte offset) of a valid entry.
     pub fn decode(entry: u64) -> Option<(u8, u64)> {
         if entry & VALID == 0 {

@@ -400,8 +400,8 @@ mod tests {
 
     /// A map page naming a device the pool does not have (what rot of its
     /// device byte makes): the reads that need it fail with an error,
-    /// counted; the volume's other pages and the other volume still read
-    /// back right, and nothing panics (the read used to panic in
+    /// counted (the page maps all 4 MiB of the volume's 16 KiB blocks); the
+    /// other volume still reads back right, and nothing panics (the read used to panic in
     /// `DeviceList::index`, on the connection's task).
     #[test]
     fn a_map_entry_naming_a_missing_device_fails_its_reads_and_nothing_else() {
@@ -422,14 +422,6 @@ mod tests {
                 small.pool.metadata_errors() >= before + 2,
                 "each failed request is counted"
             );
-            // The volume's second MiB (another page) reads as written.
-            let (buf, result) = small.volume.read(1 << 20, crate::device::IoBuf::new(1 << 20)).await;
-            result.unwrap();
-            assert!(buf
-                .payload()
-                .chunks(4096)
-                .enumerate()
-                .all(|(i, s)| s.iter().all(|b| *b == (256 + i) as u8)));
             let (buf, result) = small.other.read(0, crate::device::IoBuf::new(1 << 20)).await;
             result.unwrap();
             assert!(buf.payload().iter().all(|b| *b == 0x5a), "the other volume reads right");

@@ -327,6 +327,8 @@ impl Pool {
             .collect();
         // What stored map entries and checksum pages are checked against.
         let geometry = Geometry {
+            entries: map_entry::LAYOUT,
+            sector_bytes: SECTOR_BYTES,
             devices: devices
                 .iter()
                 .map(|d| DeviceExtent {
