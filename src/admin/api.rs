@@ -287,8 +287,24 @@ async fn optional_json<T: serde::de::DeserializeOwned + Default>(
     Ok(value)
 }
 
-fn full_name(pool: &str, name: &str) -> String {
-    format!("{pool}/{name}")
+/// `pool/name` of a route's path, which names something that exists (a
+/// pool's volume or dataset; `name` may be `volume@snapshot`). A name that
+/// no pool, volume or snapshot can have names nothing: 404, as a valid name
+/// that is not there.
+pub(super) fn full_name(pool: &str, name: &str) -> ApiResult<String> {
+    let valid = |text: &str| validate_component("", text).is_ok();
+    let name_valid = match name.split_once('@') {
+        Some((volume, snapshot)) => valid(volume) && validate_snapshot_part(snapshot).is_ok(),
+        None => valid(name),
+    };
+    if valid(pool) && name_valid {
+        Ok(format!("{pool}/{name}"))
+    } else {
+        Err(ApiError::new(
+            StatusCode::NOT_FOUND,
+            format!("'{}/{}' does not exist", one_line(pool), one_line(name)),
+        ))
+    }
 }
 
 #[utoipa::path(get, path = "/v1", tag = "meta", responses((status = 200, description = "Name, version and the endpoint list", body = Object)))]
@@ -492,7 +508,7 @@ async fn get_pool(
     .map(Json)
 }
 
-#[utoipa::path(get, path = "/v1/volumes", tag = "volumes", params(ListQuery), responses((status = 200, description = "Volumes", body = Vec<VolumeInfo>), (status = 400, description = "Invalid request", body = ErrorBody), (status = 401, description = "No valid token (TCP)", body = ErrorBody)))]
+#[utoipa::path(get, path = "/v1/volumes", tag = "volumes", params(ListQuery), responses((status = 200, description = "Volumes", body = Vec<VolumeInfo>), (status = 404, description = "No such pool", body = ErrorBody), (status = 400, description = "Invalid request", body = ErrorBody), (status = 401, description = "No valid token (TCP)", body = ErrorBody)))]
 async fn list_volumes(
     State(manager): State<Manager>,
     query: Result<Query<ListQuery>, QueryRejection>,
@@ -535,9 +551,8 @@ async fn get_volume(
     path: Result<Path<(String, String)>, PathRejection>,
 ) -> ApiResult<Json<VolumeInfo>> {
     let Path((pool, name)) = path?;
-    blocking(&manager, move |m| m.info(&full_name(&pool, &name)))
-        .await
-        .map(Json)
+    let full = full_name(&pool, &name)?;
+    blocking(&manager, move |m| m.info(&full)).await.map(Json)
 }
 
 #[utoipa::path(patch, path = "/v1/volumes/{pool}/{name}", tag = "volumes", params(("pool" = String, Path, description = "Pool name"), ("name" = String, Path, description = "Volume name")), request_body = SetRequest, responses((status = 200, description = "The volume with its new properties", body = VolumeInfo), (status = 404, description = "No such pool, volume or snapshot", body = ErrorBody), (status = 400, description = "Invalid request", body = ErrorBody), (status = 401, description = "No valid token (TCP)", body = ErrorBody)))]
@@ -549,9 +564,8 @@ async fn set_volume(
     let Path((pool, name)) = path?;
     let Json(request) = body?;
     let properties = properties_from_json(&request.properties)?;
-    blocking(&manager, move |m| m.set(&full_name(&pool, &name), &properties))
-        .await
-        .map(Json)
+    let full = full_name(&pool, &name)?;
+    blocking(&manager, move |m| m.set(&full, &properties)).await.map(Json)
 }
 
 #[utoipa::path(post, path = "/v1/volumes/{pool}/{name}/resize", tag = "volumes", params(("pool" = String, Path, description = "Pool name"), ("name" = String, Path, description = "Volume name")), request_body = ResizeRequest, responses((status = 200, description = "The resized volume", body = VolumeInfo), (status = 404, description = "No such pool, volume or snapshot", body = ErrorBody), (status = 400, description = "Invalid request", body = ErrorBody), (status = 401, description = "No valid token (TCP)", body = ErrorBody)))]
@@ -563,9 +577,8 @@ async fn resize_volume(
     let Path((pool, name)) = path?;
     let Json(request) = body?;
     let size = size_from_json(&request.size)?;
-    blocking(&manager, move |m| m.resize(&full_name(&pool, &name), size))
-        .await
-        .map(Json)
+    let full = full_name(&pool, &name)?;
+    blocking(&manager, move |m| m.resize(&full, size)).await.map(Json)
 }
 
 #[utoipa::path(delete, path = "/v1/volumes/{pool}/{name}", tag = "volumes", params(("pool" = String, Path, description = "Pool name"), ("name" = String, Path, description = "Volume name")), responses((status = 204, description = "Deleted"), (status = 404, description = "No such pool, volume or snapshot", body = ErrorBody), (status = 409, description = "Name taken or busy", body = ErrorBody), (status = 400, description = "Invalid request", body = ErrorBody), (status = 401, description = "No valid token (TCP)", body = ErrorBody)))]
@@ -574,7 +587,8 @@ async fn delete_volume(
     path: Result<Path<(String, String)>, PathRejection>,
 ) -> ApiResult<StatusCode> {
     let Path((pool, name)) = path?;
-    blocking(&manager, move |m| m.delete(&full_name(&pool, &name))).await?;
+    let full = full_name(&pool, &name)?;
+    blocking(&manager, move |m| m.delete(&full)).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -614,9 +628,8 @@ async fn get_filesystem(
     path: Result<Path<(String, String)>, PathRejection>,
 ) -> ApiResult<Json<DatasetInfo>> {
     let Path((pool, name)) = path?;
-    blocking(&manager, move |m| m.fs_info(&full_name(&pool, &name)))
-        .await
-        .map(Json)
+    let full = full_name(&pool, &name)?;
+    blocking(&manager, move |m| m.fs_info(&full)).await.map(Json)
 }
 
 #[utoipa::path(patch, path = "/v1/filesystems/{pool}/{name}", tag = "filesystems", params(("pool" = String, Path, description = "Pool name"), ("name" = String, Path, description = "Dataset name")), request_body = SetRequest, responses((status = 200, description = "The dataset with its new properties (all checked before any is applied; recordsize cannot change)", body = DatasetInfo), (status = 404, description = "No such dataset", body = ErrorBody), (status = 400, description = "Invalid request", body = ErrorBody), (status = 401, description = "No valid token (TCP)", body = ErrorBody)))]
@@ -628,7 +641,8 @@ async fn set_filesystem(
     let Path((pool, name)) = path?;
     let Json(request) = body?;
     let properties = properties_from_json(&request.properties)?;
-    blocking(&manager, move |m| m.fs_set(&full_name(&pool, &name), &properties))
+    let full = full_name(&pool, &name)?;
+    blocking(&manager, move |m| m.fs_set(&full, &properties))
         .await
         .map(Json)
 }
@@ -639,7 +653,8 @@ async fn destroy_filesystem(
     path: Result<Path<(String, String)>, PathRejection>,
 ) -> ApiResult<StatusCode> {
     let Path((pool, name)) = path?;
-    blocking(&manager, move |m| m.fs_destroy(&full_name(&pool, &name))).await?;
+    let full = full_name(&pool, &name)?;
+    blocking(&manager, move |m| m.fs_destroy(&full)).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -649,9 +664,8 @@ async fn promote_filesystem(
     path: Result<Path<(String, String)>, PathRejection>,
 ) -> ApiResult<Json<DatasetInfo>> {
     let Path((pool, name)) = path?;
-    blocking(&manager, move |m| m.fs_promote(&full_name(&pool, &name)))
-        .await
-        .map(Json)
+    let full = full_name(&pool, &name)?;
+    blocking(&manager, move |m| m.fs_promote(&full)).await.map(Json)
 }
 
 #[utoipa::path(get, path = "/v1/filesystems/{pool}/{name}/snapshots", tag = "filesystems", params(("pool" = String, Path, description = "Pool name"), ("name" = String, Path, description = "Dataset name")), responses((status = 200, description = "The dataset's snapshots, oldest first", body = Vec<DatasetSnapshotInfo>), (status = 404, description = "No such dataset", body = ErrorBody), (status = 401, description = "No valid token (TCP)", body = ErrorBody)))]
@@ -660,9 +674,8 @@ async fn list_filesystem_snapshots(
     path: Result<Path<(String, String)>, PathRejection>,
 ) -> ApiResult<Json<Vec<DatasetSnapshotInfo>>> {
     let Path((pool, name)) = path?;
-    blocking(&manager, move |m| m.fs_snapshots(Some(&full_name(&pool, &name))))
-        .await
-        .map(Json)
+    let full = full_name(&pool, &name)?;
+    blocking(&manager, move |m| m.fs_snapshots(Some(&full))).await.map(Json)
 }
 
 #[utoipa::path(get, path = "/v1/filesystem-snapshots", tag = "filesystems", responses((status = 200, description = "Every dataset's snapshots", body = Vec<DatasetSnapshotInfo>), (status = 401, description = "No valid token (TCP)", body = ErrorBody)))]
@@ -686,7 +699,7 @@ async fn create_filesystem_snapshot(
     let Path((pool, name)) = path?;
     let Json(request) = body?;
     validate_snapshot_part(&request.name)?;
-    let full = format!("{}@{}", full_name(&pool, &name), request.name);
+    let full = format!("{}@{}", full_name(&pool, &name)?, request.name);
     let info = blocking(&manager, move |m| m.fs_snapshot(&full)).await?;
     Ok((StatusCode::CREATED, Json(info)))
 }
@@ -697,7 +710,7 @@ async fn destroy_filesystem_snapshot(
     path: Result<Path<(String, String, String)>, PathRejection>,
 ) -> ApiResult<StatusCode> {
     let Path((pool, name, snapshot)) = path?;
-    let full = format!("{}@{snapshot}", full_name(&pool, &name));
+    let full = full_name(&pool, &format!("{name}@{snapshot}"))?;
     blocking(&manager, move |m| m.fs_snapshot_destroy(&full)).await?;
     Ok(StatusCode::NO_CONTENT)
 }
@@ -719,7 +732,7 @@ async fn rollback_filesystem(
 ) -> ApiResult<StatusCode> {
     let Path((pool, name, snapshot)) = path?;
     let request: FsRollbackRequest = optional_json(&headers, body).await?;
-    let full = format!("{}@{snapshot}", full_name(&pool, &name));
+    let full = full_name(&pool, &format!("{name}@{snapshot}"))?;
     blocking(&manager, move |m| m.fs_rollback(&full, request.destroy_newer)).await?;
     Ok(StatusCode::NO_CONTENT)
 }
@@ -733,7 +746,7 @@ async fn clone_filesystem_snapshot(
     let Path((pool, name, snapshot)) = path?;
     let Json(request) = body?;
     let properties = properties_from_json(&request.properties)?;
-    let origin = format!("{}@{snapshot}", full_name(&pool, &name));
+    let origin = full_name(&pool, &format!("{name}@{snapshot}"))?;
     let info = blocking(&manager, move |m| m.fs_clone(&origin, &request.name, &properties)).await?;
     Ok((StatusCode::CREATED, Json(info)))
 }
@@ -752,7 +765,7 @@ struct SnapshotQuery {
     volume: Option<String>,
 }
 
-#[utoipa::path(get, path = "/v1/snapshots", tag = "snapshots", params(SnapshotQuery), responses((status = 200, description = "Snapshots", body = Vec<SnapshotView>), (status = 400, description = "Invalid request", body = ErrorBody), (status = 401, description = "No valid token (TCP)", body = ErrorBody)))]
+#[utoipa::path(get, path = "/v1/snapshots", tag = "snapshots", params(SnapshotQuery), responses((status = 200, description = "Snapshots", body = Vec<SnapshotView>), (status = 404, description = "No such volume", body = ErrorBody), (status = 400, description = "Invalid request", body = ErrorBody), (status = 401, description = "No valid token (TCP)", body = ErrorBody)))]
 async fn list_snapshots(
     State(manager): State<Manager>,
     query: Result<Query<SnapshotQuery>, QueryRejection>,
@@ -794,8 +807,9 @@ async fn rollback_snapshot(
 ) -> ApiResult<StatusCode> {
     let Path((pool, name)) = path?;
     let request: RollbackRequest = optional_json(&headers, body).await?;
+    let full = full_name(&pool, &name)?;
     blocking(&manager, move |m| {
-        m.rollback_snapshot_forced(&full_name(&pool, &name), request.destroy_newer, request.force)
+        m.rollback_snapshot_forced(&full, request.destroy_newer, request.force)
     })
     .await?;
     Ok(StatusCode::NO_CONTENT)
@@ -819,10 +833,8 @@ async fn clone_snapshot(
     let Path((pool, name)) = path?;
     let Json(request) = body?;
     let properties = properties_from_json(&request.properties)?;
-    let info = blocking(&manager, move |m| {
-        m.clone_volume(&full_name(&pool, &name), &request.name, &properties)
-    })
-    .await?;
+    let full = full_name(&pool, &name)?;
+    let info = blocking(&manager, move |m| m.clone_volume(&full, &request.name, &properties)).await?;
     Ok((StatusCode::CREATED, Json(info)))
 }
 
@@ -832,9 +844,8 @@ async fn promote_volume(
     path: Result<Path<(String, String)>, PathRejection>,
 ) -> ApiResult<Json<VolumeInfo>> {
     let Path((pool, name)) = path?;
-    blocking(&manager, move |m| m.promote(&full_name(&pool, &name)))
-        .await
-        .map(Json)
+    let full = full_name(&pool, &name)?;
+    blocking(&manager, move |m| m.promote(&full)).await.map(Json)
 }
 
 #[utoipa::path(delete, path = "/v1/snapshots/{pool}/{name}", tag = "snapshots", params(("pool" = String, Path, description = "Pool name"), ("name" = String, Path, description = "VOLUME@SNAPSHOT")), responses((status = 204, description = "Deleted (its space is freed in the background)"), (status = 404, description = "No such pool, volume or snapshot", body = ErrorBody), (status = 409, description = "Name taken or busy", body = ErrorBody), (status = 400, description = "Invalid request", body = ErrorBody), (status = 401, description = "No valid token (TCP)", body = ErrorBody)))]
@@ -843,7 +854,8 @@ async fn delete_snapshot(
     path: Result<Path<(String, String)>, PathRejection>,
 ) -> ApiResult<StatusCode> {
     let Path((pool, name)) = path?;
-    blocking(&manager, move |m| m.delete_snapshot(&full_name(&pool, &name))).await?;
+    let full = full_name(&pool, &name)?;
+    blocking(&manager, move |m| m.delete_snapshot(&full)).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -860,6 +872,12 @@ async fn set_iscsi(
     body: Result<Json<SetRequest>, JsonRejection>,
 ) -> ApiResult<Json<Value>> {
     let Json(request) = body?;
+    // Every iSCSI setting is a string (a user name of "off" is a name).
+    if let Some((key, value)) = request.properties.iter().find(|(_, value)| !value.is_string()) {
+        return Err(ApiError::invalid(format!(
+            "bad value {value} for iSCSI setting '{key}': expected a string"
+        )));
+    }
     let changes = properties_from_json(&request.properties)?;
     let rows = blocking(&manager, move |m| m.set_iscsi(&changes)).await?;
     Ok(Json(json!({ "properties": rows })))
@@ -908,7 +926,20 @@ fn analytics_query<T>(
     query: Result<Query<analytics::Params>, QueryRejection>,
     run: impl FnOnce(&crate::analytics::record::History, &analytics::Params) -> Result<T, String>,
 ) -> ApiResult<Json<T>> {
-    let Query(params) = query?;
+    let Query(mut params) = query?;
+    // `?protocol=` is no filter, as a form with an empty field sends it.
+    for field in [
+        &mut params.volume,
+        &mut params.protocol,
+        &mut params.op,
+        &mut params.client,
+        &mut params.by,
+        &mut params.phase,
+    ] {
+        if field.as_deref() == Some("") {
+            *field = None;
+        }
+    }
     manager
         .analytics()
         .with_history(|h| run(h, &params))
@@ -916,7 +947,7 @@ fn analytics_query<T>(
         .map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, e))
 }
 
-#[utoipa::path(get, path = "/v1/analytics/stats", tag = "analytics", params(analytics::Params), responses((status = 200, description = "Totals, percentiles and a breakdown of a range", body = analytics::Stats), (status = 400, description = "Invalid request", body = ErrorBody), (status = 401, description = "No valid token (TCP)", body = ErrorBody)))]
+#[utoipa::path(get, path = "/v1/analytics/stats", tag = "analytics", params(analytics::Params), responses((status = 200, description = "Totals, percentiles and a breakdown of a range", body = analytics::Stats), (status = 400, description = "Parameters that do not go together: from after to, more than 3601 seconds at step 1", body = ErrorBody), (status = 401, description = "No valid token (TCP)", body = ErrorBody)))]
 async fn analytics_stats(
     State(manager): State<Manager>,
     query: Result<Query<analytics::Params>, QueryRejection>,
@@ -924,7 +955,7 @@ async fn analytics_stats(
     analytics_query(&manager, query, analytics::stats)
 }
 
-#[utoipa::path(get, path = "/v1/analytics/heatmap", tag = "analytics", params(analytics::Params), responses((status = 200, description = "Latency heat map: requests per time row and latency bucket", body = analytics::HeatMap), (status = 400, description = "Invalid request", body = ErrorBody), (status = 401, description = "No valid token (TCP)", body = ErrorBody)))]
+#[utoipa::path(get, path = "/v1/analytics/heatmap", tag = "analytics", params(analytics::Params), responses((status = 200, description = "Latency heat map: requests per time row and latency bucket", body = analytics::HeatMap), (status = 400, description = "Parameters that do not go together: from after to, more than 3601 seconds at step 1", body = ErrorBody), (status = 401, description = "No valid token (TCP)", body = ErrorBody)))]
 async fn analytics_heatmap(
     State(manager): State<Manager>,
     query: Result<Query<analytics::Params>, QueryRejection>,
@@ -932,7 +963,7 @@ async fn analytics_heatmap(
     analytics_query(&manager, query, analytics::heatmap)
 }
 
-#[utoipa::path(get, path = "/v1/analytics/rates", tag = "analytics", params(analytics::Params), responses((status = 200, description = "Per-row totals of each breakdown entry", body = analytics::Rates), (status = 400, description = "Invalid request", body = ErrorBody), (status = 401, description = "No valid token (TCP)", body = ErrorBody)))]
+#[utoipa::path(get, path = "/v1/analytics/rates", tag = "analytics", params(analytics::Params), responses((status = 200, description = "Per-row totals of each breakdown entry", body = analytics::Rates), (status = 400, description = "Parameters that do not go together: from after to, more than 3601 seconds at step 1", body = ErrorBody), (status = 401, description = "No valid token (TCP)", body = ErrorBody)))]
 async fn analytics_rates(
     State(manager): State<Manager>,
     query: Result<Query<analytics::Params>, QueryRejection>,
@@ -940,7 +971,7 @@ async fn analytics_rates(
     analytics_query(&manager, query, analytics::rates)
 }
 
-#[utoipa::path(get, path = "/v1/analytics/offsets", tag = "analytics", params(analytics::Params), responses((status = 200, description = "Requests per region of a volume over time", body = analytics::OffsetMap), (status = 400, description = "Invalid request", body = ErrorBody), (status = 401, description = "No valid token (TCP)", body = ErrorBody)))]
+#[utoipa::path(get, path = "/v1/analytics/offsets", tag = "analytics", params(analytics::Params), responses((status = 200, description = "Requests per region of a volume over time", body = analytics::OffsetMap), (status = 400, description = "Parameters that do not go together: from after to, more than 3601 seconds at step 1", body = ErrorBody), (status = 401, description = "No valid token (TCP)", body = ErrorBody)))]
 async fn analytics_offsets(
     State(manager): State<Manager>,
     query: Result<Query<analytics::Params>, QueryRejection>,
@@ -1141,6 +1172,20 @@ fn error_response(description: &str) -> Value {
     })
 }
 
+/// The `op` values the analytics queries take.
+const OP_NAMES: [&str; crate::volume::stats::OPS.len()] = {
+    let mut names = [""; crate::volume::stats::OPS.len()];
+    let mut i = 0;
+    while i < names.len() {
+        names[i] = crate::volume::stats::OPS[i].as_str();
+        i += 1;
+    }
+    names
+};
+
+/// One dimension of an analytics breakdown (`by`).
+const DIM: &str = "(volume|protocol|op|client)";
+
 /// Operations that answer without a token over TCP.
 const OPEN_OPERATIONS: [&str; 3] = ["/metrics", "/openapi.json", "/ui"];
 
@@ -1156,6 +1201,9 @@ fn complete(doc: &mut Value) {
     };
     set(schemas, "CreatePoolRequest", "name", name_schema());
     schemas["CreatePoolRequest"]["properties"]["devices"]["minItems"] = json!(1);
+    schemas["DeviceRecord"]["properties"]["path"]["minLength"] = json!(1);
+    schemas["CreatePoolRequest"]["properties"]["ram_bytes"]["minimum"] = json!(2 * crate::pool::ram::MIN_RAM_BYTES);
+    schemas["CreateRequest"]["required"] = json!(["name", "size"]);
     set(schemas, "AddDeviceRequest", "role", choice(&["fast", "capacity"]));
     schemas["AddDeviceRequest"]["properties"]["path"]["minLength"] = json!(1);
     set(schemas, "CreateRequest", "name", full_name_schema());
@@ -1217,8 +1265,16 @@ fn complete(doc: &mut Value) {
                         (Some("path"), Some("snapshot")) => Some(snapshot_schema()),
                         (Some("query"), Some("pool")) => Some(name_schema()),
                         (Some("query"), Some("volume")) if path == "/v1/snapshots" => Some(full_name_schema()),
+                        (Some("query"), Some("protocol")) => Some(choice(&["nbd", "iscsi"])),
+                        (Some("query"), Some("op")) => Some(choice(&OP_NAMES)),
+                        (Some("query"), Some("phase")) => Some(choice(&["total", "queued", "commit"])),
+                        (Some("query"), Some("step")) => Some(json!({ "type": "integer", "enum": [1, 60] })),
+                        (Some("query"), Some("by")) => Some(text(&format!("{DIM}(,{DIM})*"), 0, 64)),
                         _ => None,
                     };
+                    if path == "/v1/analytics/offsets" && param["name"] == "volume" {
+                        param["required"] = json!(true);
+                    }
                     has_path_params |= param["in"] == "path";
                     if let Some(schema) = schema {
                         param["schema"] = schema;

@@ -69,7 +69,7 @@ pub(super) async fn send(
 ) -> Result<Response, ApiError> {
     let Path((pool, name)) = path?;
     let Query(query) = query?;
-    let full = format!("{pool}/{name}");
+    let full = super::api::full_name(&pool, &name)?;
     let planning = manager.clone();
     let job =
         tokio::task::spawn_blocking(move || planning.plan_send(&full, query.from.as_deref(), query.resume.as_deref()))
@@ -164,7 +164,7 @@ pub(super) async fn receive_status(
     path: Result<Path<(String, String)>, PathRejection>,
 ) -> Result<Response, ApiError> {
     let Path((pool, name)) = path?;
-    let target = format!("{pool}/{name}");
+    let target = super::api::full_name(&pool, &name)?;
     let status = tokio::task::spawn_blocking(move || manager.receive_status(&target))
         .await
         .map_err(|e| ApiError::from(AdminError::Internal(e.to_string())))??;
@@ -178,6 +178,6 @@ pub(super) async fn abort_receive(
     path: Result<Path<(String, String)>, PathRejection>,
 ) -> Result<StatusCode, ApiError> {
     let Path((pool, name)) = path?;
-    manager.abort_receive(&format!("{pool}/{name}")).await?;
+    manager.abort_receive(&super::api::full_name(&pool, &name)?).await?;
     Ok(StatusCode::NO_CONTENT)
 }

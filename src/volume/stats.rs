@@ -19,7 +19,7 @@ pub enum Protocol {
 pub const PROTOCOLS: [Protocol; 2] = [Protocol::Nbd, Protocol::Iscsi];
 
 impl Protocol {
-    pub fn as_str(self) -> &'static str {
+    pub const fn as_str(self) -> &'static str {
         match self {
             Protocol::Nbd => "nbd",
             Protocol::Iscsi => "iscsi",
@@ -49,7 +49,7 @@ pub const OPS: [Op; 7] = [
 ];
 
 impl Op {
-    pub fn as_str(self) -> &'static str {
+    pub const fn as_str(self) -> &'static str {
         match self {
             Op::Read => "read",
             Op::Write => "write",

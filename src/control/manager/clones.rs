@@ -19,13 +19,13 @@ impl VolumeManager {
     ) -> Result<VolumeInfo, AdminError> {
         let (origin_pool, origin_volume, _) = split_snapshot_name(origin)?;
         let (pool_name, short) = split_volume_name(name)?;
+        let mut catalog = self.catalog();
+        let (pool, snapshot) = self.find_snapshot(&catalog, origin)?;
         if origin_pool != pool_name {
             return Err(AdminError::Invalid(format!(
                 "a clone lives in its origin's pool: '{name}' is not in pool '{origin_pool}'"
             )));
         }
-        let mut catalog = self.catalog();
-        let (pool, snapshot) = self.find_snapshot(&catalog, origin)?;
         let Some(pool_record) = catalog.pools.get(pool_name) else {
             return Err(AdminError::NotFound(format!("pool '{pool_name}' does not exist")));
         };

@@ -343,15 +343,19 @@ impl VolumeManager {
         let (origin_dataset, snapshot_name) = split_dataset_snapshot(origin)?;
         let (origin_pool, origin_short) = split_volume_name(origin_dataset)?;
         let (pool, short) = split_volume_name(name)?;
+        let mut catalog = self.catalog();
+        let missing = || AdminError::NotFound(format!("snapshot '{origin}' does not exist"));
+        let source = catalog
+            .pools
+            .get(origin_pool)
+            .and_then(|record| record.datasets.get(origin_short))
+            .ok_or_else(missing)?;
         if origin_pool != pool {
             return Err(AdminError::Invalid(format!(
                 "a clone lives in its origin's pool: '{name}' is not in pool '{origin_pool}'"
             )));
         }
-        let mut catalog = self.catalog();
-        let missing = || AdminError::NotFound(format!("snapshot '{origin}' does not exist"));
         let pool_record = catalog.pools.get(pool).ok_or_else(missing)?;
-        let source = pool_record.datasets.get(origin_short).ok_or_else(missing)?;
         if pool_record.datasets.contains_key(short) || pool_record.volumes.contains_key(short) {
             return Err(AdminError::AlreadyExists(format!(
                 "'{name}' already exists (volumes and datasets share names)"

@@ -183,15 +183,15 @@ impl VolumeManager {
                 POOL_PROPERTY_NAMES.join(", ")
             )));
         }
-        let mut validated = Vec::new();
-        for (key, value) in changes {
-            validated.push((key.clone(), canonical_pool_value(key, value)?));
-        }
         let mut catalog = self.catalog();
         let record = catalog
             .pools
             .get(pool_name)
             .ok_or_else(|| AdminError::NotFound(format!("pool '{pool_name}' does not exist")))?;
+        let mut validated = Vec::new();
+        for (key, value) in changes {
+            validated.push((key.clone(), canonical_pool_value(key, value)?));
+        }
         let mut properties = record.properties.clone();
         for (key, value) in validated {
             match value {

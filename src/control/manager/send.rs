@@ -310,12 +310,28 @@ impl VolumeManager {
     /// `from`, `@A` or `POOL/VOL@A`) what changed since snapshot A; with a
     /// resume token, the rest of the stream it names.
     pub fn plan_send(&self, name: &str, from: Option<&str>, token: Option<&str>) -> Result<SendJob, AdminError> {
+        // The snapshot named must exist, token or not (404 before 400).
+        {
+            let (pool_name, short, _) = split_snapshot_name(name)?;
+            let catalog = self.catalog();
+            let record = catalog.pools.get(pool_name).ok_or_else(|| not_found(name))?;
+            let volume_record = record.volumes.get(short).ok_or_else(|| not_found(name))?;
+            let pool = self.pool(pool_name).ok_or_else(|| not_found(name))?;
+            snapshot_named(&pool, volume_record.id, name)?;
+        }
+        // An empty token is none (`?resume=`).
+        let token = token.map(str::trim).filter(|token| !token.is_empty());
         let token = token.map(ResumeToken::decode).transpose()?;
         let (name, from) = match &token {
-            Some(token) => (
-                format!("{}@{}", token.source, token.snapshot),
-                (!token.base.is_empty()).then(|| token.base.clone()),
-            ),
+            Some(token) => {
+                let named = format!("{}@{}", token.source, token.snapshot);
+                if named != name {
+                    return Err(AdminError::Invalid(format!(
+                        "the resume token continues a stream of '{named}', not of '{name}'"
+                    )));
+                }
+                (named, (!token.base.is_empty()).then(|| token.base.clone()))
+            }
             None => (name.to_string(), from.map(str::to_string)),
         };
         let (pool_name, short, _) = split_snapshot_name(&name)?;
@@ -689,6 +705,10 @@ impl VolumeManager {
         chunks: Chunks,
     ) -> Result<ReceiveOutcome, ReceiveFailure> {
         let (pool_name, short) = split_volume_name(name)?;
+        // The pool must exist before the stream is read (404 before 400).
+        if self.pool(pool_name).is_none() {
+            return Err(AdminError::NotFound(format!("pool '{pool_name}' does not exist")).into());
+        }
         let _running = Running::claim(name)?;
         let mut input = Input {
             chunks,

@@ -164,15 +164,7 @@ impl VolumeManager {
         for name in names {
             parsed.push(split_snapshot_name(name)?);
         }
-        let pool_name = parsed[0].0;
-        if parsed.iter().any(|(pool, _, _)| *pool != pool_name) {
-            return Err(AdminError::Invalid(
-                "snapshots taken together must be of volumes of one pool".into(),
-            ));
-        }
-        let pool = self
-            .pool(pool_name)
-            .ok_or_else(|| AdminError::NotFound(format!("pool '{pool_name}' does not exist")))?;
+        // Every volume must exist (404) before the rule on their pools.
         let engines = self.engines.read().unwrap_or_else(|e| e.into_inner());
         let mut volumes = Vec::with_capacity(parsed.len());
         for (pool, volume, _) in &parsed {
@@ -185,6 +177,15 @@ impl VolumeManager {
             );
         }
         drop(engines);
+        let pool_name = parsed[0].0;
+        if parsed.iter().any(|(pool, _, _)| *pool != pool_name) {
+            return Err(AdminError::Invalid(
+                "snapshots taken together must be of volumes of one pool".into(),
+            ));
+        }
+        let pool = self
+            .pool(pool_name)
+            .ok_or_else(|| AdminError::NotFound(format!("pool '{pool_name}' does not exist")))?;
         let requests: Vec<SnapshotRequest<'_>> = volumes
             .iter()
             .zip(&parsed)
