@@ -37,6 +37,8 @@ const ALIGN: u64 = crate::volume::SECTOR_BYTES as u64;
 const DATA_LOCKS: usize = 64;
 /// Most hard links to one file.
 const MAX_LINKS: u32 = 65_535;
+/// Directory entries READDIR builds per hold of the namespace lock.
+const READDIR_BATCH: usize = 128;
 /// The name of the directory of a dataset's snapshots in its root: hidden
 /// (not listed, found by LOOKUP), like ZFS's `snapdir=hidden`.
 pub const SNAPSHOT_DIR: &[u8] = b".snapshot";
@@ -1809,48 +1811,72 @@ impl FileSystem {
 
     /// Entries after `cookie` (0: from the start; `.` and `..` are cookies
     /// 1 and 2), at most `max` of them; `true` when the listing is complete.
+    ///
+    /// The namespace lock, which every READ and WRITE of the dataset takes
+    /// too, is held for [`READDIR_BATCH`] entries at a time: between two
+    /// batches the listing goes on from the last cookie, as a client's next
+    /// READDIR would.
     pub fn readdir(&self, dir: &Handle, cred: &Cred, cookie: u64, max: usize) -> FsResult<(Vec<DirEntry>, bool)> {
         if self.is_snapshot_dir(dir) {
             return self.snapshot_dir_readdir(cookie, max);
         }
-        let ns = self.namespace.lock_or_abort();
-        let dir_row = self.dir_row(&ns, dir)?;
-        if !permits(dir_row, cred, 4) {
-            return Err(FsError::Access);
-        }
         let mut out = Vec::new();
-        let entry = |ino: u64, cookie: u64, name: &[u8]| -> Option<DirEntry> {
-            let row = ns.inodes.get(&ino)?;
-            Some(DirEntry {
-                cookie,
-                name: name.to_vec(),
-                fileid: self.fileid_base | ino,
-                handle: self.handle(ino, row),
-                attr: self.attr(ino, row),
-            })
-        };
-        if cookie == 0 && out.len() < max {
-            out.extend(entry(dir.ino, 1, b"."));
-        }
-        if cookie <= 1 && out.len() < max {
-            out.extend(entry(dir_row.parent, 2, b".."));
-        }
-        let Some(entries) = ns.dirs.get(&dir.ino) else {
-            return Ok((out, true));
-        };
-        // Nothing follows the largest cookie (a client's, never one given
-        // out: cookies count up from 3).
-        let Some(first) = cookie.max(2).checked_add(1) else {
-            return Ok((out, true));
-        };
-        let mut rest = entries.entries.range(first..);
-        for (cookie, (name, ino)) in rest.by_ref() {
+        let mut after = cookie;
+        loop {
+            let ns = self.namespace.lock_or_abort();
+            let dir_row = match self.dir_row(&ns, dir) {
+                Ok(row) => row,
+                // Removed since the last batch: what was listed stands.
+                Err(_) if !out.is_empty() => return Ok((out, false)),
+                Err(e) => return Err(e),
+            };
+            if !permits(dir_row, cred, 4) {
+                return Err(FsError::Access);
+            }
+            let batch_end = out.len().saturating_add(READDIR_BATCH).min(max);
+            let entry = |ino: u64, cookie: u64, name: &[u8]| -> Option<DirEntry> {
+                let row = ns.inodes.get(&ino)?;
+                Some(DirEntry {
+                    cookie,
+                    name: name.to_vec(),
+                    fileid: self.fileid_base | ino,
+                    handle: self.handle(ino, row),
+                    attr: self.attr(ino, row),
+                })
+            };
+            if after == 0 && out.len() < batch_end {
+                out.extend(entry(dir.ino, 1, b"."));
+                after = 1;
+            }
+            if after == 1 && out.len() < batch_end {
+                out.extend(entry(dir_row.parent, 2, b".."));
+                after = 2;
+            }
+            let Some(entries) = ns.dirs.get(&dir.ino) else {
+                return Ok((out, true));
+            };
+            // Nothing follows the largest cookie (a client's, never one
+            // given out: cookies count up from 3).
+            let Some(first) = after.max(2).checked_add(1) else {
+                return Ok((out, true));
+            };
+            let mut exhausted = true;
+            for (cookie, (name, ino)) in entries.entries.range(first..) {
+                if out.len() >= batch_end {
+                    exhausted = false;
+                    break;
+                }
+                out.extend(entry(*ino, *cookie, name));
+                after = *cookie;
+            }
+            if exhausted {
+                return Ok((out, true));
+            }
             if out.len() >= max {
                 return Ok((out, false));
             }
-            out.extend(entry(*ino, *cookie, name));
+            drop(ns);
         }
-        Ok((out, true))
     }
 
     pub fn fsstat(&self) -> FsStat {

@@ -303,6 +303,61 @@ fn readdir_resumes_after_a_cookie_whose_entry_was_removed() {
     });
 }
 
+/// A listing longer than one batch of the namespace lock (READDIR_BATCH)
+/// reads as one: every entry once, in cookie order, complete exactly when
+/// the last is in it, whatever the page size.
+#[test]
+fn readdir_across_lock_batches_lists_every_entry_once() {
+    block_on(async {
+        let sim = SimDevice::new(160 << 20, 23);
+        let pool = new_pool(&sim).await;
+        let fs = FileSystem::open(&pool, DATASET, 16 << 10, 0).await.unwrap();
+        let root = fs.root();
+        let files = 3 * READDIR_BATCH + 7;
+        for i in 0..files {
+            let name = format!("f{i:04}");
+            fs.create(
+                &root,
+                name.as_bytes(),
+                &Cred::root(),
+                CreateHow::Unchecked(attrs(0o644)),
+            )
+            .await
+            .unwrap();
+        }
+        let total = files + 2;
+        let (all, eof) = fs.readdir(&root, &Cred::root(), 0, 4096).unwrap();
+        assert!(eof);
+        assert_eq!(all.len(), total);
+        assert!(all.windows(2).all(|w| w[0].cookie < w[1].cookie), "cookie order");
+        let (exact, eof) = fs.readdir(&root, &Cred::root(), 0, total).unwrap();
+        assert_eq!(
+            (exact.len(), eof),
+            (total, true),
+            "a page that ends at the last entry is complete"
+        );
+        let (short, eof) = fs.readdir(&root, &Cred::root(), 0, total - 1).unwrap();
+        assert_eq!((short.len(), eof), (total - 1, false));
+        for page in [1, 2, READDIR_BATCH - 1, READDIR_BATCH, READDIR_BATCH + 1, 300] {
+            let mut listed = Vec::new();
+            let mut cookie = 0;
+            loop {
+                let (entries, eof) = fs.readdir(&root, &Cred::root(), cookie, page).unwrap();
+                assert!(entries.len() <= page);
+                if let Some(last) = entries.last() {
+                    cookie = last.cookie;
+                }
+                listed.extend(entries.into_iter().map(|e| e.name));
+                if eof {
+                    break;
+                }
+            }
+            let expected: Vec<Vec<u8>> = all.iter().map(|e| e.name.clone()).collect();
+            assert_eq!(listed, expected, "pages of {page}");
+        }
+    });
+}
+
 /// What snapshot `s1` of [`a_snapshot_keeps_the_tree_as_it_was`] must hold,
 /// through the dataset's `.snapshot` directory as a client finds it.
 async fn check_snapshot(fs: &FileSystem, a: &Handle) -> Arc<FileSystem> {
