@@ -44,6 +44,13 @@ pub struct ServeArgs {
     /// Most connections one client address may hold on each listener.
     #[arg(long, default_value_t = crate::frontend::limits::DEFAULT_MAX_PER_CLIENT, value_name = "N")]
     pub max_connections_per_client: usize,
+    /// Memory for the request and reply data that clients have in flight,
+    /// over every NBD, iSCSI and NFS connection together (e.g. 2G): past
+    /// it, connections stop reading requests until replies go out; one
+    /// client address holds at most a quarter of it. Default: an eighth of
+    /// the machine's RAM.
+    #[arg(long, value_name = "SIZE", value_parser = parse_client_memory)]
+    pub client_memory: Option<u64>,
     /// Seconds an NBD client has for its handshake and an iSCSI initiator
     /// for its login (idle or slow clients are cut).
     #[arg(long, default_value_t = 30, value_name = "SECONDS", value_parser = clap::value_parser!(u64).range(1..))]
@@ -253,6 +260,14 @@ async fn serve(args: ServeArgs) -> Result<(), String> {
 
     let (stop_sender, stop) = watch::channel(false);
     crate::frontend::set_handshake_timeout(std::time::Duration::from_secs(args.handshake_timeout));
+    let memory = crate::frontend::memory::install(
+        args.client_memory
+            .unwrap_or_else(crate::frontend::memory::default_bytes),
+    );
+    tracing::info!(
+        "client data in flight: at most {} (--client-memory), a quarter of it per client address",
+        crate::units::format_size(memory.total())
+    );
     let limits = |protocol| {
         crate::frontend::limits::ConnectionLimits::new(protocol, args.max_connections, args.max_connections_per_client)
     };
@@ -410,4 +425,16 @@ impl Signals {
             _ = self.interrupt.recv() => "SIGINT",
         }
     }
+}
+
+/// `--client-memory SIZE`: at least four of the largest requests.
+fn parse_client_memory(text: &str) -> Result<u64, String> {
+    let bytes = crate::units::parse_size(text)?;
+    if bytes < crate::frontend::memory::MIN_BYTES {
+        return Err(format!(
+            "at least {} (four of the largest requests)",
+            crate::units::format_size(crate::frontend::memory::MIN_BYTES)
+        ));
+    }
+    Ok(bytes)
 }

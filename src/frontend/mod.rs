@@ -1,12 +1,14 @@
 //! Protocol frontends. Each speaks a wire protocol and turns requests into
 //! calls on a [`crate::volume::Volume`] (NBD, iSCSI) or on a dataset's
 //! [`crate::fs::FileSystem`] (NFS); none touches storage directly. Beside
-//! them: connection caps ([`limits`]), and the reply path ([`outbox`]) and
+//! them: connection caps ([`limits`]), the process-wide budget of request
+//! and reply payloads in flight ([`memory`]), and the reply path ([`outbox`]) and
 //! bulk-read threads ([`lane`]) that NBD connections use.
 
 pub mod iscsi;
 pub mod lane;
 pub mod limits;
+pub mod memory;
 pub mod nbd;
 pub mod nfs;
 pub mod outbox;

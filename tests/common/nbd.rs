@@ -15,7 +15,27 @@ pub struct Raw {
 
 impl Raw {
     pub fn connect(address: &str) -> Raw {
-        let mut stream = TcpStream::connect(address).unwrap();
+        Raw::greeted(TcpStream::connect(address).unwrap())
+    }
+
+    /// Connects from `source` (another loopback address: another client
+    /// to the server).
+    pub fn connect_from(address: &str, source: std::net::IpAddr) -> Raw {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_io()
+            .build()
+            .unwrap();
+        let stream = runtime.block_on(async {
+            let socket = tokio::net::TcpSocket::new_v4().unwrap();
+            socket.bind((source, 0).into()).unwrap();
+            let stream = socket.connect(address.parse().unwrap()).await.unwrap();
+            stream.into_std().unwrap()
+        });
+        stream.set_nonblocking(false).unwrap();
+        Raw::greeted(stream)
+    }
+
+    fn greeted(mut stream: TcpStream) -> Raw {
         stream.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
         let mut greeting = [0u8; 18];
         stream.read_exact(&mut greeting).unwrap();
@@ -28,6 +48,14 @@ impl Raw {
     pub fn start(address: &str) -> Raw {
         let mut raw = Raw::connect(address);
         raw.send(&3u32.to_be_bytes());
+        raw
+    }
+
+    /// NBD_OPT_GO on `name` from `source`, simple replies.
+    pub fn go_from(address: &str, name: &str, source: std::net::IpAddr) -> Raw {
+        let mut raw = Raw::connect_from(address, source);
+        raw.send(&3u32.to_be_bytes());
+        raw.finish_go(name);
         raw
     }
 
@@ -88,18 +116,22 @@ impl Raw {
             assert_eq!(raw.option_reply().0, 4);
             assert_eq!(raw.option_reply().0, 1);
         }
+        raw.finish_go(name);
+        raw
+    }
+
+    fn finish_go(&mut self, name: &str) {
         let mut data = name_payload(name);
         data.extend_from_slice(&0u16.to_be_bytes());
-        raw.option(7, &data);
+        self.option(7, &data);
         loop {
-            let (kind, _) = raw.option_reply();
+            let (kind, _) = self.option_reply();
             match kind {
                 3 => continue,
                 1 => break,
                 other => panic!("GO failed with {other:#x}"),
             }
         }
-        raw
     }
 
     pub fn request(&mut self, flags: u16, kind: u16, cookie: u64, offset: u64, length: u32, payload: &[u8]) {

@@ -11,7 +11,7 @@
 
 use std::collections::HashMap;
 use std::io;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::os::fd::{AsFd, AsRawFd};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
@@ -26,6 +26,7 @@ use super::pdu::{self, op, reject, Bhs, Framing, Layout, Pdu, BHS_BYTES, RESERVE
 use super::server::Registry;
 use super::text::{self, Params, TARGET_MAX_RECV_DATA_SEGMENT};
 use crate::analytics::Recorder;
+use crate::frontend::memory::MemoryPermit;
 use crate::frontend::Shutdown;
 use crate::scsi::cdb::{self, Command, Transfer};
 use crate::scsi::lu::{LogicalUnit, Nexus, Outcome, ResetKind};
@@ -107,6 +108,13 @@ impl Frame {
 
 type Batch = Vec<Frame>;
 
+/// What goes to the writer: frames, and the share of the process's memory
+/// budget a command's data holds until they are written.
+struct Outgoing {
+    frames: Batch,
+    _memory: Option<MemoryPermit>,
+}
+
 /// State shared by the reader, the command tasks and the writer.
 struct Shared {
     exp_cmdsn: AtomicU32,
@@ -164,6 +172,9 @@ pub async fn run(
     portal: Option<SocketAddr>,
     mut stop: Shutdown,
 ) -> Result<(), ConnectionError> {
+    let client = stream
+        .peer_addr()
+        .map_or(IpAddr::from([0, 0, 0, 0]), |address| address.ip());
     let (read_half, write_half) = stream.into_split();
     let mut reader = BufReader::with_capacity(256 * 1024, read_half);
     let mut writer = BufWriter::with_capacity(256 * 1024, write_half);
@@ -238,6 +249,7 @@ pub async fn run(
         recorder,
         nexus.clone(),
         portal,
+        client,
         stop,
     )
     .await;
@@ -292,6 +304,8 @@ where
 
 /// A write command gathering its data-out.
 struct PendingWrite {
+    /// The data's share of the process's memory budget.
+    memory: Option<MemoryPermit>,
     lun: [u8; 8],
     command: Command,
     buf: Vec<u8>,
@@ -318,7 +332,9 @@ struct Session<'a> {
     nexus: Nexus,
     portal: Option<SocketAddr>,
     shared: Arc<Shared>,
-    tx: mpsc::Sender<Batch>,
+    tx: mpsc::Sender<Outgoing>,
+    /// The initiator's address: its share of the process's memory budget.
+    client: IpAddr,
     pending: HashMap<u32, PendingWrite>,
     next_ttt: u32,
     /// The rest of a text response that did not fit in one PDU.
@@ -373,6 +389,7 @@ async fn full_feature<R, W>(
     recorder: Option<Arc<Recorder>>,
     nexus: Nexus,
     portal: Option<SocketAddr>,
+    client: IpAddr,
     mut stop: Shutdown,
 ) -> Result<(), ConnectionError>
 where
@@ -390,7 +407,7 @@ where
         inflight: AtomicU32::new(0),
         tasks: Mutex::new(HashMap::new()),
     });
-    let (tx, rx) = mpsc::channel::<Batch>(4 * COMMAND_WINDOW as usize);
+    let (tx, rx) = mpsc::channel::<Outgoing>(4 * COMMAND_WINDOW as usize);
     // Aborted if this connection is dropped unfinished (a stopping server
     // gave up waiting for it): no response goes out after that.
     let mut writer_task = AbortOnDrop(tokio::spawn(write_loop(
@@ -411,6 +428,7 @@ where
         portal,
         shared,
         tx,
+        client,
         pending: HashMap::new(),
         next_ttt: 1,
         text_rest: None,
@@ -439,7 +457,41 @@ where
 
 impl Session<'_> {
     async fn send(&self, batch: Batch) {
-        let _ = self.tx.send(batch).await;
+        let _ = self
+            .tx
+            .send(Outgoing {
+                frames: batch,
+                _memory: None,
+            })
+            .await;
+    }
+
+    /// Takes `bytes` of the process's memory budget for a command's data.
+    /// While this connection gathers write data, the reader must not wait
+    /// (those writes need it to read their Data-Out): `Err` then, and the
+    /// command is answered TASK SET FULL, which initiators retry.
+    async fn reserve(&self, bytes: usize) -> Result<Option<MemoryPermit>, ()> {
+        if bytes == 0 {
+            return Ok(None);
+        }
+        let budget = crate::frontend::memory::global();
+        if let Some(permit) = budget.try_acquire(self.client, bytes as u64) {
+            return Ok(Some(permit));
+        }
+        if !self.pending.is_empty() {
+            return Err(());
+        }
+        Ok(Some(budget.acquire(self.client, bytes as u64).await))
+    }
+
+    /// Answers a command TASK SET FULL (the initiator retries it).
+    async fn task_set_full(&self, itt: u32, lun: [u8; 8], edtl: u32) {
+        let full = Outcome {
+            status: status::TASK_SET_FULL,
+            sense: None,
+            data: Vec::new(),
+        };
+        self.complete(itt, lun, edtl, Some(0), full).await;
     }
 
     async fn send_reject(&self, rejected: &Bhs, reason: u8) {
@@ -640,17 +692,17 @@ impl Session<'_> {
                 };
                 let gathering: usize = self.pending.values().map(|p| p.expected).sum();
                 if gathering + expected > MAX_GATHERING_BYTES {
-                    let full = Outcome {
-                        status: status::TASK_SET_FULL,
-                        sense: None,
-                        data: Vec::new(),
-                    };
-                    self.complete(itt, lun, edtl, Some(0), full).await;
+                    self.task_set_full(itt, lun, edtl).await;
                     return;
                 }
+                let Ok(memory) = self.reserve(expected).await else {
+                    self.task_set_full(itt, lun, edtl).await;
+                    return;
+                };
                 let mut buf = Vec::with_capacity(expected);
                 buf.extend_from_slice(&immediate);
                 let pending = PendingWrite {
+                    memory,
                     lun,
                     command,
                     buf,
@@ -665,7 +717,14 @@ impl Session<'_> {
                 self.pending.insert(itt, pending);
                 self.progress_write(itt).await;
             }
-            _ => self.execute(unit, itt, lun, edtl, command, Vec::new(), None),
+            _ => {
+                // Data-in (a read's) is held until it is written.
+                let Ok(memory) = self.reserve(edtl as usize).await else {
+                    self.task_set_full(itt, lun, edtl).await;
+                    return;
+                };
+                self.execute(unit, itt, lun, edtl, command, Vec::new(), None, memory)
+            }
         }
     }
 
@@ -694,6 +753,7 @@ impl Session<'_> {
                     pending.command,
                     pending.buf,
                     Some(pending.spdtl),
+                    pending.memory,
                 );
             }
             return;
@@ -789,6 +849,7 @@ impl Session<'_> {
         command: Command,
         data_out: Vec<u8>,
         out_bytes: Option<usize>,
+        memory: Option<MemoryPermit>,
     ) {
         let shared = self.shared.clone();
         let tx = self.tx.clone();
@@ -826,7 +887,12 @@ impl Session<'_> {
             let aborted = shared.tasks().remove(&itt).unwrap_or(false);
             shared.inflight.fetch_sub(1, Ordering::AcqRel);
             if !aborted {
-                let _ = tx.send(batch).await;
+                let _ = tx
+                    .send(Outgoing {
+                        frames: batch,
+                        _memory: memory,
+                    })
+                    .await;
             }
         });
     }
@@ -1134,19 +1200,19 @@ async fn write_frame<W: AsyncWrite + Unpin>(
 
 async fn write_loop<W: AsyncWrite + Unpin>(
     mut writer: W,
-    mut rx: mpsc::Receiver<Batch>,
+    mut rx: mpsc::Receiver<Outgoing>,
     shared: Arc<Shared>,
     mut statsn: u32,
     header_digest: bool,
     data_digest: bool,
 ) -> io::Result<()> {
     while let Some(batch) = rx.recv().await {
-        for frame in batch {
+        for frame in batch.frames {
             write_frame(&mut writer, frame, &mut statsn, &shared, header_digest, data_digest).await?;
         }
         // Temporal merge: everything already queued leaves with this flush.
         while let Ok(batch) = rx.try_recv() {
-            for frame in batch {
+            for frame in batch.frames {
                 write_frame(&mut writer, frame, &mut statsn, &shared, header_digest, data_digest).await?;
             }
         }

@@ -39,6 +39,7 @@ use crate::control::manager::{VolumeManager, DEFAULT_POOL, DEFAULT_VOLUME};
 use crate::device::ReadBuffers;
 use crate::frontend::lane::Lane;
 use crate::frontend::limits::ConnectionLimits;
+use crate::frontend::memory::MemoryPermit;
 use crate::frontend::outbox::{Outbox, ReplySocket};
 use crate::frontend::Shutdown;
 use crate::volume::stats::{Op, Protocol};
@@ -184,6 +185,7 @@ async fn handle_connection(
         handle,
         negotiated,
         recorder,
+        client: peer.ip(),
     };
     let ((mut finished, watcher), pump) = match transport {
         Transport::Plain(stream) => (spawn_transmission(stream, early, serve)?, None),
@@ -232,6 +234,8 @@ struct Serve {
     handle: HandleGuard,
     negotiated: Negotiated,
     recorder: Option<Arc<Recorder>>,
+    /// The client's address: its share of the process's memory budget.
+    client: std::net::IpAddr,
 }
 
 /// Starts transmission on `stream` on a task of its own: a reader that
@@ -260,9 +264,11 @@ where
         handle,
         negotiated,
         recorder,
+        client,
     } = serve;
-    let task =
-        tokio::spawn(async move { transmission(reader, replies, volume, handle, negotiated, &idle, recorder).await });
+    let task = tokio::spawn(async move {
+        transmission(reader, replies, volume, handle, negotiated, &idle, recorder, client).await
+    });
     Ok((task, watcher))
 }
 
@@ -889,6 +895,8 @@ impl ReplyBytes {
 struct Reply {
     bytes: ReplyBytes,
     _permit: OwnedSemaphorePermit,
+    /// The payload's share of the process's budget (READ and WRITE).
+    _memory: Option<MemoryPermit>,
     /// Where a read buffer goes once the reply is written (or dropped).
     buffers: Arc<ReadBuffers>,
 }
@@ -961,6 +969,7 @@ impl Ready {
     }
 }
 
+#[allow(clippy::too_many_arguments)]
 async fn transmission<R: AsyncRead + Unpin>(
     mut reader: BufReader<R>,
     socket: ReplySocket,
@@ -969,7 +978,9 @@ async fn transmission<R: AsyncRead + Unpin>(
     negotiated: Negotiated,
     idle: &AtomicBool,
     recorder: Option<Arc<Recorder>>,
+    client: std::net::IpAddr,
 ) -> Result<(), ConnectionError> {
+    let shared_memory = crate::frontend::memory::global();
     let (outbox, flusher) = Outbox::start(socket);
     let budget_units = IN_FLIGHT_BUDGET_BYTES / BUDGET_UNIT_BYTES;
     let budget = Arc::new(Semaphore::new(budget_units));
@@ -1034,6 +1045,19 @@ async fn transmission<R: AsyncRead + Unpin>(
                 }
             }
         };
+        // The process-wide share, after the connection's own: waiting for
+        // it stops this connection's reading, nobody else's.
+        let memory = if data_bytes > 0 {
+            Some(match shared_memory.try_acquire(client, data_bytes as u64) {
+                Some(permit) => permit,
+                None => {
+                    ready.send(&outbox, &lane);
+                    shared_memory.acquire(client, data_bytes as u64).await
+                }
+            })
+        } else {
+            None
+        };
         let payload = if payload_bytes > 0 {
             if reader.buffer().len() < payload_bytes as usize {
                 ready.send(&outbox, &lane);
@@ -1058,6 +1082,7 @@ async fn transmission<R: AsyncRead + Unpin>(
             ready.push(Reply {
                 bytes: ReplyBytes::Built(bytes),
                 _permit: permit,
+                _memory: memory,
                 buffers: buffers.clone(),
             });
             continue;
@@ -1068,6 +1093,7 @@ async fn transmission<R: AsyncRead + Unpin>(
             Reply {
                 bytes,
                 _permit: permit,
+                _memory: memory,
                 buffers,
             }
         };

@@ -18,7 +18,7 @@
 use std::net::SocketAddr;
 use std::sync::Arc;
 
-use tokio::io::{AsyncWriteExt, BufReader, BufWriter};
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader, BufWriter};
 use tokio::net::tcp::OwnedWriteHalf;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
@@ -31,6 +31,7 @@ use super::rpc::{self, Accept, Call, CallError, RecordError};
 use super::xdr::{padding, Encode};
 use super::{ArgsError, MOUNT_PROGRAM, MOUNT_VERSION, NFS_PROGRAM, NFS_VERSION, PORTMAP_PROGRAM, PORTMAP_VERSION};
 use crate::frontend::limits::ConnectionLimits;
+use crate::frontend::memory::MemoryPermit;
 use crate::frontend::{run_or_spawn, Shutdown};
 use crate::fs::{Exports, FileData};
 
@@ -83,7 +84,16 @@ pub async fn serve_with_cache(
 }
 
 /// A reply on its way to the writer, with the in-flight slot it frees.
-type Outgoing = (Reply, OwnedSemaphorePermit);
+/// A call's place: one of the connection's [`MAX_IN_FLIGHT`], and its share
+/// of the process's memory budget (the largest record, [`CALL_MEMORY_BYTES`]),
+/// both held until its reply is written.
+type Slot = (OwnedSemaphorePermit, MemoryPermit);
+type Outgoing = (Reply, Slot);
+
+/// What one call may hold: its record (at most [`rpc::MAX_RECORD`]) or its
+/// reply (a READ's data is at most as large). Taken before the record is
+/// read, so that a client stalls itself when the budget is spent.
+const CALL_MEMORY_BYTES: u64 = rpc::MAX_RECORD as u64;
 
 /// A reply record: its mark and header and results, then (a READ's) data
 /// where the engine read it, sent after them with its XDR padding.
@@ -151,6 +161,7 @@ async fn connection(
     let slots = Arc::new(Semaphore::new(MAX_IN_FLIGHT));
     let mut writer_ended = None;
 
+    let memory = crate::frontend::memory::global();
     let result = loop {
         let slot = tokio::select! {
             slot = slots.clone().acquire_owned() => slot.expect("the semaphore is never closed"),
@@ -160,6 +171,30 @@ async fn connection(
                 break Ok(());
             }
         };
+        // The next call's first bytes, before its share: an idle
+        // connection holds none of the budget.
+        let waiting = tokio::select! {
+            waiting = reader.fill_buf() => waiting.map(|bytes| bytes.is_empty()),
+            _ = stop.wait_for(|stopped| *stopped) => break Ok(()),
+            ended = &mut writer => {
+                writer_ended = Some(ended);
+                break Ok(());
+            }
+        };
+        match waiting {
+            Ok(false) => {}
+            Ok(true) => break Ok(()),
+            Err(e) => break Err(e.into()),
+        }
+        let share = tokio::select! {
+            share = memory.acquire(peer.ip(), CALL_MEMORY_BYTES) => share,
+            _ = stop.wait_for(|stopped| *stopped) => break Ok(()),
+            ended = &mut writer => {
+                writer_ended = Some(ended);
+                break Ok(());
+            }
+        };
+        let slot = (slot, share);
         let mut record = Vec::new();
         let read = tokio::select! {
             read = rpc::read_record(&mut reader, &mut record) => read,
