@@ -552,6 +552,40 @@ def connections(ctx):
     return rows
 
 
+def client_memory(ctx):
+    out = ctx.tmp / "memory.json"
+    seconds = ctx.pick(5, 2)
+    shown = "python3 bench/client_memory.py --client-memory 1G"
+    sh(["python3", "bench/client_memory.py", "--binary", ctx.binary, "--client-memory", "1G",
+        "--seconds", str(seconds), "--json", str(out)])
+    rows = []
+    for r in json.loads(out.read_text()):
+        what = {"read": "four 32 MiB READs each, replies never read",
+                "write": "four 32 MiB WRITEs each, replies never read",
+                "idle": "idle (handshake done)"}[r["kind"]]
+        rows.append(row(f"daemon growth, {r['connections']} NBD connections from one address, {what}", shown,
+                        r["grown_mib"], f"MiB ({LOWER})",
+                        note=f"budget 1 GiB; peak RssAnon {r['peak_mib']:.0f} MiB; another client's 4K reads "
+                             f"meanwhile: {r['reads_per_s']:.0f}/s, slowest {r['worst_ms']:.1f} ms"))
+    return rows
+
+
+def nfs_listing(ctx):
+    out = ctx.tmp / "listing.json"
+    files, seconds = ctx.pick((100000, 15), (10000, 3))
+    shown = f"python3 bench/nfs_list_reads.py --files {files}"
+    sh(["python3", "bench/nfs_list_reads.py", "--binary", ctx.binary, "--files", str(files), "--seconds",
+        str(seconds), "--json", str(out)])
+    got = {r["case"]: r for r in json.loads(out.read_text())}
+    alone, listing = got["alone"], got["while listing"]
+    return [row(f"4K random reads of a file at QD1 while another client lists a {files}-entry directory "
+                "in a loop (peer: the same reads alone)", shown, listing["p99_us"], f"µs p99 ({LOWER})",
+                peer_name="alone", peer=alone["p99_us"],
+                note=f"{listing['listings']} listings meanwhile; reads/s {listing['ops_per_s']:.0f} "
+                     f"(alone {alone['ops_per_s']:.0f}), p50 {listing['p50_us']:.0f} µs "
+                     f"(alone {alone['p50_us']:.0f})")]
+
+
 def free_port():
     import socket
     with socket.socket() as s:
@@ -584,6 +618,9 @@ FAMILIES = [
     Family("send-receive", "Send and receive", ["bench/send_receive.sh", LIB], "2 min", sendrecv),
     Family("many-clients", "Many clients", ["bench/many_clients.sh", "bench/iscsi_bench.py", LIB], "12 min",
            clients),
+    Family("client-memory", "Client memory", ["bench/client_memory.py"], "3 min", client_memory),
+    Family("nfs-listing", "NFS listing", ["bench/nfs_list_reads.py", "bench/nfs_peers.py", "bench/nfs_load.c"],
+           "4 min", nfs_listing),
     Family("tiering", "Tiering", ["bench/tiering.sh", LIB], "40 min", tiering, in_all=False),
 ]
 BY_KEY = {f.key: f for f in FAMILIES}

@@ -10,6 +10,7 @@ per second and worst latency show whether it is still served.
 
 Usage: bench/client_memory.py [--binary target/release/strata]
        [--baseline OTHER_BINARY] [--client-memory 1G] [--seconds 5]
+       [--json FILE]
 Each case starts a fresh daemon (a temporary directory under /tmp, ports
 ephemeral on 127.0.0.1, stopped by PID with SIGINT). --client-memory is
 passed to the binary under test only (a baseline binary without the flag
@@ -17,6 +18,7 @@ runs unbounded).
 """
 
 import argparse
+import json
 import os
 import re
 import signal
@@ -181,7 +183,9 @@ def main():
     parser.add_argument("--baseline")
     parser.add_argument("--client-memory", default="1G")
     parser.add_argument("--seconds", type=int, default=5)
+    parser.add_argument("--json", help="also write the results to this file (a list of objects)")
     args = parser.parse_args()
+    results = []
     binaries = [("new", str(Path(args.binary).resolve()), ["--client-memory", args.client_memory])]
     if args.baseline:
         binaries.insert(0, ("baseline", str(Path(args.baseline).resolve()), []))
@@ -193,9 +197,15 @@ def main():
             if tag == "baseline" and kind != "idle" and connections > BASELINE_MOST_CONNECTIONS:
                 continue
             baseline, peak, result = case(binary, extra, kind, connections, args.seconds)
+            results.append({"binary": tag, "kind": kind, "connections": connections,
+                            "client_memory": args.client_memory if tag == "new" else "",
+                            "baseline_mib": baseline / MIB, "peak_mib": peak / MIB,
+                            "grown_mib": (peak - baseline) / MIB, **result})
             print(f"{tag:<9} {kind:<6} {connections:>5} {baseline / MIB:>8.0f} {peak / MIB:>8.0f}"
                   f" {(peak - baseline) / MIB:>9.0f} {result['reads_per_s']:>13.0f} {result['worst_ms']:>14.1f}",
                   flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":

@@ -13,12 +13,13 @@ loop. Recorded: the reads' ops/s, p50 and p99 in each case, and how many
 listings ran meanwhile.
 
 Usage: bench/nfs_list_reads.py [--binary target/release/strata]
-       [--baseline OTHER_BINARY] [--files 100000] [--seconds 15]
+       [--baseline OTHER_BINARY] [--files 100000] [--seconds 15] [--json FILE]
 Prints one line per binary and case; a temporary directory under /tmp,
 removed at the end; daemons stopped by PID (SIGINT).
 """
 
 import argparse
+import json
 import subprocess
 import sys
 import tempfile
@@ -64,7 +65,9 @@ def main():
     parser.add_argument("--baseline", help="another strata binary, measured in the same run")
     parser.add_argument("--files", type=int, default=100000)
     parser.add_argument("--seconds", type=int, default=15)
+    parser.add_argument("--json", help="also write the results to this file (a list of objects)")
     args = parser.parse_args()
+    results = []
     binaries = [("new", Path(args.binary).resolve())]
     if args.baseline:
         binaries.insert(0, ("baseline", Path(args.baseline).resolve()))
@@ -75,8 +78,11 @@ def main():
         for tag, binary in binaries:
             alone, listing, listings = measure(binary, tmp, tag, exe, args.files, args.seconds)
             for case, res, count in [("alone", alone, 0), ("while listing", listing, listings)]:
+                results.append({"binary": tag, "case": case, "listings": count, **res})
                 print(f"{tag:<9} {case:<14} {res['ops_per_s']:>9.0f} {res['p50_us']:>8.0f} {res['p99_us']:>8.0f}"
                       f" {count:>9}", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":
