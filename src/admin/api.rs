@@ -202,7 +202,11 @@ fn properties_from_json(properties: &BTreeMap<String, Value>) -> ApiResult<Vec<(
         .map(|(key, value)| {
             let text = match value {
                 Value::String(s) => s.clone(),
-                Value::Number(n) => n.to_string(),
+                // 702.0 is the integer 702 (as JSON Schema counts it).
+                Value::Number(n) => match n.as_f64() {
+                    Some(f) if n.is_f64() && f.fract() == 0.0 && f.abs() < 9.0e15 => format!("{}", f as i64),
+                    _ => n.to_string(),
+                },
                 Value::Bool(true) => "on".to_string(),
                 Value::Bool(false) => "off".to_string(),
                 other => {
@@ -452,7 +456,7 @@ async fn get_pool_properties(
     Ok(Json(json!({ "properties": rows })))
 }
 
-#[utoipa::path(patch, path = "/v1/pools/{pool}/properties", tag = "pools", params(("pool" = String, Path, description = "Pool name")), request_body = PoolSetRequest, responses((status = 200, description = "The pool's properties after the change (all checked before any is applied)", body = PropertyList), (status = 404, description = "No such pool, volume or snapshot", body = ErrorBody), (status = 400, description = "Invalid request", body = ErrorBody), (status = 401, description = "No valid token (TCP)", body = ErrorBody)))]
+#[utoipa::path(patch, path = "/v1/pools/{pool}/properties", tag = "pools", params(("pool" = String, Path, description = "Pool name")), request_body = PoolSetRequest, responses((status = 200, description = "The pool's properties after the change (all checked before any is applied)", body = PropertyList), (status = 404, description = "No such pool, volume or snapshot", body = ErrorBody), (status = 400, description = "A value refused, or values that do not go together: migration.low not below migration.high, a migration.window whose two times are equal", body = ErrorBody), (status = 401, description = "No valid token (TCP)", body = ErrorBody)))]
 async fn set_pool_properties(
     State(manager): State<Manager>,
     path: Result<Path<String>, PathRejection>,
@@ -1270,6 +1274,9 @@ fn complete(doc: &mut Value) {
                         (Some("query"), Some("phase")) => Some(choice(&["total", "queued", "commit"])),
                         (Some("query"), Some("step")) => Some(json!({ "type": "integer", "enum": [1, 60] })),
                         (Some("query"), Some("by")) => Some(text(&format!("{DIM}(,{DIM})*"), 0, 64)),
+                        (Some("query"), Some("min_ns" | "max_ns" | "top")) => {
+                            Some(json!({ "type": "integer", "minimum": 0, "maximum": u64::MAX }))
+                        }
                         _ => None,
                     };
                     if path == "/v1/analytics/offsets" && param["name"] == "volume" {
