@@ -29,7 +29,6 @@
 //! are zeroed.
 
 use std::ops::Index;
-use std::sync::atomic::AtomicU32;
 use std::sync::{Arc, OnceLock};
 
 use super::alloc::DeviceSpace;
@@ -285,7 +284,6 @@ impl Pool {
             device: addition.device.clone(),
             member,
             counters: DeviceCounters::default(),
-            chunk_epochs: (0..chunks).map(|_| AtomicU32::new(0)).collect(),
             heat: super::migrate::Heat::new(chunks),
             written: Default::default(),
         });

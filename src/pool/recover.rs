@@ -266,7 +266,6 @@ impl Pool {
                 device,
                 member,
                 counters: DeviceCounters::default(),
-                chunk_epochs: (0..chunks).map(|_| AtomicU32::new(0)).collect(),
                 heat: super::migrate::Heat::new(chunks),
                 written: Default::default(),
             });
@@ -317,7 +316,7 @@ impl Pool {
             })
             .collect();
         let mut allocator = Allocator::new(superblock.chunk_bytes, spaces);
-        let mut suspect = HashSet::new();
+        let mut suspect: HashMap<(u8, u64), ChunkParts> = HashMap::new();
         {
             let txn = db.begin_read().map_err(MetaError::from)?;
             let chunks = txn.open_table(CHUNKS).map_err(MetaError::from)?;
@@ -337,7 +336,25 @@ impl Pool {
             for row in table.iter().map_err(MetaError::from)? {
                 let (key, _) = row.map_err(MetaError::from)?;
                 let (device, chunk_index) = key.value();
-                suspect.insert((device as u8, chunk_index));
+                suspect.insert((device as u8, chunk_index), ALL_PARTS);
+            }
+            // Pools from before parts were kept have no such table.
+            if let Ok(table) = txn.open_table(crate::meta::store::SUSPECT_PARTS) {
+                for row in table.iter().map_err(MetaError::from)? {
+                    let (key, value) = row.map_err(MetaError::from)?;
+                    let (device, chunk_index) = key.value();
+                    let bytes = value.value();
+                    let parts = decode_parts(bytes).ok_or_else(|| {
+                        PoolError::Meta(MetaError::Corrupt(format!(
+                            "suspect_parts {device}/{chunk_index}: {} bytes, not 32",
+                            bytes.len()
+                        )))
+                    })?;
+                    let entry = suspect.entry((device as u8, chunk_index)).or_default();
+                    for (word, add) in entry.iter_mut().zip(parts) {
+                        *word |= add;
+                    }
+                }
             }
             // Heat is a hint: a pool from before it was stored has none.
             if let Ok(table) = txn.open_table(crate::meta::store::HEAT) {
@@ -422,6 +439,7 @@ impl Pool {
             allocator: crate::sync::WatchedMutex::new(allocator),
             epoch: AtomicU32::new(epoch.wrapping_add(1).max(1)),
             suspect: Mutex::new(suspect),
+            marks: Mutex::new(EpochMarks::default()),
             destroyed: Mutex::new(HashSet::new()),
             gates: new_gates(),
             checkpointing: tokio::sync::Mutex::new(()),
@@ -486,7 +504,7 @@ impl Pool {
         }
         if replayed > 0 {
             tracing::info!(
-                "pool {}: replayed {replayed} log records ({} suspect chunks)",
+                "pool {}: replayed {replayed} log records ({} chunks with suspect parts)",
                 pool.name,
                 pool.suspect.lock_or_abort().len()
             );
@@ -558,8 +576,12 @@ impl Pool {
 
     fn apply_replayed(&self, record: Record) -> Result<(), PoolError> {
         match record {
-            Record::Dirty { device, chunk } => {
-                self.suspect.lock_or_abort().insert((device, chunk));
+            Record::Dirty { device, chunk, parts } => {
+                let mut suspect = self.suspect.lock_or_abort();
+                let entry = suspect.entry((device, chunk)).or_default();
+                for (word, add) in entry.iter_mut().zip(parts) {
+                    *word |= add;
+                }
             }
             Record::Map {
                 volume,
@@ -643,4 +665,23 @@ fn pool_tag(uuid: &[u8; 16]) -> u64 {
 
 fn corrupt(what: String) -> PoolError {
     PoolError::Meta(MetaError::Corrupt(what))
+}
+
+/// A `suspect_parts` row's value: four little-endian `u64`.
+pub(super) fn decode_parts(bytes: &[u8]) -> Option<ChunkParts> {
+    if bytes.len() != 32 {
+        return None;
+    }
+    Some(std::array::from_fn(|i| {
+        u64::from_le_bytes(bytes[i * 8..i * 8 + 8].try_into().expect("8 bytes"))
+    }))
+}
+
+/// The value stored for a chunk's suspect parts (see [`decode_parts`]).
+pub(super) fn encode_parts(parts: &ChunkParts) -> [u8; 32] {
+    let mut out = [0u8; 32];
+    for (i, word) in parts.iter().enumerate() {
+        out[i * 8..i * 8 + 8].copy_from_slice(&word.to_le_bytes());
+    }
+    out
 }
