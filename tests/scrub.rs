@@ -44,8 +44,8 @@ fn rot_in_a_slot_the_crash_never_touched_stays_an_error_after_the_scrub() {
     small_default_pool(dir.path());
     let device = dir.path().join("pools/default/fast.dev");
     let mut server = Server::start(dir.path());
-    server.create_volume("v", "1M");
-    let uri = server.uri("v");
+    server.create_volume("default/v", "1M");
+    let uri = server.uri("default/v");
     // Every 16 KiB block its own byte, placed and checkpointed.
     let fill: Vec<String> = (0..BLOCKS)
         .map(|block| format!("write -P {} {} {BLOCK}", pattern(block), block * BLOCK))
@@ -74,7 +74,7 @@ fn rot_in_a_slot_the_crash_never_touched_stays_an_error_after_the_scrub() {
         file.sync_all().unwrap();
     }
     let server = Server::start(dir.path());
-    let uri = server.uri("v");
+    let uri = server.uri("default/v");
     // The scrub runs at open; wait until it has read back what it must.
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
     while pool_json(&server, "default")["suspect_chunks"].as_u64() != Some(0) {
