@@ -166,9 +166,22 @@ impl Pool {
         Ok(())
     }
 
-    /// Sets the checksums of consecutive sectors from `offset`, one page
-    /// lookup per checksum page rather than per sector.
+    /// Sets the checksums of consecutive sectors from `offset`, written
+    /// there just now (or verified there): their parts are no longer
+    /// suspect.
     pub(crate) fn set_crcs(&self, device: u8, offset: u64, crcs: &[u32]) -> Result<(), MetaError> {
+        self.store_crcs(device, offset, crcs)?;
+        self.clear_suspect(device, offset, crcs.len() as u64 * SECTOR_BYTES);
+        Ok(())
+    }
+
+    /// Sets the checksums of consecutive sectors from `offset`, one page
+    /// lookup per checksum page rather than per sector, and leaves their
+    /// suspicion as it is. Replay uses this: a logged mapping's checksums
+    /// describe what was written then, and a later overwrite in place (its
+    /// slot already marked in that epoch, so nothing more was logged) may
+    /// have been in flight at the crash.
+    pub(crate) fn store_crcs(&self, device: u8, offset: u64, crcs: &[u32]) -> Result<(), MetaError> {
         let first = offset >> SECTOR_SHIFT;
         let mut index = 0;
         while index < crcs.len() {
@@ -185,7 +198,6 @@ impl Pool {
             self.crc_pages.mark_dirty(&page);
             index += count;
         }
-        self.clear_suspect(device, offset, crcs.len() as u64 * SECTOR_BYTES);
         Ok(())
     }
 

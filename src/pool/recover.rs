@@ -569,7 +569,7 @@ impl Pool {
                 Err(e) => return Err(e.to_string()),
             }
             drop(allocator);
-            self.set_crcs(device, offset, crcs).map_err(|e| e.to_string())?;
+            self.store_crcs(device, offset, crcs).map_err(|e| e.to_string())?;
         }
         Ok(())
     }

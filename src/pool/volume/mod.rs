@@ -993,7 +993,7 @@ mod tests {
                 .unwrap();
             drop(writer);
             assert_eq!((report.blocks, report.failed, report.left), (1, 0, 0), "{report:?}");
-            assert_eq!(report.repaired, (block / SECTOR_BYTES) as u64);
+            assert_eq!(report.repaired, block / SECTOR_BYTES);
             assert_eq!(pool.suspect_chunks(), 0);
             let (buf, result) = volume.read(0, IoBuf::new(block as usize)).await;
             result.unwrap();
