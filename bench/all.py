@@ -15,7 +15,8 @@
                                          writes nothing
 
 Python 3.11, standard library only. `run` uses target/release/strata (build
-it first: `cargo build --release`; STRATA_BIN=PATH runs another binary), the
+it first: `cargo build --release`; STRATA_BIN=PATH runs another binary, and
+STRATA_COMMIT=HASH names the commit it was built from), the
 peers' packages (`apt-get install -y fio nbdkit qemu-utils libnbd-bin tgt
 libiscsi-bin gnutls-bin bc`, nfs-ganesha through
 ../shared/tools/nfs-ganesha) and a quiet machine: every row of a family is
@@ -29,15 +30,18 @@ FAMILIES_HELP
 Each family's rows come from the existing scripts in bench/ (its
 "producers", called with their machine-readable output: `--json FILE`,
 `--out FILE`, or BENCH_CSV=FILE for the shell scripts; tls is measured
-here, with nbdcopy). The command in each row is what reproduces it.
+here, with nbdcopy, so this file is the tls family's producer and a change
+to it marks the tls rows). The command in each row is what reproduces it.
 
 bench/results/FAMILY.csv: one line a row, columns
 
     row, command, date, cpu, commit, strata, peer_name, peer, unit, ratio,
-    strata_cpu_us, peer_cpu_us, strata_p99_us, peer_p99_us, note
+    strata_cpu_us, peer_cpu_us, strata_p99_us, peer_p99_us, note, load
 
-`date` (UTC day), `cpu` (the model in /proc/cpuinfo) and `commit` (HEAD when
-the run began, abbreviated) say where a figure comes from; `ratio` is
+`date` (UTC day), `cpu` (the model in /proc/cpuinfo), `commit` (HEAD when
+the run began, abbreviated) and `load` (the lowest and highest 1-minute
+load average sampled while the family ran; empty where not recorded) say
+where a figure comes from; `ratio` is
 strata / peer (for a unit marked "lower is better", below 1 is strata
 ahead); the CPU columns are the server process's utime+stime over the run
 divided by the operations completed; an empty cell is a figure that was not
@@ -73,6 +77,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -82,7 +87,7 @@ RESULTS = BENCH / "results"
 TEMPLATE = BENCH / "BENCHMARKS.md.in"
 DOC = ROOT / "BENCHMARKS.md"
 COLUMNS = ["row", "command", "date", "cpu", "commit", "strata", "peer_name", "peer", "unit", "ratio",
-           "strata_cpu_us", "peer_cpu_us", "strata_p99_us", "peer_p99_us", "note"]
+           "strata_cpu_us", "peer_cpu_us", "strata_p99_us", "peer_p99_us", "note", "load"]
 CODE = ["src", "Cargo.toml", "Cargo.lock"]
 NOTE = " — **not rerun since `{}`**"
 NOTE_RE = re.compile(r" — \*\*not rerun since `[0-9a-f]+`\*\*")
@@ -152,7 +157,7 @@ def nbd(ctx):
         s = cells["strata"]
         for peer in ("nbdkit file", "qemu-nbd"):
             p = cells[peer]
-            rows.append(row(f"{workload}, 1 GiB", shown, s[metric], unit, peer, p[metric], s["cpu_us_per_op"],
+            rows.append(row(f"{workload}, {ctx.pick('1 GiB', '64 MiB')}", shown, s[metric], unit, peer, p[metric], s["cpu_us_per_op"],
                             p["cpu_us_per_op"], s["p99_us"], p["p99_us"]))
     return rows
 
@@ -168,14 +173,14 @@ def iscsi(ctx):
     rows = []
     for workload, cells in results.items():
         s, p = cells["strata"], cells["tgt-file"]
-        rows.append(row(f"{workload}, 1 GiB", shown, s["iops"], "IOPS", "tgt (file)", p["iops"], s["cpu_us_per_op"],
+        rows.append(row(f"{workload}, {ctx.pick('1 GiB', '64 MiB')}", shown, s["iops"], "IOPS", "tgt (file)", p["iops"], s["cpu_us_per_op"],
                         p["cpu_us_per_op"]))
     return rows
 
 
 NFS_ROWS = [
-    ("seqwrite", "1M sequential write, 1 GiB file (UNSTABLE, COMMIT at the end)", "MiB/s"),
-    ("seqread", "1M sequential read, 1 GiB file", "MiB/s"),
+    ("seqwrite", "1M sequential write, {size} file (UNSTABLE, COMMIT at the end)", "MiB/s"),
+    ("seqread", "1M sequential read, {size} file", "MiB/s"),
     ("randwrite_unstable", "4K random write, UNSTABLE + COMMIT every 1 MiB", "IOPS"),
     ("randwrite_filesync", "4K random write, FILE_SYNC", "IOPS"),
     ("randread", "4K random read", "IOPS"),
@@ -205,7 +210,7 @@ def nfs(ctx):
         if key not in results:
             continue
         cpu_note = "server CPU per MiB" if unit == "MiB/s" else ""
-        rows.append(row(f"{label.format(files=f'{files:,}')}, QD32", shown, med(key, "strata", "ops_per_s"), unit,
+        rows.append(row(f"{label.format(files=f'{files:,}', size=ctx.pick('1 GiB', '64 MiB'))}, QD32", shown, med(key, "strata", "ops_per_s"), unit,
                         "nfs-ganesha", med(key, "ganesha", "ops_per_s"), med(key, "strata", "cpu_us_per_op"),
                         med(key, "ganesha", "cpu_us_per_op"), med(key, "strata", "p99_us"),
                         med(key, "ganesha", "p99_us"), cpu_note))
@@ -513,9 +518,7 @@ def recovery(ctx):
     gib = ctx.pick(10, 1)
     out = ctx.tmp / "rec.csv"
     shown = f"bash bench/recovery.sh {gib}"
-    if Path(ctx.binary).resolve() != (ROOT / "target/release/strata").resolve():
-        raise RuntimeError("bench/recovery.sh runs target/release/strata only")
-    sh(["bash", "bench/recovery.sh", str(gib)], env={"BENCH_CSV": str(out)})
+    sh(["bash", "bench/recovery.sh", str(gib)], env={"BENCH_CSV": str(out), "STRATA_BIN": ctx.binary})
     got = read_bench_csv(out)
     if not got:
         return []
@@ -535,7 +538,7 @@ def connections(ctx):
         if state in got:
             r = got[state]
             rows.append(row(f"RSS per idle NBD connection, {state.split()[0]} open", shown, r["rss_per_conn_kib"],
-                            f"KiB ({LOWER})", note=f"threads per connection {r['threads_per_conn']:.2f}; "
+                            f"KiB ({LOWER})", note=f"threads per connection {abs(r['threads_per_conn']):.2f}; "
                                                   f"daemon wake-ups {r['wakeups']:.0f} per s"))
     r = got.get("100 open, 100 reading")
     if r:
@@ -572,12 +575,12 @@ FAMILIES = [
     Family("nbd", "NBD", ["bench/nbd_bench.py"], "4 min", nbd),
     Family("iscsi", "iSCSI", ["bench/iscsi_bench.py"], "2 min", iscsi),
     Family("nfs", "NFS", ["bench/nfs_qd.py", "bench/nfs_peers.py", "bench/nfs_load.c"], "5 min", nfs),
-    Family("sync", "Sync writes and group commit", ["bench/sync_scale.sh", LIB], "3 min", sync),
+    Family("sync", "Sync writes", ["bench/sync_scale.sh", LIB], "3 min", sync),
     Family("tls", "TLS", ["bench/all.py"], "2 min", tls),
-    Family("recovery", "Recovery time", ["bench/recovery.sh", LIB], "1 min", recovery),
-    Family("analytics", "Analytics cost", ["bench/analytics_cost.sh", LIB], "3 min", analytics),
-    Family("connections", "Memory per connection", ["bench/conn_scale.py"], "1 min", connections),
-    Family("snapshots", "Snapshots", ["bench/snapshot_load.sh", LIB], "3 min", snapshots),
+    Family("recovery", "Recovery", ["bench/recovery.sh", LIB], "1 min", recovery),
+    Family("analytics", "Analytics", ["bench/analytics_cost.sh", LIB], "3 min", analytics),
+    Family("connections", "Connections", ["bench/conn_scale.py"], "1 min", connections),
+    Family("snapshots", "Snapshots", ["bench/snapshot_load.sh", LIB], "4 min", snapshots),
     Family("send-receive", "Send and receive", ["bench/send_receive.sh", LIB], "2 min", sendrecv),
     Family("many-clients", "Many clients", ["bench/many_clients.sh", "bench/iscsi_bench.py", LIB], "12 min",
            clients),
@@ -661,7 +664,7 @@ def table(family, notes):
     head = ["row", "unit", "strata", "peer", "strata / peer", "server CPU µs/op, strata / peer"]
     if with_p99:
         head.append("p99 µs, strata / peer")
-    head += ["notes", "run (date, CPU, commit)", "command"]
+    head += ["notes", "run (date, CPU, load, commit)", "command"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         peer = f"{r['peer_name']}: {figure(r['peer'])}" if r["peer"] else (r["peer_name"] or "")
@@ -670,7 +673,8 @@ def table(family, notes):
             if (r["strata_cpu_us"] or r["peer_cpu_us"]) else ""
         if cpu and not r["peer"] and not r["peer_cpu_us"]:
             cpu = r["strata_cpu_us"]
-        run = f"{r['date']}, {r['cpu']}, `{r['commit']}`"
+        load = f", load {r['load']}" if r["load"] else ""
+        run = f"{r['date']}, {r['cpu']}{load}, `{r['commit']}`"
         if notes and changed_since(r["commit"], family):
             run += NOTE.format(r["commit"])
         cells = [r["row"], r["unit"], figure(r["strata"]), peer, ratio, cpu]
@@ -748,7 +752,9 @@ def run(keys, quick=False):
     binary = os.environ.get("STRATA_BIN") or str(ROOT / "target/release/strata")
     if not os.path.exists(binary):
         sys.exit(f"no {binary}: cargo build --release first")
-    commit = git("rev-parse", "--short=7", "HEAD").stdout.strip()
+    # STRATA_COMMIT names the commit STRATA_BIN was built from, when that
+    # is not HEAD (a binary kept from an earlier build).
+    commit = os.environ.get("STRATA_COMMIT") or git("rev-parse", "--short=7", "HEAD").stdout.strip()
     if git("diff", "--quiet", "HEAD", "--", *CODE).returncode != 0:
         print(f"warning: src has uncommitted changes; the rows name HEAD ({commit})", file=sys.stderr)
     failed = []
@@ -756,6 +762,9 @@ def run(keys, quick=False):
         family = BY_KEY[key]
         started = time.time()
         date = time.strftime("%Y-%m-%d", time.gmtime())
+        loads, done = [os.getloadavg()[0]], threading.Event()
+        sampler = threading.Thread(target=sample_load, args=(loads, done), daemon=True)
+        sampler.start()
         with tempfile.TemporaryDirectory(prefix=f"strata-all-{key}-") as tmp:
             try:
                 rows = family.run(Context(Path(tmp), quick))
@@ -763,12 +772,15 @@ def run(keys, quick=False):
                 print(f"{key}: failed: {error}", file=sys.stderr)
                 failed.append(key)
                 continue
+            finally:
+                done.set()
+                sampler.join()
         if not rows:
             print(f"{key}: no rows", file=sys.stderr)
             failed.append(key)
             continue
         for r in rows:
-            r.update(date=date, cpu=cpu_model(), commit=commit)
+            r.update(date=date, cpu=cpu_model(), commit=commit, load=f"{min(loads):.1f}-{max(loads):.1f}")
         if quick:
             writer = csv.DictWriter(sys.stdout, fieldnames=COLUMNS, lineterminator="\n")
             writer.writeheader()
@@ -779,6 +791,13 @@ def run(keys, quick=False):
         DOC.write_text(render())
         print(f"{key}: {len(rows)} rows in {time.time() - started:.0f} s", file=sys.stderr, flush=True)
     return 1 if failed else 0
+
+
+def sample_load(loads, done):
+    """Appends the 1-minute load average every 10 s until done is set."""
+    while not done.wait(10):
+        loads.append(os.getloadavg()[0])
+    loads.append(os.getloadavg()[0])
 
 
 def usage():

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The cost of recording analytics (issue 20): the same daemon binary with
+# The cost of recording analytics: the same daemon binary with
 # analytics on and with `--no-analytics`, side by side in one run: 4K random
 # read and write QD32 (IOPS, server CPU µs per operation) and 4K random
 # read QD1 (p50 latency), over NBD with fio's nbd engine, on a filled 1 GiB

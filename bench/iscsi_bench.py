@@ -8,7 +8,7 @@ listens on an ephemeral 127.0.0.1 port and is stopped by PID. tgtd gets a
 private control port (its management socket /var/run/tgtd/socket.N), so it
 never touches another tgtd on the machine.
 
-Workloads (the issue's):
+Workloads:
   4K random read QD32:  iscsi-perf -t RUNTIME -m 32 -b 8 -r URL   (8 x 512-byte blocks)
   4K write QD32:        qemu-img bench -f raw -w -t none -d 32 -c COUNT -s 4k URL
 
@@ -20,7 +20,7 @@ Usage: bench/iscsi_bench.py [--runtime S] [--count N] [--size-mib N] [--only str
                             [--volumes N]
 --baseline adds a second strata, "strata-base", run from another binary (an
 older build) in the same run: before/after side by side.
---matrix (many clients, issue 21) replaces the two workloads with, for
+--matrix (many clients) replaces the two workloads with, for
 each JOBSxQD, JOBS sessions at once (one process each, its own initiator
 name): 4K random reads with iscsi-perf -m QD for RUNTIME seconds (the
 sum of the sessions' averages), and 4K writes with qemu-img bench -d QD,
@@ -108,16 +108,22 @@ class Strata:
              "--api", f"127.0.0.1:{self.api}", "--iscsi", f"127.0.0.1:{self.iscsi}",
              "--max-connections-per-client", "1024"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=dict(os.environ, STRATA_LOG="warn"))
-        for port in (self.api, self.nbd, self.iscsi):
-            wait_port(port, self.proc)
         names = ["bench"] if volumes == 1 else [f"bench{i}" for i in range(volumes)]
-        for name in names:
-            request = urllib.request.Request(
-                f"http://127.0.0.1:{self.api}/v1/volumes", method="POST",
-                data=json.dumps({"name": f"default/{name}", "size": size // volumes}).encode(),
-                headers={"Content-Type": "application/json", **self.auth()})
-            urllib.request.urlopen(request, timeout=60).read()
-            subprocess.run(["nbdcopy", "--flush", seed, f"nbd://127.0.0.1:{self.nbd}/default/{name}"], check=True)
+        try:
+            for port in (self.api, self.nbd, self.iscsi):
+                wait_port(port, self.proc)
+            for name in names:
+                request = urllib.request.Request(
+                    f"http://127.0.0.1:{self.api}/v1/volumes", method="POST",
+                    data=json.dumps({"name": f"default/{name}", "size": size // volumes}).encode(),
+                    headers={"Content-Type": "application/json", **self.auth()})
+                urllib.request.urlopen(request, timeout=60).read()
+                subprocess.run(["nbdcopy", "--flush", seed, f"nbd://127.0.0.1:{self.nbd}/default/{name}"],
+                               check=True)
+        except BaseException:
+            # The caller never sees this object: stop the daemon here.
+            stop(self.proc)
+            raise
         self.urls = [f"iscsi://127.0.0.1:{self.iscsi}/iqn.2026-11.io.strata:default.{name}/0" for name in names]
         self.url = self.urls[0]
         self.pid = self.proc.pid
@@ -129,8 +135,13 @@ class Strata:
         os.sync()
 
     def auth(self):
-        """The API token header (the daemon writes DATA_DIR/api.token before it listens)."""
+        """The API token header (DATA_DIR/api.token: the daemon may accept
+        connections on its ports a moment before it has written it)."""
         path = os.path.join(self.data_dir, "api.token")
+        for _ in range(100):
+            if os.path.exists(path):
+                break
+            time.sleep(0.1)
         return {"Authorization": f"Bearer {open(path).read().strip()}"} if os.path.exists(path) else {}
 
     def stop(self):

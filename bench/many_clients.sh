@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Many clients (issue 21): fio's nbd engine, 4K random reads and writes,
+# Many clients: fio's nbd engine, 4K random reads and writes,
 # one connection per job, jobs x QD = 1x32, 16x4, 64x2, 128x1, 256x1, over
 # one filled 1 GiB volume, strata (default pool) against nbdkit's file
 # plugin on an equal file, in the same run. Reports IOPS, the p99 of

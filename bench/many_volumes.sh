@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Many volumes written at once on the default pool (issue 21): VOLUMES
+# Many volumes written at once on the default pool: VOLUMES
 # volumes of SIZE, filled first with 1 MiB writes when FILL=1 (then the
 # run waits for the write-back cache to drain), then 4K random writes
 # through fio's nbd engine, 4 connections x QD1 per volume, for SECONDS.

@@ -191,9 +191,9 @@ def main():
     # Written with 1 MiB writes, as strata's device file is written while
     # nbdcopy fills its volume: a file system that caches files in large
     # folios (ext4 on Linux 6.16 and later) then caches both alike. A copy
-    # (`shutil.copyfile`, copy_file_range) left the peers' file in small
-    # folios, where a 4 KiB write costs a fraction of what it costs in a
-    # large one (BENCHMARKS.md, thirty-sixth session).
+    # (`shutil.copyfile`, copy_file_range) would leave the peers' file in
+    # small folios, where a 4 KiB write costs a fraction of what it costs in
+    # a large one (src/device/engine.rs, `write_in_pieces`, says why).
     peer_file = os.path.join(work, "peer.img")
     with open(seed, "rb") as src, open(peer_file, "wb") as dst:
         while chunk := src.read(1 << 20):

@@ -9,7 +9,7 @@ end) and its sequential read; 4K random writes (UNSTABLE, COMMIT every
 create + close, stat, a listing, remove of N files in one directory.
 Server CPU (utime + stime from /proc) per operation for each row.
 
-What it is not: the QD32 rows of issue 23 (libnfs's synchronous API has one
+What it is not: the QD32 rows (libnfs's synchronous API has one
 request in flight): those are bench/nfs_qd.py with bench/nfs_load.c.
 
 Usage: bench/nfs_bench.py [--binary target/release/strata] [--file-mib 256]

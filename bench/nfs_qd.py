@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """NFSv3 at QD32: strata's file service against nfs-ganesha (VFS backend) on
-an equal directory of the same file system, the rows of issue 23, with the
+an equal directory of the same file system, the QD32 rows, with the
 same client for both: bench/nfs_load.c (libnfs's asynchronous API, QD
 requests in flight on one connection), compiled here with `cc -O2 -lnfs`.
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# FILE_SYNC writes over NFS and the commits they cost (issue 23): one fresh
+# FILE_SYNC writes over NFS and the commits they cost: one fresh
 # daemon, a file written sequentially first (so the random writes overwrite
 # mapped blocks), then 4K random FILE_SYNC writes at QD32 from
 # bench/nfs_load.c for SECONDS. Prints the writes per second, the log

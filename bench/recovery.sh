@@ -4,19 +4,20 @@
 # plus 4 KiB random overwrites so the log and dirty chunks are not empty),
 # kill the daemon with SIGKILL, and time the restart until it serves again.
 #
-# Usage: bench/recovery.sh [GiB]   (default 10)
+# Usage: bench/recovery.sh [GiB]   (default 10; STRATA_BIN=PATH runs another binary)
 #        (BENCH_CSV=FILE appends "gib,seconds,log_records,suspect_chunks,reads_ok")
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=bench/lib.sh
 source bench/lib.sh # bench_csv
 gib=${1:-10}
-[ -x target/release/strata ] || cargo build --release
+BIN=${STRATA_BIN:-target/release/strata}
+[ -x "$BIN" ] || cargo build --release
 work=$(mktemp -d /var/tmp/strata-recovery-XXXXXX)
 trap 'kill -9 $pid 2>/dev/null || true; rm -rf "$work"' EXIT
 
 start() {
-    target/release/strata serve --nfs 127.0.0.1:0 --data-dir "$work/data" --nbd 127.0.0.1:0 --api 127.0.0.1:0 --iscsi 127.0.0.1:0 \
+    "$BIN" serve --nfs 127.0.0.1:0 --data-dir "$work/data" --nbd 127.0.0.1:0 --api 127.0.0.1:0 --iscsi 127.0.0.1:0 \
         >"$work/out" 2>"$work/err" &
     pid=$!
     for _ in $(seq 1 600); do
@@ -28,7 +29,7 @@ start() {
 }
 
 start
-target/release/strata volume create default/big --size "${gib}G" --data-dir "$work/data"
+"$BIN" volume create default/big --size "${gib}G" --data-dir "$work/data"
 fio --name=fill --ioengine=nbd --uri="nbd://$nbd/default/big" --rw=write --bs=1m --iodepth=4 \
     --size="${gib}g" --output-format=terse >/dev/null
 fio --name=over --ioengine=nbd --uri="nbd://$nbd/default/big" --rw=randwrite --bs=4k --iodepth=32 \

@@ -5,7 +5,7 @@
 # incremental one to /dev/null, `strata receive` of the full stream from a
 # file (page cache) into a new volume, and `send | receive` through a pipe.
 # The NBD read and the full send take turns ROUNDS times (default 3; the
-# medians are compared). The volume is SIZE (default 4G, as the issue asks; the run then needs
+# medians are compared). The volume is SIZE (default 4G; the run then needs
 # about 5 x SIZE of free disk for the volumes, the changed quarter and the
 # stream file, and is refused without it). The data directory is a
 # temporary one, the server listens on ephemeral 127.0.0.1 ports and is

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Snapshots under load (issue 19's benchmark): 4K random writes QD32 on a
+# Snapshots under load: 4K random writes QD32 on a
 # filled 1 GiB volume (fio's nbd engine, one strata server) without
 # snapshots, while 100 snapshots are taken (one every 200 ms, each timed at
 # the CLI), and in the steady state after them; then the deletion of a

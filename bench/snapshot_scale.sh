@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Snapshots at scale (issue 19's target: 1,000 snapshots per volume and
-# 10,000 per pool without the system degrading). One strata server on a
+# Snapshots at scale (the target: 1,000 snapshots per volume and 10,000
+# per pool without the system degrading). One strata server on a
 # temporary data directory, ephemeral 127.0.0.1 ports, stopped by PID.
 #
 # One volume (1 GiB, 16K blocks, filled and synced); between consecutive

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Foreground stalls (issue 19's "no I/O stall over 50 ms"): 4K random writes
+# Foreground stalls (the target: no I/O stall over 50 ms): 4K random writes
 # QD32 on a filled 1 GiB volume over NBD (fio's nbd engine) with every
 # I/O's completion latency logged, counted above 20 and 50 ms and grouped
 # into stall episodes (100 ms bins holding an I/O over 50 ms); optionally

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Group commit on the default pool (issue 21): `sync=always` 4K random
+# Group commit on the default pool: `sync=always` 4K random
 # writes through fio's nbd engine, one connection per job, on the default
 # pool (no configuration: the log shares the fast device with the data).
 #   fresh:   a new 1 GiB volume (writes allocate), QD1 then QD32 (32 jobs
@@ -14,7 +14,7 @@
 # and the flushes of the data devices a second, all and those made by a
 # commit under its lock (from /metrics; the others are the destager's), the
 # writes that waited for room in the intent log (and how long, summed over
-# the writers), and the ratios the issue sets (>= 8x). Also counts writes
+# the writers), and the ratios against the target (>= 8x). Also counts writes
 # that failed (fio err=). Every row starts settled: nothing an earlier row
 # or a fill wrote is still cached (`strata pool sync`, then `sync`).
 # A temporary directory, ephemeral 127.0.0.1 ports, the server stopped by PID.

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Automatic tiering (issue 22): a 1 GiB fast device and an 8 GiB capacity
+# Automatic tiering: a 1 GiB fast device and an 8 GiB capacity
 # device made to behave like an HDD (4 ms per operation, 150 IOPS, 150 MB/s),
 # one 6 GiB volume filled with nbdcopy, then fio random reads (zipf 1.1,
 # 4K, QD16) for SECONDS, in three configurations one after the other:
@@ -15,7 +15,7 @@
 # 512 MiB at 4 GiB into the volume (where the sequential fill put it on
 # the capacity tier), a hot set that fits the fast tier. (fio's zipf
 # spreads its ranks over the whole volume, so no placement of 1 MiB chunks
-# puts most of its reads on a 1 GiB fast tier: BENCHMARKS.md.)
+# puts most of its reads on a 1 GiB fast tier: BENCHMARKS.md, "Tiering".)
 #
 # Usage: bench/tiering.sh [STRATA_BINARY] [SECONDS]
 #        (CONFIGS="on off" picks configurations; OUT=DIR keeps the results:

@@ -124,8 +124,8 @@ pub fn run(args: ServeArgs) -> ExitCode {
 /// spare worker that is on a core steals them. On 2 cores, 16-256 NBD
 /// connections reading 4K: p99 27-28 / 65-70 / 170-225 ms with 2 workers,
 /// 13 / 31 / 95 with 3, 9-10 / 22-23 / 88-91 with 4; but one connection's
-/// 1M reads lost 4-18 % with 4 and none with 3 (BENCHMARKS.md, connections
-/// and memory).
+/// 1M reads lost 4-18 % with 4 and none with 3 (BENCHMARKS.md, "Many
+/// clients").
 fn async_workers() -> usize {
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     cores + (cores / 2).max(1)

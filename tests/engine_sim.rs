@@ -151,6 +151,15 @@ impl Harness {
         );
     }
 
+    /// `operation`, failing the seed if it has not finished within a
+    /// minute (a deadlock: nothing else runs meanwhile).
+    async fn in_time<T>(&self, what: &str, operation: impl std::future::Future<Output = T>) -> T {
+        match tokio::time::timeout(std::time::Duration::from_secs(60), operation).await {
+            Ok(done) => done,
+            Err(_) => self.fail(format!("{what} never finished")),
+        }
+    }
+
     fn volume(&self) -> &Arc<EngineVolume> {
         self.volume.as_ref().expect("volume open")
     }
@@ -470,7 +479,8 @@ impl Harness {
         let at = self.rng.below(self.snapshots.len() as u64) as usize;
         let id = self.snapshots[at].0;
         self.log.push(format!("delete snapshot {id:#x}"));
-        let result = self.pool().destroy_snapshot(id).await;
+        let pool = self.pool();
+        let result = self.in_time("the snapshot delete", pool.destroy_snapshot(id)).await;
         match result {
             Ok(()) => {
                 self.snapshots.remove(at);
@@ -489,7 +499,8 @@ impl Harness {
         };
         self.log.push(format!("rollback to {id:#x}"));
         let volume = self.volume().clone();
-        let result = self.pool().rollback(&volume, id).await;
+        let pool = self.pool();
+        let result = self.in_time("the rollback", pool.rollback(&volume, id)).await;
         drop(volume);
         match result {
             Ok(()) => {
@@ -554,7 +565,7 @@ impl Harness {
         let volume_image = self.image();
         if self.rng.chance(0.5) {
             self.log.push("promote the clone, then the volume".into());
-            if let Err(e) = pool.promote(&clone, &volume).await {
+            if let Err(e) = self.in_time("the promotion", pool.promote(&clone, &volume)).await {
                 self.fail(format!("promote: {e}"));
             }
             self.check_image(&clone, &image, "the promoted clone").await;
@@ -563,7 +574,7 @@ impl Harness {
             for at in 0..self.snapshots.len() {
                 self.check_snapshot(at).await;
             }
-            if let Err(e) = pool.promote(&volume, &clone).await {
+            if let Err(e) = self.in_time("the promotion back", pool.promote(&volume, &clone)).await {
                 self.fail(format!("promote back: {e}"));
             }
         }
@@ -680,6 +691,15 @@ async fn run_seed(seed: u64, operations: usize) {
     if two_tiers {
         devices.push((SimDevice::new(64 << 20, rng.next_u64()), Role::Capacity));
     }
+    // One seed in four logs to a small dedicated device (a 1 MiB log, its
+    // usable three quarters filled by a few flushes of the RAM tier): the
+    // log is often full when snapshots are deleted, rolled back to or
+    // promoted with the volume's logged writes still cached. Chosen by the
+    // seed, not drawn, so that the other seeds run as they always did.
+    let small_log = seed % 4 == 3;
+    if small_log {
+        devices.push((SimDevice::new(2 << 20, seed ^ 0x106_de71ce), Role::Log));
+    }
     let volume_bytes = 8u64 << 20;
     let with_faults = rng.chance(0.3);
     // Some seeds crash like kill -9 (everything written reaches the device,
@@ -708,7 +728,7 @@ async fn run_seed(seed: u64, operations: usize) {
         unsure: None,
         log: vec![format!(
             "volblocksize={volblocksize} two_tiers={two_tiers} faults={with_faults} process_kill={process_kill} \
-             log_throughput={log_throughput}"
+             log_throughput={log_throughput} small_log={small_log}"
         )],
     };
     if process_kill {

@@ -291,3 +291,103 @@ fn an_interrupted_receive_resumes_even_after_a_kill_9() {
         "space left behind by the aborted receive"
     );
 }
+
+/// `POST` of a send stream to the TCP API with the daemon's token: the
+/// status line and the body of the answer.
+fn post_stream(server: &Server, path: &str, stream: &[u8]) -> (String, String) {
+    use std::io::Read;
+    let mut connection = std::net::TcpStream::connect(&server.api).expect("connect to the API");
+    let token = token_for(&server.api).expect("the test daemon's token");
+    write!(
+        connection,
+        "POST {path} HTTP/1.1\r\nHost: {}\r\nConnection: close\r\nAuthorization: Bearer {token}\r\nContent-Type: application/octet-stream\r\nContent-Length: {}\r\n\r\n",
+        server.api,
+        stream.len()
+    )
+    .unwrap();
+    // The daemon may answer before it has read everything.
+    let _ = connection.write_all(stream);
+    let mut answer = String::new();
+    let _ = connection.read_to_string(&mut answer);
+    let (head, body) = answer.split_once("\r\n\r\n").unwrap_or((&answer, ""));
+    (head.lines().next().unwrap_or("").to_string(), body.to_string())
+}
+
+/// A receive into a pool that runs out of space is answered as that: HTTP
+/// 507 with a message naming the pool (the CLI's one line), never a 500;
+/// the receive stays pending, and once a device adds space it resumes from
+/// its token and the volume is the snapshot sent.
+#[test]
+fn a_receive_into_a_full_pool_says_so_and_resumes_once_space_is_added() {
+    require_tool("qemu-img");
+    const MIB: u64 = 1 << 20;
+    let dir = tempfile::tempdir().unwrap();
+    let server = start(dir.path());
+    // 32 MiB of data space: the fast device holds the metadata and the log.
+    let fast = common::sparse_file(dir.path(), "fast.img", 113 * MIB);
+    let capacity = common::sparse_file(dir.path(), "capacity.img", 17 * MIB);
+    cli_ok(
+        &server,
+        &["pool", "create", "tank", "--fast", &fast, "--capacity", &capacity],
+    );
+    assert_eq!(common::pool_json(&server, "tank")["size_bytes"], 32 * MIB);
+    cli_ok(&server, &["volume", "create", "default/src", "--size", "64M"]);
+    qemu_io_ok(
+        &server.uri("default/src"),
+        &[
+            "write -P 0x6d 0 40M".into(),
+            "write -P 0x6e 44M 8M".into(),
+            "flush".into(),
+        ],
+    );
+    cli_ok(&server, &["snapshot", "create", "default/src@s"]);
+    let stream = send(&server, &["default/src@s"]);
+
+    // The CLI: one line that says what happened, and how to resume.
+    let output = common::send::receive(&server, &["tank/copy"], &stream);
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
+    let mut lines = stderr.lines();
+    assert_eq!(
+        lines.next(),
+        Some(
+            "strata: error: no space left in pool 'tank' for the received data; add a device to the pool or free space in it, then resume the receive"
+        ),
+        "{stderr}"
+    );
+    assert!(
+        lines
+            .next()
+            .is_some_and(|l| l.starts_with("resume with: strata send -t ")),
+        "{stderr}"
+    );
+    assert!(!volumes(&server).contains(&"tank/copy".to_string()));
+
+    // The API: 507 with the resume token, for the continuation too while
+    // the pool is still full.
+    let token = pending_token(&server, "tank/copy");
+    let rest = send(&server, &["-t", &token]);
+    let (status, body) = post_stream(&server, "/v1/volumes/tank/copy/receive?resume=true", &rest);
+    assert_eq!(status, "HTTP/1.1 507 Insufficient Storage", "{body}");
+    let answer: serde_json::Value = serde_json::from_str(&body).unwrap_or_else(|e| panic!("{e}: {body}"));
+    assert!(
+        answer["error"]
+            .as_str()
+            .unwrap()
+            .starts_with("no space left in pool 'tank'"),
+        "{answer}"
+    );
+    assert!(
+        answer["resume_token"].as_str().is_some_and(|t| !t.is_empty()),
+        "{answer}"
+    );
+
+    // Space added: the receive resumes where it stopped and completes.
+    let more = common::sparse_file(dir.path(), "more.img", 65 * MIB);
+    cli_ok(&server, &["pool", "add-device", "tank", "--capacity", &more]);
+    let token = pending_token(&server, "tank/copy");
+    let rest = send(&server, &["-t", &token]);
+    receive_ok(&server, &["--resume", &token], &rest);
+    compare(&server.uri("default/src@s"), &server.uri("tank/copy@s"));
+    compare(&server.uri("default/src@s"), &server.uri("tank/copy"));
+}

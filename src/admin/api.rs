@@ -9,9 +9,10 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use axum::extract::rejection::{JsonRejection, PathRejection, QueryRejection};
-use axum::extract::{Path, Query, State};
-use axum::http::{header, Method, StatusCode, Uri};
+use axum::body::Bytes;
+use axum::extract::rejection::{BytesRejection, JsonRejection, PathRejection, QueryRejection};
+use axum::extract::{FromRequest, Path, Query, State};
+use axum::http::{header, HeaderMap, Method, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
@@ -120,6 +121,8 @@ impl From<AdminError> for ApiError {
             AdminError::AlreadyExists(_) | AdminError::Busy(_) => StatusCode::CONFLICT,
             AdminError::Invalid(_) => StatusCode::BAD_REQUEST,
             AdminError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
+            AdminError::NoSpace(_) => StatusCode::INSUFFICIENT_STORAGE,
+            AdminError::Io(_) => StatusCode::SERVICE_UNAVAILABLE,
         };
         ApiError::new(status, error.to_string())
     }
@@ -252,6 +255,38 @@ pub(super) fn split_dataset_name(text: &str) -> Result<(&str, &str), AdminError>
     Ok((pool, name))
 }
 
+/// A new dataset snapshot's own name: the rule of volume snapshots' (a
+/// name of at most 64 bytes), which `/openapi.json` states.
+fn validate_snapshot_part(snapshot: &str) -> Result<(), AdminError> {
+    validate_component("snapshot", snapshot)?;
+    if snapshot.len() > crate::meta::log::MAX_SNAPSHOT_NAME {
+        return Err(AdminError::Invalid(format!(
+            "invalid snapshot name '{snapshot}': at most {} bytes",
+            crate::meta::log::MAX_SNAPSHOT_NAME
+        )));
+    }
+    Ok(())
+}
+
+/// A JSON body that may be left out (an empty body means the defaults);
+/// one that is given is taken as `Json` takes it, with its statuses.
+async fn optional_json<T: serde::de::DeserializeOwned + Default>(
+    headers: &HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> ApiResult<T> {
+    let bytes = body
+        .map_err(|rejection| ApiError::new(rejection.status(), format!("invalid body: {}", rejection.body_text())))?;
+    if bytes.is_empty() {
+        return Ok(T::default());
+    }
+    let mut request = axum::http::Request::new(axum::body::Body::from(bytes));
+    if let Some(content_type) = headers.get(header::CONTENT_TYPE) {
+        request.headers_mut().insert(header::CONTENT_TYPE, content_type.clone());
+    }
+    let Json(value) = Json::<T>::from_request(request, &()).await?;
+    Ok(value)
+}
+
 fn full_name(pool: &str, name: &str) -> String {
     format!("{pool}/{name}")
 }
@@ -265,12 +300,13 @@ async fn index() -> Json<Value> {
     }))
 }
 
-#[utoipa::path(get, path = "/metrics", tag = "meta", responses((status = 200, description = "Prometheus text exposition (text/plain; version=0.0.4)", body = String, content_type = "text/plain")))]
+#[utoipa::path(get, path = "/metrics", tag = "meta", security((), ("bearer" = [])), responses((status = 200, description = "Prometheus text exposition (text/plain; version=0.0.4)", body = String, content_type = "text/plain")))]
 async fn metrics(State(manager): State<Manager>) -> Response {
     let pools = blocking(&manager, |m| Ok(m.pool_status())).await.unwrap_or_default();
     let body = super::metrics::render(&manager.volumes())
         + &super::metrics::render_backing(&pools)
-        + &super::metrics::render_nfs(crate::frontend::nfs::drc::daemon_stats());
+        + &super::metrics::render_nfs(crate::frontend::nfs::drc::daemon_stats())
+        + &super::metrics::render_fs(crate::fs::deferred_frees());
     ([(header::CONTENT_TYPE, METRICS_CONTENT_TYPE)], body).into_response()
 }
 
@@ -300,6 +336,9 @@ async fn create_pool(
     body: Result<Json<CreatePoolRequest>, JsonRejection>,
 ) -> ApiResult<(StatusCode, Json<PoolStatus>)> {
     let Json(request) = body?;
+    for device in &request.devices {
+        device_exists(&device.path)?;
+    }
     let status = blocking(&manager, move |m| {
         m.create_pool(
             &request.name,
@@ -311,6 +350,22 @@ async fn create_pool(
     })
     .await?;
     Ok((StatusCode::CREATED, Json(status)))
+}
+
+/// 404 for a device path that names nothing (as for a pool or volume
+/// that does not exist); a file that is there but cannot be used is the
+/// manager's 400.
+fn device_exists(path: &str) -> ApiResult<()> {
+    if path.is_empty() {
+        return Err(ApiError::invalid("missing device path"));
+    }
+    match std::fs::metadata(path) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound || path.contains('\0') => Err(ApiError::new(
+            StatusCode::NOT_FOUND,
+            format!("cannot open device {path}: No such file or directory"),
+        )),
+        _ => Ok(()),
+    }
 }
 
 #[derive(Debug, Deserialize, utoipa::ToSchema)]
@@ -332,6 +387,7 @@ async fn add_device(
     let Path(pool) = path?;
     let Json(request) = body?;
     let role = role_for_add(&request.role)?;
+    device_exists(&request.path)?;
     let device = DeviceRecord {
         path: request.path,
         role,
@@ -421,7 +477,11 @@ async fn migrate_pool(
 }
 
 #[utoipa::path(get, path = "/v1/pools/{pool}", tag = "pools", params(("pool" = String, Path, description = "Pool name")), responses((status = 200, description = "The pool", body = PoolStatus), (status = 404, description = "No such pool, volume or snapshot", body = ErrorBody), (status = 400, description = "Invalid request", body = ErrorBody), (status = 401, description = "No valid token (TCP)", body = ErrorBody)))]
-async fn get_pool(State(manager): State<Manager>, Path(pool): Path<String>) -> ApiResult<Json<PoolStatus>> {
+async fn get_pool(
+    State(manager): State<Manager>,
+    path: Result<Path<String>, PathRejection>,
+) -> ApiResult<Json<PoolStatus>> {
+    let Path(pool) = path?;
     blocking(&manager, move |m| {
         m.pool_status()
             .into_iter()
@@ -625,6 +685,7 @@ async fn create_filesystem_snapshot(
 ) -> ApiResult<(StatusCode, Json<DatasetSnapshotInfo>)> {
     let Path((pool, name)) = path?;
     let Json(request) = body?;
+    validate_snapshot_part(&request.name)?;
     let full = format!("{}@{}", full_name(&pool, &name), request.name);
     let info = blocking(&manager, move |m| m.fs_snapshot(&full)).await?;
     Ok((StatusCode::CREATED, Json(info)))
@@ -653,10 +714,11 @@ struct FsRollbackRequest {
 async fn rollback_filesystem(
     State(manager): State<Manager>,
     path: Result<Path<(String, String, String)>, PathRejection>,
-    body: Option<Json<FsRollbackRequest>>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
 ) -> ApiResult<StatusCode> {
     let Path((pool, name, snapshot)) = path?;
-    let Json(request) = body.unwrap_or_default();
+    let request: FsRollbackRequest = optional_json(&headers, body).await?;
     let full = format!("{}@{snapshot}", full_name(&pool, &name));
     blocking(&manager, move |m| m.fs_rollback(&full, request.destroy_newer)).await?;
     Ok(StatusCode::NO_CONTENT)
@@ -727,10 +789,11 @@ struct RollbackRequest {
 async fn rollback_snapshot(
     State(manager): State<Manager>,
     path: Result<Path<(String, String)>, PathRejection>,
-    body: Option<Json<RollbackRequest>>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
 ) -> ApiResult<StatusCode> {
     let Path((pool, name)) = path?;
-    let Json(request) = body.unwrap_or_default();
+    let request: RollbackRequest = optional_json(&headers, body).await?;
     blocking(&manager, move |m| {
         m.rollback_snapshot_forced(&full_name(&pool, &name), request.destroy_newer, request.force)
     })
@@ -814,7 +877,7 @@ async fn no_such_endpoint(method: Method, uri: Uri) -> ApiError {
 /// token it asks for.
 const DASHBOARD: &str = include_str!("ui/dashboard.html");
 
-#[utoipa::path(get, path = "/ui", tag = "analytics", responses((status = 200, description = "The dashboard page (HTML; no token needed for the page itself)", body = String, content_type = "text/html")))]
+#[utoipa::path(get, path = "/ui", tag = "analytics", security(()), responses((status = 200, description = "The dashboard page (HTML; no token needed for the page itself)", body = String, content_type = "text/html")))]
 async fn dashboard() -> Response {
     (
         [
@@ -907,6 +970,338 @@ struct PropertyList {
     properties: Vec<crate::volume::props::PropertyRow>,
 }
 
+/// A pool, volume, dataset or snapshot name as `validate_component` takes
+/// it: 1-200 letters, digits, '_', '-', '.', ':', starting with a letter or
+/// digit.
+const NAME: &str = "[A-Za-z0-9][A-Za-z0-9_.:-]{0,199}";
+/// A snapshot's own name: a name of at most 64 bytes (a pool's log keeps
+/// no longer ones).
+const SNAPSHOT: &str = "[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}";
+/// A size: a byte count with an optional K, M, G, T or P suffix.
+const SIZE: &str = "[1-9][0-9]{0,5}([KkMmGgTt]|[KkMmGgTt][Bb]|[KkMmGgTt][Ii][Bb])?";
+/// A block size of a volume or dataset: a power of two from 4K to 128K.
+const BLOCK_SIZES: &str = "(4096|8192|16384|32768|65536|131072|(4|8|16|32|64|128)([Kk]|[Kk][Bb]|[Kk][Ii][Bb]))";
+/// Characters `char::is_control` refuses.
+const NO_CONTROL: &str = "[^\\u0000-\\u001f\\u007f-\\u009f]";
+
+fn anchored(pattern: &str) -> String {
+    format!("^({pattern})$")
+}
+
+/// A string schema matching `pattern` (anchored) between the lengths.
+fn text(pattern: &str, min: usize, max: usize) -> Value {
+    json!({ "type": "string", "pattern": anchored(pattern), "minLength": min, "maxLength": max })
+}
+
+fn name_schema() -> Value {
+    text(NAME, 1, 200)
+}
+
+fn full_name_schema() -> Value {
+    text(&format!("{NAME}/{NAME}"), 3, 401)
+}
+
+fn snapshot_schema() -> Value {
+    text(SNAPSHOT, 1, 64)
+}
+
+fn volume_at_snapshot_schema() -> Value {
+    text(&format!("{NAME}@{SNAPSHOT}"), 3, 265)
+}
+
+fn full_snapshot_schema() -> Value {
+    text(&format!("{NAME}/{NAME}@{SNAPSHOT}"), 5, 466)
+}
+
+/// A size as a byte count or a string such as "10G".
+fn size_schema(description: &str) -> Value {
+    json!({
+        "description": description,
+        "anyOf": [
+            { "type": "integer", "minimum": 1, "maximum": 1u64 << 50 },
+            { "type": "string", "pattern": anchored(SIZE), "minLength": 1, "maxLength": 15 },
+        ]
+    })
+}
+
+fn block_size_schema(description: &str) -> Value {
+    json!({
+        "description": description,
+        "anyOf": [
+            { "type": "integer", "enum": [4096, 8192, 16384, 32768, 65536, 131072] },
+            { "type": "string", "pattern": anchored(BLOCK_SIZES) },
+        ]
+    })
+}
+
+fn choice(values: &[&str]) -> Value {
+    json!({ "type": "string", "enum": values })
+}
+
+/// `on`/`off`, or a JSON boolean.
+fn on_off() -> Value {
+    json!({ "anyOf": [{ "type": "boolean" }, { "type": "string", "enum": ["on", "off"] }] })
+}
+
+/// A comma-separated list of `item`s (no empty one), or `*`.
+fn list_or_any(item: &str, description: &str) -> Value {
+    json!({
+        "type": "string",
+        "description": description,
+        "pattern": format!("^(\\s*\\*\\s*|{item}(,{item})*)$"),
+        "minLength": 1,
+    })
+}
+
+/// The volume properties `create` (all) and `set` (`creation: false`:
+/// all but volblocksize) take.
+fn volume_properties(creation: bool) -> Value {
+    let user = text(&format!("{NO_CONTROL}*"), 0, 255);
+    let secret = json!({ "anyOf": [
+        { "type": "string", "enum": [""] },
+        text(&format!("{NO_CONTROL}{{12,255}}"), 12, 255),
+    ]});
+    // One identity: not empty once trimmed, no ',' or '*', no control characters.
+    let free = "[^,*\\u0000-\\u001f\\u007f-\\u009f]";
+    let identity = format!("{free}*[^,*\\s\\u0000-\\u001f\\u007f-\\u009f]{free}*");
+    let mut properties = json!({
+        "volsize": size_schema("The volume's size"),
+        "sync": choice(&["standard", "always", "disabled"]),
+        "logbias": choice(&["latency", "throughput"]),
+        "wce": on_off(),
+        "compression": { "anyOf": [{ "type": "boolean", "enum": [false] }, choice(&["off"])] },
+        "iscsi.auth": choice(&["none", "chap", "mutual"]),
+        "iscsi.chap_user": user.clone(),
+        "iscsi.chap_secret": secret.clone(),
+        "iscsi.mutual_user": user,
+        "iscsi.mutual_secret": secret,
+        "iscsi.initiators": list_or_any(
+            "\\s*([Ii][Qq][Nn]|[Ee][Uu][Ii]|[Nn][Aa][Aa])\\.[A-Za-z0-9.:-]{0,219}\\s*",
+            "`*` or iSCSI names (iqn.…, eui.…, naa.…)"
+        ),
+        "nbd.tls_identities": list_or_any(&identity, "`*` or TLS identities (PSK user names or certificate CNs)"),
+        "snapshot.schedule": schedule_schema(),
+        "tier": choice(&["auto", "fast", "capacity"]),
+    });
+    if creation {
+        properties["volblocksize"] = block_size_schema("The block size (at creation only)");
+    }
+    json!({ "type": "object", "properties": properties, "additionalProperties": false })
+}
+
+/// `off`, or `PERIOD:KEEP` rules (each period once).
+fn schedule_schema() -> Value {
+    json!({
+        "type": "string",
+        "description": "`off`, or comma-separated PERIOD:KEEP rules (frequently, hourly, daily, weekly, monthly, yearly or Ns; KEEP 1 to 1000 in all; each period once)",
+        "anyOf": [
+            { "enum": ["off", ""] },
+            { "pattern": "^(frequently|hourly|daily|weekly|monthly|yearly):([1-9][0-9]{0,1})$" },
+        ]
+    })
+}
+
+fn dataset_properties(creation: bool) -> Value {
+    let mut properties = json!({
+        "quota": { "anyOf": [choice(&["none", "0"]), size_schema("Most bytes the dataset's files may take")] },
+        "nfs.clients": list_or_any("(([0-9]{1,2}|1[0-9]{2}|2[0-4][0-9]|25[0-5])\\.){3}([0-9]{1,2}|1[0-9]{2}|2[0-4][0-9]|25[0-5])(/([0-9]|[12][0-9]|3[0-2]))?", "`*` or IPv4 addresses or networks (CIDR) that may mount it"),
+        "nfs.ro": on_off(),
+        "nfs.insecure": on_off(),
+        "nfs.squash": choice(&["root", "all", "none"]),
+        "nfs.anonuid": { "anyOf": [{ "type": "integer", "minimum": 0, "maximum": u32::MAX }, text("[0-9]{1,9}", 1, 9)] },
+        "nfs.anongid": { "anyOf": [{ "type": "integer", "minimum": 0, "maximum": u32::MAX }, text("[0-9]{1,9}", 1, 9)] },
+        "snapshot.schedule": schedule_schema(),
+    });
+    if creation {
+        properties["recordsize"] = block_size_schema("The files' block size (at creation only)");
+    }
+    json!({ "type": "object", "properties": properties, "additionalProperties": false })
+}
+
+fn iscsi_properties() -> Value {
+    let user = text(&format!("{NO_CONTROL}*"), 0, 255);
+    let secret = json!({ "anyOf": [
+        { "type": "string", "enum": [""] },
+        text(&format!("{NO_CONTROL}{{12,255}}"), 12, 255),
+    ]});
+    json!({ "type": "object", "additionalProperties": false, "properties": {
+        "discovery_auth": choice(&["none", "chap", "mutual"]),
+        "discovery_chap_user": user.clone(),
+        "discovery_chap_secret": secret.clone(),
+        "discovery_mutual_user": user,
+        "discovery_mutual_secret": secret,
+    }})
+}
+
+/// The answer every error has: `{"error": "..."}`.
+fn error_response(description: &str) -> Value {
+    json!({
+        "description": description,
+        "content": { "application/json": { "schema": { "$ref": "#/components/schemas/ErrorBody" } } }
+    })
+}
+
+/// Operations that answer without a token over TCP.
+const OPEN_OPERATIONS: [&str; 3] = ["/metrics", "/openapi.json", "/ui"];
+
+/// Completes the generated document with what the annotations cannot say
+/// as exactly: the name rules of every path parameter and body field, the
+/// property maps' keys and values, and the statuses every route can give
+/// (401 without a token, 400/413/415 for a body that is not the JSON
+/// described, 404 for names that do not exist, 500).
+fn complete(doc: &mut Value) {
+    let schemas = &mut doc["components"]["schemas"];
+    let set = |schemas: &mut Value, schema: &str, field: &str, value: Value| {
+        schemas[schema]["properties"][field] = value;
+    };
+    set(schemas, "CreatePoolRequest", "name", name_schema());
+    schemas["CreatePoolRequest"]["properties"]["devices"]["minItems"] = json!(1);
+    set(schemas, "AddDeviceRequest", "role", choice(&["fast", "capacity"]));
+    schemas["AddDeviceRequest"]["properties"]["path"]["minLength"] = json!(1);
+    set(schemas, "CreateRequest", "name", full_name_schema());
+    set(
+        schemas,
+        "CreateRequest",
+        "size",
+        size_schema("The volume's size: a byte count or a string such as \"10G\""),
+    );
+    set(schemas, "CreateRequest", "properties", volume_properties(true));
+    set(
+        schemas,
+        "ResizeRequest",
+        "size",
+        size_schema("The new size: a byte count or a string such as \"10G\""),
+    );
+    set(schemas, "CreateDatasetRequest", "name", full_name_schema());
+    set(schemas, "CreateDatasetRequest", "properties", dataset_properties(true));
+    set(schemas, "CreateDatasetSnapshotRequest", "name", snapshot_schema());
+    set(
+        schemas,
+        "SnapshotRequest",
+        "names",
+        json!({ "type": "array", "items": full_snapshot_schema(), "minItems": 1 }),
+    );
+    set(schemas, "CloneRequest", "name", full_name_schema());
+    set(schemas, "PoolSetRequest", "migration", choice(&["on", "off"]));
+    let window = text(
+        "([01][0-9]|2[0-3]):[0-5][0-9]-([01][0-9]|2[0-3]):[0-5][0-9]|none|",
+        0,
+        11,
+    );
+    set(schemas, "PoolSetRequest", "migration.window", window);
+    for key in ["migration.high", "migration.low"] {
+        set(schemas, "PoolSetRequest", key, text("(100|[1-9]?[0-9])%?", 1, 4));
+    }
+    schemas["PoolSetRequest"]["additionalProperties"] = json!(false);
+
+    let Some(paths) = doc["paths"].as_object_mut() else {
+        return;
+    };
+    for (path, item) in paths.iter_mut() {
+        let Some(operations) = item.as_object_mut() else {
+            continue;
+        };
+        for (method, operation) in operations.iter_mut() {
+            let open = OPEN_OPERATIONS.contains(&path.as_str());
+            let mut has_path_params = false;
+            let mut has_params = false;
+            if let Some(params) = operation.get_mut("parameters").and_then(Value::as_array_mut) {
+                for param in params {
+                    has_params = true;
+                    let schema = match (param["in"].as_str(), param["name"].as_str()) {
+                        (Some("path"), Some("pool")) => Some(name_schema()),
+                        (Some("path"), Some("name")) if path.starts_with("/v1/snapshots/") => {
+                            Some(volume_at_snapshot_schema())
+                        }
+                        (Some("path"), Some("name")) => Some(name_schema()),
+                        (Some("path"), Some("snapshot")) => Some(snapshot_schema()),
+                        (Some("query"), Some("pool")) => Some(name_schema()),
+                        (Some("query"), Some("volume")) if path == "/v1/snapshots" => Some(full_name_schema()),
+                        _ => None,
+                    };
+                    has_path_params |= param["in"] == "path";
+                    if let Some(schema) = schema {
+                        param["schema"] = schema;
+                    }
+                }
+            }
+            // Bodies shared by several operations take different properties.
+            let properties = match (method.as_str(), path.as_str()) {
+                ("patch", "/v1/volumes/{pool}/{name}") | ("post", "/v1/snapshots/{pool}/{name}/clone") => {
+                    Some(volume_properties(false))
+                }
+                ("patch", "/v1/filesystems/{pool}/{name}")
+                | ("post", "/v1/filesystems/{pool}/{name}/snapshots/{snapshot}/clone") => {
+                    Some(dataset_properties(false))
+                }
+                ("patch", "/v1/iscsi") => Some(iscsi_properties()),
+                _ => None,
+            };
+            if path.ends_with("/rollback") && operation.get("requestBody").is_some() {
+                // No body at all is the defaults.
+                operation["requestBody"]["required"] = json!(false);
+            }
+            let json_body = operation
+                .get("requestBody")
+                .and_then(|body| body.get("content"))
+                .and_then(|content| content.get("application/json"))
+                .is_some();
+            if let Some(properties) = properties {
+                let content = &mut operation["requestBody"]["content"]["application/json"]["schema"];
+                let mut schema = json!({
+                    "type": "object",
+                    "additionalProperties": false,
+                    "properties": { "properties": properties },
+                });
+                if path.ends_with("/clone") {
+                    schema["properties"]["name"] = full_name_schema();
+                    schema["required"] = json!(["name"]);
+                }
+                *content = schema;
+            }
+            let responses = &mut operation["responses"];
+            let mut add = |status: &str, description: &str| {
+                if responses.get(status).is_none() {
+                    responses[status] = error_response(description);
+                }
+            };
+            if json_body {
+                add(
+                    "400",
+                    "Invalid request: a body that is not the JSON described, or a value refused",
+                );
+                add("413", "The body is larger than 2 MiB");
+                add("415", "The body is not labelled 'Content-Type: application/json'");
+            }
+            if has_params {
+                add("400", "Invalid request: a parameter that is not as described");
+            }
+            if has_path_params {
+                add("404", "No such pool, volume, dataset or snapshot");
+            }
+            if path == "/v1/pools" && method == "post" {
+                add("404", "A device path names no file");
+            }
+            if !open {
+                add("401", "No valid token (TCP)");
+            } else if path == "/metrics" {
+                add("401", "No valid token (TCP), when the daemon runs with --metrics-auth");
+            }
+            if !open && path != "/v1" {
+                add("500", "Internal error");
+            }
+        }
+    }
+}
+
+/// The OpenAPI document `GET /openapi.json` serves.
+pub fn document() -> Value {
+    use utoipa::OpenApi;
+    let mut doc = serde_json::to_value(ApiDoc::openapi()).unwrap_or_default();
+    complete(&mut doc);
+    doc
+}
+
 /// The OpenAPI 3 description of this API, generated from the handlers'
 /// annotations (`GET /openapi.json`; CI validates it).
 #[derive(utoipa::OpenApi)]
@@ -942,12 +1337,11 @@ impl utoipa::Modify for BearerToken {
     }
 }
 
-#[utoipa::path(get, path = "/openapi.json", tag = "meta", responses((status = 200, description = "This OpenAPI 3 description", body = Object)))]
+#[utoipa::path(get, path = "/openapi.json", tag = "meta", security(()), responses((status = 200, description = "This OpenAPI 3 description", body = Object)))]
 async fn openapi() -> Response {
-    use utoipa::OpenApi;
     (
         [(header::CONTENT_TYPE, "application/json")],
-        ApiDoc::openapi().to_pretty_json().unwrap_or_default(),
+        serde_json::to_string_pretty(&document()).unwrap_or_default(),
     )
         .into_response()
 }

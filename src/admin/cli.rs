@@ -55,8 +55,8 @@ pub struct ClientOptions {
     /// Print the API's JSON instead of a table (same as `-o json`).
     #[arg(long, global = true)]
     pub json: bool,
-    /// `json` for JSON output; with `volume create` and `fs create`,
-    /// PROPERTY=VALUE sets a property (repeatable).
+    /// `json` for JSON output; with `volume create`, `volume clone`, `fs
+    /// create` and `fs clone`, PROPERTY=VALUE sets a property (repeatable).
     #[arg(short = 'o', global = true, value_name = "json|PROPERTY=VALUE")]
     pub options: Vec<String>,
 }
@@ -85,6 +85,10 @@ pub enum AdminCommand {
     /// Operations, bandwidth and latency percentiles per volume, every
     /// INTERVAL seconds (like `zpool iostat -l`).
     Iostat(super::iostat::IostatArgs),
+    /// List and remove the RAM tier files in /dev/shm (on this machine,
+    /// without the daemon): a killed daemon's stay until it starts again.
+    #[command(name = "ram-tier")]
+    RamTier(super::ram_cli::RamTierArgs),
 }
 
 #[derive(Debug, clap::Args)]
@@ -454,6 +458,7 @@ pub fn run(command: AdminCommand) -> ExitCode {
         AdminCommand::Iscsi(args) => run_iscsi(args),
         AdminCommand::Snapshot(args) => run_snapshot(args),
         AdminCommand::Iostat(args) => super::iostat::run(args),
+        AdminCommand::RamTier(args) => super::ram_cli::run(args),
         AdminCommand::Send(args) => super::send_cli::run_send(args)
             .map(|()| String::new())
             .map_err(CliError),

@@ -428,8 +428,48 @@ pub fn render_nfs(stats: Option<crate::frontend::nfs::drc::DrcStats>) -> String 
             stats.bytes,
         ),
     ];
+    write_plain_rows(&mut out, &rows);
+    out
+}
+
+/// Writes unlabelled metrics, each a (name, kind, help, value) row.
+fn write_plain_rows(out: &mut String, rows: &[(&str, &str, &str, u64)]) {
     for (name, kind, help, value) in rows {
         let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value}");
     }
+}
+
+/// The file service: removed files whose data freeing failed after the
+/// removal committed (the removal was answered as done), and how their
+/// background retries went.
+pub fn render_fs(frees: crate::fs::DeferredFrees) -> String {
+    let mut out = String::new();
+    let rows = [
+        (
+            "strata_fs_deferred_frees_total",
+            "counter",
+            "Removed files whose data could not be freed at once (retried in the background).",
+            frees.deferred,
+        ),
+        (
+            "strata_fs_deferred_frees_done_total",
+            "counter",
+            "Removed files whose data a background retry freed.",
+            frees.freed,
+        ),
+        (
+            "strata_fs_deferred_free_retries_failed_total",
+            "counter",
+            "Background retries of freeing a removed file's data that failed again.",
+            frees.retries_failed,
+        ),
+        (
+            "strata_fs_deferred_frees_pending",
+            "gauge",
+            "Removed files whose data waits for a background retry to be freed.",
+            frees.pending,
+        ),
+    ];
+    write_plain_rows(&mut out, &rows);
     out
 }

@@ -7,6 +7,7 @@ pub mod cli;
 pub mod client;
 pub mod iostat;
 pub mod metrics;
+pub mod ram_cli;
 pub mod send;
 pub mod send_cli;
 pub mod server;

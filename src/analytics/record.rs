@@ -664,7 +664,8 @@ mod tests {
     /// 100 volumes and 50 clients (each client on two volumes, reading and
     /// writing every second with latencies over ~30 buckets). The day is
     /// projected from the hour's minutes (86,400 simulated seconds would
-    /// take minutes here); BENCHMARKS.md (analytics) quotes the printed numbers.
+    /// take minutes here); ARCHITECTURE.md ("Analytics") quotes the printed
+    /// numbers.
     #[test]
     fn an_hour_of_100_volumes_and_50_clients_fits_the_stated_memory() {
         // (The numbers include the queued and commit-wait histograms.)

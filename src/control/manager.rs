@@ -62,6 +62,12 @@ pub enum AdminError {
     Busy(String),
     #[error("{0}")]
     Internal(String),
+    /// The pool has no space for what the call writes (HTTP 507).
+    #[error("{0}")]
+    NoSpace(String),
+    /// A device of the pool failed a read or write (HTTP 503).
+    #[error("{0}")]
+    Io(String),
 }
 
 impl From<PropError> for AdminError {
@@ -105,6 +111,11 @@ pub struct PoolStatus {
     pub read_errors: u64,
     pub write_errors: u64,
     pub checksum_errors: u64,
+    /// Corrupt metadata met since the daemon started (map or checksum
+    /// pages that failed their checks, references to missing devices):
+    /// each failed the request that met it with EIO.
+    #[serde(default)]
+    pub metadata_errors: u64,
     /// Chunks with parts not yet read back after a crash (a write may have
     /// been in flight there).
     pub suspect_chunks: usize,
@@ -234,13 +245,15 @@ pub struct PoolCacheStatus {
 
 pub struct VolumeManager {
     data_dir: PathBuf,
-    /// Serialises admin operations and holds the catalog as last saved.
-    /// Admin operations (on blocking threads) may hold it while they wait
-    /// for the runtime, so tasks on the runtime never take it: they read
-    /// `published`.
+    /// Serialises the admin operations that change something, and holds
+    /// the catalog as last saved. They may hold it for as long as the
+    /// engine's work takes (a volume or snapshot delete, a rollback), so
+    /// tasks on the runtime and read-only admin calls (status, list, get,
+    /// metrics) never take it: they read `published`.
     catalog: Mutex<Catalog>,
     /// A copy of the catalog as last saved, replaced (never held for long)
-    /// each time it changes: what frontends read when admitting clients.
+    /// each time it changes: what frontends read when admitting clients,
+    /// and what read-only admin calls show.
     published: RwLock<Arc<Catalog>>,
     volumes: RwLock<HashMap<String, Arc<Volume>>>,
     engines: RwLock<HashMap<String, Arc<EngineVolume>>>,
@@ -445,6 +458,7 @@ impl VolumeManager {
             _lock: lock,
         };
         manager.settle_receives().await;
+        warn_stale_ram_tiers(data_dir);
         Ok(manager)
     }
 
@@ -817,7 +831,7 @@ impl VolumeManager {
     }
 
     /// The catalog as last saved, without waiting for an admin operation:
-    /// for code on the runtime (see `catalog`).
+    /// for code on the runtime and read-only admin calls (see `catalog`).
     fn published(&self) -> Arc<Catalog> {
         self.published.read().unwrap_or_else(|e| e.into_inner()).clone()
     }
@@ -871,7 +885,7 @@ impl VolumeManager {
     /// The daemon-wide iSCSI settings as rows (secrets masked), every
     /// known setting with its value or `-`.
     pub fn iscsi_settings(&self) -> Vec<PropertyRow> {
-        discovery_rows(&self.catalog().iscsi)
+        discovery_rows(&self.published().iscsi)
     }
 
     /// Changes daemon-wide iSCSI settings (`strata iscsi set`); an empty
@@ -918,12 +932,12 @@ impl VolumeManager {
     }
 
     pub fn info(&self, name: &str) -> Result<VolumeInfo, AdminError> {
-        let catalog = self.catalog();
+        let catalog = self.published();
         self.info_of(&catalog, name)
     }
 
     pub fn list(&self) -> Vec<VolumeInfo> {
-        let catalog = self.catalog();
+        let catalog = self.published();
         let mut names = Vec::new();
         for (pool, record) in &catalog.pools {
             for (name, volume) in &record.volumes {
@@ -1068,7 +1082,13 @@ impl VolumeManager {
             .get_mut(pool)
             .and_then(|p| p.volumes.remove(short))
             .ok_or_else(|| AdminError::NotFound(format!("volume '{name}' does not exist")))?;
-        if let Some(volume) = self.lookup(name) {
+        // New clients are refused before the open ones are counted: a
+        // handshake that found the volume either is counted here (and the
+        // delete refused) or is refused itself (`Volume::try_open_handle`).
+        let refused = self
+            .lookup(name)
+            .map(|volume| snapshots::Eviction::refuse_clients(vec![volume]));
+        if let Some(volume) = refused.as_ref().and_then(|r| r.volumes().first()) {
             let connections = volume.open_handles();
             if connections > 0 {
                 return Err(AdminError::Busy(format!(
@@ -1091,6 +1111,10 @@ impl VolumeManager {
         if let Some(volume) = self.volumes.write().unwrap_or_else(|e| e.into_inner()).remove(name) {
             volume.mark_deleted();
         }
+        // Deleted: its clients stay refused.
+        if let Some(refused) = refused {
+            refused.keep();
+        }
         self.engines.write().unwrap_or_else(|e| e.into_inner()).remove(name);
         // The catalog no longer names the volume; now free its blocks. A
         // crash before this finishes leaves blocks allocated to an id no
@@ -1104,8 +1128,10 @@ impl VolumeManager {
         Ok(())
     }
 
+    /// Every pool's status, from the catalog as last published and the
+    /// pools' own counters: never waits for an admin operation.
     pub fn pool_status(&self) -> Vec<PoolStatus> {
-        let catalog = self.catalog();
+        let catalog = self.published();
         catalog
             .pools
             .iter()
@@ -1146,6 +1172,7 @@ impl VolumeManager {
                     read_errors: devices.iter().map(|d| d.read_errors).sum(),
                     write_errors: devices.iter().map(|d| d.write_errors).sum(),
                     checksum_errors: devices.iter().map(|d| d.checksum_errors).sum(),
+                    metadata_errors: counters.metadata_errors,
                     suspect_chunks: pool.suspect_chunks(),
                     data_bytes_written: counters.data_bytes,
                     metadata_bytes_written: counters.log_bytes + counters.store_bytes,
@@ -1295,6 +1322,51 @@ pub fn ram_file_key(data_dir: &Path, pool: &str) -> String {
     format!("{hash:08x}-{pool}")
 }
 
+/// The directory RAM tier files go to, and whether it must be tmpfs:
+/// `STRATA_RAM_DIR`, which may name any directory (the tests keep their RAM
+/// tiers in their own temporary directories), else /dev/shm.
+fn ram_dir(data_dir: &Path) -> (PathBuf, bool) {
+    match std::env::var_os("STRATA_RAM_DIR") {
+        Some(dir) => (PathBuf::from(dir), false),
+        // Unit tests drop managers without a clean shutdown: nothing of
+        // theirs may stay behind in tmpfs.
+        None if cfg!(test) => (data_dir.to_path_buf(), false),
+        None => (PathBuf::from(DEFAULT_RAM_DIR), true),
+    }
+}
+
+/// Warns about each RAM tier file in the RAM directory that no process
+/// holds (every pool of this daemon holds its own by now): left by a
+/// daemon killed without a clean shutdown, it pins its size in RAM until
+/// that data directory's daemon starts again or `strata ram-tier remove`
+/// removes it.
+fn warn_stale_ram_tiers(data_dir: &Path) {
+    let (dir, _) = ram_dir(data_dir);
+    let Ok(files) = ram::region_files(&dir) else {
+        return;
+    };
+    for file in files.iter().filter(|f| f.held_by.is_none()) {
+        let owner = match &file.data_dir {
+            Some(owner) if owner.exists() => owner.display().to_string(),
+            Some(owner) => format!("{} (which no longer exists)", owner.display()),
+            None => "not recorded".to_string(),
+        };
+        let dirty = if file.dirty {
+            "; it holds writes that daemon acknowledged and had not placed, which its next start replays"
+        } else {
+            ""
+        };
+        tracing::warn!(
+            "stale RAM tier file {} ({}): pool {}, data directory {owner}; no running daemon uses it{dirty}. \
+             If no daemon will start on that data directory again, remove it: strata ram-tier remove {}",
+            file.path.display(),
+            crate::units::format_size(file.bytes),
+            file.pool,
+            file.path.display()
+        );
+    }
+}
+
 /// The options a pool of this data directory opens with: half its RAM is the
 /// RAM tier (dirty data; in /dev/shm when it is tmpfs with room, else in
 /// `pools/NAME/ram.tier`), half the read cache; its block-map and checksum
@@ -1304,15 +1376,7 @@ pub fn ram_file_key(data_dir: &Path, pool: &str) -> String {
 fn pool_options(data_dir: &Path, name: &str, ram_bytes: Option<u64>) -> PoolOptions {
     let ram = ram_bytes.unwrap_or(DEFAULT_POOL_RAM_BYTES);
     let tier_bytes = (ram / 2).max(MIN_RAM_BYTES);
-    // STRATA_RAM_DIR may name any directory (the tests keep their RAM tiers
-    // in their own temporary directories); the default must be tmpfs.
-    let (ram_dir, require_tmpfs) = match std::env::var_os("STRATA_RAM_DIR") {
-        Some(dir) => (PathBuf::from(dir), false),
-        // Unit tests drop managers without a clean shutdown: nothing of
-        // theirs may stay behind in tmpfs.
-        None if cfg!(test) => (data_dir.to_path_buf(), false),
-        None => (PathBuf::from(DEFAULT_RAM_DIR), true),
-    };
+    let (ram_dir, require_tmpfs) = ram_dir(data_dir);
     let path = ram::choose_location(
         &pool_dir(data_dir, name),
         &ram_dir,
@@ -1325,6 +1389,7 @@ fn pool_options(data_dir: &Path, name: &str, ram_bytes: Option<u64>) -> PoolOpti
         ram: Some(RamSource::File {
             path,
             bytes: tier_bytes,
+            data_dir: Some(fs::canonicalize(data_dir).unwrap_or_else(|_| data_dir.to_path_buf())),
         }),
         background: true,
         read_cache_bytes: ram / 2,

@@ -65,7 +65,7 @@ pub const BUFFERED_PIECE_BYTES: usize = 64 << 10;
 /// writeback walks them again. A volume filled with 1 MiB writes leaves its
 /// device file in 1 MiB folios, and each 4 KiB block the destager then
 /// writes there pays for 256 buffer heads: 26-38 % of the daemon's CPU on
-/// 4K random writes (BENCHMARKS.md, NBD).
+/// 4K random writes (BENCHMARKS.md, "NBD").
 /// Pieces of 64 KiB keep folios at 16 buffer heads or fewer, for 16 system
 /// calls a megabyte instead of one; only a write that brings pages into
 /// the cache needs them (the caller decides: `FileDevice` asks the page

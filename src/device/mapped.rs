@@ -7,7 +7,7 @@
 //! the page cache once, summed and stored into the buffer
 //! ([`crate::checksum::copy_summing_sectors`]). On the machine of the 1M
 //! sequential read benchmark that is ~90 µs per MiB against ~165 for
-//! `pread` plus checksums (BENCHMARKS.md, NBD): the copy costs what the memory
+//! `pread` plus checksums (BENCHMARKS.md, "NBD"): the copy costs what the memory
 //! costs, and the checksums come free with it.
 //!
 //! What makes it safe:
@@ -43,7 +43,7 @@
 //! file system's `page_mkwrite`, under a shared lock); later stores until
 //! the page is written back cost only the copy, but a flush write-protects
 //! the page again, so pages flushed after every write are cheaper written
-//! with `pwrite` (ARCHITECTURE.md). Durability is the same: `fdatasync`
+//! with `pwrite` (docs/DEVICES.md). Durability is the same: `fdatasync`
 //! writes back pages dirtied through a shared mapping as it does those
 //! `pwrite` dirtied. What keeps it safe:
 //! - **Only resident, whole pages**, as for reads: a write never waits for

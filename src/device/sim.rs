@@ -556,6 +556,26 @@ impl SimDevice {
         state.durable.write(offset, data);
     }
 
+    /// A new device holding what reads of this one return now (a copy of
+    /// a stopped device, to damage without touching the original).
+    pub fn copy(&self, seed: u64) -> SimDevice {
+        let info = &self.inner.info;
+        let copy = SimDevice::with_config(SimConfig {
+            name: info.name.clone(),
+            size_bytes: info.size_bytes,
+            block_bytes: info.block_bytes,
+            seed,
+            rotational: info.rotational,
+        });
+        let image = self.state().visible.clone();
+        {
+            let mut state = copy.state();
+            state.visible = image.clone();
+            state.durable = image;
+        }
+        copy
+    }
+
     /// Bit rot: in every 512-byte piece of `[offset, offset + len)` one
     /// random byte gets random bits flipped, in both images.
     pub fn corrupt(&self, offset: u64, len: u64) {

@@ -1,5 +1,5 @@
 //! The file service: datasets of files and directories in a pool, beside
-//! its volumes (ARCHITECTURE.md, "File service (NFS)"). A dataset's namespace
+//! its volumes (docs/NFS.md, "Datasets in the pool"). A dataset's namespace
 //! (inodes, directory entries) lives in memory, is changed by log records
 //! and checkpointed to the metadata store (`pool/files.rs`); its files'
 //! data lives in one engine object of the pool (the dataset's id), each
@@ -12,9 +12,10 @@ pub mod types;
 pub use export::{ClientNet, Export, ExportOptions, Exports, Squash};
 pub use types::*;
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::Duration;
 
 use crate::device::IoBuf;
 use crate::meta::fsrows::{InodeRow, NsOp};
@@ -42,6 +43,51 @@ pub const SNAPSHOT_DIR: &[u8] = b".snapshot";
 /// Its inode number: one no file ever has (numbers are below
 /// `MAX_INODES`).
 pub const SNAPSHOT_DIR_INO: u64 = MAX_INODES;
+
+/// The first wait before a failed freeing of a removed file's data is
+/// tried again, and the longest (the wait doubles after each failure).
+const REAP_RETRY_FIRST: Duration = Duration::from_millis(100);
+const REAP_RETRY_MOST: Duration = Duration::from_secs(30);
+
+/// Removed files whose data is still to be freed after the freeing failed
+/// (`GET /metrics`: `strata_fs_deferred_frees_*`). The removal itself was
+/// committed and answered as done; the freeing is tried again in the
+/// background, and at the dataset's next open in any case (the inode
+/// stays in the namespace with no links until it is freed).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DeferredFrees {
+    /// Freeings that failed after their removal committed.
+    pub deferred: u64,
+    /// Of those, freed later by a background retry.
+    pub freed: u64,
+    /// Background retries that failed again.
+    pub retries_failed: u64,
+    /// Removed files waiting for a retry now.
+    pub pending: u64,
+}
+
+static DEFERRED: AtomicU64 = AtomicU64::new(0);
+static DEFERRED_FREED: AtomicU64 = AtomicU64::new(0);
+static DEFERRED_RETRIES_FAILED: AtomicU64 = AtomicU64::new(0);
+static DEFERRED_PENDING: AtomicU64 = AtomicU64::new(0);
+
+/// The process's counters of deferred freeings (every dataset's).
+pub fn deferred_frees() -> DeferredFrees {
+    DeferredFrees {
+        deferred: DEFERRED.load(Ordering::Relaxed),
+        freed: DEFERRED_FREED.load(Ordering::Relaxed),
+        retries_failed: DEFERRED_RETRIES_FAILED.load(Ordering::Relaxed),
+        pending: DEFERRED_PENDING.load(Ordering::Relaxed),
+    }
+}
+
+/// A dataset's removed files whose freeing waits for a retry.
+#[derive(Default)]
+struct Deferred {
+    inodes: BTreeSet<u64>,
+    /// A retry task runs (it ends when `inodes` is empty).
+    retrying: bool,
+}
 
 /// A dataset's view of one of its snapshots, open or being destroyed.
 enum SnapshotView {
@@ -82,6 +128,18 @@ pub struct FileSystem {
     quiesce: tokio::sync::RwLock<bool>,
     /// This dataset's snapshots that clients opened (under `.snapshot`).
     snapshots: Mutex<HashMap<u32, SnapshotView>>,
+    /// Removed files whose data freeing failed, retried in the background.
+    deferred: Mutex<Deferred>,
+    /// This file system, for the background retry of `deferred`.
+    this: Weak<FileSystem>,
+}
+
+impl Drop for FileSystem {
+    fn drop(&mut self) {
+        // Still in the namespace with no links: freed at the next open.
+        let left = self.deferred.get_mut().map_or(0, |d| d.inodes.len() as u64);
+        DEFERRED_PENDING.fetch_sub(left, Ordering::Relaxed);
+    }
 }
 
 fn io(error: impl std::fmt::Display) -> FsError {
@@ -182,9 +240,8 @@ impl FileSystem {
         let engine = pool.open_volume(dataset, ENGINE_BYTES, recordsize)?;
         let namespace = pool.namespace(dataset);
         let now = Time::now();
-        let fs = Arc::new(FileSystem::new(
-            pool, dataset, None, recordsize, engine, namespace, quota,
-        ));
+        let fs =
+            Arc::new_cyclic(|this| FileSystem::new(this, pool, dataset, None, recordsize, engine, namespace, quota));
         let missing_root = !fs.namespace.lock_or_abort().has_root();
         if missing_root {
             let gate = pool.enter_write(dataset).await;
@@ -218,7 +275,9 @@ impl FileSystem {
         Ok(fs)
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn new(
+        this: &Weak<FileSystem>,
         pool: &Arc<Pool>,
         dataset: u32,
         snapshot_of: Option<u32>,
@@ -250,6 +309,8 @@ impl FileSystem {
             unlogged: Mutex::new(HashSet::new()),
             quiesce: tokio::sync::RwLock::new(false),
             snapshots: Mutex::new(HashMap::new()),
+            deferred: Mutex::new(Deferred::default()),
+            this: this.clone(),
         }
     }
 
@@ -492,15 +553,18 @@ impl FileSystem {
         let info = self.pool.snapshot(id).filter(|info| info.volume == self.dataset)?;
         let namespace = self.pool.existing_namespace(info.id)?;
         let engine = self.pool.open_snapshot(info.id, self.recordsize).ok()?;
-        let fs = Arc::new(FileSystem::new(
-            &self.pool,
-            info.id,
-            Some(self.dataset),
-            self.recordsize,
-            engine,
-            namespace,
-            0,
-        ));
+        let fs = Arc::new_cyclic(|this| {
+            FileSystem::new(
+                this,
+                &self.pool,
+                info.id,
+                Some(self.dataset),
+                self.recordsize,
+                engine,
+                namespace,
+                0,
+            )
+        });
         views.insert(id, SnapshotView::Open(fs.clone()));
         Some(fs)
     }
@@ -1005,7 +1069,7 @@ impl FileSystem {
         if offset >= row.size {
             return Ok((FileData::empty(), true));
         }
-        let end = row.size.min(offset + count as u64);
+        let end = row.size.min(offset.saturating_add(count as u64));
         let start = offset / ALIGN * ALIGN;
         let base = handle.ino << FILE_BITS;
         let length = round_up(end, ALIGN) - start;
@@ -1492,8 +1556,10 @@ impl FileSystem {
                 Ok((changed.into_ops(ops), freed))
             })
             .await?;
+        // The removal is committed: it is answered as done whatever
+        // freeing the data does.
         if let Some(ino) = freed {
-            self.reap(ino).await?;
+            self.reap_or_defer(ino).await;
         }
         Ok(dir_wcc)
     }
@@ -1607,8 +1673,10 @@ impl FileSystem {
                 Ok((changed.into_ops(ops), freed))
             })
             .await?;
+        // The rename is committed: answered as done whatever freeing the
+        // replaced file's data does.
         if let Some(ino) = freed {
-            self.reap(ino).await?;
+            self.reap_or_defer(ino).await;
         }
         Ok(dirs_wcc)
     }
@@ -1646,6 +1714,81 @@ impl FileSystem {
         })
         .await
         .map(|((), [dir_wcc])| dir_wcc)
+    }
+
+    /// Frees a removed file's data; if that fails, counts and logs it and
+    /// leaves it to a background retry (the removal is committed already).
+    async fn reap_or_defer(&self, ino: u64) {
+        let Err(error) = self.reap(ino).await else {
+            return;
+        };
+        DEFERRED.fetch_add(1, Ordering::Relaxed);
+        tracing::warn!(
+            "dataset {}: freeing the data of removed file {ino} failed ({error}); it is retried in the background",
+            self.dataset
+        );
+        let start = {
+            let mut deferred = self.deferred.lock_or_abort();
+            if deferred.inodes.insert(ino) {
+                DEFERRED_PENDING.fetch_add(1, Ordering::Relaxed);
+            }
+            !std::mem::replace(&mut deferred.retrying, true)
+        };
+        if !start {
+            return;
+        }
+        // Without a runtime to retry on, the next open frees it.
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            self.deferred.lock_or_abort().retrying = false;
+            return;
+        };
+        runtime.spawn(Self::retry_deferred(self.this.clone()));
+    }
+
+    /// Tries the deferred freeings again, waiting longer after each round
+    /// that leaves some, until none is left or the file system is gone.
+    async fn retry_deferred(this: Weak<FileSystem>) {
+        let mut wait = REAP_RETRY_FIRST;
+        loop {
+            tokio::time::sleep(wait).await;
+            let Some(fs) = this.upgrade() else {
+                return;
+            };
+            let inodes: Vec<u64> = fs.deferred.lock_or_abort().inodes.iter().copied().collect();
+            for ino in inodes {
+                match fs.reap(ino).await {
+                    Ok(()) => {
+                        if fs.deferred.lock_or_abort().inodes.remove(&ino) {
+                            DEFERRED_PENDING.fetch_sub(1, Ordering::Relaxed);
+                        }
+                        DEFERRED_FREED.fetch_add(1, Ordering::Relaxed);
+                        tracing::info!("dataset {}: freed the data of removed file {ino}", fs.dataset);
+                    }
+                    // Retired (destroyed or going away): the next open, if
+                    // any, frees what is left.
+                    Err(FsError::Stale) => {
+                        fs.deferred.lock_or_abort().retrying = false;
+                        return;
+                    }
+                    Err(error) => {
+                        DEFERRED_RETRIES_FAILED.fetch_add(1, Ordering::Relaxed);
+                        tracing::debug!(
+                            "dataset {}: freeing removed file {ino} failed again: {error}",
+                            fs.dataset
+                        );
+                    }
+                }
+            }
+            {
+                let mut deferred = fs.deferred.lock_or_abort();
+                if deferred.inodes.is_empty() {
+                    deferred.retrying = false;
+                    return;
+                }
+            }
+            drop(fs);
+            wait = (wait * 2).min(REAP_RETRY_MOST);
+        }
     }
 
     /// Frees a removed file's data, then lets its number be used again.
@@ -1695,7 +1838,12 @@ impl FileSystem {
         let Some(entries) = ns.dirs.get(&dir.ino) else {
             return Ok((out, true));
         };
-        let mut rest = entries.entries.range(cookie.max(2) + 1..);
+        // Nothing follows the largest cookie (a client's, never one given
+        // out: cookies count up from 3).
+        let Some(first) = cookie.max(2).checked_add(1) else {
+            return Ok((out, true));
+        };
+        let mut rest = entries.entries.range(first..);
         for (cookie, (name, ino)) in rest.by_ref() {
             if out.len() >= max {
                 return Ok((out, false));

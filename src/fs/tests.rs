@@ -863,3 +863,90 @@ fn a_datasets_files_move_between_tiers() {
         assert_eq!(on(&pool, Role::Fast), 0);
     });
 }
+
+/// READDIR cookies come from the client: the largest one is past every
+/// entry (an empty, complete listing), never a wrap to the start nor a
+/// panic; a cookie past the last entry given out is the same.
+#[test]
+fn readdir_past_the_largest_cookie_is_empty_and_complete() {
+    block_on(async {
+        let sim = SimDevice::new(160 << 20, 17);
+        let pool = new_pool(&sim).await;
+        let fs = FileSystem::open(&pool, DATASET, 16 << 10, 0).await.unwrap();
+        let (a, d) = build(&fs).await;
+        check(&fs, &a, &d).await;
+        let root = fs.root();
+        let (all, eof) = fs.readdir(&root, &Cred::root(), 0, 1000).unwrap();
+        assert!(eof && all.len() > 3, "{} entries", all.len());
+        let last = all.iter().map(|e| e.cookie).max().unwrap();
+        for cookie in [u64::MAX, u64::MAX - 1, last, last + 1_000_000] {
+            let (entries, eof) = fs.readdir(&root, &Cred::root(), cookie, 1000).unwrap();
+            let names: Vec<_> = entries
+                .iter()
+                .map(|e| String::from_utf8_lossy(&e.name).into_owned())
+                .collect();
+            assert!(eof && names.is_empty(), "cookie {cookie}: {names:?} (eof {eof})");
+        }
+    });
+}
+
+/// REMOVE commits the unlink, then frees the file's data. When freeing
+/// fails (here every device read fails, and freeing a partial block reads
+/// it), the removal is still answered as done, the freeing is counted and
+/// retried in the background, and once the device reads again the data is
+/// freed with no other call.
+#[test]
+fn a_committed_remove_is_answered_as_done_when_freeing_its_data_fails() {
+    use crate::device::sim::SimFaults;
+    block_on(async {
+        let sim = SimDevice::new(160 << 20, 19);
+        let pool = new_pool(&sim).await;
+        let fs = FileSystem::open(&pool, DATASET, 16 << 10, 0).await.unwrap();
+        let (cred, root) = (Cred::root(), fs.root());
+        let (f, _, _) = fs
+            .create(&root, b"f", &cred, CreateHow::Guarded(attrs(0o644)))
+            .await
+            .unwrap();
+        // 10,000 bytes: the last block is partial, so freeing reads it.
+        let data: Vec<u8> = (0..10_000u32).map(|i| (i % 253) as u8).collect();
+        fs.write(&f, &cred, 0, &data, Stable::FileSync).await.unwrap();
+        pool.checkpoint().await.unwrap();
+        // Reopened: nothing of the file is cached in memory.
+        let (pool, fs) = power_loss(&sim, (pool, fs)).await;
+        let root = fs.root();
+        assert!(fs.engine_used() > 0);
+
+        let before = deferred_frees();
+        sim.set_faults(SimFaults {
+            read_error: 1.0,
+            ..SimFaults::default()
+        });
+        let removed = fs.remove(&root, b"f", &cred).await;
+        assert!(removed.is_ok(), "a committed remove answered {removed:?}");
+        assert_eq!(fs.lookup(&root, b"f", &cred), Err(FsError::NoEnt));
+        assert_eq!(fs.getattr(&f), Err(FsError::Stale));
+        let deferred = deferred_frees();
+        assert_eq!(deferred.deferred, before.deferred + 1, "{deferred:?}");
+        assert_eq!(deferred.pending, before.pending + 1, "{deferred:?}");
+        assert_eq!(fs.namespace.lock_or_abort().reaping(), vec![f.ino]);
+
+        // The device reads again: the background retry frees the data.
+        sim.set_faults(SimFaults::default());
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        while !fs.namespace.lock_or_abort().reaping().is_empty() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "never freed: {:?}",
+                deferred_frees()
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let after = deferred_frees();
+        assert_eq!(after.freed, before.freed + 1, "{after:?}");
+        assert_eq!(after.pending, before.pending, "{after:?}");
+        // And it stays freed across a power loss.
+        let (_pool, fs) = power_loss(&sim, (pool, fs)).await;
+        assert!(fs.namespace.lock_or_abort().reaping().is_empty());
+        assert_eq!(names(&fs, &fs.root()), [".", ".."]);
+    });
+}

@@ -137,6 +137,31 @@ impl InodeRow {
 
     /// The row and the bytes it took; `None` for a damaged row.
     pub fn decode(bytes: &[u8]) -> Option<(InodeRow, usize)> {
+        Self::decode_checked(bytes).ok()
+    }
+
+    /// [`InodeRow::decode`], the error naming the field that is wrong:
+    /// cut short, an unknown kind, a size past [`MAX_FILE_SIZE`], a parent
+    /// past [`MAX_INODES`], a link target past [`MAX_SYMLINK`].
+    pub fn decode_checked(bytes: &[u8]) -> Result<(InodeRow, usize), String> {
+        let (row, used) = Self::parse(bytes)
+            .ok_or_else(|| format!("row of {} bytes is cut short or of an unknown kind", bytes.len()))?;
+        if row.size > MAX_FILE_SIZE {
+            return Err(format!(
+                "field size: {} is past the largest file ({MAX_FILE_SIZE})",
+                row.size
+            ));
+        }
+        if row.parent >= MAX_INODES {
+            return Err(format!(
+                "field parent: inode {} is past the inode limit ({MAX_INODES})",
+                row.parent
+            ));
+        }
+        Ok((row, used))
+    }
+
+    fn parse(bytes: &[u8]) -> Option<(InodeRow, usize)> {
         let mut r = Reader(bytes);
         let kind = FileType::from_code(r.u8()?)?;
         let generation = r.u64()?;
@@ -259,12 +284,25 @@ impl NsOp {
         }
     }
 
+    /// Decodes one operation; `None` when it is cut short, of an unknown
+    /// kind, or names an inode or directory outside `1..MAX_INODES`.
     pub fn decode(bytes: &[u8]) -> Option<(NsOp, usize)> {
+        let (op, used) = Self::parse(bytes)?;
+        let inode = |ino: u64| (ROOT_INO..MAX_INODES).contains(&ino);
+        let valid = match &op {
+            NsOp::Inode { ino, .. } | NsOp::Free { ino } | NsOp::Reaped { ino } => inode(*ino),
+            NsOp::Link { dir, ino, .. } => inode(*dir) && inode(*ino),
+            NsOp::Unlink { dir, .. } => inode(*dir),
+        };
+        valid.then_some((op, used))
+    }
+
+    fn parse(bytes: &[u8]) -> Option<(NsOp, usize)> {
         let mut r = Reader(bytes);
         let op = match r.u8()? {
             1 => {
                 let ino = r.u64()?;
-                let (row, used) = InodeRow::decode(r.0)?;
+                let (row, used) = InodeRow::decode_checked(r.0).ok()?;
                 r.take(used)?;
                 NsOp::Inode { ino, row }
             }
@@ -400,5 +438,49 @@ mod tests {
         }
         assert_eq!(decode_entry(&encode_entry(7, b"abc")), Some((7, &b"abc"[..])));
         assert_eq!(decode_entry(&7u64.to_le_bytes()), None);
+    }
+
+    /// Operations naming inodes or directories outside `1..MAX_INODES`
+    /// do not decode (replay would index and size tables by them), and
+    /// rows with a size or parent past the limits name the field.
+    #[test]
+    fn numbers_past_the_limits_are_refused() {
+        let encoded = |op: NsOp| {
+            let mut out = Vec::new();
+            op.encode(&mut out);
+            out
+        };
+        for op in [
+            NsOp::Free { ino: MAX_INODES },
+            NsOp::Reaped { ino: 0 },
+            NsOp::Inode {
+                ino: u64::MAX,
+                row: row(FileType::Regular),
+            },
+            NsOp::Link {
+                dir: 1,
+                cookie: 3,
+                ino: 1 << 40,
+                name: b"a".to_vec(),
+            },
+            NsOp::Unlink {
+                dir: MAX_INODES,
+                cookie: 3,
+            },
+        ] {
+            assert!(NsOp::decode(&encoded(op.clone())).is_none(), "{op:?} decoded");
+        }
+        let ok = NsOp::Free { ino: MAX_INODES - 1 };
+        assert_eq!(NsOp::decode(&encoded(ok.clone())).map(|(op, _)| op), Some(ok));
+        let mut big = row(FileType::Regular);
+        big.size = MAX_FILE_SIZE + 1;
+        let mut bytes = Vec::new();
+        big.encode(&mut bytes);
+        assert!(InodeRow::decode_checked(&bytes).unwrap_err().contains("field size"));
+        let mut orphan = row(FileType::Directory);
+        orphan.parent = MAX_INODES;
+        let mut bytes = Vec::new();
+        orphan.encode(&mut bytes);
+        assert!(InodeRow::decode_checked(&bytes).unwrap_err().contains("field parent"));
     }
 }

@@ -121,7 +121,7 @@ pub enum Record {
         owners: Vec<u32>,
     },
     /// Changes to file dataset `dataset`'s namespace, applied together
-    /// (`fs/ondisk.rs`; a rename is one record).
+    /// (`meta/fsrows.rs`; a rename is one record).
     Namespace {
         dataset: u32,
         ops: Vec<crate::meta::fsrows::NsOp>,
@@ -556,7 +556,8 @@ struct Pending {
     /// allocating writes quadratic in the records pending between commits).
     layout: Vec<(usize, u64)>,
     /// Log units (4 KiB) all of `records` take, and the bytes used in the
-    /// last record block: [`blocks_needed`] kept up to date record by record.
+    /// last record block: `blocks_needed` (a test helper) kept up to date
+    /// record by record.
     units: u64,
     last_block_used: usize,
     /// How many of `records` need the data devices flushed before them.
@@ -581,9 +582,9 @@ struct Pending {
 /// durable). So a record about to be appended or held back that touches a
 /// block with records held back by another pass pushes those first, in
 /// their order: they then need the data flush, as if never held back (the
-/// rare case of a block changed again within a pass's few milliseconds). Records whose
-/// block is not known here (snapshots, page copies, destroys) push every
-/// record held back.
+/// rare case of a block changed again within a pass's few milliseconds).
+/// Records whose block is not known here (snapshots, page copies, destroys)
+/// push every record held back.
 /// A record held back: (pass, record, the slot it frees once durable).
 type HeldRecord = (u64, Record, Option<(u8, u64)>);
 

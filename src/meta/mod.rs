@@ -4,6 +4,7 @@
 
 pub mod error;
 pub mod fsrows;
+pub mod geometry;
 pub mod log;
 pub mod namespace;
 pub mod pages;

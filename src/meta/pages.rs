@@ -10,11 +10,12 @@
 //! cached only if no page of its shard was evicted during the read (it
 //! could be older than the copy a checkpoint wrote before evicting it).
 
+use super::geometry::{CorruptionLog, Geometry};
 use super::MetaError;
 use crate::sync::LockOrAbort;
 use std::collections::{BTreeSet, HashMap};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, RwLock};
 
 use redb::TableDefinition;
 
@@ -27,6 +28,8 @@ const SHARDS: usize = 16;
 /// A page kind: how it is stored and what it holds.
 pub trait Page: Send + Sync + 'static {
     const TABLE: TableDefinition<'static, (u32, u64), &'static [u8]>;
+    /// The table's name, for messages.
+    const NAME: &'static str;
     /// Decodes a stored page, or makes an empty one (`None`). A stored page
     /// of the wrong length is an error naming it, never a page of zeros.
     fn decode(bytes: Option<&[u8]>) -> Result<Self, MetaError>
@@ -34,6 +37,9 @@ pub trait Page: Send + Sync + 'static {
         Self: Sized;
     fn encode(&self) -> Vec<u8>;
     fn dirty_flag(&self) -> &AtomicBool;
+    /// Checks a decoded page stored under `key` against the pool's
+    /// devices; the error names the field.
+    fn check(&self, key: PageKey, geometry: &Geometry) -> Result<(), String>;
 }
 
 /// 256 block-map entries of one volume (see `pool::map_entry`).
@@ -72,6 +78,7 @@ const MAP_PAGE_BYTES: usize = MAP_ENTRIES_PER_PAGE as usize * 8;
 
 impl Page for MapPage {
     const TABLE: TableDefinition<'static, (u32, u64), &'static [u8]> = MAP_PAGES;
+    const NAME: &'static str = "map_pages";
 
     fn decode(bytes: Option<&[u8]>) -> Result<Self, MetaError> {
         // A page with a birth carries it in 8 bytes after its entries.
@@ -111,6 +118,16 @@ impl Page for MapPage {
     fn dirty_flag(&self) -> &AtomicBool {
         &self.dirty
     }
+
+    /// Every entry is unmapped or maps a slot inside a data device's data.
+    fn check(&self, _key: PageKey, geometry: &Geometry) -> Result<(), String> {
+        for (index, entry) in self.entries.iter().enumerate() {
+            geometry
+                .check_map_entry(entry.load(Ordering::Relaxed))
+                .map_err(|e| format!("entry {index}: {e}"))?;
+        }
+        Ok(())
+    }
 }
 
 /// 1024 sector checksums of one device (4 MiB of it).
@@ -121,6 +138,7 @@ pub struct CrcPage {
 
 impl Page for CrcPage {
     const TABLE: TableDefinition<'static, (u32, u64), &'static [u8]> = CRC_PAGES;
+    const NAME: &'static str = "crc_pages";
 
     fn decode(bytes: Option<&[u8]>) -> Result<Self, MetaError> {
         let words: Vec<[u8; 4]> = stored_words("checksum", bytes, CRCS_PER_PAGE as usize)?;
@@ -142,6 +160,12 @@ impl Page for CrcPage {
 
     fn dirty_flag(&self) -> &AtomicBool {
         &self.dirty
+    }
+
+    /// Any checksum value is possible; the key must name a data device
+    /// and a page inside it.
+    fn check(&self, key: PageKey, geometry: &Geometry) -> Result<(), String> {
+        geometry.check_crc_key(key.0, key.1, CRCS_PER_PAGE)
     }
 }
 
@@ -183,6 +207,11 @@ pub struct PageCache<P: Page> {
     dirty_pages: AtomicUsize,
     /// Pages read from the store (not found cached), since start.
     misses: AtomicU64,
+    /// What a page loaded from the store is checked against (`None`: not
+    /// checked, for caches without a pool in unit tests).
+    geometry: Option<Arc<RwLock<Geometry>>>,
+    /// Where corrupt pages met are counted and logged.
+    corruption: Arc<CorruptionLog>,
 }
 
 /// One shard: its pages, and their indexes by owner (the key's first part),
@@ -234,7 +263,38 @@ impl<P: Page> PageCache<P> {
             max_pages_per_shard: (max_pages / SHARDS).max(4),
             dirty_pages: AtomicUsize::new(0),
             misses: AtomicU64::new(0),
+            geometry: None,
+            corruption: Arc::default(),
         }
+    }
+
+    /// This cache, checking every page it loads against `geometry` and
+    /// counting corrupt ones in `corruption`.
+    pub fn checked(mut self, geometry: Arc<RwLock<Geometry>>, corruption: Arc<CorruptionLog>) -> Self {
+        self.geometry = Some(geometry);
+        self.corruption = corruption;
+        self
+    }
+
+    /// Decodes and checks a page stored under `key` (`None`: never stored).
+    /// A corrupt page is an error naming the table, the key and the field,
+    /// counted and logged once.
+    pub fn decode_checked(&self, key: PageKey, stored: Option<&[u8]>) -> Result<P, MetaError> {
+        let page = P::decode(stored).and_then(|page| {
+            if let (Some(geometry), Some(_)) = (&self.geometry, stored) {
+                let geometry = geometry.read().unwrap_or_else(|_| crate::sync::poisoned());
+                page.check(key, &geometry).map_err(MetaError::Corrupt)?;
+            }
+            Ok(page)
+        });
+        page.map_err(|e| match e {
+            MetaError::Corrupt(what) => {
+                let what = format!("table {} key {key:?}: {what}", P::NAME);
+                self.corruption.note(&what);
+                MetaError::Corrupt(what)
+            }
+            other => other,
+        })
     }
 
     fn shard(&self, key: PageKey) -> std::sync::MutexGuard<'_, Shard<P>> {
@@ -254,10 +314,7 @@ impl<P: Page> PageCache<P> {
             };
             self.misses.fetch_add(1, Ordering::Relaxed);
             let stored = read_page(db, P::TABLE, key)?;
-            let page = Arc::new(P::decode(stored.as_deref()).map_err(|e| match e {
-                MetaError::Corrupt(what) => MetaError::Corrupt(format!("{what} (key {key:?})")),
-                other => other,
-            })?);
+            let page = Arc::new(self.decode_checked(key, stored.as_deref())?);
             if let Some(page) = self.install(key, page, removed) {
                 return Ok(page);
             }

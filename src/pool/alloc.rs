@@ -277,7 +277,7 @@ impl Allocator {
     /// the space its old data held instead of growing the device files
     /// while the freer punches the old space, slowly, holding the file's
     /// lock (and, on a VM, into page cache memory never touched before,
-    /// which can cost the kernel several times the copy: BENCHMARKS.md, NFS).
+    /// which can cost the kernel several times the copy: BENCHMARKS.md, "NFS").
     pub fn allocate_near(&mut self, slot_shift: u8, hint: Option<Hint>) -> Option<(u8, u64)> {
         if !self.freeing.is_empty() && self.would_open_chunk(slot_shift, hint) {
             self.reclaim_chunks(RECLAIM_CHUNKS);

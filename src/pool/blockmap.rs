@@ -6,13 +6,13 @@ use super::*;
 
 /// A block-map entry is one `u64`: bits 0..48 the slot's first 4 KiB sector
 /// on its device, bits 48..56 the device index, bits 56..63 flags (bit 62
-/// [`SHARED`], the others zero), bit 63 "mapped" (docs/FORMAT.md).
+/// `SHARED`, the others zero), bit 63 "mapped" (docs/FORMAT.md).
 pub mod map_entry {
     const OFFSET_BITS: u32 = 48;
     const OFFSET_MASK: u64 = (1 << OFFSET_BITS) - 1;
     const DEVICE_SHIFT: u32 = OFFSET_BITS;
     const DEVICE_MASK: u64 = 0xff << DEVICE_SHIFT;
-    /// The flag bits (only [`SHARED`] is in use): masked off to compare
+    /// The flag bits (only `SHARED` is in use): masked off to compare
     /// slots.
     pub const RESERVED: u64 = 0x7f << 56;
     /// The slot is also mapped by a snapshot of the volume: a write to the
@@ -56,6 +56,29 @@ pub mod map_entry {
 }
 
 impl Pool {
+    /// The device a map entry (or another stored reference) names: a
+    /// damaged index is an error, counted and logged once, never a panic.
+    pub(crate) fn data_device(&self, index: u8) -> Result<&PoolDevice, MetaError> {
+        self.devices
+            .at(index)
+            .inspect_err(|e| self.corruption.note(&e.to_string()))
+    }
+
+    /// Times corrupt metadata was met since the pool was opened (pages
+    /// that failed their checks when loaded, references to devices the
+    /// pool does not have): each failed the request that met it.
+    pub fn metadata_errors(&self) -> u64 {
+        self.corruption.count()
+    }
+
+    /// The map entries of blocks `first..=last` of `volume` as the pool
+    /// sees them (see [`map_entry`]): for tests that check what a read
+    /// returned against what the map says.
+    #[doc(hidden)]
+    pub fn map_entries(&self, volume: u32, first: u64, last: u64) -> Result<Vec<u64>, MetaError> {
+        self.lookup_range(volume, first, last)
+    }
+
     /// The map page of a volume (never of a snapshot: see `view_page`).
     pub(crate) fn map_page(&self, volume: u32, block: u64) -> Result<Arc<MapPage>, MetaError> {
         debug_assert!(!snapshots::is_snapshot_id(volume), "map_page of snapshot {volume:#x}");
@@ -300,10 +323,7 @@ impl Pool {
             if cached.contains(&key.value()) {
                 continue;
             }
-            let page = MapPage::decode(Some(value.value())).map_err(|e| match e {
-                MetaError::Corrupt(what) => MetaError::Corrupt(format!("{what} (volume {id}, page {})", key.value().1)),
-                other => other,
-            })?;
+            let page = self.map_pages.decode_checked(key.value(), Some(value.value()))?;
             total += count_page(&page.entries);
         }
         Ok(total)

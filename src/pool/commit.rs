@@ -184,7 +184,10 @@ impl Pool {
     /// Counts a completed write of `bytes` to data device `device` (see
     /// `flush_data_devices`).
     pub(crate) fn note_data_write(&self, device: u8, bytes: u64) {
-        let written = &self.devices[device as usize].written;
+        let Some(pool_device) = self.devices.get(device as usize) else {
+            return;
+        };
+        let written = &pool_device.written;
         written.writes.fetch_add(1, Ordering::AcqRel);
         written.bytes.fetch_add(bytes, Ordering::Relaxed);
     }
@@ -517,7 +520,7 @@ mod tests {
             a.unwrap();
             b.unwrap();
             assert_eq!(flushes(), before + 2);
-            let written = &pool.devices[0].written;
+            let written = &pool.devices.at(0).unwrap().written;
             assert_eq!(
                 written.flushed.load(Ordering::Acquire),
                 written.writes.load(Ordering::Acquire)

@@ -3,11 +3,11 @@
 //! the metadata store, loaded at open and brought up to date by replay.
 
 use super::*;
-use crate::meta::fsrows::{decode_entry, encode_entry, InodeRow, NsOp};
+use crate::meta::fsrows::{decode_entry, encode_entry, InodeRow, NsOp, MAX_INODES, MAX_NAME, ROOT_INO};
 use crate::meta::namespace::{Changes, Namespace};
 use std::collections::HashMap;
 
-/// Inode rows: (dataset, inode) → the encoded row (`fs/ondisk.rs`).
+/// Inode rows: (dataset, inode) → the encoded row (`meta/fsrows.rs`).
 pub const FS_INODES: TableDefinition<(u32, u64), &[u8]> = TableDefinition::new("fs_inodes");
 /// Directory entries: (dataset, directory, cookie) → inode and name.
 pub const FS_ENTRIES: TableDefinition<(u32, u64, u64), &[u8]> = TableDefinition::new("fs_entries");
@@ -188,8 +188,13 @@ pub(super) fn load_namespaces(db: &redb::Database) -> Result<HashMap<u32, Shared
             for row in table.iter()? {
                 let (key, value) = row?;
                 let (dataset, ino) = key.value();
-                let (inode, _) = InodeRow::decode(value.value())
-                    .ok_or_else(|| MetaError::Corrupt(format!("damaged inode row {dataset}/{ino}")))?;
+                let corrupt =
+                    |what: String| MetaError::Corrupt(format!("table fs_inodes key ({dataset}, {ino}): {what}"));
+                // Row 0 holds the dataset's next generation; files are 1..MAX_INODES.
+                if ino >= MAX_INODES {
+                    return Err(corrupt(format!("inode {ino} is past the inode limit ({MAX_INODES})")));
+                }
+                let (inode, _) = InodeRow::decode_checked(value.value()).map_err(corrupt)?;
                 namespaces
                     .entry(dataset)
                     .or_insert_with(|| Namespace::new(dataset))
@@ -203,8 +208,24 @@ pub(super) fn load_namespaces(db: &redb::Database) -> Result<HashMap<u32, Shared
         for row in table.iter()? {
             let (key, value) = row?;
             let (dataset, dir, cookie) = key.value();
-            let (ino, name) = decode_entry(value.value())
-                .ok_or_else(|| MetaError::Corrupt(format!("damaged directory entry {dataset}/{dir}/{cookie}")))?;
+            let corrupt =
+                |what: String| MetaError::Corrupt(format!("table fs_entries key ({dataset}, {dir}, {cookie}): {what}"));
+            let (ino, name) = decode_entry(value.value()).ok_or_else(|| {
+                corrupt(format!(
+                    "value of {} bytes (an inode and a name of 1 to {MAX_NAME} bytes)",
+                    value.value().len()
+                ))
+            })?;
+            if !(ROOT_INO..MAX_INODES).contains(&dir) {
+                return Err(corrupt(format!(
+                    "directory {dir} is outside the inode range 1..{MAX_INODES}"
+                )));
+            }
+            if !(ROOT_INO..MAX_INODES).contains(&ino) {
+                return Err(corrupt(format!(
+                    "field inode: {ino} is outside the inode range 1..{MAX_INODES}"
+                )));
+            }
             namespaces
                 .entry(dataset)
                 .or_insert_with(|| Namespace::new(dataset))

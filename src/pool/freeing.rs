@@ -4,7 +4,7 @@
 //! the space back to the file system under sparse device files is not (ext4
 //! takes ~0.8 s to punch 4 GiB of holes, holding the file's lock meanwhile).
 //! So a commit that frees more than `BACKGROUND_FREE_ABOVE` slots queues
-//! them in the allocator (`Allocator::defer_free`: still in use there, so
+//! them in the allocator (`Allocator::defer_frees`: still in use there, so
 //! nothing allocates them, but checkpointed as free) and the freer task
 //! punches and frees them in small batches, slowly while clients are at
 //! work. `pool status` shows the queue as FREEING.

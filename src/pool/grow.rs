@@ -28,7 +28,6 @@
 //! get generation + 2 with the old table, and the new device's superblocks
 //! are zeroed.
 
-use std::ops::Index;
 use std::sync::{Arc, OnceLock};
 
 use super::alloc::DeviceSpace;
@@ -38,6 +37,7 @@ use super::{
     MAX_META_BYTES, MIN_META_BYTES,
 };
 use crate::device::{Device, IoBuf};
+use crate::meta::MetaError;
 use crate::units::format_size;
 
 /// Smallest device that can be added: chunk 0 (superblocks) and 4 data chunks,
@@ -94,12 +94,18 @@ impl From<Vec<PoolDevice>> for DeviceList {
     }
 }
 
-impl Index<usize> for DeviceList {
-    type Output = PoolDevice;
-
-    fn index(&self, index: usize) -> &PoolDevice {
-        self.get(index)
-            .unwrap_or_else(|| panic!("pool device {index} does not exist"))
+impl DeviceList {
+    /// The device at member index `index`, or an error naming it: an index
+    /// comes from stored state (a map entry, a checksum page's key, a log
+    /// record) that may be damaged, and a request that meets one fails
+    /// instead of taking the daemon down.
+    pub(crate) fn at(&self, index: u8) -> Result<&PoolDevice, MetaError> {
+        self.get(index as usize).ok_or_else(|| {
+            MetaError::Corrupt(format!(
+                "pool device {index} does not exist (the pool has {})",
+                self.count()
+            ))
+        })
     }
 }
 
@@ -295,6 +301,16 @@ impl Pool {
                 undo_failed: Some("the superblocks already list the device".into()),
             });
         }
+        // Stored references to the device are valid from now on.
+        self.geometry
+            .write()
+            .unwrap_or_else(|_| crate::sync::poisoned())
+            .devices
+            .push(crate::meta::geometry::DeviceExtent {
+                holds_data: member.role.holds_data(),
+                first_data: chunk,
+                end: chunks * chunk,
+            });
         // Chunk 0 holds the superblocks; every other chunk is data.
         self.allocator
             .lock_or_abort()

@@ -787,7 +787,7 @@ pub const SWAP_MAX_BYTES: u64 = 256 << 20;
 /// hottest this minute is no hotter than the rest the next. Swapping on
 /// that noise (at twice the coldest fast chunk's heat) moves 1.2 GiB up
 /// and 1.5 GiB down in 10 minutes of `bench/tiering.sh` for no IOPS, and
-/// raises the clients' p99 by a quarter (BENCHMARKS.md, tiering).
+/// raises the clients' p99 by a quarter (BENCHMARKS.md, "Tiering").
 /// A hot set on the capacity tier stands out from it, and a fast tier
 /// nobody reads is cold: those still trade places.
 pub const SWAP_STANDOUT: u64 = 4;
@@ -1049,7 +1049,7 @@ mod tests {
         pool.lookup_range(1, index * blocks, (index + 1) * blocks - 1)
             .unwrap()
             .into_iter()
-            .all(|e| matches!(map_entry::decode(e), Some((device, _)) if pool.devices[device as usize].member.role == Role::Fast))
+            .all(|e| matches!(map_entry::decode(e), Some((device, _)) if pool.devices.at(device).unwrap().member.role == Role::Fast))
     }
 
     /// A file dataset's engine object spans 2^63 bytes. With the fast tier
@@ -1375,7 +1375,7 @@ mod tests {
             let chunk = |pool: &Pool| {
                 let entry = pool.lookup(1, 0).unwrap();
                 let (device, offset) = map_entry::decode(entry).unwrap();
-                pool.devices[device as usize].heat.score(offset / MIB)
+                pool.devices.at(device).unwrap().heat.score(offset / MIB)
             };
             let hot = chunk(&pool);
             assert!(hot >= 30, "{hot}");
@@ -1459,7 +1459,7 @@ mod tests {
                 blocks
                     .iter()
                     .map(|(block, _)| map_entry::decode(pool.lookup(1, *block).unwrap()).unwrap())
-                    .inspect(|(device, _)| assert_eq!(pool.devices[*device as usize].member.role, Role::Capacity))
+                    .inspect(|(device, _)| assert_eq!(pool.devices.at(*device).unwrap().member.role, Role::Capacity))
                     .collect()
             };
             // Half a MiB moved down and overwritten in place: its capacity

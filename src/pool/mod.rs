@@ -339,6 +339,8 @@ pub struct MetaCounters {
     pub crc_cache_pages: u64,
     pub crc_cache_max_pages: u64,
     pub crc_cache_misses: u64,
+    /// Corrupt metadata met since start ([`Pool::metadata_errors`]).
+    pub metadata_errors: u64,
 }
 
 /// The runtime the pool's background tasks (destager, freer, migrator)
@@ -360,6 +362,12 @@ pub struct Pool {
     log: Log,
     map_pages: PageCache<MapPage>,
     crc_pages: PageCache<CrcPage>,
+    /// The devices as stored metadata is checked against (grows with
+    /// `pool add-device`).
+    geometry: Arc<std::sync::RwLock<crate::meta::geometry::Geometry>>,
+    /// Corrupt metadata met while serving: counted, each finding logged
+    /// once.
+    corruption: Arc<crate::meta::geometry::CorruptionLog>,
     allocator: crate::sync::WatchedMutex<Allocator>,
     epoch: AtomicU32,
     /// Parts of chunks whose checksums are not trusted after a crash (a
@@ -565,6 +573,7 @@ impl Pool {
             crc_cache_pages: self.crc_pages.len() as u64,
             crc_cache_max_pages: self.crc_pages.capacity() as u64,
             crc_cache_misses: self.crc_pages.misses(),
+            metadata_errors: self.corruption.count(),
         }
     }
 

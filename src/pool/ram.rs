@@ -28,6 +28,10 @@ const REGION_HEADER_BYTES: usize = 4096;
 const REGION_MAGIC: u64 = u64::from_le_bytes(*b"STRATRAM");
 const SLOT_MAGIC: u32 = u32::from_le_bytes(*b"SRSL");
 const VERSION: u32 = 1;
+/// Where the header records the data directory: its length (`u16`, 0 when
+/// not recorded), then its bytes, up to the header's checksum.
+const DATA_DIR_AT: usize = 68;
+const MAX_DATA_DIR_BYTES: usize = REGION_HEADER_BYTES - 4 - DATA_DIR_AT - 2;
 /// Smallest RAM tier: 64 slots.
 pub const MIN_RAM_BYTES: u64 = 1 << 20;
 
@@ -84,8 +88,14 @@ impl Drop for HeapImage {
 /// Where a pool's RAM tier lives.
 #[derive(Clone)]
 pub enum RamSource {
-    /// A file mapping of `bytes` (created or resized as needed).
-    File { path: PathBuf, bytes: u64 },
+    /// A file mapping of `bytes` (created or resized as needed), recording
+    /// in its header the data directory it belongs to (so a file left in
+    /// /dev/shm can be told apart: `strata ram-tier list`).
+    File {
+        path: PathBuf,
+        bytes: u64,
+        data_dir: Option<PathBuf>,
+    },
     /// Heap memory.
     Heap(Arc<HeapImage>),
 }
@@ -115,6 +125,7 @@ pub struct RamTier {
     free_count: AtomicUsize,
     location: String,
     path: Option<PathBuf>,
+    data_dir: Option<PathBuf>,
     /// Debug builds: what each slot is, checked on every change of hands
     /// (a double free, a write to a slot nobody allocated, a read of a
     /// free slot panic at once instead of corrupting another sector).
@@ -176,7 +187,7 @@ impl RamTier {
     /// the process died but the machine did not.
     pub fn open(source: &RamSource, pool_uuid: &[u8; 16]) -> std::io::Result<(RamTier, Vec<Survivor>, bool)> {
         let (backing, base, len, boot, location) = match source {
-            RamSource::File { path, bytes } => {
+            RamSource::File { path, bytes, .. } => {
                 let slots = slots_for(*bytes);
                 let len = region_len(slots);
                 let file = open_region_file(path, len as u64)?;
@@ -219,15 +230,24 @@ impl RamTier {
                 RamSource::File { path, .. } => Some(path.clone()),
                 RamSource::Heap(_) => None,
             },
+            data_dir: match source {
+                RamSource::File { data_dir, .. } => data_dir.clone(),
+                RamSource::Heap(_) => None,
+            },
             #[cfg(debug_assertions)]
             shadow: Mutex::new(Vec::new()),
         };
         let expected = tier.region_header(pool_uuid, &boot);
         // SAFETY: the header lies within the region.
         let current = unsafe { std::slice::from_raw_parts(base, REGION_HEADER_BYTES) };
-        let intact = current == expected.as_slice();
+        // The data directory it records is not part of what must match (a
+        // region of the same file name is of the same data directory).
+        let intact = current[..DATA_DIR_AT] == expected[..DATA_DIR_AT] && header_checksum_holds(current);
         let survivors = if intact {
-            tier.scan()
+            let survivors = tier.scan();
+            // SAFETY: we are the only user of the region while opening it.
+            unsafe { std::ptr::copy_nonoverlapping(expected.as_ptr(), base, REGION_HEADER_BYTES) };
+            survivors
         } else {
             if current.iter().any(|b| *b != 0) {
                 tracing::info!(
@@ -269,6 +289,13 @@ impl RamTier {
         header[12..16].copy_from_slice(&self.slots.to_le_bytes());
         header[16..32].copy_from_slice(pool_uuid);
         header[32..68].copy_from_slice(boot);
+        if let Some(dir) = &self.data_dir {
+            let bytes = dir.as_os_str().as_encoded_bytes();
+            if bytes.len() <= MAX_DATA_DIR_BYTES {
+                header[DATA_DIR_AT..DATA_DIR_AT + 2].copy_from_slice(&(bytes.len() as u16).to_le_bytes());
+                header[DATA_DIR_AT + 2..DATA_DIR_AT + 2 + bytes.len()].copy_from_slice(bytes);
+            }
+        }
         let crc = crate::checksum::crc32c(&header[..REGION_HEADER_BYTES - 4]);
         header[REGION_HEADER_BYTES - 4..].copy_from_slice(&crc.to_le_bytes());
         header
@@ -540,6 +567,137 @@ fn open_region_file(path: &Path, len: u64) -> std::io::Result<std::fs::File> {
     Ok(file)
 }
 
+fn header_checksum_holds(header: &[u8]) -> bool {
+    crate::checksum::crc32c(&header[..REGION_HEADER_BYTES - 4]).to_le_bytes() == header[REGION_HEADER_BYTES - 4..]
+}
+
+/// A RAM tier file found in a RAM directory (`strata ram-tier list`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RegionFile {
+    pub path: PathBuf,
+    /// The pool its name is for (`strata-HASH-POOL.ram`).
+    pub pool: String,
+    /// The data directory its header records, if it does.
+    pub data_dir: Option<PathBuf>,
+    pub bytes: u64,
+    /// The process that has it locked (the daemon using it), if any.
+    pub held_by: Option<u32>,
+    /// Whether it holds dirty sectors of this boot: writes a daemon
+    /// acknowledged and had not placed, which the next start of that data
+    /// directory would replay.
+    pub dirty: bool,
+}
+
+/// The pool of a RAM tier file name `strata-HASH-POOL.ram` (HASH: 8 hex
+/// digits), or `None` for another name.
+pub fn region_file_pool(name: &str) -> Option<&str> {
+    let rest = name.strip_prefix("strata-")?.strip_suffix(".ram")?;
+    let (hash, pool) = rest.split_at_checked(8)?;
+    let pool = pool.strip_prefix('-')?;
+    (hash.bytes().all(|b| b.is_ascii_hexdigit()) && !pool.is_empty()).then_some(pool)
+}
+
+/// The RAM tier file at `path`, if its name is one (see [`region_file_pool`]).
+pub fn region_file(path: &Path) -> Option<RegionFile> {
+    use std::os::unix::ffi::OsStrExt;
+    use std::os::unix::fs::FileExt;
+    let pool = region_file_pool(path.file_name()?.to_str()?)?.to_string();
+    let metadata = std::fs::symlink_metadata(path).ok()?;
+    if !metadata.is_file() {
+        return None;
+    }
+    let mut header = vec![0u8; REGION_HEADER_BYTES];
+    let read = std::fs::File::open(path).and_then(|file| file.read_exact_at(&mut header, 0));
+    let data_dir = if read.is_ok() && header[0..8] == REGION_MAGIC.to_le_bytes() && header_checksum_holds(&header) {
+        let length = u16::from_le_bytes([header[DATA_DIR_AT], header[DATA_DIR_AT + 1]]) as usize;
+        let bytes = &header[DATA_DIR_AT + 2..DATA_DIR_AT + 2 + length.min(MAX_DATA_DIR_BYTES)];
+        (length > 0).then(|| PathBuf::from(std::ffi::OsStr::from_bytes(bytes)))
+    } else {
+        None
+    };
+    Some(RegionFile {
+        path: path.to_path_buf(),
+        pool,
+        data_dir,
+        bytes: metadata.len(),
+        held_by: lock_holder(&metadata),
+        dirty: holds_dirty_sectors(path),
+    })
+}
+
+/// Every RAM tier file in `ram_dir`, sorted by name.
+pub fn region_files(ram_dir: &Path) -> std::io::Result<Vec<RegionFile>> {
+    let mut found: Vec<RegionFile> = std::fs::read_dir(ram_dir)?
+        .filter_map(|entry| region_file(&entry.ok()?.path()))
+        .collect();
+    found.sort_by(|a, b| a.path.cmp(&b.path));
+    Ok(found)
+}
+
+/// The process holding a `flock` on the file `metadata` describes, from
+/// /proc/locks (which lists every lock without taking one: a probe by
+/// locking would make a daemon opening the file at that moment fail).
+fn lock_holder(metadata: &std::fs::Metadata) -> Option<u32> {
+    use std::os::unix::fs::MetadataExt;
+    let locks = std::fs::read_to_string("/proc/locks").ok()?;
+    let (dev, ino) = (metadata.dev(), metadata.ino());
+    let wanted = format!(
+        "{:02x}:{:02x}:{ino}",
+        libc::major(dev as libc::dev_t),
+        libc::minor(dev as libc::dev_t)
+    );
+    locks.lines().find_map(|line| {
+        // `1: FLOCK  ADVISORY  WRITE 1234 00:1a:5678 0 EOF` (a blocked
+        // waiter's line has `->` after the number).
+        let fields: Vec<&str> = line.split_whitespace().filter(|f| *f != "->").collect();
+        (fields.get(1) == Some(&"FLOCK") && fields.get(5).is_some_and(|f| f.eq_ignore_ascii_case(&wanted)))
+            .then(|| fields.get(4)?.parse().ok())
+            .flatten()
+    })
+}
+
+/// Why [`remove_region_file`] left a file.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RemoveError {
+    #[error("{0} is not a RAM tier file (strata-HASH-POOL.ram)")]
+    NotRegion(String),
+    #[error("{0} is in use by process {1} (a daemon that has it open)")]
+    InUse(String, String),
+    #[error(
+        "{0} holds writes its daemon acknowledged and had not placed (the next start of data directory {1} replays them); remove it with --force to discard them"
+    )]
+    Dirty(String, String),
+    #[error("cannot remove {0}: {1}")]
+    Io(String, String),
+}
+
+/// Removes the RAM tier file at `path` unless a process has it open (it
+/// is locked while being checked and removed, so no daemon can map it
+/// meanwhile) or, without `force`, it holds dirty sectors of this boot.
+pub fn remove_region_file(path: &Path, force: bool) -> Result<(), RemoveError> {
+    use std::os::unix::io::AsRawFd;
+    let shown = path.display().to_string();
+    let Some(found) = region_file(path) else {
+        return Err(RemoveError::NotRegion(shown));
+    };
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .open(path)
+        .map_err(|e| RemoveError::Io(shown.clone(), e.to_string()))?;
+    // SAFETY: a plain syscall on a descriptor we own.
+    if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+        let holder = found.held_by.map_or_else(|| "?".to_string(), |pid| pid.to_string());
+        return Err(RemoveError::InUse(shown, holder));
+    }
+    if found.dirty && !force {
+        let owner = found
+            .data_dir
+            .map_or_else(|| "(not recorded)".to_string(), |d| d.display().to_string());
+        return Err(RemoveError::Dirty(shown, owner));
+    }
+    std::fs::remove_file(path).map_err(|e| RemoveError::Io(shown, e.to_string()))
+}
+
 /// `f_type` of tmpfs (and of /dev/shm on every common distribution).
 const TMPFS_MAGIC: i64 = 0x0102_1994;
 
@@ -569,8 +727,7 @@ fn holds_dirty_sectors(path: &Path) -> bool {
     if file.read_exact_at(&mut header, 0).is_err()
         || header[0..8] != REGION_MAGIC.to_le_bytes()
         || header[32..68] != boot_id()
-        || crate::checksum::crc32c(&header[..REGION_HEADER_BYTES - 4]).to_le_bytes()
-            != header[REGION_HEADER_BYTES - 4..]
+        || !header_checksum_holds(&header)
     {
         return false;
     }
@@ -680,6 +837,7 @@ mod tests {
         let source = RamSource::File {
             path: dir.path().join("ram.tier"),
             bytes: 2 << 20,
+            data_dir: None,
         };
         let uuid = [3u8; 16];
         let (tier, _, _) = RamTier::open(&source, &uuid).unwrap();
@@ -700,6 +858,7 @@ mod tests {
         let source = RamSource::File {
             path: dir.path().join("ram.tier"),
             bytes: 2 << 20,
+            data_dir: None,
         };
         let (tier, _, _) = RamTier::open(&source, &[1u8; 16]).unwrap();
         // flock is per open file description: a second open in this process
@@ -741,6 +900,7 @@ mod tests {
         let source = RamSource::File {
             path: local.clone(),
             bytes,
+            data_dir: None,
         };
         let (tier, _, _) = RamTier::open(&source, &[2u8; 16]).unwrap();
         let slot = tier.allocate(1).unwrap()[0];
@@ -765,6 +925,7 @@ mod tests {
         let source = RamSource::File {
             path: shared.clone(),
             bytes,
+            data_dir: None,
         };
         let (tier, _, _) = RamTier::open(&source, &[2u8; 16]).unwrap();
         assert!(shared.exists());

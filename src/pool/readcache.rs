@@ -15,7 +15,7 @@
 //! are set). A sector read once — a scan, a uniformly random read of a
 //! volume larger than the cache — costs a bit instead of an allocation, a
 //! copy and an eviction. Measured on 4K random reads QD32 over NBD (1 GiB
-//! volume, 256 MiB cache): see BENCHMARKS.md, NBD.
+//! volume, 256 MiB cache): see BENCHMARKS.md, "NBD".
 //!
 //! Cost on the hot path: a hit is one hash lookup under a shard's read lock
 //! (the cache is sharded), an `Arc` clone and one 4 KiB copy; counters are

@@ -3,6 +3,7 @@
 //! the log still holds.
 
 use super::*;
+use crate::meta::geometry::{CorruptionLog, DeviceExtent, Geometry};
 
 pub(super) fn round_up(value: u64, unit: u64) -> u64 {
     value.div_ceil(unit) * unit
@@ -301,20 +302,39 @@ impl Pool {
         let namespaces = files::load_namespaces(&db).map_err(PoolError::Meta)?;
 
         // Space: every data device minus chunk 0 and the metadata/log regions.
+        let first_data_chunk = |d: &PoolDevice| {
+            let mut first = 1u64;
+            if d.member.index == superblock.meta_device {
+                first = first.max((superblock.meta_offset + superblock.meta_bytes).div_ceil(chunk));
+            }
+            if d.member.index == superblock.log_device {
+                first = first.max((superblock.log_offset + superblock.log_bytes).div_ceil(chunk));
+            }
+            first
+        };
         let spaces = devices
             .iter()
             .filter(|d| d.member.role.holds_data())
             .map(|d| {
-                let mut first = 1u64;
-                if d.member.index == superblock.meta_device {
-                    first = first.max((superblock.meta_offset + superblock.meta_bytes) / chunk);
-                }
-                if d.member.index == superblock.log_device {
-                    first = first.max((superblock.log_offset + superblock.log_bytes) / chunk);
-                }
-                DeviceSpace::new(d.member.index, d.member.role, first, d.member.size_bytes / chunk)
+                DeviceSpace::new(
+                    d.member.index,
+                    d.member.role,
+                    first_data_chunk(d),
+                    d.member.size_bytes / chunk,
+                )
             })
             .collect();
+        // What stored map entries and checksum pages are checked against.
+        let geometry = Geometry {
+            devices: devices
+                .iter()
+                .map(|d| DeviceExtent {
+                    holds_data: d.member.role.holds_data(),
+                    first_data: first_data_chunk(d) * chunk,
+                    end: d.member.size_bytes / chunk * chunk,
+                })
+                .collect(),
+        };
         let mut allocator = Allocator::new(superblock.chunk_bytes, spaces);
         let mut suspect: HashMap<(u8, u64), ChunkParts> = HashMap::new();
         {
@@ -324,18 +344,27 @@ impl Pool {
                 let (key, value) = row.map_err(MetaError::from)?;
                 let (device, chunk_index) = key.value();
                 let state = ChunkState::decode(value.value()).ok_or_else(|| {
-                    PoolError::Meta(MetaError::Corrupt(format!(
-                        "damaged chunk record {device}/{chunk_index}"
-                    )))
+                    corrupt(format!(
+                        "table chunks key ({device}, {chunk_index}): value is {} bytes, not 33",
+                        value.value().len()
+                    ))
                 })?;
-                allocator.load_chunk(device as u8, chunk_index, state).map_err(|e| {
-                    PoolError::Meta(MetaError::Corrupt(format!("chunk record {device}/{chunk_index}: {e}")))
+                let device = u8::try_from(device).map_err(|_| {
+                    corrupt(format!(
+                        "table chunks key ({device}, {chunk_index}): device {device} does not exist"
+                    ))
                 })?;
+                allocator
+                    .load_chunk(device, chunk_index, state)
+                    .map_err(|e| corrupt(format!("table chunks key ({device}, {chunk_index}): {e}")))?;
             }
             let table = txn.open_table(SUSPECT).map_err(MetaError::from)?;
             for row in table.iter().map_err(MetaError::from)? {
                 let (key, _) = row.map_err(MetaError::from)?;
                 let (device, chunk_index) = key.value();
+                geometry
+                    .check_chunk(device as u64, chunk_index, chunk)
+                    .map_err(|e| corrupt(format!("table suspect key ({device}, {chunk_index}): {e}")))?;
                 suspect.insert((device as u8, chunk_index), ALL_PARTS);
             }
             // Pools from before parts were kept have no such table.
@@ -343,6 +372,9 @@ impl Pool {
                 for row in table.iter().map_err(MetaError::from)? {
                     let (key, value) = row.map_err(MetaError::from)?;
                     let (device, chunk_index) = key.value();
+                    geometry
+                        .check_chunk(device as u64, chunk_index, chunk)
+                        .map_err(|e| corrupt(format!("table suspect_parts key ({device}, {chunk_index}): {e}")))?;
                     let bytes = value.value();
                     let parts = decode_parts(bytes).ok_or_else(|| {
                         PoolError::Meta(MetaError::Corrupt(format!(
@@ -426,6 +458,8 @@ impl Pool {
             );
         }
         let write_cache = cache::WriteCache::new(ram_tier, &survivors, data_tail);
+        let geometry = Arc::new(std::sync::RwLock::new(geometry));
+        let corruption: Arc<CorruptionLog> = Arc::default();
         let pool = Arc::new(Pool {
             name: superblock.pool_name.clone(),
             uuid: superblock.pool_uuid,
@@ -434,8 +468,12 @@ impl Pool {
             devices: devices.into(),
             db,
             log,
-            map_pages: PageCache::new(meta_cache_pages(options.meta_cache_bytes).0),
-            crc_pages: PageCache::new(meta_cache_pages(options.meta_cache_bytes).1),
+            map_pages: PageCache::new(meta_cache_pages(options.meta_cache_bytes).0)
+                .checked(geometry.clone(), corruption.clone()),
+            crc_pages: PageCache::new(meta_cache_pages(options.meta_cache_bytes).1)
+                .checked(geometry.clone(), corruption.clone()),
+            geometry,
+            corruption,
             allocator: crate::sync::WatchedMutex::new(allocator),
             epoch: AtomicU32::new(epoch.wrapping_add(1).max(1)),
             suspect: Mutex::new(suspect),
@@ -485,6 +523,8 @@ impl Pool {
             if lsn < checkpoint_lsn || matches!(record, Record::Data { .. } | Record::Written { .. }) {
                 continue;
             }
+            pool.check_replayed(&record)
+                .map_err(|e| corrupt(format!("log record at LSN {lsn}: {e}")))?;
             // A staged record (never committed) counts only if the data it
             // maps made it to the device intact: staging has no data flush
             // before it, so after a power loss the mapping may have landed
@@ -533,6 +573,56 @@ impl Pool {
         Ok(pool)
     }
 
+    /// Checks a log record about to be replayed against the pool's
+    /// devices: the slots it names, the chunks it marks, the checksums a
+    /// new slot comes with (one per sector, a power of two of them).
+    pub(super) fn check_replayed(&self, record: &Record) -> Result<(), String> {
+        let geometry = self.geometry.read().unwrap_or_else(|_| crate::sync::poisoned());
+        let slot = |field: &str, entry: u64| {
+            geometry
+                .check_map_entry(entry)
+                .map_err(|e| format!("field {field}: {e}"))
+        };
+        let checksums = |new: u64, crcs: &[u32]| {
+            let fits = if new & map_entry::VALID == 0 {
+                crcs.is_empty()
+            } else {
+                crcs.len().is_power_of_two()
+            };
+            if fits {
+                Ok(())
+            } else {
+                Err(format!("field crcs: {} checksums for slot {new:#018x}", crcs.len()))
+            }
+        };
+        match record {
+            Record::Dirty { device, chunk } => geometry
+                .check_chunk(*device as u64, *chunk, self.chunk_bytes as u64)
+                .map_err(|e| format!("Dirty, field chunk: {e}")),
+            Record::Map {
+                volume,
+                block,
+                new,
+                old,
+                crcs,
+            } => {
+                let what = |e: String| format!("Map of volume {volume} block {block}, {e}");
+                slot("new", *new).map_err(what)?;
+                slot("old", *old).map_err(what)?;
+                checksums(*new, crcs).map_err(what)
+            }
+            Record::Relocate {
+                block, old, new, crcs, ..
+            } => {
+                let what = |e: String| format!("Relocate of block {block}, {e}");
+                slot("new", *new).map_err(what)?;
+                slot("old", *old).map_err(what)?;
+                checksums(*new, crcs).map_err(what)
+            }
+            _ => Ok(()),
+        }
+    }
+
     /// Whether the data a staged `Map` record points at matches its checksums.
     async fn staged_data_present(&self, record: &Record) -> bool {
         let (Record::Map { new, crcs, .. } | Record::Relocate { new, crcs, .. }) = record else {
@@ -574,7 +664,7 @@ impl Pool {
         Ok(())
     }
 
-    fn apply_replayed(&self, record: Record) -> Result<(), PoolError> {
+    pub(super) fn apply_replayed(&self, record: Record) -> Result<(), PoolError> {
         match record {
             Record::Dirty { device, chunk, parts } => {
                 let mut suspect = self.suspect.lock_or_abort();

@@ -1,6 +1,6 @@
 //! Moving a block that snapshots or clones share (the migrator): one copy
 //! for everyone who maps the slot, and one `Relocate` record that remaps
-//! them all at once (ARCHITECTURE.md, "Tiering: heat and the migrator").
+//! them all at once (ARCHITECTURE.md, "Migration (tiering)").
 //!
 //! A slot is only ever mapped at one block number, and only by volumes
 //! and snapshots of one *family* (a volume, its snapshots, their clones

@@ -76,6 +76,16 @@ impl SnapshotInfo {
         if name.len() > MAX_SNAPSHOT_NAME {
             return Err(corrupt());
         }
+        let field = |what: String| MetaError::Corrupt(format!("table snapshots key {id:#x}: {what}"));
+        if !is_snapshot_id(id) {
+            return Err(field("the key is not a snapshot id".into()));
+        }
+        if is_snapshot_id(first & !ROW_WITH_CACHE_SEQ) {
+            return Err(field(format!(
+                "field volume: {:#x} is a snapshot id",
+                first & !ROW_WITH_CACHE_SEQ
+            )));
+        }
         Ok(SnapshotInfo {
             id,
             volume: first & !ROW_WITH_CACHE_SEQ,
@@ -448,7 +458,13 @@ pub(super) fn load(db: &redb::Database) -> Result<Snapshots, MetaError> {
     let clones = txn.open_table(CLONES)?;
     for row in clones.iter()? {
         let (volume, origin) = row?;
-        snapshots.origins.insert(volume.value(), origin.value());
+        let (volume, origin) = (volume.value(), origin.value());
+        if is_snapshot_id(volume) || !is_snapshot_id(origin) {
+            return Err(MetaError::Corrupt(format!(
+                "table clones key {volume:#x}: a clone is a volume and its origin ({origin:#x}) a snapshot"
+            )));
+        }
+        snapshots.origins.insert(volume, origin);
     }
     {
         let table = txn.open_table(SNAPSHOT_SPACE)?;
@@ -555,6 +571,20 @@ pub(crate) fn taken_before_count(floors: &[u64], seq: u64) -> usize {
     floors.partition_point(|floor| *floor <= seq)
 }
 
+/// Refuses requests naming a snapshot their volume already has.
+fn name_taken(snapshots: &Snapshots, requests: &[SnapshotRequest<'_>]) -> Result<(), PoolError> {
+    for request in requests {
+        let taken = snapshots
+            .by_volume
+            .get(&request.volume.id())
+            .is_some_and(|list| list.iter().any(|s| snapshots.by_id[s].name == request.name));
+        if taken {
+            return Err(PoolError::Invalid(format!("snapshot '{}' exists", request.name)));
+        }
+    }
+    Ok(())
+}
+
 /// What a new snapshot needs from its volume.
 pub struct SnapshotRequest<'a> {
     pub volume: &'a Arc<volume::EngineVolume>,
@@ -631,27 +661,20 @@ impl Pool {
         if volumes.len() != requests.len() {
             return Err(PoolError::Invalid("a volume is named twice".into()));
         }
-        {
-            let snapshots = self.snapshots_read();
-            for request in requests {
-                let id = request.volume.id();
-                if is_snapshot_id(id) {
-                    return Err(PoolError::Invalid("a snapshot cannot be snapshotted".into()));
-                }
-                if request.name.is_empty() || request.name.len() > MAX_SNAPSHOT_NAME {
-                    return Err(PoolError::Invalid(format!(
-                        "a snapshot name has 1 to {MAX_SNAPSHOT_NAME} bytes"
-                    )));
-                }
-                let taken = snapshots
-                    .by_volume
-                    .get(&id)
-                    .is_some_and(|list| list.iter().any(|s| snapshots.by_id[s].name == request.name));
-                if taken {
-                    return Err(PoolError::Invalid(format!("snapshot '{}' exists", request.name)));
-                }
+        for request in requests {
+            if is_snapshot_id(request.volume.id()) {
+                return Err(PoolError::Invalid("a snapshot cannot be snapshotted".into()));
+            }
+            if request.name.is_empty() || request.name.len() > MAX_SNAPSHOT_NAME {
+                return Err(PoolError::Invalid(format!(
+                    "a snapshot name has 1 to {MAX_SNAPSHOT_NAME} bytes"
+                )));
             }
         }
+        // A taken name is refused before writes stop, and checked again
+        // where the snapshot is inserted (below): callers need not hold the
+        // catalog (a receive does not), so two may race for one name.
+        name_taken(&self.snapshots_read(), requests)?;
         // Writes stop (in id order, so two commands cannot deadlock) for as
         // long as it takes to write one record. What the volumes have in
         // the RAM cache stays there: those entries are below the snapshot's
@@ -672,6 +695,8 @@ impl Pool {
             let _gate = self.gate(requests[0].volume.id()).read().await;
             let gated = started.elapsed();
             let mut snapshots = self.snapshots_write();
+            // The check that counts: under the lock the insertion holds.
+            name_taken(&snapshots, requests)?;
             snapshots.generation += 1;
             let generation = snapshots.generation;
             // Every write to these volumes so far is below it (theirs wait
@@ -933,8 +958,16 @@ impl Pool {
     /// next snapshot's copy, or the volume's page) and a clone its origin's
     /// view; a volume that is no clone sees its own (empty) page.
     pub(crate) fn view_page(&self, owner: u32, index: u64) -> Result<Arc<MapPage>, MetaError> {
+        let first = owner;
         let mut owner = owner;
-        loop {
+        // Each step reaches another owner (a newer snapshot, the volume, a
+        // clone's origin): more steps than there are snapshots and clones
+        // is a cycle that damaged `snapshots` or `clones` rows made.
+        let steps = {
+            let snapshots = self.snapshots_read();
+            snapshots.by_id.len() + snapshots.origins.len() + 2
+        };
+        for _ in 0..steps {
             let page = self.map_pages.get(&self.db, (owner, index))?;
             if page.present.load(Ordering::Acquire) {
                 return Ok(page);
@@ -951,6 +984,9 @@ impl Pool {
                 }
             };
         }
+        Err(MetaError::Corrupt(format!(
+            "tables snapshots and clones: the views of map page {index} of {first:#x} form a cycle"
+        )))
     }
 
     /// Where `snapshot`, which has no copy of map page `index`, sees it:
@@ -1064,7 +1100,13 @@ impl Pool {
             .get(&info.volume)
             .and_then(std::sync::Weak::upgrade);
         // Writes wait, and so does the destager (it may be copying a page
-        // into this very snapshot, for cached data written after it).
+        // into this very snapshot, for cached data written after it), until
+        // the record is durable: entries the snapshot no longer shares are
+        // overwritten in place, and a crash before the record would bring
+        // the snapshot back over them. So the commit below runs under both
+        // guards, and must never make log room: that destages the volume's
+        // logged data, which waits for the placement lock held here
+        // ([`Pool::commit_holding_placement`]).
         let _barrier = match &live {
             Some(volume) => Some(volume.barrier().write().await),
             None => None,
@@ -1089,7 +1131,23 @@ impl Pool {
         }
         self.refresh_floor(info.volume);
         self.read_cache.invalidate_volume(snapshot);
-        self.commit().await
+        self.commit_holding_placement().await
+    }
+
+    /// The commit of a change made holding a volume's barrier and
+    /// placement lock exclusively (a snapshot's deletion, a rollback, a
+    /// promotion), durable before writes and destaging resume: a quiet one
+    /// ([`Pool::commit_quiet`]: into the log's reserve, a metadata
+    /// checkpoint if even that is full), never one that makes log room.
+    /// Making room destages every volume's logged data, and the destage of
+    /// this volume waits for the placement lock its caller holds: the
+    /// commit would wait for itself, or for another writer making room
+    /// that waits there (holding `making_log_room`), whether or not the
+    /// caller placed the volume's cached data first.
+    async fn commit_holding_placement(&self) -> Result<(), PoolError> {
+        self.commit_quiet().await?;
+        self.maybe_checkpoint_soon();
+        Ok(())
     }
 
     /// The work of a snapshot's deletion (also replayed): returns the slots
@@ -1200,7 +1258,8 @@ impl Pool {
         self.read_cache.invalidate_volume(id);
         let size = crate::volume::BlockDevice::size_bytes(volume.as_ref());
         volume.recount_mapped(self.count_volume_blocks(id, size, volume.volblocksize())?);
-        self.commit().await
+        // Under the guards: a commit that makes no log room.
+        self.commit_holding_placement().await
     }
 
     /// The work of a rollback (also replayed): every page the snapshot has
@@ -1789,7 +1848,8 @@ impl Pool {
         self.refresh_floor(origin_volume.id());
         self.read_cache.invalidate_volume(id);
         self.read_cache.invalidate_volume(origin_volume.id());
-        self.commit().await
+        // Under the guards: a commit that makes no log room.
+        self.commit_holding_placement().await
     }
 
     /// The snapshots a promotion moves: the origin and the older ones of
@@ -3184,6 +3244,105 @@ mod tests {
             assert!(buf.payload()[..sector].iter().all(|b| *b == 0x10));
             assert!(buf.payload()[sector..].iter().all(|b| *b == 0x20));
         });
+    }
+
+    /// A snapshot deleted while the log is full of its volume's `Data`
+    /// records (synchronous writes still in the RAM cache) and the
+    /// destager's commits went on into the log's reserve: the deletion's
+    /// commit finds no room. It holds the volume's barrier and placement
+    /// lock until its record is durable, and a commit that made log room
+    /// there would destage the volume's logged data, which waits for that
+    /// placement lock.
+    #[test]
+    fn a_snapshot_is_deleted_while_the_log_is_full_of_its_volumes_synchronous_writes() {
+        current_thread().block_on(async {
+            const LOG_BLOCK: u64 = crate::meta::log::LOG_BLOCK_BYTES;
+            let fast = SimDevice::new(160 * MIB, 31);
+            let log = SimDevice::new(4 * MIB, 32);
+            let pool = Pool::create("test", 1 << 20, vec![fast_device(&fast), log_device(&log)])
+                .await
+                .unwrap();
+            let volume = pool.open_volume(1, VOLUME, BLOCK).unwrap();
+            volume
+                .write(0, IoBuf::copy_from(&vec![0x11; VOLUME as usize / 2]), false)
+                .await
+                .unwrap();
+            pool.destage_all().await.unwrap();
+            snapshot_of(&pool, &volume, "s").await;
+            let snapshot = id_of(&pool, "s");
+            let (model, limit) = fill_log_with_data_records(&pool, &volume).await;
+            // Another volume's cached writes placed meanwhile: the
+            // destager's commits may use the reserve, until not even one
+            // more log block fits below what a client's commit may fill.
+            let other = pool.open_volume(2, VOLUME, BLOCK).unwrap();
+            let used = || pool.log.next_lsn() - pool.log.tail_lsn();
+            let mut round = 0;
+            while used() + LOG_BLOCK <= limit {
+                assert!(round < 16, "the destager's commits never reached the log's reserve");
+                let data = IoBuf::copy_from(&[0x22; 64 << 10]);
+                other.write(round * (64 << 10), data, false).await.unwrap();
+                let blocks = other.cached_blocks(|_| true, usize::MAX);
+                other.destage_blocks(&blocks).await.unwrap();
+                round += 1;
+            }
+            let deleting = pool.destroy_snapshot(snapshot);
+            let Ok(deleted) = tokio::time::timeout(std::time::Duration::from_secs(10), deleting).await else {
+                panic!("the deletion of a snapshot with the log full of its volume's Data records never finished");
+            };
+            deleted.unwrap();
+            assert!(pool.snapshot(snapshot).is_none());
+            assert_eq!(read_all(&volume).await, model);
+            // Durable: gone after a power loss, the volume's writes kept.
+            drop((volume, other, pool));
+            fast.crash();
+            log.crash();
+            let pool = Pool::open(vec![fast.as_device(), log.as_device()]).await.unwrap();
+            assert!(pool.snapshots().is_empty(), "the deleted snapshot came back");
+            let volume = pool.open_volume(1, VOLUME, BLOCK).unwrap();
+            assert_eq!(read_all(&volume).await, model);
+        });
+    }
+
+    /// `sim` as a pool's dedicated log device (its first chunk is the
+    /// superblock's: a 4 MiB device holds a 3 MiB log).
+    fn log_device(sim: &SimDevice) -> NewDevice {
+        NewDevice {
+            device: sim.as_device(),
+            role: Role::Log,
+        }
+    }
+
+    /// Synchronous 4 KiB writes over `volume` until the next one would
+    /// have to make log room first: `Data` records fill what clients'
+    /// commits may use of the log, their data still in the RAM cache.
+    /// Returns what the volume holds then, and how far into the log (from
+    /// its tail) clients' commits may go.
+    async fn fill_log_with_data_records(pool: &Pool, volume: &volume::EngineVolume) -> (Vec<u8>, u64) {
+        let log_block = crate::meta::log::LOG_BLOCK_BYTES;
+        let mut model = read_all(volume).await;
+        let sectors = VOLUME / SECTOR_BYTES;
+        let mut limit = 0;
+        for index in 0..4 * sectors {
+            let room = pool.log.room();
+            if index > 0 && room > 0 {
+                // Nothing pending: room is the limit less what is used and
+                // the pending block a commit always counts.
+                limit = room + pool.log.next_lsn() - pool.log.tail_lsn() + log_block;
+            }
+            if index > 0 && room < SECTOR_BYTES + 64 {
+                assert!(
+                    !volume.cached_blocks(|e| e.logged_at != 0, 1).is_empty(),
+                    "the volume's logged writes are cached"
+                );
+                assert!(limit > 0);
+                return (model, limit);
+            }
+            let at = (index * 7 % sectors) * SECTOR_BYTES;
+            let data = vec![(index % 251) as u8 + 1; SECTOR_BYTES as usize];
+            model[at as usize..(at + SECTOR_BYTES) as usize].copy_from_slice(&data);
+            volume.write(at, IoBuf::copy_from(&data), true).await.unwrap();
+        }
+        panic!("the log never filled up ({} bytes of room left)", pool.log.room());
     }
 
     /// Takes a snapshot `name` of `volume`.

@@ -221,6 +221,18 @@ impl Superblock {
                 return invalid(format!("member {index} claims index {}", member.index));
             }
         }
+        let chunk = self.chunk_bytes as u64;
+        for (index, member) in self.members.iter().enumerate() {
+            if member.size_bytes < chunk || !member.size_bytes.is_multiple_of(chunk) {
+                return invalid(format!(
+                    "member {index} size {} is not a whole number of chunks",
+                    member.size_bytes
+                ));
+            }
+            if self.members[..index].iter().any(|other| other.uuid == member.uuid) {
+                return invalid(format!("member {index} has the UUID of another member"));
+            }
+        }
         for (device, offset, bytes, what) in [
             (self.meta_device, self.meta_offset, self.meta_bytes, "metadata"),
             (self.log_device, self.log_offset, self.log_bytes, "log"),
@@ -231,6 +243,21 @@ impl Superblock {
             if offset.checked_add(bytes).is_none_or(|end| end > member.size_bytes) || bytes == 0 {
                 return invalid(format!("{what} region [{offset}, +{bytes}) outside device {device}"));
             }
+            // Chunk 0 holds the superblocks; regions are whole chunks.
+            if offset < chunk || !offset.is_multiple_of(chunk) || !bytes.is_multiple_of(chunk) {
+                return invalid(format!(
+                    "{what} region [{offset}, +{bytes}) is not made of whole chunks after chunk 0"
+                ));
+            }
+        }
+        if !self.members[self.meta_device as usize].role.holds_data() {
+            return invalid(format!("metadata device {} holds no data", self.meta_device));
+        }
+        if self.meta_device == self.log_device
+            && self.meta_offset < self.log_offset + self.log_bytes
+            && self.log_offset < self.meta_offset + self.meta_bytes
+        {
+            return invalid("the metadata and log regions overlap".into());
         }
         Ok(())
     }
@@ -319,5 +346,33 @@ mod tests {
         let zeros = vec![0u8; SUPERBLOCK_BYTES];
         assert_eq!(choose([&zeros, &zeros]), Err(SuperblockError::NotStrata));
         assert_eq!(choose([&zeros, &rotten]), Err(SuperblockError::Damaged));
+    }
+
+    /// Fields whose checksum is right but whose values cannot describe a
+    /// pool are refused, each with its field named.
+    #[test]
+    fn inconsistent_fields_are_refused_by_name() {
+        let refused = |change: fn(&mut Superblock), needle: &str| {
+            let mut superblock = sample();
+            change(&mut superblock);
+            match Superblock::decode(&superblock.encode()) {
+                Err(SuperblockError::Invalid(what)) => assert!(what.contains(needle), "{what}"),
+                other => panic!("{needle}: {other:?}"),
+            }
+        };
+        refused(|s| s.meta_offset = 4096, "metadata region");
+        refused(|s| s.meta_offset = 0, "metadata region");
+        refused(|s| s.log_bytes = (64 << 20) + 512, "log region");
+        refused(|s| s.log_offset = 32 << 20, "overlap");
+        refused(|s| s.members[1].size_bytes += 1, "member 1 size");
+        refused(|s| s.members[1].uuid = s.members[0].uuid, "UUID");
+        refused(|s| s.meta_device = 5, "metadata device 5");
+        refused(
+            |s| {
+                s.members[0].role = Role::Log;
+            },
+            "holds no data",
+        );
+        assert!(Superblock::decode(&sample().encode()).is_ok());
     }
 }

@@ -47,6 +47,9 @@ pub struct Server {
     pub data_dir: PathBuf,
     /// What the daemon prints on stdout after its listening lines.
     stdout: mpsc::Receiver<String>,
+    /// Started without `STRATA_RAM_DIR`: its RAM tier files may be in
+    /// /dev/shm, and are removed when it is dropped (see `Drop`).
+    default_ram_dir: bool,
     /// The daemon's log (stderr, at `info`) when the test gave no file of
     /// its own for it: shown (its end) if the test fails while the daemon
     /// is running, deleted otherwise.
@@ -166,6 +169,7 @@ impl Server {
             nfs,
             data_dir: data_dir.to_path_buf(),
             stdout: received,
+            default_ram_dir: ram_dir.is_none(),
             own_log,
         }
     }
@@ -241,6 +245,11 @@ impl Drop for Server {
         if let Ok(None) = self.child.try_wait() {
             self.kill9();
         }
+        // A daemon killed (or failed) with its RAM tier in /dev/shm leaves
+        // the file there, pinning RAM: not the tests'.
+        if self.default_ram_dir {
+            remove_ram_tiers_of(&self.data_dir, Path::new(strata::control::manager::DEFAULT_RAM_DIR));
+        }
         // A failing test shows what the daemon logged last (a client's
         // "Input/output error" says nothing of why).
         if let (true, Some(log)) = (std::thread::panicking(), &self.own_log) {
@@ -253,6 +262,22 @@ impl Drop for Server {
                 lines.len(),
                 tail.join("\n")
             );
+        }
+    }
+}
+
+/// Removes the RAM tier files of `data_dir`'s pools in `ram_dir` that no
+/// process holds.
+pub fn remove_ram_tiers_of(data_dir: &Path, ram_dir: &Path) {
+    let prefix = format!("strata-{}", strata::control::manager::ram_file_key(data_dir, ""));
+    for file in strata::pool::ram::region_files(ram_dir).unwrap_or_default() {
+        let ours = file
+            .path
+            .file_name()
+            .and_then(|n| n.to_str())
+            .is_some_and(|n| n.starts_with(&prefix));
+        if ours && file.held_by.is_none() {
+            let _ = strata::pool::ram::remove_region_file(&file.path, true);
         }
     }
 }

@@ -275,7 +275,7 @@ impl VolumeManager {
 
     /// Every dataset.
     pub fn fs_list(&self) -> Vec<DatasetInfo> {
-        let catalog = self.catalog();
+        let catalog = self.published();
         let names: Vec<String> = catalog
             .pools
             .iter()
@@ -288,7 +288,7 @@ impl VolumeManager {
     }
 
     pub fn fs_info(&self, name: &str) -> Result<DatasetInfo, AdminError> {
-        let catalog = self.catalog();
+        let catalog = self.published();
         self.dataset_info(&catalog, name)
     }
 

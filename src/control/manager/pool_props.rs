@@ -161,7 +161,7 @@ impl VolumeManager {
     /// `pool get`: every pool property with its value and source.
     pub fn pool_properties(&self, pool_name: &str) -> Result<Vec<PropertyRow>, AdminError> {
         validate_component("pool", pool_name)?;
-        let catalog = self.catalog();
+        let catalog = self.published();
         let record = catalog
             .pools
             .get(pool_name)

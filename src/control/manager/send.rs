@@ -22,7 +22,7 @@ use crate::control::stream::{
 };
 use crate::device::{IoBuf, ReadBuffers};
 use crate::pool::snapshots::{SnapshotInfo, SnapshotRequest};
-use crate::volume::BlockDevice;
+use crate::volume::{BlockDevice, BlockError};
 use hyper::body::Bytes;
 use std::collections::{HashSet, VecDeque};
 use tokio::sync::mpsc;
@@ -454,7 +454,7 @@ impl VolumeManager {
     /// The state of a pending (interrupted) receive into `POOL/VOL`.
     pub fn receive_status(&self, name: &str) -> Result<ReceiveStatus, AdminError> {
         let (pool, short) = split_volume_name(name)?;
-        let catalog = self.catalog();
+        let catalog = self.published();
         let state = catalog
             .pools
             .get(pool)
@@ -1029,7 +1029,9 @@ impl VolumeManager {
         _start: u64,
         name: &str,
     ) -> Result<(), Broken> {
-        let mut in_flight: VecDeque<tokio::task::JoinHandle<Result<(), String>>> = VecDeque::new();
+        let mut in_flight: VecDeque<tokio::task::JoinHandle<Result<(), Applying>>> = VecDeque::new();
+        let pool_name = pool_name_of(name);
+        let failed = |error: Applying| Broken::Local(error.into_admin(pool_name));
         // What is applied but not yet saved as progress.
         let mut pending = state.clone();
         let mut saved_at = (state.offset, std::time::Instant::now());
@@ -1054,17 +1056,15 @@ impl VolumeManager {
                     .accept(header, &fixed, &record, payload, payload_crc)
                     .map_err(Broken::Bad)?;
                 if accepted == Accepted::End {
-                    drain(&mut in_flight)
-                        .await
-                        .map_err(|e| Broken::Local(AdminError::Internal(e)))?;
-                    engine.flush().await.map_err(|e| Broken::Local(internal("flush", e)))?;
+                    drain(&mut in_flight).await.map_err(&failed)?;
+                    engine.flush().await.map_err(|e| failed(Applying::Block(e)))?;
                     *state = pending.clone();
                     state.offset = position.offset;
                     return Ok(());
                 }
                 if in_flight.len() >= IN_FLIGHT {
                     if let Some(task) = in_flight.pop_front() {
-                        settle(task).await.map_err(|e| Broken::Local(AdminError::Internal(e)))?;
+                        settle(task).await.map_err(&failed)?;
                     }
                 }
                 let target = engine.clone();
@@ -1072,18 +1072,14 @@ impl VolumeManager {
                 in_flight.push_back(match record.kind {
                     RecordKind::Write => {
                         let data = IoBuf::copy_from(payload);
-                        tokio::spawn(async move { target.write(offset, data, false).await.map_err(|e| e.to_string()) })
+                        tokio::spawn(async move { target.write(offset, data, false).await.map_err(Applying::Block) })
                     }
-                    _ => {
-                        tokio::spawn(async move { target.trim(offset, length, false).await.map_err(|e| e.to_string()) })
-                    }
+                    _ => tokio::spawn(async move { target.trim(offset, length, false).await.map_err(Applying::Block) }),
                 });
                 pending.advance_to(position);
                 if pending.offset - saved_at.0 >= PROGRESS_BYTES || saved_at.1.elapsed() >= PROGRESS_INTERVAL {
-                    drain(&mut in_flight)
-                        .await
-                        .map_err(|e| Broken::Local(AdminError::Internal(e)))?;
-                    engine.flush().await.map_err(|e| Broken::Local(internal("flush", e)))?;
+                    drain(&mut in_flight).await.map_err(&failed)?;
+                    engine.flush().await.map_err(|e| failed(Applying::Block(e)))?;
                     self.save_progress(name, &pending).await.map_err(Broken::Local)?;
                     *state = pending.clone();
                     saved_at = (state.offset, std::time::Instant::now());
@@ -1106,12 +1102,39 @@ impl VolumeManager {
     }
 }
 
-async fn settle(task: tokio::task::JoinHandle<Result<(), String>>) -> Result<(), String> {
-    task.await.map_err(|e| e.to_string())?
+/// How applying a record of the stream failed here.
+enum Applying {
+    /// The engine refused or failed the write, trim or flush.
+    Block(BlockError),
+    /// The task applying it did not finish (a panic, or the runtime
+    /// shutting down).
+    Task(String),
+}
+
+impl Applying {
+    /// The error the receive answers with: no space (HTTP 507) and device
+    /// I/O errors (503) as what they are; the receive stays pending in
+    /// both, to be resumed once space is added or the device is back.
+    fn into_admin(self, pool: &str) -> AdminError {
+        match self {
+            Applying::Block(BlockError::NoSpace) => AdminError::NoSpace(format!(
+                "no space left in pool '{pool}' for the received data; add a device to the pool or free space in it, then resume the receive"
+            )),
+            Applying::Block(error @ (BlockError::Io(_) | BlockError::Checksum { .. })) => AdminError::Io(format!(
+                "I/O error writing the received data to pool '{pool}': {error}; the receive can be resumed"
+            )),
+            Applying::Block(error) => internal("cannot write the received data", error),
+            Applying::Task(error) => internal("cannot write the received data", error),
+        }
+    }
+}
+
+async fn settle(task: tokio::task::JoinHandle<Result<(), Applying>>) -> Result<(), Applying> {
+    task.await.map_err(|e| Applying::Task(e.to_string()))?
 }
 
 /// Waits for every write in flight; the first error.
-async fn drain(in_flight: &mut VecDeque<tokio::task::JoinHandle<Result<(), String>>>) -> Result<(), String> {
+async fn drain(in_flight: &mut VecDeque<tokio::task::JoinHandle<Result<(), Applying>>>) -> Result<(), Applying> {
     let mut first = Ok(());
     while let Some(task) = in_flight.pop_front() {
         if let Err(e) = settle(task).await {

@@ -51,16 +51,26 @@ pub fn split_snapshot_name(text: &str) -> Result<(&str, &str, &str), AdminError>
 const EVICTION_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// Volumes dropping their clients; new clients are admitted again when it
-/// is dropped (after the rollback, or when it failed).
-struct Eviction(Vec<Arc<Volume>>);
+/// is dropped (after the rollback, or when it failed), unless it is kept
+/// (the volumes were deleted).
+pub(super) struct Eviction(Vec<Arc<Volume>>);
 
 impl Eviction {
     /// Refuses new clients of `volumes` (those connected stay).
-    fn refuse_clients(volumes: Vec<Arc<Volume>>) -> Eviction {
+    pub(super) fn refuse_clients(volumes: Vec<Arc<Volume>>) -> Eviction {
         for volume in &volumes {
             volume.refuse_clients();
         }
         Eviction(volumes)
+    }
+
+    pub(super) fn volumes(&self) -> &[Arc<Volume>] {
+        &self.0
+    }
+
+    /// Refuses new clients for good: the volumes are gone.
+    pub(super) fn keep(mut self) {
+        self.0.clear();
     }
 
     /// Tells the frontends to close every connection to `volumes` and waits
@@ -207,7 +217,7 @@ impl VolumeManager {
 
     /// Every snapshot, or those of volume `POOL/VOL`, oldest first per volume.
     pub fn list_snapshots(&self, volume: Option<&str>) -> Result<Vec<SnapshotView>, AdminError> {
-        let catalog = self.catalog();
+        let catalog = self.published();
         let wanted = match volume {
             Some(name) => {
                 let (pool, short) = split_volume_name(name)?;
@@ -476,12 +486,20 @@ impl VolumeManager {
     /// returns its name and client count.
     fn claim_for_delete(&self, names: &[String]) -> Result<DeleteClaim<'_>, (String, usize)> {
         let mut views = self.snapshot_views.lock().unwrap_or_else(|e| e.into_inner());
-        for name in names {
-            if let Some(Export::Open(view)) = views.get(name) {
-                let connections = view.upgrade().map_or(0, |v| v.open_handles());
-                if connections > 0 {
-                    return Err((name.clone(), connections));
-                }
+        // Clients of the open views are refused before they are counted: a
+        // handshake holding a view is either counted or refused.
+        let open: Vec<Arc<Volume>> = names
+            .iter()
+            .filter_map(|name| match views.get(name) {
+                Some(Export::Open(view)) => view.upgrade(),
+                _ => None,
+            })
+            .collect();
+        let refused = Eviction::refuse_clients(open);
+        for view in refused.volumes() {
+            let connections = view.open_handles();
+            if connections > 0 {
+                return Err((view.full_name().to_string(), connections));
             }
         }
         for name in names {
@@ -491,6 +509,9 @@ impl VolumeManager {
                 }
             }
         }
+        // Deleted (or, should the engine fail, left to be opened afresh
+        // once the claim is dropped): these views take no client again.
+        refused.keep();
         Ok(DeleteClaim {
             manager: self,
             names: names.to_vec(),

@@ -4,9 +4,10 @@
 //! write data (immediate, unsolicited and R2T-solicited Data-Out) and runs
 //! each SCSI command on itself until the command has to wait, then on a
 //! task of its own (`frontend::run_or_spawn`), so commands run concurrently
-//! and complete in any order. Responses go through a channel to a writer task that stamps
-//! StatSN/ExpCmdSN/MaxCmdSN at send time and writes every queued PDU before
-//! one flush (replies that complete together leave in one send).
+//! and complete in any order. Responses go through a channel to a writer
+//! task that stamps StatSN/ExpCmdSN/MaxCmdSN at send time and writes every
+//! queued PDU before one flush (replies that complete together leave in one
+//! send).
 
 use std::collections::HashMap;
 use std::io;
@@ -38,7 +39,7 @@ pub const COMMAND_WINDOW: u32 = 128;
 /// Hard cap on tasks per connection, immediate commands included.
 const MAX_TASKS: u32 = 2 * COMMAND_WINDOW;
 /// Largest data-out we gather for one command (the volume's request limit).
-const MAX_DATA_OUT_BYTES: u64 = crate::volume::MAX_REQUEST_BYTES as u64;
+pub(super) const MAX_DATA_OUT_BYTES: u64 = crate::volume::MAX_REQUEST_BYTES as u64;
 /// How long a login may take before the connection is closed (an idle
 /// half-logged-in connection holds nothing, but should not stay forever).
 /// Write data one connection may be gathering at once (the sum of the
@@ -327,8 +328,14 @@ struct Session<'a> {
 /// How analytics count a command: its operation, and the offset and
 /// bytes of the range it addresses. None for commands that move no data
 /// and touch no block (INQUIRY, TEST UNIT READY, ...).
-fn analytics_op(command: &Command) -> Option<(Op, u64, u64)> {
-    let range = |lba: u64, blocks: u32| (lba * BLOCK_BYTES as u64, blocks as u64 * BLOCK_BYTES as u64);
+pub(super) fn analytics_op(command: &Command) -> Option<(Op, u64, u64)> {
+    // Before the logical unit's range check: an LBA whose byte offset does
+    // not fit in 64 bits is recorded with no offset (the command fails).
+    let at = |lba: u64| {
+        lba.checked_mul(BLOCK_BYTES as u64)
+            .unwrap_or(crate::analytics::record::NO_OFFSET)
+    };
+    let range = |lba: u64, blocks: u32| (at(lba), blocks as u64 * BLOCK_BYTES as u64);
     let (op, (offset, bytes)) = match *command {
         Command::Read { lba, blocks, .. } => (Op::Read, range(lba, blocks)),
         Command::Write { lba, blocks, .. }
@@ -339,9 +346,9 @@ fn analytics_op(command: &Command) -> Option<(Op, u64, u64)> {
         }
         // Its ranges are in the parameter list: no single offset.
         Command::Unmap { .. } => (Op::Trim, (crate::analytics::record::NO_OFFSET, 0)),
-        Command::SynchronizeCache { lba, .. } => (Op::Flush, (lba * BLOCK_BYTES as u64, 0)),
+        Command::SynchronizeCache { lba, .. } => (Op::Flush, (at(lba), 0)),
         Command::Prefetch { lba, blocks } => (Op::Cache, range(lba, blocks)),
-        Command::GetLbaStatus { lba, .. } => (Op::BlockStatus, (lba * BLOCK_BYTES as u64, 0)),
+        Command::GetLbaStatus { lba, .. } => (Op::BlockStatus, (at(lba), 0)),
         _ => return None,
     };
     Some((op, offset, bytes))
@@ -1146,4 +1153,46 @@ async fn write_loop<W: AsyncWrite + Unpin>(
         writer.flush().await?;
     }
     writer.flush().await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::analytics::record::NO_OFFSET;
+
+    /// An LBA from the wire whose byte offset does not fit in 64 bits is
+    /// counted with no offset, never a wrapped one (nor a panic): the
+    /// logical unit refuses the command after this runs.
+    #[test]
+    fn analytics_offsets_of_huge_lbas_do_not_wrap() {
+        for lba in [u64::MAX, u64::MAX / 512 + 1, 1 << 55] {
+            let commands = [
+                Command::Read {
+                    lba,
+                    blocks: 8,
+                    fua: false,
+                },
+                Command::Write {
+                    lba,
+                    blocks: 8,
+                    fua: false,
+                },
+                Command::SynchronizeCache { lba, blocks: 0 },
+                Command::Prefetch { lba, blocks: 1 },
+                Command::GetLbaStatus { lba, alloc_len: 32 },
+            ];
+            for command in commands {
+                let (_, offset, _) = analytics_op(&command).expect("a data command");
+                assert_eq!(offset, NO_OFFSET, "{command:?}");
+            }
+        }
+        // The largest LBA that fits keeps its offset.
+        let lba = u64::MAX / 512;
+        let read = Command::Read {
+            lba,
+            blocks: 1,
+            fua: false,
+        };
+        assert_eq!(analytics_op(&read), Some((Op::Read, lba * 512, 512)));
+    }
 }

@@ -10,8 +10,8 @@
 //! together, just before it would wait for the socket; a spawned request
 //! sends its own. A byte budget per connection bounds the memory one
 //! client can pin; nothing is shared between connections except the
-//! volume itself. A connection costs no thread of its own (ARCHITECTURE.md,
-//! "NBD" under "Request flow").
+//! volume itself. A connection costs no thread of its own (docs/NBD.md,
+//! "Transmission").
 //!
 //! After NBD_OPT_STARTTLS the handshake task also runs the TLS handshake
 //! and option haggling starts over inside TLS ([`handshake`]). A TLS
@@ -61,7 +61,7 @@ const STRUCTURED_READ_HEADROOM: usize = proto::CHUNK_HEADER_BYTES + 8;
 /// and [`MAX_READ_THREADS`]. Two readers sending on one socket contend for
 /// it; on two cores shared with the client, a second thread cost 35–40 % of
 /// 1M read throughput on one machine and gained 5–11 % on another
-/// (BENCHMARKS.md, NBD).
+/// (BENCHMARKS.md, "NBD").
 fn read_threads() -> usize {
     static THREADS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     *THREADS.get_or_init(|| {
@@ -80,7 +80,7 @@ const DEFAULT_IDLE_POLL_US: u64 = 30;
 /// one megabyte reply fits. Autotuned, the buffer grows to take a whole
 /// megabyte reply while the one before it is still unread, and the
 /// sending thread then also does the TCP work of the client's window
-/// updates for the queued data (BENCHMARKS.md, NBD: 1M reads +17–22 %, 8–13 %
+/// updates for the queued data (BENCHMARKS.md, "NBD": 1M reads +17–22 %, 8–13 %
 /// less server CPU per read). A megabyte in flight per connection still
 /// fills 10 Gb/s up to ~0.8 ms of round trip.
 const DEFAULT_SEND_BUFFER_BYTES: u64 = 512 << 10;
@@ -401,7 +401,7 @@ async fn handshake(
 }
 
 /// Shuts a connection's socket down both ways when dropped, as when a
-/// stopping server gives up waiting for it (see [`Connections::drain`]):
+/// stopping server gives up waiting for it (see [`crate::frontend::Connections::drain`]):
 /// the connection's transmission task, which runs on detached, then sends
 /// nothing more and its receive ends. After a normal end it changes nothing.
 struct Hangup(OwnedFd);
@@ -572,7 +572,7 @@ fn advance_received(buf: &mut ReadBuf<'_>, received: usize) {
 /// QD32 does 25 % fewer 4K reads than a reader on a thread of its own (in
 /// fewer, larger batches: the reader learns of new requests only when the
 /// reactor next reports the socket readable); with its own `recv` first, as
-/// many (ARCHITECTURE.md, "NBD" under "Request flow").
+/// many (docs/NBD.md, "Transmission").
 ///
 /// When the reader waits for the next request with nothing in flight
 /// (`idle`, set by [`transmission`]: a client doing one request at a

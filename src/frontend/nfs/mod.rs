@@ -4,7 +4,7 @@
 //! of order. Each procedure's arguments are decoded into a typed call
 //! first (no file system needed, so the fuzz target runs the decoders
 //! alone), then executed against the [`crate::fs::FileSystem`] of the
-//! export the file handle names (ARCHITECTURE.md, "File service (NFS)").
+//! export the file handle names (docs/NFS.md).
 
 pub mod drc;
 pub mod fuzzing;

@@ -41,7 +41,7 @@ pub const MAX_IN_FLIGHT: usize = 64;
 const SOCKET_BUFFER_BYTES: usize = 64 << 10;
 
 /// Accepts NFS clients until `stop` turns true, then waits for the calls
-/// in flight to be answered (see [`Connections::drain`]). Connections
+/// in flight to be answered (see [`crate::frontend::Connections::drain`]). Connections
 /// beyond `limits` are closed at accept, before a byte is read.
 /// The daemon's duplicate-request cache is made (and shown by `GET
 /// /metrics`) when this is called, not when the future first runs.

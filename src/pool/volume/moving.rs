@@ -225,10 +225,21 @@ impl EngineVolume {
             for (at, (_, data, _, _)) in run.iter().enumerate() {
                 buf.payload_mut()[at * bytes..(at + 1) * bytes].copy_from_slice(data.payload());
             }
-            let pool_device = &self.pool.devices[run[0].2 as usize];
-            let (buf, result) = pool_device.device.write(run[0].3, buf).await;
+            let pool_device = self.pool.data_device(run[0].2);
+            let (buf, result) = match &pool_device {
+                Ok(pool_device) => pool_device.device.write(run[0].3, buf).await,
+                Err(e) => (
+                    buf,
+                    Err(crate::device::DeviceError::Failed {
+                        device: format!("device {}", run[0].2),
+                        reason: e.to_string(),
+                    }),
+                ),
+            };
             if result.is_err() {
-                pool_device.counters.write_errors.fetch_add(1, Ordering::Relaxed);
+                if let Ok(pool_device) = pool_device {
+                    pool_device.counters.write_errors.fetch_add(1, Ordering::Relaxed);
+                }
                 for (index, _, device, offset) in run {
                     self.pool.release_unused(*device, *offset);
                     outcome[*index] = Moved::Failed;

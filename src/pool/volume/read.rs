@@ -14,12 +14,13 @@ impl EngineVolume {
             .crcs(device, offset, data.len() / SECTOR_BYTES as usize)
             .map_err(meta_error)?;
         let actuals = sector_crcs(data);
+        let pool_device = self.pool.data_device(device).map_err(meta_error)?;
         for (index, (&actual, &expected)) in actuals.iter().zip(&stored).enumerate() {
             let at = offset + index as u64 * SECTOR_BYTES;
             if actual == expected {
                 continue;
             }
-            let counters = &self.pool.devices[device as usize].counters;
+            let counters = &pool_device.counters;
             if self.pool.is_suspect(device, at) {
                 // The checkpoint's snapshot must not race this page change.
                 let _gate = if holding_gate {
@@ -35,7 +36,7 @@ impl EngineVolume {
             tracing::error!(
                 "volume {}: checksum mismatch at device {} offset {} (volume offset {})",
                 self.id,
-                self.pool.devices[device as usize].device.info().name,
+                pool_device.device.info().name,
                 at,
                 logical + index as u64 * SECTOR_BYTES
             );
@@ -60,10 +61,10 @@ impl EngineVolume {
         }
         let sectors = dst.len() / SECTOR_BYTES as usize;
         let mut sums = vec![0u32; sectors];
-        if !self.pool.devices[device as usize]
-            .device
-            .read_now_summed(physical, dst, &mut sums)
-        {
+        let Some(pool_device) = self.pool.device(device) else {
+            return false;
+        };
+        if !pool_device.device.read_now_summed(physical, dst, &mut sums) {
             return false;
         }
         matches!(self.pool.crcs(device, physical, sectors), Ok(stored) if stored == sums)
@@ -113,7 +114,7 @@ impl EngineVolume {
         holding_gate: bool,
     ) -> BlockResult<IoBuf> {
         debug_assert!(offset.is_multiple_of(SECTOR_BYTES) && length.is_multiple_of(SECTOR_BYTES));
-        let pool_device = &self.pool.devices[device as usize];
+        let pool_device = self.pool.data_device(device).map_err(meta_error)?;
         let (buf, result) = pool_device.device.read(offset, IoBuf::new(length as usize)).await;
         if let Err(e) = result {
             pool_device.counters.read_errors.fetch_add(1, Ordering::Relaxed);
@@ -171,7 +172,7 @@ impl EngineVolume {
             .all(|(i, dst)| cache.get_into(self.id, first + i as u64, dst));
         if all_hit {
             // No heat: the fast tier is for what the read cache does not
-            // hold (ARCHITECTURE.md, "Tiering: heat and the migrator").
+            // hold (ARCHITECTURE.md, "Migration (tiering)").
             return (buf, Ok(()));
         }
         let (buf, result) = self.read_disk(offset, buf).await;
@@ -231,7 +232,10 @@ impl EngineVolume {
                 if self.read_summed_now(device, physical, buf.payload_mut()) {
                     return (buf, Ok(()));
                 }
-                let pool_device = &self.pool.devices[device as usize];
+                let pool_device = match self.pool.data_device(device) {
+                    Ok(pool_device) => pool_device,
+                    Err(e) => return (buf, Err(meta_error(e))),
+                };
                 let (buf, result) = pool_device.device.read(physical, buf).await;
                 if let Err(e) = result {
                     pool_device.counters.read_errors.fetch_add(1, Ordering::Relaxed);
@@ -245,7 +249,10 @@ impl EngineVolume {
             if physical % SECTOR_BYTES == 0 && run % SECTOR_BYTES == 0 {
                 // Whole sectors: straight into their place in `buf` when the
                 // device has them in memory.
-                let pool_device = &self.pool.devices[device as usize];
+                let pool_device = match self.pool.data_device(device) {
+                    Ok(pool_device) => pool_device,
+                    Err(e) => return (buf, Err(meta_error(e))),
+                };
                 let dst = &mut buf.payload_mut()[at as usize..(at + run) as usize];
                 if self.read_summed_now(device, physical, dst) {
                     continue;

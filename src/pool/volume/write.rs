@@ -478,7 +478,14 @@ impl EngineVolume {
                 write.release_new_slots(&self.pool);
                 continue;
             }
-            let pool_device = &self.pool.devices[write.device as usize];
+            let pool_device = match self.pool.data_device(write.device) {
+                Ok(pool_device) => pool_device,
+                Err(e) => {
+                    write.release_new_slots(&self.pool);
+                    failure = Some(meta_error(e));
+                    continue;
+                }
+            };
             let whole_source = source.as_ref().is_some_and(|buf| match &write.data {
                 Payload::Source(range) => range.start == 0 && range.end == buf.len(),
                 Payload::Owned(_) => false,
