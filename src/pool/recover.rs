@@ -596,7 +596,7 @@ impl Pool {
             }
         };
         match record {
-            Record::Dirty { device, chunk } => geometry
+            Record::Dirty { device, chunk, .. } => geometry
                 .check_chunk(*device as u64, *chunk, self.chunk_bytes as u64)
                 .map_err(|e| format!("Dirty, field chunk: {e}")),
             Record::Map {
