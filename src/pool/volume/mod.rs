@@ -985,7 +985,14 @@ mod tests {
             sim.write_durable(first, &vec![8u8; block as usize]);
             sim.write_durable(second + 100, &[9u8]);
             pool.mark_suspect(device, first, block);
-            let errors = || pool.devices[0].counters.checksum_errors.load(Ordering::Relaxed);
+            let errors = || {
+                pool.devices
+                    .at(0)
+                    .unwrap()
+                    .counters
+                    .checksum_errors
+                    .load(Ordering::Relaxed)
+            };
             let writer = pool.enter_write(2).await;
             let report = tokio::time::timeout(std::time::Duration::from_secs(10), pool.scrub_suspect())
                 .await
