@@ -28,7 +28,6 @@
 //! get generation + 2 with the old table, and the new device's superblocks
 //! are zeroed.
 
-use std::sync::atomic::AtomicU32;
 use std::sync::{Arc, OnceLock};
 
 use super::alloc::DeviceSpace;
@@ -291,7 +290,6 @@ impl Pool {
             device: addition.device.clone(),
             member,
             counters: DeviceCounters::default(),
-            chunk_epochs: (0..chunks).map(|_| AtomicU32::new(0)).collect(),
             heat: super::migrate::Heat::new(chunks),
             written: Default::default(),
         });
