@@ -1176,12 +1176,12 @@ fn error_response(description: &str) -> Value {
     })
 }
 
-/// The `op` values the analytics queries take.
-const OP_NAMES: [&str; crate::volume::stats::OPS.len()] = {
-    let mut names = [""; crate::volume::stats::OPS.len()];
+/// The `op` values the analytics queries take (empty: every one).
+const OP_NAMES: [&str; crate::volume::stats::OPS.len() + 1] = {
+    let mut names = [""; crate::volume::stats::OPS.len() + 1];
     let mut i = 0;
-    while i < names.len() {
-        names[i] = crate::volume::stats::OPS[i].as_str();
+    while i < crate::volume::stats::OPS.len() {
+        names[i + 1] = crate::volume::stats::OPS[i].as_str();
         i += 1;
     }
     names
@@ -1269,11 +1269,15 @@ fn complete(doc: &mut Value) {
                         (Some("path"), Some("snapshot")) => Some(snapshot_schema()),
                         (Some("query"), Some("pool")) => Some(name_schema()),
                         (Some("query"), Some("volume")) if path == "/v1/snapshots" => Some(full_name_schema()),
-                        (Some("query"), Some("protocol")) => Some(choice(&["nbd", "iscsi"])),
+                        // Empty is no filter, as a form's empty field sends it.
+                        (Some("query"), Some("protocol")) => Some(choice(&["", "nbd", "iscsi"])),
                         (Some("query"), Some("op")) => Some(choice(&OP_NAMES)),
-                        (Some("query"), Some("phase")) => Some(choice(&["total", "queued", "commit"])),
+                        (Some("query"), Some("phase")) => Some(choice(&["", "total", "queued", "commit"])),
                         (Some("query"), Some("step")) => Some(json!({ "type": "integer", "enum": [1, 60] })),
-                        (Some("query"), Some("by")) => Some(text(&format!("{DIM}(,{DIM})*"), 0, 64)),
+                        (Some("query"), Some("by")) => Some(json!({
+                            "type": "string",
+                            "pattern": anchored(&format!("({DIM}(,{DIM})*)?")),
+                        })),
                         (Some("query"), Some("min_ns" | "max_ns" | "top")) => {
                             Some(json!({ "type": "integer", "minimum": 0, "maximum": u64::MAX }))
                         }
