@@ -24,22 +24,12 @@ pub const MAX_RELOCATE_OWNERS: usize = 512;
 /// Blocks read at once during replay.
 const REPLAY_BATCH_BLOCKS: u64 = 256;
 
-/// The parts a chunk is divided into for `Dirty` marks and suspect
-/// checksums: 256 of them, a 4 KiB sector each in a chunk of 1 MiB.
-pub const CHUNK_PARTS: u64 = 256;
-/// A bitmap of a chunk's [`CHUNK_PARTS`] parts.
-pub type ChunkParts = [u64; 4];
-/// Every part of a chunk.
-pub const ALL_PARTS: ChunkParts = [u64::MAX; 4];
-
 /// One logical change.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Record {
-    /// Writes into these parts of this chunk may be in flight: their
-    /// checksums are not to be trusted after a crash until they are read
-    /// back (a chunk is [`CHUNK_PARTS`] equal parts; `parts` is a bitmap of
-    /// them). A chunk whose every part is marked is encoded as type 1.
-    Dirty { device: u8, chunk: u64, parts: ChunkParts },
+    /// Writes into this chunk may be in flight: its checksums are not to be
+    /// trusted after a crash until it is scrubbed.
+    Dirty { device: u8, chunk: u64 },
     /// Block `block` of volume `volume` now maps to `new` (0 = unmapped);
     /// it mapped to `old` before (freed by this change). `crcs` are the
     /// checksums of the new block's 4 KiB sectors (empty when unmapping).
@@ -171,8 +161,7 @@ impl Record {
 
     fn encoded_len(&self) -> usize {
         match self {
-            Record::Dirty { parts, .. } if *parts == ALL_PARTS => 10,
-            Record::Dirty { .. } => 42,
+            Record::Dirty { .. } => 10,
             Record::Map { crcs, .. } => 30 + 4 * crcs.len(),
             Record::Destroy { .. } => 5,
             Record::Data { seq: 0, .. } => 17,
@@ -209,15 +198,10 @@ impl Record {
 
     fn encode(&self, out: &mut Vec<u8>) {
         match self {
-            Record::Dirty { device, chunk, parts } => {
-                out.push(if *parts == ALL_PARTS { 1 } else { 17 });
+            Record::Dirty { device, chunk } => {
+                out.push(1);
                 out.push(*device);
                 out.extend_from_slice(&chunk.to_le_bytes());
-                if *parts != ALL_PARTS {
-                    for word in parts {
-                        out.extend_from_slice(&word.to_le_bytes());
-                    }
-                }
             }
             Record::Map {
                 volume,
@@ -366,17 +350,8 @@ impl Record {
                 Record::Dirty {
                     device: *bytes.get(1)?,
                     chunk: u64_at(2)?,
-                    parts: ALL_PARTS,
                 },
                 10,
-            )),
-            17 => Some((
-                Record::Dirty {
-                    device: *bytes.get(1)?,
-                    chunk: u64_at(2)?,
-                    parts: [u64_at(10)?, u64_at(18)?, u64_at(26)?, u64_at(34)?],
-                },
-                42,
             )),
             2 => {
                 let count = *bytes.get(29)? as usize;
@@ -1534,16 +1509,7 @@ mod tests {
     #[test]
     fn block_round_trip_and_rejections() {
         let records = vec![
-            Record::Dirty {
-                device: 1,
-                chunk: 77,
-                parts: ALL_PARTS,
-            },
-            Record::Dirty {
-                device: 2,
-                chunk: 78,
-                parts: [1, 0, u64::MAX, 1 << 40],
-            },
+            Record::Dirty { device: 1, chunk: 77 },
             Record::Map {
                 volume: 3,
                 block: 9,
@@ -1752,11 +1718,7 @@ mod tests {
         };
         crate::meta::store::block_on(async {
             // Marks only: written and flushed to the log, no data flush.
-            log.append(Record::Dirty {
-                device: 0,
-                chunk: 3,
-                parts: ALL_PARTS,
-            });
+            log.append(Record::Dirty { device: 0, chunk: 3 });
             log.append(Record::Map {
                 volume: 1,
                 block: 2,
@@ -1774,11 +1736,7 @@ mod tests {
             assert_eq!(data_flushes.load(Ordering::SeqCst), 1);
             // A new mapping points at data: the marks commit declines and
             // writes nothing; a full commit flushes data first.
-            log.append(Record::Dirty {
-                device: 0,
-                chunk: 4,
-                parts: ALL_PARTS,
-            });
+            log.append(Record::Dirty { device: 0, chunk: 4 });
             log.append(new_mapping());
             assert!(log.commit_marks().await.unwrap().is_none());
             assert_eq!(log.next_lsn(), after_marks, "nothing written");
@@ -1927,11 +1885,7 @@ mod tests {
         crate::meta::store::block_on(async {
             let pass = log.new_pass();
             log.defer(pass, map_of(1, 5, 40), None);
-            log.append(Record::Dirty {
-                device: 0,
-                chunk: 3,
-                parts: ALL_PARTS,
-            });
+            log.append(Record::Dirty { device: 0, chunk: 3 });
             // A commit meanwhile takes the pending records only.
             assert!(log.commit_marks().await.unwrap().is_some());
             assert!(log.holds(pass));
@@ -1969,11 +1923,6 @@ mod tests {
                                 0 => Record::Dirty {
                                     device: 0,
                                     chunk: block,
-                                    parts: if block % 2 == 0 {
-                                        ALL_PARTS
-                                    } else {
-                                        [block, 0, 1 << 63, 7]
-                                    },
                                 },
                                 1 => Record::Data {
                                     volume: 1,

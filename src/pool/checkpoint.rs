@@ -180,7 +180,7 @@ impl Pool {
         map: &[TakenPage<MapPage>],
         crcs: &[TakenPage<CrcPage>],
         chunks: &[((u8, u64), Option<ChunkState>)],
-        suspect: &[((u8, u64), ChunkParts)],
+        suspect: &[(u8, u64)],
         destroyed: &[u32],
         snapshots: Option<&snapshots::SnapshotState>,
         heat: Option<&[((u32, u64), u64)]>,
@@ -222,11 +222,10 @@ impl Pool {
             }
         }
         {
-            txn.open_table(SUSPECT)?.retain(|_, _| false)?;
-            let mut table = txn.open_table(crate::meta::store::SUSPECT_PARTS)?;
+            let mut table = txn.open_table(SUSPECT)?;
             table.retain(|_, _| false)?;
-            for ((device, chunk), parts) in suspect {
-                table.insert((*device as u32, *chunk), super::recover::encode_parts(parts).as_slice())?;
+            for (device, chunk) in suspect {
+                table.insert((*device as u32, *chunk), 0)?;
             }
         }
         if let Some(state) = snapshots {

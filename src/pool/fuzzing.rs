@@ -281,11 +281,7 @@ mod tests {
         };
         // Log blocks: flags (4 bytes), then a body of encoded records.
         let records = [
-            Record::Dirty {
-                device: 1,
-                chunk: 77,
-                parts: crate::meta::log::ALL_PARTS,
-            },
+            Record::Dirty { device: 1, chunk: 77 },
             Record::Map {
                 volume: 3,
                 block: 9,

@@ -28,6 +28,7 @@
 //! get generation + 2 with the old table, and the new device's superblocks
 //! are zeroed.
 
+use std::sync::atomic::AtomicU32;
 use std::sync::{Arc, OnceLock};
 
 use super::alloc::DeviceSpace;
@@ -290,6 +291,7 @@ impl Pool {
             device: addition.device.clone(),
             member,
             counters: DeviceCounters::default(),
+            chunk_epochs: (0..chunks).map(|_| AtomicU32::new(0)).collect(),
             heat: super::migrate::Heat::new(chunks),
             written: Default::default(),
         });

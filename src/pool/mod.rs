@@ -9,15 +9,13 @@
 //!   commit that carries such a record flushes the data devices first (a
 //!   commit of records that need no flush, such as `Dirty` marks, skips
 //!   it), so a durable mapping never points at data that is not durable.
-//! - Before a slot is first overwritten in place in each checkpoint epoch, a
-//!   `Dirty` record naming it (its chunk and the chunk's parts it covers) is
-//!   committed. After a crash the parts named by such records are *suspect*:
-//!   their checksums may describe the data before or after a write that was
-//!   in flight, so a mismatch there is repaired from the data instead of
-//!   reported; a mismatch anywhere else, in the same chunk or not, is a
-//!   checksum error. A scrub after the crash reads the suspect slots back.
-//!   Overwrites therefore cost no metadata I/O beyond the marks, made once
-//!   per slot per epoch and many in one log write.
+//! - Before the first write into a chunk in each checkpoint epoch, a `Dirty`
+//!   record for that chunk is committed. After a crash the chunks named by
+//!   such records are *suspect*: their checksums may describe the data before
+//!   or after writes that were in flight, so a mismatch there is repaired
+//!   from the data instead of reported (and a scrub re-verifies them).
+//!   Overwrites therefore cost no metadata I/O beyond that one record per
+//!   chunk per epoch.
 //! - A checkpoint writes the changed map, checksum and allocation pages to
 //!   the metadata store in one transaction and frees the log up to it.
 //! - A freed slot is reused only after the record freeing it is durable.
@@ -38,7 +36,6 @@ pub mod readcache;
 mod recover;
 mod relocate;
 mod scrub;
-pub use scrub::ScrubReport;
 mod send;
 pub mod snapshots;
 pub mod superblock;
@@ -51,14 +48,14 @@ use recover::{read_superblock, round_up, write_superblock};
 pub use send::SendExtent;
 use volumes::Release;
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use redb::{ReadableTable, TableDefinition};
 
 use crate::device::{BackingSpace, Device, DeviceError, IoBuf};
-use crate::meta::log::{ChunkParts, Log, LogError, Record, ALL_PARTS, CHUNK_PARTS};
+use crate::meta::log::{Log, LogError, Record};
 use crate::meta::pages::{CrcPage, MapPage, Page, PageCache, TakenPage, CRCS_PER_PAGE, MAP_ENTRIES_PER_PAGE};
 use crate::meta::store::{self, CHUNKS, CRC_PAGES, MAP_PAGES, STATE, SUSPECT};
 use crate::meta::MetaError;
@@ -78,6 +75,9 @@ const MAX_META_BYTES: u64 = 16 << 30;
 pub const DEFAULT_META_CACHE_BYTES: u64 = 32 << 20;
 /// Checkpoint when this many pages are dirty (bounds memory).
 const MAX_DIRTY_PAGES: usize = 16384;
+/// How far past a chunk that continues a sequential stream
+/// [`Pool::mark_dirty`] marks the chunks after it, in bytes.
+const MARK_AHEAD_BYTES: u64 = 16 << 20;
 const STORE_CACHE_BYTES: usize = 32 << 20;
 /// RAM tier of a pool opened without one configured (tests, tools).
 pub const DEFAULT_RAM_BYTES: u64 = 64 << 20;
@@ -208,18 +208,12 @@ fn new_gates() -> Box<[GateShard]> {
         .collect()
 }
 
-/// The slots whose `Dirty` marks are durable, as parts of their chunks,
-/// valid for one checkpoint epoch (a new epoch starts with none).
-#[derive(Default)]
-struct EpochMarks {
-    epoch: u32,
-    chunks: HashMap<(u8, u64), ChunkParts>,
-}
-
 pub struct PoolDevice {
     pub device: Arc<dyn Device>,
     pub member: Member,
     pub counters: DeviceCounters,
+    /// Per chunk: the epoch in which a `Dirty` record was last committed.
+    chunk_epochs: Vec<AtomicU32>,
     /// Per chunk: decayed reads and writes (`pool/migrate.rs`).
     pub(crate) heat: migrate::Heat,
     /// Data written here, and how much of it a flush covered.
@@ -370,11 +364,8 @@ pub struct Pool {
     corruption: Arc<crate::meta::geometry::CorruptionLog>,
     allocator: crate::sync::WatchedMutex<Allocator>,
     epoch: AtomicU32,
-    /// Parts of chunks whose checksums are not trusted after a crash (a
-    /// write may have been in flight there), until read back or rewritten.
-    suspect: Mutex<HashMap<(u8, u64), ChunkParts>>,
-    /// The slots whose `Dirty` marks are durable in the current epoch.
-    marks: Mutex<EpochMarks>,
+    /// Chunks whose checksums are not trusted (after a crash, until scrubbed).
+    suspect: Mutex<HashSet<(u8, u64)>>,
     /// Destroyed volumes whose pages the next checkpoint deletes.
     destroyed: Mutex<HashSet<u32>>,
     /// The write gate, in shards by volume id ([`Pool::gate`]): held shared

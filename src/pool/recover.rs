@@ -267,6 +267,7 @@ impl Pool {
                 device,
                 member,
                 counters: DeviceCounters::default(),
+                chunk_epochs: (0..chunks).map(|_| AtomicU32::new(0)).collect(),
                 heat: super::migrate::Heat::new(chunks),
                 written: Default::default(),
             });
@@ -338,7 +339,7 @@ impl Pool {
                 .collect(),
         };
         let mut allocator = Allocator::new(superblock.chunk_bytes, spaces);
-        let mut suspect: HashMap<(u8, u64), ChunkParts> = HashMap::new();
+        let mut suspect = HashSet::new();
         {
             let txn = db.begin_read().map_err(MetaError::from)?;
             let chunks = txn.open_table(CHUNKS).map_err(MetaError::from)?;
@@ -367,28 +368,7 @@ impl Pool {
                 geometry
                     .check_chunk(device as u64, chunk_index, chunk)
                     .map_err(|e| corrupt(format!("table suspect key ({device}, {chunk_index}): {e}")))?;
-                suspect.insert((device as u8, chunk_index), ALL_PARTS);
-            }
-            // Pools from before parts were kept have no such table.
-            if let Ok(table) = txn.open_table(crate::meta::store::SUSPECT_PARTS) {
-                for row in table.iter().map_err(MetaError::from)? {
-                    let (key, value) = row.map_err(MetaError::from)?;
-                    let (device, chunk_index) = key.value();
-                    geometry
-                        .check_chunk(device as u64, chunk_index, chunk)
-                        .map_err(|e| corrupt(format!("table suspect_parts key ({device}, {chunk_index}): {e}")))?;
-                    let bytes = value.value();
-                    let parts = decode_parts(bytes).ok_or_else(|| {
-                        PoolError::Meta(MetaError::Corrupt(format!(
-                            "suspect_parts {device}/{chunk_index}: {} bytes, not 32",
-                            bytes.len()
-                        )))
-                    })?;
-                    let entry = suspect.entry((device as u8, chunk_index)).or_default();
-                    for (word, add) in entry.iter_mut().zip(parts) {
-                        *word |= add;
-                    }
-                }
+                suspect.insert((device as u8, chunk_index));
             }
             // Heat is a hint: a pool from before it was stored has none.
             if let Ok(table) = txn.open_table(crate::meta::store::HEAT) {
@@ -479,7 +459,6 @@ impl Pool {
             allocator: crate::sync::WatchedMutex::new(allocator),
             epoch: AtomicU32::new(epoch.wrapping_add(1).max(1)),
             suspect: Mutex::new(suspect),
-            marks: Mutex::new(EpochMarks::default()),
             destroyed: Mutex::new(HashSet::new()),
             gates: new_gates(),
             checkpointing: tokio::sync::Mutex::new(()),
@@ -546,7 +525,7 @@ impl Pool {
         }
         if replayed > 0 {
             tracing::info!(
-                "pool {}: replayed {replayed} log records ({} chunks with suspect parts)",
+                "pool {}: replayed {replayed} log records ({} suspect chunks)",
                 pool.name,
                 pool.suspect.lock_or_abort().len()
             );
@@ -598,7 +577,7 @@ impl Pool {
             }
         };
         match record {
-            Record::Dirty { device, chunk, .. } => geometry
+            Record::Dirty { device, chunk } => geometry
                 .check_chunk(*device as u64, *chunk, self.chunk_bytes as u64)
                 .map_err(|e| format!("Dirty, field chunk: {e}")),
             Record::Map {
@@ -661,19 +640,15 @@ impl Pool {
                 Err(e) => return Err(e.to_string()),
             }
             drop(allocator);
-            self.store_crcs(device, offset, crcs).map_err(|e| e.to_string())?;
+            self.set_crcs(device, offset, crcs).map_err(|e| e.to_string())?;
         }
         Ok(())
     }
 
     pub(super) fn apply_replayed(&self, record: Record) -> Result<(), PoolError> {
         match record {
-            Record::Dirty { device, chunk, parts } => {
-                let mut suspect = self.suspect.lock_or_abort();
-                let entry = suspect.entry((device, chunk)).or_default();
-                for (word, add) in entry.iter_mut().zip(parts) {
-                    *word |= add;
-                }
+            Record::Dirty { device, chunk } => {
+                self.suspect.lock_or_abort().insert((device, chunk));
             }
             Record::Map {
                 volume,
@@ -757,23 +732,4 @@ fn pool_tag(uuid: &[u8; 16]) -> u64 {
 
 fn corrupt(what: String) -> PoolError {
     PoolError::Meta(MetaError::Corrupt(what))
-}
-
-/// A `suspect_parts` row's value: four little-endian `u64`.
-pub(super) fn decode_parts(bytes: &[u8]) -> Option<ChunkParts> {
-    if bytes.len() != 32 {
-        return None;
-    }
-    Some(std::array::from_fn(|i| {
-        u64::from_le_bytes(bytes[i * 8..i * 8 + 8].try_into().expect("8 bytes"))
-    }))
-}
-
-/// The value stored for a chunk's suspect parts (see [`decode_parts`]).
-pub(super) fn encode_parts(parts: &ChunkParts) -> [u8; 32] {
-    let mut out = [0u8; 32];
-    for (i, word) in parts.iter().enumerate() {
-        out[i * 8..i * 8 + 8].copy_from_slice(&word.to_le_bytes());
-    }
-    out
 }

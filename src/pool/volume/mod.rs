@@ -698,7 +698,7 @@ mod tests {
     }
 
     /// kill -9 after a rewrite of blocks whose mappings are only staged
-    /// (their slots already marked dirty, so nothing committed them) and
+    /// (their chunk already marked dirty, so nothing committed them) and
     /// before the log write that follows it: the device holds the rewrite's
     /// data, the log what it held before. Every acknowledged write must
     /// read back: an overwrite in place must not break the staged records'
@@ -726,12 +726,7 @@ mod tests {
                     .collect()
             };
             let mut slots = places();
-            // Marked as a destage pass over them would mark them.
-            let marked: Vec<(u8, u64)> = slots.iter().map(|at| (0, *at)).collect();
-            pool.mark_dirty(&marked, BLOCK as u64).await.unwrap();
-            assert!(slots
-                .iter()
-                .all(|at| pool.is_marked((0, *at), BLOCK as u64, pool.epoch())));
+            assert!(slots.iter().all(|at| pool.is_marked((0, *at), pool.epoch())));
             let before = sim.snapshot();
             let committed = pool.log.next_lsn();
             // Needs no new mark: nothing is committed, only staged.
@@ -922,8 +917,9 @@ mod tests {
             pool.destage_all().await.unwrap();
             // A new epoch: every chunk needs its mark again.
             pool.checkpoint().await.unwrap();
-            // The blocks in every other chunk: one by one, each chunk's
-            // marks would cost a commit of their own.
+            // The blocks in every other chunk, so that no mark is one of a
+            // stream's marked ahead (`Pool::mark_dirty`): one by one, each
+            // chunk would cost a commit of its own.
             let chunk_of = |index: u64| {
                 let (_, offset) = crate::pool::map_entry::decode(pool.lookup(1, index).unwrap()).unwrap();
                 offset / MIB
@@ -959,93 +955,46 @@ mod tests {
         });
     }
 
-    /// The scrub after a crash reads a suspect block under its own stripe
-    /// lock only: a writer holding its gate shard (any volume's) does not
-    /// hold it up. Of a block, only the suspect parts are repaired from the
-    /// data: a mismatch elsewhere in the same chunk is an error.
     #[test]
-    fn the_scrub_repairs_only_suspect_parts_and_holds_no_gate() {
-        current_thread().block_on(async {
-            let (sim, pool) = sim_pool(5).await;
-            let block = 16u64 << 10;
-            let volume = pool.open_volume(1, 4 * MIB, block as u32).unwrap();
-            volume
-                .write(0, IoBuf::copy_from(&vec![7u8; MIB as usize]), true)
-                .await
-                .unwrap();
-            pool.destage_all().await.unwrap();
-            pool.checkpoint().await.unwrap();
-            let place = |index: u64| map_entry::decode(pool.lookup(1, index).unwrap()).unwrap();
-            let (device, first) = place(0);
-            let (_, second) = place(1);
-            assert_eq!(first >> 20, second >> 20, "blocks 0 and 1 in one chunk");
-            // Block 0's slot rewritten behind the checksums' back, as a
-            // write in flight at a crash leaves it, and marked suspect as
-            // replay marks it; block 1's slot rotten, not suspect.
-            sim.write_durable(first, &vec![8u8; block as usize]);
-            sim.write_durable(second + 100, &[9u8]);
-            pool.mark_suspect(device, first, block);
-            let errors = || {
-                pool.devices
-                    .at(0)
-                    .unwrap()
-                    .counters
-                    .checksum_errors
-                    .load(Ordering::Relaxed)
-            };
-            let writer = pool.enter_write(2).await;
-            let report = tokio::time::timeout(std::time::Duration::from_secs(10), pool.scrub_suspect())
-                .await
-                .expect("the scrub waited for a writer's gate")
-                .unwrap();
-            drop(writer);
-            assert_eq!((report.blocks, report.failed, report.left), (1, 0, 0), "{report:?}");
-            assert_eq!(report.repaired, block / SECTOR_BYTES);
-            assert_eq!(pool.suspect_chunks(), 0);
-            let (buf, result) = volume.read(0, IoBuf::new(block as usize)).await;
-            result.unwrap();
-            assert!(buf.payload().iter().all(|&b| b == 8));
-            assert_eq!(errors(), 0);
-            let (_, result) = volume.read(block, IoBuf::new(block as usize)).await;
-            assert!(matches!(result, Err(BlockError::Checksum { .. })), "{result:?}");
-            assert_eq!(errors(), 1);
-        });
-    }
-
-    #[test]
-    fn marks_are_per_slot_made_once_per_epoch_and_many_in_one_log_write() {
+    fn a_sequential_stream_marks_the_chunks_ahead_in_one_log_write_and_random_writes_mark_only_their_own() {
         current_thread().block_on(async {
             let (_sim, pool) = sim_pool(7).await;
             let chunk = 1u64 << 20;
-            let slot = 16u64 << 10;
+            let ahead = super::super::MARK_AHEAD_BYTES / chunk;
             let log_writes = |pool: &Pool| pool.log.next_lsn();
-            let marked = |pool: &Pool, offset: u64| pool.is_marked((0, offset), slot, pool.epoch());
-            // One slot: a log write, and only that slot is marked.
+            let marked = |pool: &Pool, index: u64| {
+                pool.devices.at(0).unwrap().chunk_epochs[index as usize].load(Ordering::Acquire) == pool.epoch()
+            };
+            // The first chunk of a stream: only itself.
             let before = log_writes(&pool);
-            pool.mark_dirty(&[(0, chunk)], slot).await.unwrap();
+            pool.mark_dirty(&[(0, 0)]).await.unwrap();
             assert!(log_writes(&pool) > before, "a mark is a log write");
-            assert!(marked(&pool, chunk));
-            assert!(!marked(&pool, chunk + slot), "its neighbour in the chunk");
-            assert!(!marked(&pool, 2 * chunk));
-            // Marked again: nothing written.
+            assert!(marked(&pool, 0));
+            assert!(!marked(&pool, 1));
+            // Its successor continues a stream: it and the next chunks.
+            pool.mark_dirty(&[(0, chunk + 4096)]).await.unwrap();
+            for index in 1..=1 + ahead {
+                assert!(marked(&pool, index), "chunk {index} marked ahead");
+            }
+            assert!(!marked(&pool, 2 + ahead));
+            // The stream's next chunks then cost no log write at all.
             let before = log_writes(&pool);
-            pool.mark_dirty(&[(0, chunk)], slot).await.unwrap();
+            for index in 2..=1 + ahead {
+                pool.mark_dirty(&[(0, index * chunk)]).await.unwrap();
+            }
             assert_eq!(log_writes(&pool), before);
-            // Slots in many chunks at once: one log write for all of them.
-            let many: Vec<(u8, u64)> = (2..40).map(|index| (0, index * chunk + slot)).collect();
-            let commits = pool.log.commits.load(Ordering::Relaxed);
-            pool.mark_dirty(&many, slot).await.unwrap();
-            assert_eq!(
-                pool.log.commits.load(Ordering::Relaxed),
-                commits + 1,
-                "one commit for 38 chunks' marks"
-            );
-            assert!(many.iter().all(|&(_, offset)| marked(&pool, offset)));
-            assert!(!marked(&pool, 2 * chunk), "the slot before a marked one");
+            // A write far away (its predecessor unmarked) marks its own chunk only.
+            pool.mark_dirty(&[(0, 100 * chunk)]).await.unwrap();
+            assert!(marked(&pool, 100));
+            assert!(!marked(&pool, 101));
+            // Near the end of the device nothing past it is marked (or panics).
+            let chunks = pool.devices.at(0).unwrap().chunk_epochs.len() as u64;
+            pool.mark_dirty(&[(0, (chunks - 2) * chunk)]).await.unwrap();
+            pool.mark_dirty(&[(0, (chunks - 1) * chunk)]).await.unwrap();
+            assert!(marked(&pool, chunks - 1));
             // A new epoch (a checkpoint) needs every mark again.
             pool.checkpoint().await.unwrap();
-            assert!(!marked(&pool, chunk));
-            assert!(!marked(&pool, 2 * chunk + slot));
+            assert!(!marked(&pool, 0));
         });
     }
 }

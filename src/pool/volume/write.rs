@@ -427,11 +427,7 @@ impl EngineVolume {
             // are checked there, and the marks taken again if needed.
             let gate = loop {
                 let places = self.in_place_candidates(first, &entries, written_at, &relocate)?;
-                let epoch = self
-                    .pool
-                    .mark_dirty(&places, self.block_bytes())
-                    .await
-                    .map_err(pool_error)?;
+                let epoch = self.pool.mark_dirty(&places).await.map_err(pool_error)?;
                 let gate = self.pool.enter_write(self.id).await;
                 if self.pool.epoch() != epoch {
                     continue;
@@ -446,7 +442,7 @@ impl EngineVolume {
                     .filter(|(block, e)| stays_in_place(**e, *block, &relocate));
                 if in_place
                     .filter_map(|(_, e)| map_entry::decode(*e))
-                    .all(|place| self.pool.is_marked(place, self.block_bytes(), epoch))
+                    .all(|place| self.pool.is_marked(place, epoch))
                 {
                     break gate;
                 }
@@ -534,12 +530,11 @@ impl EngineVolume {
                     write.release_new_slots(&self.pool);
                     // An overwrite in place may have reached the device in
                     // part (a file system out of space refuses the rest):
-                    // its checksums are not trusted until the data is read
-                    // (and the checksums repaired from it) or rewritten, as
-                    // after a crash.
+                    // its chunk's checksums are not trusted until the data
+                    // is read (and the checksums repaired from it) or
+                    // rewritten, as after a crash.
                     for part in write.parts.iter().filter(|part| part.new_block.is_none()) {
-                        let length = part.sectors.len() as u64 * SECTOR_BYTES;
-                        self.pool.mark_suspect(write.device, part.offset, length);
+                        self.pool.mark_suspect(write.device, part.offset);
                     }
                     failure = Some(io_error(e));
                 }
@@ -610,10 +605,7 @@ impl EngineVolume {
         let (first, last) = (offset >> self.block_shift, (end - 1) >> self.block_shift);
         let entries = self.pool.lookup_range(self.id, first, last).map_err(meta_error)?;
         let places = self.in_place_candidates(first, &entries, None, &[])?;
-        self.pool
-            .mark_dirty(&places, self.block_bytes())
-            .await
-            .map_err(pool_error)?;
+        self.pool.mark_dirty(&places).await.map_err(pool_error)?;
         Ok(())
     }
 

@@ -224,31 +224,30 @@ impl EngineVolume {
         Ok(())
     }
 
-    /// Makes the `Dirty` marks of the slots a pass over `blocks` may
+    /// Makes the `Dirty` marks of the chunks a pass over `blocks` may
     /// overwrite in place durable in one commit, before it places
-    /// anything. Each placement checks its own marks too, and makes any
-    /// still missing (a checkpoint started a new epoch meanwhile); alone,
-    /// after every checkpoint, a pass over a volume's mapped blocks would
-    /// wait for a log commit per placement. Marking a slot that is not
+    /// anything. Each placement marks its own chunks too, but one at a
+    /// time: alone, after every checkpoint (a new epoch), a pass over a
+    /// volume's mapped blocks would wait for a log commit per chunk it came
+    /// to (measured: 82-96 µs of each placement's 102-116 µs, the writers
+    /// meanwhile queued for log room). Marking a chunk that is not
     /// overwritten after all (a block that goes to a new slot) costs only
-    /// the mark's bits in the record.
+    /// the mark.
     async fn mark_pass(&self, blocks: &[u64]) -> BlockResult<()> {
+        let chunk_bytes = self.pool.chunk_bytes as u64;
         let mut places = Vec::new();
         for &block in blocks {
             let entry = self.pool.lookup(self.id, block).map_err(meta_error)?;
             if entry & map_entry::SHARED != 0 {
                 continue;
             }
-            if let Some(place) = map_entry::decode(entry) {
-                places.push(place);
+            if let Some((device, offset)) = map_entry::decode(entry) {
+                places.push((device, offset / chunk_bytes * chunk_bytes));
             }
         }
         places.sort_unstable();
         places.dedup();
-        self.pool
-            .mark_dirty(&places, self.block_bytes())
-            .await
-            .map_err(pool_error)?;
+        self.pool.mark_dirty(&places).await.map_err(pool_error)?;
         Ok(())
     }
 
