@@ -93,13 +93,19 @@ impl Geometry {
         Ok(())
     }
 
+    /// The device a stored key names, or why there is none.
+    fn device(&self, device: impl Into<u64>) -> Result<&DeviceExtent, String> {
+        let device = device.into();
+        usize::try_from(device)
+            .ok()
+            .and_then(|d| self.devices.get(d))
+            .ok_or_else(|| format!("device {device} does not exist (the pool has {})", self.devices.len()))
+    }
+
     /// Checks the key of a stored checksum page: a data device the pool
     /// has, a page inside it (`sectors_per_page` sectors of 4 KiB each).
     pub fn check_crc_key(&self, device: u32, page: u64, sectors_per_page: u64) -> Result<(), String> {
-        let extent = usize::try_from(device)
-            .ok()
-            .and_then(|d| self.devices.get(d))
-            .ok_or_else(|| format!("device {device} does not exist (the pool has {})", self.devices.len()))?;
+        let extent = self.device(device)?;
         if !extent.holds_data {
             return Err(format!("device {device} holds no data"));
         }
@@ -114,10 +120,7 @@ impl Geometry {
 
     /// Checks a (device, chunk) pair of a stored row or a replayed record.
     pub fn check_chunk(&self, device: u64, chunk: u64, chunk_bytes: u64) -> Result<(), String> {
-        let extent = usize::try_from(device)
-            .ok()
-            .and_then(|d| self.devices.get(d))
-            .ok_or_else(|| format!("device {device} does not exist (the pool has {})", self.devices.len()))?;
+        let extent = self.device(device)?;
         if chunk.checked_mul(chunk_bytes).is_none_or(|at| at >= extent.end) {
             return Err(format!("chunk {chunk} lies past the end of device {device}"));
         }
