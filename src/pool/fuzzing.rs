@@ -33,10 +33,17 @@ pub fn superblock_input(data: &[u8]) {
 }
 
 /// The map and checksum page decoders: a page decodes only at its exact
-/// length, and then encodes back to the same bytes.
+/// length, and then encodes back to the same bytes (a map page's birth of
+/// 0, which only pools that never had a snapshot have, back to the layout
+/// without one).
 pub fn page_input(data: &[u8]) {
     if let Ok(page) = MapPage::decode(Some(data)) {
-        assert_eq!(page.encode(), data);
+        let birth = data.get(MAP_PAGE_BYTES..).unwrap_or_default();
+        if birth.iter().all(|byte| *byte == 0) {
+            assert_eq!(page.encode(), &data[..data.len() - birth.len()]);
+        } else {
+            assert_eq!(page.encode(), data);
+        }
     }
     if let Ok(page) = CrcPage::decode(Some(data)) {
         assert_eq!(page.encode(), data);
