@@ -354,7 +354,9 @@ impl Pool {
             summary.idle_reason = Some("the pool has one tier: nothing to move".into());
             return Ok(self.finish_pass(summary, started));
         }
-        let plan = self.plan_pass(&settings, &space)?;
+        let mut stats = PlanStats::default();
+        let plan = self.plan_pass(&settings, &space, PlanLimits::default(), &mut stats)?;
+        tracing::debug!("pool {}: migration plan: {stats:?}", self.name());
         if plan.is_empty() {
             summary.idle_reason = Some("every chunk is on the tier it belongs to".into());
             return Ok(self.finish_pass(summary, started));
@@ -402,12 +404,19 @@ impl Pool {
 
     /// The chunks to move this pass, in order: pinned volumes' first, then
     /// demotion (coldest first) or promotion (hottest first).
-    fn plan_pass(&self, settings: &MigrationSettings, space: &TierSpace) -> Result<Vec<ChunkMove>, PoolError> {
+    fn plan_pass(
+        &self,
+        settings: &MigrationSettings,
+        space: &TierSpace,
+        _limits: PlanLimits,
+        stats: &mut PlanStats,
+    ) -> Result<Vec<ChunkMove>, PoolError> {
         let chunk_bytes = self.chunk_bytes as u64;
         // Every assigned chunk of the data devices, with its heat.
         let mut chunks: Vec<ChunkInfo> = Vec::new();
         {
             let allocator = self.allocator.lock_or_abort();
+            let held = Instant::now();
             for device in self.devices.iter() {
                 let role = device.member.role;
                 if !role.holds_data() {
@@ -422,6 +431,9 @@ impl Pool {
                     });
                 }
             }
+            drop(allocator);
+            stats.note_hold(held.elapsed(), chunks.len() as u64);
+            stats.chunks_kept = chunks.len();
         }
         // The walk below reads every open volume's map: only when a move
         // may come of it (a pin, a full fast tier, or a capacity chunk
@@ -508,6 +520,7 @@ impl Pool {
                 }
             }
         }
+        stats.owners = owners.values().map(Vec::len).sum::<usize>() + seen.len();
         let mut plan = Vec::new();
         let mut fast_used = space.fast_used;
         let fast_room = |percent: u8| space.fast_size * percent as u64 / 100;
@@ -843,6 +856,47 @@ struct TierSpace {
     fast_size: u64,
     capacity_used: u64,
     capacity_size: u64,
+}
+
+/// Bounds of one pass's planning (tests choose smaller ones).
+#[derive(Debug, Clone, Copy)]
+struct PlanLimits {
+    /// The most chunks a pass considers moving each way.
+    chunks: usize,
+    /// Chunks of a device looked at per hold of the allocator lock.
+    lock_batch: u64,
+}
+
+impl Default for PlanLimits {
+    fn default() -> Self {
+        PlanLimits {
+            chunks: 1024,
+            lock_batch: 4096,
+        }
+    }
+}
+
+/// What one pass's planning held and how long it held the allocator lock
+/// (the figures `planning_at_scale` reports).
+#[derive(Debug, Default, Clone)]
+pub(crate) struct PlanStats {
+    /// Entries of blocks the plan kept at once (owners, and slots seen).
+    pub owners: usize,
+    /// Chunks kept with their heat.
+    pub chunks_kept: usize,
+    /// Holds of the allocator lock, the longest, and the most chunks
+    /// looked at in one.
+    pub holds: u64,
+    pub longest_hold: Duration,
+    pub most_chunks_per_hold: u64,
+}
+
+impl PlanStats {
+    fn note_hold(&mut self, held: Duration, chunks: u64) {
+        self.holds += 1;
+        self.longest_hold = self.longest_hold.max(held);
+        self.most_chunks_per_hold = self.most_chunks_per_hold.max(chunks);
+    }
 }
 
 struct ChunkInfo {
@@ -1594,6 +1648,160 @@ mod tests {
                     "MiB {index} at the end"
                 );
             }
+        });
+    }
+
+    /// Planning keeps owners only for the chunks a pass may move, however
+    /// much the pool maps, and lists the used chunks in short holds of the
+    /// allocator lock. A fast tier 95 % full of 4K blocks wants ~40 chunks
+    /// down; with room for 4 a pass, the plan is the 4 coldest, its owners
+    /// at most their blocks, and no hold of the lock looks at more than 8
+    /// chunks.
+    #[test]
+    fn planning_keeps_only_the_chunks_it_may_move() {
+        block_on(async {
+            let (_fast, _capacity, pool, volume) = two_tier_pool(23).await;
+            let space = pool.tier_space();
+            let mibs = space.fast_size * 95 / 100 / MIB;
+            write_mibs(&volume, 0..mibs).await;
+            pool.commit_quiet().await.unwrap();
+            // Every chunk but MiBs 5, 9, 20 and 33 read: those are the coldest.
+            for index in (0..mibs).filter(|i| ![5, 9, 20, 33].contains(i)) {
+                touch_mib(&volume, index).await;
+            }
+            let settings = MigrationSettings::default();
+            let space = pool.tier_space();
+            let limits = PlanLimits {
+                chunks: 4,
+                lock_batch: 8,
+            };
+            let mut stats = PlanStats::default();
+            let plan = pool.plan_pass(&settings, &space, limits, &mut stats).unwrap();
+            let blocks_per_chunk = (MIB / 4096) as usize;
+            assert!(stats.owners <= 4 * blocks_per_chunk * 2, "{stats:?}");
+            assert!(stats.chunks_kept <= 2 * 4, "{stats:?}");
+            assert!(stats.most_chunks_per_hold <= 8, "{stats:?}");
+            assert!(stats.holds >= (mibs / 8), "{stats:?}");
+            assert_eq!(plan.len(), 4, "{stats:?}");
+            assert!(plan.iter().all(|c| c.to == Role::Capacity));
+            let mut planned: Vec<u64> = plan
+                .iter()
+                .flat_map(|c| c.blocks.iter().map(|o| o.block / blocks_per_chunk as u64))
+                .collect();
+            planned.dedup();
+            planned.sort_unstable();
+            planned.dedup();
+            assert_eq!(planned, vec![5, 9, 20, 33]);
+            // The default bounds move it all in one pass, as before.
+            let summary = pool.migrate_now().await.unwrap();
+            assert!(summary.chunks_down >= 30 && summary.errors == 0, "{summary:?}");
+            assert!(pool.tier_space().fast_used <= space.fast_size * 70 / 100);
+        });
+    }
+
+    /// A measurement, not a check (`bench/migrate_plan.py` runs it):
+    /// one pass's planning over a pool of STRATA_PLAN_GIB GiB (default 4)
+    /// of mapped 16 KiB blocks on sparse files in STRATA_PLAN_DIR (default
+    /// a temporary directory), half of them on a fast tier filled to 90 %
+    /// (above its high watermark: a demotion pass). The blocks are mapped
+    /// to slots without writing their data: planning reads only maps and
+    /// the allocator. Prints one `plan:` line of JSON.
+    #[test]
+    #[ignore = "a measurement: bench/migrate_plan.py runs it"]
+    fn planning_at_scale() {
+        use crate::device::file::{create_file, open_device};
+        use crate::device::DeviceOptions;
+        let gib: u64 = std::env::var("STRATA_PLAN_GIB").map_or(4, |v| v.parse().unwrap());
+        let base = std::env::var("STRATA_PLAN_DIR").map_or_else(|_| std::env::temp_dir(), std::path::PathBuf::from);
+        let dir = tempfile::tempdir_in(base).unwrap();
+        let block: u64 = 16 << 10;
+        let data = gib << 30;
+        let fast_path = dir.path().join("fast.img");
+        let capacity_path = dir.path().join("capacity.img");
+        create_file(&fast_path, data / 2 + (17 << 30)).unwrap();
+        create_file(&capacity_path, data).unwrap();
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap();
+        runtime.block_on(async {
+            let options = DeviceOptions::default();
+            let devices = vec![
+                NewDevice {
+                    device: open_device(&fast_path, &options).unwrap(),
+                    role: Role::Fast,
+                },
+                NewDevice {
+                    device: open_device(&capacity_path, &options).unwrap(),
+                    role: Role::Capacity,
+                },
+            ];
+            let pool = Pool::create("scale", 1 << 20, devices).await.unwrap();
+            pool.set_migration_settings(MigrationSettings {
+                enabled: false,
+                ..MigrationSettings::default()
+            })
+            .unwrap();
+            let space = pool.tier_space();
+            let blocks = data / block;
+            let on_fast = (space.fast_size * 9 / 10 / block).min(blocks);
+            let _volume = pool.open_volume(1, blocks * block, block as u32).unwrap();
+            let filled = Instant::now();
+            let per_chunk = (1u64 << 20) / block;
+            let mut next = 0;
+            while next < blocks {
+                let count = per_chunk.min(blocks - next);
+                let slots: Vec<(u8, u64)> = {
+                    let mut allocator = pool.allocator.lock_or_abort();
+                    (next..next + count)
+                        .map(|b| {
+                            let role = if b < on_fast { Role::Fast } else { Role::Capacity };
+                            allocator.allocate_in(14, role).expect("room")
+                        })
+                        .collect()
+                };
+                for (b, (device, offset)) in (next..).zip(slots) {
+                    pool.set_mapping(1, b, map_entry::encode(device, offset)).unwrap();
+                }
+                next += count;
+            }
+            let fill_seconds = filled.elapsed().as_secs_f64();
+            let space = pool.tier_space();
+            let settings = pool.migration_settings();
+            let rss_kib = |field: &str| -> u64 {
+                let status = std::fs::read_to_string("/proc/self/status").unwrap();
+                status
+                    .lines()
+                    .find_map(|l| l.strip_prefix(field))
+                    .and_then(|v| v.split_whitespace().next())
+                    .and_then(|v| v.parse().ok())
+                    .unwrap()
+            };
+            // Peak RSS from here on (Linux: "5" resets VmHWM).
+            std::fs::write("/proc/self/clear_refs", "5").unwrap();
+            let before = rss_kib("VmRSS:");
+            let planned = Instant::now();
+            let mut stats = PlanStats::default();
+            let plan = pool
+                .plan_pass(&settings, &space, PlanLimits::default(), &mut stats)
+                .unwrap();
+            let plan_seconds = planned.elapsed().as_secs_f64();
+            let peak = rss_kib("VmHWM:");
+            let planned_bytes: u64 = plan.iter().map(|c| c.bytes).sum();
+            drop(plan);
+            println!(
+                "plan: {{\"gib\": {gib}, \"blocks\": {blocks}, \"fill_s\": {fill_seconds:.1}, \"plan_s\": {plan_seconds:.3}, \
+                 \"owners\": {}, \"chunks_kept\": {}, \"holds\": {}, \"longest_hold_us\": {}, \
+                 \"most_chunks_per_hold\": {}, \"rss_before_kib\": {before}, \"plan_peak_growth_kib\": {}, \
+                 \"planned_bytes\": {planned_bytes}}}",
+                stats.owners,
+                stats.chunks_kept,
+                stats.holds,
+                stats.longest_hold.as_micros(),
+                stats.most_chunks_per_hold,
+                peak.saturating_sub(before),
+            );
         });
     }
 
