@@ -28,7 +28,8 @@
 //! leaked. A block snapshots or clones share moves once for all of them,
 //! with one `Relocate` record (`pool/relocate.rs`).
 
-use std::collections::{HashMap, HashSet};
+use std::cmp::Reverse;
+use std::collections::{BTreeMap, BinaryHeap, HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -355,7 +356,7 @@ impl Pool {
             return Ok(self.finish_pass(summary, started));
         }
         let mut stats = PlanStats::default();
-        let plan = self.plan_pass(&settings, &space, PlanLimits::default(), &mut stats)?;
+        let plan = self.plan_pass(&settings, &space, PlanLimits::of(self.chunk_bytes), &mut stats)?;
         tracing::debug!("pool {}: migration plan: {stats:?}", self.name());
         if plan.is_empty() {
             summary.idle_reason = Some("every chunk is on the tier it belongs to".into());
@@ -404,99 +405,92 @@ impl Pool {
 
     /// The chunks to move this pass, in order: pinned volumes' first, then
     /// demotion (coldest first) or promotion (hottest first).
+    ///
+    /// Bounded by `limits`, however large the pool: the candidates by heat
+    /// are chosen first from the allocator's list of used chunks (read a
+    /// short range per hold of its lock), at most `limits.chunks` each way;
+    /// the walk of the maps then keeps owners only for blocks in those
+    /// chunks, and for at most `limits.chunks` chunks of pinned volumes on
+    /// the wrong tier. What a pass leaves, the next one takes.
     fn plan_pass(
         &self,
         settings: &MigrationSettings,
         space: &TierSpace,
-        _limits: PlanLimits,
+        limits: PlanLimits,
         stats: &mut PlanStats,
     ) -> Result<Vec<ChunkMove>, PoolError> {
         let chunk_bytes = self.chunk_bytes as u64;
-        // Every assigned chunk of the data devices, with its heat.
-        let mut chunks: Vec<ChunkInfo> = Vec::new();
-        {
-            let allocator = self.allocator.lock_or_abort();
-            let held = Instant::now();
-            for device in self.devices.iter() {
-                let role = device.member.role;
-                if !role.holds_data() {
-                    continue;
-                }
-                for (chunk, _, _) in allocator.used_chunks(device.member.index) {
-                    chunks.push(ChunkInfo {
-                        device: device.member.index,
-                        chunk,
-                        role,
-                        heat: device.heat.score(chunk),
-                    });
-                }
-            }
-            drop(allocator);
-            stats.note_hold(held.elapsed(), chunks.len() as u64);
-            stats.chunks_kept = chunks.len();
-        }
+        let candidates = self.heat_candidates(limits, stats);
         // The walk below reads every open volume's map: only when a move
         // may come of it (a pin, a full fast tier, or a capacity chunk
         // hot enough to move up into room or in place of a much colder
         // fast chunk), not every 10 s of a pool at rest.
-        let pinned_any = self
-            .migrator
-            .pins
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .values()
-            .any(|pin| *pin != TierPin::Auto);
+        let pins = self.migrator.pins.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        let pinned_any = pins.values().any(|pin| *pin != TierPin::Auto);
         let full = space.fast_used > space.fast_size * settings.high_percent as u64 / 100;
-        let hottest_capacity = chunks
-            .iter()
-            .filter(|c| c.role == Role::Capacity)
-            .map(|c| c.heat)
-            .max()
-            .unwrap_or(0);
-        let coldest_fast = chunks.iter().filter(|c| c.role == Role::Fast).map(|c| c.heat).min();
+        let hottest_capacity = candidates.hot.first().map_or(0, |c| c.heat);
+        let coldest_fast = candidates.cold.first().map(|c| c.heat);
         let room_up = space.fast_used + chunk_bytes <= space.fast_size * settings.high_percent as u64 / 100;
-        let swap_floor = swap_floor(&chunks);
+        let swap_floor = candidates.swap_floor;
         let promote = hottest_capacity >= PROMOTE_MIN_HEAT
             && (room_up || coldest_fast.is_some_and(|cold| worth_swapping(hottest_capacity, cold, swap_floor)));
         if !pinned_any && !full && !promote {
             return Ok(Vec::new());
         }
-        // Who maps what: the open volumes' blocks, and the blocks their
-        // snapshots map that the volume no longer does. A slot snapshots or
+        // Who maps the candidates' blocks: the open volumes, and their
+        // snapshots where the volume no longer does. A slot snapshots or
         // clones share is listed once, under the first volume found to map
-        // it, and moves once for all (`EngineVolume::move_blocks`).
-        let mut owners: HashMap<(u8, u64), Vec<Owner>> = HashMap::new();
+        // it, and moves once for all (`EngineVolume::move_blocks`). Blocks
+        // of other chunks are passed over, so what this holds is bounded
+        // by the candidates, not by what the pool maps.
+        let mut owners: HashMap<(u8, u64), Vec<Owner>> = candidates
+            .cold
+            .iter()
+            .chain(&candidates.hot)
+            .map(|c| ((c.device, c.chunk), Vec::new()))
+            .collect();
         let mut seen: HashSet<u64> = HashSet::new();
-        let pins = self.migrator.pins.lock().unwrap_or_else(|e| e.into_inner()).clone();
-        let mut pinned: HashMap<(u8, u64), Role> = HashMap::new();
+        // Chunks holding a pinned volume's blocks: never moved by heat;
+        // those on the wrong tier (at most `limits.chunks`) move first.
+        let mut pinned: BTreeMap<(u8, u64), Role> = BTreeMap::new();
+        let mut pinned_away = 0;
+        let role_of = |device: u8| self.devices.get(device as usize).map(|d| d.member.role);
         for engine in self.engines() {
             if engine.is_snapshot() {
                 continue;
             }
             let id = engine.id();
-            let pin = pins.get(&id).copied().unwrap_or_default();
+            let pin = match pins.get(&id).copied().unwrap_or_default() {
+                TierPin::Fast => Some(Role::Fast),
+                TierPin::Capacity => Some(Role::Capacity),
+                TierPin::Auto => None,
+            };
             let mut note = |block: u64, entry: u64, owners: &mut HashMap<(u8, u64), Vec<Owner>>| {
                 let Some((device, offset)) = map_entry::decode(entry) else {
                     return;
                 };
+                let key = (device, offset / chunk_bytes);
+                let candidate = owners.contains_key(&key);
+                // A pinned volume's block on the wrong tier makes its
+                // chunk one to move, while there is room in the pass.
+                let away = pin.is_some_and(|to| role_of(device) != Some(to)) && pinned_away < limits.chunks;
+                if !candidate && !away {
+                    return;
+                }
                 if !seen.insert(entry & !map_entry::RESERVED) {
                     return;
                 }
-                let key = (device, offset / chunk_bytes);
+                if let Some(to) = pin {
+                    if !candidate {
+                        pinned_away += 1;
+                    }
+                    pinned.insert(key, to);
+                }
                 owners.entry(key).or_default().push(Owner {
                     engine: engine.clone(),
                     block,
                     entry: entry & !map_entry::RESERVED,
                 });
-                match pin {
-                    TierPin::Fast => {
-                        pinned.insert(key, Role::Fast);
-                    }
-                    TierPin::Capacity => {
-                        pinned.insert(key, Role::Capacity);
-                    }
-                    TierPin::Auto => {}
-                }
             };
             let blocks = engine.size_bytes().div_ceil(engine.block_bytes());
             for index in self.view_page_indexes(id, blocks)? {
@@ -520,16 +514,18 @@ impl Pool {
                 }
             }
         }
+        // A candidate no open volume maps (its slots wait to be freed, or
+        // belong to a volume not open) has nothing to move.
+        owners.retain(|_, blocks| !blocks.is_empty());
         stats.owners = owners.values().map(Vec::len).sum::<usize>() + seen.len();
+        drop(seen);
         let mut plan = Vec::new();
         let mut fast_used = space.fast_used;
         let fast_room = |percent: u8| space.fast_size * percent as u64 / 100;
         // Pinned volumes first: down always, up while the fast tier stays
         // under its high watermark.
-        for info in &chunks {
-            let key = (info.device, info.chunk);
-            let Some(&to) = pinned.get(&key) else { continue };
-            if to == info.role {
+        for (&key, &to) in &pinned {
+            if role_of(key.0) == Some(to) {
                 continue;
             }
             let Some(chunk) = ChunkMove::take(&mut owners, key, to) else {
@@ -551,11 +547,7 @@ impl Pool {
             !pinned.contains_key(&key) && owners.contains_key(&key)
         };
         // Fast chunks, coldest first: what demotion and swaps send down.
-        let mut cold: Vec<&ChunkInfo> = chunks
-            .iter()
-            .filter(|c| c.role == Role::Fast && movable(c, &owners))
-            .collect();
-        cold.sort_by_key(|c| (c.heat, c.device, c.chunk));
+        let cold: Vec<&ChunkInfo> = candidates.cold.iter().filter(|c| movable(c, &owners)).collect();
         let mut capacity_free = space.capacity_size.saturating_sub(space.capacity_used);
         if fast_used > fast_room(settings.high_percent) {
             // Demotion: coldest first, down to the low watermark, as far
@@ -578,11 +570,7 @@ impl Pool {
             // under its high watermark; then
             // swaps: a capacity chunk much hotter than the coldest fast
             // one trades places with it.
-            let mut hot: Vec<&ChunkInfo> = chunks
-                .iter()
-                .filter(|c| c.role == Role::Capacity && c.heat >= PROMOTE_MIN_HEAT && movable(c, &owners))
-                .collect();
-            hot.sort_by_key(|c| (std::cmp::Reverse(c.heat), c.device, c.chunk));
+            let hot: Vec<&ChunkInfo> = candidates.hot.iter().filter(|c| movable(c, &owners)).collect();
             let mut cold = cold.into_iter();
             let mut swapped = 0u64;
             for info in hot {
@@ -620,6 +608,81 @@ impl Pool {
             }
         }
         Ok(plan)
+    }
+
+    /// The chunks a pass may move by heat: the `limits.chunks` coldest
+    /// fast chunks (coldest first) and hottest capacity chunks of at least
+    /// [`PROMOTE_MIN_HEAT`] (hottest first), among those holding live
+    /// slots; and the swap floor, from each tier's mean heat. The
+    /// allocator's used chunks are listed `limits.lock_batch` chunk
+    /// numbers per hold of its lock; the heat is read outside it.
+    fn heat_candidates(&self, limits: PlanLimits, stats: &mut PlanStats) -> Candidates {
+        // Each kept as a max-heap of its `limits.chunks` first in the
+        // order the plan takes them: the last is dropped when it overflows.
+        let mut cold: BinaryHeap<(u64, u8, u64)> = BinaryHeap::new();
+        let mut hot: BinaryHeap<(Reverse<u64>, u8, u64)> = BinaryHeap::new();
+        // (sum, count) of the heat of the fast and capacity tiers' chunks.
+        let mut fast_heat = (0u64, 0u64);
+        let mut capacity_heat = (0u64, 0u64);
+        for device in self.devices.iter() {
+            let role = device.member.role;
+            if !role.holds_data() {
+                continue;
+            }
+            let index = device.member.index;
+            let mut from = 0;
+            loop {
+                let (listed, to, end) = {
+                    let allocator = self.allocator.lock_or_abort();
+                    let held = Instant::now();
+                    let range = allocator.chunk_range(index);
+                    let start = from.max(range.start);
+                    let to = start.saturating_add(limits.lock_batch).min(range.end).max(start);
+                    let listed = allocator.used_chunks_in(index, start..to);
+                    stats.note_hold(held.elapsed(), to - start);
+                    (listed, to, range.end)
+                };
+                for (chunk, live) in listed {
+                    let heat = device.heat.score(chunk);
+                    let sum = if role == Role::Capacity {
+                        &mut capacity_heat
+                    } else {
+                        &mut fast_heat
+                    };
+                    *sum = (sum.0.saturating_add(heat), sum.1 + 1);
+                    if !live {
+                        continue;
+                    }
+                    match role {
+                        Role::Capacity if heat >= PROMOTE_MIN_HEAT => {
+                            keep_first(&mut hot, (Reverse(heat), index, chunk), limits.chunks)
+                        }
+                        Role::Capacity => {}
+                        _ => keep_first(&mut cold, (heat, index, chunk), limits.chunks),
+                    }
+                }
+                if to >= end {
+                    break;
+                }
+                from = to;
+            }
+        }
+        let info = |heat: u64, device: u8, chunk: u64| ChunkInfo { device, chunk, heat };
+        let candidates = Candidates {
+            cold: cold
+                .into_sorted_vec()
+                .into_iter()
+                .map(|(heat, device, chunk)| info(heat, device, chunk))
+                .collect(),
+            hot: hot
+                .into_sorted_vec()
+                .into_iter()
+                .map(|(Reverse(heat), device, chunk)| info(heat, device, chunk))
+                .collect(),
+            swap_floor: swap_floor(fast_heat, capacity_heat),
+        };
+        stats.chunks_kept = candidates.cold.len() + candidates.hot.len();
+        candidates
     }
 
     /// Makes the planned moves, a chunk at a time (its blocks read in one
@@ -812,19 +875,23 @@ fn worth_swapping(hot: u64, cold: u64, floor: u64) -> bool {
     hot >= PROMOTE_MIN_HEAT && hot > cold.saturating_mul(2) && hot >= floor
 }
 
+/// Adds `key` to `heap`, which keeps the `limit` least keys.
+fn keep_first<K: Ord>(heap: &mut BinaryHeap<K>, key: K, limit: usize) {
+    if heap.len() < limit {
+        heap.push(key);
+    } else if heap.peek().is_some_and(|last| key < *last) {
+        heap.pop();
+        heap.push(key);
+    }
+}
+
 /// The heat a capacity chunk needs to trade places with a fast chunk:
 /// [`SWAP_STANDOUT`] times the lower of the two tiers' mean chunk heat,
 /// and at least [`PROMOTE_MIN_HEAT`].
-fn swap_floor(chunks: &[ChunkInfo]) -> u64 {
-    let mean = |role: Role| {
-        let (sum, count) = chunks
-            .iter()
-            .filter(|c| c.role == role)
-            .fold((0u64, 0u64), |(sum, count), c| (sum.saturating_add(c.heat), count + 1));
-        sum / count.max(1)
-    };
-    mean(Role::Fast)
-        .min(mean(Role::Capacity))
+fn swap_floor(fast_heat: (u64, u64), capacity_heat: (u64, u64)) -> u64 {
+    let mean = |(sum, count): (u64, u64)| sum / count.max(1);
+    mean(fast_heat)
+        .min(mean(capacity_heat))
         .saturating_mul(SWAP_STANDOUT)
         .max(PROMOTE_MIN_HEAT)
 }
@@ -858,6 +925,16 @@ struct TierSpace {
     capacity_size: u64,
 }
 
+/// The most a pass plans to move by heat each way, and out of place for
+/// pinned volumes: what bounds its planning's memory (an owner per block
+/// of at most three times this, 24 bytes each: 18 MiB at 4 KiB blocks).
+/// A pass takes about as long as it moves (a capacity HDD writes 1 GiB in
+/// 7 s or more), and the next begins when it ends.
+pub const PASS_MAX_BYTES: u64 = 1 << 30;
+/// Chunk numbers of a device the planner looks at per hold of the
+/// allocator lock: a hash lookup each, tens of microseconds a hold.
+pub const LIST_BATCH_CHUNKS: u64 = 4096;
+
 /// Bounds of one pass's planning (tests choose smaller ones).
 #[derive(Debug, Clone, Copy)]
 struct PlanLimits {
@@ -867,11 +944,11 @@ struct PlanLimits {
     lock_batch: u64,
 }
 
-impl Default for PlanLimits {
-    fn default() -> Self {
+impl PlanLimits {
+    fn of(chunk_bytes: u32) -> Self {
         PlanLimits {
-            chunks: 1024,
-            lock_batch: 4096,
+            chunks: (PASS_MAX_BYTES / chunk_bytes as u64).max(1) as usize,
+            lock_batch: LIST_BATCH_CHUNKS,
         }
     }
 }
@@ -899,10 +976,18 @@ impl PlanStats {
     }
 }
 
+/// A pass's candidates by heat (`Pool::heat_candidates`).
+struct Candidates {
+    /// Fast chunks, coldest first.
+    cold: Vec<ChunkInfo>,
+    /// Capacity chunks, hottest first.
+    hot: Vec<ChunkInfo>,
+    swap_floor: u64,
+}
+
 struct ChunkInfo {
     device: u8,
     chunk: u64,
-    role: Role,
     heat: u64,
 }
 
@@ -1784,7 +1869,7 @@ mod tests {
             let planned = Instant::now();
             let mut stats = PlanStats::default();
             let plan = pool
-                .plan_pass(&settings, &space, PlanLimits::default(), &mut stats)
+                .plan_pass(&settings, &space, PlanLimits::of(pool.chunk_bytes), &mut stats)
                 .unwrap();
             let plan_seconds = planned.elapsed().as_secs_f64();
             let peak = rss_kib("VmHWM:");
