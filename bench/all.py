@@ -590,13 +590,14 @@ def nfs_listing(ctx):
 
 def migrator_planning(ctx):
     out = ctx.tmp / "plan.json"
-    sizes = ctx.pick("16,64,256,1024", "4")
+    sizes = ctx.pick("64,256,1024,4096", "64")
     shown = f"python3 bench/migrate_plan.py --sizes {sizes}"
     command = ["python3", "bench/migrate_plan.py", "--sizes", sizes, "--json", str(out)]
     # STRATA_PLAN_BASELINE: another build's lib test binary, measured beside.
     baseline = os.environ.get("STRATA_PLAN_BASELINE")
     if baseline:
         command += ["--baseline", baseline]
+        shown += " --baseline BASELINE_LIB_TEST_BINARY"
     sh(command, timeout=4 * 3600)
     results = json.loads(out.read_text())
     peer_name = "whole-map plan"
@@ -616,7 +617,8 @@ def migrator_planning(ctx):
         base_note = f" ({peer_name}: {base['holds']} of up to {base['most_chunks_per_hold']:,})" if base else ""
         rows.append(row(f"longest hold of the allocator lock while planning, {what}", shown,
                         r["longest_hold_us"], f"µs ({LOWER})", peer_name=peer_name, peer=peer,
-                        note=f"{r['holds']:,} holds of up to {r['most_chunks_per_hold']:,} chunks{base_note}"))
+                        note=f"{r['holds']:,} holds of up to {r['most_chunks_per_hold']:,} chunks, "
+                             f"{r['mean_hold_us']:.0f} µs on average{base_note}"))
     return rows
 
 
