@@ -492,25 +492,37 @@ impl Pool {
                     entry: entry & !map_entry::RESERVED,
                 });
             };
+            // Page indexes a window at a time, so the list of them is
+            // bounded too.
             let blocks = engine.size_bytes().div_ceil(engine.block_bytes());
-            for index in self.view_page_indexes(id, blocks)? {
-                let first = index * MAP_ENTRIES_PER_PAGE;
-                let last = (first + MAP_ENTRIES_PER_PAGE - 1).min(blocks - 1);
-                for (block, entry) in (first..).zip(self.lookup_range(id, first, last)?) {
-                    note(block, entry, &mut owners);
+            let mut from = Some(0);
+            while let Some(start) = from {
+                let (indexes, next) = self.view_page_indexes_from(id, blocks, start, PAGE_WINDOW)?;
+                for index in indexes {
+                    let first = index * MAP_ENTRIES_PER_PAGE;
+                    let last = (first + MAP_ENTRIES_PER_PAGE - 1).min(blocks - 1);
+                    for (block, entry) in (first..).zip(self.lookup_range(id, first, last)?) {
+                        note(block, entry, &mut owners);
+                    }
                 }
+                from = next;
             }
             let snapshots: Vec<u32> = self.snapshots_of(id).iter().map(|s| s.id).collect();
             for snapshot in snapshots {
-                for index in self.own_pages(snapshot)? {
-                    let page = self.map_pages.get(&self.db, (snapshot, index))?;
-                    for (within, entry) in page.entries.iter().enumerate() {
-                        note(
-                            index * MAP_ENTRIES_PER_PAGE + within as u64,
-                            entry.load(Ordering::Acquire),
-                            &mut owners,
-                        );
+                let mut from = Some(0);
+                while let Some(start) = from {
+                    let (indexes, next) = self.own_pages_from(snapshot, start, PAGE_WINDOW)?;
+                    for index in indexes {
+                        let page = self.map_pages.get(&self.db, (snapshot, index))?;
+                        for (within, entry) in page.entries.iter().enumerate() {
+                            note(
+                                index * MAP_ENTRIES_PER_PAGE + within as u64,
+                                entry.load(Ordering::Acquire),
+                                &mut owners,
+                            );
+                        }
                     }
+                    from = next;
                 }
             }
         }
@@ -935,6 +947,10 @@ pub const PASS_MAX_BYTES: u64 = 1 << 30;
 /// allocator lock: a hash lookup each (a cache miss in a large pool's
 /// chunk table), a few hundred microseconds a hold at most.
 pub const LIST_BATCH_CHUNKS: u64 = 1024;
+
+/// Map page indexes the walk lists at a time (of a volume's view, or a
+/// snapshot's own pages): 2 Mi blocks' worth.
+const PAGE_WINDOW: usize = 4096;
 
 /// Bounds of one pass's planning (tests choose smaller ones).
 #[derive(Debug, Clone, Copy)]
@@ -1751,8 +1767,24 @@ mod tests {
             let (_fast, _capacity, pool, volume) = two_tier_pool(23).await;
             let space = pool.tier_space();
             let mibs = space.fast_size * 95 / 100 / MIB;
-            write_mibs(&volume, 0..mibs).await;
+            // Half the map pages stored by a checkpoint, the rest only cached.
+            write_mibs(&volume, 0..mibs / 2).await;
+            pool.checkpoint().await.unwrap();
+            write_mibs(&volume, mibs / 2..mibs).await;
             pool.commit_quiet().await.unwrap();
+            // The walk lists the map's pages a window at a time: all of
+            // them, once each.
+            let blocks = 512 * MIB / 4096;
+            let mut windows = Vec::new();
+            let mut from = Some(0);
+            while let Some(start) = from {
+                let (indexes, next) = pool.view_page_indexes_from(1, blocks, start, 3).unwrap();
+                assert!(indexes.len() <= 3, "{indexes:?}");
+                windows.extend(indexes);
+                from = next;
+            }
+            assert_eq!(windows, pool.view_page_indexes(1, blocks).unwrap());
+            assert!(windows.len() > 10, "{windows:?}");
             // Every chunk but MiBs 5, 9, 20 and 33 read: those are the coldest.
             for index in (0..mibs).filter(|i| ![5, 9, 20, 33].contains(i)) {
                 touch_mib(&volume, index).await;
