@@ -23,7 +23,9 @@ libiscsi-bin gnutls-bin bc`, nfs-ganesha through
 measured in one run, and only ratios within one run mean anything.
 
 Families and what one `run` of each takes on a 2-core machine (`run all`,
-every family but tiering: about 40 minutes; tiering alone: about 40 more):
+every family but tiering and migrator planning: about 40 minutes; tiering
+alone: about 40 more; migrator planning builds the lib's test binary and
+needs ~8 GiB of RAM at its largest size):
 
 FAMILIES_HELP
 
@@ -586,6 +588,40 @@ def nfs_listing(ctx):
                      f"(alone {alone['p50_us']:.0f})")]
 
 
+def migrator_planning(ctx):
+    out = ctx.tmp / "plan.json"
+    sizes = ctx.pick("64,256,1024,4096", "64")
+    shown = f"python3 bench/migrate_plan.py --sizes {sizes}"
+    command = ["python3", "bench/migrate_plan.py", "--sizes", sizes, "--json", str(out)]
+    # STRATA_PLAN_BASELINE: another build's lib test binary, measured beside.
+    baseline = os.environ.get("STRATA_PLAN_BASELINE")
+    if baseline:
+        command += ["--baseline", baseline]
+        shown += " --baseline BASELINE_LIB_TEST_BINARY"
+    sh(command, timeout=4 * 3600)
+    results = json.loads(out.read_text())
+    peer_name = "whole-map plan"
+    rows = []
+    for gib in sorted({r["gib"] for r in results}):
+        got = {r["build"]: r for r in results if r["gib"] == gib}
+        r, base = got["tested"], got.get("baseline")
+        size = f"{gib // 1024} TiB" if gib >= 1024 else f"{gib} GiB"
+        what = f"{size} mapped in 16 KiB blocks ({r['blocks']:,} blocks)"
+        peer = base["plan_peak_growth_kib"] / 1024 if base else None
+        base_note = f" ({peer_name}: {base['owners']:,}, {base['plan_s']:.1f} s)" if base else ""
+        rows.append(row(f"memory one demotion pass's planning takes, {what}", shown,
+                        r["plan_peak_growth_kib"] / 1024, f"MiB peak RSS growth ({LOWER})", peer_name=peer_name,
+                        peer=peer, note=f"block entries kept {r['owners']:,}, planning {r['plan_s']:.1f} s"
+                                        f"{base_note}"))
+        peer = base["longest_hold_us"] if base else None
+        base_note = f" ({peer_name}: {base['holds']} of up to {base['most_chunks_per_hold']:,})" if base else ""
+        rows.append(row(f"longest hold of the allocator lock while planning, {what}", shown,
+                        r["longest_hold_us"], f"µs ({LOWER})", peer_name=peer_name, peer=peer,
+                        note=f"{r['holds']:,} holds of up to {r['most_chunks_per_hold']:,} chunks, "
+                             f"{r['mean_hold_us']:.0f} µs on average{base_note}"))
+    return rows
+
+
 def free_port():
     import socket
     with socket.socket() as s:
@@ -622,6 +658,8 @@ FAMILIES = [
     Family("nfs-listing", "NFS listing", ["bench/nfs_list_reads.py", "bench/nfs_peers.py", "bench/nfs_load.c"],
            "4 min", nfs_listing),
     Family("tiering", "Tiering", ["bench/tiering.sh", LIB], "40 min", tiering, in_all=False),
+    Family("migrator-planning", "Migrator planning", ["bench/migrate_plan.py"], "10 min", migrator_planning,
+           in_all=False),
 ]
 BY_KEY = {f.key: f for f in FAMILIES}
 

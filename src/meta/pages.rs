@@ -439,6 +439,20 @@ impl<P: Page> PageCache<P> {
         indexes
     }
 
+    /// The first `max` cached page indexes of `owner` from `from` on, in
+    /// order (what `keys_of` gives, a window at a time).
+    pub fn keys_of_from(&self, owner: u32, from: u64, max: usize) -> Vec<u64> {
+        let mut indexes: Vec<u64> = Vec::new();
+        for shard in &self.shards {
+            if let Some(own) = shard.lock_or_abort().by_owner.get(&owner) {
+                indexes.extend(own.range(from..).take(max).copied());
+            }
+        }
+        indexes.sort_unstable();
+        indexes.truncate(max);
+        indexes
+    }
+
     /// Pages read from the store since start because they were not cached.
     pub fn misses(&self) -> u64 {
         self.misses.load(Ordering::Relaxed)

@@ -245,20 +245,31 @@ impl Allocator {
         found
     }
 
-    /// The assigned chunks of device `index`: (chunk, slot shift, slots in
-    /// use).
-    pub fn used_chunks(&self, index: u8) -> Vec<(u64, u8, u32)> {
+    /// Device `index`'s data chunks (empty if it has none here).
+    pub fn chunk_range(&self, index: u8) -> std::ops::Range<u64> {
+        self.devices
+            .iter()
+            .find(|d| d.index == index)
+            .map_or(0..0, |d| d.first_chunk..d.end_chunk)
+    }
+
+    /// The chunks of device `index` among `chunks` that hold slots in use,
+    /// in order, each with whether any of those slots is live (not queued
+    /// to be freed). It looks up every chunk of the range: the migrator
+    /// lists a device a short range per hold of the allocator's lock, so a
+    /// writer waiting to allocate waits for one range, not the whole pool.
+    pub fn used_chunks_in(&self, index: u8, chunks: std::ops::Range<u64>) -> Vec<(u64, bool)> {
         let Some(device) = self.devices.iter().find(|d| d.index == index) else {
             return Vec::new();
         };
-        let mut chunks: Vec<(u64, u8, u32)> = device
-            .chunks
-            .iter()
-            .filter(|(_, state)| state.used_count() > 0)
-            .map(|(chunk, state)| (*chunk, state.slot_shift, state.used_count()))
-            .collect();
-        chunks.sort_unstable();
         chunks
+            .filter_map(|chunk| {
+                let state = device.chunks.get(&chunk).filter(|s| s.used_count() > 0)?;
+                let queued = self.freeing.get(&(index, chunk)).copied().unwrap_or([0; 4]);
+                let live = state.used.iter().zip(queued).any(|(used, queued)| used & !queued != 0);
+                Some((chunk, live))
+            })
+            .collect()
     }
 
     /// Allocates one slot like [`Allocator::allocate`], but at `hint` (the

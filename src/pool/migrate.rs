@@ -28,7 +28,8 @@
 //! leaked. A block snapshots or clones share moves once for all of them,
 //! with one `Relocate` record (`pool/relocate.rs`).
 
-use std::collections::{HashMap, HashSet};
+use std::cmp::Reverse;
+use std::collections::{BTreeMap, BinaryHeap, HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -354,7 +355,9 @@ impl Pool {
             summary.idle_reason = Some("the pool has one tier: nothing to move".into());
             return Ok(self.finish_pass(summary, started));
         }
-        let plan = self.plan_pass(&settings, &space)?;
+        let mut stats = PlanStats::default();
+        let plan = self.plan_pass(&settings, &space, PlanLimits::of(self.chunk_bytes), &mut stats)?;
+        tracing::debug!("pool {}: migration plan: {stats:?}", self.name());
         if plan.is_empty() {
             summary.idle_reason = Some("every chunk is on the tier it belongs to".into());
             return Ok(self.finish_pass(summary, started));
@@ -402,121 +405,139 @@ impl Pool {
 
     /// The chunks to move this pass, in order: pinned volumes' first, then
     /// demotion (coldest first) or promotion (hottest first).
-    fn plan_pass(&self, settings: &MigrationSettings, space: &TierSpace) -> Result<Vec<ChunkMove>, PoolError> {
+    ///
+    /// Bounded by `limits`, however large the pool: the candidates by heat
+    /// are chosen first from the allocator's list of used chunks (read a
+    /// short range per hold of its lock), at most `limits.chunks` each way;
+    /// the walk of the maps then keeps owners only for blocks in those
+    /// chunks, and for at most `limits.chunks` chunks of pinned volumes on
+    /// the wrong tier. What a pass leaves, the next one takes.
+    fn plan_pass(
+        &self,
+        settings: &MigrationSettings,
+        space: &TierSpace,
+        limits: PlanLimits,
+        stats: &mut PlanStats,
+    ) -> Result<Vec<ChunkMove>, PoolError> {
         let chunk_bytes = self.chunk_bytes as u64;
-        // Every assigned chunk of the data devices, with its heat.
-        let mut chunks: Vec<ChunkInfo> = Vec::new();
-        {
-            let allocator = self.allocator.lock_or_abort();
-            for device in self.devices.iter() {
-                let role = device.member.role;
-                if !role.holds_data() {
-                    continue;
-                }
-                for (chunk, _, _) in allocator.used_chunks(device.member.index) {
-                    chunks.push(ChunkInfo {
-                        device: device.member.index,
-                        chunk,
-                        role,
-                        heat: device.heat.score(chunk),
-                    });
-                }
-            }
-        }
+        let candidates = self.heat_candidates(limits, stats);
         // The walk below reads every open volume's map: only when a move
         // may come of it (a pin, a full fast tier, or a capacity chunk
         // hot enough to move up into room or in place of a much colder
         // fast chunk), not every 10 s of a pool at rest.
-        let pinned_any = self
-            .migrator
-            .pins
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .values()
-            .any(|pin| *pin != TierPin::Auto);
+        let pins = self.migrator.pins.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        let pinned_any = pins.values().any(|pin| *pin != TierPin::Auto);
         let full = space.fast_used > space.fast_size * settings.high_percent as u64 / 100;
-        let hottest_capacity = chunks
-            .iter()
-            .filter(|c| c.role == Role::Capacity)
-            .map(|c| c.heat)
-            .max()
-            .unwrap_or(0);
-        let coldest_fast = chunks.iter().filter(|c| c.role == Role::Fast).map(|c| c.heat).min();
+        let hottest_capacity = candidates.hot.first().map_or(0, |c| c.heat);
+        let coldest_fast = candidates.cold.first().map(|c| c.heat);
         let room_up = space.fast_used + chunk_bytes <= space.fast_size * settings.high_percent as u64 / 100;
-        let swap_floor = swap_floor(&chunks);
+        let swap_floor = candidates.swap_floor;
         let promote = hottest_capacity >= PROMOTE_MIN_HEAT
             && (room_up || coldest_fast.is_some_and(|cold| worth_swapping(hottest_capacity, cold, swap_floor)));
         if !pinned_any && !full && !promote {
             return Ok(Vec::new());
         }
-        // Who maps what: the open volumes' blocks, and the blocks their
-        // snapshots map that the volume no longer does. A slot snapshots or
+        // Who maps the candidates' blocks: the open volumes, and their
+        // snapshots where the volume no longer does. A slot snapshots or
         // clones share is listed once, under the first volume found to map
-        // it, and moves once for all (`EngineVolume::move_blocks`).
-        let mut owners: HashMap<(u8, u64), Vec<Owner>> = HashMap::new();
+        // it, and moves once for all (`EngineVolume::move_blocks`). Blocks
+        // of other chunks are passed over, so what this holds is bounded
+        // by the candidates, not by what the pool maps.
+        let mut owners: HashMap<(u8, u64), Vec<Owner>> = candidates
+            .cold
+            .iter()
+            .chain(&candidates.hot)
+            .map(|c| ((c.device, c.chunk), Vec::new()))
+            .collect();
         let mut seen: HashSet<u64> = HashSet::new();
-        let pins = self.migrator.pins.lock().unwrap_or_else(|e| e.into_inner()).clone();
-        let mut pinned: HashMap<(u8, u64), Role> = HashMap::new();
+        // Chunks holding a pinned volume's blocks: never moved by heat;
+        // those on the wrong tier (at most `limits.chunks`) move first.
+        let mut pinned: BTreeMap<(u8, u64), Role> = BTreeMap::new();
+        let mut pinned_away = 0;
+        let role_of = |device: u8| self.devices.get(device as usize).map(|d| d.member.role);
         for engine in self.engines() {
             if engine.is_snapshot() {
                 continue;
             }
             let id = engine.id();
-            let pin = pins.get(&id).copied().unwrap_or_default();
+            let pin = match pins.get(&id).copied().unwrap_or_default() {
+                TierPin::Fast => Some(Role::Fast),
+                TierPin::Capacity => Some(Role::Capacity),
+                TierPin::Auto => None,
+            };
             let mut note = |block: u64, entry: u64, owners: &mut HashMap<(u8, u64), Vec<Owner>>| {
                 let Some((device, offset)) = map_entry::decode(entry) else {
                     return;
                 };
+                let key = (device, offset / chunk_bytes);
+                let candidate = owners.contains_key(&key);
+                // A pinned volume's block on the wrong tier makes its
+                // chunk one to move, while there is room in the pass.
+                let away = pin.is_some_and(|to| role_of(device) != Some(to)) && pinned_away < limits.chunks;
+                if !candidate && !away {
+                    return;
+                }
                 if !seen.insert(entry & !map_entry::RESERVED) {
                     return;
                 }
-                let key = (device, offset / chunk_bytes);
+                if let Some(to) = pin {
+                    if !candidate {
+                        pinned_away += 1;
+                    }
+                    pinned.insert(key, to);
+                }
                 owners.entry(key).or_default().push(Owner {
                     engine: engine.clone(),
                     block,
                     entry: entry & !map_entry::RESERVED,
                 });
-                match pin {
-                    TierPin::Fast => {
-                        pinned.insert(key, Role::Fast);
-                    }
-                    TierPin::Capacity => {
-                        pinned.insert(key, Role::Capacity);
-                    }
-                    TierPin::Auto => {}
-                }
             };
+            // Page indexes a window at a time, so the list of them is
+            // bounded too.
             let blocks = engine.size_bytes().div_ceil(engine.block_bytes());
-            for index in self.view_page_indexes(id, blocks)? {
-                let first = index * MAP_ENTRIES_PER_PAGE;
-                let last = (first + MAP_ENTRIES_PER_PAGE - 1).min(blocks - 1);
-                for (block, entry) in (first..).zip(self.lookup_range(id, first, last)?) {
-                    note(block, entry, &mut owners);
+            let mut from = Some(0);
+            while let Some(start) = from {
+                let (indexes, next) = self.view_page_indexes_from(id, blocks, start, PAGE_WINDOW)?;
+                for index in indexes {
+                    let first = index * MAP_ENTRIES_PER_PAGE;
+                    let last = (first + MAP_ENTRIES_PER_PAGE - 1).min(blocks - 1);
+                    for (block, entry) in (first..).zip(self.lookup_range(id, first, last)?) {
+                        note(block, entry, &mut owners);
+                    }
                 }
+                from = next;
             }
             let snapshots: Vec<u32> = self.snapshots_of(id).iter().map(|s| s.id).collect();
             for snapshot in snapshots {
-                for index in self.own_pages(snapshot)? {
-                    let page = self.map_pages.get(&self.db, (snapshot, index))?;
-                    for (within, entry) in page.entries.iter().enumerate() {
-                        note(
-                            index * MAP_ENTRIES_PER_PAGE + within as u64,
-                            entry.load(Ordering::Acquire),
-                            &mut owners,
-                        );
+                let mut from = Some(0);
+                while let Some(start) = from {
+                    let (indexes, next) = self.own_pages_from(snapshot, start, PAGE_WINDOW)?;
+                    for index in indexes {
+                        let page = self.map_pages.get(&self.db, (snapshot, index))?;
+                        for (within, entry) in page.entries.iter().enumerate() {
+                            note(
+                                index * MAP_ENTRIES_PER_PAGE + within as u64,
+                                entry.load(Ordering::Acquire),
+                                &mut owners,
+                            );
+                        }
                     }
+                    from = next;
                 }
             }
         }
+        // A candidate no open volume maps (its slots wait to be freed, or
+        // belong to a volume not open) has nothing to move.
+        owners.retain(|_, blocks| !blocks.is_empty());
+        stats.owners = owners.values().map(Vec::len).sum::<usize>() + seen.len();
+        drop(seen);
         let mut plan = Vec::new();
         let mut fast_used = space.fast_used;
         let fast_room = |percent: u8| space.fast_size * percent as u64 / 100;
         // Pinned volumes first: down always, up while the fast tier stays
         // under its high watermark.
-        for info in &chunks {
-            let key = (info.device, info.chunk);
-            let Some(&to) = pinned.get(&key) else { continue };
-            if to == info.role {
+        for (&key, &to) in &pinned {
+            if role_of(key.0) == Some(to) {
                 continue;
             }
             let Some(chunk) = ChunkMove::take(&mut owners, key, to) else {
@@ -538,11 +559,7 @@ impl Pool {
             !pinned.contains_key(&key) && owners.contains_key(&key)
         };
         // Fast chunks, coldest first: what demotion and swaps send down.
-        let mut cold: Vec<&ChunkInfo> = chunks
-            .iter()
-            .filter(|c| c.role == Role::Fast && movable(c, &owners))
-            .collect();
-        cold.sort_by_key(|c| (c.heat, c.device, c.chunk));
+        let cold: Vec<&ChunkInfo> = candidates.cold.iter().filter(|c| movable(c, &owners)).collect();
         let mut capacity_free = space.capacity_size.saturating_sub(space.capacity_used);
         if fast_used > fast_room(settings.high_percent) {
             // Demotion: coldest first, down to the low watermark, as far
@@ -565,11 +582,7 @@ impl Pool {
             // under its high watermark; then
             // swaps: a capacity chunk much hotter than the coldest fast
             // one trades places with it.
-            let mut hot: Vec<&ChunkInfo> = chunks
-                .iter()
-                .filter(|c| c.role == Role::Capacity && c.heat >= PROMOTE_MIN_HEAT && movable(c, &owners))
-                .collect();
-            hot.sort_by_key(|c| (std::cmp::Reverse(c.heat), c.device, c.chunk));
+            let hot: Vec<&ChunkInfo> = candidates.hot.iter().filter(|c| movable(c, &owners)).collect();
             let mut cold = cold.into_iter();
             let mut swapped = 0u64;
             for info in hot {
@@ -607,6 +620,81 @@ impl Pool {
             }
         }
         Ok(plan)
+    }
+
+    /// The chunks a pass may move by heat: the `limits.chunks` coldest
+    /// fast chunks (coldest first) and hottest capacity chunks of at least
+    /// [`PROMOTE_MIN_HEAT`] (hottest first), among those holding live
+    /// slots; and the swap floor, from each tier's mean heat. The
+    /// allocator's used chunks are listed `limits.lock_batch` chunk
+    /// numbers per hold of its lock; the heat is read outside it.
+    fn heat_candidates(&self, limits: PlanLimits, stats: &mut PlanStats) -> Candidates {
+        // Each kept as a max-heap of its `limits.chunks` first in the
+        // order the plan takes them: the last is dropped when it overflows.
+        let mut cold: BinaryHeap<(u64, u8, u64)> = BinaryHeap::new();
+        let mut hot: BinaryHeap<(Reverse<u64>, u8, u64)> = BinaryHeap::new();
+        // (sum, count) of the heat of the fast and capacity tiers' chunks.
+        let mut fast_heat = (0u64, 0u64);
+        let mut capacity_heat = (0u64, 0u64);
+        for device in self.devices.iter() {
+            let role = device.member.role;
+            if !role.holds_data() {
+                continue;
+            }
+            let index = device.member.index;
+            let mut from = 0;
+            loop {
+                let (listed, to, end) = {
+                    let allocator = self.allocator.lock_or_abort();
+                    let held = Instant::now();
+                    let range = allocator.chunk_range(index);
+                    let start = from.max(range.start);
+                    let to = start.saturating_add(limits.lock_batch).min(range.end).max(start);
+                    let listed = allocator.used_chunks_in(index, start..to);
+                    stats.note_hold(held.elapsed(), to - start);
+                    (listed, to, range.end)
+                };
+                for (chunk, live) in listed {
+                    let heat = device.heat.score(chunk);
+                    let sum = if role == Role::Capacity {
+                        &mut capacity_heat
+                    } else {
+                        &mut fast_heat
+                    };
+                    *sum = (sum.0.saturating_add(heat), sum.1 + 1);
+                    if !live {
+                        continue;
+                    }
+                    match role {
+                        Role::Capacity if heat >= PROMOTE_MIN_HEAT => {
+                            keep_first(&mut hot, (Reverse(heat), index, chunk), limits.chunks)
+                        }
+                        Role::Capacity => {}
+                        _ => keep_first(&mut cold, (heat, index, chunk), limits.chunks),
+                    }
+                }
+                if to >= end {
+                    break;
+                }
+                from = to;
+            }
+        }
+        let info = |heat: u64, device: u8, chunk: u64| ChunkInfo { device, chunk, heat };
+        let candidates = Candidates {
+            cold: cold
+                .into_sorted_vec()
+                .into_iter()
+                .map(|(heat, device, chunk)| info(heat, device, chunk))
+                .collect(),
+            hot: hot
+                .into_sorted_vec()
+                .into_iter()
+                .map(|(Reverse(heat), device, chunk)| info(heat, device, chunk))
+                .collect(),
+            swap_floor: swap_floor(fast_heat, capacity_heat),
+        };
+        stats.chunks_kept = candidates.cold.len() + candidates.hot.len();
+        candidates
     }
 
     /// Makes the planned moves, a chunk at a time (its blocks read in one
@@ -799,19 +887,23 @@ fn worth_swapping(hot: u64, cold: u64, floor: u64) -> bool {
     hot >= PROMOTE_MIN_HEAT && hot > cold.saturating_mul(2) && hot >= floor
 }
 
+/// Adds `key` to `heap`, which keeps the `limit` least keys.
+fn keep_first<K: Ord>(heap: &mut BinaryHeap<K>, key: K, limit: usize) {
+    if heap.len() < limit {
+        heap.push(key);
+    } else if heap.peek().is_some_and(|last| key < *last) {
+        heap.pop();
+        heap.push(key);
+    }
+}
+
 /// The heat a capacity chunk needs to trade places with a fast chunk:
 /// [`SWAP_STANDOUT`] times the lower of the two tiers' mean chunk heat,
 /// and at least [`PROMOTE_MIN_HEAT`].
-fn swap_floor(chunks: &[ChunkInfo]) -> u64 {
-    let mean = |role: Role| {
-        let (sum, count) = chunks
-            .iter()
-            .filter(|c| c.role == role)
-            .fold((0u64, 0u64), |(sum, count), c| (sum.saturating_add(c.heat), count + 1));
-        sum / count.max(1)
-    };
-    mean(Role::Fast)
-        .min(mean(Role::Capacity))
+fn swap_floor(fast_heat: (u64, u64), capacity_heat: (u64, u64)) -> u64 {
+    let mean = |(sum, count): (u64, u64)| sum / count.max(1);
+    mean(fast_heat)
+        .min(mean(capacity_heat))
         .saturating_mul(SWAP_STANDOUT)
         .max(PROMOTE_MIN_HEAT)
 }
@@ -845,10 +937,76 @@ struct TierSpace {
     capacity_size: u64,
 }
 
+/// The most a pass plans to move by heat each way, and out of place for
+/// pinned volumes: what bounds its planning's memory (an owner per block
+/// of at most three times this, 24 bytes each: 18 MiB at 4 KiB blocks).
+/// A pass takes about as long as it moves (a capacity HDD writes 1 GiB in
+/// 7 s or more), and the next begins when it ends.
+pub const PASS_MAX_BYTES: u64 = 1 << 30;
+/// Chunk numbers of a device the planner looks at per hold of the
+/// allocator lock: a hash lookup each (a cache miss in a large pool's
+/// chunk table), a few hundred microseconds a hold at most.
+pub const LIST_BATCH_CHUNKS: u64 = 1024;
+
+/// Map page indexes the walk lists at a time (of a volume's view, or a
+/// snapshot's own pages): 2 Mi blocks' worth.
+const PAGE_WINDOW: usize = 4096;
+
+/// Bounds of one pass's planning (tests choose smaller ones).
+#[derive(Debug, Clone, Copy)]
+struct PlanLimits {
+    /// The most chunks a pass considers moving each way.
+    chunks: usize,
+    /// Chunks of a device looked at per hold of the allocator lock.
+    lock_batch: u64,
+}
+
+impl PlanLimits {
+    fn of(chunk_bytes: u32) -> Self {
+        PlanLimits {
+            chunks: (PASS_MAX_BYTES / chunk_bytes as u64).max(1) as usize,
+            lock_batch: LIST_BATCH_CHUNKS,
+        }
+    }
+}
+
+/// What one pass's planning held and how long it held the allocator lock
+/// (the figures `planning_at_scale` reports).
+#[derive(Debug, Default, Clone)]
+pub(crate) struct PlanStats {
+    /// Entries of blocks the plan kept at once (owners, and slots seen).
+    pub owners: usize,
+    /// Chunks kept with their heat.
+    pub chunks_kept: usize,
+    /// Holds of the allocator lock, the longest, and the most chunks
+    /// looked at in one.
+    pub holds: u64,
+    pub longest_hold: Duration,
+    pub total_hold: Duration,
+    pub most_chunks_per_hold: u64,
+}
+
+impl PlanStats {
+    fn note_hold(&mut self, held: Duration, chunks: u64) {
+        self.holds += 1;
+        self.longest_hold = self.longest_hold.max(held);
+        self.total_hold += held;
+        self.most_chunks_per_hold = self.most_chunks_per_hold.max(chunks);
+    }
+}
+
+/// A pass's candidates by heat (`Pool::heat_candidates`).
+struct Candidates {
+    /// Fast chunks, coldest first.
+    cold: Vec<ChunkInfo>,
+    /// Capacity chunks, hottest first.
+    hot: Vec<ChunkInfo>,
+    swap_floor: u64,
+}
+
 struct ChunkInfo {
     device: u8,
     chunk: u64,
-    role: Role,
     heat: u64,
 }
 
@@ -1594,6 +1752,184 @@ mod tests {
                     "MiB {index} at the end"
                 );
             }
+        });
+    }
+
+    /// Planning keeps owners only for the chunks a pass may move, however
+    /// much the pool maps, and lists the used chunks in short holds of the
+    /// allocator lock. A fast tier 95 % full of 4K blocks wants 15 chunks
+    /// down; with room for 4 a pass, the plan is the 4 coldest, its owners
+    /// at most their blocks, and no hold of the lock looks at more than 8
+    /// chunks.
+    #[test]
+    fn planning_keeps_only_the_chunks_it_may_move() {
+        block_on(async {
+            let (_fast, _capacity, pool, volume) = two_tier_pool(23).await;
+            let space = pool.tier_space();
+            let mibs = space.fast_size * 95 / 100 / MIB;
+            // Half the map pages stored by a checkpoint, the rest only cached.
+            write_mibs(&volume, 0..mibs / 2).await;
+            pool.checkpoint().await.unwrap();
+            write_mibs(&volume, mibs / 2..mibs).await;
+            pool.commit_quiet().await.unwrap();
+            // The walk lists the map's pages a window at a time: all of
+            // them, once each.
+            let blocks = 512 * MIB / 4096;
+            let mut windows = Vec::new();
+            let mut from = Some(0);
+            while let Some(start) = from {
+                let (indexes, next) = pool.view_page_indexes_from(1, blocks, start, 3).unwrap();
+                assert!(indexes.len() <= 3, "{indexes:?}");
+                windows.extend(indexes);
+                from = next;
+            }
+            assert_eq!(windows, pool.view_page_indexes(1, blocks).unwrap());
+            assert!(windows.len() > 10, "{windows:?}");
+            // Every chunk but MiBs 5, 9, 20 and 33 read: those are the coldest.
+            for index in (0..mibs).filter(|i| ![5, 9, 20, 33].contains(i)) {
+                touch_mib(&volume, index).await;
+            }
+            let settings = MigrationSettings::default();
+            let space = pool.tier_space();
+            let limits = PlanLimits {
+                chunks: 4,
+                lock_batch: 8,
+            };
+            let mut stats = PlanStats::default();
+            let plan = pool.plan_pass(&settings, &space, limits, &mut stats).unwrap();
+            let blocks_per_chunk = (MIB / 4096) as usize;
+            assert!(stats.owners <= 4 * blocks_per_chunk * 2, "{stats:?}");
+            assert!(stats.chunks_kept <= 2 * 4, "{stats:?}");
+            assert!(stats.most_chunks_per_hold <= 8, "{stats:?}");
+            assert!(stats.holds >= (mibs / 8), "{stats:?}");
+            assert_eq!(plan.len(), 4, "{stats:?}");
+            assert!(plan.iter().all(|c| c.to == Role::Capacity));
+            let mut planned: Vec<u64> = plan
+                .iter()
+                .flat_map(|c| c.blocks.iter().map(|o| o.block / blocks_per_chunk as u64))
+                .collect();
+            planned.dedup();
+            planned.sort_unstable();
+            planned.dedup();
+            assert_eq!(planned, vec![5, 9, 20, 33]);
+            // The default bounds move it all in one pass, as before.
+            let summary = pool.migrate_now().await.unwrap();
+            assert!(summary.chunks_down > 4 && summary.errors == 0, "{summary:?}");
+            assert!(pool.tier_space().fast_used <= space.fast_size * 70 / 100);
+        });
+    }
+
+    /// A measurement, not a check (`bench/migrate_plan.py` runs it):
+    /// one pass's planning over a pool of STRATA_PLAN_GIB GiB (default 4)
+    /// of mapped 16 KiB blocks on sparse files in STRATA_PLAN_DIR (default
+    /// a temporary directory), half of them on a fast tier filled to 90 %
+    /// (above its high watermark: a demotion pass). The blocks are mapped
+    /// to slots without writing their data: planning reads only maps and
+    /// the allocator. Prints one `plan:` line of JSON.
+    #[test]
+    #[ignore = "a measurement: bench/migrate_plan.py runs it"]
+    fn planning_at_scale() {
+        use crate::device::file::{create_file, open_device};
+        use crate::device::DeviceOptions;
+        let gib: u64 = std::env::var("STRATA_PLAN_GIB").map_or(4, |v| v.parse().unwrap());
+        let base = std::env::var("STRATA_PLAN_DIR").map_or_else(|_| std::env::temp_dir(), std::path::PathBuf::from);
+        let dir = tempfile::tempdir_in(base).unwrap();
+        let block: u64 = 16 << 10;
+        let data = gib << 30;
+        let fast_path = dir.path().join("fast.img");
+        let capacity_path = dir.path().join("capacity.img");
+        create_file(&fast_path, data / 2 + (17 << 30)).unwrap();
+        create_file(&capacity_path, data).unwrap();
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap();
+        runtime.block_on(async {
+            let options = DeviceOptions::default();
+            let devices = vec![
+                NewDevice {
+                    device: open_device(&fast_path, &options).unwrap(),
+                    role: Role::Fast,
+                },
+                NewDevice {
+                    device: open_device(&capacity_path, &options).unwrap(),
+                    role: Role::Capacity,
+                },
+            ];
+            // A map cache that holds every page: they stay dirty (no
+            // checkpoint runs), and a full cache of dirty pages looks for
+            // a page to evict on every load.
+            let options = crate::pool::PoolOptions {
+                meta_cache_bytes: 64 << 30,
+                ..Default::default()
+            };
+            let pool = Pool::create_with("scale", 1 << 20, devices, options).await.unwrap();
+            pool.set_migration_settings(MigrationSettings {
+                enabled: false,
+                ..MigrationSettings::default()
+            })
+            .unwrap();
+            let space = pool.tier_space();
+            let blocks = data / block;
+            let on_fast = (space.fast_size * 9 / 10 / block).min(blocks);
+            let _volume = pool.open_volume(1, blocks * block, block as u32).unwrap();
+            let filled = Instant::now();
+            let per_chunk = (1u64 << 20) / block;
+            let mut next = 0;
+            while next < blocks {
+                let count = per_chunk.min(blocks - next);
+                let slots: Vec<(u8, u64)> = {
+                    let mut allocator = pool.allocator.lock_or_abort();
+                    (next..next + count)
+                        .map(|b| {
+                            let role = if b < on_fast { Role::Fast } else { Role::Capacity };
+                            allocator.allocate_in(14, role).expect("room")
+                        })
+                        .collect()
+                };
+                for (b, (device, offset)) in (next..).zip(slots) {
+                    pool.set_mapping(1, b, map_entry::encode(device, offset)).unwrap();
+                }
+                next += count;
+            }
+            let fill_seconds = filled.elapsed().as_secs_f64();
+            let space = pool.tier_space();
+            let settings = pool.migration_settings();
+            let rss_kib = |field: &str| -> u64 {
+                let status = std::fs::read_to_string("/proc/self/status").unwrap();
+                status
+                    .lines()
+                    .find_map(|l| l.strip_prefix(field))
+                    .and_then(|v| v.split_whitespace().next())
+                    .and_then(|v| v.parse().ok())
+                    .unwrap()
+            };
+            // Peak RSS from here on (Linux: "5" resets VmHWM).
+            std::fs::write("/proc/self/clear_refs", "5").unwrap();
+            let before = rss_kib("VmRSS:");
+            let planned = Instant::now();
+            let mut stats = PlanStats::default();
+            let plan = pool
+                .plan_pass(&settings, &space, PlanLimits::of(pool.chunk_bytes), &mut stats)
+                .unwrap();
+            let plan_seconds = planned.elapsed().as_secs_f64();
+            let peak = rss_kib("VmHWM:");
+            let planned_bytes: u64 = plan.iter().map(|c| c.bytes).sum();
+            drop(plan);
+            println!(
+                "plan: {{\"gib\": {gib}, \"blocks\": {blocks}, \"fill_s\": {fill_seconds:.1}, \"plan_s\": {plan_seconds:.3}, \
+                 \"owners\": {}, \"chunks_kept\": {}, \"holds\": {}, \"longest_hold_us\": {}, \"mean_hold_us\": {:.1}, \
+                 \"most_chunks_per_hold\": {}, \"rss_before_kib\": {before}, \"plan_peak_growth_kib\": {}, \
+                 \"planned_bytes\": {planned_bytes}}}",
+                stats.owners,
+                stats.chunks_kept,
+                stats.holds,
+                stats.longest_hold.as_micros(),
+                stats.total_hold.as_secs_f64() * 1e6 / stats.holds.max(1) as f64,
+                stats.most_chunks_per_hold,
+                peak.saturating_sub(before),
+            );
         });
     }
 

@@ -1671,6 +1671,48 @@ impl Pool {
         Ok(pages.into_iter().collect())
     }
 
+    /// [`Pool::own_pages`] a window at a time: `owner`'s page indexes from
+    /// `from` on, at most `max` of each source (the store, the cache), and
+    /// where the next window starts (`None`: none left). What the
+    /// migrator's walk holds of the page list is then bounded by `max`.
+    pub(super) fn own_pages_from(
+        &self,
+        owner: u32,
+        from: u64,
+        max: usize,
+    ) -> Result<(Vec<u64>, Option<u64>), MetaError> {
+        let mut stored: Vec<u64> = Vec::new();
+        {
+            let txn = self.db.begin_read()?;
+            let table = txn.open_table(MAP_PAGES)?;
+            for row in table.range((owner, from)..=(owner, u64::MAX))?.take(max) {
+                let (key, _) = row?;
+                stored.push(key.value().1);
+            }
+        }
+        let cached = self.map_pages.keys_of_from(owner, from, max);
+        // A source cut at `max` is complete only up to its last index.
+        let last = [&stored, &cached]
+            .into_iter()
+            .filter(|source| source.len() >= max)
+            .filter_map(|source| source.last().copied())
+            .min();
+        let within = |index: &u64| last.is_none_or(|last| *index <= last);
+        let mut pages: std::collections::BTreeSet<u64> = stored.into_iter().filter(within).collect();
+        for index in cached.into_iter().filter(within) {
+            if !pages.contains(&index)
+                && self
+                    .map_pages
+                    .get(&self.db, (owner, index))?
+                    .present
+                    .load(Ordering::Acquire)
+            {
+                pages.insert(index);
+            }
+        }
+        Ok((pages.into_iter().collect(), last.map(|last| last + 1)))
+    }
+
     /// Makes volume `volume` (a new id, no blocks yet) a clone of
     /// `origin`: it sees the snapshot's blocks and shares them until it
     /// changes them. One record; nothing is copied.
@@ -1786,6 +1828,38 @@ impl Pool {
             indexes.extend(self.own_pages(owner)?.into_iter().filter(|index| *index < pages));
         }
         Ok(indexes.into_iter().collect())
+    }
+
+    /// [`Pool::view_page_indexes`] a window at a time (`own_pages_from`):
+    /// the indexes from `from` on, and where the next window starts.
+    pub(crate) fn view_page_indexes_from(
+        &self,
+        volume: u32,
+        blocks: u64,
+        from: u64,
+        max: usize,
+    ) -> Result<(Vec<u64>, Option<u64>), MetaError> {
+        let pages = blocks.div_ceil(MAP_ENTRIES_PER_PAGE);
+        let mut owners = vec![volume];
+        let mut next = self.origin_of(volume);
+        while let Some(origin) = next.filter(|o| !owners.contains(o)) {
+            let Some(info) = self.snapshot(origin) else { break };
+            owners.push(info.volume);
+            owners.extend(self.snapshots_of(info.volume).into_iter().map(|s| s.id));
+            next = self.origin_of(info.volume);
+        }
+        let mut indexes = std::collections::BTreeSet::new();
+        let mut resume: Option<u64> = None;
+        for owner in owners {
+            let (own, more) = self.own_pages_from(owner, from, max)?;
+            indexes.extend(own);
+            if let Some(more) = more {
+                resume = Some(resume.map_or(more, |r| r.min(more)));
+            }
+        }
+        let resume = resume.filter(|r| *r < pages);
+        let end = resume.unwrap_or(pages).min(pages);
+        Ok((indexes.into_iter().filter(|index| *index < end).collect(), resume))
     }
 
     /// Promotes clone `clone`: it stops depending on its origin snapshot,
