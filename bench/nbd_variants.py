@@ -1,14 +1,15 @@
 #!/usr/bin/env python3
-"""Variants of strata (by environment) side by side with nbdkit-file, one
+"""Variants of strata (by serve flags or environment) side by side with nbdkit-file, one
 workload, many interleaved rounds: for settings whose effect is smaller
 than the machine's run-to-run swing.
 
-Usage: bench/nbd_variants.py ROUNDS RW NAME[:VAR=VALUE,...] ...
+Usage: bench/nbd_variants.py ROUNDS RW NAME[:--FLAG=VALUE,VAR=VALUE,...] ...
   RW: read | write (1M sequential, QD4, 4 s per round)
       randread | randwrite (4K random, QD32, 4 s per round)
-  NAME "nbdkit" runs nbdkit-file; any other NAME runs strata with the
-  variables given (STRATA_BIN picks the binary; BIN=path per variant).
-e.g. bench/nbd_variants.py 8 read nbdkit default "small:STRATA_NBD_SNDBUF=524288"
+  NAME "nbdkit" runs nbdkit-file; any other NAME runs strata serve with the
+  flags (--FLAG=VALUE) and environment variables given (STRATA_BIN picks
+  the binary; BIN=path per variant).
+e.g. bench/nbd_variants.py 8 read nbdkit default "autotuned:--nbd-send-buffer=0"
 
 Every server gets a 1 GiB volume (or file) of the same random data, listens
 on an ephemeral 127.0.0.1 port and is stopped by PID. Each round runs fio's
@@ -38,7 +39,7 @@ def curl(*args):
     return subprocess.run(["curl", "-sf", *args], capture_output=True).returncode == 0
 
 
-def start(name, env, work, seed):
+def start(name, env, flags, work, seed):
     nbd = port()
     if name == "nbdkit":
         image = os.path.join(work, "nbdkit.img")
@@ -55,7 +56,7 @@ def start(name, env, work, seed):
     binary = env.pop("BIN", STRATA)
     data_dir = os.path.join(work, name)
     proc = subprocess.Popen([binary, "serve", "--nfs", "127.0.0.1:0", "--data-dir", data_dir, "--nbd", f"127.0.0.1:{nbd}",
-                             "--api", f"127.0.0.1:{api}", "--iscsi", "127.0.0.1:0"],
+                             "--api", f"127.0.0.1:{api}", "--iscsi", "127.0.0.1:0", *flags],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     token = []
     for _ in range(200):
@@ -84,8 +85,10 @@ def main():
     try:
         for spec in specs:
             name, _, assignments = spec.partition(":")
-            env = dict(kv.split("=", 1) for kv in assignments.split(",") if kv)
-            proc, uri = start(name, env, work, seed)
+            items = [item for item in assignments.split(",") if item]
+            flags = [item for item in items if item.startswith("--")]
+            env = dict(item.split("=", 1) for item in items if not item.startswith("--"))
+            proc, uri = start(name, env, flags, work, seed)
             servers.append((name, proc, uri, []))
         subprocess.run(["sync"])
         block, depth = shapes[rw]

@@ -17,8 +17,10 @@
 //! [`copy_summing_sectors`] copies and sums in one pass (reads of cached
 //! file pages, `device::mapped`). No crate does either; both are checked
 //! against the crates, published values and a bitwise reference.
-//! `STRATA_CRC=crc-fast` or `STRATA_CRC=crc32c` forces one backend and
-//! sectors one by one with it (for benchmarks comparing them).
+//! `strata serve --crc crc-fast` or `--crc crc32c` forces one backend and
+//! sectors one by one with it ([`force_backend`], for benchmarks comparing
+//! them); every method gives the same checksums, so a pool written with
+//! one is read with any other.
 
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
@@ -45,7 +47,8 @@ impl Backend {
         }
     }
 
-    fn from_name(name: &str) -> Option<Backend> {
+    /// The backend called `name` (`crc-fast` or `crc32c`).
+    pub fn from_name(name: &str) -> Option<Backend> {
         Backend::ALL.into_iter().find(|b| b.name() == name)
     }
 
@@ -73,20 +76,39 @@ impl Backend {
     }
 }
 
-static CHOSEN: OnceLock<Backend> = OnceLock::new();
+/// The process's backend, and whether it was forced ([`force_backend`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Chosen {
+    backend: Backend,
+    forced: bool,
+}
 
-/// The backend this process uses: `STRATA_CRC` if it names one, else the
-/// faster on 4 KiB sectors (measured once, in about a millisecond).
-pub fn backend() -> Backend {
-    *CHOSEN.get_or_init(|| {
-        let Ok(forced) = std::env::var("STRATA_CRC") else {
-            return for_this_cpu();
-        };
-        Backend::from_name(forced.trim()).unwrap_or_else(|| {
-            tracing::warn!("STRATA_CRC={forced:?} names no CRC-32C implementation (crc-fast, crc32c); timing both");
-            for_this_cpu()
-        })
+static CHOSEN: OnceLock<Chosen> = OnceLock::new();
+
+fn chosen() -> Chosen {
+    *CHOSEN.get_or_init(|| Chosen {
+        backend: for_this_cpu(),
+        forced: false,
     })
+}
+
+/// The backend this process uses: the one [`force_backend`] named, else
+/// the one for this CPU (`crc-fast` where it has AVX-512 VPCLMULQDQ, else
+/// `crc32c`).
+pub fn backend() -> Backend {
+    chosen().backend
+}
+
+/// Makes `backend` this process's backend, with sectors summed one by one
+/// by it ([`sector_method`]) (`strata serve --crc`, for benchmarks
+/// comparing them). Call it before anything is checksummed: once the
+/// process has chosen, the choice stands and is returned as the error.
+pub fn force_backend(backend: Backend) -> Result<(), Backend> {
+    let wanted = Chosen { backend, forced: true };
+    match *CHOSEN.get_or_init(|| wanted) {
+        chosen if chosen == wanted => Ok(()),
+        chosen => Err(chosen.backend),
+    }
 }
 
 /// The backend for this CPU: `crc-fast` where it folds with AVX-512
@@ -218,11 +240,12 @@ static SECTOR_METHOD: OnceLock<SectorMethod> = OnceLock::new();
 
 /// How this process checksums sectors: six at once where the CPU can and
 /// that is faster than the [`backend`] one by one (timed once, like the
-/// backend); one by one when `STRATA_CRC` forces a backend.
+/// backend); one by one when [`force_backend`] named the backend.
 pub fn sector_method() -> SectorMethod {
     *SECTOR_METHOD.get_or_init(|| {
-        let each = SectorMethod::Each(backend());
-        if std::env::var_os("STRATA_CRC").is_some() || !six_at_once::available() {
+        let chosen = chosen();
+        let each = SectorMethod::Each(chosen.backend);
+        if chosen.forced || !six_at_once::available() {
             return each;
         }
         let data: Vec<u8> = (0..SUM_SECTOR_BYTES * 6)
@@ -608,7 +631,7 @@ mod tests {
     }
 
     #[test]
-    fn strata_crc_names_each_backend_and_nothing_else() {
+    fn crc_option_names_each_backend_and_nothing_else() {
         for backend in Backend::ALL {
             assert_eq!(Backend::from_name(backend.name()), Some(backend));
         }

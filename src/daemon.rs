@@ -10,8 +10,9 @@ use std::sync::Arc;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
+use crate::checksum::Backend;
 use crate::control::manager::VolumeManager;
-use crate::device::DeviceWraps;
+use crate::device::{DeviceWraps, MappedIo};
 use crate::frontend::{iscsi, nbd};
 use crate::fs::Exports as _;
 
@@ -55,6 +56,29 @@ pub struct ServeArgs {
     /// for its login (idle or slow clients are cut).
     #[arg(long, default_value_t = 30, value_name = "SECONDS", value_parser = clap::value_parser!(u64).range(1..))]
     pub handshake_timeout: u64,
+    /// Microseconds an NBD connection with nothing in flight polls for its
+    /// client's next request before it waits (polls run only while they
+    /// catch requests); 0 never polls, saving that CPU at the cost of
+    /// latency at queue depth 1.
+    #[arg(long, default_value_t = nbd::server::DEFAULT_IDLE_POLL_US, value_name = "MICROSECONDS")]
+    pub nbd_poll_us: u64,
+    /// Send buffer each NBD connection asks of the kernel (Linux doubles
+    /// it; net.core.wmem_max caps it); 0 leaves it to the kernel's
+    /// autotuning.
+    #[arg(long, value_name = "SIZE", default_value = "512K", value_parser = parse_send_buffer)]
+    pub nbd_send_buffer: u64,
+    /// Which requests of buffered file devices go through a mapping of the
+    /// file: `on` (reads of cached pages, and small writes that would wait
+    /// for another thread's pwrite), `reads`, or `off` (every request to
+    /// the I/O engine).
+    #[arg(long, value_name = "on|reads|off", default_value = "on", value_parser = MappedIo::parse)]
+    pub mapped_io: MappedIo,
+    /// CRC-32C implementation: `auto` (crc-fast where the CPU has AVX-512
+    /// VPCLMULQDQ, else crc32c; sectors six at once where it has AVX2
+    /// VPCLMULQDQ), or `crc-fast` or `crc32c` (sectors one by one with it).
+    /// Every one gives the same checksums.
+    #[arg(long, value_name = "auto|crc-fast|crc32c", default_value = "auto", value_parser = parse_crc)]
+    pub crc: CrcChoice,
     /// Do not record requests for the latency heat maps, `strata iostat`
     /// and `/v1/analytics` (the per-volume Prometheus counters stay).
     #[arg(long)]
@@ -172,6 +196,28 @@ fn tune_allocator() {
     }
 }
 
+/// `--crc`: `auto` (`None`) or a backend.
+#[derive(Debug, Clone, Copy)]
+pub struct CrcChoice(pub Option<Backend>);
+
+fn parse_crc(text: &str) -> Result<CrcChoice, String> {
+    if text == "auto" {
+        return Ok(CrcChoice(None));
+    }
+    Backend::from_name(text)
+        .map(|backend| CrcChoice(Some(backend)))
+        .ok_or_else(|| format!("{text:?} is not auto, crc-fast or crc32c"))
+}
+
+/// `--nbd-send-buffer SIZE`: what `SO_SNDBUF` takes (an `int`).
+fn parse_send_buffer(text: &str) -> Result<u64, String> {
+    let bytes = crate::units::parse_size(text)?;
+    if bytes > i32::MAX as u64 {
+        return Err(format!("at most {}", crate::units::format_size(i32::MAX as u64)));
+    }
+    Ok(bytes)
+}
+
 /// `--nfs`: an address or `off`.
 #[derive(Debug, Clone, Copy)]
 pub struct NfsAddress(pub Option<SocketAddr>);
@@ -196,12 +242,26 @@ async fn serve(args: ServeArgs) -> Result<(), String> {
     let wraps = DeviceWraps::parse(&args.wrap)?;
     let api_tls = api_tls(&args)?;
     let nbd_tls = Arc::new(nbd::tls::NbdTls::from_args(&args.nbd_tls)?);
-    // Measured before the pools open (their recovery checksums), and said.
+    // Process-wide, so set before the pools open: their recovery
+    // checksums, their devices' mappings.
+    if let Some(backend) = args.crc.0 {
+        crate::checksum::force_backend(backend).map_err(|chosen| {
+            format!(
+                "--crc {}: this process already checksums with {}",
+                backend.name(),
+                chosen.name()
+            )
+        })?;
+    }
     tracing::info!(
         "crc32c: {}; sectors: {}",
         crate::checksum::backend().name(),
         crate::checksum::sector_method().name()
     );
+    let mapped_io = crate::device::set_default_mapped_io(args.mapped_io);
+    tracing::info!("file devices: mapped I/O {} (--mapped-io)", mapped_io.name());
+    nbd::server::set_idle_poll_us(args.nbd_poll_us);
+    nbd::server::set_send_buffer_bytes(args.nbd_send_buffer);
     let manager = Arc::new(
         VolumeManager::open_with_wraps(&args.data_dir, wraps)
             .await

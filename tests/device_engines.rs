@@ -1,6 +1,7 @@
 //! One contract test suite (the `Device` trait's promises) run over every
 //! device: files with the io_uring and the threads engine, buffered and
-//! O_DIRECT, the simulator, and the wrappers stacked on a file.
+//! O_DIRECT, buffered with and without a mapping (`MappedIo` on, reads,
+//! off), the simulator, and the wrappers stacked on a file.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -9,7 +10,7 @@ use strata::device::sim::SimFaults;
 use strata::device::wrappers::{DelayConfig, IoOp, ThrottleConfig};
 use strata::device::{
     create_file, DelayDevice, Device, DeviceError, DeviceOptions, DirectIo, EngineChoice, ErrorDevice, ErrorRule,
-    FileDevice, IoBuf, IoEngine, SimDevice, SimRng, ThrottleDevice, WrapperSpec,
+    FileDevice, IoBuf, IoEngine, MappedIo, SimDevice, SimRng, ThrottleDevice, WrapperSpec,
 };
 
 const DEVICE_BYTES: u64 = 64 << 20;
@@ -248,26 +249,89 @@ fn o_direct_works(dir: &std::path::Path) -> bool {
     ok
 }
 
-fn open(path: &std::path::Path, engine: EngineChoice, direct_io: DirectIo) -> FileDevice {
+fn open(path: &std::path::Path, engine: EngineChoice, direct_io: DirectIo, mapped_io: MappedIo) -> FileDevice {
     FileDevice::open(
         path,
         &DeviceOptions {
             engine,
             direct_io,
+            mapped_io,
             ..DeviceOptions::default()
         },
     )
     .unwrap()
 }
 
+/// The paths a mapping adds, on a buffered file, and the same calls where
+/// there is none: a read of cached pages copied and checksummed at once
+/// (`read_now_summed`), and inline writes from several threads at once
+/// (`write_now`; one that meets another thread's `pwrite` of the file is
+/// copied into the mapping where writes are mapped).
+async fn mapped_paths(dev: &FileDevice, mapped_io: MappedIo) {
+    let name = format!("{} ({mapped_io:?})", dev.info().name);
+    let base: u64 = 32 << 20;
+    let len = 256 << 10;
+    let data = pattern(base, 3, len);
+    let mut dst = vec![0u8; len];
+    let mut sums = vec![0u32; len / 4096];
+    // Never written: the file has no pages there, so nothing is mapped in.
+    let summed = dev.read_now_summed(base, &mut dst, &mut sums);
+    assert!(!summed || dst.iter().all(|&b| b == 0), "{name}: a hole reads as zeros");
+    // Written through the page cache, then read at once where mapped.
+    write(dev, base, &data).await.unwrap();
+    let summed = dev.read_now_summed(base, &mut dst, &mut sums);
+    assert_eq!(
+        summed,
+        mapped_io != MappedIo::Off,
+        "{name}: cached pages are read through the mapping exactly when there is one"
+    );
+    if summed {
+        same(&dst, &data, &format!("{name}: mapped read"));
+        for (index, sector) in data.chunks(4096).enumerate() {
+            assert_eq!(sums[index], strata::checksum::crc32c(sector), "{name}: sector {index}");
+        }
+    }
+    // Four threads rewrite the 4 KiB blocks of that range at once, each
+    // its own blocks, 16 rounds: the last round's bytes are what is there.
+    const THREADS: u64 = 4;
+    const ROUNDS: u64 = 16;
+    let blocks = len as u64 / 4096;
+    std::thread::scope(|scope| {
+        for thread in 0..THREADS {
+            scope.spawn(move || {
+                for round in 0..ROUNDS {
+                    for block in (thread..blocks).step_by(THREADS as usize) {
+                        let offset = base + block * 4096;
+                        let result = dev.write_now(offset, &pattern(offset, 10 + round, 4096));
+                        result.expect("a buffered 4 KiB write is done inline").unwrap();
+                    }
+                }
+            });
+        }
+    });
+    dev.flush().await.unwrap();
+    for block in 0..blocks {
+        let offset = base + block * 4096;
+        same(
+            &read(dev, offset, 4096).await.unwrap(),
+            &pattern(offset, 10 + ROUNDS - 1, 4096),
+            &format!("{name}: block {block}"),
+        );
+    }
+}
+
 async fn file_suite(engine: EngineChoice, direct_io: DirectIo) {
+    file_suite_mapped(engine, direct_io, MappedIo::On).await;
+}
+
+async fn file_suite_mapped(engine: EngineChoice, direct_io: DirectIo, mapped_io: MappedIo) {
     if engine == EngineChoice::IoUring && !IoEngine::io_uring_available() {
         eprintln!("io_uring is unavailable on this machine: the io_uring file suite is skipped");
         return;
     }
     let dir = test_dir();
     let path = image(&dir);
-    let dev = open(&path, engine, direct_io);
+    let dev = open(&path, engine, direct_io, mapped_io);
     let info = dev.info().clone();
     assert_eq!(
         info.engine,
@@ -298,6 +362,13 @@ async fn file_suite(engine: EngineChoice, direct_io: DirectIo) {
             assert_eq!(info.block_bytes, 512);
         }
     }
+    let mapped = dev.mapped_io();
+    if info.direct_io {
+        assert_eq!(mapped, MappedIo::Off, "O_DIRECT files are never mapped");
+    } else {
+        assert_eq!(mapped, mapped_io, "a buffered file is mapped as asked");
+        mapped_paths(&dev, mapped_io).await;
+    }
     let dev: Arc<dyn Device> = Arc::new(dev);
     contract(dev.clone()).await;
     // Discard on a file punches a hole: zeros exactly.
@@ -305,7 +376,7 @@ async fn file_suite(engine: EngineChoice, direct_io: DirectIo) {
     assert!(zeros.iter().all(|&b| b == 0), "punched range reads zeros");
     drop(dev);
     // Everything flushed is in the file after reopening.
-    let again = open(&path, engine, direct_io);
+    let again = open(&path, engine, direct_io, mapped_io);
     let offset = DEVICE_BYTES - u64::from(again.info().block_bytes);
     let len = again.info().block_bytes as usize;
     same(
@@ -335,6 +406,39 @@ async fn file_threads_direct() {
     file_suite(EngineChoice::Threads, DirectIo::On).await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn file_io_uring_buffered_mapped_reads_only() {
+    file_suite_mapped(EngineChoice::IoUring, DirectIo::Off, MappedIo::Reads).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn file_io_uring_buffered_unmapped() {
+    file_suite_mapped(EngineChoice::IoUring, DirectIo::Off, MappedIo::Off).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn file_threads_buffered_mapped_reads_only() {
+    file_suite_mapped(EngineChoice::Threads, DirectIo::Off, MappedIo::Reads).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn file_threads_buffered_unmapped() {
+    file_suite_mapped(EngineChoice::Threads, DirectIo::Off, MappedIo::Off).await;
+}
+
+#[test]
+fn mapped_io_names_each_choice_and_nothing_else() {
+    for choice in MappedIo::ALL {
+        assert_eq!(MappedIo::parse(choice.name()), Ok(choice));
+    }
+    assert!(MappedIo::parse("yes").is_err());
+    assert_eq!(
+        DeviceOptions::default().mapped_io,
+        MappedIo::On,
+        "on unless the process says otherwise"
+    );
+}
+
 #[tokio::test(flavor = "current_thread")]
 async fn file_threads_on_a_current_thread_runtime() {
     file_suite(EngineChoice::Threads, DirectIo::Auto).await;
@@ -343,7 +447,7 @@ async fn file_threads_on_a_current_thread_runtime() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn file_auto_engine_prefers_io_uring() {
     let dir = test_dir();
-    let dev = open(&image(&dir), EngineChoice::Auto, DirectIo::Auto);
+    let dev = open(&image(&dir), EngineChoice::Auto, DirectIo::Auto, MappedIo::On);
     let forced = std::env::var(EngineChoice::ENV_VAR).ok();
     let expected = match forced.as_deref() {
         Some("threads") => "threads",
@@ -375,7 +479,7 @@ async fn sim_device_with_4k_blocks() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn wrappers_over_a_file() {
     let dir = test_dir();
-    let file: Arc<dyn Device> = Arc::new(open(&image(&dir), EngineChoice::Auto, DirectIo::Auto));
+    let file: Arc<dyn Device> = Arc::new(open(&image(&dir), EngineChoice::Auto, DirectIo::Auto, MappedIo::On));
     let delayed: Arc<dyn Device> = Arc::new(DelayDevice::new(
         file,
         DelayConfig {

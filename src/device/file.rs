@@ -66,6 +66,61 @@ pub struct DeviceOptions {
     pub lock_wait: std::time::Duration,
     /// Overrides the rotational flag detected from sysfs.
     pub rotational: Option<bool>,
+    /// Which requests of a buffered file go through a mapping of it
+    /// ([`super::mapped`]); O_DIRECT devices are never mapped.
+    pub mapped_io: MappedIo,
+}
+
+/// Which requests of a buffered file device go through a `MAP_SHARED`
+/// mapping of it (docs/DEVICES.md, "Mapped reads and writes"): a read of
+/// cached pages is copied and checksummed in one pass, a small write of
+/// cached pages that would wait for another thread's `pwrite` is a memory
+/// copy. `strata serve --mapped-io` sets the process's default
+/// ([`set_default_mapped_io`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum MappedIo {
+    /// Reads and writes.
+    #[default]
+    On,
+    /// Reads only: the mapping is read-only and every write is a `pwrite`.
+    Reads,
+    /// No mapping: every request goes to the I/O engine.
+    Off,
+}
+
+impl MappedIo {
+    /// Every choice, in the order `--mapped-io` lists them.
+    pub const ALL: [MappedIo; 3] = [MappedIo::On, MappedIo::Reads, MappedIo::Off];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            MappedIo::On => "on",
+            MappedIo::Reads => "reads",
+            MappedIo::Off => "off",
+        }
+    }
+
+    /// Parses `on`, `reads` or `off`.
+    pub fn parse(text: &str) -> Result<MappedIo, String> {
+        MappedIo::ALL
+            .into_iter()
+            .find(|choice| choice.name() == text.trim())
+            .ok_or_else(|| format!("{text:?} is not on, reads or off"))
+    }
+}
+
+/// The process's [`MappedIo`], which [`DeviceOptions::default`] takes.
+static DEFAULT_MAPPED_IO: std::sync::OnceLock<MappedIo> = std::sync::OnceLock::new();
+
+/// Sets the process's [`MappedIo`] (`strata serve --mapped-io`), before any
+/// device opens; the first call wins. Returns the choice in force.
+pub fn set_default_mapped_io(choice: MappedIo) -> MappedIo {
+    *DEFAULT_MAPPED_IO.get_or_init(|| choice)
+}
+
+/// The process's [`MappedIo`]: what [`set_default_mapped_io`] set, else on.
+pub fn default_mapped_io() -> MappedIo {
+    DEFAULT_MAPPED_IO.get().copied().unwrap_or_default()
 }
 
 impl Default for DeviceOptions {
@@ -77,6 +132,7 @@ impl Default for DeviceOptions {
             lock: true,
             lock_wait: LOCK_WAIT,
             rotational: None,
+            mapped_io: default_mapped_io(),
         }
     }
 }
@@ -209,27 +265,6 @@ fn detect_rotational(dev: u64) -> bool {
     false
 }
 
-/// Whether buffered files are mapped for reads of cached pages (see
-/// [`super::mapped`]): yes unless `STRATA_MAPPED_READS` is `0` or `off`
-/// (for benchmarks comparing the two read paths).
-fn mapped_reads_enabled() -> bool {
-    static ENABLED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ENABLED.get_or_init(|| match std::env::var("STRATA_MAPPED_READS") {
-        Ok(value) => !matches!(value.trim(), "0" | "off"),
-        Err(_) => true,
-    })
-}
-
-/// Whether writes go through the mapping too (`STRATA_MAPPED_WRITES=0`
-/// or `off` sends them all to `pwrite`, for comparison).
-fn mapped_writes_enabled() -> bool {
-    static ENABLED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ENABLED.get_or_init(|| match std::env::var("STRATA_MAPPED_WRITES") {
-        Ok(value) => !matches!(value.trim(), "0" | "off"),
-        Err(_) => true,
-    })
-}
-
 /// Default for [`DeviceOptions::lock_wait`].
 pub const LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
 
@@ -333,10 +368,11 @@ impl FileDevice {
         };
         tracing::debug!(?info, "opened device");
         let file = Arc::new(file);
-        let mapping = if direct_io || !mapped_reads_enabled() {
-            None
-        } else {
-            Mapping::new(&file, size_bytes, !options.read_only && mapped_writes_enabled())
+        let mapping = match options.mapped_io {
+            _ if direct_io => None,
+            MappedIo::Off => None,
+            MappedIo::Reads => Mapping::new(&file, size_bytes, false),
+            MappedIo::On => Mapping::new(&file, size_bytes, !options.read_only),
         };
         Ok(FileDevice {
             info,
@@ -356,6 +392,17 @@ impl FileDevice {
 
     pub fn engine(&self) -> &IoEngine {
         &self.engine
+    }
+
+    /// Which requests go through a mapping of the file: what
+    /// [`DeviceOptions::mapped_io`] asked for, less what the device cannot
+    /// do (O_DIRECT or read-only, or a mapping the kernel refused).
+    pub fn mapped_io(&self) -> MappedIo {
+        match &self.mapping {
+            None => MappedIo::Off,
+            Some(mapping) if mapping.writable() => MappedIo::On,
+            Some(_) => MappedIo::Reads,
+        }
     }
 
     /// True once a write or flush has failed (see [`DeviceError::Failed`]).

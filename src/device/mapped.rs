@@ -220,6 +220,11 @@ impl Mapping {
         })
     }
 
+    /// Whether writes go through the mapping too.
+    pub fn writable(&self) -> bool {
+        self.writable
+    }
+
     /// Copies `data` to `offset` of the file through the mapping, if the
     /// mapping is writable and the range is whole pages (at most
     /// [`WRITE_MAX`] bytes), all in the page cache. `false`: nothing is

@@ -20,7 +20,9 @@ pub mod uring;
 pub mod wrappers;
 
 pub use engine::{EngineChoice, IoEngine};
-pub use file::{create_file, open_device, DeviceOptions, DirectIo, FileDevice};
+pub use file::{
+    create_file, default_mapped_io, open_device, set_default_mapped_io, DeviceOptions, DirectIo, FileDevice, MappedIo,
+};
 pub use sim::{SimConfig, SimDevice, SimRng};
 pub use wrappers::{
     DelayConfig, DelayDevice, DeviceWraps, ErrorDevice, ErrorRule, IoOp, ThrottleConfig, ThrottleDevice, WrapperSpec,

@@ -21,7 +21,7 @@
 
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU32, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
@@ -74,17 +74,17 @@ const MAX_READ_THREADS: usize = 4;
 /// Bytes the reader buffers from the socket at a time.
 const RECEIVE_BUFFER_BYTES: usize = 64 << 10;
 /// Microseconds an idle connection's reader polls for its next request
-/// before it sleeps (`STRATA_NBD_POLL_US` overrides; see [`Receiver`]).
-const DEFAULT_IDLE_POLL_US: u64 = 30;
-/// Send buffer asked of the kernel per connection (`STRATA_NBD_SNDBUF`
-/// overrides, 0 keeps the kernel's autotuning): Linux doubles it, so about
+/// before it sleeps (`strata serve --nbd-poll-us` sets it; see [`Receiver`]).
+pub const DEFAULT_IDLE_POLL_US: u64 = 30;
+/// Send buffer asked of the kernel per connection (`strata serve
+/// --nbd-send-buffer` sets it, 0 keeps the kernel's autotuning): Linux doubles it, so about
 /// one megabyte reply fits. Autotuned, the buffer grows to take a whole
 /// megabyte reply while the one before it is still unread, and the
 /// sending thread then also does the TCP work of the client's window
 /// updates for the queued data (BENCHMARKS.md, "NBD": 1M reads +17–22 %, 8–13 %
 /// less server CPU per read). A megabyte in flight per connection still
 /// fills 10 Gb/s up to ~0.8 ms of round trip.
-const DEFAULT_SEND_BUFFER_BYTES: u64 = 512 << 10;
+pub const DEFAULT_SEND_BUFFER_BYTES: u64 = 512 << 10;
 
 #[derive(Debug, thiserror::Error)]
 enum ConnectionError {
@@ -425,29 +425,39 @@ impl Drop for Hangup {
     }
 }
 
-/// How long an idle connection's reader polls for its next request before
-/// it sleeps: `STRATA_NBD_POLL_US` microseconds (0 turns polling off),
-/// [`DEFAULT_IDLE_POLL_US`] by default.
-fn idle_poll() -> Duration {
-    static POLL: std::sync::OnceLock<Duration> = std::sync::OnceLock::new();
-    *POLL.get_or_init(|| Duration::from_micros(env_number("STRATA_NBD_POLL_US", DEFAULT_IDLE_POLL_US)))
+static IDLE_POLL_US: AtomicU64 = AtomicU64::new(DEFAULT_IDLE_POLL_US);
+static SEND_BUFFER_BYTES: AtomicU64 = AtomicU64::new(DEFAULT_SEND_BUFFER_BYTES);
+
+/// Sets how long an idle connection's reader polls for its next request
+/// before it sleeps, in microseconds (0 turns polling off): `strata serve
+/// --nbd-poll-us`, once at start.
+pub fn set_idle_poll_us(micros: u64) {
+    IDLE_POLL_US.store(micros, Ordering::Relaxed);
 }
 
-/// The send buffer each connection asks of the kernel:
-/// `STRATA_NBD_SNDBUF` bytes (0 leaves it to the kernel's autotuning),
-/// [`DEFAULT_SEND_BUFFER_BYTES`] by default.
+/// How long an idle connection's reader polls for its next request before
+/// it sleeps ([`set_idle_poll_us`]; [`DEFAULT_IDLE_POLL_US`] by default).
+fn idle_poll() -> Duration {
+    Duration::from_micros(IDLE_POLL_US.load(Ordering::Relaxed))
+}
+
+/// Sets the send buffer each connection asks of the kernel, in bytes (0
+/// leaves it to the kernel's autotuning): `strata serve
+/// --nbd-send-buffer`, once at start. Says so when the kernel caps it.
+pub fn set_send_buffer_bytes(bytes: u64) {
+    if let Some(cap) = wmem_max().filter(|&cap| bytes > cap) {
+        tracing::warn!(
+            "nbd: net.core.wmem_max ({cap}) caps the {bytes}-byte send buffer; \
+             large reads are slower until it is raised (sysctl -w net.core.wmem_max={bytes})"
+        );
+    }
+    SEND_BUFFER_BYTES.store(bytes, Ordering::Relaxed);
+}
+
+/// The send buffer each connection asks of the kernel
+/// ([`set_send_buffer_bytes`]; [`DEFAULT_SEND_BUFFER_BYTES`] by default).
 fn send_buffer_bytes() -> u64 {
-    static BYTES: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
-    *BYTES.get_or_init(|| {
-        let bytes = env_number("STRATA_NBD_SNDBUF", DEFAULT_SEND_BUFFER_BYTES);
-        if let Some(cap) = wmem_max().filter(|&cap| bytes > cap) {
-            tracing::warn!(
-                "nbd: net.core.wmem_max ({cap}) caps the {bytes}-byte send buffer; \
-                 large reads are slower until it is raised (sysctl -w net.core.wmem_max={bytes})"
-            );
-        }
-        bytes
-    })
+    SEND_BUFFER_BYTES.load(Ordering::Relaxed)
 }
 
 /// The kernel's cap on a socket's requested send buffer
@@ -456,18 +466,6 @@ fn wmem_max() -> Option<u64> {
     std::fs::read_to_string("/proc/sys/net/core/wmem_max")
         .ok()
         .and_then(|text| text.trim().parse().ok())
-}
-
-/// The number in environment variable `name`, or `default` if it is unset
-/// (or, with a warning, not a number).
-fn env_number(name: &str, default: u64) -> u64 {
-    match std::env::var(name) {
-        Err(_) => default,
-        Ok(text) => text.trim().parse().unwrap_or_else(|_| {
-            tracing::warn!("{name}={text:?} is not a number; using {default}");
-            default
-        }),
-    }
 }
 
 /// Asks the kernel for a send buffer of `bytes` on `stream` (0: leave it
@@ -1392,15 +1390,5 @@ mod tests {
         set_send_buffer(&second, 0);
         assert_eq!(send_buffer_of(&second), untouched);
         assert_ne!(untouched as u64, 2 * DEFAULT_SEND_BUFFER_BYTES.min(cap));
-    }
-
-    #[test]
-    fn environment_numbers_fall_back_to_the_default_when_unset_or_bad() {
-        // Names no one else sets; the process environment is shared by tests.
-        std::env::set_var("STRATA_TEST_ENV_NUMBER_BAD", "lots");
-        std::env::set_var("STRATA_TEST_ENV_NUMBER_GOOD", " 4096 ");
-        assert_eq!(env_number("STRATA_TEST_ENV_NUMBER_UNSET", 7), 7);
-        assert_eq!(env_number("STRATA_TEST_ENV_NUMBER_BAD", 7), 7);
-        assert_eq!(env_number("STRATA_TEST_ENV_NUMBER_GOOD", 7), 4096);
     }
 }
