@@ -1815,6 +1815,18 @@ impl Pool {
     /// volume's snapshots, up the chain of origins.
     pub(crate) fn view_page_indexes(&self, volume: u32, blocks: u64) -> Result<Vec<u64>, MetaError> {
         let pages = blocks.div_ceil(MAP_ENTRIES_PER_PAGE);
+        let owners = self.view_owners(volume);
+        let mut indexes = std::collections::BTreeSet::new();
+        for owner in owners {
+            indexes.extend(self.own_pages(owner)?.into_iter().filter(|index| *index < pages));
+        }
+        Ok(indexes.into_iter().collect())
+    }
+
+    /// Whose pages can map something in volume `volume`'s view: itself,
+    /// and each origin's volume with that volume's snapshots, up the chain
+    /// of origins.
+    fn view_owners(&self, volume: u32) -> Vec<u32> {
         let mut owners = vec![volume];
         let mut next = self.origin_of(volume);
         while let Some(origin) = next.filter(|o| !owners.contains(o)) {
@@ -1823,11 +1835,7 @@ impl Pool {
             owners.extend(self.snapshots_of(info.volume).into_iter().map(|s| s.id));
             next = self.origin_of(info.volume);
         }
-        let mut indexes = std::collections::BTreeSet::new();
-        for owner in owners {
-            indexes.extend(self.own_pages(owner)?.into_iter().filter(|index| *index < pages));
-        }
-        Ok(indexes.into_iter().collect())
+        owners
     }
 
     /// [`Pool::view_page_indexes`] a window at a time (`own_pages_from`):
@@ -1840,14 +1848,7 @@ impl Pool {
         max: usize,
     ) -> Result<(Vec<u64>, Option<u64>), MetaError> {
         let pages = blocks.div_ceil(MAP_ENTRIES_PER_PAGE);
-        let mut owners = vec![volume];
-        let mut next = self.origin_of(volume);
-        while let Some(origin) = next.filter(|o| !owners.contains(o)) {
-            let Some(info) = self.snapshot(origin) else { break };
-            owners.push(info.volume);
-            owners.extend(self.snapshots_of(info.volume).into_iter().map(|s| s.id));
-            next = self.origin_of(info.volume);
-        }
+        let owners = self.view_owners(volume);
         let mut indexes = std::collections::BTreeSet::new();
         let mut resume: Option<u64> = None;
         for owner in owners {
