@@ -213,7 +213,8 @@ impl Pool {
             for ((device, chunk), state) in chunks {
                 match state {
                     Some(state) => {
-                        table.insert((*device as u32, *chunk), state.encode().as_slice())?;
+                        let key = (*device as u32, *chunk);
+                        table.insert(key, state.encode_stored(key).as_slice())?;
                     }
                     None => {
                         table.remove((*device as u32, *chunk))?;

@@ -346,12 +346,8 @@ impl Pool {
             for row in chunks.iter().map_err(MetaError::from)? {
                 let (key, value) = row.map_err(MetaError::from)?;
                 let (device, chunk_index) = key.value();
-                let state = ChunkState::decode(value.value()).ok_or_else(|| {
-                    corrupt(format!(
-                        "table chunks key ({device}, {chunk_index}): value is {} bytes, not 33",
-                        value.value().len()
-                    ))
-                })?;
+                let state = ChunkState::decode_stored((device, chunk_index), value.value())
+                    .map_err(|e| corrupt(format!("table chunks key ({device}, {chunk_index}): {e}")))?;
                 let device = u8::try_from(device).map_err(|_| {
                     corrupt(format!(
                         "table chunks key ({device}, {chunk_index}): device {device} does not exist"
