@@ -9,13 +9,18 @@
 //!   commit that carries such a record flushes the data devices first (a
 //!   commit of records that need no flush, such as `Dirty` marks, skips
 //!   it), so a durable mapping never points at data that is not durable.
-//! - Before the first write into a chunk in each checkpoint epoch, a `Dirty`
-//!   record for that chunk is committed. After a crash the chunks named by
-//!   such records are *suspect*: their checksums may describe the data before
-//!   or after writes that were in flight, so a mismatch there is repaired
-//!   from the data instead of reported (and a scrub re-verifies them).
-//!   Overwrites therefore cost no metadata I/O beyond that one record per
-//!   chunk per epoch.
+//! - Before the first write in place into a chunk in each checkpoint epoch,
+//!   a `Dirty` record for that chunk is committed, and before each write in
+//!   place the sectors it covers are noted in the RAM tier's in-place marks
+//!   (memory that outlives the process, not the machine). After a crash the
+//!   sectors a write may have been in flight on are *suspect*: the noted
+//!   ones of the chunks the `Dirty` records name when the process died but
+//!   the machine did not, every sector of those chunks when the machine
+//!   went down too. A mismatch in a suspect sector is repaired from the
+//!   data, since the crash explains it; any other is a checksum error. A
+//!   scrub after the crash reads the suspect blocks back. Overwrites
+//!   therefore cost no metadata I/O beyond that one record per chunk per
+//!   epoch.
 //! - A checkpoint writes the changed map, checksum and allocation pages to
 //!   the metadata store in one transaction and frees the log up to it.
 //! - A freed slot is reused only after the record freeing it is durable.
@@ -36,6 +41,7 @@ pub mod readcache;
 mod recover;
 mod relocate;
 mod scrub;
+pub use scrub::ScrubReport;
 mod send;
 pub mod snapshots;
 pub mod superblock;
@@ -48,7 +54,7 @@ use recover::{read_superblock, round_up, write_superblock};
 pub use send::SendExtent;
 use volumes::Release;
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -75,6 +81,12 @@ const MAX_META_BYTES: u64 = 16 << 30;
 pub const DEFAULT_META_CACHE_BYTES: u64 = 32 << 20;
 /// Checkpoint when this many pages are dirty (bounds memory).
 const MAX_DIRTY_PAGES: usize = 16384;
+/// The parts of a chunk, one bit each (part 0 the lowest bit of the first
+/// word): suspect sectors, in-place marks. A chunk has [`CHUNK_PARTS`]
+/// parts, 4 KiB each in a 1 MiB chunk.
+pub(crate) type ChunkParts = [u64; 4];
+pub(crate) const CHUNK_PARTS: u64 = 256;
+pub(crate) const ALL_PARTS: ChunkParts = [u64::MAX; 4];
 /// How far past a chunk that continues a sequential stream
 /// [`Pool::mark_dirty`] marks the chunks after it, in bytes.
 const MARK_AHEAD_BYTES: u64 = 16 << 20;
@@ -364,8 +376,16 @@ pub struct Pool {
     corruption: Arc<crate::meta::geometry::CorruptionLog>,
     allocator: crate::sync::WatchedMutex<Allocator>,
     epoch: AtomicU32,
-    /// Chunks whose checksums are not trusted (after a crash, until scrubbed).
-    suspect: Mutex<HashSet<(u8, u64)>>,
+    /// Parts of chunks whose checksums are not trusted after a crash (a
+    /// write may have been in flight there), until read back or rewritten.
+    suspect: Mutex<HashMap<(u8, u64), ChunkParts>>,
+    /// The highest epoch whose writes in place a committed checkpoint
+    /// covers: in-place marks of it and earlier epochs are no longer needed.
+    covered: AtomicU32,
+    /// While the log is replayed at open: the sectors the RAM tier's
+    /// in-place marks name for each chunk (`None`: the marks did not
+    /// survive, so every sector of a `Dirty` chunk is suspect).
+    crash_marks: Mutex<Option<ram::CrashMarks>>,
     /// Destroyed volumes whose pages the next checkpoint deletes.
     destroyed: Mutex<HashSet<u32>>,
     /// The write gate, in shards by volume id ([`Pool::gate`]): held shared
