@@ -156,12 +156,12 @@ impl Pool {
     /// The write gate's shard of `volume` (see `Pool::gates`). Held shared
     /// it keeps a checkpoint from starting; nobody holds two at once (a
     /// checkpoint waiting for one would then deadlock with it).
-    pub(crate) fn gate(&self, volume: u32) -> &tokio::sync::RwLock<()> {
+    pub(crate) fn gate(&self, volume: u32) -> &Ranked<tokio::sync::RwLock<()>> {
         &self.gates[volume as usize % GATE_SHARDS].0
     }
 
     /// Enters the write gate for a change to `volume`'s data or map.
-    pub(crate) async fn enter_write(&self, volume: u32) -> tokio::sync::RwLockReadGuard<'_, ()> {
+    pub(crate) async fn enter_write(&self, volume: u32) -> Held<tokio::sync::RwLockReadGuard<'_, ()>> {
         let gate = self.gate(volume);
         // Without an `.await` when free (see `EngineVolume::read_stripes`).
         match gate.try_read() {
@@ -173,7 +173,7 @@ impl Pool {
     /// Closes the write gate: waits for the writes under way in every
     /// volume and keeps new ones out until the guards are dropped. Shards
     /// are taken in order, so two closers cannot deadlock.
-    pub(crate) async fn close_gate(&self) -> Vec<tokio::sync::RwLockWriteGuard<'_, ()>> {
+    pub(crate) async fn close_gate(&self) -> Vec<Held<tokio::sync::RwLockWriteGuard<'_, ()>>> {
         let mut guards = Vec::with_capacity(self.gates.len());
         for shard in self.gates.iter() {
             guards.push(shard.0.write().await);

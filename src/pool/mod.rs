@@ -59,7 +59,7 @@ use crate::meta::log::{Log, LogError, Record};
 use crate::meta::pages::{CrcPage, MapPage, Page, PageCache, TakenPage, CRCS_PER_PAGE, MAP_ENTRIES_PER_PAGE};
 use crate::meta::store::{self, CHUNKS, CRC_PAGES, MAP_PAGES, STATE, SUSPECT};
 use crate::meta::MetaError;
-use crate::sync::LockOrAbort;
+use crate::sync::{Held, LockOrAbort, Rank, Ranked};
 use alloc::{Allocator, ChunkState, DeviceSpace};
 use superblock::{Member, Role, Superblock, SUPERBLOCK_BYTES, SUPERBLOCK_OFFSETS};
 
@@ -200,11 +200,11 @@ const GATE_SHARDS: usize = 64;
 /// One shard of the write gate, in cache lines of its own (writes of
 /// volumes in different shards touch no common line).
 #[repr(align(128))]
-struct GateShard(tokio::sync::RwLock<()>);
+struct GateShard(Ranked<tokio::sync::RwLock<()>>);
 
 fn new_gates() -> Box<[GateShard]> {
     (0..GATE_SHARDS)
-        .map(|_| GateShard(tokio::sync::RwLock::new(())))
+        .map(|shard| GateShard(Ranked::new(Rank::Gate, shard as u64, tokio::sync::RwLock::new(()))))
         .collect()
 }
 
@@ -362,12 +362,12 @@ pub struct Pool {
     /// Corrupt metadata met while serving: counted, each finding logged
     /// once.
     corruption: Arc<crate::meta::geometry::CorruptionLog>,
-    allocator: crate::sync::WatchedMutex<Allocator>,
+    allocator: Ranked<crate::sync::WatchedMutex<Allocator>>,
     epoch: AtomicU32,
     /// Chunks whose checksums are not trusted (after a crash, until scrubbed).
-    suspect: Mutex<HashSet<(u8, u64)>>,
+    suspect: Ranked<Mutex<HashSet<(u8, u64)>>>,
     /// Destroyed volumes whose pages the next checkpoint deletes.
-    destroyed: Mutex<HashSet<u32>>,
+    destroyed: Ranked<Mutex<HashSet<u32>>>,
     /// The write gate, in shards by volume id ([`Pool::gate`]): held shared
     /// by every write (in its volume's shard), exclusively by a checkpoint
     /// while it takes its snapshot (every shard, so the snapshot is
@@ -375,18 +375,18 @@ pub struct Pool {
     /// every volume take (and release: tokio's release locks its wait list)
     /// the same lock.
     gates: Box<[GateShard]>,
-    checkpointing: tokio::sync::Mutex<()>,
+    checkpointing: Ranked<tokio::sync::Mutex<()>>,
     /// Held by the one writer that makes room in a full log (see
     /// `Pool::make_log_room`); the others wait for it instead of each
     /// destaging and checkpointing.
-    making_log_room: tokio::sync::Mutex<()>,
+    making_log_room: Ranked<tokio::sync::Mutex<()>>,
     /// Held shared by a commit from its log write until the slots its
     /// records freed are released in the allocator, exclusively by a
     /// checkpoint around its own commit and its snapshot of the allocator:
     /// a checkpoint taken in between would store those slots as in use and
     /// move the log's tail past the records freeing them, leaking them if
     /// the daemon died before the next checkpoint.
-    releasing: tokio::sync::RwLock<()>,
+    releasing: Ranked<tokio::sync::RwLock<()>>,
     checkpoints: AtomicU64,
     checkpoint_pages: AtomicU64,
     checkpoint_scheduled: std::sync::atomic::AtomicBool,
@@ -414,18 +414,18 @@ pub struct Pool {
     /// not be placed later (see `Pool::space_short`).
     space_short: std::sync::atomic::AtomicBool,
     /// Snapshots of the pool's volumes (`pool/snapshots.rs`).
-    snapshots: std::sync::RwLock<snapshots::Snapshots>,
+    snapshots: Ranked<std::sync::RwLock<snapshots::Snapshots>>,
     /// Whether there are any: writes skip the snapshot checks when not.
     has_snapshots: std::sync::atomic::AtomicBool,
     /// Serialises copying a map page into a snapshot, and every other
     /// change of who maps a shared slot: snapshot deletion, rollback,
     /// promotion, a volume's destruction, a shared block's move.
-    page_copy: Mutex<()>,
+    page_copy: Ranked<Mutex<()>>,
     /// Shared blocks remapped (`pool/relocate.rs`): odd while one is
     /// under way.
     relocations: AtomicU64,
     /// Every open engine, volumes and snapshot views, by id (weak).
-    open_engines: Mutex<Vec<(u32, std::sync::Weak<volume::EngineVolume>)>>,
+    open_engines: Ranked<Mutex<Vec<(u32, std::sync::Weak<volume::EngineVolume>)>>>,
     /// Flushes of the data devices done (see `MetaCounters::data_flushes`).
     data_flushes: AtomicU64,
     /// Of those, the ones a log commit made (`MetaCounters::commit_data_flushes`).
@@ -434,7 +434,7 @@ pub struct Pool {
     log_room_waits: AtomicU64,
     log_room_wait_micros: AtomicU64,
     /// Held by the one flush of the data devices under way.
-    data_flush: tokio::sync::Mutex<()>,
+    data_flush: Ranked<tokio::sync::Mutex<()>>,
     /// Where replay of Data records starts (at or before the checkpoint LSN).
     data_tail: AtomicU64,
     /// Automatic tiering (`pool/migrate.rs`).

@@ -594,7 +594,7 @@ pub struct SnapshotRequest<'a> {
 impl Pool {
     /// Every snapshot of the pool, oldest first per volume.
     pub fn snapshots(&self) -> Vec<SnapshotInfo> {
-        let snapshots = self.snapshots.read().unwrap_or_else(|_| crate::sync::poisoned());
+        let snapshots = self.snapshots.read_or_abort();
         let mut all: Vec<SnapshotInfo> = snapshots.by_id.values().cloned().collect();
         all.sort_by_key(|s| (s.volume, s.generation, s.id));
         all
@@ -636,12 +636,12 @@ impl Pool {
         self.has_snapshots.load(Ordering::Acquire)
     }
 
-    pub(crate) fn snapshots_read(&self) -> std::sync::RwLockReadGuard<'_, Snapshots> {
-        self.snapshots.read().unwrap_or_else(|_| crate::sync::poisoned())
+    pub(crate) fn snapshots_read(&self) -> Held<std::sync::RwLockReadGuard<'_, Snapshots>> {
+        self.snapshots.read_or_abort()
     }
 
-    fn snapshots_write(&self) -> std::sync::RwLockWriteGuard<'_, Snapshots> {
-        self.snapshots.write().unwrap_or_else(|_| crate::sync::poisoned())
+    fn snapshots_write(&self) -> Held<std::sync::RwLockWriteGuard<'_, Snapshots>> {
+        self.snapshots.write_or_abort()
     }
 
     /// Takes snapshots of several volumes at one consistency point: every
