@@ -456,6 +456,7 @@ mod tests {
     use crate::device::SimDevice;
     use crate::pool::superblock::Role;
     use crate::pool::NewDevice;
+    use crate::sync::rank::separate;
     use std::future::Future;
     use std::task::{Context, Waker};
 
@@ -500,7 +501,7 @@ mod tests {
             // Two callers need the same completed write: one flush serves both.
             pool.note_data_write(0, 4096);
             let before = flushes();
-            let (a, b) = tokio::join!(pool.flush_data_devices(), pool.flush_data_devices());
+            let (a, b) = tokio::join!(separate(pool.flush_data_devices()), separate(pool.flush_data_devices()));
             a.unwrap();
             b.unwrap();
             assert_eq!(flushes(), before + 1);
@@ -509,14 +510,14 @@ mod tests {
             // covered by it: the second caller flushes again.
             pool.note_data_write(0, 4096);
             let before = flushes();
-            let mut first = std::pin::pin!(pool.flush_data_devices());
+            let mut first = std::pin::pin!(separate(pool.flush_data_devices()));
             assert!(first
                 .as_mut()
                 .poll(&mut Context::from_waker(Waker::noop()))
                 .is_pending());
             assert_eq!(flushes(), before + 1, "the first flush is under way");
             pool.note_data_write(0, 4096);
-            let (a, b) = tokio::join!(first.as_mut(), pool.flush_data_devices());
+            let (a, b) = tokio::join!(first.as_mut(), separate(pool.flush_data_devices()));
             a.unwrap();
             b.unwrap();
             assert_eq!(flushes(), before + 2);
@@ -563,7 +564,7 @@ mod tests {
             assert!(pool.gate(2).try_write().is_err(), "volume ids wrap onto the shards");
             assert!(pool.gate(3).try_write().is_ok());
             // (Outside the cooperative budget, which creating the pool spent.)
-            let mut closing = std::pin::pin!(tokio::task::unconstrained(pool.close_gate()));
+            let mut closing = std::pin::pin!(tokio::task::unconstrained(separate(pool.close_gate())));
             assert!(closing.as_mut().poll(&mut context).is_pending());
             drop(first);
             assert!(

@@ -425,7 +425,7 @@ pub struct Pool {
     /// under way.
     relocations: AtomicU64,
     /// Every open engine, volumes and snapshot views, by id (weak).
-    open_engines: Ranked<Mutex<Vec<(u32, std::sync::Weak<volume::EngineVolume>)>>>,
+    open_engines: Ranked<Mutex<Vec<OpenEngine>>>,
     /// Flushes of the data devices done (see `MetaCounters::data_flushes`).
     data_flushes: AtomicU64,
     /// Of those, the ones a log commit made (`MetaCounters::commit_data_flushes`).
@@ -455,6 +455,9 @@ pub struct Pool {
     #[cfg(test)]
     pub(crate) page_copy_pause: Mutex<Option<Box<dyn FnOnce() + Send>>>,
 }
+
+/// An open engine in `Pool::open_engines`: its id, and the engine (weak).
+type OpenEngine = (u32, std::sync::Weak<volume::EngineVolume>);
 
 /// A device and the role it should have in a new pool.
 pub struct NewDevice {

@@ -711,8 +711,9 @@ impl Pool {
             Record::ClonePage { volume, page } => self.apply_clone_page(volume, page).map_err(PoolError::Meta)?,
             Record::Promote { volume, origin } => self.apply_promote(volume, origin)?,
             Record::DestroySnapshot { snapshot } => {
+                let freed = self.apply_destroy_snapshot(snapshot)?;
                 let mut allocator = self.allocator.lock_or_abort();
-                for (device, offset) in self.apply_destroy_snapshot(snapshot)? {
+                for (device, offset) in freed {
                     // Already free if the checkpoint came after this record.
                     let _ = allocator.free(device, offset);
                 }

@@ -3283,7 +3283,7 @@ mod tests {
             assert_eq!(pool.cache.volume(1).lock().older.len(), 1, "the older version is kept");
             let held = pool.releasing.write().await;
             let mut context = std::task::Context::from_waker(std::task::Waker::noop());
-            let mut first = Box::pin(volume.destage_blocks(&[0]));
+            let mut first = Box::pin(crate::sync::rank::separate(volume.destage_blocks(&[0])));
             for _ in 0..100 {
                 assert!(first.as_mut().poll(&mut context).is_pending(), "the commit was held");
             }

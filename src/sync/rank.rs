@@ -24,14 +24,19 @@
 //! stripes that way), only recorded as held.
 //!
 //! One limit: sub-futures of one task polled concurrently (`join!`,
-//! `select!`) count as one holder, so one of them waiting for a lock the
-//! other holds is reported although the other may go on. The engine does
-//! not run lock-taking futures concurrently within a task; a test that
-//! does spawns them as tasks.
+//! `select!`, a test polling a future by hand) would count as one holder,
+//! so one of them waiting for a lock the other holds would be reported
+//! although the other may go on. The engine does not run lock-taking
+//! futures concurrently within a task; a test that does wraps each in
+//! [`separate`], which makes it a holder of its own.
 
 #[cfg(any(debug_assertions, test))]
 use std::collections::HashMap;
+use std::future::Future;
 use std::ops::{Deref, DerefMut};
+use std::panic::Location;
+use std::pin::Pin;
+use std::task::{Context, Poll};
 use std::sync::{Mutex, MutexGuard, RwLockReadGuard, RwLockWriteGuard};
 
 use super::{poisoned, LockOrAbort, WatchedMutex};
@@ -161,90 +166,113 @@ impl<L> Ranked<L> {
         &self.lock
     }
 
+    /// Checks and records a wait for the lock at `rank` (the lock's own
+    /// if `None`), taken at `at`.
     #[cfg_attr(not(any(debug_assertions, test)), allow(unused_variables))]
-    fn wait(&self, rank: Option<Rank>) -> Token {
+    fn wait(&self, rank: Option<Rank>, at: &'static Location<'static>) -> Token {
         #[cfg(any(debug_assertions, test))]
-        return check::waiting(rank.unwrap_or(self.rank), self.ordinal);
+        return check::waiting(rank.unwrap_or(self.rank), self.ordinal, at);
         #[cfg(not(any(debug_assertions, test)))]
         Token::default()
     }
 
-    fn taken(&self, token: Token) -> Token {
-        #[cfg(any(debug_assertions, test))]
-        if token.is_empty() {
-            return check::taken(self.rank, self.ordinal);
-        }
-        token
-    }
-
-    fn held<G>(&self, token: Token, guard: G) -> Held<G> {
+    /// Records the lock as held, taken at `at` without a wait.
+    #[cfg_attr(not(any(debug_assertions, test)), allow(unused_variables))]
+    fn taken<G>(&self, guard: G, at: &'static Location<'static>) -> Held<G> {
         Held {
             guard,
-            _token: self.taken(token),
+            #[cfg(any(debug_assertions, test))]
+            _token: check::taken(self.rank, self.ordinal, at),
+            #[cfg(not(any(debug_assertions, test)))]
+            _token: Token::default(),
         }
     }
 }
 
+/// A guard for a lock its wait recorded already.
+fn held<G>(token: Token, guard: G) -> Held<G> {
+    Held { guard, _token: token }
+}
+
+// The async acquisitions are plain functions returning a future so that
+// `#[track_caller]` names the caller's line (it does not apply to an
+// `async fn`).
 impl<T> Ranked<tokio::sync::RwLock<T>> {
-    pub async fn read(&self) -> Held<tokio::sync::RwLockReadGuard<'_, T>> {
-        let token = self.wait(None);
-        let guard = self.lock.read().await;
-        self.held(token, guard)
+    #[track_caller]
+    pub fn read(&self) -> impl Future<Output = Held<tokio::sync::RwLockReadGuard<'_, T>>> {
+        let at = Location::caller();
+        async move {
+            let token = self.wait(None, at);
+            held(token, self.lock.read().await)
+        }
     }
 
-    pub async fn write(&self) -> Held<tokio::sync::RwLockWriteGuard<'_, T>> {
-        let token = self.wait(None);
-        let guard = self.lock.write().await;
-        self.held(token, guard)
+    #[track_caller]
+    pub fn write(&self) -> impl Future<Output = Held<tokio::sync::RwLockWriteGuard<'_, T>>> {
+        self.write_at_rank(None, Location::caller())
     }
 
     /// [`Self::write`], checked at `rank` rather than the lock's own (a
     /// lock that one caller takes in a documented later place).
-    pub async fn write_at(&self, rank: Rank) -> Held<tokio::sync::RwLockWriteGuard<'_, T>> {
-        let token = self.wait(Some(rank));
-        let guard = self.lock.write().await;
-        self.held(token, guard)
+    #[track_caller]
+    pub fn write_at(&self, rank: Rank) -> impl Future<Output = Held<tokio::sync::RwLockWriteGuard<'_, T>>> {
+        self.write_at_rank(Some(rank), Location::caller())
     }
 
+    async fn write_at_rank(
+        &self,
+        rank: Option<Rank>,
+        at: &'static Location<'static>,
+    ) -> Held<tokio::sync::RwLockWriteGuard<'_, T>> {
+        let token = self.wait(rank, at);
+        held(token, self.lock.write().await)
+    }
+
+    #[track_caller]
     pub fn try_read(&self) -> Result<Held<tokio::sync::RwLockReadGuard<'_, T>>, tokio::sync::TryLockError> {
         let guard = self.lock.try_read()?;
-        Ok(self.held(Token::default(), guard))
+        Ok(self.taken(guard, Location::caller()))
     }
 
+    #[track_caller]
     pub fn try_write(&self) -> Result<Held<tokio::sync::RwLockWriteGuard<'_, T>>, tokio::sync::TryLockError> {
         let guard = self.lock.try_write()?;
-        Ok(self.held(Token::default(), guard))
+        Ok(self.taken(guard, Location::caller()))
     }
 }
 
 impl<T> Ranked<tokio::sync::Mutex<T>> {
-    pub async fn lock(&self) -> Held<tokio::sync::MutexGuard<'_, T>> {
-        let token = self.wait(None);
-        let guard = self.lock.lock().await;
-        self.held(token, guard)
+    #[track_caller]
+    pub fn lock(&self) -> impl Future<Output = Held<tokio::sync::MutexGuard<'_, T>>> {
+        let at = Location::caller();
+        async move {
+            let token = self.wait(None, at);
+            held(token, self.lock.lock().await)
+        }
     }
 
+    #[track_caller]
     pub fn try_lock(&self) -> Result<Held<tokio::sync::MutexGuard<'_, T>>, tokio::sync::TryLockError> {
         let guard = self.lock.try_lock()?;
-        Ok(self.held(Token::default(), guard))
+        Ok(self.taken(guard, Location::caller()))
     }
 }
 
 impl<T> Ranked<Mutex<T>> {
     /// [`LockOrAbort::lock_or_abort`], ranked.
+    #[track_caller]
     pub fn lock_or_abort(&self) -> Held<MutexGuard<'_, T>> {
-        let token = self.wait(None);
-        let guard = self.lock.lock_or_abort();
-        self.held(token, guard)
+        let token = self.wait(None, Location::caller());
+        held(token, self.lock.lock_or_abort())
     }
 }
 
 impl<T> Ranked<WatchedMutex<T>> {
     /// [`WatchedMutex::lock_or_abort`], ranked.
+    #[track_caller]
     pub fn lock_or_abort(&self) -> Held<MutexGuard<'_, T>> {
-        let token = self.wait(None);
-        let guard = self.lock.lock_or_abort();
-        self.held(token, guard)
+        let token = self.wait(None, Location::caller());
+        held(token, self.lock.lock_or_abort())
     }
 
     /// See [`WatchedMutex::contention`].
@@ -255,17 +283,45 @@ impl<T> Ranked<WatchedMutex<T>> {
 
 impl<T> Ranked<std::sync::RwLock<T>> {
     /// Read-locks; a poisoned lock aborts the process (as `lock_or_abort`).
+    #[track_caller]
     pub fn read_or_abort(&self) -> Held<RwLockReadGuard<'_, T>> {
-        let token = self.wait(None);
-        let guard = self.lock.read().unwrap_or_else(|_| poisoned());
-        self.held(token, guard)
+        let token = self.wait(None, Location::caller());
+        held(token, self.lock.read().unwrap_or_else(|_| poisoned()))
     }
 
     /// Write-locks; a poisoned lock aborts the process.
+    #[track_caller]
     pub fn write_or_abort(&self) -> Held<RwLockWriteGuard<'_, T>> {
-        let token = self.wait(None);
-        let guard = self.lock.write().unwrap_or_else(|_| poisoned());
-        self.held(token, guard)
+        let token = self.wait(None, Location::caller());
+        held(token, self.lock.write().unwrap_or_else(|_| poisoned()))
+    }
+}
+
+/// Makes `future` a holder of its own while it runs: for futures one task
+/// polls concurrently (`join!`, or a test polling one by hand while it
+/// holds locks), whose waits are not each other's.
+pub fn separate<F: Future>(future: F) -> Separate<F> {
+    Separate {
+        future: Box::pin(future),
+        #[cfg(any(debug_assertions, test))]
+        id: check::new_scope(),
+    }
+}
+
+/// See [`separate`].
+pub struct Separate<F> {
+    future: Pin<Box<F>>,
+    #[cfg(any(debug_assertions, test))]
+    id: u64,
+}
+
+impl<F: Future> Future for Separate<F> {
+    type Output = F::Output;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
+        #[cfg(any(debug_assertions, test))]
+        let _scope = check::enter_scope(self.id);
+        self.future.as_mut().poll(cx)
     }
 }
 
@@ -275,13 +331,6 @@ impl<T> Ranked<std::sync::RwLock<T>> {
 struct Token {
     #[cfg(any(debug_assertions, test))]
     entry: Option<(Holder, u64)>,
-}
-
-#[cfg(any(debug_assertions, test))]
-impl Token {
-    fn is_empty(&self) -> bool {
-        self.entry.is_none()
-    }
 }
 
 #[cfg(any(debug_assertions, test))]
@@ -299,6 +348,8 @@ impl Drop for Token {
 enum Holder {
     Task(tokio::task::Id),
     Thread(std::thread::ThreadId),
+    /// A future made a holder of its own by [`separate`].
+    Separate(u64),
 }
 
 #[cfg(any(debug_assertions, test))]
@@ -313,6 +364,7 @@ mod check {
         rank: Rank,
         ordinal: u64,
         serial: u64,
+        at: &'static Location<'static>,
     }
 
     /// Every holder's locks. One map for the process: a task's entries
@@ -320,7 +372,32 @@ mod check {
     static HELD: Mutex<Option<HashMap<Holder, Vec<Entry>>>> = Mutex::new(None);
     static SERIAL: AtomicU64 = AtomicU64::new(1);
 
+    std::thread_local! {
+        /// The [`separate`] future being polled on this thread, if any.
+        static SCOPE: std::cell::Cell<Option<u64>> = const { std::cell::Cell::new(None) };
+    }
+
+    pub(super) fn new_scope() -> u64 {
+        SERIAL.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// Makes scope `id` the holder on this thread until dropped.
+    pub(super) fn enter_scope(id: u64) -> ScopeGuard {
+        ScopeGuard(SCOPE.with(|scope| scope.replace(Some(id))))
+    }
+
+    pub(super) struct ScopeGuard(Option<u64>);
+
+    impl Drop for ScopeGuard {
+        fn drop(&mut self) {
+            SCOPE.with(|scope| scope.set(self.0));
+        }
+    }
+
     fn holder() -> Holder {
+        if let Some(id) = SCOPE.with(|scope| scope.get()) {
+            return Holder::Separate(id);
+        }
         match tokio::task::try_id() {
             Some(id) => Holder::Task(id),
             None => Holder::Thread(std::thread::current().id()),
@@ -333,17 +410,17 @@ mod check {
         f(held.get_or_insert_with(HashMap::new))
     }
 
-    fn describe(rank: Rank, ordinal: u64) -> String {
+    fn describe(rank: Rank, ordinal: u64, at: &Location<'_>) -> String {
         if rank.sorted() {
-            format!("{rank:?} #{ordinal}")
+            format!("{rank:?} #{ordinal} ({at})")
         } else {
-            format!("{rank:?}")
+            format!("{rank:?} ({at})")
         }
     }
 
     /// About to wait for a lock of `rank`: panics if its holder holds one
     /// it must not wait under, else records it (the wait then holds it).
-    pub(super) fn waiting(rank: Rank, ordinal: u64) -> Token {
+    pub(super) fn waiting(rank: Rank, ordinal: u64, at: &'static Location<'static>) -> Token {
         let holder = holder();
         let serial = SERIAL.fetch_add(1, Ordering::Relaxed);
         let conflict = with_held(|held| {
@@ -353,7 +430,12 @@ mod check {
                 .find(|e| e.rank > rank || (e.rank == rank && !(rank.sorted() && e.ordinal < ordinal)))
                 .copied();
             if conflict.is_none() {
-                list.push(Entry { rank, ordinal, serial });
+                list.push(Entry {
+                    rank,
+                    ordinal,
+                    serial,
+                    at,
+                });
             } else if list.is_empty() {
                 held.remove(&holder);
             }
@@ -362,8 +444,8 @@ mod check {
         if let Some(e) = conflict {
             panic!(
                 "lock order violated: waiting for {} while holding {} (see ARCHITECTURE.md, \"Locks and their order\")",
-                describe(rank, ordinal),
-                describe(e.rank, e.ordinal),
+                describe(rank, ordinal, at),
+                describe(e.rank, e.ordinal, e.at),
             );
         }
         Token {
@@ -372,10 +454,16 @@ mod check {
     }
 
     /// A lock of `rank` taken without waiting: recorded, not checked.
-    pub(super) fn taken(rank: Rank, ordinal: u64) -> Token {
+    pub(super) fn taken(rank: Rank, ordinal: u64, at: &'static Location<'static>) -> Token {
         let holder = holder();
         let serial = SERIAL.fetch_add(1, Ordering::Relaxed);
-        with_held(|held| held.entry(holder).or_default().push(Entry { rank, ordinal, serial }));
+        let entry = Entry {
+            rank,
+            ordinal,
+            serial,
+            at,
+        };
+        with_held(|held| held.entry(holder).or_default().push(entry));
         Token {
             entry: Some((holder, serial)),
         }
@@ -418,7 +506,7 @@ mod tests {
     }
 
     #[test]
-    #[should_panic(expected = "lock order violated: waiting for PageCopy while holding Allocator")]
+    #[should_panic(expected = "lock order violated: waiting for PageCopy (src/sync/rank.rs:")]
     fn a_lock_waited_for_under_a_later_one_panics() {
         let outer = Ranked::new(Rank::PageCopy, 0, Mutex::new(()));
         let inner = Ranked::new(Rank::Allocator, 0, Mutex::new(()));
@@ -427,7 +515,7 @@ mod tests {
     }
 
     #[test]
-    #[should_panic(expected = "waiting for LogPending while holding LogPending")]
+    #[should_panic(expected = ") while holding LogPending (src/sync/rank.rs:")]
     fn one_unsorted_rank_is_taken_once() {
         let a = Ranked::new(Rank::LogPending, 0, Mutex::new(()));
         let b = Ranked::new(Rank::LogPending, 1, Mutex::new(()));
@@ -453,7 +541,7 @@ mod tests {
     }
 
     #[test]
-    #[should_panic(expected = "waiting for Stripes #1 while holding Stripes #3")]
+    #[should_panic(expected = "while holding Stripes #3 (src/sync/rank.rs:")]
     fn sorted_locks_out_of_order_panic() {
         let stripes: Vec<_> = (0..4)
             .map(|i| Ranked::new(Rank::Stripes, i, tokio::sync::RwLock::new(())))
@@ -510,7 +598,8 @@ mod tests {
             .cloned()
             .unwrap_or_default();
         assert!(
-            message.contains("waiting for Placement #0 while holding Gate #0"),
+            message.contains("waiting for Placement #0 (src/sync/rank.rs:")
+                && message.contains("while holding Gate #0 (src/sync/rank.rs:"),
             "{message}"
         );
     }
