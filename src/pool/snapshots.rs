@@ -3302,7 +3302,7 @@ mod tests {
             };
             assert!(newer_in_place(), "the first destage placed the newer version");
             sim.set_delays(crate::device::sim::SimDelays::always(1));
-            let mut second = Box::pin(volume.destage_blocks(&[0]));
+            let mut second = Box::pin(crate::sync::rank::separate(volume.destage_blocks(&[0])));
             for step in 0..1000 {
                 assert!(second.as_mut().poll(&mut context).is_pending(), "the commit was held");
                 assert!(

@@ -36,8 +36,8 @@ use std::future::Future;
 use std::ops::{Deref, DerefMut};
 use std::panic::Location;
 use std::pin::Pin;
-use std::task::{Context, Poll};
 use std::sync::{Mutex, MutexGuard, RwLockReadGuard, RwLockWriteGuard};
+use std::task::{Context, Poll};
 
 use super::{poisoned, LockOrAbort, WatchedMutex};
 
@@ -484,7 +484,10 @@ mod check {
     #[cfg(test)]
     pub(crate) fn held_ranks() -> Vec<Rank> {
         let holder = holder();
-        with_held(|held| held.get(&holder).map_or_else(Vec::new, |l| l.iter().map(|e| e.rank).collect()))
+        with_held(|held| {
+            held.get(&holder)
+                .map_or_else(Vec::new, |l| l.iter().map(|e| e.rank).collect())
+        })
     }
 }
 
@@ -593,10 +596,7 @@ mod tests {
         });
         let panic = result.expect_err("placement waited for under the gate");
         let message = panic.into_panic();
-        let message = message
-            .downcast_ref::<String>()
-            .cloned()
-            .unwrap_or_default();
+        let message = message.downcast_ref::<String>().cloned().unwrap_or_default();
         assert!(
             message.contains("waiting for Placement #0 (src/sync/rank.rs:")
                 && message.contains("while holding Gate #0 (src/sync/rank.rs:"),
