@@ -30,7 +30,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{fence, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
-use crate::sync::LockOrAbort;
+use crate::sync::{Rank, Ranked};
 
 pub const SLOT_BYTES: usize = 4096;
 const SLOT_HEADER_BYTES: usize = 32;
@@ -149,7 +149,7 @@ pub struct RamTier {
     _backing: Backing,
     base: *mut u8,
     slots: u32,
-    free: Mutex<Vec<u32>>,
+    free: Ranked<Mutex<Vec<u32>>>,
     free_count: AtomicUsize,
     location: String,
     path: Option<PathBuf>,
@@ -162,7 +162,7 @@ pub struct RamTier {
     /// (a double free, a write to a slot nobody allocated, a read of a
     /// free slot panic at once instead of corrupting another sector).
     #[cfg(debug_assertions)]
-    shadow: Mutex<Vec<SlotState>>,
+    shadow: Ranked<Mutex<Vec<SlotState>>>,
 }
 
 /// Shadow state of one slot (kept in debug builds only).
@@ -281,7 +281,7 @@ impl RamTier {
             _backing: backing,
             base,
             slots,
-            free: Mutex::new(Vec::new()),
+            free: Ranked::new(Rank::RamFree, 0, Mutex::new(Vec::new())),
             free_count: AtomicUsize::new(0),
             location,
             path: match source {
@@ -295,7 +295,7 @@ impl RamTier {
             marks_intact: false,
             mark_claim: Mutex::new(()),
             #[cfg(debug_assertions)]
-            shadow: Mutex::new(Vec::new()),
+            shadow: Ranked::new(Rank::RamShadow, 0, Mutex::new(Vec::new())),
         };
         let expected = tier.region_header(pool_uuid, &boot);
         // SAFETY: the header lies within the region.
@@ -337,7 +337,7 @@ impl RamTier {
         let used: std::collections::HashSet<u32> = survivors.iter().map(|s| s.slot).collect();
         let free: Vec<u32> = (0..tier.slots).rev().filter(|s| !used.contains(s)).collect();
         tier.free_count = AtomicUsize::new(free.len());
-        tier.free = Mutex::new(free);
+        tier.free = Ranked::new(Rank::RamFree, 0, Mutex::new(free));
         #[cfg(debug_assertions)]
         {
             let shadow = (0..tier.slots)
@@ -349,7 +349,7 @@ impl RamTier {
                     }
                 })
                 .collect();
-            tier.shadow = Mutex::new(shadow);
+            tier.shadow = Ranked::new(Rank::RamShadow, 0, Mutex::new(shadow));
         }
         Ok((tier, survivors, intact))
     }
@@ -501,6 +501,8 @@ impl RamTier {
         if let Some(entry) = find() {
             return set(entry);
         }
+        use crate::sync::LockOrAbort;
+        // A leaf: nothing is taken under it.
         let _claim = self.mark_claim.lock_or_abort();
         if let Some(entry) = find() {
             return set(entry);

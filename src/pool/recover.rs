@@ -481,16 +481,16 @@ impl Pool {
                 .checked(geometry.clone(), corruption.clone()),
             geometry,
             corruption,
-            allocator: crate::sync::WatchedMutex::new(allocator),
+            allocator: Ranked::new(Rank::Allocator, 0, crate::sync::WatchedMutex::new(allocator)),
             epoch: AtomicU32::new(epoch.wrapping_add(1).max(1)),
-            suspect: Mutex::new(suspect),
+            suspect: Ranked::new(Rank::Suspect, 0, Mutex::new(suspect)),
             covered: AtomicU32::new(covered),
             crash_marks: Mutex::new(crash_marks),
-            destroyed: Mutex::new(HashSet::new()),
+            destroyed: Ranked::new(Rank::Destroyed, 0, Mutex::new(HashSet::new())),
             gates: new_gates(),
-            checkpointing: tokio::sync::Mutex::new(()),
-            making_log_room: tokio::sync::Mutex::new(()),
-            releasing: tokio::sync::RwLock::new(()),
+            checkpointing: Ranked::new(Rank::Checkpointing, 0, tokio::sync::Mutex::new(())),
+            making_log_room: Ranked::new(Rank::MakingLogRoom, 0, tokio::sync::Mutex::new(())),
+            releasing: Ranked::new(Rank::Releasing, 0, tokio::sync::RwLock::new(())),
             checkpoints: AtomicU64::new(0),
             checkpoint_pages: AtomicU64::new(0),
             checkpoint_scheduled: std::sync::atomic::AtomicBool::new(false),
@@ -504,15 +504,15 @@ impl Pool {
             reserved_bytes: AtomicU64::new(0),
             space_short: std::sync::atomic::AtomicBool::new(false),
             has_snapshots: std::sync::atomic::AtomicBool::new(!snapshots.is_empty()),
-            snapshots: std::sync::RwLock::new(snapshots),
-            page_copy: Mutex::new(()),
+            snapshots: Ranked::new(Rank::Snapshots, 0, std::sync::RwLock::new(snapshots)),
+            page_copy: Ranked::new(Rank::PageCopy, 0, Mutex::new(())),
             relocations: AtomicU64::new(0),
-            open_engines: Mutex::new(Vec::new()),
+            open_engines: Ranked::new(Rank::OpenEngines, 0, Mutex::new(Vec::new())),
             data_flushes: AtomicU64::new(0),
             commit_data_flushes: AtomicU64::new(0),
             log_room_waits: AtomicU64::new(0),
             log_room_wait_micros: AtomicU64::new(0),
-            data_flush: tokio::sync::Mutex::new(()),
+            data_flush: Ranked::new(Rank::DataFlush, 0, tokio::sync::Mutex::new(())),
             migrator: Default::default(),
             data_tail: AtomicU64::new(data_tail),
             engines: Mutex::new(std::collections::HashMap::new()),
@@ -768,8 +768,9 @@ impl Pool {
             Record::ClonePage { volume, page } => self.apply_clone_page(volume, page).map_err(PoolError::Meta)?,
             Record::Promote { volume, origin } => self.apply_promote(volume, origin)?,
             Record::DestroySnapshot { snapshot } => {
+                let freed = self.apply_destroy_snapshot(snapshot)?;
                 let mut allocator = self.allocator.lock_or_abort();
-                for (device, offset) in self.apply_destroy_snapshot(snapshot)? {
+                for (device, offset) in freed {
                     // Already free if the checkpoint came after this record.
                     let _ = allocator.free(device, offset);
                 }

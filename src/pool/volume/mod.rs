@@ -22,7 +22,13 @@ use write::sector_crcs;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
-use tokio::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
+use tokio::sync::RwLock;
+
+use crate::sync::{Held, Rank, Ranked};
+
+/// Guards of the volume's ranked locks (`crate::sync::rank`).
+type RwLockReadGuard<'a, T> = Held<tokio::sync::RwLockReadGuard<'a, T>>;
+type RwLockWriteGuard<'a, T> = Held<tokio::sync::RwLockWriteGuard<'a, T>>;
 
 use super::alloc::Hint;
 use super::cache::{Entry, VolState, VolumeCache};
@@ -34,6 +40,8 @@ use crate::meta::MetaError;
 use crate::volume::{BlockDevice, BlockError, BlockResult, BoxFuture, Capabilities, ChangedRun, Extent, ZeroFlags};
 
 const STRIPES: usize = 1024;
+// A stripe's lock ordinal is its volume's id, then its index in 10 bits.
+const _: () = assert!(STRIPES <= 1 << 10);
 /// Reads up to this size fill the read cache.
 const READ_CACHE_MAX_REQUEST: u64 = 128 << 10;
 /// Most extents one BLOCK_STATUS answer carries.
@@ -48,7 +56,7 @@ pub struct EngineVolume {
     id: u32,
     size_bytes: AtomicU64,
     block_shift: u32,
-    stripes: Box<[RwLock<()>]>,
+    stripes: Box<[Ranked<RwLock<()>>]>,
     /// Blocks currently mapped (for `used` in `volume list`).
     mapped_blocks: AtomicU64,
     /// This volume's part of the pool's write-back cache.
@@ -60,12 +68,12 @@ pub struct EngineVolume {
     /// exclusively while a snapshot of the volume is taken or deleted (so a
     /// write is wholly before or wholly after the snapshot). Destaging does
     /// not take it: taking a snapshot leaves the cache where it is.
-    barrier: tokio::sync::RwLock<()>,
+    barrier: Ranked<RwLock<()>>,
     /// Held shared while a destage writes cached data to its place (taken
     /// after the barrier, before stripe locks), exclusively while a
     /// snapshot is deleted, a volume rolled back or promoted: those change
     /// which snapshot a page is copied into.
-    placement: tokio::sync::RwLock<()>,
+    placement: Ranked<RwLock<()>>,
     /// A snapshot's view: whether the cached writes that belong to it were
     /// placed (they are before it is read, compared or walked).
     settled: AtomicBool,
@@ -191,23 +199,27 @@ impl EngineVolume {
             id,
             size_bytes: AtomicU64::new(size_bytes),
             block_shift: volblocksize.trailing_zeros(),
-            stripes: (0..STRIPES).map(|_| RwLock::new(())).collect(),
+            // Ordinals: by volume, then by index (a shared block's move
+            // holds the same stripes of several volumes).
+            stripes: (0..STRIPES)
+                .map(|index| Ranked::new(Rank::Stripes, (id as u64) << 10 | index as u64, RwLock::new(())))
+                .collect(),
             mapped_blocks: AtomicU64::new(mapped_blocks),
             cache,
             log_throughput: AtomicBool::new(false),
-            barrier: tokio::sync::RwLock::new(()),
-            placement: tokio::sync::RwLock::new(()),
+            barrier: Ranked::new(Rank::Barrier, id as u64, RwLock::new(())),
+            placement: Ranked::new(Rank::Placement, id as u64, RwLock::new(())),
             settled: AtomicBool::new(false),
             streams: Streams::new(),
             pool,
         }
     }
 
-    pub(crate) fn barrier(&self) -> &tokio::sync::RwLock<()> {
+    pub(crate) fn barrier(&self) -> &Ranked<RwLock<()>> {
         &self.barrier
     }
 
-    pub(crate) fn placement(&self) -> &tokio::sync::RwLock<()> {
+    pub(crate) fn placement(&self) -> &Ranked<RwLock<()>> {
         &self.placement
     }
 
@@ -378,6 +390,17 @@ impl EngineVolume {
 
     pub(crate) async fn lock_blocks_exclusive(&self, blocks: &[u64]) -> Vec<RwLockWriteGuard<'_, ()>> {
         self.write_stripes(stripes_of(blocks)).await
+    }
+
+    /// [`Self::lock_blocks_exclusive`] for a shared block's move, which
+    /// holds its own volume's stripes and takes these in another engine of
+    /// the family (engines in id order: `Rank::FamilyStripes`).
+    pub(crate) async fn lock_family_blocks_exclusive(&self, blocks: &[u64]) -> Vec<RwLockWriteGuard<'_, ()>> {
+        let mut guards = Vec::new();
+        for index in stripes_of(blocks) {
+            guards.push(self.stripes[index].write_at(Rank::FamilyStripes).await);
+        }
+        guards
     }
 }
 
