@@ -626,6 +626,16 @@ mod tests {
         (sim, pool)
     }
 
+    /// A kill -9 of the process: every write it made reaches the device.
+    fn crash_keeping_every_write(sim: &SimDevice) {
+        sim.set_crash_model(crate::device::sim::CrashModel {
+            drop_weight: 0,
+            apply_weight: 1,
+            tear_weight: 0,
+        });
+        sim.crash();
+    }
+
     /// A fast device and a dedicated log device, for `Pool::create`.
     fn fast_and_log(fast: &SimDevice, log: &SimDevice) -> Vec<NewDevice> {
         vec![
@@ -761,12 +771,7 @@ mod tests {
             drop(pool);
             // What the killed process left: every data write it made reached
             // the file, the log as it was before the rewrite.
-            sim.set_crash_model(crate::device::sim::CrashModel {
-                drop_weight: 0,
-                apply_weight: 1,
-                tear_weight: 0,
-            });
-            sim.crash();
+            crash_keeping_every_write(&sim);
             let after = sim.snapshot();
             let (mut kept, mut restored) = (0, 0);
             for sector in after.differing_sectors(&before) {
@@ -1085,12 +1090,7 @@ mod tests {
                     .expect("a block the rewrite did not touch, in its chunk");
                 drop(volume);
                 drop(pool);
-                sim.set_crash_model(crate::device::sim::CrashModel {
-                    drop_weight: 0,
-                    apply_weight: 1,
-                    tear_weight: 0,
-                });
-                sim.crash();
+                crash_keeping_every_write(&sim);
                 if !machine_survives {
                     image.wipe();
                 }
