@@ -7,6 +7,12 @@
 //! the engine stops instead: the process aborts and the next start recovers
 //! from the last checkpoint and the intent log, which never hold half an
 //! update.
+//!
+//! The data path's locks are also ranked ([`rank`]): the order in which
+//! they may be taken is checked in debug builds and unit tests.
+
+pub mod rank;
+pub use rank::{Held, Rank, Ranked};
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard, TryLockError};

@@ -116,7 +116,8 @@ pub struct PoolStatus {
     /// each failed the request that met it with EIO.
     #[serde(default)]
     pub metadata_errors: u64,
-    /// Chunks not yet re-verified after a crash.
+    /// Chunks with parts not yet read back after a crash (a write may have
+    /// been in flight there).
     pub suspect_chunks: usize,
     /// Since the daemon started: volume data written to devices, and
     /// metadata written (log and checkpoints) — their ratio is the
@@ -419,9 +420,15 @@ impl VolumeManager {
                 let scrubbing = pool.clone();
                 tokio::spawn(async move {
                     match scrubbing.scrub_suspect().await {
-                        Ok(count) => {
-                            tracing::info!("pool {}: re-verified {count} chunks after a crash", scrubbing.name())
-                        }
+                        Ok(report) => tracing::info!(
+                            "pool {}: read back {} blocks written when it stopped: {} sectors repaired, {} blocks \
+                             failed to verify; {} chunks keep suspect parts no volume maps",
+                            scrubbing.name(),
+                            report.blocks,
+                            report.repaired,
+                            report.failed,
+                            report.left
+                        ),
                         Err(e) => tracing::error!("pool {}: scrub after a crash failed: {e}", scrubbing.name()),
                     }
                 });

@@ -735,7 +735,7 @@ pub struct Log {
     offset: u64,
     len: u64,
     pool_tag: u64,
-    pending: crate::sync::WatchedMutex<Pending>,
+    pending: crate::sync::Ranked<crate::sync::WatchedMutex<Pending>>,
     /// Mirrors `pending.bytes` so callers can check it without the lock.
     pending_bytes: std::sync::atomic::AtomicUsize,
     /// Position of the next block to write.
@@ -750,7 +750,7 @@ pub struct Log {
     /// Tickets served by any commit (their records are durable, and the
     /// data those records need, but not necessarily other writes).
     records_served: AtomicU64,
-    commit_lock: tokio::sync::Mutex<()>,
+    commit_lock: crate::sync::Ranked<tokio::sync::Mutex<()>>,
     /// Destage passes numbered so far ([`Log::new_pass`]).
     passes: AtomicU64,
     /// Bytes written to the log device (for the metadata-cost benchmark).
@@ -780,14 +780,18 @@ impl Log {
             offset,
             len,
             pool_tag,
-            pending: crate::sync::WatchedMutex::new(Pending::new()),
+            pending: crate::sync::Ranked::new(
+                crate::sync::Rank::LogPending,
+                0,
+                crate::sync::WatchedMutex::new(Pending::new()),
+            ),
             pending_bytes: std::sync::atomic::AtomicUsize::new(0),
             next_lsn: AtomicU64::new(next_lsn),
             tail_lsn: AtomicU64::new(tail_lsn),
             tickets_issued: AtomicU64::new(0),
             tickets_served: AtomicU64::new(0),
             records_served: AtomicU64::new(0),
-            commit_lock: tokio::sync::Mutex::new(()),
+            commit_lock: crate::sync::Ranked::new(crate::sync::Rank::CommitLock, 0, tokio::sync::Mutex::new(())),
             passes: AtomicU64::new(0),
             bytes_written: AtomicU64::new(0),
             appended: AtomicU64::new(0),

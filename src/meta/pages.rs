@@ -12,7 +12,7 @@
 
 use super::geometry::{CorruptionLog, Geometry};
 use super::MetaError;
-use crate::sync::LockOrAbort;
+use crate::sync::{Held, Rank, Ranked};
 use std::collections::{BTreeSet, HashMap};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
@@ -236,7 +236,7 @@ pub fn newest_copies<P>(early: Vec<TakenPage<P>>, late: Vec<TakenPage<P>>) -> Ve
 }
 
 pub struct PageCache<P: Page> {
-    shards: Vec<Mutex<Shard<P>>>,
+    shards: Vec<Ranked<Mutex<Shard<P>>>>,
     max_pages_per_shard: usize,
     dirty_pages: AtomicUsize,
     /// Pages read from the store (not found cached), since start.
@@ -286,12 +286,13 @@ impl<P: Page> PageCache<P> {
     pub fn new(max_pages: usize) -> Self {
         PageCache {
             shards: (0..SHARDS)
-                .map(|_| {
-                    Mutex::new(Shard {
+                .map(|shard| {
+                    let shard_state = Shard {
                         pages: HashMap::new(),
                         by_owner: HashMap::new(),
                         removed: 0,
-                    })
+                    };
+                    Ranked::new(Rank::PageCache, shard as u64, Mutex::new(shard_state))
                 })
                 .collect(),
             max_pages_per_shard: (max_pages / SHARDS).max(4),
@@ -331,7 +332,7 @@ impl<P: Page> PageCache<P> {
         })
     }
 
-    fn shard(&self, key: PageKey) -> std::sync::MutexGuard<'_, Shard<P>> {
+    fn shard(&self, key: PageKey) -> Held<std::sync::MutexGuard<'_, Shard<P>>> {
         let hash = (key.0 as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ key.1.wrapping_mul(0xff51_afd7_ed55_8ccd);
         self.shards[(hash >> 32) as usize % SHARDS].lock_or_abort()
     }

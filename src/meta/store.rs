@@ -27,8 +27,13 @@ pub const MAP_PAGES: TableDefinition<(u32, u64), &[u8]> = TableDefinition::new("
 pub const CRC_PAGES: TableDefinition<(u32, u64), &[u8]> = TableDefinition::new("crc_pages");
 /// Chunk allocation: (device index, chunk) → slot shift + used-slot bitmap.
 pub const CHUNKS: TableDefinition<(u32, u64), &[u8]> = TableDefinition::new("chunks");
-/// Chunks whose checksums are not trusted after a crash: (device, chunk) → 0.
+/// Chunks whose checksums are not trusted after a crash, every part of
+/// them: (device, chunk) → 0. Written by older versions; read, then emptied.
 pub const SUSPECT: TableDefinition<(u32, u64), u8> = TableDefinition::new("suspect");
+/// Parts of chunks whose checksums are not trusted after a crash:
+/// (device, chunk) → bitmap of the chunk's 256 parts (four `u64`, little
+/// endian, part 0 the lowest bit of the first).
+pub const SUSPECT_PARTS: TableDefinition<(u32, u64), &[u8]> = TableDefinition::new("suspect_parts");
 /// Volumes being destroyed: volume id → 0.
 pub const DESTROYED: TableDefinition<u32, u8> = TableDefinition::new("destroyed");
 /// Scalars: "checkpoint_lsn", "epoch".
@@ -306,6 +311,7 @@ pub fn open_database(
         open(txn.open_table(CRC_PAGES).map(|_| ()))?;
         open(txn.open_table(CHUNKS).map(|_| ()))?;
         open(txn.open_table(SUSPECT).map(|_| ()))?;
+        open(txn.open_table(SUSPECT_PARTS).map(|_| ()))?;
         open(txn.open_table(DESTROYED).map(|_| ()))?;
         open(txn.open_table(SNAPSHOTS).map(|_| ()))?;
         open(txn.open_table(CLONES).map(|_| ()))?;

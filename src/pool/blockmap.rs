@@ -192,12 +192,26 @@ impl Pool {
         let page = self.crc_page(device, sector)?;
         page.crcs[(sector % CRCS_PER_PAGE) as usize].store(crc, Ordering::Release);
         self.crc_pages.mark_dirty(&page);
+        self.clear_suspect(device, offset, SECTOR_BYTES);
+        Ok(())
+    }
+
+    /// Sets the checksums of consecutive sectors from `offset`, written
+    /// there just now (or verified there): their parts are no longer
+    /// suspect.
+    pub(crate) fn set_crcs(&self, device: u8, offset: u64, crcs: &[u32]) -> Result<(), MetaError> {
+        self.store_crcs(device, offset, crcs)?;
+        self.clear_suspect(device, offset, crcs.len() as u64 * SECTOR_BYTES);
         Ok(())
     }
 
     /// Sets the checksums of consecutive sectors from `offset`, one page
-    /// lookup per checksum page rather than per sector.
-    pub(crate) fn set_crcs(&self, device: u8, offset: u64, crcs: &[u32]) -> Result<(), MetaError> {
+    /// lookup per checksum page rather than per sector, and leaves their
+    /// suspicion as it is. Replay uses this: a logged mapping's checksums
+    /// describe what was written then, and a later overwrite in place (its
+    /// slot already marked in that epoch, so nothing more was logged) may
+    /// have been in flight at the crash.
+    pub(crate) fn store_crcs(&self, device: u8, offset: u64, crcs: &[u32]) -> Result<(), MetaError> {
         let first = offset >> SECTOR_SHIFT;
         let mut index = 0;
         while index < crcs.len() {
@@ -217,16 +231,92 @@ impl Pool {
         Ok(())
     }
 
-    /// Marks the chunk holding `offset` suspect: its checksums may describe
-    /// the data before or after a write that failed part way.
-    pub(crate) fn mark_suspect(&self, device: u8, offset: u64) {
-        let chunk = offset / self.chunk_bytes as u64;
-        self.suspect.lock_or_abort().insert((device, chunk));
+    /// The chunk holding `[offset, offset + length)` (which lies in one
+    /// chunk) and the bitmap of the chunk's parts it touches.
+    pub(crate) fn parts_of(&self, offset: u64, length: u64) -> (u64, ChunkParts) {
+        let chunk_bytes = self.chunk_bytes as u64;
+        let part_bytes = chunk_bytes / CHUNK_PARTS;
+        let chunk = offset / chunk_bytes;
+        let within = offset - chunk * chunk_bytes;
+        let first = within / part_bytes;
+        let last = ((within + length.max(1) - 1) / part_bytes).min(CHUNK_PARTS - 1);
+        let mut parts = [0u64; 4];
+        for part in first..=last {
+            parts[(part / 64) as usize] |= 1 << (part % 64);
+        }
+        (chunk, parts)
     }
 
+    /// The parts `[offset, offset + length)` covers whole.
+    fn whole_parts_of(&self, offset: u64, length: u64) -> (u64, ChunkParts) {
+        let part_bytes = self.chunk_bytes as u64 / CHUNK_PARTS;
+        let start = offset.next_multiple_of(part_bytes);
+        let end = (offset + length) / part_bytes * part_bytes;
+        if end <= start {
+            return (offset / self.chunk_bytes as u64, [0; 4]);
+        }
+        self.parts_of(start, end - start)
+    }
+
+    /// Notes in the RAM tier's in-place marks that `[offset, offset +
+    /// length)` of `device` is about to be overwritten in place in `epoch`
+    /// (the caller holds the write gate): see `ram::RamTier::note_in_place`.
+    pub(crate) fn note_in_place(&self, device: u8, offset: u64, length: u64, epoch: u32) {
+        let chunk_bytes = self.chunk_bytes as u64;
+        let covered = self.covered.load(Ordering::Acquire);
+        let (mut at, end) = (offset, offset + length);
+        while at < end {
+            let piece = ((at / chunk_bytes + 1) * chunk_bytes).min(end) - at;
+            let (chunk, parts) = self.parts_of(at, piece);
+            self.cache.ram.note_in_place(device, chunk, &parts, epoch, covered);
+            at += piece;
+        }
+    }
+
+    /// Marks `[offset, offset + length)` of `device` suspect: its checksums
+    /// may describe the data before or after a write that failed part way.
+    pub(crate) fn mark_suspect(&self, device: u8, offset: u64, length: u64) {
+        let (chunk, parts) = self.parts_of(offset, length);
+        let mut suspect = self.suspect.lock_or_abort();
+        let entry = suspect.entry((device, chunk)).or_default();
+        for (word, add) in entry.iter_mut().zip(parts) {
+            *word |= add;
+        }
+    }
+
+    /// Whether the 4 KiB sector at `offset` of `device` lies in a suspect
+    /// part (a crash may have left its checksum describing other data).
     pub(crate) fn is_suspect(&self, device: u8, offset: u64) -> bool {
-        let chunk = offset / self.chunk_bytes as u64;
-        self.suspect.lock_or_abort().contains(&(device, chunk))
+        let (chunk, parts) = self.parts_of(offset, SECTOR_BYTES);
+        let suspect = self.suspect.lock_or_abort();
+        suspect
+            .get(&(device, chunk))
+            .is_some_and(|have| have.iter().zip(parts).any(|(have, want)| have & want != 0))
+    }
+
+    /// Takes the parts `[offset, offset + length)` of `device` covers whole
+    /// out of the suspect ones: their checksums were just set from the data
+    /// written there (or, repaired, read there).
+    pub(crate) fn clear_suspect(&self, device: u8, offset: u64, length: u64) {
+        let mut suspect = self.suspect.lock_or_abort();
+        if suspect.is_empty() {
+            return;
+        }
+        let chunk_bytes = self.chunk_bytes as u64;
+        let (mut at, end) = (offset, offset + length);
+        while at < end {
+            let piece = ((at / chunk_bytes + 1) * chunk_bytes).min(end) - at;
+            let (chunk, parts) = self.whole_parts_of(at, piece);
+            if let Some(have) = suspect.get_mut(&(device, chunk)) {
+                for (word, clear) in have.iter_mut().zip(parts) {
+                    *word &= !clear;
+                }
+                if have.iter().all(|word| *word == 0) {
+                    suspect.remove(&(device, chunk));
+                }
+            }
+            at += piece;
+        }
     }
 
     /// Counts the mapped blocks of volume `id` (stored pages, with cached

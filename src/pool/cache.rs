@@ -12,7 +12,7 @@
 //! (exclusive to write or remove, shared to read a slot), plus the short
 //! per-volume mutex around the index. `pool::volume` holds the stripe locks.
 
-use crate::sync::LockOrAbort;
+use crate::sync::{Held, Rank, Ranked};
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -210,13 +210,20 @@ impl VolState {
     }
 }
 
-#[derive(Default)]
 pub struct VolumeCache {
-    state: Mutex<VolState>,
+    state: Ranked<Mutex<VolState>>,
+}
+
+impl Default for VolumeCache {
+    fn default() -> Self {
+        VolumeCache {
+            state: Ranked::new(Rank::VolumeCache, 0, Mutex::default()),
+        }
+    }
 }
 
 impl VolumeCache {
-    pub fn lock(&self) -> MutexGuard<'_, VolState> {
+    pub fn lock(&self) -> Held<MutexGuard<'_, VolState>> {
         self.state.lock_or_abort()
     }
 
@@ -304,7 +311,7 @@ pub struct CacheStats {
 
 pub struct WriteCache {
     pub ram: RamTier,
-    volumes: Mutex<HashMap<u32, Arc<VolumeCache>>>,
+    volumes: Ranked<Mutex<HashMap<u32, Arc<VolumeCache>>>>,
     seq: AtomicU64,
     ordinal: AtomicU64,
     pub space: tokio::sync::Notify,
@@ -323,7 +330,7 @@ impl WriteCache {
     pub fn new(ram: RamTier, survivors: &[Survivor], log_tail: u64) -> WriteCache {
         let cache = WriteCache {
             ram,
-            volumes: Mutex::new(HashMap::new()),
+            volumes: Ranked::new(Rank::CacheVolumes, 0, Mutex::new(HashMap::new())),
             seq: AtomicU64::new(survivors.iter().map(|s| s.seq).max().unwrap_or(0) + 1),
             ordinal: AtomicU64::new(1),
             space: tokio::sync::Notify::new(),

@@ -151,6 +151,9 @@ impl Pool {
                 );
                 self.log.set_tail(data_tail);
                 self.data_tail.store(data_tail, Ordering::Release);
+                // Every write in place before this epoch has its checksums
+                // stored and its data flushed: their marks are not needed.
+                self.covered.store(epoch.wrapping_sub(1), Ordering::Release);
                 let mut pending = self.destroyed.lock_or_abort();
                 for volume in destroyed {
                     pending.remove(&volume);
@@ -180,7 +183,7 @@ impl Pool {
         map: &[TakenPage<MapPage>],
         crcs: &[TakenPage<CrcPage>],
         chunks: &[((u8, u64), Option<ChunkState>)],
-        suspect: &[(u8, u64)],
+        suspect: &[((u8, u64), ChunkParts)],
         destroyed: &[u32],
         snapshots: Option<&snapshots::SnapshotState>,
         heat: Option<&[((u32, u64), u64)]>,
@@ -223,10 +226,11 @@ impl Pool {
             }
         }
         {
-            let mut table = txn.open_table(SUSPECT)?;
+            txn.open_table(SUSPECT)?.retain(|_, _| false)?;
+            let mut table = txn.open_table(crate::meta::store::SUSPECT_PARTS)?;
             table.retain(|_, _| false)?;
-            for (device, chunk) in suspect {
-                table.insert((*device as u32, *chunk), 0)?;
+            for ((device, chunk), parts) in suspect {
+                table.insert((*device as u32, *chunk), super::recover::encode_parts(parts).as_slice())?;
             }
         }
         if let Some(state) = snapshots {

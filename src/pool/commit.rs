@@ -156,12 +156,12 @@ impl Pool {
     /// The write gate's shard of `volume` (see `Pool::gates`). Held shared
     /// it keeps a checkpoint from starting; nobody holds two at once (a
     /// checkpoint waiting for one would then deadlock with it).
-    pub(crate) fn gate(&self, volume: u32) -> &tokio::sync::RwLock<()> {
+    pub(crate) fn gate(&self, volume: u32) -> &Ranked<tokio::sync::RwLock<()>> {
         &self.gates[volume as usize % GATE_SHARDS].0
     }
 
     /// Enters the write gate for a change to `volume`'s data or map.
-    pub(crate) async fn enter_write(&self, volume: u32) -> tokio::sync::RwLockReadGuard<'_, ()> {
+    pub(crate) async fn enter_write(&self, volume: u32) -> Held<tokio::sync::RwLockReadGuard<'_, ()>> {
         let gate = self.gate(volume);
         // Without an `.await` when free (see `EngineVolume::read_stripes`).
         match gate.try_read() {
@@ -173,7 +173,7 @@ impl Pool {
     /// Closes the write gate: waits for the writes under way in every
     /// volume and keeps new ones out until the guards are dropped. Shards
     /// are taken in order, so two closers cannot deadlock.
-    pub(crate) async fn close_gate(&self) -> Vec<tokio::sync::RwLockWriteGuard<'_, ()>> {
+    pub(crate) async fn close_gate(&self) -> Vec<Held<tokio::sync::RwLockWriteGuard<'_, ()>>> {
         let mut guards = Vec::with_capacity(self.gates.len());
         for shard in self.gates.iter() {
             guards.push(shard.0.write().await);
@@ -456,6 +456,7 @@ mod tests {
     use crate::device::SimDevice;
     use crate::pool::superblock::Role;
     use crate::pool::NewDevice;
+    use crate::sync::rank::separate;
     use std::future::Future;
     use std::task::{Context, Waker};
 
@@ -500,7 +501,7 @@ mod tests {
             // Two callers need the same completed write: one flush serves both.
             pool.note_data_write(0, 4096);
             let before = flushes();
-            let (a, b) = tokio::join!(pool.flush_data_devices(), pool.flush_data_devices());
+            let (a, b) = tokio::join!(separate(pool.flush_data_devices()), separate(pool.flush_data_devices()));
             a.unwrap();
             b.unwrap();
             assert_eq!(flushes(), before + 1);
@@ -509,14 +510,14 @@ mod tests {
             // covered by it: the second caller flushes again.
             pool.note_data_write(0, 4096);
             let before = flushes();
-            let mut first = std::pin::pin!(pool.flush_data_devices());
+            let mut first = std::pin::pin!(separate(pool.flush_data_devices()));
             assert!(first
                 .as_mut()
                 .poll(&mut Context::from_waker(Waker::noop()))
                 .is_pending());
             assert_eq!(flushes(), before + 1, "the first flush is under way");
             pool.note_data_write(0, 4096);
-            let (a, b) = tokio::join!(first.as_mut(), pool.flush_data_devices());
+            let (a, b) = tokio::join!(first.as_mut(), separate(pool.flush_data_devices()));
             a.unwrap();
             b.unwrap();
             assert_eq!(flushes(), before + 2);
@@ -563,7 +564,7 @@ mod tests {
             assert!(pool.gate(2).try_write().is_err(), "volume ids wrap onto the shards");
             assert!(pool.gate(3).try_write().is_ok());
             // (Outside the cooperative budget, which creating the pool spent.)
-            let mut closing = std::pin::pin!(tokio::task::unconstrained(pool.close_gate()));
+            let mut closing = std::pin::pin!(tokio::task::unconstrained(separate(pool.close_gate())));
             assert!(closing.as_mut().poll(&mut context).is_pending());
             drop(first);
             assert!(

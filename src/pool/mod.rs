@@ -9,13 +9,18 @@
 //!   commit that carries such a record flushes the data devices first (a
 //!   commit of records that need no flush, such as `Dirty` marks, skips
 //!   it), so a durable mapping never points at data that is not durable.
-//! - Before the first write into a chunk in each checkpoint epoch, a `Dirty`
-//!   record for that chunk is committed. After a crash the chunks named by
-//!   such records are *suspect*: their checksums may describe the data before
-//!   or after writes that were in flight, so a mismatch there is repaired
-//!   from the data instead of reported (and a scrub re-verifies them).
-//!   Overwrites therefore cost no metadata I/O beyond that one record per
-//!   chunk per epoch.
+//! - Before the first write in place into a chunk in each checkpoint epoch,
+//!   a `Dirty` record for that chunk is committed, and before each write in
+//!   place the sectors it covers are noted in the RAM tier's in-place marks
+//!   (memory that outlives the process, not the machine). After a crash the
+//!   sectors a write may have been in flight on are *suspect*: the noted
+//!   ones of the chunks the `Dirty` records name when the process died but
+//!   the machine did not, every sector of those chunks when the machine
+//!   went down too. A mismatch in a suspect sector is repaired from the
+//!   data, since the crash explains it; any other is a checksum error. A
+//!   scrub after the crash reads the suspect blocks back. Overwrites
+//!   therefore cost no metadata I/O beyond that one record per chunk per
+//!   epoch.
 //! - A checkpoint writes the changed map, checksum and allocation pages to
 //!   the metadata store in one transaction and frees the log up to it.
 //! - A freed slot is reused only after the record freeing it is durable.
@@ -36,6 +41,7 @@ pub mod readcache;
 mod recover;
 mod relocate;
 mod scrub;
+pub use scrub::ScrubReport;
 mod send;
 pub mod snapshots;
 pub mod superblock;
@@ -48,7 +54,7 @@ use recover::{read_superblock, round_up, write_superblock};
 pub use send::SendExtent;
 use volumes::Release;
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -59,7 +65,7 @@ use crate::meta::log::{Log, LogError, Record};
 use crate::meta::pages::{CrcPage, MapPage, Page, PageCache, TakenPage, CRCS_PER_PAGE, MAP_ENTRIES_PER_PAGE};
 use crate::meta::store::{self, CHUNKS, CRC_PAGES, MAP_PAGES, STATE, SUSPECT};
 use crate::meta::MetaError;
-use crate::sync::LockOrAbort;
+use crate::sync::{Held, LockOrAbort, Rank, Ranked};
 use alloc::{Allocator, ChunkState, DeviceSpace};
 use superblock::{Member, Role, Superblock, SUPERBLOCK_BYTES, SUPERBLOCK_OFFSETS};
 
@@ -75,6 +81,12 @@ const MAX_META_BYTES: u64 = 16 << 30;
 pub const DEFAULT_META_CACHE_BYTES: u64 = 32 << 20;
 /// Checkpoint when this many pages are dirty (bounds memory).
 const MAX_DIRTY_PAGES: usize = 16384;
+/// The parts of a chunk, one bit each (part 0 the lowest bit of the first
+/// word): suspect sectors, in-place marks. A chunk has [`CHUNK_PARTS`]
+/// parts, 4 KiB each in a 1 MiB chunk.
+pub(crate) type ChunkParts = [u64; 4];
+pub(crate) const CHUNK_PARTS: u64 = 256;
+pub(crate) const ALL_PARTS: ChunkParts = [u64::MAX; 4];
 /// How far past a chunk that continues a sequential stream
 /// [`Pool::mark_dirty`] marks the chunks after it, in bytes.
 const MARK_AHEAD_BYTES: u64 = 16 << 20;
@@ -200,11 +212,11 @@ const GATE_SHARDS: usize = 64;
 /// One shard of the write gate, in cache lines of its own (writes of
 /// volumes in different shards touch no common line).
 #[repr(align(128))]
-struct GateShard(tokio::sync::RwLock<()>);
+struct GateShard(Ranked<tokio::sync::RwLock<()>>);
 
 fn new_gates() -> Box<[GateShard]> {
     (0..GATE_SHARDS)
-        .map(|_| GateShard(tokio::sync::RwLock::new(())))
+        .map(|shard| GateShard(Ranked::new(Rank::Gate, shard as u64, tokio::sync::RwLock::new(()))))
         .collect()
 }
 
@@ -362,12 +374,20 @@ pub struct Pool {
     /// Corrupt metadata met while serving: counted, each finding logged
     /// once.
     corruption: Arc<crate::meta::geometry::CorruptionLog>,
-    allocator: crate::sync::WatchedMutex<Allocator>,
+    allocator: Ranked<crate::sync::WatchedMutex<Allocator>>,
     epoch: AtomicU32,
-    /// Chunks whose checksums are not trusted (after a crash, until scrubbed).
-    suspect: Mutex<HashSet<(u8, u64)>>,
+    /// Parts of chunks whose checksums are not trusted after a crash (a
+    /// write may have been in flight there), until read back or rewritten.
+    suspect: Ranked<Mutex<HashMap<(u8, u64), ChunkParts>>>,
+    /// The highest epoch whose writes in place a committed checkpoint
+    /// covers: in-place marks of it and earlier epochs are no longer needed.
+    covered: AtomicU32,
+    /// While the log is replayed at open: the sectors the RAM tier's
+    /// in-place marks name for each chunk (`None`: the marks did not
+    /// survive, so every sector of a `Dirty` chunk is suspect).
+    crash_marks: Mutex<Option<ram::CrashMarks>>,
     /// Destroyed volumes whose pages the next checkpoint deletes.
-    destroyed: Mutex<HashSet<u32>>,
+    destroyed: Ranked<Mutex<HashSet<u32>>>,
     /// The write gate, in shards by volume id ([`Pool::gate`]): held shared
     /// by every write (in its volume's shard), exclusively by a checkpoint
     /// while it takes its snapshot (every shard, so the snapshot is
@@ -375,18 +395,18 @@ pub struct Pool {
     /// every volume take (and release: tokio's release locks its wait list)
     /// the same lock.
     gates: Box<[GateShard]>,
-    checkpointing: tokio::sync::Mutex<()>,
+    checkpointing: Ranked<tokio::sync::Mutex<()>>,
     /// Held by the one writer that makes room in a full log (see
     /// `Pool::make_log_room`); the others wait for it instead of each
     /// destaging and checkpointing.
-    making_log_room: tokio::sync::Mutex<()>,
+    making_log_room: Ranked<tokio::sync::Mutex<()>>,
     /// Held shared by a commit from its log write until the slots its
     /// records freed are released in the allocator, exclusively by a
     /// checkpoint around its own commit and its snapshot of the allocator:
     /// a checkpoint taken in between would store those slots as in use and
     /// move the log's tail past the records freeing them, leaking them if
     /// the daemon died before the next checkpoint.
-    releasing: tokio::sync::RwLock<()>,
+    releasing: Ranked<tokio::sync::RwLock<()>>,
     checkpoints: AtomicU64,
     checkpoint_pages: AtomicU64,
     checkpoint_scheduled: std::sync::atomic::AtomicBool,
@@ -414,18 +434,18 @@ pub struct Pool {
     /// not be placed later (see `Pool::space_short`).
     space_short: std::sync::atomic::AtomicBool,
     /// Snapshots of the pool's volumes (`pool/snapshots.rs`).
-    snapshots: std::sync::RwLock<snapshots::Snapshots>,
+    snapshots: Ranked<std::sync::RwLock<snapshots::Snapshots>>,
     /// Whether there are any: writes skip the snapshot checks when not.
     has_snapshots: std::sync::atomic::AtomicBool,
     /// Serialises copying a map page into a snapshot, and every other
     /// change of who maps a shared slot: snapshot deletion, rollback,
     /// promotion, a volume's destruction, a shared block's move.
-    page_copy: Mutex<()>,
+    page_copy: Ranked<Mutex<()>>,
     /// Shared blocks remapped (`pool/relocate.rs`): odd while one is
     /// under way.
     relocations: AtomicU64,
     /// Every open engine, volumes and snapshot views, by id (weak).
-    open_engines: Mutex<Vec<(u32, std::sync::Weak<volume::EngineVolume>)>>,
+    open_engines: Ranked<Mutex<Vec<OpenEngine>>>,
     /// Flushes of the data devices done (see `MetaCounters::data_flushes`).
     data_flushes: AtomicU64,
     /// Of those, the ones a log commit made (`MetaCounters::commit_data_flushes`).
@@ -434,7 +454,7 @@ pub struct Pool {
     log_room_waits: AtomicU64,
     log_room_wait_micros: AtomicU64,
     /// Held by the one flush of the data devices under way.
-    data_flush: tokio::sync::Mutex<()>,
+    data_flush: Ranked<tokio::sync::Mutex<()>>,
     /// Where replay of Data records starts (at or before the checkpoint LSN).
     data_tail: AtomicU64,
     /// Automatic tiering (`pool/migrate.rs`).
@@ -455,6 +475,9 @@ pub struct Pool {
     #[cfg(test)]
     pub(crate) page_copy_pause: Mutex<Option<Box<dyn FnOnce() + Send>>>,
 }
+
+/// An open engine in `Pool::open_engines`: its id, and the engine (weak).
+type OpenEngine = (u32, std::sync::Weak<volume::EngineVolume>);
 
 /// A device and the role it should have in a new pool.
 pub struct NewDevice {

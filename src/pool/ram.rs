@@ -9,18 +9,28 @@
 //! simulated power loss).
 //!
 //! Layout (docs/FORMAT.md): a 4 KiB region header, a table of 32-byte slot
-//! headers, then the 4 KiB slots. A slot is written data first, then its
-//! header fields, then its magic (after a release fence), so a valid magic
-//! means the slot is complete; the data checksum guards the rest. A slot is
-//! freed by clearing its magic before it can be reused.
+//! headers, the 4 KiB slots, then the in-place marks. A slot is written
+//! data first, then its header fields, then its magic (after a release
+//! fence), so a valid magic means the slot is complete; the data checksum
+//! guards the rest. A slot is freed by clearing its magic before it can be
+//! reused.
+//!
+//! The in-place marks say which sectors of the pool's devices were written
+//! in place since the last checkpoint (a bounded hash table of chunks, each
+//! entry a chunk's 256-part bitmap labelled with its epoch: see
+//! [`RamTier::note_in_place`]). They are set before the data is written, so
+//! after a process crash they name every sector whose checksum may describe
+//! other data than the device holds, and recovery repairs only those; the
+//! same reasons that keep the slots valid keep them (a region of the same
+//! pool and boot).
 
 use std::alloc::Layout;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{fence, AtomicU32, AtomicUsize, Ordering};
+use std::sync::atomic::{fence, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
-use crate::sync::LockOrAbort;
+use crate::sync::{Rank, Ranked};
 
 pub const SLOT_BYTES: usize = 4096;
 const SLOT_HEADER_BYTES: usize = 32;
@@ -34,6 +44,24 @@ const DATA_DIR_AT: usize = 68;
 const MAX_DATA_DIR_BYTES: usize = REGION_HEADER_BYTES - 4 - DATA_DIR_AT - 2;
 /// Smallest RAM tier: 64 slots.
 pub const MIN_RAM_BYTES: u64 = 1 << 20;
+const MARKS_MAGIC: u64 = u64::from_le_bytes(*b"STRAMARK");
+const MARKS_HEADER_BYTES: usize = 4096;
+/// An in-place mark: key (device and chunk, 0 when never used), epoch
+/// label, then the chunk's 256-part bitmap; six `u64`.
+const MARK_WORDS: usize = 6;
+/// How many entries from a chunk's hash slot it may take.
+const MARK_WINDOW: usize = 16;
+
+/// The sectors the in-place marks of a region name, found at open.
+#[derive(Debug, Default)]
+pub struct CrashMarks {
+    /// Per (device, chunk): the parts written in place in an epoch after
+    /// the covered one.
+    pub chunks: std::collections::HashMap<(u8, u64), super::ChunkParts>,
+    /// Some chunk written in place then found no free entry: a chunk with
+    /// no entry may have been written anywhere.
+    pub overflowed: bool,
+}
 
 /// Heap memory for a RAM tier without a file. The simulator keeps an `Arc`
 /// of it across a simulated process kill.
@@ -121,16 +149,20 @@ pub struct RamTier {
     _backing: Backing,
     base: *mut u8,
     slots: u32,
-    free: Mutex<Vec<u32>>,
+    free: Ranked<Mutex<Vec<u32>>>,
     free_count: AtomicUsize,
     location: String,
     path: Option<PathBuf>,
     data_dir: Option<PathBuf>,
+    /// Whether the in-place marks were found as a process left them.
+    marks_intact: bool,
+    /// Held to take an in-place marks entry (once per chunk per epoch).
+    mark_claim: Mutex<()>,
     /// Debug builds: what each slot is, checked on every change of hands
     /// (a double free, a write to a slot nobody allocated, a read of a
     /// free slot panic at once instead of corrupting another sector).
     #[cfg(debug_assertions)]
-    shadow: Mutex<Vec<SlotState>>,
+    shadow: Ranked<Mutex<Vec<SlotState>>>,
 }
 
 /// Shadow state of one slot (kept in debug builds only).
@@ -159,8 +191,34 @@ fn table_len(slots: u32) -> usize {
     (slots as usize * SLOT_HEADER_BYTES).div_ceil(4096) * 4096
 }
 
-fn region_len(slots: u32) -> usize {
+/// The header, slot headers and slots: the whole region before the
+/// in-place marks were kept, and where they begin.
+fn slots_len(slots: u32) -> usize {
     REGION_HEADER_BYTES + table_len(slots) + slots as usize * SLOT_BYTES
+}
+
+/// In-place marks entries: one per slot (a power of two), 1,024 to 2^20
+/// (48 MiB, marks for 1 TiB of chunks written in place per two epochs).
+fn mark_entries(slots: u32) -> usize {
+    (slots as usize).next_power_of_two().clamp(1024, 1 << 20)
+}
+
+fn marks_len(slots: u32) -> usize {
+    MARKS_HEADER_BYTES + (mark_entries(slots) * MARK_WORDS * 8).div_ceil(4096) * 4096
+}
+
+fn region_len(slots: u32) -> usize {
+    slots_len(slots) + marks_len(slots)
+}
+
+/// Whether epoch `label` (0: none) comes after epoch `covered`, counting
+/// around the wrap of a `u32`.
+fn is_after(label: u64, covered: u32) -> bool {
+    label != 0 && (label as u32).wrapping_sub(covered) as i32 > 0
+}
+
+fn mark_key(device: u8, chunk: u64) -> u64 {
+    ((chunk << 8) | device as u64) + 1
 }
 
 fn boot_id() -> [u8; 36] {
@@ -190,7 +248,7 @@ impl RamTier {
             RamSource::File { path, bytes, .. } => {
                 let slots = slots_for(*bytes);
                 let len = region_len(slots);
-                let file = open_region_file(path, len as u64)?;
+                let file = open_region_file(path, len as u64, slots_len(slots) as u64)?;
                 // SAFETY: the file is ours, and its exclusive flock (taken by
                 // `open_region_file`) keeps every other process from mapping
                 // it. Populating faults every page in now, once, instead of
@@ -223,7 +281,7 @@ impl RamTier {
             _backing: backing,
             base,
             slots,
-            free: Mutex::new(Vec::new()),
+            free: Ranked::new(Rank::RamFree, 0, Mutex::new(Vec::new())),
             free_count: AtomicUsize::new(0),
             location,
             path: match source {
@@ -234,8 +292,10 @@ impl RamTier {
                 RamSource::File { data_dir, .. } => data_dir.clone(),
                 RamSource::Heap(_) => None,
             },
+            marks_intact: false,
+            mark_claim: Mutex::new(()),
             #[cfg(debug_assertions)]
-            shadow: Mutex::new(Vec::new()),
+            shadow: Ranked::new(Rank::RamShadow, 0, Mutex::new(Vec::new())),
         };
         let expected = tier.region_header(pool_uuid, &boot);
         // SAFETY: the header lies within the region.
@@ -262,10 +322,22 @@ impl RamTier {
             }
             Vec::new()
         };
+        tier.marks_intact = intact && tier.marks_header_holds();
+        if !tier.marks_intact {
+            // SAFETY: we are the only user of the region while opening it;
+            // the marks lie within it (`region_len`).
+            unsafe {
+                let marks = base.add(slots_len(slots));
+                std::ptr::write_bytes(marks, 0, marks_len(slots));
+                std::ptr::copy_nonoverlapping(MARKS_MAGIC.to_le_bytes().as_ptr(), marks, 8);
+                let entries = mark_entries(slots) as u32;
+                std::ptr::copy_nonoverlapping(entries.to_le_bytes().as_ptr(), marks.add(8), 4);
+            }
+        }
         let used: std::collections::HashSet<u32> = survivors.iter().map(|s| s.slot).collect();
         let free: Vec<u32> = (0..tier.slots).rev().filter(|s| !used.contains(s)).collect();
         tier.free_count = AtomicUsize::new(free.len());
-        tier.free = Mutex::new(free);
+        tier.free = Ranked::new(Rank::RamFree, 0, Mutex::new(free));
         #[cfg(debug_assertions)]
         {
             let shadow = (0..tier.slots)
@@ -277,7 +349,7 @@ impl RamTier {
                     }
                 })
                 .collect();
-            tier.shadow = Mutex::new(shadow);
+            tier.shadow = Ranked::new(Rank::RamShadow, 0, Mutex::new(shadow));
         }
         Ok((tier, survivors, intact))
     }
@@ -369,6 +441,110 @@ impl RamTier {
 
     pub fn location(&self) -> &str {
         &self.location
+    }
+
+    fn marks_header_holds(&self) -> bool {
+        // SAFETY: the marks header lies within the region (`region_len`).
+        let header = unsafe { std::slice::from_raw_parts(self.base.add(slots_len(self.slots)), 12) };
+        header[..8] == MARKS_MAGIC.to_le_bytes() && header[8..12] == (mark_entries(self.slots) as u32).to_le_bytes()
+    }
+
+    /// Word `word` of in-place marks entry `entry`; word 0 of entry
+    /// `usize::MAX` is the overflow label (in the marks header).
+    fn mark_word(&self, entry: usize, word: usize) -> &AtomicU64 {
+        assert!(word < MARK_WORDS);
+        let at = if entry == usize::MAX {
+            16
+        } else {
+            assert!(entry < mark_entries(self.slots));
+            MARKS_HEADER_BYTES + (entry * MARK_WORDS + word) * 8
+        };
+        // SAFETY: in bounds (asserted; `region_len` includes the marks) and
+        // 8-byte aligned (the marks start on a page, words are 8 bytes);
+        // every access to these words is atomic.
+        unsafe { &*(self.base.add(slots_len(self.slots) + at) as *const AtomicU64) }
+    }
+
+    /// The entries chunk `key` may occupy.
+    fn mark_window(&self, key: u64) -> impl Iterator<Item = usize> {
+        let entries = mark_entries(self.slots);
+        let start = (key.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 32) as usize & (entries - 1);
+        (0..MARK_WINDOW).map(move |i| (start + i) & (entries - 1))
+    }
+
+    /// Notes that `parts` of `chunk` on `device` are about to be written in
+    /// place in `epoch`, before they are (the caller holds the pool's write
+    /// gate, so the epoch does not change meanwhile). Entries of epochs up
+    /// to `covered` (a committed checkpoint holds their checksums) are
+    /// free; a chunk finds its entry for the epoch, or takes a free one in
+    /// its window. With none free the overflow label says that a chunk
+    /// without an entry may have been written anywhere in that epoch.
+    ///
+    /// Entries are filled key first, then bitmap, then label (release), so
+    /// an entry whose label names the current epoch is complete, and a
+    /// process that dies part way leaves only an entry of an old epoch.
+    pub fn note_in_place(&self, device: u8, chunk: u64, parts: &super::ChunkParts, epoch: u32, covered: u32) {
+        let key = mark_key(device, chunk);
+        let find = || {
+            self.mark_window(key).find(|&entry| {
+                self.mark_word(entry, 1).load(Ordering::Acquire) == epoch as u64
+                    && self.mark_word(entry, 0).load(Ordering::Relaxed) == key
+            })
+        };
+        let set = |entry: usize| {
+            for (word, bits) in parts.iter().enumerate() {
+                if *bits != 0 {
+                    self.mark_word(entry, 2 + word).fetch_or(*bits, Ordering::AcqRel);
+                }
+            }
+        };
+        if let Some(entry) = find() {
+            return set(entry);
+        }
+        use crate::sync::LockOrAbort;
+        // A leaf: nothing is taken under it.
+        let _claim = self.mark_claim.lock_or_abort();
+        if let Some(entry) = find() {
+            return set(entry);
+        }
+        let free = self
+            .mark_window(key)
+            .find(|&entry| !is_after(self.mark_word(entry, 1).load(Ordering::Acquire), covered));
+        match free {
+            Some(entry) => {
+                self.mark_word(entry, 0).store(key, Ordering::Relaxed);
+                for word in 2..MARK_WORDS {
+                    self.mark_word(entry, word).store(0, Ordering::Relaxed);
+                }
+                self.mark_word(entry, 1).store(epoch as u64, Ordering::Release);
+                set(entry);
+            }
+            None => self.mark_word(usize::MAX, 0).store(epoch as u64, Ordering::Release),
+        }
+    }
+
+    /// What the in-place marks found at open say was written in place in
+    /// epochs after `covered`; `None` when they did not survive (another
+    /// boot, pool or layout, or a heap region wiped).
+    pub fn marks_after(&self, covered: u32) -> Option<CrashMarks> {
+        if !self.marks_intact {
+            return None;
+        }
+        let mut found = CrashMarks {
+            overflowed: is_after(self.mark_word(usize::MAX, 0).load(Ordering::Acquire), covered),
+            ..CrashMarks::default()
+        };
+        for entry in 0..mark_entries(self.slots) {
+            if !is_after(self.mark_word(entry, 1).load(Ordering::Acquire), covered) {
+                continue;
+            }
+            let key = self.mark_word(entry, 0).load(Ordering::Relaxed) - 1;
+            let parts = found.chunks.entry(((key & 0xff) as u8, key >> 8)).or_default();
+            for (word, bits) in parts.iter_mut().enumerate() {
+                *bits |= self.mark_word(entry, 2 + word).load(Ordering::Relaxed);
+            }
+        }
+        Some(found)
     }
 
     /// At a clean shutdown, once nothing is dirty: removes the region file,
@@ -522,7 +698,7 @@ impl RamTier {
 /// and allocates all of it now: a shared mapping of a sparse file whose file
 /// system later runs out of space kills the process with SIGBUS, so the
 /// space is taken up front, where running out is a clear error.
-fn open_region_file(path: &Path, len: u64) -> std::io::Result<std::fs::File> {
+fn open_region_file(path: &Path, len: u64, grows_from: u64) -> std::io::Result<std::fs::File> {
     use std::os::unix::io::AsRawFd;
     if let Some(parent) = path.parent() {
         std::fs::create_dir_all(parent)?;
@@ -544,8 +720,13 @@ fn open_region_file(path: &Path, len: u64) -> std::io::Result<std::fs::File> {
             format!("{} is in use by another process ({error})", path.display()),
         ));
     }
-    if file.metadata()?.len() != len {
-        file.set_len(0)?;
+    let current = file.metadata()?.len();
+    if current != len {
+        // A region of the same slots from before the in-place marks were
+        // kept grows by them and keeps its slots; any other is reset.
+        if current != grows_from {
+            file.set_len(0)?;
+        }
         file.set_len(len)?;
     }
     // SAFETY: a plain syscall on a descriptor we own.
@@ -755,7 +936,8 @@ pub fn choose_location(pool_dir: &Path, ram_dir: &Path, require_tmpfs: bool, key
         return local;
     }
     let shared = ram_dir.join(format!("strata-{key}.ram"));
-    let needed = region_len(slots_for(bytes)) as u64;
+    let slots = slots_for(bytes);
+    let needed = region_len(slots) as u64;
     let room =
         shared.exists() || free_bytes(ram_dir).is_some_and(|(free, tmpfs)| free >= needed && (tmpfs || !require_tmpfs));
     if !room {
@@ -765,7 +947,7 @@ pub fn choose_location(pool_dir: &Path, ram_dir: &Path, require_tmpfs: bool, key
     // check, or cannot hold the file), the pool still opens, with its RAM
     // tier in its own directory.
     let existed = shared.exists();
-    if let Err(e) = open_region_file(&shared, needed) {
+    if let Err(e) = open_region_file(&shared, needed, slots_len(slots) as u64) {
         tracing::warn!(
             "cannot place the RAM tier in {} ({e}); using {}",
             ram_dir.display(),

@@ -339,7 +339,7 @@ impl Pool {
                 .collect(),
         };
         let mut allocator = Allocator::new(superblock.chunk_bytes, spaces);
-        let mut suspect = HashSet::new();
+        let mut suspect: HashMap<(u8, u64), ChunkParts> = HashMap::new();
         {
             let txn = db.begin_read().map_err(MetaError::from)?;
             let chunks = txn.open_table(CHUNKS).map_err(MetaError::from)?;
@@ -364,7 +364,28 @@ impl Pool {
                 geometry
                     .check_chunk(device as u64, chunk_index, chunk)
                     .map_err(|e| corrupt(format!("table suspect key ({device}, {chunk_index}): {e}")))?;
-                suspect.insert((device as u8, chunk_index));
+                suspect.insert((device as u8, chunk_index), ALL_PARTS);
+            }
+            // Pools from before parts were kept have no such table.
+            if let Ok(table) = txn.open_table(crate::meta::store::SUSPECT_PARTS) {
+                for row in table.iter().map_err(MetaError::from)? {
+                    let (key, value) = row.map_err(MetaError::from)?;
+                    let (device, chunk_index) = key.value();
+                    geometry
+                        .check_chunk(device as u64, chunk_index, chunk)
+                        .map_err(|e| corrupt(format!("table suspect_parts key ({device}, {chunk_index}): {e}")))?;
+                    let bytes = value.value();
+                    let parts = decode_parts(bytes).ok_or_else(|| {
+                        corrupt(format!(
+                            "table suspect_parts key ({device}, {chunk_index}): value is {} bytes, not 32",
+                            bytes.len()
+                        ))
+                    })?;
+                    let entry = suspect.entry((device as u8, chunk_index)).or_default();
+                    for (word, add) in entry.iter_mut().zip(parts) {
+                        *word |= add;
+                    }
+                }
             }
             // Heat is a hint: a pool from before it was stored has none.
             if let Ok(table) = txn.open_table(crate::meta::store::HEAT) {
@@ -407,6 +428,10 @@ impl Pool {
             .unwrap_or_else(|| ram::RamSource::Heap(ram::HeapImage::new(DEFAULT_RAM_BYTES)));
         let (ram_tier, survivors, intact) = ram::RamTier::open(&source, &superblock.pool_uuid)
             .map_err(|e| PoolError::Invalid(format!("cannot open the RAM tier: {e}")))?;
+        // The checkpoint stored epoch `epoch` as the one it began: writes in
+        // place before it are in its checksums, those from it on may not be.
+        let covered = epoch.wrapping_sub(1);
+        let crash_marks = ram_tier.marks_after(covered);
         let replayed_data = if intact {
             Vec::new()
         } else {
@@ -452,14 +477,16 @@ impl Pool {
                 .checked(geometry.clone(), corruption.clone()),
             geometry,
             corruption,
-            allocator: crate::sync::WatchedMutex::new(allocator),
+            allocator: Ranked::new(Rank::Allocator, 0, crate::sync::WatchedMutex::new(allocator)),
             epoch: AtomicU32::new(epoch.wrapping_add(1).max(1)),
-            suspect: Mutex::new(suspect),
-            destroyed: Mutex::new(HashSet::new()),
+            suspect: Ranked::new(Rank::Suspect, 0, Mutex::new(suspect)),
+            covered: AtomicU32::new(covered),
+            crash_marks: Mutex::new(crash_marks),
+            destroyed: Ranked::new(Rank::Destroyed, 0, Mutex::new(HashSet::new())),
             gates: new_gates(),
-            checkpointing: tokio::sync::Mutex::new(()),
-            making_log_room: tokio::sync::Mutex::new(()),
-            releasing: tokio::sync::RwLock::new(()),
+            checkpointing: Ranked::new(Rank::Checkpointing, 0, tokio::sync::Mutex::new(())),
+            making_log_room: Ranked::new(Rank::MakingLogRoom, 0, tokio::sync::Mutex::new(())),
+            releasing: Ranked::new(Rank::Releasing, 0, tokio::sync::RwLock::new(())),
             checkpoints: AtomicU64::new(0),
             checkpoint_pages: AtomicU64::new(0),
             checkpoint_scheduled: std::sync::atomic::AtomicBool::new(false),
@@ -473,15 +500,15 @@ impl Pool {
             reserved_bytes: AtomicU64::new(0),
             space_short: std::sync::atomic::AtomicBool::new(false),
             has_snapshots: std::sync::atomic::AtomicBool::new(!snapshots.is_empty()),
-            snapshots: std::sync::RwLock::new(snapshots),
-            page_copy: Mutex::new(()),
+            snapshots: Ranked::new(Rank::Snapshots, 0, std::sync::RwLock::new(snapshots)),
+            page_copy: Ranked::new(Rank::PageCopy, 0, Mutex::new(())),
             relocations: AtomicU64::new(0),
-            open_engines: Mutex::new(Vec::new()),
+            open_engines: Ranked::new(Rank::OpenEngines, 0, Mutex::new(Vec::new())),
             data_flushes: AtomicU64::new(0),
             commit_data_flushes: AtomicU64::new(0),
             log_room_waits: AtomicU64::new(0),
             log_room_wait_micros: AtomicU64::new(0),
-            data_flush: tokio::sync::Mutex::new(()),
+            data_flush: Ranked::new(Rank::DataFlush, 0, tokio::sync::Mutex::new(())),
             migrator: Default::default(),
             data_tail: AtomicU64::new(data_tail),
             engines: Mutex::new(std::collections::HashMap::new()),
@@ -519,11 +546,23 @@ impl Pool {
                 pool.name
             );
         }
+        let crash_marks = pool.crash_marks.lock_or_abort().take();
         if replayed > 0 {
+            let (chunks, sectors) = {
+                let suspect = pool.suspect.lock_or_abort();
+                let parts: u64 = suspect.values().flatten().map(|w| w.count_ones() as u64).sum();
+                (suspect.len(), parts)
+            };
             tracing::info!(
-                "pool {}: replayed {replayed} log records ({} suspect chunks)",
+                "pool {}: replayed {replayed} log records; {sectors} parts of {chunks} chunks are suspect \
+                 (a write in place may have been in flight there){}",
                 pool.name,
-                pool.suspect.lock_or_abort().len()
+                if crash_marks.is_some() {
+                    ""
+                } else {
+                    ": the RAM tier's in-place marks did not survive (the machine restarted), so every \
+                     part of a chunk written in place is"
+                }
             );
         }
         // New cached writes come after every snapshot taken so far (a
@@ -636,7 +675,7 @@ impl Pool {
                 Err(e) => return Err(e.to_string()),
             }
             drop(allocator);
-            self.set_crcs(device, offset, crcs).map_err(|e| e.to_string())?;
+            self.store_crcs(device, offset, crcs).map_err(|e| e.to_string())?;
         }
         Ok(())
     }
@@ -644,7 +683,25 @@ impl Pool {
     pub(super) fn apply_replayed(&self, record: Record) -> Result<(), PoolError> {
         match record {
             Record::Dirty { device, chunk } => {
-                self.suspect.lock_or_abort().insert((device, chunk));
+                // With the in-place marks of the process that died: the
+                // sectors it was about to write there (none if it never
+                // wrote there in place, every one if a chunk found no entry
+                // for its marks). Without: all of them.
+                let parts = match &*self.crash_marks.lock_or_abort() {
+                    Some(marks) => match marks.chunks.get(&(device, chunk)) {
+                        Some(parts) => *parts,
+                        None if marks.overflowed => ALL_PARTS,
+                        None => [0; 4],
+                    },
+                    None => ALL_PARTS,
+                };
+                if parts.iter().any(|word| *word != 0) {
+                    let mut suspect = self.suspect.lock_or_abort();
+                    let entry = suspect.entry((device, chunk)).or_default();
+                    for (word, add) in entry.iter_mut().zip(parts) {
+                        *word |= add;
+                    }
+                }
             }
             Record::Map {
                 volume,
@@ -707,8 +764,9 @@ impl Pool {
             Record::ClonePage { volume, page } => self.apply_clone_page(volume, page).map_err(PoolError::Meta)?,
             Record::Promote { volume, origin } => self.apply_promote(volume, origin)?,
             Record::DestroySnapshot { snapshot } => {
+                let freed = self.apply_destroy_snapshot(snapshot)?;
                 let mut allocator = self.allocator.lock_or_abort();
-                for (device, offset) in self.apply_destroy_snapshot(snapshot)? {
+                for (device, offset) in freed {
                     // Already free if the checkpoint came after this record.
                     let _ = allocator.free(device, offset);
                 }
@@ -728,4 +786,23 @@ fn pool_tag(uuid: &[u8; 16]) -> u64 {
 
 fn corrupt(what: String) -> PoolError {
     PoolError::Meta(MetaError::Corrupt(what))
+}
+
+/// A `suspect_parts` row's value: four little-endian `u64`.
+pub(super) fn decode_parts(bytes: &[u8]) -> Option<ChunkParts> {
+    if bytes.len() != 32 {
+        return None;
+    }
+    Some(std::array::from_fn(|i| {
+        u64::from_le_bytes(bytes[i * 8..i * 8 + 8].try_into().expect("8 bytes"))
+    }))
+}
+
+/// The value stored for a chunk's suspect parts (see [`decode_parts`]).
+pub(super) fn encode_parts(parts: &ChunkParts) -> [u8; 32] {
+    let mut out = [0u8; 32];
+    for (i, word) in parts.iter().enumerate() {
+        out[i * 8..i * 8 + 8].copy_from_slice(&word.to_le_bytes());
+    }
+    out
 }

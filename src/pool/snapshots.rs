@@ -608,7 +608,7 @@ pub struct SnapshotRequest<'a> {
 impl Pool {
     /// Every snapshot of the pool, oldest first per volume.
     pub fn snapshots(&self) -> Vec<SnapshotInfo> {
-        let snapshots = self.snapshots.read().unwrap_or_else(|_| crate::sync::poisoned());
+        let snapshots = self.snapshots.read_or_abort();
         let mut all: Vec<SnapshotInfo> = snapshots.by_id.values().cloned().collect();
         all.sort_by_key(|s| (s.volume, s.generation, s.id));
         all
@@ -650,12 +650,12 @@ impl Pool {
         self.has_snapshots.load(Ordering::Acquire)
     }
 
-    pub(crate) fn snapshots_read(&self) -> std::sync::RwLockReadGuard<'_, Snapshots> {
-        self.snapshots.read().unwrap_or_else(|_| crate::sync::poisoned())
+    pub(crate) fn snapshots_read(&self) -> Held<std::sync::RwLockReadGuard<'_, Snapshots>> {
+        self.snapshots.read_or_abort()
     }
 
-    fn snapshots_write(&self) -> std::sync::RwLockWriteGuard<'_, Snapshots> {
-        self.snapshots.write().unwrap_or_else(|_| crate::sync::poisoned())
+    fn snapshots_write(&self) -> Held<std::sync::RwLockWriteGuard<'_, Snapshots>> {
+        self.snapshots.write_or_abort()
     }
 
     /// Takes snapshots of several volumes at one consistency point: every
@@ -3354,7 +3354,7 @@ mod tests {
             assert_eq!(pool.cache.volume(1).lock().older.len(), 1, "the older version is kept");
             let held = pool.releasing.write().await;
             let mut context = std::task::Context::from_waker(std::task::Waker::noop());
-            let mut first = Box::pin(volume.destage_blocks(&[0]));
+            let mut first = Box::pin(crate::sync::rank::separate(volume.destage_blocks(&[0])));
             for _ in 0..100 {
                 assert!(first.as_mut().poll(&mut context).is_pending(), "the commit was held");
             }
@@ -3373,7 +3373,7 @@ mod tests {
             };
             assert!(newer_in_place(), "the first destage placed the newer version");
             sim.set_delays(crate::device::sim::SimDelays::always(1));
-            let mut second = Box::pin(volume.destage_blocks(&[0]));
+            let mut second = Box::pin(crate::sync::rank::separate(volume.destage_blocks(&[0])));
             for step in 0..1000 {
                 assert!(second.as_mut().poll(&mut context).is_pending(), "the commit was held");
                 assert!(

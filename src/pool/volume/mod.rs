@@ -22,7 +22,13 @@ use write::sector_crcs;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
-use tokio::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
+use tokio::sync::RwLock;
+
+use crate::sync::{Held, Rank, Ranked};
+
+/// Guards of the volume's ranked locks (`crate::sync::rank`).
+type RwLockReadGuard<'a, T> = Held<tokio::sync::RwLockReadGuard<'a, T>>;
+type RwLockWriteGuard<'a, T> = Held<tokio::sync::RwLockWriteGuard<'a, T>>;
 
 use super::alloc::Hint;
 use super::cache::{Entry, VolState, VolumeCache};
@@ -34,6 +40,8 @@ use crate::meta::MetaError;
 use crate::volume::{BlockDevice, BlockError, BlockResult, BoxFuture, Capabilities, ChangedRun, Extent, ZeroFlags};
 
 const STRIPES: usize = 1024;
+// A stripe's lock ordinal is its volume's id, then its index in 10 bits.
+const _: () = assert!(STRIPES <= 1 << 10);
 /// Reads up to this size fill the read cache.
 const READ_CACHE_MAX_REQUEST: u64 = 128 << 10;
 /// Most extents one BLOCK_STATUS answer carries.
@@ -48,7 +56,7 @@ pub struct EngineVolume {
     id: u32,
     size_bytes: AtomicU64,
     block_shift: u32,
-    stripes: Box<[RwLock<()>]>,
+    stripes: Box<[Ranked<RwLock<()>>]>,
     /// Blocks currently mapped (for `used` in `volume list`).
     mapped_blocks: AtomicU64,
     /// This volume's part of the pool's write-back cache.
@@ -60,12 +68,12 @@ pub struct EngineVolume {
     /// exclusively while a snapshot of the volume is taken or deleted (so a
     /// write is wholly before or wholly after the snapshot). Destaging does
     /// not take it: taking a snapshot leaves the cache where it is.
-    barrier: tokio::sync::RwLock<()>,
+    barrier: Ranked<RwLock<()>>,
     /// Held shared while a destage writes cached data to its place (taken
     /// after the barrier, before stripe locks), exclusively while a
     /// snapshot is deleted, a volume rolled back or promoted: those change
     /// which snapshot a page is copied into.
-    placement: tokio::sync::RwLock<()>,
+    placement: Ranked<RwLock<()>>,
     /// A snapshot's view: whether the cached writes that belong to it were
     /// placed (they are before it is read, compared or walked).
     settled: AtomicBool,
@@ -191,23 +199,27 @@ impl EngineVolume {
             id,
             size_bytes: AtomicU64::new(size_bytes),
             block_shift: volblocksize.trailing_zeros(),
-            stripes: (0..STRIPES).map(|_| RwLock::new(())).collect(),
+            // Ordinals: by volume, then by index (a shared block's move
+            // holds the same stripes of several volumes).
+            stripes: (0..STRIPES)
+                .map(|index| Ranked::new(Rank::Stripes, (id as u64) << 10 | index as u64, RwLock::new(())))
+                .collect(),
             mapped_blocks: AtomicU64::new(mapped_blocks),
             cache,
             log_throughput: AtomicBool::new(false),
-            barrier: tokio::sync::RwLock::new(()),
-            placement: tokio::sync::RwLock::new(()),
+            barrier: Ranked::new(Rank::Barrier, id as u64, RwLock::new(())),
+            placement: Ranked::new(Rank::Placement, id as u64, RwLock::new(())),
             settled: AtomicBool::new(false),
             streams: Streams::new(),
             pool,
         }
     }
 
-    pub(crate) fn barrier(&self) -> &tokio::sync::RwLock<()> {
+    pub(crate) fn barrier(&self) -> &Ranked<RwLock<()>> {
         &self.barrier
     }
 
-    pub(crate) fn placement(&self) -> &tokio::sync::RwLock<()> {
+    pub(crate) fn placement(&self) -> &Ranked<RwLock<()>> {
         &self.placement
     }
 
@@ -378,6 +390,17 @@ impl EngineVolume {
 
     pub(crate) async fn lock_blocks_exclusive(&self, blocks: &[u64]) -> Vec<RwLockWriteGuard<'_, ()>> {
         self.write_stripes(stripes_of(blocks)).await
+    }
+
+    /// [`Self::lock_blocks_exclusive`] for a shared block's move, which
+    /// holds its own volume's stripes and takes these in another engine of
+    /// the family (engines in id order: `Rank::FamilyStripes`).
+    pub(crate) async fn lock_family_blocks_exclusive(&self, blocks: &[u64]) -> Vec<RwLockWriteGuard<'_, ()>> {
+        let mut guards = Vec::new();
+        for index in stripes_of(blocks) {
+            guards.push(self.stripes[index].write_at(Rank::FamilyStripes).await);
+        }
+        guards
     }
 }
 
@@ -603,6 +626,16 @@ mod tests {
         (sim, pool)
     }
 
+    /// A kill -9 of the process: every write it made reaches the device.
+    fn crash_keeping_every_write(sim: &SimDevice) {
+        sim.set_crash_model(crate::device::sim::CrashModel {
+            drop_weight: 0,
+            apply_weight: 1,
+            tear_weight: 0,
+        });
+        sim.crash();
+    }
+
     /// A fast device and a dedicated log device, for `Pool::create`.
     fn fast_and_log(fast: &SimDevice, log: &SimDevice) -> Vec<NewDevice> {
         vec![
@@ -738,12 +771,7 @@ mod tests {
             drop(pool);
             // What the killed process left: every data write it made reached
             // the file, the log as it was before the rewrite.
-            sim.set_crash_model(crate::device::sim::CrashModel {
-                drop_weight: 0,
-                apply_weight: 1,
-                tear_weight: 0,
-            });
-            sim.crash();
+            crash_keeping_every_write(&sim);
             let after = sim.snapshot();
             let (mut kept, mut restored) = (0, 0);
             for sector in after.differing_sectors(&before) {
@@ -953,6 +981,222 @@ mod tests {
                 assert!(buf.payload()[4096..].iter().all(|&b| b == 1));
             }
         });
+    }
+
+    /// The scrub after a crash reads a suspect block under its own stripe
+    /// lock only: a writer holding its gate shard (any volume's) does not
+    /// hold it up. Of a block, only the suspect parts are repaired from the
+    /// data: a mismatch elsewhere in the same chunk is an error.
+    #[test]
+    fn the_scrub_repairs_only_suspect_parts_and_holds_no_gate() {
+        current_thread().block_on(async {
+            let (sim, pool) = sim_pool(5).await;
+            let block = 16u64 << 10;
+            let volume = pool.open_volume(1, 4 * MIB, block as u32).unwrap();
+            volume
+                .write(0, IoBuf::copy_from(&vec![7u8; MIB as usize]), true)
+                .await
+                .unwrap();
+            pool.destage_all().await.unwrap();
+            pool.checkpoint().await.unwrap();
+            let place = |index: u64| map_entry::decode(pool.lookup(1, index).unwrap()).unwrap();
+            let (device, first) = place(0);
+            let (_, second) = place(1);
+            assert_eq!(first >> 20, second >> 20, "blocks 0 and 1 in one chunk");
+            // Block 0's slot rewritten behind the checksums' back, as a
+            // write in flight at a crash leaves it, and marked suspect as
+            // replay marks it; block 1's slot rotten, not suspect.
+            sim.write_durable(first, &vec![8u8; block as usize]);
+            sim.write_durable(second + 100, &[9u8]);
+            pool.mark_suspect(device, first, block);
+            let errors = || {
+                pool.devices
+                    .at(0)
+                    .unwrap()
+                    .counters
+                    .checksum_errors
+                    .load(Ordering::Relaxed)
+            };
+            let writer = pool.enter_write(2).await;
+            let report = tokio::time::timeout(std::time::Duration::from_secs(10), pool.scrub_suspect())
+                .await
+                .expect("the scrub waited for a writer's gate")
+                .unwrap();
+            drop(writer);
+            assert_eq!((report.blocks, report.failed, report.left), (1, 0, 0), "{report:?}");
+            assert_eq!(report.repaired, block / SECTOR_BYTES);
+            assert_eq!(pool.suspect_chunks(), 0);
+            let (buf, result) = volume.read(0, IoBuf::new(block as usize)).await;
+            result.unwrap();
+            assert!(buf.payload().iter().all(|&b| b == 8));
+            assert_eq!(errors(), 0);
+            let (_, result) = volume.read(block, IoBuf::new(block as usize)).await;
+            assert!(matches!(result, Err(BlockError::Checksum { .. })), "{result:?}");
+            assert_eq!(errors(), 1);
+        });
+    }
+
+    /// A process that dies during writes in place, its RAM tier surviving
+    /// (a kill -9): after recovery only the sectors it was writing are
+    /// suspect, so a byte flipped in another block of the same chunk is a
+    /// checksum error, not "repaired". When the RAM tier is lost too (the
+    /// machine went down), the in-place marks are gone and every sector of
+    /// the chunk is suspect.
+    #[test]
+    fn after_a_kill_only_the_sectors_written_in_place_are_repaired() {
+        for machine_survives in [true, false] {
+            current_thread().block_on(async {
+                const BLOCK: u64 = 16 << 10;
+                let sim = SimDevice::new(160 * MIB, 17);
+                let image = crate::pool::ram::HeapImage::new(crate::pool::DEFAULT_RAM_BYTES);
+                let options = || crate::pool::PoolOptions {
+                    ram: Some(crate::pool::ram::RamSource::Heap(image.clone())),
+                    ..Default::default()
+                };
+                let device = NewDevice {
+                    device: sim.as_device(),
+                    role: Role::Fast,
+                };
+                let pool = Pool::create_with("test", 1 << 20, vec![device], options())
+                    .await
+                    .unwrap();
+                let volume = pool.open_volume(1, 4 * MIB, BLOCK as u32).unwrap();
+                let pattern = |block: u64| 0x10 + block as u8;
+                for block in 0..64 {
+                    volume
+                        .write(
+                            block * BLOCK,
+                            IoBuf::copy_from(&[pattern(block); BLOCK as usize]),
+                            false,
+                        )
+                        .await
+                        .unwrap();
+                }
+                pool.destage_all().await.unwrap();
+                pool.checkpoint().await.unwrap();
+                let place = |block: u64| map_entry::decode(pool.lookup(1, block).unwrap()).unwrap().1;
+                let slots: Vec<u64> = (0..64).map(place).collect();
+                // Blocks 0-7 rewritten around the cache, in place: their
+                // checksums only in memory when the process dies.
+                let big = WRITE_AROUND_BYTES as u64;
+                volume
+                    .write(0, IoBuf::copy_from(&vec![0xaa; big as usize]), false)
+                    .await
+                    .unwrap();
+                assert_eq!(place(0), slots[0], "the rewrite went in place");
+                let chunk = slots[0] >> 20;
+                let untouched = (big / BLOCK..64)
+                    .find(|&block| slots[block as usize] >> 20 == chunk)
+                    .expect("a block the rewrite did not touch, in its chunk");
+                drop(volume);
+                drop(pool);
+                crash_keeping_every_write(&sim);
+                if !machine_survives {
+                    image.wipe();
+                }
+                // Rot in the untouched block.
+                sim.write_durable(slots[untouched as usize] + 100, &[!pattern(untouched)]);
+                let pool = Pool::open_with(vec![sim.as_device()], options()).await.unwrap();
+                let volume = pool.open_volume(1, 4 * MIB, BLOCK as u32).unwrap();
+                let suspect = pool.suspect_snapshot();
+                let parts: u32 = suspect.iter().flat_map(|(_, p)| p).map(|w| w.count_ones()).sum();
+                if machine_survives {
+                    assert_eq!(parts as u64, big / SECTOR_BYTES, "suspect: {suspect:?}");
+                } else {
+                    assert_eq!(suspect, vec![((0, chunk), crate::pool::ALL_PARTS)]);
+                }
+                let report = pool.scrub_suspect().await.unwrap();
+                // It reads back only the blocks in suspect parts: those the
+                // rewrite covered (or, without the marks, every block of the
+                // chunk, the rotten one repaired as the crash may explain).
+                assert_eq!(report.failed, 0, "{report:?}");
+                if machine_survives {
+                    assert_eq!(report.blocks, big / BLOCK, "{report:?}");
+                } else {
+                    assert!(report.blocks > big / BLOCK, "{report:?}");
+                }
+                let (buf, result) = volume.read(0, IoBuf::new(big as usize)).await;
+                result.unwrap();
+                assert!(buf.payload().iter().all(|&b| b == 0xaa));
+                let (buf, result) = volume.read(untouched * BLOCK, IoBuf::new(BLOCK as usize)).await;
+                let errors = pool
+                    .devices
+                    .at(0)
+                    .unwrap()
+                    .counters
+                    .checksum_errors
+                    .load(Ordering::Relaxed);
+                if machine_survives {
+                    assert!(matches!(result, Err(BlockError::Checksum { .. })), "{result:?}");
+                    assert!(errors >= 1, "the rot is counted");
+                } else {
+                    // Documented: without the marks the crash explains
+                    // every sector of the chunk, so the rot is taken as data.
+                    result.unwrap();
+                    assert_eq!(buf.payload()[100], !pattern(untouched));
+                }
+                // Every other block reads back as written.
+                for block in (big / BLOCK..64).filter(|&b| b != untouched) {
+                    let (buf, result) = volume.read(block * BLOCK, IoBuf::new(BLOCK as usize)).await;
+                    result.unwrap();
+                    assert!(buf.payload().iter().all(|&b| b == pattern(block)), "block {block}");
+                }
+            });
+        }
+    }
+
+    /// The in-place marks are a bounded table: entries of epochs a
+    /// checkpoint covers are reused, and a chunk that finds no room says
+    /// so (recovery then trusts none of such a chunk's sectors).
+    #[test]
+    fn in_place_marks_reuse_covered_entries_and_report_overflow() {
+        let image = crate::pool::ram::HeapImage::new(crate::pool::ram::MIN_RAM_BYTES);
+        let source = crate::pool::ram::RamSource::Heap(image);
+        let uuid = [7u8; 16];
+        let (tier, _, _) = crate::pool::ram::RamTier::open(&source, &uuid).unwrap();
+        let one = |part: u64| {
+            let mut parts = [0u64; 4];
+            parts[(part / 64) as usize] |= 1 << (part % 64);
+            parts
+        };
+        // Epoch 5, nothing covered past 4: two chunks, two parts of one.
+        tier.note_in_place(0, 3, &one(1), 5, 4);
+        tier.note_in_place(0, 3, &one(200), 5, 4);
+        tier.note_in_place(1, 9, &one(0), 5, 4);
+        drop(tier);
+        let (tier, _, intact) = crate::pool::ram::RamTier::open(&source, &uuid).unwrap();
+        assert!(intact);
+        let marks = tier.marks_after(4).expect("the marks survived");
+        assert!(!marks.overflowed);
+        let mut want = one(1);
+        want[3] |= one(200)[3];
+        assert_eq!(marks.chunks.get(&(0, 3)), Some(&want));
+        assert_eq!(marks.chunks.get(&(1, 9)), Some(&one(0)));
+        assert_eq!(marks.chunks.len(), 2);
+        // Once epoch 5 is covered, nothing is named, and 5,000 chunks in
+        // epoch 7 fill what 1,024 entries hold: the overflow is reported.
+        assert!(tier.marks_after(5).unwrap().chunks.is_empty());
+        for chunk in 0..5000 {
+            tier.note_in_place(0, chunk, &one(0), 7, 5);
+        }
+        drop(tier);
+        let (tier, _, _) = crate::pool::ram::RamTier::open(&source, &uuid).unwrap();
+        let marks = tier.marks_after(5).unwrap();
+        assert!(marks.overflowed);
+        assert!(
+            marks.chunks.len() >= 1000 && marks.chunks.len() <= 1024,
+            "{}",
+            marks.chunks.len()
+        );
+        assert!(
+            !tier.marks_after(7).unwrap().overflowed,
+            "covered, the overflow no longer counts"
+        );
+        // Another pool's region: no marks at all.
+        drop(tier);
+        let (tier, _, intact) = crate::pool::ram::RamTier::open(&source, &[8u8; 16]).unwrap();
+        assert!(!intact);
+        assert!(tier.marks_after(0).is_none());
     }
 
     #[test]

@@ -171,16 +171,18 @@ impl EngineVolume {
         outcome: &mut [Moved],
     ) -> BlockResult<()> {
         let family = self.pool.family(self.id);
-        let others: Vec<Arc<EngineVolume>> = self
+        let mut others: Vec<Arc<EngineVolume>> = self
             .pool
             .open_engines_in(&family)
             .into_iter()
             .filter(|engine| !std::ptr::eq(Arc::as_ptr(engine), self))
             .collect();
+        // In id order: the lock order of several engines' stripes.
+        others.sort_by_key(|engine| engine.id());
         let numbers: Vec<u64> = indices.iter().map(|&index| blocks[index].0).collect();
         let mut held = Vec::with_capacity(others.len());
         for engine in &others {
-            held.push(engine.lock_blocks_exclusive(&numbers).await);
+            held.push(engine.lock_family_blocks_exclusive(&numbers).await);
         }
         let block_bytes = self.block_bytes();
         let mut places = Vec::with_capacity(indices.len());

@@ -6,7 +6,7 @@ use super::*;
 
 impl EngineVolume {
     /// Checks the sectors of `data` read from `device` at `offset`. A mismatch
-    /// in a chunk that is suspect after a crash is repaired from the data.
+    /// in a part that is suspect after a crash is repaired from the data.
     /// `holding_gate`: the caller already holds the pool's write gate.
     async fn verify(&self, device: u8, offset: u64, data: &[u8], logical: u64, holding_gate: bool) -> BlockResult<()> {
         let stored = self
@@ -68,6 +68,40 @@ impl EngineVolume {
             return false;
         }
         matches!(self.pool.crcs(device, physical, sectors), Ok(stored) if stored == sums)
+    }
+
+    /// Reads `blocks` back where they lie on the devices and verifies them
+    /// (the scrub after a crash, `Pool::scrub_suspect`): a mismatch in a
+    /// suspect part is repaired from the data, any other is a checksum
+    /// error, counted and logged. Each block holds only its own stripe's
+    /// read lock meanwhile. Returns how many blocks failed to verify.
+    pub(crate) async fn scrub_blocks(&self, blocks: &[u64]) -> u64 {
+        let mut failed = 0;
+        for &block in blocks {
+            let offset = block << self.block_shift;
+            let _guards = self.lock_shared(offset, self.block_bytes()).await;
+            let entry = match self.pool.lookup(self.id, block) {
+                Ok(entry) => entry,
+                Err(_) => {
+                    failed += 1;
+                    continue;
+                }
+            };
+            let Some((device, physical)) = map_entry::decode(entry) else {
+                continue;
+            };
+            match self
+                .read_sectors(device, physical, self.block_bytes(), offset, false)
+                .await
+            {
+                // Verified: its checksums describe its data.
+                Ok(_) => self.pool.clear_suspect(device, physical, self.block_bytes()),
+                // Counted and logged on its device; suspect parts after the
+                // failing sector stay suspect (a read repairs them).
+                Err(_) => failed += 1,
+            }
+        }
+        failed
     }
 
     /// Reads whole sectors `[offset, offset + length)` from a device and verifies them.

@@ -463,7 +463,17 @@ impl EngineVolume {
             }
         };
         // New blocks land in chunks that may hold mapped data of other
-        // blocks; their records carry checksums, so no mark is needed.
+        // blocks; their records carry checksums, so no mark is needed. The
+        // sectors overwritten in place are noted first (under the gate, in
+        // this epoch): were the process to die during the write, recovery
+        // repairs their checksums from the data, and only theirs.
+        let epoch = self.pool.epoch();
+        for write in &planned {
+            for part in write.parts.iter().filter(|part| part.new_block.is_none()) {
+                let length = part.sectors.len() as u64 * SECTOR_BYTES;
+                self.pool.note_in_place(write.device, part.offset, length, epoch);
+            }
+        }
         let mut failure = None;
         let mut done = Vec::with_capacity(planned.len());
         // The request's buffer goes to the device itself when one write
@@ -534,7 +544,8 @@ impl EngineVolume {
                     // is read (and the checksums repaired from it) or
                     // rewritten, as after a crash.
                     for part in write.parts.iter().filter(|part| part.new_block.is_none()) {
-                        self.pool.mark_suspect(write.device, part.offset);
+                        let length = part.sectors.len() as u64 * SECTOR_BYTES;
+                        self.pool.mark_suspect(write.device, part.offset, length);
                     }
                     failure = Some(io_error(e));
                 }
