@@ -9,7 +9,8 @@
 //! memory) and starts it on its own thread with a deadline. The seeds run
 //! here fit about a minute on two cores; `damaged_metadata_soak` (ignored,
 //! `cargo nextest run --release --test damaged_metadata --run-ignored all`)
-//! runs 100 of them, and `STRATA_DAMAGE_SEEDS=N` sets the count of either.
+//! runs 100 of them, and `STRATA_DAMAGE_SEEDS=N` sets the count of either;
+//! `STRATA_DAMAGE_SEED=N` runs seed N alone (to replay a failure).
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, Once};
@@ -229,15 +230,25 @@ async fn start(copies: Vec<Arc<dyn Device>>, original: &Original) -> Outcome {
     outcome
 }
 
-/// Panics anywhere in the process (the pool's own threads included).
+/// Panics anywhere in the process (the pool's own threads included),
+/// except inside redb.
 static PANICS: AtomicUsize = AtomicUsize::new(0);
+/// Panics inside redb (its `unreachable!` on a damaged B-tree page): each
+/// must be one strata caught and turned into an error
+/// (`strata::meta::store::caught_panics`).
+static REDB_PANICS: AtomicUsize = AtomicUsize::new(0);
 
 fn count_panics() {
     static HOOK: Once = Once::new();
     HOOK.call_once(|| {
         let previous = std::panic::take_hook();
         std::panic::set_hook(Box::new(move |info| {
-            PANICS.fetch_add(1, Ordering::SeqCst);
+            let in_redb = info.location().is_some_and(|l| l.file().contains("/redb-"));
+            if in_redb {
+                REDB_PANICS.fetch_add(1, Ordering::SeqCst);
+            } else {
+                PANICS.fetch_add(1, Ordering::SeqCst);
+            }
             previous(info);
         }));
     });
@@ -249,16 +260,21 @@ fn run_seeds(seeds: u64) {
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or(seeds);
+    let only: Option<u64> = std::env::var("STRATA_DAMAGE_SEED").ok().and_then(|s| s.parse().ok());
     let original = Arc::new(original());
     let started = Instant::now();
     let (mut refused, mut served, mut with_errors) = (0, 0, 0);
     let mut failures = Vec::new();
     for seed in 0..seeds {
+        if only.is_some_and(|only| only != seed) {
+            continue;
+        }
         let mut rng = SimRng::new(seed);
         let copies: Vec<SimDevice> = original.devices.iter().map(|d| d.copy(seed)).collect();
         let damaged = damage(&copies, &original, &mut rng);
         let handles: Vec<Arc<dyn Device>> = copies.iter().map(|c| c.as_device()).collect();
         let panics_before = PANICS.load(Ordering::SeqCst);
+        let redb_before = (REDB_PANICS.load(Ordering::SeqCst), strata::meta::store::caught_panics());
         let (send, receive) = mpsc::channel();
         let shared = original.clone();
         std::thread::spawn(move || {
@@ -278,6 +294,13 @@ fn run_seeds(seeds: u64) {
         };
         if PANICS.load(Ordering::SeqCst) != panics_before {
             failures.push(format!("seed {seed}: a thread panicked (damaged {damaged:?})"));
+        }
+        let redb_panics = REDB_PANICS.load(Ordering::SeqCst) - redb_before.0;
+        let caught = strata::meta::store::caught_panics() - redb_before.1;
+        if redb_panics as u64 != caught {
+            failures.push(format!(
+                "seed {seed}: {redb_panics} panics inside redb, {caught} caught (damaged {damaged:?})"
+            ));
         }
         for wrong in &outcome.wrong {
             failures.push(format!("seed {seed}: {wrong} (damaged {damaged:?})"));
@@ -300,7 +323,8 @@ fn run_seeds(seeds: u64) {
             }
         }
         eprintln!(
-            "seed {seed}: {} ({} reads failed, {} counted; {} blocks right, {} with damaged entries)",
+            "seed {seed}: {} ({} reads failed, {} counted; {} blocks right, {} with damaged entries; \
+             {caught} redb panics caught)",
             outcome.refused.as_deref().unwrap_or("served"),
             outcome.failed_reads,
             outcome.counted_errors,

@@ -180,6 +180,10 @@ pub(super) fn write_namespaces(
 
 /// Every stored namespace (at open, before replay).
 pub(super) fn load_namespaces(db: &redb::Database) -> Result<HashMap<u32, SharedNamespace>, MetaError> {
+    crate::meta::store::guarded("loading the namespace tables", || load_namespaces_now(db))
+}
+
+fn load_namespaces_now(db: &redb::Database) -> Result<HashMap<u32, SharedNamespace>, MetaError> {
     let mut namespaces: HashMap<u32, Namespace> = HashMap::new();
     let txn = db.begin_read()?;
     match txn.open_table(FS_INODES) {

@@ -460,6 +460,10 @@ impl Snapshots {
 
 /// Loads the pool's snapshots from the metadata store.
 pub(super) fn load(db: &redb::Database) -> Result<Snapshots, MetaError> {
+    store::guarded("loading the snapshot tables", || load_now(db))
+}
+
+fn load_now(db: &redb::Database) -> Result<Snapshots, MetaError> {
     let mut snapshots = Snapshots::default();
     let txn = db.begin_read()?;
     let table = txn.open_table(SNAPSHOTS)?;
@@ -1071,7 +1075,7 @@ impl Pool {
                     .map(|page| page.present.load(Ordering::Acquire))
             })
             .collect();
-        {
+        store::guarded(format_args!("table map_pages key ({volume}, {index})"), || {
             let txn = self.db.begin_read()?;
             let table = txn.open_table(MAP_PAGES)?;
             for ((id, _), known) in chain.iter().zip(has.iter_mut()) {
@@ -1079,7 +1083,8 @@ impl Pool {
                     *known = Some(table.get((*id, index))?.is_some());
                 }
             }
-        }
+            Ok::<(), MetaError>(())
+        })?;
         let owners: std::collections::BTreeSet<u64> = chain
             .iter()
             .zip(&has)
@@ -1663,14 +1668,15 @@ impl Pool {
     /// then): the work is the owner's pages, whatever else the pool holds.
     pub(super) fn own_pages(&self, owner: u32) -> Result<Vec<u64>, MetaError> {
         let mut pages: std::collections::BTreeSet<u64> = std::collections::BTreeSet::new();
-        {
+        store::guarded(format_args!("table map_pages pages of {owner}"), || {
             let txn = self.db.begin_read()?;
             let table = txn.open_table(MAP_PAGES)?;
             for row in table.range((owner, 0)..=(owner, u64::MAX))? {
                 let (key, _) = row?;
                 pages.insert(key.value().1);
             }
-        }
+            Ok::<(), MetaError>(())
+        })?;
         for index in self.map_pages.keys_of(owner) {
             if !pages.contains(&index)
                 && self
@@ -1696,14 +1702,15 @@ impl Pool {
         max: usize,
     ) -> Result<(Vec<u64>, Option<u64>), MetaError> {
         let mut stored: Vec<u64> = Vec::new();
-        {
+        store::guarded(format_args!("table map_pages pages of {owner}"), || {
             let txn = self.db.begin_read()?;
             let table = txn.open_table(MAP_PAGES)?;
             for row in table.range((owner, from)..=(owner, u64::MAX))?.take(max) {
                 let (key, _) = row?;
                 stored.push(key.value().1);
             }
-        }
+            Ok::<(), MetaError>(())
+        })?;
         let cached = self.map_pages.keys_of_from(owner, from, max);
         // A source cut at `max` is complete only up to its last index.
         let last = [&stored, &cached]
