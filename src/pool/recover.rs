@@ -821,3 +821,26 @@ pub(super) fn encode_parts(key: (u32, u64), parts: &ChunkParts) -> Vec<u8> {
     crate::meta::sealed::seal(&crate::meta::sealed::key2(key), &mut out);
     out
 }
+
+#[cfg(test)]
+mod parts_tests {
+    use super::*;
+
+    #[test]
+    fn suspect_parts_are_sealed_and_older_unsealed_values_still_read() {
+        let key = (1, 9);
+        let parts: ChunkParts = [1, 0, 1 << 63, 5];
+        let stored = encode_parts(key, &parts);
+        assert_eq!(stored.len(), PARTS_BYTES + crate::meta::sealed::SEAL_BYTES);
+        assert_eq!(decode_parts(key, &stored), Ok(parts));
+        assert!(decode_parts((1, 10), &stored).unwrap_err().starts_with("checksum"));
+        for bit in 0..stored.len() * 8 {
+            let mut flipped = stored.clone();
+            flipped[bit / 8] ^= 1 << (bit % 8);
+            assert!(decode_parts(key, &flipped).is_err(), "bit {bit}");
+        }
+        // A pool from before the seal stored the 32 bytes alone.
+        assert_eq!(decode_parts(key, &stored[..PARTS_BYTES]), Ok(parts));
+        assert!(decode_parts(key, &stored[..7]).unwrap_err().starts_with("field length"));
+    }
+}
