@@ -9,7 +9,8 @@
 //! memory) and starts it on its own thread with a deadline. The seeds run
 //! here fit about a minute on two cores; `damaged_metadata_soak` (ignored,
 //! `cargo nextest run --release --test damaged_metadata --run-ignored all`)
-//! runs 100 of them, and `STRATA_DAMAGE_SEEDS=N` sets the count of either.
+//! runs 100 of them, and `STRATA_DAMAGE_SEEDS=N` sets the count of either;
+//! `STRATA_DAMAGE_SEED=N` runs seed N alone (to replay a failure).
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, Once};
@@ -229,15 +230,25 @@ async fn start(copies: Vec<Arc<dyn Device>>, original: &Original) -> Outcome {
     outcome
 }
 
-/// Panics anywhere in the process (the pool's own threads included).
+/// Panics anywhere in the process (the pool's own threads included),
+/// except inside redb.
 static PANICS: AtomicUsize = AtomicUsize::new(0);
+/// Panics inside redb (its `unreachable!` on a damaged B-tree page): each
+/// must be one strata caught and turned into an error
+/// (`strata::meta::store::caught_panics`).
+static REDB_PANICS: AtomicUsize = AtomicUsize::new(0);
 
 fn count_panics() {
     static HOOK: Once = Once::new();
     HOOK.call_once(|| {
         let previous = std::panic::take_hook();
         std::panic::set_hook(Box::new(move |info| {
-            PANICS.fetch_add(1, Ordering::SeqCst);
+            let in_redb = info.location().is_some_and(|l| l.file().contains("/redb-"));
+            if in_redb {
+                REDB_PANICS.fetch_add(1, Ordering::SeqCst);
+            } else {
+                PANICS.fetch_add(1, Ordering::SeqCst);
+            }
             previous(info);
         }));
     });
@@ -249,16 +260,21 @@ fn run_seeds(seeds: u64) {
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or(seeds);
+    let only: Option<u64> = std::env::var("STRATA_DAMAGE_SEED").ok().and_then(|s| s.parse().ok());
     let original = Arc::new(original());
     let started = Instant::now();
     let (mut refused, mut served, mut with_errors) = (0, 0, 0);
     let mut failures = Vec::new();
     for seed in 0..seeds {
+        if only.is_some_and(|only| only != seed) {
+            continue;
+        }
         let mut rng = SimRng::new(seed);
         let copies: Vec<SimDevice> = original.devices.iter().map(|d| d.copy(seed)).collect();
         let damaged = damage(&copies, &original, &mut rng);
         let handles: Vec<Arc<dyn Device>> = copies.iter().map(|c| c.as_device()).collect();
         let panics_before = PANICS.load(Ordering::SeqCst);
+        let redb_before = (REDB_PANICS.load(Ordering::SeqCst), strata::meta::store::caught_panics());
         let (send, receive) = mpsc::channel();
         let shared = original.clone();
         std::thread::spawn(move || {
@@ -278,6 +294,13 @@ fn run_seeds(seeds: u64) {
         };
         if PANICS.load(Ordering::SeqCst) != panics_before {
             failures.push(format!("seed {seed}: a thread panicked (damaged {damaged:?})"));
+        }
+        let redb_panics = REDB_PANICS.load(Ordering::SeqCst) - redb_before.0;
+        let caught = strata::meta::store::caught_panics() - redb_before.1;
+        if redb_panics as u64 != caught {
+            failures.push(format!(
+                "seed {seed}: {redb_panics} panics inside redb, {caught} caught (damaged {damaged:?})"
+            ));
         }
         for wrong in &outcome.wrong {
             failures.push(format!("seed {seed}: {wrong} (damaged {damaged:?})"));
@@ -300,7 +323,8 @@ fn run_seeds(seeds: u64) {
             }
         }
         eprintln!(
-            "seed {seed}: {} ({} reads failed, {} counted; {} blocks right, {} with damaged entries)",
+            "seed {seed}: {} ({} reads failed, {} counted; {} blocks right, {} with damaged entries; \
+             {caught} redb panics caught)",
             outcome.refused.as_deref().unwrap_or("served"),
             outcome.failed_reads,
             outcome.counted_errors,
@@ -324,4 +348,188 @@ fn damaged_metadata_is_refused_or_served_with_errors_counted() {
 #[ignore = "soak: 100 seeds, a few minutes"]
 fn damaged_metadata_soak() {
     run_seeds(100);
+}
+
+/// The value stored under `key` of `table` in a copy of the pool's
+/// metadata store, read through the store itself.
+fn stored_value(
+    copies: &[SimDevice],
+    original: &Original,
+    table: redb::TableDefinition<(u32, u64), &[u8]>,
+    key: (u32, u64),
+) -> Option<Vec<u8>> {
+    let sb = &original.superblock;
+    let db = strata::meta::store::open_database(
+        copies[sb.meta_device as usize].as_device(),
+        sb.meta_offset,
+        sb.meta_bytes,
+        1 << 20,
+        Arc::default(),
+    )
+    .unwrap();
+    strata::meta::store::read_page(&db, table, key).unwrap()
+}
+
+/// The keys of `table` in a copy of the pool's store.
+fn stored_keys(
+    copies: &[SimDevice],
+    original: &Original,
+    table: redb::TableDefinition<(u32, u64), &[u8]>,
+) -> Vec<(u32, u64)> {
+    let sb = &original.superblock;
+    let db = strata::meta::store::open_database(
+        copies[sb.meta_device as usize].as_device(),
+        sb.meta_offset,
+        sb.meta_bytes,
+        1 << 20,
+        Arc::default(),
+    )
+    .unwrap();
+    let txn = db.begin_read().unwrap();
+    let table = txn.open_table(table).unwrap();
+    let keys = redb::ReadableTable::iter(&table)
+        .unwrap()
+        .map(|row| row.unwrap().0.value())
+        .collect();
+    keys
+}
+
+/// Flips bit `bit` of every copy of `value` in the store's bytes on the
+/// device (redb writes pages copy-on-write: an older copy may still be
+/// there), as rot would; returns how many it found.
+fn flip_stored(copies: &[SimDevice], original: &Original, value: &[u8], bit: usize) -> usize {
+    let sb = &original.superblock;
+    let meta = &copies[sb.meta_device as usize];
+    let header = meta.read_durable(sb.meta_offset, 4096);
+    let used = u64::from_le_bytes(header[8..16].try_into().unwrap());
+    let start = sb.meta_offset + 4096;
+    let store = meta.read_durable(start, used as usize);
+    let mut found = 0;
+    let mut at = 0;
+    while let Some(offset) = store[at..].windows(value.len()).position(|w| w == value) {
+        let position = at + offset;
+        let mut byte = [store[position + bit / 8]];
+        byte[0] ^= 1 << (bit % 8);
+        meta.write_durable(start + (position + bit / 8) as u64, &byte);
+        found += 1;
+        at = position + value.len();
+    }
+    found
+}
+
+/// Reads every MiB of `volume`: for each, whether it read back as written
+/// (`Some(true)`), read other bytes (`Some(false)`), or failed with an I/O
+/// error (`None`: EIO on the wire) whose message names `named`.
+async fn read_all(engine: &strata::pool::volume::EngineVolume, volume: u32, named: &str) -> Vec<Option<bool>> {
+    let mut outcomes = Vec::new();
+    for at in (0..VOLUME_BYTES).step_by(MIB as usize) {
+        let (buf, result) = engine.read(at, IoBuf::new(MIB as usize)).await;
+        match result {
+            Ok(()) => outcomes.push(Some(buf.payload() == expected(volume, at, MIB).as_slice())),
+            Err(strata::volume::BlockError::Io(error)) => {
+                assert!(error.to_string().contains(named), "{error}");
+                outcomes.push(None);
+            }
+            Err(other) => panic!("volume {volume} at {at}: {other}"),
+        }
+    }
+    outcomes
+}
+
+/// A bit flipped inside a stored map page of volume 1 (its entries still
+/// decode as slots of the pool: only the page's seal tells): the pool
+/// opens, volume 1 is refused with one line naming the table, the key and
+/// the checksum (opening a volume reads its pages to count its blocks),
+/// counted; volume 2 opens and reads back as written. Before the flip the
+/// same pool opens both.
+#[test]
+fn a_flipped_bit_in_a_stored_map_page_takes_its_volume_offline_and_nothing_else() {
+    count_panics();
+    let original = original();
+    let copies: Vec<SimDevice> = original.devices.iter().map(|d| d.copy(1)).collect();
+    let page = stored_value(&copies, &original, strata::meta::store::MAP_PAGES, (1, 0)).expect("volume 1's page 0");
+    assert_eq!(page.len(), strata::meta::pages::SEALED_MAP_PAGE_BYTES, "stored sealed");
+    // Entry 20's offset bits: the flipped entry still maps a slot.
+    let bit = 20 * 64 + 13;
+    assert!(
+        flip_stored(&copies, &original, &page, bit) >= 1,
+        "the page is in the store's bytes"
+    );
+    let panics = PANICS.load(Ordering::SeqCst);
+    runtime().block_on(async {
+        let handles: Vec<Arc<dyn Device>> = copies.iter().map(|c| c.as_device()).collect();
+        let pool = Pool::open_with(handles, options()).await.expect("the pool opens");
+        let error = pool
+            .open_volume(1, VOLUME_BYTES, BLOCK_BYTES as u32)
+            .err()
+            .expect("volume 1 is refused")
+            .to_string();
+        assert!(
+            error.contains("corrupt metadata: table map_pages key (1, 0): checksum: stored"),
+            "{error}"
+        );
+        assert!(!error.contains('\n'), "one line: {error}");
+        assert!(pool.metadata_errors() >= 1, "counted");
+        let other = pool
+            .open_volume(2, VOLUME_BYTES, BLOCK_BYTES as u32)
+            .expect("volume 2 opens");
+        let outcomes = read_all(&other, 2, "").await;
+        assert!(
+            outcomes.iter().all(|o| *o == Some(true)),
+            "volume 2 reads back: {outcomes:?}"
+        );
+    });
+    assert_eq!(PANICS.load(Ordering::SeqCst), panics, "nothing panicked");
+}
+
+/// A bit flipped inside a stored checksum page that covers some of
+/// volume 1's blocks: both volumes open; each read that needs the page
+/// fails with EIO naming the table, the key and the checksum, counted;
+/// every other read of either volume returns what was written.
+#[test]
+fn a_flipped_bit_in_a_stored_checksum_page_fails_the_reads_that_need_it() {
+    count_panics();
+    let original = original();
+    let copies: Vec<SimDevice> = original.devices.iter().map(|d| d.copy(2)).collect();
+    // Each block's checksum page: (device, device offset / 4 MiB).
+    let crc_page = |entry: u64| ((entry >> 48) as u32 & 0xff, ((entry & ((1 << 48) - 1)) << 12) >> 22);
+    let keys = stored_keys(&copies, &original, strata::meta::store::CRC_PAGES);
+    // A page holding volume 1's checksums, the fewer of volume 2's the better.
+    let key = keys
+        .iter()
+        .copied()
+        .filter(|key| original.entries[0].iter().any(|e| crc_page(*e) == *key))
+        .min_by_key(|key| original.entries[1].iter().filter(|e| crc_page(**e) == *key).count())
+        .expect("a checksum page of volume 1");
+    let page = stored_value(&copies, &original, strata::meta::store::CRC_PAGES, key).unwrap();
+    assert_eq!(page.len(), strata::meta::pages::SEALED_CRC_PAGE_BYTES, "stored sealed");
+    assert!(flip_stored(&copies, &original, &page, 8 * 1000 + 3) >= 1);
+    let panics = PANICS.load(Ordering::SeqCst);
+    runtime().block_on(async {
+        let handles: Vec<Arc<dyn Device>> = copies.iter().map(|c| c.as_device()).collect();
+        let pool = Pool::open_with(handles, options()).await.expect("the pool opens");
+        let named = format!("table crc_pages key {key:?}: checksum: stored");
+        let mut failed = 0;
+        for (index, volume) in VOLUMES.into_iter().enumerate() {
+            let engine = pool
+                .open_volume(volume, VOLUME_BYTES, BLOCK_BYTES as u32)
+                .expect("opens");
+            let outcomes = read_all(&engine, volume, &named).await;
+            let blocks_per_read = (MIB / BLOCK_BYTES) as usize;
+            for (read, outcome) in outcomes.iter().enumerate() {
+                let needs_page = original.entries[index][read * blocks_per_read..(read + 1) * blocks_per_read]
+                    .iter()
+                    .any(|e| crc_page(*e) == key);
+                if needs_page {
+                    assert_eq!(*outcome, None, "volume {volume} MiB {read} needs the damaged page");
+                    failed += 1;
+                } else {
+                    assert_eq!(*outcome, Some(true), "volume {volume} MiB {read} reads back");
+                }
+            }
+        }
+        assert!(failed >= 1);
+        assert!(pool.metadata_errors() >= failed, "each failed read is counted");
+    });
+    assert_eq!(PANICS.load(Ordering::SeqCst), panics, "nothing panicked");
 }

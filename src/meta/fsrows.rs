@@ -2,6 +2,8 @@
 //! the operations a log record carries (docs/FORMAT.md, "File datasets").
 //! All integers little endian. (The file service, `fs/`, builds on these.)
 
+use super::sealed::{key2, key3, seal, unseal, SEAL_BYTES};
+
 /// Longest name of a directory entry, in bytes (NFS's usual 255).
 pub const MAX_NAME: usize = 255;
 /// Longest symbolic link target, in bytes (it travels in one log record).
@@ -199,6 +201,78 @@ impl InodeRow {
             target,
         };
         Some((row, bytes.len() - r.0.len()))
+    }
+}
+
+/// Marker bits of a sealed inode row's first byte (its kind, 1..7, has
+/// neither): both are set in a sealed row, so one flipped bit leaves a
+/// byte that is neither a kind nor a sealed row's.
+const SEALED_KIND: u8 = 0xc0;
+/// Marker bits of a sealed entry row's inode (inodes are below
+/// [`MAX_INODES`]), set both for the same reason.
+const SEALED_ENTRY: u64 = 3 << 62;
+
+impl InodeRow {
+    /// The row as `fs_inodes` stores it under `key` (dataset, inode):
+    /// [`InodeRow::encode`] with the kind byte's marker bits set, sealed
+    /// (`meta/sealed.rs`).
+    pub fn encode_stored(&self, key: (u32, u64)) -> Vec<u8> {
+        let mut out = Vec::with_capacity(self.encoded_len() + SEAL_BYTES);
+        self.encode(&mut out);
+        out[0] |= SEALED_KIND;
+        seal(&key2(key), &mut out);
+        out
+    }
+
+    /// The row stored under `key`: sealed (marker bits and seal right, no
+    /// byte past the row), or unsealed as pools from before seals stored
+    /// it. The error names the field.
+    pub fn decode_stored(key: (u32, u64), bytes: &[u8]) -> Result<InodeRow, String> {
+        match bytes.first() {
+            Some(kind) if kind & SEALED_KIND == SEALED_KIND => {
+                let mut plain = unseal(&key2(key), bytes)?.to_vec();
+                plain[0] &= !SEALED_KIND;
+                let (row, used) = Self::decode_checked(&plain)?;
+                if used != plain.len() {
+                    return Err(format!(
+                        "field length: a row of {used} bytes is followed by {} more",
+                        plain.len() - used
+                    ));
+                }
+                Ok(row)
+            }
+            _ => Self::decode_checked(bytes).map(|(row, _)| row),
+        }
+    }
+}
+
+/// A directory entry as `fs_entries` stores it under `key` (dataset,
+/// directory, cookie): [`encode_entry`] with the inode's marker bits set,
+/// sealed.
+pub fn encode_entry_stored(key: (u32, u64, u64), ino: u64, name: &[u8]) -> Vec<u8> {
+    let mut out = encode_entry(ino | SEALED_ENTRY, name);
+    seal(&key3(key), &mut out);
+    out
+}
+
+/// The entry stored under `key`: sealed, or unsealed as pools from before
+/// seals stored it. The error names the field; the inode is not checked
+/// against the inode range here (an unsealed entry whose marker bit
+/// flipped names an inode far past it).
+pub fn decode_entry_stored(key: (u32, u64, u64), bytes: &[u8]) -> Result<(u64, &[u8]), String> {
+    let length = |what: &str| {
+        format!(
+            "field length: value of {} bytes (an inode, a name of 1 to {MAX_NAME} bytes{what})",
+            bytes.len()
+        )
+    };
+    match crate::bytes::u64_at(bytes, 0) {
+        Some(ino) if ino & SEALED_ENTRY == SEALED_ENTRY => {
+            let body = unseal(&key3(key), bytes)?;
+            let (ino, name) = decode_entry(body).ok_or_else(|| length(", a seal"))?;
+            Ok((ino & !SEALED_ENTRY, name))
+        }
+        _ => decode_entry(bytes).ok_or_else(|| length("")),
     }
 }
 

@@ -8,6 +8,7 @@ pub mod geometry;
 pub mod log;
 pub mod namespace;
 pub mod pages;
+pub mod sealed;
 pub mod store;
 
 pub use error::MetaError;

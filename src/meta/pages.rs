@@ -19,6 +19,7 @@ use std::sync::{Arc, Mutex, RwLock};
 
 use redb::TableDefinition;
 
+use super::sealed::{key2, seal, unseal, SEAL_BYTES};
 use super::store::{read_page, CRC_PAGES, MAP_PAGES};
 
 pub const MAP_ENTRIES_PER_PAGE: u64 = 256;
@@ -30,12 +31,15 @@ pub trait Page: Send + Sync + 'static {
     const TABLE: TableDefinition<'static, (u32, u64), &'static [u8]>;
     /// The table's name, for messages.
     const NAME: &'static str;
-    /// Decodes a stored page, or makes an empty one (`None`). A stored page
-    /// of the wrong length is an error naming it, never a page of zeros.
-    fn decode(bytes: Option<&[u8]>) -> Result<Self, MetaError>
+    /// Decodes a page stored under `key`, or makes an empty one (`None`).
+    /// A stored page of the wrong length, or whose seal is not the
+    /// checksum of its key and bytes, is an error naming the field, never
+    /// a page of zeros.
+    fn decode(key: PageKey, bytes: Option<&[u8]>) -> Result<Self, MetaError>
     where
         Self: Sized;
-    fn encode(&self) -> Vec<u8>;
+    /// The page as stored under `key`: its bytes, sealed.
+    fn encode(&self, key: PageKey) -> Vec<u8>;
     fn dirty_flag(&self) -> &AtomicBool;
     /// Checks a decoded page stored under `key` against the pool's
     /// devices; the error names the field.
@@ -72,16 +76,37 @@ impl MapPage {
     }
 }
 
-/// Bytes of a stored map page: its entries, then (pages of pools with
-/// snapshots) its birth generation.
+/// Bytes of a map page's entries.
 const MAP_PAGE_BYTES: usize = MAP_ENTRIES_PER_PAGE as usize * 8;
+/// Bytes of a stored map page: its entries, its birth generation, its seal.
+pub const SEALED_MAP_PAGE_BYTES: usize = MAP_PAGE_BYTES + 8 + SEAL_BYTES;
+/// Bytes of a stored checksum page: its checksums, its seal.
+pub const SEALED_CRC_PAGE_BYTES: usize = CRCS_PER_PAGE as usize * 4 + SEAL_BYTES;
+
+/// The body of a stored page: unsealed when it has the sealed length
+/// (the error names the checksum), as it is otherwise (pages stored by
+/// pools from before seals, whose length the caller checks).
+///
+/// Which form a page has is told by its length alone. A flipped bit in
+/// the page's bytes fails the seal; one in the lengths redb keeps moves
+/// the boundary between two neighbouring values by a power of two, which
+/// leaves one of them of no valid length (a sealed page shortened by its
+/// seal keeps its own, intact, bytes).
+fn unsealed(key: PageKey, bytes: Option<&[u8]>, sealed_len: usize) -> Result<Option<&[u8]>, MetaError> {
+    match bytes {
+        Some(bytes) if bytes.len() == sealed_len => unseal(&key2(key), bytes).map(Some).map_err(MetaError::Corrupt),
+        other => Ok(other),
+    }
+}
 
 impl Page for MapPage {
     const TABLE: TableDefinition<'static, (u32, u64), &'static [u8]> = MAP_PAGES;
     const NAME: &'static str = "map_pages";
 
-    fn decode(bytes: Option<&[u8]>) -> Result<Self, MetaError> {
-        // A page with a birth carries it in 8 bytes after its entries.
+    fn decode(key: PageKey, bytes: Option<&[u8]>) -> Result<Self, MetaError> {
+        let bytes = unsealed(key, bytes, SEALED_MAP_PAGE_BYTES)?;
+        // A page with a birth carries it in 8 bytes after its entries
+        // (every sealed page; unsealed ones of pools that had snapshots).
         let (bytes, birth) = match bytes {
             Some(bytes) if bytes.len() == MAP_PAGE_BYTES + 8 => (
                 Some(&bytes[..MAP_PAGE_BYTES]),
@@ -89,7 +114,7 @@ impl Page for MapPage {
             ),
             other => (other, 0),
         };
-        let words: Vec<[u8; 8]> = stored_words("map", bytes, MAP_ENTRIES_PER_PAGE as usize)?;
+        let words: Vec<[u8; 8]> = stored_words("map", bytes, MAP_ENTRIES_PER_PAGE as usize, SEALED_MAP_PAGE_BYTES)?;
         Ok(MapPage {
             entries: words
                 .into_iter()
@@ -101,17 +126,17 @@ impl Page for MapPage {
         })
     }
 
-    fn encode(&self) -> Vec<u8> {
-        let mut out: Vec<u8> = self
-            .entries
-            .iter()
-            .flat_map(|e| e.load(Ordering::Acquire).to_le_bytes())
-            .collect();
-        // Pools that never had a snapshot keep the original layout.
-        let birth = self.birth.load(Ordering::Acquire);
-        if birth != 0 {
-            out.extend_from_slice(&birth.to_le_bytes());
+    fn encode(&self, key: PageKey) -> Vec<u8> {
+        let mut out: Vec<u8> = Vec::with_capacity(SEALED_MAP_PAGE_BYTES);
+        for entry in self.entries.iter() {
+            out.extend_from_slice(&entry.load(Ordering::Acquire).to_le_bytes());
         }
+        // Always the birth (0 for pools that never had a snapshot): one
+        // sealed length, so that no moved value boundary reads as another
+        // valid form (see `unsealed`).
+        out.extend_from_slice(&self.birth.load(Ordering::Acquire).to_le_bytes());
+        seal(&key2(key), &mut out);
+        debug_assert_eq!(out.len(), SEALED_MAP_PAGE_BYTES);
         out
     }
 
@@ -140,8 +165,9 @@ impl Page for CrcPage {
     const TABLE: TableDefinition<'static, (u32, u64), &'static [u8]> = CRC_PAGES;
     const NAME: &'static str = "crc_pages";
 
-    fn decode(bytes: Option<&[u8]>) -> Result<Self, MetaError> {
-        let words: Vec<[u8; 4]> = stored_words("checksum", bytes, CRCS_PER_PAGE as usize)?;
+    fn decode(key: PageKey, bytes: Option<&[u8]>) -> Result<Self, MetaError> {
+        let bytes = unsealed(key, bytes, SEALED_CRC_PAGE_BYTES)?;
+        let words: Vec<[u8; 4]> = stored_words("checksum", bytes, CRCS_PER_PAGE as usize, SEALED_CRC_PAGE_BYTES)?;
         Ok(CrcPage {
             crcs: words
                 .into_iter()
@@ -151,11 +177,13 @@ impl Page for CrcPage {
         })
     }
 
-    fn encode(&self) -> Vec<u8> {
-        self.crcs
-            .iter()
-            .flat_map(|c| c.load(Ordering::Acquire).to_le_bytes())
-            .collect()
+    fn encode(&self, key: PageKey) -> Vec<u8> {
+        let mut out: Vec<u8> = Vec::with_capacity(SEALED_CRC_PAGE_BYTES);
+        for crc in self.crcs.iter() {
+            out.extend_from_slice(&crc.load(Ordering::Acquire).to_le_bytes());
+        }
+        seal(&key2(key), &mut out);
+        out
     }
 
     fn dirty_flag(&self) -> &AtomicBool {
@@ -170,14 +198,20 @@ impl Page for CrcPage {
 }
 
 /// The `count` little-endian words of a stored page (all zero for a page
-/// never stored); a stored page of any other length is an error.
-fn stored_words<const N: usize>(what: &str, bytes: Option<&[u8]>, count: usize) -> Result<Vec<[u8; N]>, MetaError> {
+/// never stored); a stored page of any other length is an error (naming
+/// the sealed length, `sealed_len`, too).
+fn stored_words<const N: usize>(
+    what: &str,
+    bytes: Option<&[u8]>,
+    count: usize,
+    sealed_len: usize,
+) -> Result<Vec<[u8; N]>, MetaError> {
     let Some(bytes) = bytes else {
         return Ok(vec![[0; N]; count]);
     };
     if bytes.len() != count * N {
         return Err(MetaError::Corrupt(format!(
-            "stored {what} page is {} bytes, not {} ({count} entries of {N} bytes)",
+            "field length: stored {what} page is {} bytes, not {sealed_len} (sealed) nor {} ({count} entries of {N} bytes, unsealed)",
             bytes.len(),
             count * N
         )));
@@ -281,7 +315,7 @@ impl<P: Page> PageCache<P> {
     /// A corrupt page is an error naming the table, the key and the field,
     /// counted and logged once.
     pub fn decode_checked(&self, key: PageKey, stored: Option<&[u8]>) -> Result<P, MetaError> {
-        let page = P::decode(stored).and_then(|page| {
+        let page = P::decode(key, stored).and_then(|page| {
             if let (Some(geometry), Some(_)) = (&self.geometry, stored) {
                 let geometry = geometry.read().unwrap_or_else(|_| crate::sync::poisoned());
                 page.check(key, &geometry).map_err(MetaError::Corrupt)?;
@@ -389,7 +423,7 @@ impl<P: Page> PageCache<P> {
         }
         pages
             .into_iter()
-            .map(|(key, page)| (key, page.encode(), page))
+            .map(|(key, page)| (key, page.encode(key), page))
             .collect()
     }
 
@@ -501,7 +535,7 @@ mod tests {
     fn a_page_read_before_a_checkpoint_is_not_cached_after_the_newer_copy_was_evicted() {
         let cache: PageCache<MapPage> = PageCache::new(64);
         let key = (1, 5);
-        let blank = || MapPage::decode(None).unwrap();
+        let blank = || MapPage::decode((0, 0), None).unwrap();
         let removed = cache.shard(key).removed;
         let stale = Arc::new(blank());
         // The other thread's load, change and checkpoint, then eviction.
@@ -532,7 +566,7 @@ mod tests {
     #[test]
     fn the_owner_index_follows_the_cache() {
         let cache: PageCache<MapPage> = PageCache::new(64);
-        let page = || MapPage::decode(None).unwrap();
+        let page = || MapPage::decode((0, 0), None).unwrap();
         for index in [7, 3, 300, 5] {
             cache.put((1, index), page());
         }
@@ -579,7 +613,7 @@ mod tests {
     fn a_page_changed_after_it_was_copied_is_copied_again_and_that_copy_wins() {
         let cache: PageCache<MapPage> = PageCache::new(64);
         let page = |entry: u64| {
-            let page = MapPage::decode(None).unwrap();
+            let page = MapPage::decode((0, 0), None).unwrap();
             page.entries[0].store(entry, Ordering::Relaxed);
             page
         };
@@ -610,38 +644,120 @@ mod tests {
 
     #[test]
     fn a_stored_page_of_the_wrong_length_is_an_error_not_zeros() {
-        // A map page with one entry fewer than it should have: its last
-        // entry must not decode as unmapped.
+        // An unsealed map page (as pools from before seals stored them)
+        // with one entry fewer than it should have: its last entry must
+        // not decode as unmapped.
+        let key = (1, 0);
         let mut bytes = Vec::new();
         for i in 0..MAP_ENTRIES_PER_PAGE {
             bytes.extend_from_slice(&(i | 1 << 63).to_le_bytes());
         }
-        let page = MapPage::decode(Some(&bytes)).unwrap();
+        let page = MapPage::decode(key, Some(&bytes)).unwrap();
         assert_eq!(page.entries[5].load(Ordering::Relaxed), 5 | 1 << 63);
-        assert_eq!(page.encode(), bytes);
-        let error = MapPage::decode(Some(&bytes[..bytes.len() - 8]))
+        let error = MapPage::decode(key, Some(&bytes[..bytes.len() - 8]))
             .err()
             .expect("short page refused");
         assert!(matches!(error, MetaError::Corrupt(_)));
         let error = error.to_string();
-        assert!(error.contains("map page is 2040 bytes, not 2048"), "{error}");
-        assert!(MapPage::decode(Some(&[0u8; 2049])).is_err());
-        // A page with a birth generation: 8 more bytes.
+        assert!(
+            error.contains("field length: stored map page is 2040 bytes, not 2060 (sealed) nor 2048"),
+            "{error}"
+        );
+        assert!(MapPage::decode(key, Some(&[0u8; 2049])).is_err());
+        // An unsealed page with a birth generation: 8 more bytes.
         let mut born = bytes.clone();
         born.extend_from_slice(&7u64.to_le_bytes());
-        let page = MapPage::decode(Some(&born)).unwrap();
+        let page = MapPage::decode(key, Some(&born)).unwrap();
         assert_eq!(page.birth.load(Ordering::Relaxed), 7);
         assert!(page.present.load(Ordering::Relaxed));
-        assert_eq!(page.encode(), born);
-        assert!(!MapPage::decode(None).unwrap().present.load(Ordering::Relaxed));
-        let error = CrcPage::decode(Some(&[0u8; 10]))
+        assert!(!MapPage::decode(key, None).unwrap().present.load(Ordering::Relaxed));
+        let error = CrcPage::decode(key, Some(&[0u8; 10]))
             .err()
             .expect("short page refused")
             .to_string();
         assert!(error.contains("checksum page is 10 bytes"), "{error}");
         // A page never stored is empty.
-        let empty = CrcPage::decode(None).unwrap();
+        let empty = CrcPage::decode(key, None).unwrap();
         assert!(empty.crcs.iter().all(|c| c.load(Ordering::Relaxed) == 0));
         assert_eq!(empty.crcs.len(), CRCS_PER_PAGE as usize);
+    }
+
+    /// Pages are written sealed; older unsealed pages still decode, and
+    /// are sealed when next written.
+    #[test]
+    fn pages_are_stored_sealed_and_unsealed_ones_still_decode() {
+        let key = (1, 9);
+        let entries: Vec<u8> = (0..MAP_ENTRIES_PER_PAGE)
+            .flat_map(|i| (i | 1 << 63).to_le_bytes())
+            .collect();
+        for birth in [0u64, 7] {
+            let mut old = entries.clone();
+            if birth != 0 {
+                old.extend_from_slice(&birth.to_le_bytes());
+            }
+            let page = MapPage::decode(key, Some(&old)).unwrap();
+            let sealed = page.encode(key);
+            assert_eq!(sealed.len(), SEALED_MAP_PAGE_BYTES);
+            assert_eq!(sealed[..MAP_PAGE_BYTES], entries[..]);
+            assert_eq!(sealed[MAP_PAGE_BYTES..MAP_PAGE_BYTES + 8], birth.to_le_bytes());
+            let again = MapPage::decode(key, Some(&sealed)).unwrap();
+            assert_eq!(again.birth.load(Ordering::Relaxed), birth);
+            assert_eq!(again.encode(key), sealed);
+            // Under another key the seal fails: a page found where it does
+            // not belong is not used.
+            let error = MapPage::decode((1, 10), Some(&sealed))
+                .err()
+                .expect("moved page refused");
+            assert!(error.to_string().contains("checksum: stored"), "{error}");
+        }
+        let crcs: Vec<u8> = (0..CRCS_PER_PAGE as u32).flat_map(|i| i.to_le_bytes()).collect();
+        let page = CrcPage::decode(key, Some(&crcs)).unwrap();
+        let sealed = page.encode(key);
+        assert_eq!(sealed.len(), SEALED_CRC_PAGE_BYTES);
+        assert_eq!(sealed[..crcs.len()], crcs[..]);
+        assert_eq!(CrcPage::decode(key, Some(&sealed)).unwrap().encode(key), sealed);
+    }
+
+    /// One flipped bit anywhere in a stored page (entries, birth, seal)
+    /// fails its load with a corrupt-metadata error naming the table, the
+    /// key and the checksum; the page loaded before the flip.
+    fn a_flipped_bit_fails_the_load<P: Page>(page: &P, key: PageKey) {
+        let cache: PageCache<P> = PageCache::new(64);
+        let stored = page.encode(key);
+        assert!(cache.decode_checked(key, Some(&stored)).is_ok(), "the page as stored");
+        for bit in 0..stored.len() * 8 {
+            let mut flipped = stored.clone();
+            flipped[bit / 8] ^= 1 << (bit % 8);
+            let error = cache
+                .decode_checked(key, Some(&flipped))
+                .err()
+                .unwrap_or_else(|| panic!("bit {bit} flipped, the page still loads"));
+            assert!(matches!(error, MetaError::Corrupt(_)));
+            let text = error.to_string();
+            let named = format!("corrupt metadata: table {} key {key:?}: checksum: stored", P::NAME);
+            assert!(text.starts_with(&named), "{text}");
+        }
+        assert!(cache.corruption.count() > 0, "each failure is counted");
+    }
+
+    #[test]
+    fn a_flipped_bit_in_a_stored_map_page_fails_its_load() {
+        let page = MapPage::decode((2, 3), None).unwrap();
+        for (i, entry) in page.entries.iter().enumerate() {
+            entry.store(1 << 63 | (i as u64 + 100), Ordering::Relaxed);
+        }
+        page.birth.store(5, Ordering::Relaxed);
+        a_flipped_bit_fails_the_load(&page, (2, 3));
+        // A page of a pool that never had a snapshot (birth 0) too.
+        a_flipped_bit_fails_the_load(&MapPage::decode((2, 4), None).unwrap(), (2, 4));
+    }
+
+    #[test]
+    fn a_flipped_bit_in_a_stored_checksum_page_fails_its_load() {
+        let page = CrcPage::decode((1, 30), None).unwrap();
+        for (i, crc) in page.crcs.iter().enumerate() {
+            crc.store(i as u32 * 0x9e37_79b9, Ordering::Relaxed);
+        }
+        a_flipped_bit_fails_the_load(&page, (1, 30));
     }
 }

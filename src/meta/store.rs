@@ -12,8 +12,10 @@ use super::MetaError;
 use crate::sync::LockOrAbort;
 use std::future::Future;
 use std::io;
+use std::mem::ManuallyDrop;
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::pin::pin;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll, Wake, Waker};
 
@@ -290,6 +292,126 @@ impl StorageBackend for RegionBackend {
     }
 }
 
+/// redb panics (an `unreachable!`) rather than returning an error when a
+/// B-tree page it walks has a damaged type or layout (redb 2.6.4: an
+/// insert in `btree_mutator.rs`, a range in `btree_iters.rs`): it verifies
+/// its page checksums only when repairing. Every call strata makes into
+/// redb runs under [`guarded`], which turns such a panic into a
+/// [`MetaError::Corrupt`] naming the operation, so a damaged store fails
+/// the request (or the open) that met it and never the daemon. This counts
+/// the panics caught, process-wide.
+static CAUGHT_PANICS: AtomicU64 = AtomicU64::new(0);
+
+/// Panics inside redb caught by [`guarded`] since the process started.
+pub fn caught_panics() -> u64 {
+    CAUGHT_PANICS.load(Ordering::Relaxed)
+}
+
+/// Runs `work` (calls into redb); a panic inside it is the outer error,
+/// one line naming `what`.
+fn catch<T, E>(what: impl std::fmt::Display, work: impl FnOnce() -> Result<T, E>) -> Result<Result<T, E>, MetaError> {
+    catch_unwind(AssertUnwindSafe(work)).map_err(|payload| {
+        CAUGHT_PANICS.fetch_add(1, Ordering::Relaxed);
+        let message = payload
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| payload.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "no message".to_string());
+        MetaError::Corrupt(format!(
+            "{what}: the store's B-tree is damaged (redb panicked: {})",
+            message.replace('\n', " ")
+        ))
+    })
+}
+
+/// Runs `work`, a read of the store (or an open), turning a panic inside
+/// redb into [`MetaError::Corrupt`] naming `what` (see [`CAUGHT_PANICS`]).
+/// A read changes nothing, so after a caught panic the store stays usable
+/// for every other read.
+pub fn guarded<T, E: From<MetaError>>(
+    what: impl std::fmt::Display,
+    work: impl FnOnce() -> Result<T, E>,
+) -> Result<T, E> {
+    catch(what, work).map_err(E::from).and_then(|result| result)
+}
+
+/// A pool's metadata store: redb's database, and whether a write
+/// transaction panicked inside redb. After such a panic redb's in-memory
+/// state (its allocator, the transaction it was committing) cannot be
+/// trusted, so the store is failed for good: every later write
+/// ([`Store::write`]) fails at once, reads go on serving what they can,
+/// and the database is not written again, not even by redb's own drop.
+pub struct Store {
+    db: ManuallyDrop<redb::Database>,
+    failed: AtomicBool,
+}
+
+impl Store {
+    pub fn new(db: redb::Database) -> Self {
+        Store {
+            db: ManuallyDrop::new(db),
+            failed: AtomicBool::new(false),
+        }
+    }
+
+    /// Whether a write transaction panicked inside redb (the store takes
+    /// no more writes).
+    pub fn failed(&self) -> bool {
+        self.failed.load(Ordering::Acquire)
+    }
+
+    /// Runs `work`, a write transaction named `what`, unless the store has
+    /// failed; a panic inside redb fails the store (logged once) and is
+    /// returned as [`MetaError::Corrupt`].
+    pub fn write<T>(
+        &self,
+        what: &str,
+        work: impl FnOnce(&redb::Database) -> Result<T, MetaError>,
+    ) -> Result<T, MetaError> {
+        if self.failed() {
+            return Err(MetaError::Corrupt(format!(
+                "{what}: the metadata store failed earlier (redb panicked on a damaged B-tree); \
+                 it takes no more writes"
+            )));
+        }
+        catch(what, || work(&self.db)).unwrap_or_else(|panic| {
+            if !self.failed.swap(true, Ordering::AcqRel) {
+                tracing::error!("{panic}; the metadata store takes no more writes (checkpoints stop)");
+            }
+            Err(panic)
+        })
+    }
+}
+
+impl std::ops::Deref for Store {
+    type Target = redb::Database;
+
+    fn deref(&self) -> &redb::Database {
+        &self.db
+    }
+}
+
+impl Drop for Store {
+    fn drop(&mut self) {
+        if self.failed() {
+            // redb's drop commits its allocator state: not on a store it
+            // panicked writing. The database's memory (its cache) is left
+            // behind, once per failed store.
+            return;
+        }
+        // SAFETY: `drop` runs once and nothing uses `self.db` after it.
+        let db = unsafe { ManuallyDrop::take(&mut self.db) };
+        // redb's drop walks the allocator's tree to save its state; a
+        // damaged one panics there like anywhere else.
+        if let Err(e) = catch("closing the store", || {
+            drop(db);
+            Ok::<(), MetaError>(())
+        }) {
+            tracing::error!("{e}");
+        }
+    }
+}
+
 /// Opens (or initialises) the metadata database on a device region.
 pub fn open_database(
     device: Arc<dyn Device>,
@@ -297,36 +419,45 @@ pub fn open_database(
     capacity: u64,
     cache_bytes: usize,
     written: Arc<AtomicU64>,
-) -> Result<redb::Database, MetaError> {
+) -> Result<Store, MetaError> {
     let backend = RegionBackend::open(device, offset, capacity, written)
         .map_err(|e| MetaError::Failed(format!("metadata region: {e}")))?;
-    let db = redb::Builder::new()
-        .set_cache_size(cache_bytes)
-        .create_with_backend(backend)?;
+    let db = guarded("opening the store", || {
+        redb::Builder::new()
+            .set_cache_size(cache_bytes)
+            .create_with_backend(backend)
+            .map_err(MetaError::from)
+    })?;
+    let store = Store::new(db);
     // Make sure every table exists so readers never see "table missing".
-    let txn = db.begin_write()?;
-    {
-        let open = |result: Result<(), redb::TableError>| result.map_err(MetaError::from);
-        open(txn.open_table(MAP_PAGES).map(|_| ()))?;
-        open(txn.open_table(CRC_PAGES).map(|_| ()))?;
-        open(txn.open_table(CHUNKS).map(|_| ()))?;
-        open(txn.open_table(SUSPECT).map(|_| ()))?;
-        open(txn.open_table(SUSPECT_PARTS).map(|_| ()))?;
-        open(txn.open_table(DESTROYED).map(|_| ()))?;
-        open(txn.open_table(SNAPSHOTS).map(|_| ()))?;
-        open(txn.open_table(CLONES).map(|_| ()))?;
-        open(txn.open_table(SNAPSHOT_SPACE).map(|_| ()))?;
-        open(txn.open_table(STATE).map(|_| ()))?;
-    }
-    txn.commit()?;
-    Ok(db)
+    store.write("creating the tables", |db| {
+        let txn = db.begin_write()?;
+        {
+            let open = |result: Result<(), redb::TableError>| result.map_err(MetaError::from);
+            open(txn.open_table(MAP_PAGES).map(|_| ()))?;
+            open(txn.open_table(CRC_PAGES).map(|_| ()))?;
+            open(txn.open_table(CHUNKS).map(|_| ()))?;
+            open(txn.open_table(SUSPECT).map(|_| ()))?;
+            open(txn.open_table(SUSPECT_PARTS).map(|_| ()))?;
+            open(txn.open_table(DESTROYED).map(|_| ()))?;
+            open(txn.open_table(SNAPSHOTS).map(|_| ()))?;
+            open(txn.open_table(CLONES).map(|_| ()))?;
+            open(txn.open_table(SNAPSHOT_SPACE).map(|_| ()))?;
+            open(txn.open_table(STATE).map(|_| ()))?;
+        }
+        txn.commit()?;
+        Ok(())
+    })?;
+    Ok(store)
 }
 
 /// Reads one scalar from the STATE table (0 when absent).
 pub fn read_state(db: &redb::Database, key: &str) -> Result<u64, MetaError> {
-    let txn = db.begin_read().map_err(MetaError::from)?;
-    let table = txn.open_table(STATE).map_err(MetaError::from)?;
-    Ok(table.get(key).map_err(MetaError::from)?.map(|v| v.value()).unwrap_or(0))
+    guarded(format_args!("table state key {key:?}"), || {
+        let txn = db.begin_read().map_err(MetaError::from)?;
+        let table = txn.open_table(STATE).map_err(MetaError::from)?;
+        Ok(table.get(key).map_err(MetaError::from)?.map(|v| v.value()).unwrap_or(0))
+    })
 }
 
 /// Reads one page blob.
@@ -335,7 +466,12 @@ pub fn read_page(
     table: TableDefinition<(u32, u64), &[u8]>,
     key: (u32, u64),
 ) -> Result<Option<Vec<u8>>, MetaError> {
-    blocking_section(|| read_page_now(db, table, key))
+    blocking_section(|| {
+        guarded(
+            format_args!("table {} key {key:?}", redb::TableHandle::name(&table)),
+            || read_page_now(db, table, key),
+        )
+    })
 }
 
 fn read_page_now(

@@ -13,6 +13,7 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
 use super::superblock::Role;
+use crate::meta::sealed::{key2, seal, unseal, SEAL_BYTES};
 
 /// What the allocator refuses: each one means the caller (or the metadata
 /// it replays) is wrong, so each says exactly what.
@@ -49,6 +50,8 @@ pub const MAX_SLOTS_PER_CHUNK: u64 = 256;
 /// Chunks of queued frees an allocation about to open an empty chunk takes
 /// back (`Allocator::allocate_near`): each at most 256 slots to release.
 const RECLAIM_CHUNKS: usize = 16;
+/// Bytes of a chunk's state unsealed: slot shift, 256-bit bitmap.
+const STORED_BYTES: usize = 33;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ChunkState {
@@ -68,7 +71,7 @@ impl ChunkState {
         self.slot_shift == slot_shift && self.used[(slot / 64) as usize] & (1 << (slot % 64)) == 0
     }
 
-    /// Stored form: slot shift, then the bitmap (little endian).
+    /// Unsealed stored form: slot shift, then the bitmap (little endian).
     pub fn encode(&self) -> Vec<u8> {
         let mut out = vec![self.slot_shift];
         for word in self.used {
@@ -77,8 +80,37 @@ impl ChunkState {
         out
     }
 
+    /// Stored form under `key` (device, chunk): [`ChunkState::encode`],
+    /// sealed (`meta/sealed.rs`).
+    pub fn encode_stored(&self, key: (u32, u64)) -> Vec<u8> {
+        let mut out = self.encode();
+        seal(&key2(key), &mut out);
+        out
+    }
+
+    /// The state stored under `key`: sealed (37 bytes), or unsealed as
+    /// pools from before seals stored it (33). The lengths differ by a
+    /// seal, so a moved boundary between two stored values leaves one of
+    /// them of no valid length (or a sealed one without its seal, its
+    /// bytes intact). The error names the field (the caller the table and
+    /// key).
+    pub fn decode_stored(key: (u32, u64), bytes: &[u8]) -> Result<ChunkState, String> {
+        let body = if bytes.len() == STORED_BYTES + SEAL_BYTES {
+            unseal(&key2(key), bytes)?
+        } else {
+            bytes
+        };
+        Self::decode(body).ok_or_else(|| {
+            format!(
+                "field length: value is {} bytes, not {} (sealed) nor {STORED_BYTES} (unsealed)",
+                bytes.len(),
+                STORED_BYTES + SEAL_BYTES
+            )
+        })
+    }
+
     pub fn decode(bytes: &[u8]) -> Option<ChunkState> {
-        if bytes.len() != 33 {
+        if bytes.len() != STORED_BYTES {
             return None;
         }
         let mut used = [0u64; 4];
@@ -978,6 +1010,38 @@ mod tests {
             used: [1, 2, 3, u64::MAX],
         };
         assert_eq!(ChunkState::decode(&state.encode()), Some(state));
+        // Stored sealed; an unsealed state (older pools) still decodes.
+        let key = (1, 40);
+        let stored = state.encode_stored(key);
+        assert_eq!(stored.len(), 37);
+        assert_eq!(ChunkState::decode_stored(key, &stored), Ok(state));
+        assert_eq!(ChunkState::decode_stored(key, &state.encode()), Ok(state));
+        assert!(ChunkState::decode_stored(key, &stored[..30])
+            .unwrap_err()
+            .contains("field length"));
+    }
+
+    /// One flipped bit anywhere in a stored chunk state fails its decode
+    /// naming the checksum (the pool's open names the table and key).
+    #[test]
+    fn a_flipped_bit_in_a_stored_chunk_state_fails_its_load() {
+        let state = ChunkState {
+            slot_shift: 14,
+            used: [0x0f0f, 0, 1 << 40, 7],
+        };
+        let key = (0, 77);
+        let stored = state.encode_stored(key);
+        assert_eq!(ChunkState::decode_stored(key, &stored), Ok(state));
+        for bit in 0..stored.len() * 8 {
+            let mut flipped = stored.clone();
+            flipped[bit / 8] ^= 1 << (bit % 8);
+            let error = ChunkState::decode_stored(key, &flipped).expect_err("a flipped bit");
+            assert!(error.starts_with("checksum: stored"), "bit {bit}: {error}");
+        }
+        assert!(
+            ChunkState::decode_stored((0, 78), &stored).is_err(),
+            "under another key"
+        );
     }
 
     #[test]

@@ -338,16 +338,18 @@ impl Pool {
         for key in &cached {
             total += count_page(&self.map_pages.get(&self.db, *key).map_err(PoolError::Meta)?.entries);
         }
-        let txn = self.db.begin_read().map_err(MetaError::from)?;
-        let table = txn.open_table(MAP_PAGES).map_err(MetaError::from)?;
-        for row in table.range((id, 0)..=(id, u64::MAX)).map_err(MetaError::from)? {
-            let (key, value) = row.map_err(MetaError::from)?;
-            if cached.contains(&key.value()) {
-                continue;
+        crate::meta::store::guarded(format_args!("table map_pages pages of {id}"), || {
+            let txn = self.db.begin_read().map_err(MetaError::from)?;
+            let table = txn.open_table(MAP_PAGES).map_err(MetaError::from)?;
+            for row in table.range((id, 0)..=(id, u64::MAX)).map_err(MetaError::from)? {
+                let (key, value) = row.map_err(MetaError::from)?;
+                if cached.contains(&key.value()) {
+                    continue;
+                }
+                let page = self.map_pages.decode_checked(key.value(), Some(value.value()))?;
+                total += count_page(&page.entries);
             }
-            let page = self.map_pages.decode_checked(key.value(), Some(value.value()))?;
-            total += count_page(&page.entries);
-        }
-        Ok(total)
+            Ok(total)
+        })
     }
 }

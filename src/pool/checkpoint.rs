@@ -193,62 +193,66 @@ impl Pool {
     ) -> Result<(), MetaError> {
         // The store's backend blocks on device I/O; the simulator's devices
         // complete at once and real engines complete on their own threads.
-        let txn = self.db.begin_write()?;
-        {
-            let mut table = txn.open_table(MAP_PAGES)?;
-            for (key, bytes, _) in map {
-                table.insert(*key, bytes.as_slice())?;
-            }
-            for volume in destroyed {
-                let keys: Vec<(u32, u64)> = table
-                    .range((*volume, 0)..=(*volume, u64::MAX))?
-                    .filter_map(|row| row.ok().map(|(k, _)| k.value()))
-                    .collect();
-                for key in keys {
-                    table.remove(key)?;
+        self.db.write("the checkpoint's commit", |db| {
+            let txn = db.begin_write()?;
+            {
+                let mut table = txn.open_table(MAP_PAGES)?;
+                for (key, bytes, _) in map {
+                    table.insert(*key, bytes.as_slice())?;
                 }
-            }
-        }
-        write_pages(&txn, CRC_PAGES, crcs)?;
-        files::write_namespaces(&txn, namespaces, destroyed)?;
-        {
-            let mut table = txn.open_table(CHUNKS)?;
-            for ((device, chunk), state) in chunks {
-                match state {
-                    Some(state) => {
-                        table.insert((*device as u32, *chunk), state.encode().as_slice())?;
-                    }
-                    None => {
-                        table.remove((*device as u32, *chunk))?;
+                for volume in destroyed {
+                    let keys: Vec<(u32, u64)> = table
+                        .range((*volume, 0)..=(*volume, u64::MAX))?
+                        .filter_map(|row| row.ok().map(|(k, _)| k.value()))
+                        .collect();
+                    for key in keys {
+                        table.remove(key)?;
                     }
                 }
             }
-        }
-        {
-            txn.open_table(SUSPECT)?.retain(|_, _| false)?;
-            let mut table = txn.open_table(crate::meta::store::SUSPECT_PARTS)?;
-            table.retain(|_, _| false)?;
-            for ((device, chunk), parts) in suspect {
-                table.insert((*device as u32, *chunk), super::recover::encode_parts(parts).as_slice())?;
+            write_pages(&txn, CRC_PAGES, crcs)?;
+            files::write_namespaces(&txn, namespaces, destroyed)?;
+            {
+                let mut table = txn.open_table(CHUNKS)?;
+                for ((device, chunk), state) in chunks {
+                    match state {
+                        Some(state) => {
+                            let key = (*device as u32, *chunk);
+                            table.insert(key, state.encode_stored(key).as_slice())?;
+                        }
+                        None => {
+                            table.remove((*device as u32, *chunk))?;
+                        }
+                    }
+                }
             }
-        }
-        if let Some(state) = snapshots {
-            snapshots::save(&txn, state)?;
-        }
-        if let Some(rows) = heat {
-            let mut table = txn.open_table(crate::meta::store::HEAT)?;
-            table.retain(|_, _| false)?;
-            for (key, counts) in rows {
-                table.insert(*key, *counts)?;
+            {
+                txn.open_table(SUSPECT)?.retain(|_, _| false)?;
+                let mut table = txn.open_table(crate::meta::store::SUSPECT_PARTS)?;
+                table.retain(|_, _| false)?;
+                for ((device, chunk), parts) in suspect {
+                    let key = (*device as u32, *chunk);
+                    table.insert(key, super::recover::encode_parts(key, parts).as_slice())?;
+                }
             }
-        }
-        {
-            let mut table = txn.open_table(STATE)?;
-            table.insert("checkpoint_lsn", lsn)?;
-            table.insert("data_tail", data_tail)?;
-            table.insert("has_data_tail", 1)?;
-            table.insert("epoch", epoch as u64)?;
-        }
-        txn.commit().map_err(MetaError::from)
+            if let Some(state) = snapshots {
+                snapshots::save(&txn, state)?;
+            }
+            if let Some(rows) = heat {
+                let mut table = txn.open_table(crate::meta::store::HEAT)?;
+                table.retain(|_, _| false)?;
+                for (key, counts) in rows {
+                    table.insert(*key, *counts)?;
+                }
+            }
+            {
+                let mut table = txn.open_table(STATE)?;
+                table.insert("checkpoint_lsn", lsn)?;
+                table.insert("data_tail", data_tail)?;
+                table.insert("has_data_tail", 1)?;
+                table.insert("epoch", epoch as u64)?;
+            }
+            txn.commit().map_err(MetaError::from)
+        })
     }
 }

@@ -32,21 +32,44 @@ pub fn superblock_input(data: &[u8]) {
     }
 }
 
-/// The map and checksum page decoders: a page decodes only at its exact
-/// length, and then encodes back to the same bytes (a map page's birth of
-/// 0, which only pools that never had a snapshot have, back to the layout
-/// without one).
+/// The key the page decoders are given (a seal covers its key too).
+const PAGE_KEY: (u32, u64) = (1, 0);
+
+/// The map and checksum page decoders, on `data` as it is and with its
+/// last 4 bytes made the seal of the rest: a page decodes only at one of
+/// its lengths (sealed, or unsealed as pools from before seals stored it)
+/// and, sealed, only with a right seal; what decodes encodes sealed, with
+/// the same entries (and to the same bytes, when it was sealed).
 pub fn page_input(data: &[u8]) {
-    if let Ok(page) = MapPage::decode(Some(data)) {
-        let birth = data.get(MAP_PAGE_BYTES..).unwrap_or_default();
-        if birth.iter().all(|byte| *byte == 0) {
-            assert_eq!(page.encode(), &data[..data.len() - birth.len()]);
+    pages_input(data);
+    if let Some(body) = data.len().checked_sub(crate::meta::sealed::SEAL_BYTES) {
+        let mut resealed = data[..body].to_vec();
+        crate::meta::sealed::seal(&crate::meta::sealed::key2(PAGE_KEY), &mut resealed);
+        pages_input(&resealed);
+    }
+}
+
+fn pages_input(data: &[u8]) {
+    use crate::meta::pages::{SEALED_CRC_PAGE_BYTES, SEALED_MAP_PAGE_BYTES};
+    if let Ok(page) = MapPage::decode(PAGE_KEY, Some(data)) {
+        let encoded = page.encode(PAGE_KEY);
+        assert_eq!(encoded.len(), SEALED_MAP_PAGE_BYTES);
+        if data.len() == SEALED_MAP_PAGE_BYTES {
+            assert_eq!(encoded, data);
         } else {
-            assert_eq!(page.encode(), data);
+            // Entries, then the birth (0 when the page had none).
+            let mut body = data.to_vec();
+            body.resize(MAP_PAGE_BYTES + 8, 0);
+            assert_eq!(encoded[..body.len()], body[..]);
         }
     }
-    if let Ok(page) = CrcPage::decode(Some(data)) {
-        assert_eq!(page.encode(), data);
+    if let Ok(page) = CrcPage::decode(PAGE_KEY, Some(data)) {
+        let encoded = page.encode(PAGE_KEY);
+        assert_eq!(encoded.len(), SEALED_CRC_PAGE_BYTES);
+        assert_eq!(encoded[..SEALED_CRC_PAGE_BYTES - 4], data[..SEALED_CRC_PAGE_BYTES - 4]);
+        if data.len() == SEALED_CRC_PAGE_BYTES {
+            assert_eq!(encoded, data);
+        }
     }
 }
 
@@ -153,15 +176,20 @@ thread_local! {
 
 /// A map page as stored, loaded by the small pool and used: `data` is
 /// page 0 or 1 of its volume (first byte), the rest the page's bytes (a
-/// stored page of the right length, with its entries aimed at the
-/// pool's devices often enough to reach the checks past the device index).
+/// stored page of the right length, sealed or not, with its entries aimed
+/// at the pool's devices often enough to reach the checks past the device
+/// index).
 pub fn map_page_use(data: &[u8]) {
     let Some((&which, rest)) = data.split_first() else {
         return;
     };
+    let key = (SMALL_VOLUME, (which & 1) as u64);
     let mut bytes = rest.to_vec();
-    if which & 0x80 != 0 {
-        // The stored length, so the entries are decoded.
+    if which & 0x10 != 0 {
+        // Entries and a birth, sealed below.
+        bytes.resize(MAP_PAGE_BYTES + 8, 0);
+    } else if which & 0x80 != 0 {
+        // An unsealed page's length, so the entries are decoded.
         bytes.resize(MAP_PAGE_BYTES + if which & 0x40 != 0 { 8 } else { 0 }, 0);
     }
     if which & 0x20 != 0 {
@@ -172,27 +200,31 @@ pub fn map_page_use(data: &[u8]) {
             entry[5] &= 0x0f;
         }
     }
+    if which & 0x10 != 0 {
+        crate::meta::sealed::seal(&crate::meta::sealed::key2(key), &mut bytes);
+    }
     SMALL_POOL.with(|small| {
-        small.store(
-            crate::meta::store::MAP_PAGES,
-            (SMALL_VOLUME, (which & 1) as u64),
-            &bytes,
-        );
+        small.store(crate::meta::store::MAP_PAGES, key, &bytes);
         small.use_volume();
     });
 }
 
 /// A checksum page as stored, loaded by the small pool and used: the first
-/// byte picks the key (device 0..3, page 0..15 of it), the rest is the page.
+/// byte picks the key (device 0..3, page 0..15 of it) and whether the
+/// page is given its stored length (0x80) and sealed (0x40), the rest is
+/// the page.
 pub fn crc_page_use(data: &[u8]) {
     let Some((&which, rest)) = data.split_first() else {
         return;
     };
     let mut bytes = rest.to_vec();
-    if which & 0x80 != 0 {
+    if which & 0xc0 != 0 {
         bytes.resize(crate::meta::pages::CRCS_PER_PAGE as usize * 4, 0);
     }
     let key = (((which >> 4) & 3) as u32, (which & 0x0f) as u64 + 24);
+    if which & 0x40 != 0 {
+        crate::meta::sealed::seal(&crate::meta::sealed::key2(key), &mut bytes);
+    }
     SMALL_POOL.with(|small| {
         small.store(crate::meta::store::CRC_PAGES, key, &bytes);
         small.use_volume();
@@ -360,6 +392,20 @@ mod tests {
         write("meta_page", "map-short", &map[..map.len() - 8]);
         let crcs: Vec<u8> = (0..1024u32).flat_map(|i| i.to_le_bytes()).collect();
         write("meta_page", "crc", &crcs);
+        // The same pages as written now: sealed under the target's key.
+        let sealed = |body: &[u8]| {
+            let mut bytes = body.to_vec();
+            crate::meta::sealed::seal(&crate::meta::sealed::key2(PAGE_KEY), &mut bytes);
+            bytes
+        };
+        let mut born = map.clone();
+        born.extend_from_slice(&5u64.to_le_bytes());
+        let map_sealed = sealed(&born);
+        write("meta_page", "map-sealed", &map_sealed);
+        let mut flipped = map_sealed.clone();
+        flipped[100] ^= 0x10;
+        write("meta_page", "map-sealed-flipped", &flipped);
+        write("meta_page", "crc-sealed", &sealed(&crcs));
         // Pages the small pool loads and uses (first byte: which page,
         // and how much of it the target fixes up).
         let page = |entry: fn(u64) -> u64| -> Vec<u8> {
@@ -385,12 +431,21 @@ mod tests {
         );
         write("meta_map_page_use", "flags-unmapped", &page(|i| i));
         write("meta_map_page_use", "valid", &page(|i| (1 << 63) | ((97 << 8) + i * 4)));
+        // Sealed by the target (0x10), with a birth.
+        let mut sealed_page = page(|i| (1 << 63) | ((97 << 8) + i * 4));
+        sealed_page[0] = 0x10;
+        sealed_page.extend_from_slice(&3u64.to_le_bytes());
+        write("meta_map_page_use", "sealed-valid", &sealed_page);
+        sealed_page[0] = 0x11;
+        write("meta_map_page_use", "sealed-page-1", &sealed_page);
         let mut crc = vec![0x80 | 0x30];
         crc.extend(&crcs);
         write("meta_crc_page_use", "device-3", &crc);
         crc[0] = 0x80;
         write("meta_crc_page_use", "stored", &crc);
         write("meta_crc_page_use", "short", &crc[..100]);
+        crc[0] = 0x40;
+        write("meta_crc_page_use", "sealed", &crc);
         // Namespace operations: the inode limit, and past it.
         use crate::meta::fsrows::{encode_ops, NsOp, MAX_INODES};
         let mut ops = Vec::new();

@@ -364,7 +364,7 @@ pub struct Pool {
     /// Append-only: `pool add-device` adds devices while the pool runs.
     devices: grow::DeviceList,
     meta_device: u8,
-    db: redb::Database,
+    db: crate::meta::store::Store,
     log: Log,
     map_pages: PageCache<MapPage>,
     crc_pages: PageCache<CrcPage>,

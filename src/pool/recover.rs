@@ -340,18 +340,14 @@ impl Pool {
         };
         let mut allocator = Allocator::new(superblock.chunk_bytes, spaces);
         let mut suspect: HashMap<(u8, u64), ChunkParts> = HashMap::new();
-        {
+        store::guarded("loading the chunk, suspect and heat tables", || {
             let txn = db.begin_read().map_err(MetaError::from)?;
             let chunks = txn.open_table(CHUNKS).map_err(MetaError::from)?;
             for row in chunks.iter().map_err(MetaError::from)? {
                 let (key, value) = row.map_err(MetaError::from)?;
                 let (device, chunk_index) = key.value();
-                let state = ChunkState::decode(value.value()).ok_or_else(|| {
-                    corrupt(format!(
-                        "table chunks key ({device}, {chunk_index}): value is {} bytes, not 33",
-                        value.value().len()
-                    ))
-                })?;
+                let state = ChunkState::decode_stored((device, chunk_index), value.value())
+                    .map_err(|e| corrupt(format!("table chunks key ({device}, {chunk_index}): {e}")))?;
                 let device = u8::try_from(device).map_err(|_| {
                     corrupt(format!(
                         "table chunks key ({device}, {chunk_index}): device {device} does not exist"
@@ -378,13 +374,8 @@ impl Pool {
                     geometry
                         .check_chunk(device as u64, chunk_index, chunk)
                         .map_err(|e| corrupt(format!("table suspect_parts key ({device}, {chunk_index}): {e}")))?;
-                    let bytes = value.value();
-                    let parts = decode_parts(bytes).ok_or_else(|| {
-                        corrupt(format!(
-                            "table suspect_parts key ({device}, {chunk_index}): value is {} bytes, not 32",
-                            bytes.len()
-                        ))
-                    })?;
+                    let parts = decode_parts((device, chunk_index), value.value())
+                        .map_err(|e| corrupt(format!("table suspect_parts key ({device}, {chunk_index}): {e}")))?;
                     let entry = suspect.entry((device as u8, chunk_index)).or_default();
                     for (word, add) in entry.iter_mut().zip(parts) {
                         *word |= add;
@@ -401,7 +392,8 @@ impl Pool {
                     }
                 }
             }
-        }
+            Ok::<(), PoolError>(())
+        })?;
         allocator.take_dirty();
 
         let log_device = devices[superblock.log_device as usize].device.clone();
@@ -792,21 +784,63 @@ fn corrupt(what: String) -> PoolError {
     PoolError::Meta(MetaError::Corrupt(what))
 }
 
-/// A `suspect_parts` row's value: four little-endian `u64`.
-pub(super) fn decode_parts(bytes: &[u8]) -> Option<ChunkParts> {
-    if bytes.len() != 32 {
-        return None;
-    }
-    Some(std::array::from_fn(|i| {
-        u64::from_le_bytes(bytes[i * 8..i * 8 + 8].try_into().expect("8 bytes"))
+/// A chunk's suspect parts as stored under `key` in `suspect_parts`:
+/// sealed (36 bytes: four `u64`, little endian, part 0 the lowest bit of
+/// the first, then the seal), or unsealed as pools from before seals
+/// stored them (32). The lengths differ by a seal, so a moved boundary
+/// between two stored values leaves one of them of no valid length. The
+/// error names the field (the caller the table and key).
+pub(super) fn decode_parts(key: (u32, u64), bytes: &[u8]) -> Result<ChunkParts, String> {
+    let body = match bytes.len() {
+        PARTS_BYTES => bytes,
+        n if n == PARTS_BYTES + crate::meta::sealed::SEAL_BYTES => {
+            crate::meta::sealed::unseal(&crate::meta::sealed::key2(key), bytes)?
+        }
+        n => {
+            return Err(format!(
+                "field length: value is {n} bytes, not {} (sealed) nor {PARTS_BYTES} (unsealed)",
+                PARTS_BYTES + crate::meta::sealed::SEAL_BYTES
+            ))
+        }
+    };
+    Ok(std::array::from_fn(|i| {
+        u64::from_le_bytes(body[i * 8..i * 8 + 8].try_into().expect("8 bytes"))
     }))
 }
 
-/// The value stored for a chunk's suspect parts (see [`decode_parts`]).
-pub(super) fn encode_parts(parts: &ChunkParts) -> [u8; 32] {
-    let mut out = [0u8; 32];
-    for (i, word) in parts.iter().enumerate() {
-        out[i * 8..i * 8 + 8].copy_from_slice(&word.to_le_bytes());
+/// Bytes of a chunk's suspect parts, unsealed.
+const PARTS_BYTES: usize = 32;
+
+/// The value stored under `key` for a chunk's suspect parts, sealed (see
+/// [`decode_parts`]).
+pub(super) fn encode_parts(key: (u32, u64), parts: &ChunkParts) -> Vec<u8> {
+    let mut out = Vec::with_capacity(PARTS_BYTES + crate::meta::sealed::SEAL_BYTES);
+    for word in parts {
+        out.extend_from_slice(&word.to_le_bytes());
     }
+    crate::meta::sealed::seal(&crate::meta::sealed::key2(key), &mut out);
     out
+}
+
+#[cfg(test)]
+mod parts_tests {
+    use super::*;
+
+    #[test]
+    fn suspect_parts_are_sealed_and_older_unsealed_values_still_read() {
+        let key = (1, 9);
+        let parts: ChunkParts = [1, 0, 1 << 63, 5];
+        let stored = encode_parts(key, &parts);
+        assert_eq!(stored.len(), PARTS_BYTES + crate::meta::sealed::SEAL_BYTES);
+        assert_eq!(decode_parts(key, &stored), Ok(parts));
+        assert!(decode_parts((1, 10), &stored).unwrap_err().starts_with("checksum"));
+        for bit in 0..stored.len() * 8 {
+            let mut flipped = stored.clone();
+            flipped[bit / 8] ^= 1 << (bit % 8);
+            assert!(decode_parts(key, &flipped).is_err(), "bit {bit}");
+        }
+        // A pool from before the seal stored the 32 bytes alone.
+        assert_eq!(decode_parts(key, &stored[..PARTS_BYTES]), Ok(parts));
+        assert!(decode_parts(key, &stored[..7]).unwrap_err().starts_with("field length"));
+    }
 }

@@ -50,23 +50,44 @@ pub struct SnapshotInfo {
 /// A snapshot row of the newer layout has this bit set in its first word
 /// (a volume id, which never has it) and `cache_seq` after `size_bytes`.
 const ROW_WITH_CACHE_SEQ: u32 = 0x8000_0000;
+/// A sealed row (the newer layout, then a seal, `meta/sealed.rs`) has
+/// these three bits set in its first word. Volume ids stay below 2^29, so
+/// an unsealed row has neither of the two lower ones, and no single
+/// flipped bit turns one form into the other.
+const SEALED_ROW: u32 = 0xe000_0000;
+const SEALED_ONLY: u32 = SEALED_ROW & !ROW_WITH_CACHE_SEQ;
 
 impl SnapshotInfo {
+    /// The row as stored under the snapshot's id: sealed.
     fn encode(&self) -> Vec<u8> {
-        let mut out = Vec::with_capacity(44 + self.name.len());
-        out.extend_from_slice(&(self.volume | ROW_WITH_CACHE_SEQ).to_le_bytes());
+        debug_assert!(self.volume & SEALED_ROW == 0, "volume id {:#x}", self.volume);
+        let mut out = Vec::with_capacity(48 + self.name.len());
+        out.extend_from_slice(&(self.volume | SEALED_ROW).to_le_bytes());
         out.extend_from_slice(&self.generation.to_le_bytes());
         out.extend_from_slice(&self.created_unix.to_le_bytes());
         out.extend_from_slice(&self.mapped_blocks.to_le_bytes());
         out.extend_from_slice(&self.size_bytes.to_le_bytes());
         out.extend_from_slice(&self.cache_seq.to_le_bytes());
         out.extend_from_slice(self.name.as_bytes());
+        crate::meta::sealed::seal(&self.id.to_le_bytes(), &mut out);
         out
     }
 
-    fn decode(id: u32, bytes: &[u8]) -> Result<Self, MetaError> {
-        let corrupt = || MetaError::Corrupt(format!("snapshot record {id:#x} ({} bytes)", bytes.len()));
+    fn decode(id: u32, stored: &[u8]) -> Result<Self, MetaError> {
+        let field = |what: String| MetaError::Corrupt(format!("table snapshots key {id:#x}: {what}"));
+        let first = crate::bytes::u32_at(stored, 0).unwrap_or_default();
+        let bytes = if first & SEALED_ROW == SEALED_ROW {
+            crate::meta::sealed::unseal(&id.to_le_bytes(), stored).map_err(field)?
+        } else if first & SEALED_ONLY != 0 {
+            return Err(field(format!(
+                "field volume: {first:#x} is neither a sealed row's nor an unsealed one's"
+            )));
+        } else {
+            stored
+        };
+        let corrupt = || MetaError::Corrupt(format!("snapshot record {id:#x} ({} bytes)", stored.len()));
         let first = crate::bytes::u32_at(bytes, 0).ok_or_else(corrupt)?;
+        let volume = first & !SEALED_ROW;
         let (cache_seq, name_at) = if first & ROW_WITH_CACHE_SEQ != 0 {
             (crate::bytes::u64_at(bytes, 36).ok_or_else(corrupt)?, 44)
         } else {
@@ -76,19 +97,12 @@ impl SnapshotInfo {
         if name.len() > MAX_SNAPSHOT_NAME {
             return Err(corrupt());
         }
-        let field = |what: String| MetaError::Corrupt(format!("table snapshots key {id:#x}: {what}"));
         if !is_snapshot_id(id) {
             return Err(field("the key is not a snapshot id".into()));
         }
-        if is_snapshot_id(first & !ROW_WITH_CACHE_SEQ) {
-            return Err(field(format!(
-                "field volume: {:#x} is a snapshot id",
-                first & !ROW_WITH_CACHE_SEQ
-            )));
-        }
         Ok(SnapshotInfo {
             id,
-            volume: first & !ROW_WITH_CACHE_SEQ,
+            volume,
             generation: crate::bytes::u64_at(bytes, 4).ok_or_else(corrupt)?,
             created_unix: crate::bytes::u64_at(bytes, 12).ok_or_else(corrupt)?,
             mapped_blocks: crate::bytes::u64_at(bytes, 20).ok_or_else(corrupt)?,
@@ -446,6 +460,10 @@ impl Snapshots {
 
 /// Loads the pool's snapshots from the metadata store.
 pub(super) fn load(db: &redb::Database) -> Result<Snapshots, MetaError> {
+    store::guarded("loading the snapshot tables", || load_now(db))
+}
+
+fn load_now(db: &redb::Database) -> Result<Snapshots, MetaError> {
     let mut snapshots = Snapshots::default();
     let txn = db.begin_read()?;
     let table = txn.open_table(SNAPSHOTS)?;
@@ -1057,7 +1075,7 @@ impl Pool {
                     .map(|page| page.present.load(Ordering::Acquire))
             })
             .collect();
-        {
+        store::guarded(format_args!("table map_pages key ({volume}, {index})"), || {
             let txn = self.db.begin_read()?;
             let table = txn.open_table(MAP_PAGES)?;
             for ((id, _), known) in chain.iter().zip(has.iter_mut()) {
@@ -1065,7 +1083,8 @@ impl Pool {
                     *known = Some(table.get((*id, index))?.is_some());
                 }
             }
-        }
+            Ok::<(), MetaError>(())
+        })?;
         let owners: std::collections::BTreeSet<u64> = chain
             .iter()
             .zip(&has)
@@ -1649,14 +1668,15 @@ impl Pool {
     /// then): the work is the owner's pages, whatever else the pool holds.
     pub(super) fn own_pages(&self, owner: u32) -> Result<Vec<u64>, MetaError> {
         let mut pages: std::collections::BTreeSet<u64> = std::collections::BTreeSet::new();
-        {
+        store::guarded(format_args!("table map_pages pages of {owner}"), || {
             let txn = self.db.begin_read()?;
             let table = txn.open_table(MAP_PAGES)?;
             for row in table.range((owner, 0)..=(owner, u64::MAX))? {
                 let (key, _) = row?;
                 pages.insert(key.value().1);
             }
-        }
+            Ok::<(), MetaError>(())
+        })?;
         for index in self.map_pages.keys_of(owner) {
             if !pages.contains(&index)
                 && self
@@ -1682,14 +1702,15 @@ impl Pool {
         max: usize,
     ) -> Result<(Vec<u64>, Option<u64>), MetaError> {
         let mut stored: Vec<u64> = Vec::new();
-        {
+        store::guarded(format_args!("table map_pages pages of {owner}"), || {
             let txn = self.db.begin_read()?;
             let table = txn.open_table(MAP_PAGES)?;
             for row in table.range((owner, from)..=(owner, u64::MAX))?.take(max) {
                 let (key, _) = row?;
                 stored.push(key.value().1);
             }
-        }
+            Ok::<(), MetaError>(())
+        })?;
         let cached = self.map_pages.keys_of_from(owner, from, max);
         // A source cut at `max` is complete only up to its last index.
         let last = [&stored, &cached]
@@ -2174,6 +2195,63 @@ mod tests {
     const MIB: u64 = 1 << 20;
     const VOLUME: u64 = 4 * MIB;
     const BLOCK: u32 = 8192;
+
+    fn info() -> SnapshotInfo {
+        SnapshotInfo {
+            id: SNAPSHOT_ID_BASE | 7,
+            volume: 3,
+            name: "nightly".into(),
+            generation: 12,
+            created_unix: 1_700_000_000,
+            mapped_blocks: 99,
+            size_bytes: 4 << 20,
+            cache_seq: 41,
+        }
+    }
+
+    /// Rows are stored sealed; rows of both older layouts still decode.
+    #[test]
+    fn snapshot_rows_are_stored_sealed_and_older_rows_still_decode() {
+        let info = info();
+        let stored = info.encode();
+        assert_eq!(SnapshotInfo::decode(info.id, &stored).unwrap(), info);
+        // The layout with the cache sequence number, unsealed.
+        let mut older = stored[..stored.len() - crate::meta::sealed::SEAL_BYTES].to_vec();
+        older[..4].copy_from_slice(&(info.volume | ROW_WITH_CACHE_SEQ).to_le_bytes());
+        assert_eq!(SnapshotInfo::decode(info.id, &older).unwrap(), info);
+        // The first layout: no cache sequence number (read as 0).
+        let mut first = older[..36].to_vec();
+        first[..4].copy_from_slice(&info.volume.to_le_bytes());
+        first.extend_from_slice(info.name.as_bytes());
+        let decoded = SnapshotInfo::decode(info.id, &first).unwrap();
+        assert_eq!((decoded.cache_seq, decoded.name.as_str()), (0, "nightly"));
+    }
+
+    /// One flipped bit anywhere in a stored snapshot row fails its load
+    /// with an error naming the table and key (the seal, or the marker
+    /// bits that tell a sealed row from an older one).
+    #[test]
+    fn a_flipped_bit_in_a_stored_snapshot_row_fails_its_load() {
+        let info = info();
+        let stored = info.encode();
+        for bit in 0..stored.len() * 8 {
+            let mut flipped = stored.clone();
+            flipped[bit / 8] ^= 1 << (bit % 8);
+            let error = SnapshotInfo::decode(info.id, &flipped)
+                .expect_err("a flipped bit")
+                .to_string();
+            assert!(
+                error.starts_with("corrupt metadata: table snapshots key 0x80000007: "),
+                "bit {bit}: {error}"
+            );
+            assert!(
+                error.contains("checksum: stored") || error.contains("field volume"),
+                "bit {bit}: {error}"
+            );
+        }
+        // Stored under another id, the row fails too.
+        assert!(SnapshotInfo::decode(info.id + 1, &stored).is_err());
+    }
 
     fn current_thread() -> tokio::runtime::Runtime {
         tokio::runtime::Builder::new_current_thread()

@@ -165,14 +165,15 @@ impl Pool {
     /// The keys of volume `id`'s map pages, stored or cached.
     fn volume_page_keys(&self, id: u32) -> Result<HashSet<(u32, u64)>, PoolError> {
         let mut keys: HashSet<(u32, u64)> = HashSet::new();
-        {
+        crate::meta::store::guarded(format_args!("table map_pages pages of {id}"), || {
             let txn = self.db.begin_read().map_err(MetaError::from)?;
             let table = txn.open_table(MAP_PAGES).map_err(MetaError::from)?;
             for row in table.range((id, 0)..=(id, u64::MAX)).map_err(MetaError::from)? {
                 let (key, _) = row.map_err(MetaError::from)?;
                 keys.insert(key.value());
             }
-        }
+            Ok::<(), PoolError>(())
+        })?;
         for (owner, page) in self.map_pages.keys() {
             if owner == id {
                 keys.insert((owner, page));
