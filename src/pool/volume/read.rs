@@ -13,7 +13,8 @@ impl EngineVolume {
             .pool
             .crcs(device, offset, data.len() / SECTOR_BYTES as usize)
             .map_err(meta_error)?;
-        let actuals = sector_crcs(data);
+        let mut actuals = sector_crcs(data);
+        self.pool.tag_crcs(&mut actuals, logical);
         let pool_device = self.pool.data_device(device).map_err(meta_error)?;
         for (index, (&actual, &expected)) in actuals.iter().zip(&stored).enumerate() {
             let at = offset + index as u64 * SECTOR_BYTES;
@@ -54,7 +55,7 @@ impl EngineVolume {
     /// pages not cached, a device that cannot, a mismatch — is `false`, and
     /// the caller reads and verifies the usual way, which alone repairs
     /// suspect sectors and reports and counts errors.
-    fn read_summed_now(&self, device: u8, physical: u64, dst: &mut [u8]) -> bool {
+    fn read_summed_now(&self, device: u8, physical: u64, dst: &mut [u8], logical: u64) -> bool {
         const _: () = assert!(SECTOR_BYTES as usize == crate::checksum::SUM_SECTOR_BYTES);
         if dst.len() < SUMMED_READ_MIN_BYTES {
             return false;
@@ -67,6 +68,7 @@ impl EngineVolume {
         if !pool_device.device.read_now_summed(physical, dst, &mut sums) {
             return false;
         }
+        self.pool.tag_crcs(&mut sums, logical);
         matches!(self.pool.crcs(device, physical, sectors), Ok(stored) if stored == sums)
     }
 
@@ -229,7 +231,7 @@ impl EngineVolume {
         // read straight into the caller's buffer.
         if let [(device, physical, run, 0)] = segments[..] {
             if run == length && physical % SECTOR_BYTES == 0 && run % SECTOR_BYTES == 0 {
-                if self.read_summed_now(device, physical, buf.payload_mut()) {
+                if self.read_summed_now(device, physical, buf.payload_mut(), offset) {
                     return (buf, Ok(()));
                 }
                 let pool_device = match self.pool.data_device(device) {
@@ -254,7 +256,7 @@ impl EngineVolume {
                     Err(e) => return (buf, Err(meta_error(e))),
                 };
                 let dst = &mut buf.payload_mut()[at as usize..(at + run) as usize];
-                if self.read_summed_now(device, physical, dst) {
+                if self.read_summed_now(device, physical, dst, offset + at) {
                     continue;
                 }
                 match pool_device.device.read_now(physical, dst) {
