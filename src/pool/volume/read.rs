@@ -116,14 +116,35 @@ impl EngineVolume {
         holding_gate: bool,
     ) -> BlockResult<IoBuf> {
         debug_assert!(offset.is_multiple_of(SECTOR_BYTES) && length.is_multiple_of(SECTOR_BYTES));
+        let buf = self.read_device(device, offset, length).await?;
+        self.verify(device, offset, buf.payload(), logical, holding_gate)
+            .await?;
+        Ok(buf)
+    }
+
+    /// Reads the slots of `blocks` (volume block numbers), which lie one
+    /// after another on `device` from `offset`, in one device read, and
+    /// verifies each against its own place: blocks next to each other on
+    /// the device need not be next to each other in the volume.
+    pub(super) async fn read_slots(&self, device: u8, offset: u64, blocks: &[u64]) -> BlockResult<IoBuf> {
+        let bytes = self.block_bytes();
+        let buf = self.read_device(device, offset, blocks.len() as u64 * bytes).await?;
+        for (at, &block) in blocks.iter().enumerate() {
+            let from = at * bytes as usize;
+            let data = &buf.payload()[from..from + bytes as usize];
+            self.verify(device, offset + at as u64 * bytes, data, block << self.block_shift, false)
+                .await?;
+        }
+        Ok(buf)
+    }
+
+    async fn read_device(&self, device: u8, offset: u64, length: u64) -> BlockResult<IoBuf> {
         let pool_device = self.pool.data_device(device).map_err(meta_error)?;
         let (buf, result) = pool_device.device.read(offset, IoBuf::new(length as usize)).await;
         if let Err(e) = result {
             pool_device.counters.read_errors.fetch_add(1, Ordering::Relaxed);
             return Err(io_error(e));
         }
-        self.verify(device, offset, buf.payload(), logical, holding_gate)
-            .await?;
         Ok(buf)
     }
 
