@@ -132,8 +132,14 @@ impl EngineVolume {
         for (at, &block) in blocks.iter().enumerate() {
             let from = at * bytes as usize;
             let data = &buf.payload()[from..from + bytes as usize];
-            self.verify(device, offset + at as u64 * bytes, data, block << self.block_shift, false)
-                .await?;
+            self.verify(
+                device,
+                offset + at as u64 * bytes,
+                data,
+                block << self.block_shift,
+                false,
+            )
+            .await?;
         }
         Ok(buf)
     }
