@@ -665,7 +665,9 @@ impl Harness {
                 }
             }
         }
-        if let Some(failure) = self.model().failure.clone() {
+        // (The model's lock is taken again by `fail`: not held here.)
+        let failure = self.model().failure.clone();
+        if let Some(failure) = failure {
             self.fail(&failure);
         }
         // When everything finished first, the power fails with nothing in

@@ -62,6 +62,22 @@ pub mod map_entry {
     }
 }
 
+/// What the stored checksum of a sector is XORed with: a mix of the
+/// sector's place in its volume (volume byte offset / 4 KiB). A map entry
+/// that points at the wrong slot — damaged, or written wrong — then fails
+/// verification even though the slot holds a valid block of something
+/// else: that block was stored under another place's tag. Snapshots,
+/// clones and relocation keep a block at the same place, so a shared slot
+/// has one tag for every map that points at it. (splitmix64's finaliser,
+/// folded to 32 bits.)
+pub(crate) fn sector_tag(volume_sector: u64) -> u32 {
+    let mut x = volume_sector.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    x ^= x >> 31;
+    (x ^ (x >> 32)) as u32
+}
+
 impl Pool {
     /// The device a map entry (or another stored reference) names: a
     /// damaged index is an error, counted and logged once, never a panic.
@@ -164,12 +180,35 @@ impl Pool {
         Ok(())
     }
 
+    /// The tag the stored checksum of the sector at volume byte `logical`
+    /// carries (0 in pools from before the tags: see [`sector_tag`]).
+    pub(crate) fn crc_tag(&self, logical: u64) -> u32 {
+        debug_assert!(logical.is_multiple_of(SECTOR_BYTES), "volume offset {logical}");
+        if self.checksum_tags {
+            sector_tag(logical >> SECTOR_SHIFT)
+        } else {
+            0
+        }
+    }
+
+    /// Turns the checksums of consecutive sectors from volume byte
+    /// `logical` into their stored form (tagged with their places).
+    pub(crate) fn tag_crcs(&self, crcs: &mut [u32], logical: u64) {
+        if self.checksum_tags {
+            for (index, crc) in crcs.iter_mut().enumerate() {
+                *crc ^= self.crc_tag(logical + index as u64 * SECTOR_BYTES);
+            }
+        }
+    }
+
     fn crc_page(&self, device: u8, sector: u64) -> Result<Arc<CrcPage>, MetaError> {
         self.crc_pages.get(&self.db, (device as u32, sector / CRCS_PER_PAGE))
     }
 
     /// The stored checksums of `count` sectors from `offset`, one page
-    /// lookup per checksum page rather than per sector.
+    /// lookup per checksum page rather than per sector. Stored checksums
+    /// are tagged ([`Pool::tag_crcs`]); so are those given to `set_crc`,
+    /// `set_crcs` and `store_crcs`.
     pub(crate) fn crcs(&self, device: u8, offset: u64, count: usize) -> Result<Vec<u32>, MetaError> {
         let mut crcs = Vec::with_capacity(count);
         let mut sector = offset >> SECTOR_SHIFT;

@@ -361,6 +361,7 @@ mod tests {
         write("meta_log_block", "relocate-too-many-owners", &too_many);
         // Superblocks: a real one, one with too many members, a cut one.
         let superblock = Superblock {
+            format: crate::pool::superblock::FORMAT_VERSION,
             pool_uuid: [7; 16],
             pool_name: "tank".into(),
             generation: 3,

@@ -368,6 +368,10 @@ pub struct Pool {
     log: Log,
     map_pages: PageCache<MapPage>,
     crc_pages: PageCache<CrcPage>,
+    /// Whether stored checksums are tagged with their sector's place in its
+    /// volume (every pool created since the tags exist; see
+    /// `blockmap::sector_tag`).
+    checksum_tags: bool,
     /// The devices as stored metadata is checked against (grows with
     /// `pool add-device`).
     geometry: Arc<std::sync::RwLock<crate::meta::geometry::Geometry>>,

@@ -165,6 +165,7 @@ impl Pool {
         }
         for (index, new) in devices.iter().enumerate() {
             let superblock = Superblock {
+                format: superblock::FORMAT_VERSION,
                 pool_uuid,
                 pool_name: name.to_string(),
                 generation: 1,
@@ -299,6 +300,7 @@ impl Pool {
                 .min(checkpoint_lsn),
         };
         let epoch = store::read_state(&db, "epoch").map_err(PoolError::Meta)? as u32;
+        let checksum_tags = superblock.format >= superblock::TAGGED_CHECKSUMS_FORMAT;
         let snapshots = snapshots::load(&db).map_err(PoolError::Meta)?;
         let namespaces = files::load_namespaces(&db).map_err(PoolError::Meta)?;
 
@@ -471,6 +473,7 @@ impl Pool {
                 .checked(geometry.clone(), corruption.clone()),
             crc_pages: PageCache::new(meta_cache_pages(options.meta_cache_bytes).1)
                 .checked(geometry.clone(), corruption.clone()),
+            checksum_tags,
             geometry,
             corruption,
             allocator: Ranked::new(Rank::Allocator, 0, crate::sync::WatchedMutex::new(allocator)),
@@ -659,7 +662,9 @@ impl Pool {
     /// The slots of a replayed mapping change: `freed` (0: none) is free,
     /// `new` (0: none) in use with checksums `crcs`. Either may be so
     /// already, if the checkpoint came after the record.
-    fn replay_slots(&self, freed: u64, new: u64, crcs: &[u32]) -> Result<(), String> {
+    /// `block`: the volume block the slot holds (what its stored checksums
+    /// are tagged with).
+    fn replay_slots(&self, freed: u64, new: u64, block: u64, crcs: &[u32]) -> Result<(), String> {
         let mut allocator = self.allocator.lock_or_abort();
         if let Some((device, offset)) = map_entry::decode(freed) {
             let _ = allocator.free(device, offset);
@@ -671,7 +676,9 @@ impl Pool {
                 Err(e) => return Err(e.to_string()),
             }
             drop(allocator);
-            self.store_crcs(device, offset, crcs).map_err(|e| e.to_string())?;
+            let mut stored = crcs.to_vec();
+            self.tag_crcs(&mut stored, block * crcs.len() as u64 * SECTOR_BYTES);
+            self.store_crcs(device, offset, &stored).map_err(|e| e.to_string())?;
         }
         Ok(())
     }
@@ -713,7 +720,7 @@ impl Pool {
                 self.map_pages.mark_dirty(&page);
                 // A slot a snapshot shares stays.
                 let freed = if old & map_entry::SHARED == 0 { old } else { 0 };
-                self.replay_slots(freed, new, &crcs)
+                self.replay_slots(freed, new, block, &crcs)
                     .map_err(|e| corrupt(format!("log record mapping volume {volume} block {block}: {e}")))?;
             }
             Record::Relocate {
@@ -724,7 +731,7 @@ impl Pool {
                 owners,
             } => {
                 self.apply_relocate(block, old, new, &owners).map_err(PoolError::Meta)?;
-                self.replay_slots(old, new, &crcs)
+                self.replay_slots(old, new, block, &crcs)
                     .map_err(|e| corrupt(format!("log record moving block {block} of {owners:?}: {e}")))?;
             }
             Record::Destroy { volume } => self.free_volume_blocks(volume, Release::Replaying)?,

@@ -113,7 +113,9 @@ impl Pool {
         let (Some(from), Some((device, offset))) = (map_entry::decode(old), map_entry::decode(new)) else {
             return Ok(false);
         };
-        self.set_crcs(device, offset, &crcs)?;
+        let mut stored = crcs.clone();
+        self.tag_crcs(&mut stored, block * crcs.len() as u64 * SECTOR_BYTES);
+        self.set_crcs(device, offset, &stored)?;
         // Space figures walked while the remap is half done are not kept
         // (`Pool::keep_space`).
         self.relocations.fetch_add(1, Ordering::AcqRel);

@@ -7,7 +7,13 @@ pub const SUPERBLOCK_BYTES: usize = 4096;
 /// Byte offsets of the two copies. Both sit in chunk 0, which holds no data.
 pub const SUPERBLOCK_OFFSETS: [u64; 2] = [0, 256 << 10];
 pub const MAGIC: [u8; 8] = *b"STRATASB";
-pub const FORMAT_VERSION: u32 = 1;
+/// The format new pools are created with. Format 1: stored checksums are
+/// plain crc32c. Format 2: they are tagged with each sector's place in its
+/// volume (`pool::blockmap::sector_tag`). A pool keeps the format it was
+/// created with; versions that know only format 1 refuse format 2.
+pub const FORMAT_VERSION: u32 = 2;
+/// The first format whose stored checksums are tagged.
+pub const TAGGED_CHECKSUMS_FORMAT: u32 = 2;
 pub const MAX_MEMBERS: usize = 32;
 const NAME_BYTES: usize = 64;
 const MEMBERS_OFFSET: usize = 256;
@@ -65,6 +71,8 @@ pub struct Member {
 /// A decoded superblock.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Superblock {
+    /// The pool's format ([`FORMAT_VERSION`] when created now).
+    pub format: u32,
     pub pool_uuid: [u8; 16],
     pub pool_name: String,
     /// Bumped on every rewrite; the valid copy with the highest wins.
@@ -90,7 +98,7 @@ pub enum SuperblockError {
     NotStrata,
     #[error("superblock checksum mismatch in both copies (damaged device)")]
     Damaged,
-    #[error("superblock format {0} is not supported by this strata (format {FORMAT_VERSION})")]
+    #[error("superblock format {0} is not supported by this strata (formats 1 to {FORMAT_VERSION})")]
     Version(u32),
     #[error("superblock is inconsistent: {0}")]
     Invalid(String),
@@ -126,7 +134,7 @@ impl Superblock {
         assert!(self.members.len() <= MAX_MEMBERS, "too many pool members");
         let mut out = vec![0u8; SUPERBLOCK_BYTES];
         out[0..8].copy_from_slice(&MAGIC);
-        put_u32(&mut out, 8, FORMAT_VERSION);
+        put_u32(&mut out, 8, self.format);
         out[16..32].copy_from_slice(&self.pool_uuid);
         put_u64(&mut out, 32, self.generation);
         put_u64(&mut out, 40, self.created_unix);
@@ -163,7 +171,7 @@ impl Superblock {
             return Err(SuperblockError::Damaged);
         }
         let version = get_u32(bytes, 8)?;
-        if version != FORMAT_VERSION {
+        if !(1..=FORMAT_VERSION).contains(&version) {
             return Err(SuperblockError::Version(version));
         }
         let member_count = bytes[53] as usize;
@@ -190,6 +198,7 @@ impl Superblock {
         let pool_name = String::from_utf8(bytes[96..96 + name_end].to_vec())
             .map_err(|_| SuperblockError::Invalid("pool name is not UTF-8".into()))?;
         let superblock = Superblock {
+            format: version,
             pool_uuid: crate::bytes::array_at(bytes, 16).ok_or_else(|| truncated(16))?,
             pool_name,
             generation: get_u64(bytes, 32)?,
@@ -292,6 +301,7 @@ mod tests {
 
     fn sample() -> Superblock {
         Superblock {
+            format: FORMAT_VERSION,
             pool_uuid: [7; 16],
             pool_name: "tank".into(),
             generation: 3,
@@ -327,6 +337,19 @@ mod tests {
         let bytes = superblock.encode();
         assert_eq!(bytes.len(), SUPERBLOCK_BYTES);
         assert_eq!(Superblock::decode(&bytes).unwrap(), superblock);
+    }
+
+    #[test]
+    fn a_pool_keeps_its_format_and_unknown_formats_are_refused() {
+        let old = Superblock { format: 1, ..sample() };
+        assert_eq!(Superblock::decode(&old.encode()).unwrap().format, 1);
+        let newer = Superblock {
+            format: FORMAT_VERSION + 1,
+            ..sample()
+        };
+        let error = Superblock::decode(&newer.encode()).unwrap_err();
+        assert_eq!(error, SuperblockError::Version(FORMAT_VERSION + 1));
+        assert!(error.to_string().contains("formats 1 to 2"), "{error}");
     }
 
     #[test]

@@ -696,6 +696,58 @@ mod tests {
     }
 
     #[test]
+    fn a_map_entry_pointing_at_another_blocks_slot_fails_its_read() {
+        // Pools created now tag their checksums with each sector's place;
+        // a pool of format 1 keeps plain checksums, and there the
+        // misdirected entry reads the other block's data.
+        for tagged in [true, false] {
+            current_thread().block_on(async {
+                let (sim, mut pool) = sim_pool(23).await;
+                if !tagged {
+                    drop(pool);
+                    let device = sim.as_device();
+                    let (superblock, _) = crate::pool::recover::read_superblock(&device).await.unwrap();
+                    let old = crate::pool::superblock::Superblock {
+                        format: 1,
+                        ..superblock
+                    };
+                    crate::pool::recover::write_superblock(&device, &old).await.unwrap();
+                    pool = Pool::open(vec![device]).await.unwrap();
+                }
+                assert_eq!(pool.checksum_tags, tagged);
+                let volume = pool.open_volume(1, 16 * MIB, 4096).unwrap();
+                for (block, byte) in [(0u64, 0x11u8), (1, 0x22)] {
+                    volume
+                        .write(block * 4096, IoBuf::copy_from(&[byte; 4096]), false)
+                        .await
+                        .unwrap();
+                }
+                pool.destage_all().await.unwrap();
+                drop(volume);
+                // Block 0's entry damaged to name block 1's slot (a valid
+                // block whose checksum matches its own data).
+                let other = pool.lookup(1, 1).unwrap();
+                pool.set_mapping(1, 0, other).unwrap();
+                let volume = pool.open_volume(1, 16 * MIB, 4096).unwrap();
+                let errors = || pool.status().iter().map(|d| d.checksum_errors).sum::<u64>();
+                let (buf, result) = volume.read(0, IoBuf::new(4096)).await;
+                if tagged {
+                    assert!(matches!(result, Err(BlockError::Checksum { offset: 0 })), "{result:?}");
+                    assert_eq!(errors(), 1);
+                } else {
+                    result.unwrap();
+                    assert!(buf.payload().iter().all(|&b| b == 0x22));
+                    assert_eq!(errors(), 0);
+                }
+                // Block 1 itself still reads back right.
+                let (buf, result) = volume.read(4096, IoBuf::new(4096)).await;
+                result.unwrap();
+                assert!(buf.payload().iter().all(|&b| b == 0x22));
+            });
+        }
+    }
+
+    #[test]
     fn megabyte_requests_run_to_the_end_in_one_poll_when_nothing_is_held() {
         // The NBD reader polls each request once in its own task and spawns
         // it only if it waits. A 1 MiB request locks 64 stripes; awaiting

@@ -90,12 +90,8 @@ impl EngineVolume {
         let mut copies: Vec<(usize, IoBuf)> = Vec::with_capacity(places.len());
         for run in places.chunk_by(|a, b| b.1 == a.1 && b.2 == a.2 + block_bytes) {
             let (_, device, base) = run[0];
-            let length = run.len() as u64 * block_bytes;
-            let first_block = blocks[run[0].0].0;
-            match self
-                .read_sectors(device, base, length, first_block << self.block_shift, false)
-                .await
-            {
+            let run_blocks: Vec<u64> = run.iter().map(|&(index, _, _)| blocks[index].0).collect();
+            match self.read_slots(device, base, &run_blocks).await {
                 Ok(data) => {
                     for (at, &(index, _, _)) in run.iter().enumerate() {
                         let from = at * block_bytes as usize;

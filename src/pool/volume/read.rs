@@ -13,7 +13,8 @@ impl EngineVolume {
             .pool
             .crcs(device, offset, data.len() / SECTOR_BYTES as usize)
             .map_err(meta_error)?;
-        let actuals = sector_crcs(data);
+        let mut actuals = sector_crcs(data);
+        self.pool.tag_crcs(&mut actuals, logical);
         let pool_device = self.pool.data_device(device).map_err(meta_error)?;
         for (index, (&actual, &expected)) in actuals.iter().zip(&stored).enumerate() {
             let at = offset + index as u64 * SECTOR_BYTES;
@@ -54,7 +55,7 @@ impl EngineVolume {
     /// pages not cached, a device that cannot, a mismatch — is `false`, and
     /// the caller reads and verifies the usual way, which alone repairs
     /// suspect sectors and reports and counts errors.
-    fn read_summed_now(&self, device: u8, physical: u64, dst: &mut [u8]) -> bool {
+    fn read_summed_now(&self, device: u8, physical: u64, dst: &mut [u8], logical: u64) -> bool {
         const _: () = assert!(SECTOR_BYTES as usize == crate::checksum::SUM_SECTOR_BYTES);
         if dst.len() < SUMMED_READ_MIN_BYTES {
             return false;
@@ -67,6 +68,7 @@ impl EngineVolume {
         if !pool_device.device.read_now_summed(physical, dst, &mut sums) {
             return false;
         }
+        self.pool.tag_crcs(&mut sums, logical);
         matches!(self.pool.crcs(device, physical, sectors), Ok(stored) if stored == sums)
     }
 
@@ -114,14 +116,41 @@ impl EngineVolume {
         holding_gate: bool,
     ) -> BlockResult<IoBuf> {
         debug_assert!(offset.is_multiple_of(SECTOR_BYTES) && length.is_multiple_of(SECTOR_BYTES));
+        let buf = self.read_device(device, offset, length).await?;
+        self.verify(device, offset, buf.payload(), logical, holding_gate)
+            .await?;
+        Ok(buf)
+    }
+
+    /// Reads the slots of `blocks` (volume block numbers), which lie one
+    /// after another on `device` from `offset`, in one device read, and
+    /// verifies each against its own place: blocks next to each other on
+    /// the device need not be next to each other in the volume.
+    pub(super) async fn read_slots(&self, device: u8, offset: u64, blocks: &[u64]) -> BlockResult<IoBuf> {
+        let bytes = self.block_bytes();
+        let buf = self.read_device(device, offset, blocks.len() as u64 * bytes).await?;
+        for (at, &block) in blocks.iter().enumerate() {
+            let from = at * bytes as usize;
+            let data = &buf.payload()[from..from + bytes as usize];
+            self.verify(
+                device,
+                offset + at as u64 * bytes,
+                data,
+                block << self.block_shift,
+                false,
+            )
+            .await?;
+        }
+        Ok(buf)
+    }
+
+    async fn read_device(&self, device: u8, offset: u64, length: u64) -> BlockResult<IoBuf> {
         let pool_device = self.pool.data_device(device).map_err(meta_error)?;
         let (buf, result) = pool_device.device.read(offset, IoBuf::new(length as usize)).await;
         if let Err(e) = result {
             pool_device.counters.read_errors.fetch_add(1, Ordering::Relaxed);
             return Err(io_error(e));
         }
-        self.verify(device, offset, buf.payload(), logical, holding_gate)
-            .await?;
         Ok(buf)
     }
 
@@ -229,7 +258,7 @@ impl EngineVolume {
         // read straight into the caller's buffer.
         if let [(device, physical, run, 0)] = segments[..] {
             if run == length && physical % SECTOR_BYTES == 0 && run % SECTOR_BYTES == 0 {
-                if self.read_summed_now(device, physical, buf.payload_mut()) {
+                if self.read_summed_now(device, physical, buf.payload_mut(), offset) {
                     return (buf, Ok(()));
                 }
                 let pool_device = match self.pool.data_device(device) {
@@ -254,7 +283,7 @@ impl EngineVolume {
                     Err(e) => return (buf, Err(meta_error(e))),
                 };
                 let dst = &mut buf.payload_mut()[at as usize..(at + run) as usize];
-                if self.read_summed_now(device, physical, dst) {
+                if self.read_summed_now(device, physical, dst, offset + at) {
                     continue;
                 }
                 match pool_device.device.read_now(physical, dst) {

@@ -44,6 +44,9 @@ impl Payload {
 /// The piece of a planned write that belongs to one volume block.
 struct Part {
     offset: u64,
+    /// The volume byte offset of the part's first sector (what its stored
+    /// checksums are tagged with).
+    logical: u64,
     /// This part's sectors: indices into the write's `crcs`.
     sectors: std::ops::Range<usize>,
     /// Set for a newly allocated block: its logical block number.
@@ -82,6 +85,7 @@ impl PlannedWrite {
         crcs.extend(&mut self.crcs, next);
         self.parts.push(Part {
             offset: piece.offset,
+            logical: piece.logical,
             sectors: start..self.crcs.len(),
             new_block: piece.new_block.then_some(piece.block),
             replaces: piece.replaces,
@@ -100,6 +104,7 @@ impl PlannedWrite {
             offset: piece.offset,
             parts: vec![Part {
                 offset: piece.offset,
+                logical: piece.logical,
                 sectors: 0..sums.len(),
                 new_block: piece.new_block.then_some(piece.block),
                 replaces: piece.replaces,
@@ -114,6 +119,8 @@ impl PlannedWrite {
 struct Piece {
     device: u8,
     offset: u64,
+    /// The volume byte offset of `offset`.
+    logical: u64,
     data: Payload,
     block: u64,
     new_block: bool,
@@ -289,6 +296,7 @@ impl EngineVolume {
                     Piece {
                         device,
                         offset: base + start,
+                        logical: (block << self.block_shift) + start,
                         data: sectors,
                         block,
                         new_block: false,
@@ -343,6 +351,7 @@ impl EngineVolume {
                     Piece {
                         device,
                         offset: base,
+                        logical: block << self.block_shift,
                         data: whole,
                         block,
                         new_block: true,
@@ -577,7 +586,11 @@ impl EngineVolume {
     /// map entry and log record for each block it newly placed. On an error
     /// the new blocks not mapped yet are given back to the allocator.
     fn account_write(&self, write: &PlannedWrite, pass: Option<u64>) -> Result<(), MetaError> {
-        if let Err(e) = self.pool.set_crcs(write.device, write.offset, &write.crcs) {
+        let mut stored = write.crcs.clone();
+        for part in &write.parts {
+            self.pool.tag_crcs(&mut stored[part.sectors.clone()], part.logical);
+        }
+        if let Err(e) = self.pool.set_crcs(write.device, write.offset, &stored) {
             write.release_new_slots(&self.pool);
             return Err(e);
         }
@@ -774,6 +787,7 @@ mod tests {
                 offset,
                 parts: vec![Part {
                     offset,
+                    logical: block * 4096,
                     sectors: 0..crcs.len(),
                     new_block: Some(block),
                     replaces: 0,
