@@ -8,9 +8,12 @@ use super::*;
 /// alone (docs/FORMAT.md gives them for the stored form): bits 0..48 the
 /// slot's first 4 KiB sector on its device, bits 48..56 the device index,
 /// bits 56..63 flags (bit 62 `SHARED`, the others zero), bit 63 "mapped".
-/// Everything outside reads and changes a pointer through the names below;
-/// only the codecs of map pages and log records see its bits
-/// ([`BlockPtr::to_bits`], [`BlockPtr::from_bits`]).
+/// Everything outside reads and changes a pointer through the names below.
+/// Only the conversions of stored map pages and log records see its bits
+/// ([`BlockPtr::to_bits`], [`BlockPtr::from_bits`]): this room's `MapPage`
+/// and `Record` methods (the codecs in `meta/` are below the pool and keep
+/// the word), recovery's replay of `Map` and `Relocate` records, and the
+/// geometry check of stored entries ([`BlockPtr::LAYOUT`]).
 #[repr(transparent)]
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
 pub(crate) struct BlockPtr(u64);
@@ -116,13 +119,14 @@ impl BlockPtr {
         (self.is_mapped() || other.is_mapped()) && !self.same_slot(other)
     }
 
-    /// The stored form: for the codecs of map pages and log records only.
+    /// The stored form: for the conversions of map pages and log records
+    /// only.
     pub(crate) fn to_bits(self) -> u64 {
         self.0
     }
 
-    /// A pointer from its stored form: for the codecs of map pages and log
-    /// records only (stored pages and records are checked against the
+    /// A pointer from its stored form: for the conversions of map pages and
+    /// log records only (stored pages and records are checked against the
     /// pool's geometry when they are read, [`BlockPtr::LAYOUT`]).
     pub(crate) fn from_bits(bits: u64) -> BlockPtr {
         BlockPtr(bits)
@@ -566,5 +570,41 @@ impl Pool {
             total += page.mapped_count();
         }
         Ok(total)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_block_ptr_keeps_its_place_and_flags_in_the_stored_layout() {
+        let ptr = BlockPtr::at(3, 97 << 20);
+        assert_eq!(
+            ptr.to_bits(),
+            1 << 63 | 3 << 48 | (97 << 20 >> 12),
+            "docs/FORMAT.md's layout"
+        );
+        assert_eq!(ptr.place(), Some((3, 97 << 20)));
+        assert!(ptr.is_mapped() && !ptr.is_shared());
+        let shared = ptr.shared();
+        assert_eq!(shared.to_bits(), ptr.to_bits() | 1 << 62);
+        assert!(shared.is_shared() && shared.place() == ptr.place());
+        assert_eq!(shared.private(), ptr);
+        assert_eq!(shared.slot(), ptr);
+        assert!(shared.same_slot(ptr) && !shared.differs_from(ptr));
+        assert_eq!(
+            BlockPtr::NONE.shared(),
+            BlockPtr::NONE,
+            "an unmapped pointer stays unmapped"
+        );
+        assert_eq!(BlockPtr::NONE.place(), None);
+        assert!(!BlockPtr::NONE.same_slot(BlockPtr::NONE) && !BlockPtr::NONE.differs_from(BlockPtr::NONE));
+        assert!(ptr.differs_from(BlockPtr::NONE) && BlockPtr::NONE.differs_from(ptr));
+        let other = BlockPtr::at(3, (97 << 20) + 4096);
+        assert!(!ptr.same_slot(other) && ptr.differs_from(other));
+        let moved = shared.moved_to(other);
+        assert!(moved.is_shared() && moved.place() == other.place());
+        assert_eq!(format!("{shared:#018x}"), format!("{:#018x}", shared.to_bits()));
     }
 }
