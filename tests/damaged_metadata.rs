@@ -64,10 +64,10 @@ fn expected(volume: u32, offset: u64, length: u64) -> Vec<u8> {
         .collect()
 }
 
-/// A stopped pool: its devices, and the map entries of its volumes.
+/// A stopped pool: its devices, and where its volumes' blocks live.
 struct Original {
     devices: Vec<SimDevice>,
-    entries: Vec<Vec<u64>>,
+    entries: Vec<Vec<Option<(u8, u64)>>>,
     superblock: Superblock,
 }
 
@@ -99,11 +99,11 @@ fn original() -> Original {
         pool.destage_all().await.unwrap();
         pool.checkpoint().await.unwrap();
         for volume in VOLUMES {
-            let map = pool.map_entries(volume, 0, VOLUME_BYTES / BLOCK_BYTES - 1).unwrap();
-            assert!(map.iter().all(|e| *e != 0), "every block is mapped");
+            let map = pool.block_places(volume, 0, VOLUME_BYTES / BLOCK_BYTES - 1).unwrap();
+            assert!(map.iter().all(|e| e.is_some()), "every block is mapped");
             entries.push(map);
         }
-        let on_capacity = entries.iter().flatten().filter(|e| (*e >> 48) & 0xff == 1).count();
+        let on_capacity = entries.iter().flatten().filter(|e| matches!(e, Some((1, _)))).count();
         assert!(on_capacity > 0, "some blocks are on the capacity device");
         drop(pool);
         let (buf, result) = devices[0].as_device().read(0, IoBuf::new(SUPERBLOCK_BYTES)).await;
@@ -212,9 +212,9 @@ async fn start(copies: Vec<Arc<dyn Device>>, original: &Original) -> Outcome {
                 }
                 let block = at / BLOCK_BYTES + block as u64;
                 let before = original.entries[index][block as usize];
-                match pool.map_entries(volume, block, block) {
+                match pool.block_places(volume, block, block) {
                     Ok(now) if now[0] == before => outcome.wrong.push(format!(
-                        "volume {volume} block {block}: entry {before:#x} intact, data differs"
+                        "volume {volume} block {block}: entry {before:?} intact, data differs"
                     )),
                     _ => outcome.misdirected_blocks += 1,
                 }

@@ -8,7 +8,7 @@ use strata::device::sim::CrashModel;
 use strata::device::wrappers::IoOp;
 use strata::device::{Device, ErrorDevice, ErrorRule, SimDevice};
 use strata::pool::superblock::Role;
-use strata::pool::{map_entry, NewDevice, Pool, PoolError};
+use strata::pool::{NewDevice, Pool, PoolError};
 use strata::volume::{BlockDevice, BlockError, IoBuf};
 
 const MIB: u64 = 1 << 20;
@@ -152,9 +152,8 @@ fn device_write_errors_fail_the_request_and_are_counted() {
         assert!(buf.payload().iter().all(|&b| b == 0x31));
         volume.write(2 << 20, pattern(0x35, 4096), true).await.unwrap();
         pool.destage_all().await.unwrap();
-        assert_ne!(
-            volume.lookup_entry((2 << 20) / (16 << 10)).unwrap() & map_entry::VALID,
-            0,
+        assert!(
+            volume.block_place((2 << 20) / (16 << 10)).unwrap().is_some(),
             "the new write has its place"
         );
         let (buf, result) = volume.read(2 << 20, IoBuf::new(4096)).await;
@@ -178,8 +177,7 @@ fn bit_rot_is_an_error_never_wrong_data() {
         volume.flush().await.unwrap();
         pool.checkpoint().await.unwrap();
         // Rot one sector of block 2 on the device.
-        let entry = volume.lookup_entry(2).unwrap();
-        let (_, offset) = map_entry::decode(entry).expect("block 2 is mapped");
+        let (_, offset) = volume.block_place(2).unwrap().expect("block 2 is mapped");
         sims[0].corrupt(offset + 4096, 1);
         let (_, result) = volume.read(2 * (16 << 10), IoBuf::new(16 << 10)).await;
         assert!(matches!(result, Err(BlockError::Checksum { .. })), "{result:?}");
@@ -277,9 +275,7 @@ fn data_placement_fills_the_fast_tier_then_spills() {
         }
         // Cached writes take their place when destaged.
         pool.destage_all().await.unwrap();
-        let devices: Vec<u8> = (0..80u64)
-            .map(|b| map_entry::decode(volume.lookup_entry(b).unwrap()).unwrap().0)
-            .collect();
+        let devices: Vec<u8> = (0..80u64).map(|b| volume.block_place(b).unwrap().unwrap().0).collect();
         assert!(
             devices[..64].iter().all(|&d| d == 0),
             "the first 4 MiB land on the fast tier"

@@ -15,7 +15,7 @@ use strata::device::wrappers::IoOp;
 use strata::device::{open_device, Device, DeviceOptions, ErrorDevice, ErrorRule, SimDevice};
 use strata::pool::superblock::{Role, SUPERBLOCK_BYTES, SUPERBLOCK_OFFSETS};
 use strata::pool::volume::EngineVolume;
-use strata::pool::{map_entry, NewDevice, Pool, PoolError};
+use strata::pool::{NewDevice, Pool, PoolError};
 use strata::volume::{BlockDevice, BlockError, IoBuf};
 
 const MIB: u64 = 1 << 20;
@@ -148,9 +148,7 @@ async fn read_block(volume: &EngineVolume, block: u64) -> Vec<u8> {
 }
 
 fn device_of(volume: &EngineVolume, block: u64) -> u8 {
-    map_entry::decode(volume.lookup_entry(block).unwrap())
-        .expect("block is mapped")
-        .0
+    volume.block_place(block).unwrap().expect("block is mapped").0
 }
 
 /// Writes 64 KiB blocks from `next` until the pool is full; returns the first

@@ -160,11 +160,16 @@ impl CorruptionLog {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::pool::map_entry;
+    use crate::pool::BlockPtr;
+
+    /// A stored pointer to `offset` of `device`.
+    fn at(device: u8, offset: u64) -> u64 {
+        BlockPtr::at(device, offset).to_bits()
+    }
 
     fn geometry() -> Geometry {
         Geometry {
-            entries: map_entry::LAYOUT,
+            entries: BlockPtr::LAYOUT,
             sector_bytes: crate::pool::SECTOR_BYTES,
             devices: vec![
                 DeviceExtent {
@@ -185,27 +190,16 @@ mod tests {
     fn map_entries_outside_the_pool_are_refused_with_the_field_named() {
         let g = geometry();
         assert!(g.check_map_entry(0).is_ok());
-        assert!(g.check_map_entry(map_entry::encode(0, 97 << 20)).is_ok());
-        assert!(g
-            .check_map_entry(map_entry::encode(0, 97 << 20) | map_entry::SHARED)
-            .is_ok());
-        let error = g.check_map_entry(map_entry::encode(7, 97 << 20)).unwrap_err();
+        assert!(g.check_map_entry(at(0, 97 << 20)).is_ok());
+        assert!(g.check_map_entry(BlockPtr::at(0, 97 << 20).shared().to_bits()).is_ok());
+        let error = g.check_map_entry(at(7, 97 << 20)).unwrap_err();
         assert!(error.contains("names device 7; the pool has 2"), "{error}");
-        assert!(g
-            .check_map_entry(map_entry::encode(1, 2 << 20))
-            .unwrap_err()
-            .contains("holds no data"));
-        assert!(g
-            .check_map_entry(map_entry::encode(0, 4096))
-            .unwrap_err()
-            .contains("outside its data"));
-        assert!(g
-            .check_map_entry(map_entry::encode(0, 128 << 20))
-            .unwrap_err()
-            .contains("outside"));
+        assert!(g.check_map_entry(at(1, 2 << 20)).unwrap_err().contains("holds no data"));
+        assert!(g.check_map_entry(at(0, 4096)).unwrap_err().contains("outside its data"));
+        assert!(g.check_map_entry(at(0, 128 << 20)).unwrap_err().contains("outside"));
         assert!(g.check_map_entry(5).unwrap_err().contains("not mapped"));
         assert!(g
-            .check_map_entry(map_entry::encode(0, 97 << 20) | 1 << 56)
+            .check_map_entry(at(0, 97 << 20) | 1 << 56)
             .unwrap_err()
             .contains("reserved"));
         assert!(g.check_crc_key(0, 31, 1024).is_ok());

@@ -46,7 +46,8 @@ pub trait Page: Send + Sync + 'static {
     fn check(&self, key: PageKey, geometry: &Geometry) -> Result<(), String>;
 }
 
-/// 256 block-map entries of one volume (see `pool::map_entry`).
+/// 256 block-map entries of one volume, in their stored form (the pool
+/// reads and sets them as `pool::BlockPtr`).
 pub struct MapPage {
     pub entries: Box<[AtomicU64]>,
     dirty: AtomicBool,

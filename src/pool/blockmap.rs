@@ -4,61 +4,244 @@
 
 use super::*;
 
-/// A block-map entry is one `u64`: bits 0..48 the slot's first 4 KiB sector
-/// on its device, bits 48..56 the device index, bits 56..63 flags (bit 62
-/// `SHARED`, the others zero), bit 63 "mapped" (docs/FORMAT.md).
-pub mod map_entry {
-    const OFFSET_BITS: u32 = 48;
-    const OFFSET_MASK: u64 = (1 << OFFSET_BITS) - 1;
-    const DEVICE_SHIFT: u32 = OFFSET_BITS;
-    const DEVICE_MASK: u64 = 0xff << DEVICE_SHIFT;
-    /// The flag bits (only `SHARED` is in use): masked off to compare
-    /// slots.
-    pub const RESERVED: u64 = 0x7f << 56;
-    /// The slot is also mapped by a snapshot of the volume: a write to the
-    /// block goes to a new slot (copy-on-write), and an unmap or overwrite
-    /// does not free it (`pool/snapshots.rs`).
-    pub const SHARED: u64 = 1 << 62;
-    pub const VALID: u64 = 1 << 63;
-    const _: () = assert!(SHARED & RESERVED == SHARED);
+/// Where a block lives: one block-map entry. The bits are this room's
+/// alone (docs/FORMAT.md gives them for the stored form): bits 0..48 the
+/// slot's first 4 KiB sector on its device, bits 48..56 the device index,
+/// bits 56..63 flags (bit 62 `SHARED`, the others zero), bit 63 "mapped".
+/// Everything outside reads and changes a pointer through the names below.
+/// Only the conversions of stored map pages and log records see its bits
+/// ([`BlockPtr::to_bits`], [`BlockPtr::from_bits`]): this room's `MapPage`
+/// and `Record` methods (the codecs in `meta/` are below the pool and keep
+/// the word), recovery's replay of `Map` and `Relocate` records, and the
+/// geometry check of stored entries ([`BlockPtr::LAYOUT`]).
+#[repr(transparent)]
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) struct BlockPtr(u64);
 
-    /// Whether two entries map the same slot (whatever their flags).
-    pub fn same_slot(a: u64, b: u64) -> bool {
-        a & VALID != 0 && b & VALID != 0 && a & !RESERVED == b & !RESERVED
-    }
+const OFFSET_BITS: u32 = 48;
+const OFFSET_MASK: u64 = (1 << OFFSET_BITS) - 1;
+const DEVICE_SHIFT: u32 = OFFSET_BITS;
+const DEVICE_MASK: u64 = 0xff << DEVICE_SHIFT;
+/// The flag bits (only `SHARED` is in use): masked off to compare slots.
+const FLAGS: u64 = 0x7f << 56;
+/// The slot is also mapped by a snapshot of the volume: a write to the
+/// block goes to a new slot (copy-on-write), and an unmap or overwrite does
+/// not free it (`pool/snapshots.rs`).
+const SHARED: u64 = 1 << 62;
+const MAPPED: u64 = 1 << 63;
+const _: () = assert!(SHARED & FLAGS == SHARED);
+// The fields are disjoint and cover the word exactly.
+const _: () = assert!(OFFSET_MASK & DEVICE_MASK == 0 && (OFFSET_MASK | DEVICE_MASK) & (FLAGS | MAPPED) == 0);
+const _: () = assert!(FLAGS & MAPPED == 0 && (OFFSET_MASK | DEVICE_MASK | FLAGS | MAPPED) == u64::MAX);
+// Every pool member's index fits the device field.
+const _: () = assert!(superblock::MAX_MEMBERS as u64 <= (DEVICE_MASK >> DEVICE_SHIFT) + 1);
+// 2^48 sectors of 4 KiB: devices up to 1 EiB.
+const _: () = assert!(SECTOR_SHIFT == 12);
 
-    // The fields are disjoint and cover the word exactly.
-    const _: () = assert!(OFFSET_MASK & DEVICE_MASK == 0 && (OFFSET_MASK | DEVICE_MASK) & (RESERVED | VALID) == 0);
-    const _: () = assert!(RESERVED & VALID == 0 && (OFFSET_MASK | DEVICE_MASK | RESERVED | VALID) == u64::MAX);
-    // Every pool member's index fits the device field.
-    const _: () = assert!(super::superblock::MAX_MEMBERS as u64 <= (DEVICE_MASK >> DEVICE_SHIFT) + 1);
-    // 2^48 sectors of 4 KiB: devices up to 1 EiB.
-    const _: () = assert!(super::SECTOR_SHIFT == 12);
+impl BlockPtr {
+    /// An unmapped block (reads as zeros; stored as 0).
+    pub(crate) const NONE: BlockPtr = BlockPtr(0);
 
-    pub fn encode(device: u8, offset: u64) -> u64 {
-        assert!(
-            offset.is_multiple_of(super::SECTOR_BYTES) && offset >> super::SECTOR_SHIFT <= OFFSET_MASK,
-            "map entry for offset {offset} of device {device}"
-        );
-        VALID | (device as u64) << DEVICE_SHIFT | (offset >> super::SECTOR_SHIFT)
-    }
-
-    /// The layout as the metadata layer's checks see it.
-    pub const LAYOUT: crate::meta::geometry::EntryLayout = crate::meta::geometry::EntryLayout {
-        valid: VALID,
-        must_be_clear: RESERVED & !SHARED,
-        decode,
+    /// The layout of a stored pointer as the metadata layer's checks see
+    /// it (the geometry check of map pages and log records).
+    pub(crate) const LAYOUT: crate::meta::geometry::EntryLayout = crate::meta::geometry::EntryLayout {
+        valid: MAPPED,
+        must_be_clear: FLAGS & !SHARED,
+        decode: |bits| BlockPtr(bits).place(),
     };
 
-    /// (device index, byte offset) of a valid entry.
-    pub fn decode(entry: u64) -> Option<(u8, u64)> {
-        if entry & VALID == 0 {
+    /// The pointer to the slot at byte `offset` (4 KiB aligned) of pool
+    /// member `device`, not shared.
+    pub(crate) fn at(device: u8, offset: u64) -> BlockPtr {
+        assert!(
+            offset.is_multiple_of(SECTOR_BYTES) && offset >> SECTOR_SHIFT <= OFFSET_MASK,
+            "block pointer to offset {offset} of device {device}"
+        );
+        BlockPtr(MAPPED | (device as u64) << DEVICE_SHIFT | (offset >> SECTOR_SHIFT))
+    }
+
+    /// Whether the block has a slot.
+    pub(crate) fn is_mapped(self) -> bool {
+        self.0 & MAPPED != 0
+    }
+
+    /// Whether a snapshot maps the slot too (a write to the block goes to a
+    /// new slot and leaves this one).
+    pub(crate) fn is_shared(self) -> bool {
+        self.0 & SHARED != 0
+    }
+
+    /// The pointer marked shared (an unmapped one stays unmapped).
+    pub(crate) fn shared(self) -> BlockPtr {
+        if self.is_mapped() {
+            BlockPtr(self.0 | SHARED)
+        } else {
+            self
+        }
+    }
+
+    /// The pointer not marked shared (no snapshot maps the slot any more).
+    pub(crate) fn private(self) -> BlockPtr {
+        BlockPtr(self.0 & !SHARED)
+    }
+
+    /// The slot alone, without any flag: as the log names it and as sets
+    /// of slots hold it.
+    pub(crate) fn slot(self) -> BlockPtr {
+        BlockPtr(self.0 & !FLAGS)
+    }
+
+    /// The pointer to `to`'s slot with this pointer's flags (a relocated
+    /// block stays as shared as it was).
+    pub(crate) fn moved_to(self, to: BlockPtr) -> BlockPtr {
+        BlockPtr((to.0 & !FLAGS) | (self.0 & FLAGS))
+    }
+
+    /// (device index, byte offset) of the slot of a mapped pointer.
+    pub(crate) fn place(self) -> Option<(u8, u64)> {
+        if !self.is_mapped() {
             return None;
         }
         Some((
-            ((entry & DEVICE_MASK) >> DEVICE_SHIFT) as u8,
-            (entry & OFFSET_MASK) << super::SECTOR_SHIFT,
+            ((self.0 & DEVICE_MASK) >> DEVICE_SHIFT) as u8,
+            (self.0 & OFFSET_MASK) << SECTOR_SHIFT,
         ))
+    }
+
+    /// Whether both pointers map the same slot (whatever their flags).
+    pub(crate) fn same_slot(self, other: BlockPtr) -> bool {
+        self.is_mapped() && other.is_mapped() && self.slot() == other.slot()
+    }
+
+    /// Whether the two pointers differ as the block's contents go: one is
+    /// mapped and they do not map the same slot.
+    pub(crate) fn differs_from(self, other: BlockPtr) -> bool {
+        (self.is_mapped() || other.is_mapped()) && !self.same_slot(other)
+    }
+
+    /// The stored form: for the conversions of map pages and log records
+    /// only.
+    pub(crate) fn to_bits(self) -> u64 {
+        self.0
+    }
+
+    /// A pointer from its stored form: for the conversions of map pages and
+    /// log records only (stored pages and records are checked against the
+    /// pool's geometry when they are read, [`BlockPtr::LAYOUT`]).
+    pub(crate) fn from_bits(bits: u64) -> BlockPtr {
+        BlockPtr(bits)
+    }
+}
+
+impl std::fmt::Debug for BlockPtr {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.place() {
+            None if self.0 == 0 => write!(f, "BlockPtr::NONE"),
+            None => write!(f, "BlockPtr({:#018x})", self.0),
+            Some((device, offset)) => {
+                write!(f, "BlockPtr({device}:{offset:#x}")?;
+                if self.is_shared() {
+                    write!(f, ", shared")?;
+                }
+                write!(f, ")")
+            }
+        }
+    }
+}
+
+/// As the stored word, for messages about stored entries.
+impl std::fmt::LowerHex for BlockPtr {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::LowerHex::fmt(&self.0, f)
+    }
+}
+
+/// The log records of the block map carry pointers in their stored form
+/// (the log's codec is below the pool); these are where they are made and
+/// read as pointers.
+impl Record {
+    /// Block `block` of `volume` maps `new` (with checksums `crcs`) instead
+    /// of `old`.
+    pub(crate) fn map(volume: u32, block: u64, new: BlockPtr, old: BlockPtr, crcs: Vec<u32>) -> Record {
+        Record::Map {
+            volume,
+            block,
+            new: new.to_bits(),
+            old: old.to_bits(),
+            crcs,
+        }
+    }
+
+    /// The owners of slot `old` at `block` map `new` (with checksums
+    /// `crcs`) instead. The log names the slots without flags.
+    pub(crate) fn relocate(block: u64, old: BlockPtr, new: BlockPtr, crcs: Vec<u32>, owners: Vec<u32>) -> Record {
+        Record::Relocate {
+            block,
+            old: old.slot().to_bits(),
+            new: new.to_bits(),
+            crcs,
+            owners,
+        }
+    }
+
+    /// `(new, old)` of a `Map` or `Relocate` record.
+    pub(crate) fn block_ptrs(&self) -> Option<(BlockPtr, BlockPtr)> {
+        match self {
+            Record::Map { new, old, .. } | Record::Relocate { new, old, .. } => Some((BlockPtr(*new), BlockPtr(*old))),
+            _ => None,
+        }
+    }
+}
+
+/// The entries of a map page as block pointers (the page, a metadata type,
+/// stores their bits).
+impl MapPage {
+    /// A page holding `ptrs`, born at `birth`.
+    pub(crate) fn of_ptrs(ptrs: &[BlockPtr], birth: u64) -> MapPage {
+        let entries: Vec<AtomicU64> = ptrs.iter().map(|p| AtomicU64::new(p.0)).collect();
+        MapPage::copied(&entries, birth)
+    }
+
+    /// Entry `index`.
+    pub(crate) fn ptr(&self, index: usize) -> BlockPtr {
+        BlockPtr(self.entries[index].load(Ordering::Acquire))
+    }
+
+    /// Sets entry `index` (the caller marks the page dirty).
+    pub(crate) fn set_ptr(&self, index: usize, ptr: BlockPtr) {
+        self.entries[index].store(ptr.to_bits(), Ordering::Release);
+    }
+
+    /// Entries `range`.
+    pub(crate) fn ptrs_in(&self, range: std::ops::Range<usize>) -> Vec<BlockPtr> {
+        self.entries[range]
+            .iter()
+            .map(|e| BlockPtr(e.load(Ordering::Acquire)))
+            .collect()
+    }
+
+    /// Every entry.
+    pub(crate) fn ptrs(&self) -> Vec<BlockPtr> {
+        self.ptrs_in(0..self.entries.len())
+    }
+
+    /// Marks every mapped entry shared (a snapshot of the page was taken;
+    /// the caller marks the page dirty).
+    pub(crate) fn share_all(&self) {
+        for entry in self.entries.iter() {
+            let ptr = BlockPtr(entry.load(Ordering::Acquire));
+            if ptr.is_mapped() {
+                entry.store(ptr.shared().0, Ordering::Release);
+            }
+        }
+    }
+
+    /// The number of mapped entries.
+    pub(crate) fn mapped_count(&self) -> u64 {
+        self.entries
+            .iter()
+            .filter(|e| BlockPtr(e.load(Ordering::Acquire)).is_mapped())
+            .count() as u64
     }
 }
 
@@ -94,12 +277,16 @@ impl Pool {
         self.corruption.count()
     }
 
-    /// The map entries of blocks `first..=last` of `volume` as the pool
-    /// sees them (see [`map_entry`]): for tests that check what a read
-    /// returned against what the map says.
+    /// Where blocks `first..=last` of `volume` live as the pool sees them
+    /// ((device index, byte offset) of each mapped block's slot): for tests
+    /// that check what a read returned against what the map says.
     #[doc(hidden)]
-    pub fn map_entries(&self, volume: u32, first: u64, last: u64) -> Result<Vec<u64>, MetaError> {
-        self.lookup_range(volume, first, last)
+    pub fn block_places(&self, volume: u32, first: u64, last: u64) -> Result<Vec<Option<(u8, u64)>>, MetaError> {
+        Ok(self
+            .lookup_range(volume, first, last)?
+            .into_iter()
+            .map(BlockPtr::place)
+            .collect())
     }
 
     /// The map page of a volume (never of a snapshot: see `view_page`).
@@ -135,25 +322,22 @@ impl Pool {
         }
     }
 
-    pub(crate) fn lookup(&self, volume: u32, block: u64) -> Result<u64, MetaError> {
+    pub(crate) fn lookup(&self, volume: u32, block: u64) -> Result<BlockPtr, MetaError> {
         self.read_view(volume, block / MAP_ENTRIES_PER_PAGE, |page| {
-            page.entries[(block % MAP_ENTRIES_PER_PAGE) as usize].load(Ordering::Acquire)
+            page.ptr((block % MAP_ENTRIES_PER_PAGE) as usize)
         })
     }
 
     /// The map entries of blocks `first..=last`, one page lookup per map
     /// page rather than per block (a megabyte request covers 64 blocks).
-    pub(crate) fn lookup_range(&self, volume: u32, first: u64, last: u64) -> Result<Vec<u64>, MetaError> {
+    pub(crate) fn lookup_range(&self, volume: u32, first: u64, last: u64) -> Result<Vec<BlockPtr>, MetaError> {
         let mut entries = Vec::with_capacity((last - first + 1) as usize);
         let mut block = first;
         while block <= last {
             let within = (block % MAP_ENTRIES_PER_PAGE) as usize;
             let count = (MAP_ENTRIES_PER_PAGE as usize - within).min((last - block + 1) as usize);
             let part = self.read_view(volume, block / MAP_ENTRIES_PER_PAGE, |page| {
-                page.entries[within..within + count]
-                    .iter()
-                    .map(|e| e.load(Ordering::Acquire))
-                    .collect::<Vec<u64>>()
+                page.ptrs_in(within..within + count)
             })?;
             entries.extend(part);
             block += count as u64;
@@ -161,7 +345,7 @@ impl Pool {
         Ok(entries)
     }
 
-    pub(crate) fn set_mapping(&self, volume: u32, block: u64, entry: u64) -> Result<(), MetaError> {
+    pub(crate) fn set_mapping(&self, volume: u32, block: u64, entry: BlockPtr) -> Result<(), MetaError> {
         #[cfg(test)]
         if self.fail_mapping_after.fetch_sub(1, Ordering::AcqRel) == 0 {
             return Err(MetaError::Failed(format!(
@@ -170,7 +354,7 @@ impl Pool {
         }
         assert!(!snapshots::is_snapshot_id(volume), "a snapshot's map is read-only");
         let page = self.map_page(volume, block)?;
-        page.entries[(block % MAP_ENTRIES_PER_PAGE) as usize].store(entry, Ordering::Release);
+        page.set_ptr((block % MAP_ENTRIES_PER_PAGE) as usize, entry);
         if !page.present.load(Ordering::Relaxed) {
             // The volume has this page now (a clone's was made its own
             // before any change: `Pool::ensure_private`).
@@ -361,12 +545,6 @@ impl Pool {
     /// Counts the mapped blocks of volume `id` (stored pages, with cached
     /// pages taking precedence).
     pub(super) fn count_mapped_blocks(&self, id: u32) -> Result<u64, PoolError> {
-        let count_page = |entries: &[AtomicU64]| {
-            entries
-                .iter()
-                .filter(|e| e.load(Ordering::Acquire) & map_entry::VALID != 0)
-                .count() as u64
-        };
         let cached: HashSet<(u32, u64)> = self
             .map_pages
             .keys_of(id)
@@ -375,7 +553,11 @@ impl Pool {
             .collect();
         let mut total = 0;
         for key in &cached {
-            total += count_page(&self.map_pages.get(&self.db, *key).map_err(PoolError::Meta)?.entries);
+            total += self
+                .map_pages
+                .get(&self.db, *key)
+                .map_err(PoolError::Meta)?
+                .mapped_count();
         }
         crate::meta::store::guarded(format_args!("table map_pages pages of {id}"), || {
             let txn = self.db.begin_read().map_err(MetaError::from)?;
@@ -386,9 +568,45 @@ impl Pool {
                     continue;
                 }
                 let page = self.map_pages.decode_checked(key.value(), Some(value.value()))?;
-                total += count_page(&page.entries);
+                total += page.mapped_count();
             }
             Ok(total)
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_block_ptr_keeps_its_place_and_flags_in_the_stored_layout() {
+        let ptr = BlockPtr::at(3, 97 << 20);
+        assert_eq!(
+            ptr.to_bits(),
+            1 << 63 | 3 << 48 | (97 << 20 >> 12),
+            "docs/FORMAT.md's layout"
+        );
+        assert_eq!(ptr.place(), Some((3, 97 << 20)));
+        assert!(ptr.is_mapped() && !ptr.is_shared());
+        let shared = ptr.shared();
+        assert_eq!(shared.to_bits(), ptr.to_bits() | 1 << 62);
+        assert!(shared.is_shared() && shared.place() == ptr.place());
+        assert_eq!(shared.private(), ptr);
+        assert_eq!(shared.slot(), ptr);
+        assert!(shared.same_slot(ptr) && !shared.differs_from(ptr));
+        assert_eq!(
+            BlockPtr::NONE.shared(),
+            BlockPtr::NONE,
+            "an unmapped pointer stays unmapped"
+        );
+        assert_eq!(BlockPtr::NONE.place(), None);
+        assert!(!BlockPtr::NONE.same_slot(BlockPtr::NONE) && !BlockPtr::NONE.differs_from(BlockPtr::NONE));
+        assert!(ptr.differs_from(BlockPtr::NONE) && BlockPtr::NONE.differs_from(ptr));
+        let other = BlockPtr::at(3, (97 << 20) + 4096);
+        assert!(!ptr.same_slot(other) && ptr.differs_from(other));
+        let moved = shared.moved_to(other);
+        assert!(moved.is_shared() && moved.place() == other.place());
+        assert_eq!(format!("{shared:#018x}"), format!("{:#018x}", shared.to_bits()));
     }
 }

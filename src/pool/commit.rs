@@ -56,10 +56,8 @@ impl Pool {
     /// pass has flushed the data devices ([`Log::defer`]).
     pub(crate) fn log_mapping_in(&self, record: Record, pass: Option<u64>) {
         // A slot a snapshot shares is not freed by the volume's change.
-        let free = match &record {
-            Record::Map { old, .. } if *old & map_entry::VALID != 0 && *old & map_entry::SHARED == 0 => {
-                Some(map_entry::decode(*old).unwrap_or((0, 0)))
-            }
+        let free = match (&record, record.block_ptrs()) {
+            (Record::Map { .. }, Some((_, old))) if !old.is_shared() => old.place(),
             _ => None,
         };
         match (pass, free) {

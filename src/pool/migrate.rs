@@ -36,7 +36,7 @@ use std::time::{Duration, Instant};
 
 use super::superblock::Role;
 use super::volume::{EngineVolume, Moved};
-use super::{map_entry, Pool, PoolError, MAP_ENTRIES_PER_PAGE};
+use super::{BlockPtr, Pool, PoolError, MAP_ENTRIES_PER_PAGE};
 use crate::meta::MetaError;
 use crate::volume::BlockDevice;
 
@@ -254,7 +254,7 @@ impl Pool {
             let first = index * MAP_ENTRIES_PER_PAGE;
             let last = (first + MAP_ENTRIES_PER_PAGE - 1).min(blocks - 1);
             for entry in self.lookup_range(id, first, last)? {
-                if let Some((device, _)) = map_entry::decode(entry) {
+                if let Some((device, _)) = entry.place() {
                     match self.devices.get(device as usize).map(|d| d.member.role) {
                         Some(Role::Capacity) => capacity += block_bytes,
                         Some(_) => fast += block_bytes,
@@ -449,7 +449,7 @@ impl Pool {
             .chain(&candidates.hot)
             .map(|c| ((c.device, c.chunk), Vec::new()))
             .collect();
-        let mut seen: HashSet<u64> = HashSet::new();
+        let mut seen: HashSet<BlockPtr> = HashSet::new();
         // Chunks holding a pinned volume's blocks: never moved by heat;
         // those on the wrong tier (at most `limits.chunks`) move first.
         let mut pinned: BTreeMap<(u8, u64), Role> = BTreeMap::new();
@@ -465,8 +465,8 @@ impl Pool {
                 TierPin::Capacity => Some(Role::Capacity),
                 TierPin::Auto => None,
             };
-            let mut note = |block: u64, entry: u64, owners: &mut HashMap<(u8, u64), Vec<Owner>>| {
-                let Some((device, offset)) = map_entry::decode(entry) else {
+            let mut note = |block: u64, entry: BlockPtr, owners: &mut HashMap<(u8, u64), Vec<Owner>>| {
+                let Some((device, offset)) = entry.place() else {
                     return;
                 };
                 let key = (device, offset / chunk_bytes);
@@ -477,7 +477,7 @@ impl Pool {
                 if !candidate && !away {
                     return;
                 }
-                if !seen.insert(entry & !map_entry::RESERVED) {
+                if !seen.insert(entry.slot()) {
                     return;
                 }
                 if let Some(to) = pin {
@@ -489,7 +489,7 @@ impl Pool {
                 owners.entry(key).or_default().push(Owner {
                     engine: engine.clone(),
                     block,
-                    entry: entry & !map_entry::RESERVED,
+                    entry: entry.slot(),
                 });
             };
             // Page indexes a window at a time, so the list of them is
@@ -514,12 +514,8 @@ impl Pool {
                     let (indexes, next) = self.own_pages_from(snapshot, start, PAGE_WINDOW)?;
                     for index in indexes {
                         let page = self.map_pages.get(&self.db, (snapshot, index))?;
-                        for (within, entry) in page.entries.iter().enumerate() {
-                            note(
-                                index * MAP_ENTRIES_PER_PAGE + within as u64,
-                                entry.load(Ordering::Acquire),
-                                &mut owners,
-                            );
+                        for (within, entry) in page.ptrs().into_iter().enumerate() {
+                            note(index * MAP_ENTRIES_PER_PAGE + within as u64, entry, &mut owners);
                         }
                     }
                     from = next;
@@ -729,7 +725,7 @@ impl Pool {
                 }
                 burst = Instant::now();
             }
-            let source = chunk.blocks.first().and_then(|o| map_entry::decode(o.entry));
+            let source = chunk.blocks.first().and_then(|o| o.entry.place());
             let heat = source.map_or(0, |(device, offset)| {
                 self.devices
                     .get(device as usize)
@@ -742,7 +738,7 @@ impl Pool {
             owners.sort_by_key(|o| (o.engine.id(), o.block));
             for group in owners.chunk_by(|a, b| a.engine.id() == b.engine.id()) {
                 let engine = &group[0].engine;
-                let blocks: Vec<(u64, u64)> = group.iter().map(|o| (o.block, o.entry)).collect();
+                let blocks: Vec<(u64, BlockPtr)> = group.iter().map(|o| (o.block, o.entry)).collect();
                 let outcome = match engine.move_blocks(&blocks, chunk.to).await {
                     Ok(outcome) => outcome,
                     // The target tier filled meanwhile: the rest waits.
@@ -1013,7 +1009,7 @@ struct ChunkInfo {
 struct Owner {
     engine: Arc<EngineVolume>,
     block: u64,
-    entry: u64,
+    entry: BlockPtr,
 }
 
 struct ChunkMove {
@@ -1207,7 +1203,7 @@ mod tests {
         pool.lookup_range(1, index * blocks, (index + 1) * blocks - 1)
             .unwrap()
             .into_iter()
-            .all(|e| matches!(map_entry::decode(e), Some((device, _)) if pool.devices.at(device).unwrap().member.role == Role::Fast))
+            .all(|e| matches!(e.place(), Some((device, _)) if pool.devices.at(device).unwrap().member.role == Role::Fast))
     }
 
     /// A file dataset's engine object spans 2^63 bytes. With the fast tier
@@ -1532,7 +1528,7 @@ mod tests {
             }
             let chunk = |pool: &Pool| {
                 let entry = pool.lookup(1, 0).unwrap();
-                let (device, offset) = map_entry::decode(entry).unwrap();
+                let (device, offset) = entry.place().unwrap();
                 pool.devices.at(device).unwrap().heat.score(offset / MIB)
             };
             let hot = chunk(&pool);
@@ -1607,16 +1603,16 @@ mod tests {
             let (fast, capacity, pool, volume) = two_tier_pool(19).await;
             let half = MIB / 2;
             let data = |byte: u8| IoBuf::copy_from(&vec![byte; half as usize]);
-            let blocks_of = |first: u64| -> Vec<(u64, u64)> {
+            let blocks_of = |first: u64| -> Vec<(u64, BlockPtr)> {
                 let count = half / 4096;
                 (first..first + count)
                     .zip(pool.lookup_range(1, first, first + count - 1).unwrap())
                     .collect()
             };
-            let on_capacity = |blocks: &[(u64, u64)]| -> Vec<(u8, u64)> {
+            let on_capacity = |blocks: &[(u64, BlockPtr)]| -> Vec<(u8, u64)> {
                 blocks
                     .iter()
-                    .map(|(block, _)| map_entry::decode(pool.lookup(1, *block).unwrap()).unwrap())
+                    .map(|(block, _)| pool.lookup(1, *block).unwrap().place().unwrap())
                     .inspect(|(device, _)| assert_eq!(pool.devices.at(*device).unwrap().member.role, Role::Capacity))
                     .collect()
             };
@@ -1889,7 +1885,7 @@ mod tests {
                         .collect()
                 };
                 for (b, (device, offset)) in (next..).zip(slots) {
-                    pool.set_mapping(1, b, map_entry::encode(device, offset)).unwrap();
+                    pool.set_mapping(1, b, BlockPtr::at(device, offset)).unwrap();
                 }
                 next += count;
             }

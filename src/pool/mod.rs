@@ -48,7 +48,7 @@ pub mod superblock;
 pub mod volume;
 mod volumes;
 
-pub use blockmap::map_entry;
+pub(crate) use blockmap::BlockPtr;
 use checkpoint::run_blocking;
 use recover::{read_superblock, round_up, write_superblock};
 pub use send::SendExtent;

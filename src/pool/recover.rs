@@ -329,7 +329,7 @@ impl Pool {
             .collect();
         // What stored map entries and checksum pages are checked against.
         let geometry = Geometry {
-            entries: map_entry::LAYOUT,
+            entries: BlockPtr::LAYOUT,
             sector_bytes: SECTOR_BYTES,
             devices: devices
                 .iter()
@@ -598,8 +598,8 @@ impl Pool {
                 .check_map_entry(entry)
                 .map_err(|e| format!("field {field}: {e}"))
         };
-        let checksums = |new: u64, crcs: &[u32]| {
-            let fits = if new & map_entry::VALID == 0 {
+        let checksums = |new: BlockPtr, crcs: &[u32]| {
+            let fits = if !new.is_mapped() {
                 crcs.is_empty()
             } else {
                 crcs.len().is_power_of_two()
@@ -624,7 +624,7 @@ impl Pool {
                 let what = |e: String| format!("Map of volume {volume} block {block}, {e}");
                 slot("new", *new).map_err(what)?;
                 slot("old", *old).map_err(what)?;
-                checksums(*new, crcs).map_err(what)
+                checksums(BlockPtr::from_bits(*new), crcs).map_err(what)
             }
             Record::Relocate {
                 block, old, new, crcs, ..
@@ -632,7 +632,7 @@ impl Pool {
                 let what = |e: String| format!("Relocate of block {block}, {e}");
                 slot("new", *new).map_err(what)?;
                 slot("old", *old).map_err(what)?;
-                checksums(*new, crcs).map_err(what)
+                checksums(BlockPtr::from_bits(*new), crcs).map_err(what)
             }
             _ => Ok(()),
         }
@@ -640,10 +640,10 @@ impl Pool {
 
     /// Whether the data a staged `Map` record points at matches its checksums.
     async fn staged_data_present(&self, record: &Record) -> bool {
-        let (Record::Map { new, crcs, .. } | Record::Relocate { new, crcs, .. }) = record else {
+        let (Record::Map { crcs, .. } | Record::Relocate { crcs, .. }) = record else {
             return true;
         };
-        let Some((device, offset)) = map_entry::decode(*new) else {
+        let Some((device, offset)) = record.block_ptrs().and_then(|(new, _)| new.place()) else {
             return true;
         };
         let Some(pool_device) = self.devices.get(device as usize) else {
@@ -659,17 +659,17 @@ impl Pool {
                 .all(|(sector, crc)| crate::checksum::crc32c(sector) == *crc)
     }
 
-    /// The slots of a replayed mapping change: `freed` (0: none) is free,
-    /// `new` (0: none) in use with checksums `crcs`. Either may be so
+    /// The slots of a replayed mapping change: `freed` (unmapped: none) is
+    /// free, `new` (unmapped: none) in use with checksums `crcs`. Either may be so
     /// already, if the checkpoint came after the record.
     /// `block`: the volume block the slot holds (what its stored checksums
     /// are tagged with).
-    fn replay_slots(&self, freed: u64, new: u64, block: u64, crcs: &[u32]) -> Result<(), String> {
+    fn replay_slots(&self, freed: BlockPtr, new: BlockPtr, block: u64, crcs: &[u32]) -> Result<(), String> {
         let mut allocator = self.allocator.lock_or_abort();
-        if let Some((device, offset)) = map_entry::decode(freed) {
+        if let Some((device, offset)) = freed.place() {
             let _ = allocator.free(device, offset);
         }
-        if let Some((device, offset)) = map_entry::decode(new) {
+        if let Some((device, offset)) = new.place() {
             let slot_shift = (crcs.len().max(1) as u64 * SECTOR_BYTES).trailing_zeros() as u8;
             match allocator.mark_used(device, offset, slot_shift) {
                 Ok(()) | Err(alloc::AllocError::AlreadyUsed { .. }) => {}
@@ -713,13 +713,13 @@ impl Pool {
                 old,
                 crcs,
             } => {
+                let (new, old) = (BlockPtr::from_bits(new), BlockPtr::from_bits(old));
                 let page = self.map_page(volume, block).map_err(PoolError::Meta)?;
-                let slot = &page.entries[(block % MAP_ENTRIES_PER_PAGE) as usize];
-                slot.store(new, Ordering::Release);
+                page.set_ptr((block % MAP_ENTRIES_PER_PAGE) as usize, new);
                 page.present.store(true, Ordering::Release);
                 self.map_pages.mark_dirty(&page);
                 // A slot a snapshot shares stays.
-                let freed = if old & map_entry::SHARED == 0 { old } else { 0 };
+                let freed = if old.is_shared() { BlockPtr::NONE } else { old };
                 self.replay_slots(freed, new, block, &crcs)
                     .map_err(|e| corrupt(format!("log record mapping volume {volume} block {block}: {e}")))?;
             }
@@ -730,6 +730,7 @@ impl Pool {
                 crcs,
                 owners,
             } => {
+                let (new, old) = (BlockPtr::from_bits(new), BlockPtr::from_bits(old));
                 self.apply_relocate(block, old, new, &owners).map_err(PoolError::Meta)?;
                 self.replay_slots(old, new, block, &crcs)
                     .map_err(|e| corrupt(format!("log record moving block {block} of {owners:?}: {e}")))?;

@@ -46,7 +46,7 @@ impl Pool {
 
     /// The members of `family` whose own map page maps `slot` at `block`,
     /// with those pages.
-    fn slot_owners(&self, family: &[u32], block: u64, slot: u64) -> Result<Vec<(u32, Arc<MapPage>)>, MetaError> {
+    fn slot_owners(&self, family: &[u32], block: u64, slot: BlockPtr) -> Result<Vec<(u32, Arc<MapPage>)>, MetaError> {
         let index = block / MAP_ENTRIES_PER_PAGE;
         let within = (block % MAP_ENTRIES_PER_PAGE) as usize;
         let destroyed = self.destroyed.lock_or_abort().clone();
@@ -56,9 +56,7 @@ impl Pool {
                 continue;
             }
             let page = self.map_pages.get(&self.db, (id, index))?;
-            if page.present.load(Ordering::Acquire)
-                && map_entry::same_slot(page.entries[within].load(Ordering::Acquire), slot)
-            {
+            if page.present.load(Ordering::Acquire) && page.ptr(within).same_slot(slot) {
                 owners.push((id, page));
             }
         }
@@ -67,7 +65,7 @@ impl Pool {
 
     /// Whether any member of `family` maps `slot` at `block` (a move's
     /// first look; [`Pool::relocate`] looks again under its locks).
-    pub(crate) fn slot_is_mapped(&self, family: &[u32], block: u64, slot: u64) -> Result<bool, MetaError> {
+    pub(crate) fn slot_is_mapped(&self, family: &[u32], block: u64, slot: BlockPtr) -> Result<bool, MetaError> {
         Ok(!self.slot_owners(family, block, slot)?.is_empty())
     }
 
@@ -89,8 +87,8 @@ impl Pool {
         volume: u32,
         locked: &[&volume::EngineVolume],
         block: u64,
-        old: u64,
-        new: u64,
+        old: BlockPtr,
+        new: BlockPtr,
         crcs: Vec<u32>,
     ) -> Result<bool, MetaError> {
         let _copying = self.page_copy.lock_or_abort();
@@ -110,7 +108,7 @@ impl Pool {
         if owners.is_empty() || owners.len() > MAX_RELOCATE_OWNERS {
             return Ok(false);
         }
-        let (Some(from), Some((device, offset))) = (map_entry::decode(old), map_entry::decode(new)) else {
+        let (Some(from), Some((device, offset))) = (old.place(), new.place()) else {
             return Ok(false);
         };
         let mut stored = crcs.clone();
@@ -125,26 +123,17 @@ impl Pool {
         }
         self.relocations.fetch_add(1, Ordering::AcqRel);
         drop(engines);
-        let record = Record::Relocate {
-            block,
-            old: old & !map_entry::RESERVED,
-            new,
-            crcs,
-            owners: owners.iter().map(|(id, _)| *id).collect(),
-        };
+        let record = Record::relocate(block, old, new, crcs, owners.iter().map(|(id, _)| *id).collect());
         self.log.append_free(record, from);
         Ok(true)
     }
 
     /// Points entry `within` of `page` at `new` if it maps `old`, keeping
     /// its flags.
-    fn remap_entry(&self, page: &Arc<MapPage>, within: usize, old: u64, new: u64) {
-        let entry = page.entries[within].load(Ordering::Acquire);
-        if map_entry::same_slot(entry, old) {
-            page.entries[within].store(
-                (new & !map_entry::RESERVED) | (entry & map_entry::RESERVED),
-                Ordering::Release,
-            );
+    fn remap_entry(&self, page: &Arc<MapPage>, within: usize, old: BlockPtr, new: BlockPtr) {
+        let entry = page.ptr(within);
+        if entry.same_slot(old) {
+            page.set_ptr(within, entry.moved_to(new));
             self.map_pages.mark_dirty(page);
         }
     }
@@ -152,7 +141,13 @@ impl Pool {
     /// A `Relocate` record's remap, replayed (its slots are the caller's).
     /// An owner destroyed since is left out; an entry that no longer maps
     /// `old` (the checkpoint came after the record) is left alone.
-    pub(super) fn apply_relocate(&self, block: u64, old: u64, new: u64, owners: &[u32]) -> Result<(), MetaError> {
+    pub(super) fn apply_relocate(
+        &self,
+        block: u64,
+        old: BlockPtr,
+        new: BlockPtr,
+        owners: &[u32],
+    ) -> Result<(), MetaError> {
         let index = block / MAP_ENTRIES_PER_PAGE;
         let within = (block % MAP_ENTRIES_PER_PAGE) as usize;
         let destroyed = self.destroyed.lock_or_abort().clone();

@@ -57,7 +57,7 @@ impl Pool {
                 let last = (first + MAP_ENTRIES_PER_PAGE - 1).min(blocks - 1);
                 let entries = self.lookup_range(id, first, last).map_err(PoolError::Meta)?;
                 for (block, entry) in (first..).zip(entries) {
-                    let Some((device, offset)) = map_entry::decode(entry) else {
+                    let Some((device, offset)) = entry.place() else {
                         continue;
                     };
                     let Some(have) = suspect.get(&(device, offset / chunk_bytes)) else {

@@ -30,7 +30,7 @@ impl Pool {
         for (first, count) in self.changed_blocks(older, newer, 0, blocks - 1)? {
             let entries = self.lookup_range(newer, first, first + count - 1)?;
             for (i, entry) in entries.iter().enumerate() {
-                let mapped = entry & map_entry::VALID != 0;
+                let mapped = entry.is_mapped();
                 let block = first + i as u64;
                 match extents.last_mut() {
                     Some(last) if last.first + last.count == block && last.mapped == mapped => last.count += 1,

@@ -933,12 +933,7 @@ impl Pool {
                 }
             }
         }
-        for entry in page.entries.iter() {
-            let value = entry.load(Ordering::Acquire);
-            if value & map_entry::VALID != 0 {
-                entry.store(value | map_entry::SHARED, Ordering::Release);
-            }
-        }
+        page.share_all();
         page.birth.store(generation, Ordering::Release);
         self.map_pages.mark_dirty(page);
     }
@@ -949,14 +944,10 @@ impl Pool {
     /// there, and gets a copy before the page changes). The entries are
     /// filled in place before the page says it is present, so a reader
     /// that sees it present sees them.
-    fn clone_page_into(&self, page: &MapPage, entries: &[u64]) {
-        for (entry, &value) in page.entries.iter().zip(entries) {
-            let shared = if value & map_entry::VALID != 0 {
-                value | map_entry::SHARED
-            } else {
-                0
-            };
-            entry.store(shared, Ordering::Release);
+    fn clone_page_into(&self, page: &MapPage, entries: &[BlockPtr]) {
+        for (i, &ptr) in entries.iter().enumerate().take(page.entries.len()) {
+            let shared = if ptr.is_mapped() { ptr.shared() } else { BlockPtr::NONE };
+            page.set_ptr(i, shared);
         }
         page.birth.store(0, Ordering::Release);
         page.present.store(true, Ordering::Release);
@@ -965,10 +956,8 @@ impl Pool {
 
     /// The entries `owner` (a snapshot or a volume) sees at map page
     /// `index` (a consistent copy: see `read_view`).
-    pub(crate) fn view_entries(&self, owner: u32, index: u64) -> Result<Vec<u64>, MetaError> {
-        self.read_view(owner, index, |page| {
-            page.entries.iter().map(|e| e.load(Ordering::Acquire)).collect()
-        })
+    pub(crate) fn view_entries(&self, owner: u32, index: u64) -> Result<Vec<BlockPtr>, MetaError> {
+        self.read_view(owner, index, |page| page.ptrs())
     }
 
     /// The map page `owner` sees at `index`: its own (a snapshot's copy, a
@@ -1188,7 +1177,7 @@ impl Pool {
         let mut freed = Vec::new();
         for index in self.own_pages(snapshot)? {
             let page = self.map_pages.get(&self.db, (snapshot, index))?;
-            let older_page: Option<Vec<u64>> = match (older, origin) {
+            let older_page: Option<Vec<BlockPtr>> = match (older, origin) {
                 (Some(older), _) => {
                     let older_page = self.map_pages.get(&self.db, (older, index))?;
                     if !older_page.present.load(Ordering::Acquire) {
@@ -1201,7 +1190,7 @@ impl Pool {
                         self.map_pages.mark_dirty(&copy);
                         continue;
                     }
-                    Some(older_page.entries.iter().map(|e| e.load(Ordering::Acquire)).collect())
+                    Some(older_page.ptrs())
                 }
                 (None, Some(origin)) => Some(self.view_entries(origin, index)?),
                 (None, None) => None,
@@ -1216,21 +1205,20 @@ impl Pool {
             // it changes.
             let next_is_live = Arc::ptr_eq(&next_page, &live_page);
             let mut live_changed = false;
-            for (i, entry) in page.entries.iter().enumerate() {
-                let slot = entry.load(Ordering::Acquire);
-                if slot & map_entry::VALID == 0 {
+            for (i, slot) in page.ptrs().into_iter().enumerate() {
+                if !slot.is_mapped() {
                     continue;
                 }
-                let in_older = older_page.as_ref().is_some_and(|p| map_entry::same_slot(p[i], slot));
-                let next = next_page.entries[i].load(Ordering::Acquire);
-                let in_next = map_entry::same_slot(next, slot);
+                let in_older = older_page.as_ref().is_some_and(|p| p[i].same_slot(slot));
+                let next = next_page.ptr(i);
+                let in_next = next.same_slot(slot);
                 if in_next && next_is_live && !in_older {
                     // No snapshot maps the volume's slot any more.
-                    next_page.entries[i].store(next & !map_entry::SHARED, Ordering::Release);
+                    next_page.set_ptr(i, next.private());
                     live_changed = true;
                 }
                 if !in_older && !in_next {
-                    freed.extend(map_entry::decode(slot));
+                    freed.extend(slot.place());
                 }
             }
             if live_changed {
@@ -1291,20 +1279,19 @@ impl Pool {
         for index in self.own_pages(snapshot)? {
             let kept = self.map_pages.get(&self.db, (snapshot, index))?;
             let live = self.map_pages.get(&self.db, (volume, index))?;
-            for (entry, kept) in live.entries.iter().zip(kept.entries.iter()) {
-                let now = entry.load(Ordering::Acquire);
-                let then = kept.load(Ordering::Acquire);
-                if now & map_entry::VALID != 0 && !map_entry::same_slot(now, then) {
+            for (i, then) in kept.ptrs().into_iter().enumerate().take(live.entries.len()) {
+                let now = live.ptr(i);
+                if now.is_mapped() && !now.same_slot(then) {
                     // Written after the snapshot: nothing else maps it.
-                    assert_eq!(now & map_entry::SHARED, 0, "a shared slot the snapshot does not map");
-                    freed.extend(map_entry::decode(now));
+                    assert!(!now.is_shared(), "a shared slot the snapshot does not map");
+                    freed.extend(now.place());
                 }
-                let restored = if then & map_entry::VALID != 0 {
-                    then | map_entry::SHARED
+                let restored = if then.is_mapped() {
+                    then.shared()
                 } else {
-                    0
+                    BlockPtr::NONE
                 };
-                entry.store(restored, Ordering::Release);
+                live.set_ptr(i, restored);
             }
             self.map_pages.mark_dirty(&live);
         }
@@ -1424,7 +1411,7 @@ impl Pool {
         let mut used = 0;
         for index in self.own_pages(id)? {
             let page = self.map_pages.get(&self.db, (id, index))?;
-            let mut others: Vec<Vec<u64>> = Vec::new();
+            let mut others: Vec<Vec<BlockPtr>> = Vec::new();
             match (older, chain.origin) {
                 (Some(older), _) => {
                     let older_page = self.map_pages.get(&self.db, (older, index))?;
@@ -1432,7 +1419,7 @@ impl Pool {
                         // Deleting would hand this page down, whole.
                         continue;
                     }
-                    others.push(older_page.entries.iter().map(|e| e.load(Ordering::Acquire)).collect());
+                    others.push(older_page.ptrs());
                 }
                 (None, Some(origin)) => others.push(self.view_entries(origin, index)?),
                 (None, None) => {}
@@ -1441,9 +1428,8 @@ impl Pool {
             for dependent in &chain.dependents[k] {
                 others.push(self.view_entries(*dependent, index)?);
             }
-            for (i, entry) in page.entries.iter().enumerate() {
-                let slot = entry.load(Ordering::Acquire);
-                if slot & map_entry::VALID != 0 && !others.iter().any(|other| map_entry::same_slot(other[i], slot)) {
+            for (i, slot) in page.ptrs().into_iter().enumerate() {
+                if slot.is_mapped() && !others.iter().any(|other| other[i].same_slot(slot)) {
                     used += 1;
                 }
             }
@@ -1506,12 +1492,11 @@ impl Pool {
         for index in self.own_pages(newest)? {
             let live = self.view_entries(volume, index)?;
             let kept = self.map_pages.get(&self.db, (newest, index))?;
-            for (slot, theirs) in live.iter().zip(kept.entries.iter()) {
-                let theirs = theirs.load(Ordering::Acquire);
-                if *slot & map_entry::VALID != 0 && !map_entry::same_slot(*slot, theirs) {
+            for (slot, theirs) in live.iter().zip(kept.ptrs()) {
+                if slot.is_mapped() && !slot.same_slot(theirs) {
                     only_live += 1;
                 }
-                if theirs & map_entry::VALID != 0 && !map_entry::same_slot(*slot, theirs) {
+                if theirs.is_mapped() && !slot.same_slot(theirs) {
                     only_newest += 1;
                 }
             }
@@ -1559,7 +1544,7 @@ impl Pool {
             // The newest snapshot sees the volume's page itself when it has
             // no copy of it: then every block of it is shared.
             let newest_sees_live = newest.is_some_and(|id| !owned[&id].contains(&index));
-            let newest_entries: Option<Vec<u64>> = match newest {
+            let newest_entries: Option<Vec<BlockPtr>> = match newest {
                 Some(id) => Some(self.view_entries(id, index)?),
                 None => base.clone(),
             };
@@ -1571,27 +1556,21 @@ impl Pool {
                     .present
                     .load(Ordering::Acquire);
             for (i, &slot) in live.iter().enumerate() {
-                let in_base = base.as_ref().is_some_and(|b| map_entry::same_slot(b[i], slot));
-                let in_snapshots = copies
-                    .iter()
-                    .any(|c| map_entry::same_slot(c.entries[i].load(Ordering::Acquire), slot));
-                if slot & map_entry::VALID != 0 && own_page && !newest_sees_live && !in_base && !in_snapshots {
+                let in_base = base.as_ref().is_some_and(|b| b[i].same_slot(slot));
+                let in_snapshots = copies.iter().any(|c| c.ptr(i).same_slot(slot));
+                if slot.is_mapped() && own_page && !newest_sees_live && !in_base && !in_snapshots {
                     space.dataset += 1;
                 }
-                if slot & map_entry::VALID != 0
-                    && !newest_entries
-                        .as_ref()
-                        .is_some_and(|n| map_entry::same_slot(n[i], slot))
-                {
+                if slot.is_mapped() && !newest_entries.as_ref().is_some_and(|n| n[i].same_slot(slot)) {
                     space.written += 1;
                 }
-                let mut counted: Vec<u64> = Vec::new();
+                let mut counted: Vec<BlockPtr> = Vec::new();
                 for copy in &copies {
-                    let theirs = copy.entries[i].load(Ordering::Acquire);
-                    if theirs & map_entry::VALID == 0
-                        || map_entry::same_slot(theirs, slot)
-                        || base.as_ref().is_some_and(|b| map_entry::same_slot(b[i], theirs))
-                        || counted.iter().any(|c| map_entry::same_slot(*c, theirs))
+                    let theirs = copy.ptr(i);
+                    if !theirs.is_mapped()
+                        || theirs.same_slot(slot)
+                        || base.as_ref().is_some_and(|b| b[i].same_slot(theirs))
+                        || counted.iter().any(|c| c.same_slot(theirs))
                     {
                         continue;
                     }
@@ -1612,7 +1591,7 @@ impl Pool {
             written += after
                 .iter()
                 .zip(&before)
-                .filter(|(a, b)| **a & map_entry::VALID != 0 && !map_entry::same_slot(**a, **b))
+                .filter(|(a, b)| a.is_mapped() && !a.same_slot(**b))
                 .count() as u64;
         }
         Ok(written)
@@ -1642,12 +1621,10 @@ impl Pool {
             let after = self.lookup_range(newer, block, end)?;
             let before = match older {
                 Some(older) => self.lookup_range(older, block, end)?,
-                None => vec![0; after.len()],
+                None => vec![BlockPtr::NONE; after.len()],
             };
             for (i, (a, b)) in after.iter().zip(&before).enumerate() {
-                let unchanged =
-                    (a & map_entry::VALID == 0 && b & map_entry::VALID == 0) || map_entry::same_slot(*a, *b);
-                if unchanged {
+                if !a.differs_from(*b) {
                     continue;
                 }
                 let at = block + i as u64;
@@ -1821,7 +1798,7 @@ impl Pool {
             mapped += self
                 .view_entries(volume, index)?
                 .iter()
-                .filter(|e| **e & map_entry::VALID != 0)
+                .filter(|e| e.is_mapped())
                 .count() as u64;
         }
         Ok(mapped)
@@ -1991,8 +1968,7 @@ impl Pool {
             let view = self.view_entries(origin, index)?;
             let kept = self.map_pages.get(&self.db, (origin, index))?;
             if !kept.present.load(Ordering::Acquire) {
-                let entries: Vec<AtomicU64> = view.iter().map(|e| AtomicU64::new(*e)).collect();
-                let copy = self.map_pages.put((origin, index), MapPage::copied(&entries, now));
+                let copy = self.map_pages.put((origin, index), MapPage::of_ptrs(&view, now));
                 self.map_pages.mark_dirty(&copy);
             }
             let page = self.map_pages.get(&self.db, (clone, index))?;
@@ -2019,12 +1995,7 @@ impl Pool {
         for index in self.own_pages(old_volume)? {
             let page = self.map_pages.get(&self.db, (old_volume, index))?;
             if page.birth.load(Ordering::Acquire) < origin_generation {
-                for entry in page.entries.iter() {
-                    let value = entry.load(Ordering::Acquire);
-                    if value & map_entry::VALID != 0 {
-                        entry.store(value | map_entry::SHARED, Ordering::Release);
-                    }
-                }
+                page.share_all();
                 self.map_pages.mark_dirty(&page);
             }
         }
@@ -2307,15 +2278,15 @@ mod tests {
     fn check_written(pool: &Pool, volume: u32) {
         let blocks = VOLUME / BLOCK as u64;
         let space = pool.snapshot_space(volume).unwrap();
-        let mut before: Option<Vec<u64>> = None;
+        let mut before: Option<Vec<BlockPtr>> = None;
         for (id, _, written) in space {
             let view = pool.lookup_range(id, 0, blocks - 1).unwrap();
             let expected = match &before {
-                None => view.iter().filter(|e| *e & map_entry::VALID != 0).count(),
+                None => view.iter().filter(|e| e.is_mapped()).count(),
                 Some(before) => view
                     .iter()
                     .zip(before)
-                    .filter(|(a, b)| *a & map_entry::VALID != 0 && !map_entry::same_slot(**a, **b))
+                    .filter(|(a, b)| a.is_mapped() && !a.same_slot(**b))
                     .count(),
             };
             assert_eq!(written, expected as u64, "written of snapshot {id:#x}");
@@ -2341,7 +2312,7 @@ mod tests {
             let after_map = pool.lookup_range(newer, 0, blocks - 1).unwrap();
             let before_map = match older {
                 Some(older) => pool.lookup_range(older, 0, blocks - 1).unwrap(),
-                None => vec![0; blocks as usize],
+                None => vec![BlockPtr::NONE; blocks as usize],
             };
             for block in 0..blocks {
                 let range = (block * BLOCK as u64) as usize..((block + 1) * BLOCK as u64) as usize;
@@ -2352,7 +2323,7 @@ mod tests {
                     );
                 }
                 let (a, b) = (after_map[block as usize], before_map[block as usize]);
-                let differs = (a | b) & map_entry::VALID != 0 && !map_entry::same_slot(a, b);
+                let differs = a.differs_from(b);
                 assert_eq!(
                     changed.contains(&block),
                     differs,
@@ -2531,11 +2502,7 @@ mod tests {
         check_space(&pool, 1);
         let blocks = VOLUME / BLOCK as u64;
         for entry in pool.lookup_range(1, 0, blocks - 1).unwrap() {
-            assert_eq!(
-                entry & map_entry::SHARED,
-                0,
-                "seed {seed}: a shared entry with no snapshot left"
-            );
+            assert!(!entry.is_shared(), "seed {seed}: a shared entry with no snapshot left");
         }
     }
 
@@ -2556,8 +2523,8 @@ mod tests {
         let owners = volumes.iter().copied().chain(all.iter().map(|s| s.id));
         for owner in owners {
             for entry in pool.lookup_range(owner, 0, blocks - 1).unwrap() {
-                if entry & map_entry::VALID != 0 {
-                    slots.insert(entry & !map_entry::RESERVED);
+                if entry.is_mapped() {
+                    slots.insert(entry.slot());
                 }
             }
         }
@@ -2951,12 +2918,12 @@ mod tests {
     /// not.
     fn check_volume_space(pool: &Pool, volume: u32, context: &str) {
         let blocks = VOLUME / BLOCK as u64;
-        let slots = |owner: u32| -> HashSet<u64> {
+        let slots = |owner: u32| -> HashSet<BlockPtr> {
             pool.lookup_range(owner, 0, blocks - 1)
                 .unwrap()
                 .into_iter()
-                .filter(|e| e & map_entry::VALID != 0)
-                .map(|e| e & !map_entry::RESERVED)
+                .filter(|e| e.is_mapped())
+                .map(BlockPtr::slot)
                 .collect()
         };
         let live = slots(volume);
@@ -3200,7 +3167,7 @@ mod tests {
                 );
                 assert_eq!(state.pending, 3, "sectors 0 and 1, and 256, belong to the snapshot");
             }
-            assert_eq!(pool.lookup(1, 0).unwrap() & map_entry::VALID, 0, "nothing was placed");
+            assert!(!pool.lookup(1, 0).unwrap().is_mapped(), "nothing was placed");
             let mut now = vec![0u8; VOLUME as usize];
             now[..4096].fill(0x11);
             now[4096..8192].fill(0x22);
@@ -3365,14 +3332,13 @@ mod tests {
             for _ in 0..100 {
                 assert!(first.as_mut().poll(&mut context).is_pending(), "the commit was held");
             }
-            assert_eq!(
-                pool.lookup(1, 0).unwrap() & map_entry::SHARED,
-                0,
+            assert!(
+                !pool.lookup(1, 0).unwrap().is_shared(),
                 "the first destage moved the block to a slot of its own"
             );
             // What the volume's map points at, on the device.
             let newer_in_place = || {
-                let (_, slot) = map_entry::decode(pool.lookup(1, 0).unwrap()).unwrap();
+                let (_, slot) = pool.lookup(1, 0).unwrap().place().unwrap();
                 sim.snapshot()
                     .read(slot + sector as u64, sector)
                     .iter()
@@ -3542,7 +3508,7 @@ mod tests {
             .lookup_range(owner, 0, VOLUME / BLOCK as u64 - 1)
             .unwrap()
             .iter()
-            .filter(|e| *e & map_entry::VALID != 0)
+            .filter(|e| e.is_mapped())
             .count() as u64;
         mapped * BLOCK as u64
     }

@@ -105,7 +105,7 @@ impl Pool {
         blocks.dedup();
         let mut unmapped = Vec::new();
         for block in blocks {
-            if self.lookup(engine.id(), block).map_err(PoolError::Meta)? & map_entry::VALID == 0 {
+            if !self.lookup(engine.id(), block).map_err(PoolError::Meta)?.is_mapped() {
                 unmapped.push(block);
             }
         }
@@ -157,7 +157,7 @@ impl Pool {
         let mut slots = Vec::new();
         for key in self.volume_page_keys(id)? {
             let page = self.map_pages.get(&self.db, key).map_err(PoolError::Meta)?;
-            slots.extend(page.entries.iter().filter_map(|e| own_slot(e.load(Ordering::Acquire))));
+            slots.extend(page.ptrs().into_iter().filter_map(own_slot));
         }
         Ok(slots)
     }
@@ -192,7 +192,7 @@ impl Pool {
         let mut slots = Vec::new();
         for key in keys {
             let page = self.map_pages.get(&self.db, key).map_err(PoolError::Meta)?;
-            slots.extend(page.entries.iter().filter_map(|e| own_slot(e.load(Ordering::Acquire))));
+            slots.extend(page.ptrs().into_iter().filter_map(own_slot));
         }
         let mut allocator = self.allocator.lock_or_abort();
         let double = match release {
@@ -223,9 +223,9 @@ impl Pool {
 }
 
 /// The slot of a map entry that only its volume maps.
-fn own_slot(entry: u64) -> Option<(u8, u64)> {
-    if entry & map_entry::SHARED != 0 {
+fn own_slot(entry: BlockPtr) -> Option<(u8, u64)> {
+    if entry.is_shared() {
         return None;
     }
-    map_entry::decode(entry)
+    entry.place()
 }

@@ -33,7 +33,7 @@ type RwLockWriteGuard<'a, T> = Held<tokio::sync::RwLockWriteGuard<'a, T>>;
 use super::alloc::Hint;
 use super::cache::{Entry, VolState, VolumeCache};
 use super::superblock::Role;
-use super::{map_entry, Pool, PoolError, SECTOR_BYTES};
+use super::{BlockPtr, Pool, PoolError, SECTOR_BYTES};
 use crate::device::{DeviceError, IoBuf};
 use crate::meta::log::Record;
 use crate::meta::MetaError;
@@ -266,9 +266,11 @@ impl EngineVolume {
         super::snapshots::is_snapshot_id(self.id)
     }
 
-    /// The block-map entry of logical block `block` (see `pool::map_entry`).
-    pub fn lookup_entry(&self, block: u64) -> Result<u64, MetaError> {
-        self.pool.lookup(self.id, block)
+    /// Where logical block `block` lives ((device index, byte offset) of
+    /// its slot; `None` unmapped): for tests that look at the device.
+    #[doc(hidden)]
+    pub fn block_place(&self, block: u64) -> Result<Option<(u8, u64)>, MetaError> {
+        Ok(self.pool.lookup(self.id, block)?.place())
     }
 
     /// Bytes of pool space the volume takes: its mapped blocks, and the
@@ -807,7 +809,7 @@ mod tests {
                 pool.lookup_range(1, blocks, 2 * blocks - 1)
                     .unwrap()
                     .iter()
-                    .map(|entry| map_entry::decode(*entry).expect("mapped").1)
+                    .map(|entry| entry.place().expect("mapped").1)
                     .collect()
             };
             let mut slots = places();
@@ -932,8 +934,8 @@ mod tests {
             }
             // Out of the write-back cache, into the map.
             pool.destage_all().await.unwrap();
-            let one_by_one: Vec<u64> = (0..blocks).map(|b| pool.lookup(1, b).unwrap()).collect();
-            assert!(one_by_one.iter().filter(|&&e| e != 0).count() as u64 == blocks.div_ceil(7));
+            let one_by_one: Vec<BlockPtr> = (0..blocks).map(|b| pool.lookup(1, b).unwrap()).collect();
+            assert!(one_by_one.iter().filter(|e| e.is_mapped()).count() as u64 == blocks.div_ceil(7));
             let page = crate::meta::pages::MAP_ENTRIES_PER_PAGE;
             for (first, last) in [
                 (0, blocks - 1),
@@ -1001,7 +1003,7 @@ mod tests {
             // stream's marked ahead (`Pool::mark_dirty`): one by one, each
             // chunk would cost a commit of its own.
             let chunk_of = |index: u64| {
-                let (_, offset) = crate::pool::map_entry::decode(pool.lookup(1, index).unwrap()).unwrap();
+                let (_, offset) = pool.lookup(1, index).unwrap().place().unwrap();
                 offset / MIB
             };
             let chosen: Vec<u64> = (0..blocks).filter(|&index| chunk_of(index) % 2 == 0).collect();
@@ -1051,7 +1053,7 @@ mod tests {
                 .unwrap();
             pool.destage_all().await.unwrap();
             pool.checkpoint().await.unwrap();
-            let place = |index: u64| map_entry::decode(pool.lookup(1, index).unwrap()).unwrap();
+            let place = |index: u64| pool.lookup(1, index).unwrap().place().unwrap();
             let (device, first) = place(0);
             let (_, second) = place(1);
             assert_eq!(first >> 20, second >> 20, "blocks 0 and 1 in one chunk");
@@ -1126,7 +1128,7 @@ mod tests {
                 }
                 pool.destage_all().await.unwrap();
                 pool.checkpoint().await.unwrap();
-                let place = |block: u64| map_entry::decode(pool.lookup(1, block).unwrap()).unwrap().1;
+                let place = |block: u64| pool.lookup(1, block).unwrap().place().unwrap().1;
                 let slots: Vec<u64> = (0..64).map(place).collect();
                 // Blocks 0-7 rewritten around the cache, in place: their
                 // checksums only in memory when the process dies.

@@ -28,7 +28,7 @@ impl EngineVolume {
     /// ([`Self::move_shared`]). Holds the blocks' stripes exclusively
     /// throughout, so no reader sees an old slot freed and no write is
     /// lost between the read and the remap.
-    pub(crate) async fn move_blocks(&self, blocks: &[(u64, u64)], to: Role) -> BlockResult<Vec<Moved>> {
+    pub(crate) async fn move_blocks(&self, blocks: &[(u64, BlockPtr)], to: Role) -> BlockResult<Vec<Moved>> {
         let mut outcome = vec![Moved::Skipped; blocks.len()];
         if self.is_snapshot() || blocks.is_empty() {
             return Ok(outcome);
@@ -55,13 +55,10 @@ impl EngineVolume {
                 continue;
             }
             let entry = self.pool.lookup(self.id, block).map_err(meta_error)?;
-            let Some((device, base)) = map_entry::decode(expected) else {
+            let Some((device, base)) = expected.place() else {
                 continue;
             };
-            if entry == expected
-                && entry & map_entry::SHARED == 0
-                && self.pool.block_is_own(self.id, block).map_err(meta_error)?
-            {
+            if entry == expected && !entry.is_shared() && self.pool.block_is_own(self.id, block).map_err(meta_error)? {
                 own.push((index, device, base));
             } else if self.pool.has_snapshots() {
                 shared.push(index);
@@ -81,7 +78,7 @@ impl EngineVolume {
     /// copies by index.
     async fn read_places(
         &self,
-        blocks: &[(u64, u64)],
+        blocks: &[(u64, BlockPtr)],
         mut places: Vec<(usize, u8, u64)>,
         outcome: &mut [Moved],
     ) -> Vec<(usize, IoBuf)> {
@@ -119,7 +116,7 @@ impl EngineVolume {
     /// disk that pays per operation).
     async fn write_moved(
         &self,
-        blocks: &[(u64, u64)],
+        blocks: &[(u64, BlockPtr)],
         copies: Vec<(usize, IoBuf)>,
         to: Role,
         outcome: &mut [Moved],
@@ -140,7 +137,7 @@ impl EngineVolume {
             // mapped on its own): the map says which.
             for (index, _) in run {
                 let entry = self.pool.lookup(self.id, blocks[*index].0).map_err(meta_error)?;
-                outcome[*index] = match map_entry::decode(entry) {
+                outcome[*index] = match entry.place() {
                     Some((device, base)) if entry != blocks[*index].1 => Moved::To(device, base),
                     _ if result.is_err() => Moved::Failed,
                     _ => Moved::Skipped,
@@ -161,7 +158,7 @@ impl EngineVolume {
     /// slot is shared) wait too. The caller holds this volume's stripes.
     async fn move_shared(
         &self,
-        blocks: &[(u64, u64)],
+        blocks: &[(u64, BlockPtr)],
         indices: &[usize],
         to: Role,
         outcome: &mut [Moved],
@@ -192,7 +189,7 @@ impl EngineVolume {
             {
                 continue;
             }
-            let Some((device, base)) = map_entry::decode(slot) else {
+            let Some((device, base)) = slot.place() else {
                 continue;
             };
             if !self.pool.slot_is_mapped(&family, block, slot).map_err(meta_error)? {
@@ -249,7 +246,7 @@ impl EngineVolume {
             for (at, (index, _, device, offset)) in run.iter().enumerate() {
                 let (block, old) = blocks[*index];
                 let crcs = sector_crcs(&buf.payload()[at * bytes..(at + 1) * bytes]);
-                let new = map_entry::encode(*device, *offset);
+                let new = BlockPtr::at(*device, *offset);
                 match self.pool.relocate(self.id, &locked, block, old, new, crcs) {
                     Ok(true) => outcome[*index] = Moved::To(*device, *offset),
                     Ok(false) => self.pool.release_unused(*device, *offset),

@@ -89,7 +89,7 @@ impl EngineVolume {
                     continue;
                 }
             };
-            let Some((device, physical)) = map_entry::decode(entry) else {
+            let Some((device, physical)) = entry.place() else {
                 continue;
             };
             match self
@@ -233,7 +233,7 @@ impl EngineVolume {
             let step = (self.block_bytes() - within).min(end - position);
             let entry = entries[(block - first) as usize];
             let at = position - offset;
-            match map_entry::decode(entry) {
+            match entry.place() {
                 None => buf.payload_mut()[at as usize..(at + step) as usize].fill(0),
                 Some((device, base)) => {
                     let physical = base + within;
@@ -324,7 +324,7 @@ impl EngineVolume {
             let within = position & (self.block_bytes() - 1);
             let step = (self.block_bytes() - within).min(end - position);
             let sectors = self.block_bytes() / SECTOR_BYTES;
-            let mapped = self.pool.lookup(self.id, block).map_err(meta_error)? & map_entry::VALID != 0
+            let mapped = self.pool.lookup(self.id, block).map_err(meta_error)?.is_mapped()
                 || self
                     .cache
                     .lock()

@@ -52,8 +52,9 @@ struct Part {
     /// Set for a newly allocated block: its logical block number.
     new_block: Option<u64>,
     /// For a new block: the map entry it replaces (a slot a snapshot
-    /// shares, or a relocated block's own; 0 for a first write).
-    replaces: u64,
+    /// shares, or a relocated block's own; `BlockPtr::NONE` for a first
+    /// write).
+    replaces: BlockPtr,
 }
 
 impl PlannedWrite {
@@ -125,7 +126,7 @@ struct Piece {
     block: u64,
     new_block: bool,
     /// See [`Part::replaces`].
-    replaces: u64,
+    replaces: BlockPtr,
 }
 
 /// The sector checksums of ranges of a request's payload: the ones
@@ -204,8 +205,8 @@ pub(super) fn coalesce(planned: Vec<PlannedWrite>, source: &[u8]) -> Vec<Planned
 /// Whether a write to `block` (map `entry`) may overwrite it where it is,
 /// if it is mapped: not shared with a snapshot and not to be relocated
 /// (its allocation still pending: see `EngineVolume::write_locked`).
-fn stays_in_place(entry: u64, block: u64, relocate: &[u64]) -> bool {
-    entry & map_entry::SHARED == 0 && !relocate.contains(&block)
+fn stays_in_place(entry: BlockPtr, block: u64, relocate: &[u64]) -> bool {
+    !entry.is_shared() && !relocate.contains(&block)
 }
 
 pub(super) fn sector_crcs(bytes: &[u8]) -> Vec<u32> {
@@ -222,13 +223,13 @@ impl EngineVolume {
     fn first_hint(&self, offset: u64, blocks: u64) -> BlockResult<Option<Hint>> {
         let first = offset >> self.block_shift;
         if first > 0 {
-            if let Some((device, base)) = map_entry::decode(self.pool.lookup(self.id, first - 1).map_err(meta_error)?) {
+            if let Some((device, base)) = self.pool.lookup(self.id, first - 1).map_err(meta_error)?.place() {
                 return Ok(Some(Hint::At(device, base + self.block_bytes())));
             }
         }
         let after = first + blocks;
         if after < self.size_bytes().div_ceil(self.block_bytes()) {
-            if let Some((device, base)) = map_entry::decode(self.pool.lookup(self.id, after).map_err(meta_error)?) {
+            if let Some((device, base)) = self.pool.lookup(self.id, after).map_err(meta_error)?.place() {
                 if let Some(start) = base.checked_sub(blocks * self.block_bytes()) {
                     return Ok(Some(Hint::At(device, start)));
                 }
@@ -245,7 +246,7 @@ impl EngineVolume {
         offset: u64,
         data: &[u8],
         pieces: Option<&[u32]>,
-        entries: &[u64],
+        entries: &[BlockPtr],
         relocate: &[u64],
         tier: Option<Role>,
     ) -> BlockResult<Vec<PlannedWrite>> {
@@ -267,7 +268,7 @@ impl EngineVolume {
             let at = (position - offset) as usize;
             let source = &data[at..at + step as usize];
             let in_place = stays_in_place(entries[index], block, relocate);
-            let piece = match map_entry::decode(entries[index]) {
+            let piece = match entries[index].place() {
                 Some((device, base)) if in_place => {
                     // Overwrite in place, widened to whole sectors.
                     let start = within / SECTOR_BYTES * SECTOR_BYTES;
@@ -300,7 +301,7 @@ impl EngineVolume {
                         data: sectors,
                         block,
                         new_block: false,
-                        replaces: 0,
+                        replaces: BlockPtr::NONE,
                     }
                 }
                 old => {
@@ -415,7 +416,7 @@ impl EngineVolume {
             let mut entries = self.pool.lookup_range(self.id, first, last).map_err(meta_error)?;
             // (No look at the log's pending records, and no lock, for a
             // write that overwrites nothing: a first write.)
-            let mut relocate = if entries.iter().any(|e| map_entry::decode(*e).is_some()) {
+            let mut relocate = if entries.iter().any(|e| e.is_mapped()) {
                 self.pool.log.pending_allocations(self.id, first, last)
             } else {
                 Vec::new()
@@ -450,7 +451,7 @@ impl EngineVolume {
                     .zip(&entries)
                     .filter(|(block, e)| stays_in_place(**e, *block, &relocate));
                 if in_place
-                    .filter_map(|(_, e)| map_entry::decode(*e))
+                    .filter_map(|(_, e)| e.place())
                     .all(|place| self.pool.is_marked(place, epoch))
                 {
                     break gate;
@@ -596,7 +597,7 @@ impl EngineVolume {
         }
         for (index, part) in write.parts.iter().enumerate() {
             let Some(block) = part.new_block else { continue };
-            let entry = map_entry::encode(write.device, part.offset);
+            let entry = BlockPtr::at(write.device, part.offset);
             if let Err(e) = self.pool.set_mapping(self.id, block, entry) {
                 for unmapped in &write.parts[index..] {
                     if unmapped.new_block.is_some() {
@@ -606,17 +607,17 @@ impl EngineVolume {
                 return Err(e);
             }
             // A block copied on write was mapped already.
-            if part.replaces == 0 {
+            if part.replaces == BlockPtr::NONE {
                 self.mapped_blocks.fetch_add(1, Ordering::Relaxed);
             }
             self.pool.log_mapping_in(
-                Record::Map {
-                    volume: self.id,
+                Record::map(
+                    self.id,
                     block,
-                    new: entry,
-                    old: part.replaces,
-                    crcs: write.crcs[part.sectors.clone()].to_vec(),
-                },
+                    entry,
+                    part.replaces,
+                    write.crcs[part.sectors.clone()].to_vec(),
+                ),
                 pass,
             );
         }
@@ -640,7 +641,7 @@ impl EngineVolume {
     fn in_place_candidates(
         &self,
         first: u64,
-        entries: &[u64],
+        entries: &[BlockPtr],
         written_at: Option<u64>,
         relocate: &[u64],
     ) -> BlockResult<Vec<(u8, u64)>> {
@@ -650,7 +651,7 @@ impl EngineVolume {
             if !stays_in_place(*entry, block, relocate) {
                 continue;
             }
-            let Some(place) = map_entry::decode(*entry) else {
+            let Some(place) = entry.place() else {
                 continue;
             };
             let page = block / crate::pool::MAP_ENTRIES_PER_PAGE;
@@ -699,7 +700,7 @@ impl EngineVolume {
             let within = position & (self.block_bytes() - 1);
             let step = (self.block_bytes() - within).min(end - position);
             let entry = self.pool.lookup(self.id, block).map_err(meta_error)?;
-            if entry & map_entry::VALID != 0 {
+            if entry.is_mapped() {
                 if step == self.block_bytes() {
                     self.invalidate_read_cache(position, step);
                     let _gate = self.pool.enter_write(self.id).await;
@@ -709,15 +710,12 @@ impl EngineVolume {
                     } else {
                         entry
                     };
-                    self.pool.set_mapping(self.id, block, 0).map_err(meta_error)?;
+                    self.pool
+                        .set_mapping(self.id, block, BlockPtr::NONE)
+                        .map_err(meta_error)?;
                     self.mapped_blocks.fetch_sub(1, Ordering::Relaxed);
-                    self.pool.log_mapping(Record::Map {
-                        volume: self.id,
-                        block,
-                        new: 0,
-                        old: entry,
-                        crcs: Vec::new(),
-                    });
+                    self.pool
+                        .log_mapping(Record::map(self.id, block, BlockPtr::NONE, entry, Vec::new()));
                 } else {
                     self.write_locked(position, IoBuf::new(step as usize), None).await?;
                 }
@@ -790,7 +788,7 @@ mod tests {
                     logical: block * 4096,
                     sectors: 0..crcs.len(),
                     new_block: Some(block),
-                    replaces: 0,
+                    replaces: BlockPtr::NONE,
                 }],
                 crcs,
                 data,

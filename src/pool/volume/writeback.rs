@@ -238,10 +238,10 @@ impl EngineVolume {
         let mut places = Vec::new();
         for &block in blocks {
             let entry = self.pool.lookup(self.id, block).map_err(meta_error)?;
-            if entry & map_entry::SHARED != 0 {
+            if entry.is_shared() {
                 continue;
             }
-            if let Some((device, offset)) = map_entry::decode(entry) {
+            if let Some((device, offset)) = entry.place() {
                 places.push((device, offset / chunk_bytes * chunk_bytes));
             }
         }
@@ -711,7 +711,7 @@ impl EngineVolume {
         };
         let mut unmapped = Vec::new();
         for block in needed {
-            if self.pool.lookup(self.id, block).map_err(meta_error)? & map_entry::VALID == 0 {
+            if !self.pool.lookup(self.id, block).map_err(meta_error)?.is_mapped() {
                 unmapped.push(block);
             }
         }
