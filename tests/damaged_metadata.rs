@@ -350,6 +350,19 @@ fn damaged_metadata_soak() {
     run_seeds(100);
 }
 
+/// The metadata store of a copy of the pool.
+fn open_copied_store(copies: &[SimDevice], original: &Original) -> strata::meta::store::Store {
+    let sb = &original.superblock;
+    strata::meta::store::open_database(
+        copies[sb.meta_device as usize].as_device(),
+        sb.meta_offset,
+        sb.meta_bytes,
+        1 << 20,
+        Arc::default(),
+    )
+    .unwrap()
+}
+
 /// The value stored under `key` of `table` in a copy of the pool's
 /// metadata store, read through the store itself.
 fn stored_value(
@@ -358,15 +371,7 @@ fn stored_value(
     table: redb::TableDefinition<(u32, u64), &[u8]>,
     key: (u32, u64),
 ) -> Option<Vec<u8>> {
-    let sb = &original.superblock;
-    let db = strata::meta::store::open_database(
-        copies[sb.meta_device as usize].as_device(),
-        sb.meta_offset,
-        sb.meta_bytes,
-        1 << 20,
-        Arc::default(),
-    )
-    .unwrap();
+    let db = open_copied_store(copies, original);
     strata::meta::store::read_page(&db, table, key).unwrap()
 }
 
@@ -376,15 +381,7 @@ fn stored_keys(
     original: &Original,
     table: redb::TableDefinition<(u32, u64), &[u8]>,
 ) -> Vec<(u32, u64)> {
-    let sb = &original.superblock;
-    let db = strata::meta::store::open_database(
-        copies[sb.meta_device as usize].as_device(),
-        sb.meta_offset,
-        sb.meta_bytes,
-        1 << 20,
-        Arc::default(),
-    )
-    .unwrap();
+    let db = open_copied_store(copies, original);
     let txn = db.begin_read().unwrap();
     let table = txn.open_table(table).unwrap();
     let keys = redb::ReadableTable::iter(&table)
