@@ -1,7 +1,7 @@
 //! Lock ranks: the order in which the data path takes its locks, checked.
 //!
-//! Every lock of the data path has a [`Rank`] (ARCHITECTURE.md, "Locks and
-//! their order", is the same list with the reasons). A lock may be waited
+//! Every lock of the data path has a [`Rank`] (docs/LOCKING.md is the same
+//! list with the reasons). A lock may be waited
 //! for only while every lock its holder holds ranks before it; two locks of
 //! one rank only in the order of their ordinals (stripes by index, gate
 //! shards by number, barriers by volume id). Two holders that keep this
@@ -443,7 +443,7 @@ mod check {
         });
         if let Some(e) = conflict {
             panic!(
-                "lock order violated: waiting for {} while holding {} (see ARCHITECTURE.md, \"Locks and their order\")",
+                "lock order violated: waiting for {} while holding {} (see docs/LOCKING.md)",
                 describe(rank, ordinal, at),
                 describe(e.rank, e.ordinal, e.at),
             );
