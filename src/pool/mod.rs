@@ -42,6 +42,7 @@ mod recover;
 mod relocate;
 mod scrub;
 pub use scrub::ScrubReport;
+pub mod vdev;
 mod send;
 pub mod snapshots;
 pub mod superblock;
@@ -221,7 +222,10 @@ fn new_gates() -> Box<[GateShard]> {
 }
 
 pub struct PoolDevice {
+    /// What the pool reads and writes: the device itself, or its mirror.
     pub device: Arc<dyn Device>,
+    /// The mirror, when the member is one (the same object as `device`).
+    pub mirror: Option<Arc<vdev::Mirror>>,
     pub member: Member,
     pub counters: DeviceCounters,
     /// Per chunk: the epoch in which a `Dirty` record was last committed.
@@ -372,6 +376,8 @@ pub struct Pool {
     /// volume (every pool created since the tags exist; see
     /// `blockmap::sector_tag`).
     checksum_tags: bool,
+    /// The membership as the superblocks record it (`pool/vdev.rs`).
+    membership: Arc<vdev::Membership>,
     /// The devices as stored metadata is checked against (grows with
     /// `pool add-device`).
     geometry: Arc<std::sync::RwLock<crate::meta::geometry::Geometry>>,
@@ -487,6 +493,12 @@ type OpenEngine = (u32, std::sync::Weak<volume::EngineVolume>);
 pub struct NewDevice {
     pub device: Arc<dyn Device>,
     pub role: Role,
+}
+
+/// A member of a new pool: one device, or a mirror of several.
+pub struct NewVdev {
+    pub role: Role,
+    pub devices: Vec<Arc<dyn Device>>,
 }
 
 impl Pool {
