@@ -352,14 +352,15 @@ pub enum PoolCommand {
     Create {
         /// Pool name.
         name: String,
-        /// Fast tier device (SSD/NVMe); repeatable.
-        #[arg(long = "fast", value_name = "FILE|DEV")]
+        /// Fast tier device (SSD/NVMe), or `mirror:A,B[,...]` for one member
+        /// kept on each of those devices; repeatable.
+        #[arg(long = "fast", value_name = "FILE|DEV|mirror:A,B")]
         fast: Vec<String>,
-        /// Capacity tier device (HDD); repeatable.
-        #[arg(long = "capacity", value_name = "FILE|DEV")]
+        /// Capacity tier device (HDD), or `mirror:A,B[,...]`; repeatable.
+        #[arg(long = "capacity", value_name = "FILE|DEV|mirror:A,B")]
         capacity: Vec<String>,
-        /// Dedicated intent-log device.
-        #[arg(long = "log", value_name = "FILE|DEV")]
+        /// Dedicated intent-log device, or `mirror:A,B`.
+        #[arg(long = "log", value_name = "FILE|DEV|mirror:A,B")]
         log: Vec<String>,
         /// Placement unit, a power of two from 64K to 64M (fixed at creation).
         #[arg(long = "chunk-size", default_value = "1M")]
@@ -683,11 +684,32 @@ fn run_pool(args: PoolArgs) -> CliResult<String> {
             let chunk_bytes = parse_size(&chunk_size)?;
             let ram_bytes = ram.as_deref().map(parse_size).transpose()?;
             let mut devices = Vec::new();
+            let mut mirrors = 0u8;
             for (role, paths) in [("fast", &fast), ("capacity", &capacity), ("log", &log)] {
-                for path in paths {
-                    // Absolute paths: the daemon may run in another directory.
-                    let absolute = std::path::absolute(path).map_err(|e| format!("{path}: {e}"))?;
-                    devices.push(json!({ "path": absolute.display().to_string(), "role": role }));
+                for spec in paths {
+                    // `mirror:A,B[,...]`: one member, a copy on each device.
+                    let (group, paths) = match spec.strip_prefix("mirror:") {
+                        Some(list) => {
+                            let paths: Vec<&str> = list.split(',').filter(|p| !p.is_empty()).collect();
+                            if paths.len() < 2 {
+                                return Err(CliError(format!(
+                                    "'{spec}': a mirror needs at least two devices (mirror:A,B)"
+                                )));
+                            }
+                            mirrors += 1;
+                            (Some(mirrors - 1), paths)
+                        }
+                        None => (None, vec![spec.as_str()]),
+                    };
+                    for path in paths {
+                        // Absolute paths: the daemon may run in another directory.
+                        let absolute = std::path::absolute(path).map_err(|e| format!("{path}: {e}"))?;
+                        let mut device = json!({ "path": absolute.display().to_string(), "role": role });
+                        if let Some(group) = group {
+                            device["mirror"] = json!(group);
+                        }
+                        devices.push(device);
+                    }
                 }
             }
             if fast.is_empty() && capacity.is_empty() {
@@ -1350,6 +1372,7 @@ fn pool_table(pools: &[PoolStatus]) -> String {
     use Align::*;
     let headers = [
         ("NAME", Left),
+        ("STATE", Left),
         ("SIZE", Right),
         ("USED", Right),
         ("AVAIL", Right),
@@ -1367,6 +1390,7 @@ fn pool_table(pools: &[PoolStatus]) -> String {
         .map(|p| {
             vec![
                 p.name.clone(),
+                p.state.clone(),
                 format_size(p.size_bytes),
                 format_size(p.used_bytes),
                 format_size(p.available_bytes),
@@ -1386,6 +1410,7 @@ fn pool_table(pools: &[PoolStatus]) -> String {
     let device_headers = [
         ("POOL", Left),
         ("DEVICE", Left),
+        ("STATE", Left),
         ("ROLE", Left),
         ("SIZE", Right),
         ("DATA", Right),
@@ -1393,17 +1418,21 @@ fn pool_table(pools: &[PoolStatus]) -> String {
         ("READ", Right),
         ("WRITE", Right),
         ("CKSUM", Right),
+        ("REPAIRED", Right),
         ("ENGINE", Left),
         ("FS_FREE", Right),
         ("UNBACKED", Right),
     ];
+    let fs_free =
+        |backing: Option<crate::device::BackingSpace>| backing.map_or("-".into(), |b| format_size(b.fs_free_bytes));
     let device_rows: Vec<Vec<String>> = pools
         .iter()
         .flat_map(|p| {
-            p.devices.iter().map(move |d| {
-                vec![
+            p.devices.iter().flat_map(move |d| {
+                let member = vec![
                     p.name.clone(),
                     d.name.clone(),
+                    d.state.clone(),
                     d.role.as_str().to_string(),
                     format_size(d.size_bytes),
                     format_size(d.data_bytes),
@@ -1411,11 +1440,32 @@ fn pool_table(pools: &[PoolStatus]) -> String {
                     d.read_errors.to_string(),
                     d.write_errors.to_string(),
                     d.checksum_errors.to_string(),
+                    "-".into(),
                     d.engine.clone(),
-                    d.backing.map_or("-".into(), |b| format_size(b.fs_free_bytes)),
+                    fs_free(d.backing),
                     d.backing
                         .map_or("-".into(), |b| format_size(d.size_bytes.saturating_sub(b.backed_bytes))),
-                ]
+                ];
+                // A mirror's devices under it, indented as in `zpool status`.
+                let children = d.children.iter().map(move |c| {
+                    vec![
+                        p.name.clone(),
+                        format!("  {}{}", c.name, if c.write_mostly { " (write-mostly)" } else { "" }),
+                        c.state.as_str().to_string(),
+                        String::new(),
+                        String::new(),
+                        String::new(),
+                        String::new(),
+                        c.read_errors.to_string(),
+                        c.write_errors.to_string(),
+                        c.checksum_errors.to_string(),
+                        c.repaired_sectors.to_string(),
+                        String::new(),
+                        fs_free(c.backing),
+                        String::new(),
+                    ]
+                });
+                std::iter::once(member).chain(children)
             })
         })
         .collect();
@@ -1461,6 +1511,9 @@ fn pool_table(pools: &[PoolStatus]) -> String {
     for pool in pools {
         out.push_str(&migration_line(pool));
         out.push('\n');
+        if let Some(action) = &pool.action {
+            out.push_str(&format!("pool {} is {}: {action}\n", pool.name, pool.state));
+        }
     }
     // The file system under a sparse device cannot hold what the device
     // may still ask of it, or is nearly full.

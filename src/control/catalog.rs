@@ -86,6 +86,11 @@ pub struct DatasetRecord {
 pub struct DeviceRecord {
     pub path: String,
     pub role: crate::pool::superblock::Role,
+    /// When creating a pool: devices with the same number (and role) form
+    /// one mirror. Not stored: the superblocks say which devices mirror
+    /// which.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mirror: Option<u8>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

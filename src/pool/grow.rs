@@ -317,9 +317,12 @@ impl Pool {
                 end: chunks * chunk,
             });
         // The header holds the superblocks; every other chunk is data.
-        self.allocator
-            .lock_or_abort()
-            .add_device(DeviceSpace::new(index, member.role, new.header_bytes() / chunk, chunks));
+        self.allocator.lock_or_abort().add_device(DeviceSpace::new(
+            index,
+            member.role,
+            new.header_bytes() / chunk,
+            chunks,
+        ));
         if let Some(device) = self.devices.get(index as usize) {
             self.membership.add_member(index, &device.device, None);
         }

@@ -42,10 +42,10 @@ mod recover;
 mod relocate;
 mod scrub;
 pub use scrub::ScrubReport;
-pub mod vdev;
 mod send;
 pub mod snapshots;
 pub mod superblock;
+pub mod vdev;
 pub mod volume;
 mod volumes;
 
@@ -270,6 +270,32 @@ pub struct DeviceStatus {
     /// them all, or for block devices).
     #[serde(default)]
     pub unbackable_bytes: u64,
+    /// `ONLINE`, or `DEGRADED` for a mirror with a child that is not up to
+    /// date.
+    #[serde(default = "online")]
+    pub state: String,
+    /// A mirror's devices (empty for a single device).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub children: Vec<ChildStatus>,
+}
+
+fn online() -> String {
+    "ONLINE".into()
+}
+
+/// One device of a mirror in `pool status`.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize, PartialEq, Eq, utoipa::ToSchema)]
+pub struct ChildStatus {
+    pub name: String,
+    pub state: vdev::Health,
+    pub write_mostly: bool,
+    pub read_errors: u64,
+    pub write_errors: u64,
+    pub checksum_errors: u64,
+    /// 4 KiB sectors rewritten from another copy.
+    pub repaired_sectors: u64,
+    #[serde(default)]
+    pub backing: Option<BackingSpace>,
 }
 
 impl DeviceStatus {
@@ -546,6 +572,26 @@ impl Pool {
                     repaired_after_crash: d.counters.repaired_after_crash.load(Ordering::Relaxed),
                     backing: d.device.backing_space(),
                     unbackable_bytes: 0,
+                    state: if d.mirror.as_ref().is_some_and(|m| m.degraded()) {
+                        "DEGRADED".into()
+                    } else {
+                        online()
+                    },
+                    children: d.mirror.as_ref().map_or_else(Vec::new, |m| {
+                        m.children()
+                            .iter()
+                            .map(|c| ChildStatus {
+                                name: c.name.clone(),
+                                state: c.health(),
+                                write_mostly: c.write_mostly,
+                                read_errors: c.counters.read_errors.load(Ordering::Relaxed),
+                                write_errors: c.counters.write_errors.load(Ordering::Relaxed),
+                                checksum_errors: c.counters.checksum_errors.load(Ordering::Relaxed),
+                                repaired_sectors: c.counters.repaired.load(Ordering::Relaxed),
+                                backing: c.device.as_ref().and_then(|d| d.backing_space()),
+                            })
+                            .collect()
+                    }),
                 }
             })
             .collect();

@@ -77,7 +77,11 @@ impl Pool {
         if vdevs.iter().any(|v| v.devices.is_empty()) {
             return Err(PoolError::Invalid("a mirror needs at least one device".into()));
         }
-        let child_count: usize = vdevs.iter().filter(|v| v.devices.len() > 1).map(|v| v.devices.len()).sum();
+        let child_count: usize = vdevs
+            .iter()
+            .filter(|v| v.devices.len() > 1)
+            .map(|v| v.devices.len())
+            .sum();
         if child_count > superblock::MAX_CHILDREN {
             return Err(PoolError::Invalid(format!(
                 "a pool's mirrors have at most {} devices in all",
@@ -105,7 +109,11 @@ impl Pool {
         // The name of a member in messages: its device, or its mirror's.
         let vdev_name = |index: u8| -> String {
             let devices = &vdevs[index as usize].devices;
-            devices.iter().map(|d| d.info().name.clone()).collect::<Vec<_>>().join(" + ")
+            devices
+                .iter()
+                .map(|d| d.info().name.clone())
+                .collect::<Vec<_>>()
+                .join(" + ")
         };
         let members: Vec<Member> = vdevs
             .iter()
@@ -315,10 +323,45 @@ impl Pool {
                 )));
             }
             if *repair || superblock.generation < reference.generation {
-                write_superblock(device, &reference.for_device(index, superblock.device_uuid)).await?;
-                tracing::warn!("{}: rewrote a damaged or stale superblock copy", device.info().name);
+                let rewritten = write_superblock(device, &reference.for_device(index, superblock.device_uuid)).await;
+                match rewritten {
+                    Ok(()) => tracing::warn!("{}: rewrote a damaged or stale superblock copy", device.info().name),
+                    // A mirror goes on without a device that cannot take
+                    // its superblock; any other member is needed.
+                    Err(e) if reference.is_mirror(index) => {
+                        tracing::error!("{}: {e}; the mirror opens without it", device.info().name);
+                        continue;
+                    }
+                    Err(e) => return Err(e.into()),
+                }
             }
             *slot = Some(device.clone());
+        }
+        // Two devices of one mirror that each say the other missed writes
+        // were used apart (the pool opened with one, then with the other):
+        // neither can be trusted over the other without the admin.
+        for (a, first, _) in &found {
+            for (b, second, _) in &found {
+                let stale_in = |s: &Superblock, uuid: [u8; 16]| {
+                    s.children
+                        .iter()
+                        .any(|c| c.uuid == uuid && c.state == superblock::ChildState::Stale)
+                };
+                if first.device_index == second.device_index
+                    && first.device_uuid < second.device_uuid
+                    && stale_in(first, second.device_uuid)
+                    && stale_in(second, first.device_uuid)
+                {
+                    return Err(PoolError::Invalid(format!(
+                        "{} and {} of pool '{}' each say the other missed writes: the pool ran on each \
+                         of them without the other, and their data differs. Open the pool with only the \
+                         one to keep (leave the other out of catalog.json)",
+                        a.info().name,
+                        b.info().name,
+                        reference.pool_name
+                    )));
+                }
+            }
         }
         let membership = Arc::new(super::vdev::Membership::new(reference.clone()));
         let mut pool_devices = Vec::new();

@@ -291,7 +291,8 @@ impl Superblock {
         let mut children = Vec::new();
         let mut device_uuid = [0u8; 16];
         if version >= MIRRORS_FORMAT {
-            device_uuid = crate::bytes::array_at(bytes, DEVICE_UUID_OFFSET).ok_or_else(|| truncated(DEVICE_UUID_OFFSET))?;
+            device_uuid =
+                crate::bytes::array_at(bytes, DEVICE_UUID_OFFSET).ok_or_else(|| truncated(DEVICE_UUID_OFFSET))?;
             let count = bytes[CHILD_COUNT_OFFSET] as usize;
             if count > MAX_CHILDREN {
                 return Err(SuperblockError::Invalid(format!("{count} mirror children")));
@@ -554,7 +555,10 @@ mod tests {
         refused(|s| s.children[1].uuid = [3; 16], "UUID of another device");
         refused(|s| s.children[0].uuid = [1; 16], "UUID of another device");
         refused(|s| s.children[0].member = 7, "names member 7");
-        refused(|s| s.children[0].state = ChildState::Stale, "no child that is up to date");
+        refused(
+            |s| s.children[0].state = ChildState::Stale,
+            "no child that is up to date",
+        );
     }
 
     #[test]
@@ -583,7 +587,10 @@ mod tests {
             meta_offset: 64 << 10,
             ..new
         };
-        assert!(matches!(Superblock::decode(&inside.encode()), Err(SuperblockError::Invalid(_))));
+        assert!(matches!(
+            Superblock::decode(&inside.encode()),
+            Err(SuperblockError::Invalid(_))
+        ));
     }
 
     #[test]

@@ -143,6 +143,8 @@ pub struct Mirror {
     children: Vec<MirrorChild>,
     /// Reads go to the first up-to-date child only (while the pool opens).
     pinned: AtomicBool,
+    /// Which child an idle mirror's next read prefers.
+    turn: AtomicU32,
     /// Where a fault is recorded before the write that met it completes.
     membership: OnceLock<std::sync::Weak<Membership>>,
 }
@@ -173,6 +175,7 @@ impl Mirror {
             member,
             children,
             pinned: AtomicBool::new(true),
+            turn: AtomicU32::new(0),
             membership: OnceLock::new(),
         }
     }
@@ -214,10 +217,14 @@ impl Mirror {
         if self.pinned.load(Ordering::Acquire) {
             return candidates().map(|(i, _)| i).next();
         }
+        // Ties (idle children) are broken in turn, so that one reader at a
+        // time still spreads its reads over the copies.
+        let turn = self.turn.fetch_add(1, Ordering::Relaxed) as usize;
+        let count = self.children.len();
         let least_busy = |write_mostly: bool| {
             candidates()
                 .filter(|(_, c)| c.write_mostly == write_mostly)
-                .min_by_key(|(_, c)| c.in_flight.load(Ordering::Relaxed))
+                .min_by_key(|(i, c)| (c.in_flight.load(Ordering::Relaxed), (i + count - turn % count) % count))
                 .map(|(i, _)| i)
         };
         least_busy(false).or_else(|| least_busy(true))
@@ -417,7 +424,10 @@ impl Membership {
         next.generation += 1;
         for (device, index, uuid) in self.writable_devices(&next) {
             if let Err(e) = super::write_superblock(&device, &next.for_device(index, uuid)).await {
-                tracing::error!("{}: cannot record the mirror's state in its superblock: {e}", device.info().name);
+                tracing::error!(
+                    "{}: cannot record the mirror's state in its superblock: {e}",
+                    device.info().name
+                );
             }
         }
         *current = next;
@@ -448,7 +458,10 @@ async fn join_all<T>(futures: Vec<BoxFuture<'_, T>>) -> Vec<T> {
         }
     })
     .await;
-    results.into_iter().map(|r| r.expect("every future completed")).collect()
+    results
+        .into_iter()
+        .map(|r| r.expect("every future completed"))
+        .collect()
 }
 
 impl Device for Mirror {
@@ -472,7 +485,10 @@ impl Device for Mirror {
                         for bad in failed {
                             if self.write_child(bad, offset, buf.payload()).await.is_ok() {
                                 let sectors = (buf.len() as u64).div_ceil(4096);
-                                self.children[bad].counters.repaired.fetch_add(sectors, Ordering::Relaxed);
+                                self.children[bad]
+                                    .counters
+                                    .repaired
+                                    .fetch_add(sectors, Ordering::Relaxed);
                             }
                         }
                         return (buf, Ok(()));

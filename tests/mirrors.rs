@@ -1,0 +1,270 @@
+//! Mirrors at engine level, on simulated devices: a copy whose bytes rot is
+//! found by its checksums and rewritten from the other; a device that fails
+//! writes is faulted and the pool goes on DEGRADED, the fault recorded in
+//! the other device's superblocks; a mirror opens without one of its
+//! devices; and a device that missed writes is never read from again.
+
+use std::sync::Arc;
+
+use strata::device::wrappers::IoOp;
+use strata::device::{Device, ErrorDevice, ErrorRule, SimDevice};
+use strata::pool::superblock::{ChildState, Role, Superblock, SUPERBLOCK_BYTES};
+use strata::pool::vdev::Health;
+use strata::pool::volume::EngineVolume;
+use strata::pool::{NewVdev, Pool, PoolOptions};
+use strata::volume::{BlockDevice, IoBuf};
+
+const MIB: u64 = 1 << 20;
+const BLOCK: u64 = 64 << 10;
+const BLOCKS: u64 = 64;
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+/// No background work and no read cache: every read goes to the devices.
+fn options() -> PoolOptions {
+    PoolOptions {
+        background: false,
+        read_cache_bytes: 0,
+        ..PoolOptions::default()
+    }
+}
+
+fn block_data(block: u64, round: u8) -> Vec<u8> {
+    (0..BLOCK)
+        .map(|i| (i as u8).wrapping_mul(31) ^ (block as u8).wrapping_mul(7) ^ round)
+        .collect()
+}
+
+struct Mirrored {
+    sims: [SimDevice; 2],
+    errors: [Arc<ErrorDevice>; 2],
+}
+
+impl Mirrored {
+    fn new() -> Mirrored {
+        let sims = [SimDevice::new(160 * MIB, 1), SimDevice::new(160 * MIB, 2)];
+        let errors = [0, 1].map(|i| Arc::new(ErrorDevice::new(sims[i].as_device(), Vec::new(), 9)));
+        Mirrored { sims, errors }
+    }
+
+    /// The same devices opened again: no rules, no sticky error.
+    fn reopened(self) -> Mirrored {
+        let errors = [0, 1].map(|i| Arc::new(ErrorDevice::new(self.sims[i].as_device(), Vec::new(), 9)));
+        Mirrored { errors, ..self }
+    }
+
+    fn devices(&self) -> Vec<Arc<dyn Device>> {
+        self.errors.iter().map(|e| -> Arc<dyn Device> { e.clone() }).collect()
+    }
+
+    async fn create(&self) -> Arc<Pool> {
+        let vdevs = vec![NewVdev {
+            role: Role::Fast,
+            devices: self.devices(),
+        }];
+        Pool::create_vdevs("m", 1 << 20, vdevs, options()).await.unwrap()
+    }
+
+    async fn open(&self, which: &[usize]) -> Arc<Pool> {
+        let devices = which
+            .iter()
+            .map(|&i| -> Arc<dyn Device> { self.errors[i].clone() })
+            .collect();
+        Pool::open_with(devices, options()).await.unwrap()
+    }
+
+    fn superblock(&self, which: usize) -> Superblock {
+        let bytes = self.sims[which].snapshot().read(0, SUPERBLOCK_BYTES);
+        Superblock::decode(&bytes).unwrap()
+    }
+}
+
+async fn write_all(volume: &EngineVolume, round: u8) {
+    for block in 0..BLOCKS {
+        volume
+            .write(block * BLOCK, IoBuf::copy_from(&block_data(block, round)), false)
+            .await
+            .unwrap();
+    }
+    volume.flush().await.unwrap();
+}
+
+async fn check_all(volume: &EngineVolume, round: u8) {
+    for block in 0..BLOCKS {
+        let (buf, result) = volume.read(block * BLOCK, IoBuf::new(BLOCK as usize)).await;
+        result.unwrap_or_else(|e| panic!("block {block}: {e}"));
+        assert!(buf.payload() == block_data(block, round), "block {block} differs");
+    }
+}
+
+fn children(pool: &Pool) -> Vec<(Health, u64, u64, u64)> {
+    let status = pool.status();
+    status[0]
+        .children
+        .iter()
+        .map(|c| (c.state, c.checksum_errors, c.repaired_sectors, c.write_errors))
+        .collect()
+}
+
+#[test]
+fn a_rotten_copy_is_found_by_its_checksums_and_rewritten_from_the_other() {
+    runtime().block_on(async {
+        let mirror = Mirrored::new();
+        let pool = mirror.create().await;
+        assert_eq!(pool.status()[0].children.len(), 2);
+        let volume = pool.open_volume(1, BLOCKS * BLOCK, BLOCK as u32).unwrap();
+        write_all(&volume, 1).await;
+        pool.destage_all().await.unwrap();
+        // Rot in every block of one copy.
+        let places: Vec<(u8, u64)> = (0..BLOCKS).map(|b| volume.block_place(b).unwrap().unwrap()).collect();
+        for &(_, offset) in &places {
+            mirror.sims[1].corrupt(offset + 4096, 512);
+        }
+        // Reads alternate between copies, so read each block twice.
+        check_all(&volume, 1).await;
+        check_all(&volume, 1).await;
+        let after = children(&pool);
+        assert_eq!(after[0].1, 0, "the good copy has no errors: {after:?}");
+        assert_eq!(after[1].1, BLOCKS, "one bad sector per block: {after:?}");
+        assert_eq!(after[1].2, BLOCKS, "each rewritten: {after:?}");
+        assert_eq!(pool.status()[0].checksum_errors, 0, "no error reached a client");
+        // The bad copy now holds the data again.
+        let image = mirror.sims[1].snapshot();
+        for (block, &(_, offset)) in places.iter().enumerate() {
+            let bytes = image.read(offset, BLOCK as usize);
+            assert!(
+                bytes == block_data(block as u64, 1),
+                "copy of block {block} not repaired"
+            );
+        }
+    });
+}
+
+#[test]
+fn bit_rot_in_both_copies_of_a_sector_is_an_error_not_garbage() {
+    runtime().block_on(async {
+        let mirror = Mirrored::new();
+        let pool = mirror.create().await;
+        let volume = pool.open_volume(1, BLOCKS * BLOCK, BLOCK as u32).unwrap();
+        write_all(&volume, 1).await;
+        pool.destage_all().await.unwrap();
+        let (_, offset) = volume.block_place(3).unwrap().unwrap();
+        // Different sectors of block 3 on each copy: each sector has one good copy.
+        mirror.sims[0].corrupt(offset, 512);
+        mirror.sims[1].corrupt(offset + 8192, 512);
+        check_all(&volume, 1).await;
+        // The same sector on both: no good copy is left.
+        let (_, offset) = volume.block_place(5).unwrap().unwrap();
+        mirror.sims[0].corrupt(offset, 512);
+        mirror.sims[1].corrupt(offset, 512);
+        let (_, result) = volume.read(5 * BLOCK, IoBuf::new(BLOCK as usize)).await;
+        assert!(result.is_err(), "a sector with no good copy must fail its read");
+        assert_eq!(pool.status()[0].checksum_errors, 1);
+    });
+}
+
+#[test]
+fn a_device_that_fails_writes_is_faulted_and_the_pool_goes_on_degraded() {
+    runtime().block_on(async {
+        let mirror = Mirrored::new();
+        let pool = mirror.create().await;
+        let volume = pool.open_volume(1, BLOCKS * BLOCK, BLOCK as u32).unwrap();
+        write_all(&volume, 1).await;
+        pool.destage_all().await.unwrap();
+        mirror.errors[1].set_rules(vec![ErrorRule::always(&[IoOp::Write, IoOp::Flush])]);
+        // Every write and flush still succeeds for the client.
+        write_all(&volume, 2).await;
+        pool.destage_all().await.unwrap();
+        pool.checkpoint().await.unwrap();
+        check_all(&volume, 2).await;
+        let status = pool.status();
+        assert_eq!(status[0].state, "DEGRADED");
+        let after = children(&pool);
+        assert_eq!(after[0].0, Health::Online);
+        assert_eq!(after[1].0, Health::Faulted);
+        assert!(after[1].3 >= 1, "the failed write is counted: {after:?}");
+        // The surviving device's superblocks say the other missed writes.
+        let recorded = mirror.superblock(0);
+        assert_eq!(recorded.children[1].state, ChildState::Stale);
+        assert_eq!(recorded.children[0].state, ChildState::Online);
+        drop(volume);
+        drop(pool);
+
+        // Reopened with both devices (the failing one working again): the
+        // stale one is not trusted, and the data is the newest.
+        let mirror = mirror.reopened();
+        let pool = mirror.open(&[0, 1]).await;
+        assert_eq!(children(&pool)[1].0, Health::Stale);
+        let volume = pool.open_volume(1, BLOCKS * BLOCK, BLOCK as u32).unwrap();
+        check_all(&volume, 2).await;
+        check_all(&volume, 2).await;
+    });
+}
+
+#[test]
+fn a_mirror_opens_without_one_device_and_never_reads_the_missing_one_again() {
+    runtime().block_on(async {
+        let mirror = Mirrored::new();
+        {
+            let pool = mirror.create().await;
+            let volume = pool.open_volume(1, BLOCKS * BLOCK, BLOCK as u32).unwrap();
+            write_all(&volume, 1).await;
+            pool.destage_all().await.unwrap();
+            pool.checkpoint().await.unwrap();
+        }
+        {
+            // Device 1 is away: DEGRADED, writes go on.
+            let pool = mirror.open(&[0]).await;
+            assert_eq!(pool.status()[0].state, "DEGRADED");
+            assert_eq!(children(&pool)[1].0, Health::Missing);
+            let volume = pool.open_volume(1, BLOCKS * BLOCK, BLOCK as u32).unwrap();
+            check_all(&volume, 1).await;
+            write_all(&volume, 2).await;
+            pool.destage_all().await.unwrap();
+            pool.checkpoint().await.unwrap();
+        }
+        assert_eq!(mirror.superblock(0).children[1].state, ChildState::Stale);
+        // Back with both: device 1 still holds round 1 and is not read.
+        let pool = mirror.open(&[1, 0]).await;
+        assert_eq!(children(&pool)[1].0, Health::Stale);
+        let volume = pool.open_volume(1, BLOCKS * BLOCK, BLOCK as u32).unwrap();
+        check_all(&volume, 2).await;
+        check_all(&volume, 2).await;
+        drop(volume);
+        drop(pool);
+        // Its own superblock now says so too: alone, it does not open.
+        let error = Pool::open_with(vec![mirror.errors[1].clone() as Arc<dyn Device>], options())
+            .await
+            .err()
+            .expect("a stale device alone must not open the pool");
+        assert!(error.to_string().contains("missing"), "{error}");
+    });
+}
+
+#[test]
+fn devices_of_a_mirror_used_apart_are_refused_together() {
+    runtime().block_on(async {
+        let mirror = Mirrored::new();
+        drop(mirror.create().await);
+        for (alone, round) in [(0, 1), (1, 2)] {
+            // Each alone: neither superblock knows what the other did.
+            let pool = mirror.open(&[alone]).await;
+            let volume = pool.open_volume(1, BLOCKS * BLOCK, BLOCK as u32).unwrap();
+            write_all(&volume, round).await;
+            pool.destage_all().await.unwrap();
+        }
+        let error = Pool::open_with(mirror.devices(), options())
+            .await
+            .err()
+            .expect("devices used apart must not open together");
+        assert!(
+            error.to_string().contains("each say the other missed writes"),
+            "{error}"
+        );
+    });
+}
