@@ -2,7 +2,8 @@
 //! found by its checksums and rewritten from the other; a device that fails
 //! writes is faulted and the pool goes on DEGRADED, the fault recorded in
 //! the other device's superblocks; a mirror opens without one of its
-//! devices; and a device that missed writes is never read from again.
+//! devices; a device that missed writes is not read from until a resilver
+//! has copied what it missed; devices used apart are refused together.
 
 use std::sync::Arc;
 
@@ -199,11 +200,30 @@ fn a_device_that_fails_writes_is_faulted_and_the_pool_goes_on_degraded() {
         // stale one is not trusted, and the data is the newest.
         let mirror = mirror.reopened();
         let pool = mirror.open(&[0, 1]).await;
-        assert_eq!(children(&pool)[1].0, Health::Stale);
+        assert_eq!(children(&pool)[1].0, Health::Resilvering);
         let volume = pool.open_volume(1, BLOCKS * BLOCK, BLOCK as u32).unwrap();
         check_all(&volume, 2).await;
         check_all(&volume, 2).await;
+        // The resilver copies what it missed; then it is a copy again.
+        let copied = pool.resilver().await.unwrap();
+        assert!(copied >= BLOCKS * BLOCK, "copied {copied}");
+        assert_eq!(children(&pool)[1].0, Health::Online);
+        assert_eq!(pool.status()[0].state, "ONLINE");
+        assert_eq!(mirror.superblock(0).children[1].state, ChildState::Online);
+        assert_copy_holds(&mirror, 1, &volume, 2);
     });
+}
+
+/// Device `which` holds round `round` of every block where the volume maps it.
+fn assert_copy_holds(mirror: &Mirrored, which: usize, volume: &EngineVolume, round: u8) {
+    let image = mirror.sims[which].snapshot();
+    for block in 0..BLOCKS {
+        let (_, offset) = volume.block_place(block).unwrap().unwrap();
+        assert!(
+            image.read(offset, BLOCK as usize) == block_data(block, round),
+            "device {which} lacks block {block} of round {round}"
+        );
+    }
 }
 
 #[test]
@@ -229,9 +249,10 @@ fn a_mirror_opens_without_one_device_and_never_reads_the_missing_one_again() {
             pool.checkpoint().await.unwrap();
         }
         assert_eq!(mirror.superblock(0).children[1].state, ChildState::Stale);
-        // Back with both: device 1 still holds round 1 and is not read.
+        // Back with both: device 1 still holds round 1 and is not read
+        // until it is resilvered; it takes the writes meanwhile.
         let pool = mirror.open(&[1, 0]).await;
-        assert_eq!(children(&pool)[1].0, Health::Stale);
+        assert_eq!(children(&pool)[1].0, Health::Resilvering);
         let volume = pool.open_volume(1, BLOCKS * BLOCK, BLOCK as u32).unwrap();
         check_all(&volume, 2).await;
         check_all(&volume, 2).await;
@@ -243,6 +264,17 @@ fn a_mirror_opens_without_one_device_and_never_reads_the_missing_one_again() {
             .err()
             .expect("a stale device alone must not open the pool");
         assert!(error.to_string().contains("missing"), "{error}");
+        // With the other it is resilvered, and serves its copy after.
+        let pool = mirror.open(&[0, 1]).await;
+        pool.resilver().await.unwrap();
+        let volume = pool.open_volume(1, BLOCKS * BLOCK, BLOCK as u32).unwrap();
+        assert_copy_holds(&mirror, 1, &volume, 2);
+        drop(volume);
+        drop(pool);
+        let pool = mirror.open(&[1]).await;
+        assert_eq!(pool.status()[0].state, "DEGRADED");
+        let volume = pool.open_volume(1, BLOCKS * BLOCK, BLOCK as u32).unwrap();
+        check_all(&volume, 2).await;
     });
 }
 

@@ -391,6 +391,7 @@ mod tests {
             member: 0,
             state: crate::pool::superblock::ChildState::Online,
             write_mostly: false,
+            resilvered: 0,
         };
         let mirrored = Superblock {
             device_uuid: [9; 16],

@@ -40,6 +40,8 @@ pub mod ram;
 pub mod readcache;
 mod recover;
 mod relocate;
+mod resilver;
+pub use resilver::ResilverStatus;
 mod scrub;
 pub use scrub::ScrubReport;
 mod send;
@@ -277,6 +279,9 @@ pub struct DeviceStatus {
     /// A mirror's devices (empty for a single device).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub children: Vec<ChildStatus>,
+    /// The resilver under way on this mirror.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resilver: Option<ResilverStatus>,
 }
 
 fn online() -> String {
@@ -404,6 +409,10 @@ pub struct Pool {
     checksum_tags: bool,
     /// The membership as the superblocks record it (`pool/vdev.rs`).
     membership: Arc<vdev::Membership>,
+    /// Where the metadata and log regions are (fixed at creation).
+    regions: Regions,
+    /// Resilvers under way, by member (`pool/resilver.rs`).
+    resilvers: Mutex<HashMap<u8, resilver::ResilverStatus>>,
     /// The devices as stored metadata is checked against (grows with
     /// `pool add-device`).
     geometry: Arc<std::sync::RwLock<crate::meta::geometry::Geometry>>,
@@ -512,6 +521,14 @@ pub struct Pool {
     pub(crate) page_copy_pause: Mutex<Option<Box<dyn FnOnce() + Send>>>,
 }
 
+/// The metadata and log regions: (byte offset, bytes) on their devices.
+#[derive(Debug, Clone, Copy)]
+struct Regions {
+    meta: (u64, u64),
+    log_device: u8,
+    log: (u64, u64),
+}
+
 /// An open engine in `Pool::open_engines`: its id, and the engine (weak).
 type OpenEngine = (u32, std::sync::Weak<volume::EngineVolume>);
 
@@ -572,6 +589,7 @@ impl Pool {
                     repaired_after_crash: d.counters.repaired_after_crash.load(Ordering::Relaxed),
                     backing: d.device.backing_space(),
                     unbackable_bytes: 0,
+                    resilver: self.resilver_status(d.member.index),
                     state: if d.mirror.as_ref().is_some_and(|m| m.degraded()) {
                         "DEGRADED".into()
                     } else {

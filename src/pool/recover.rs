@@ -141,6 +141,7 @@ impl Pool {
                     member: index as u8,
                     state: superblock::ChildState::Online,
                     write_mostly: false,
+                    resilvered: 0,
                 });
             }
             device_uuids.push(uuids);
@@ -393,15 +394,18 @@ impl Pool {
                     .children_of(index as u8)
                     .zip(slot)
                     .map(|(child, device)| {
+                        // A stale device that is here is resilvered: it
+                        // takes every write from now on, and reads once the
+                        // resilver (`Pool::resilver`) has copied the rest.
                         let health = match (&device, child.state) {
                             (None, _) => Health::Missing,
                             (Some(_), superblock::ChildState::Online) => Health::Online,
-                            (Some(_), superblock::ChildState::Stale) => Health::Stale,
+                            (Some(_), superblock::ChildState::Stale) => Health::Resilvering,
                         };
                         if device.is_none() && child.state == superblock::ChildState::Online {
                             went_missing = true;
                         }
-                        MirrorChild::new(device, child.uuid, child.write_mostly, health)
+                        MirrorChild::new(device, child.uuid, child.write_mostly, health, child.resilvered)
                     })
                     .collect();
                 let mirror = Arc::new(Mirror::new(index as u8, member.size_bytes, children));
@@ -646,6 +650,12 @@ impl Pool {
             checksum_tags,
             geometry,
             membership,
+            regions: Regions {
+                meta: (superblock.meta_offset, superblock.meta_bytes),
+                log_device: superblock.log_device,
+                log: (superblock.log_offset, superblock.log_bytes),
+            },
+            resilvers: Mutex::new(HashMap::new()),
             corruption,
             allocator: Ranked::new(Rank::Allocator, 0, crate::sync::WatchedMutex::new(allocator)),
             epoch: AtomicU32::new(epoch.wrapping_add(1).max(1)),
@@ -756,6 +766,7 @@ impl Pool {
             pool.start_destager();
             pool.start_migrator();
             pool.start_freer();
+            pool.start_resilver();
         }
         Ok(pool)
     }
@@ -770,9 +781,9 @@ impl Pool {
             let Some(mirror) = &device.mirror else {
                 continue;
             };
-            let mut online = mirror.online().map(|(i, _)| i);
-            if let (Some(source), true) = (online.next(), device.member.index == superblock.log_device) {
-                let targets: Vec<usize> = online.collect();
+            let source = mirror.online().map(|(i, _)| i).next();
+            if let (Some(source), true) = (source, device.member.index == superblock.log_device) {
+                let targets: Vec<usize> = mirror.written().filter(|&i| i != source).collect();
                 let step = 1u64 << 20;
                 let mut at = 0;
                 while at < superblock.log_bytes && !targets.is_empty() {

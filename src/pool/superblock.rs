@@ -106,6 +106,9 @@ pub struct Child {
     /// Takes reads only when no other child can (an HDD copy of an SSD
     /// mirror), as md's write-mostly.
     pub write_mostly: bool,
+    /// A stale child being resilvered: every byte below this offset is up
+    /// to date (a resilver copies in device order and resumes here).
+    pub resilvered: u64,
 }
 
 /// A decoded superblock.
@@ -246,6 +249,7 @@ impl Superblock {
                 out[at + 16] = child.member;
                 out[at + 17] = child.state as u8;
                 out[at + 18] = child.write_mostly as u8;
+                put_u64(&mut out, at + 24, child.resilvered);
             }
         }
         let crc = crate::checksum::crc32c(&out[..CRC_OFFSET]);
@@ -313,6 +317,7 @@ impl Superblock {
                     member: bytes[at + 16],
                     state,
                     write_mostly: bytes[at + 18] & 1 != 0,
+                    resilvered: get_u64(bytes, at + 24)?,
                 });
             }
         } else if let Some(member) = members.get(bytes[52] as usize) {
@@ -527,6 +532,7 @@ mod tests {
             member: 1,
             state,
             write_mostly: uuid == 4,
+            resilvered: if state == ChildState::Stale { 5 << 20 } else { 0 },
         };
         Superblock {
             device_uuid: [4; 16],

@@ -108,10 +108,18 @@ pub struct MirrorChild {
     pub counters: ChildCounters,
     health: AtomicU8,
     in_flight: AtomicU32,
+    /// While resilvering: every byte below this is up to date.
+    pub(crate) resilvered: AtomicU64,
 }
 
 impl MirrorChild {
-    pub fn new(device: Option<Arc<dyn Device>>, uuid: [u8; 16], write_mostly: bool, health: Health) -> MirrorChild {
+    pub fn new(
+        device: Option<Arc<dyn Device>>,
+        uuid: [u8; 16],
+        write_mostly: bool,
+        health: Health,
+        resilvered: u64,
+    ) -> MirrorChild {
         let name = match &device {
             Some(device) => device.info().name.clone(),
             None => format!("device {}", super::uuid_text(&uuid)),
@@ -124,6 +132,7 @@ impl MirrorChild {
             counters: ChildCounters::default(),
             health: AtomicU8::new(health.code()),
             in_flight: AtomicU32::new(0),
+            resilvered: AtomicU64::new(resilvered),
         }
     }
 
@@ -136,6 +145,10 @@ impl MirrorChild {
     }
 }
 
+/// Bytes a resilver copies at a time, and the unit its barrier locks.
+pub const RESYNC_UNIT: u64 = 1 << 20;
+const STRIPES: usize = 64;
+
 /// A mirror of two or more devices (see the module header).
 pub struct Mirror {
     info: DeviceInfo,
@@ -145,6 +158,14 @@ pub struct Mirror {
     pinned: AtomicBool,
     /// Which child an idle mirror's next read prefers.
     turn: AtomicU32,
+    /// While a resilver copies: writes and discards hold the stripes of the
+    /// units they touch shared, the copy of a unit holds its stripe
+    /// exclusively, so no write can land between the copy's read from an
+    /// up-to-date child and its write to the child being resilvered.
+    resyncing: AtomicBool,
+    /// Writes under way that did not take a stripe (no resilver then).
+    unbarred: AtomicU32,
+    stripes: Box<[tokio::sync::RwLock<()>]>,
     /// Where a fault is recorded before the write that met it completes.
     membership: OnceLock<std::sync::Weak<Membership>>,
 }
@@ -176,6 +197,9 @@ impl Mirror {
             children,
             pinned: AtomicBool::new(true),
             turn: AtomicU32::new(0),
+            resyncing: AtomicBool::new(false),
+            unbarred: AtomicU32::new(0),
+            stripes: (0..STRIPES).map(|_| tokio::sync::RwLock::new(())).collect(),
             membership: OnceLock::new(),
         }
     }
@@ -209,6 +233,15 @@ impl Mirror {
             .iter()
             .enumerate()
             .filter(|(_, c)| c.health() == Health::Online && c.device.is_some())
+    }
+
+    /// The children that get writes (up to date or being resilvered).
+    pub fn written(&self) -> impl Iterator<Item = usize> + '_ {
+        self.children
+            .iter()
+            .enumerate()
+            .filter(|(_, c)| c.health().written() && c.device.is_some())
+            .map(|(i, _)| i)
     }
 
     /// The child a read goes to, skipping those in `tried` (a bit each).
@@ -286,6 +319,64 @@ impl Mirror {
                 membership.record_health().await;
             }
         }
+    }
+
+    /// Runs `op` (a write or discard of `[offset, +length)`), holding the
+    /// stripes of the units it touches while a resilver runs.
+    async fn barred<'a, F, Fut>(&'a self, offset: u64, length: u64, op: F) -> DeviceResult<()>
+    where
+        F: FnOnce() -> Fut,
+        Fut: std::future::Future<Output = DeviceResult<()>> + 'a,
+    {
+        self.unbarred.fetch_add(1, Ordering::SeqCst);
+        if !self.resyncing.load(Ordering::SeqCst) {
+            let result = op().await;
+            self.unbarred.fetch_sub(1, Ordering::SeqCst);
+            return result;
+        }
+        self.unbarred.fetch_sub(1, Ordering::SeqCst);
+        let first = offset / RESYNC_UNIT;
+        let last = (offset + length.max(1) - 1) / RESYNC_UNIT;
+        // Stripes in ascending order, each once: the copy holds one at a time.
+        let mut wanted: Vec<usize> = (first..=last.min(first + STRIPES as u64 - 1))
+            .map(|unit| (unit % STRIPES as u64) as usize)
+            .collect();
+        wanted.sort_unstable();
+        wanted.dedup();
+        let mut guards = Vec::with_capacity(wanted.len());
+        for stripe in wanted {
+            guards.push(self.stripes[stripe].read().await);
+        }
+        op().await
+    }
+
+    /// Starts or ends a resilver's barrier ([`Mirror::copy_unit`]). Starting
+    /// waits for the writes that began without it.
+    pub async fn set_resyncing(&self, on: bool) {
+        self.resyncing.store(on, Ordering::SeqCst);
+        while on && self.unbarred.load(Ordering::SeqCst) > 0 {
+            tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+        }
+    }
+
+    /// Copies `[offset, +length)` (inside one [`RESYNC_UNIT`]) from an
+    /// up-to-date child to each of `targets`, no write landing in between.
+    /// A target that fails the write is faulted and dropped from `targets`.
+    pub async fn copy_unit(&self, offset: u64, length: u64, targets: &mut Vec<usize>) -> DeviceResult<()> {
+        debug_assert!(offset / RESYNC_UNIT == (offset + length - 1) / RESYNC_UNIT);
+        let _unit = self.stripes[((offset / RESYNC_UNIT) % STRIPES as u64) as usize]
+            .write()
+            .await;
+        let (buf, result) = Device::read(self, offset, IoBuf::new(length as usize)).await;
+        result?;
+        let mut kept = Vec::with_capacity(targets.len());
+        for &target in targets.iter() {
+            if self.write_child(target, offset, buf.payload()).await.is_ok() {
+                kept.push(target);
+            }
+        }
+        *targets = kept;
+        Ok(())
     }
 
     /// Runs `op` on every child that gets writes, all at once; faults the
@@ -402,10 +493,11 @@ impl Membership {
                 continue;
             };
             if let Some(child) = mirror.children().iter().find(|c| c.uuid == entry.uuid) {
-                entry.state = if child.health() == Health::Online {
-                    ChildState::Online
-                } else {
-                    ChildState::Stale
+                (entry.state, entry.resilvered) = match child.health() {
+                    Health::Online => (ChildState::Online, 0),
+                    // Up to date below its resilver's cursor.
+                    Health::Resilvering => (ChildState::Stale, child.resilvered.load(Ordering::Acquire)),
+                    Health::Stale | Health::Faulted | Health::Missing => (ChildState::Stale, 0),
                 };
             }
         }
@@ -508,10 +600,13 @@ impl Device for Mirror {
 
     fn write(&self, offset: u64, buf: IoBuf) -> BoxFuture<'_, (IoBuf, DeviceResult<()>)> {
         Box::pin(async move {
+            let length = buf.len() as u64;
             let result = self
-                .on_all(|device| {
-                    let copy = IoBuf::copy_from(buf.payload());
-                    Box::pin(async move { device.write(offset, copy).await.1 })
+                .barred(offset, length, || {
+                    self.on_all(|device| {
+                        let copy = IoBuf::copy_from(buf.payload());
+                        Box::pin(async move { device.write(offset, copy).await.1 })
+                    })
                 })
                 .await;
             (buf, result)
@@ -527,7 +622,9 @@ impl Device for Mirror {
     }
 
     fn discard(&self, offset: u64, length: u64) -> BoxFuture<'_, DeviceResult<()>> {
-        Box::pin(self.on_all(move |device| device.discard(offset, length)))
+        Box::pin(self.barred(offset, length, move || {
+            self.on_all(move |device| device.discard(offset, length))
+        }))
     }
 
     fn read_now(&self, offset: u64, dst: &mut [u8]) -> Option<DeviceResult<()>> {
