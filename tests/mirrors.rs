@@ -3,10 +3,16 @@
 //! writes is faulted and the pool goes on DEGRADED, the fault recorded in
 //! the other device's superblocks; a mirror opens without one of its
 //! devices; a device that missed writes is not read from until a resilver
-//! has copied what it missed; devices used apart are refused together.
+//! has copied what it missed; devices used apart are refused together. And
+//! under the daemon, through NBD: a device failing writes under `--wrap`,
+//! its resilver after a restart, and bit rot healed.
 
+mod common;
+
+use std::process::Command;
 use std::sync::Arc;
 
+use common::{cli, require_tool, run, Server};
 use strata::device::wrappers::IoOp;
 use strata::device::{Device, ErrorDevice, ErrorRule, SimDevice};
 use strata::pool::superblock::{ChildState, Role, Superblock, SUPERBLOCK_BYTES};
@@ -299,4 +305,107 @@ fn devices_of_a_mirror_used_apart_are_refused_together() {
             "{error}"
         );
     });
+}
+
+/// The pool's status as JSON.
+fn pool_json(server: &Server) -> serde_json::Value {
+    let status = cli(server, &["pool", "status", "tank", "--json"]);
+    assert!(status.status.success(), "{}", String::from_utf8_lossy(&status.stderr));
+    serde_json::from_slice(&status.stdout).unwrap()
+}
+
+/// The mirror's device rows (the pool's only member).
+fn mirror_children(status: &serde_json::Value) -> Vec<serde_json::Value> {
+    status["devices"][0]["children"].as_array().cloned().unwrap_or_default()
+}
+
+#[test]
+fn a_mirror_under_the_daemon_outlives_a_failing_device_resilvers_it_and_heals_rot() {
+    require_tool("qemu-io");
+    let dir = tempfile::tempdir().unwrap();
+    let a = common::sparse_file(dir.path(), "a.img", 256 << 20);
+    let b = common::sparse_file(dir.path(), "b.img", 256 << 20);
+    let data = dir.path().join("data");
+    // The metadata and log regions end at 97 MiB (a 1 MiB header, 32 MiB
+    // of metadata, 64 MiB of log); writes past 100 MiB on b fail.
+    let wrap = format!("{b}=error:write,offset=100M-256M");
+    let mut server = Server::start_with_args(&data, Some(&data), &["--wrap", &wrap]);
+    let spec = format!("mirror:{a},{b}");
+    let created = cli(&server, &["pool", "create", "tank", "--capacity", &spec]);
+    assert!(created.status.success(), "{}", String::from_utf8_lossy(&created.stderr));
+    let volume = cli(&server, &["volume", "create", "tank/v", "--size", "64M"]);
+    assert!(volume.status.success(), "{}", String::from_utf8_lossy(&volume.stderr));
+    let uri = server.uri("tank/v");
+    // No error reaches the client; the data reads back.
+    run(Command::new("qemu-io")
+        .args(["-f", "raw", "-c", "write -P 0x5a 0 32M", "-c", "flush"])
+        .arg(&uri));
+    let synced = cli(&server, &["pool", "sync", "tank"]);
+    assert!(synced.status.success(), "{}", String::from_utf8_lossy(&synced.stderr));
+    run(Command::new("qemu-io")
+        .args(["-f", "raw", "-c", "read -P 0x5a 0 32M"])
+        .arg(&uri));
+    let status = pool_json(&server);
+    assert_eq!(status["state"], "DEGRADED", "{status}");
+    let children = mirror_children(&status);
+    assert_eq!(children[0]["state"], "ONLINE", "{status}");
+    assert_eq!(children[1]["state"], "FAULTED", "{status}");
+    assert!(children[1]["write_errors"].as_u64().unwrap() >= 1, "{status}");
+    assert!(status["action"].as_str().unwrap().contains("faulted"), "{status}");
+    let text = cli(&server, &["pool", "status", "tank"]);
+    let text = String::from_utf8_lossy(&text.stdout);
+    assert!(text.contains("FAULTED") && text.contains("is DEGRADED"), "{text}");
+    assert!(server.stop().success());
+
+    // Without the failing writes: b is resilvered in the background.
+    let mut server = Server::start(&data);
+    let mut waited = 0;
+    loop {
+        let status = pool_json(&server);
+        if status["state"] == "ONLINE" {
+            break;
+        }
+        assert!(waited < 600, "the resilver did not finish: {status}");
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        waited += 1;
+    }
+    assert!(server.stop().success());
+
+    // Rot in a's copy of the data, under a running daemon (nothing cached
+    // yet): reads return the data, and the rotten sectors are rewritten.
+    let server = Server::start(&data);
+    {
+        use std::os::unix::fs::FileExt;
+        let file = std::fs::OpenOptions::new().read(true).write(true).open(&a).unwrap();
+        let mut byte = [0u8; 1];
+        for sector in 0..256u64 {
+            let at = (97 << 20) + sector * 4096 + 100;
+            file.read_exact_at(&mut byte, at).unwrap();
+            byte[0] ^= 0x40;
+            file.write_all_at(&byte, at).unwrap();
+        }
+        file.sync_all().unwrap();
+    }
+    let uri = server.uri("tank/v");
+    for _ in 0..2 {
+        // Reads take turns between the copies: twice reads both.
+        run(Command::new("qemu-io")
+            .args(["-f", "raw", "-c", "read -P 0x5a 0 32M"])
+            .arg(&uri));
+    }
+    let status = pool_json(&server);
+    let children = mirror_children(&status);
+    let found = children[0]["checksum_errors"].as_u64().unwrap();
+    assert!(found >= 1, "the rot was found: {status}");
+    assert_eq!(children[0]["repaired_sectors"].as_u64().unwrap(), found, "{status}");
+    assert_eq!(status["devices"][0]["checksum_errors"], 0, "no error reached a client: {status}");
+    // Rewritten: a's copy of those sectors is b's again.
+    let range = |path: &str| {
+        use std::os::unix::fs::FileExt;
+        let mut bytes = vec![0u8; 1 << 20];
+        std::fs::File::open(path).unwrap().read_exact_at(&mut bytes, 97 << 20).unwrap();
+        bytes
+    };
+    assert!(range(&a) == range(&b), "the rotten copy was rewritten from the good one");
+    drop(server);
 }

@@ -1514,6 +1514,25 @@ fn pool_table(pools: &[PoolStatus]) -> String {
         if let Some(action) = &pool.action {
             out.push_str(&format!("pool {} is {}: {action}\n", pool.name, pool.state));
         }
+        for member in &pool.devices {
+            if let Some(r) = member.resilver {
+                let left = r.total_bytes.saturating_sub(r.done_bytes);
+                let eta = if r.bytes_per_second > 0 {
+                    format!(", about {} s left", left / r.bytes_per_second)
+                } else {
+                    String::new()
+                };
+                out.push_str(&format!(
+                    "pool {}: resilvering {}: {} of {} ({}%) at {}/s{eta}\n",
+                    pool.name,
+                    member.name,
+                    format_size(r.done_bytes),
+                    format_size(r.total_bytes),
+                    r.done_bytes * 100 / r.total_bytes.max(1),
+                    format_size(r.bytes_per_second)
+                ));
+            }
+        }
     }
     // The file system under a sparse device cannot hold what the device
     // may still ask of it, or is nearly full.

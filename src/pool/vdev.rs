@@ -314,7 +314,8 @@ impl Mirror {
             child.name,
             self.info.name
         );
-        if was == Health::Online {
+        // A device being resilvered loses its cursor too: it missed a write.
+        if matches!(was, Health::Online | Health::Resilvering) {
             if let Some(membership) = self.membership.get().and_then(std::sync::Weak::upgrade) {
                 membership.record_health().await;
             }
@@ -622,8 +623,15 @@ impl Device for Mirror {
     }
 
     fn discard(&self, offset: u64, length: u64) -> BoxFuture<'_, DeviceResult<()>> {
-        Box::pin(self.barred(offset, length, move || {
-            self.on_all(move |device| device.discard(offset, length))
+        // A discard changes nothing a read may rely on (the range reads as
+        // zeros or as before), so a child that refuses one is not faulted.
+        Box::pin(self.barred(offset, length, move || async move {
+            let futures = self.written().filter_map(|i| self.children[i].device.as_ref()).map(|d| d.discard(offset, length)).collect();
+            let results = join_all(futures).await;
+            match results.iter().find_map(|r| r.as_ref().err()) {
+                Some(e) if results.iter().all(|r| r.is_err()) => Err(unavailable(&self.info.name, &e.to_string())),
+                _ => Ok(()),
+            }
         }))
     }
 
