@@ -96,7 +96,7 @@ pub enum Record {
     /// Clone `volume` is promoted: its origin snapshot `origin` and the
     /// older snapshots of the origin's volume become the clone's, and that
     /// volume becomes a clone of `origin` (the page work is redone from the
-    /// state before, `pool/snapshots.rs`).
+    /// state before, `pool/snapshots/clones.rs`).
     Promote { volume: u32, origin: u32 },
     /// Slot `old`, mapped at block `block` by each of `owners` (volumes and
     /// snapshots of one family, `pool/relocate.rs`), was copied to `new`

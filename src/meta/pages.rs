@@ -54,7 +54,7 @@ pub struct MapPage {
     /// The pool's snapshot generation when this page was last made the
     /// volume's own (created, or copied into the volume's newest snapshot
     /// before a change): a page born before the volume's newest snapshot is
-    /// shared with it, and copied before it changes (`pool/snapshots.rs`).
+    /// shared with it, and copied before it changes (`pool/snapshots/cow.rs`).
     /// 0 for pages of pools that never had a snapshot.
     pub birth: AtomicU64,
     /// Whether the page exists (stored, or made since): a snapshot that

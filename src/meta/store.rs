@@ -41,12 +41,12 @@ pub const DESTROYED: TableDefinition<u32, u8> = TableDefinition::new("destroyed"
 /// Scalars: "checkpoint_lsn", "epoch".
 pub const STATE: TableDefinition<&str, u64> = TableDefinition::new("state");
 /// Snapshots: id → volume, generation, creation time, mapped blocks, size
-/// and name (`pool/snapshots.rs`).
+/// and name (`pool/snapshots/persist.rs`).
 pub const SNAPSHOTS: TableDefinition<u32, &[u8]> = TableDefinition::new("snapshots");
 /// Clones: volume id → the snapshot it was cloned from (its origin).
 pub const CLONES: TableDefinition<u32, u32> = TableDefinition::new("clones");
 /// Snapshot space figures kept between starts: id → (written, used; used
-/// `u64::MAX` when not kept), in blocks (`pool/snapshots.rs`).
+/// `u64::MAX` when not kept), in blocks (`pool/snapshots/space.rs`).
 /// Per data chunk (device, chunk): its decayed read and write counts
 /// (`pool/migrate.rs`), stored now and then so a restart keeps them.
 pub const HEAT: TableDefinition<(u32, u64), u64> = TableDefinition::new("heat");

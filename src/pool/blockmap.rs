@@ -26,7 +26,7 @@ const DEVICE_MASK: u64 = 0xff << DEVICE_SHIFT;
 const FLAGS: u64 = 0x7f << 56;
 /// The slot is also mapped by a snapshot of the volume: a write to the
 /// block goes to a new slot (copy-on-write), and an unmap or overwrite does
-/// not free it (`pool/snapshots.rs`).
+/// not free it (`pool/snapshots/cow.rs`).
 const SHARED: u64 = 1 << 62;
 const MAPPED: u64 = 1 << 63;
 const _: () = assert!(SHARED & FLAGS == SHARED);

@@ -478,7 +478,7 @@ pub struct Pool {
     /// writes bypass the cache, so none is acknowledged into RAM that could
     /// not be placed later (see `Pool::space_short`).
     space_short: std::sync::atomic::AtomicBool,
-    /// Snapshots of the pool's volumes (`pool/snapshots.rs`).
+    /// Snapshots of the pool's volumes (`pool/snapshots/`).
     snapshots: Ranked<std::sync::RwLock<snapshots::Snapshots>>,
     /// Whether there are any: writes skip the snapshot checks when not.
     has_snapshots: std::sync::atomic::AtomicBool,

@@ -1,7 +1,7 @@
 //! Clones as the admin sees them: `volume clone POOL/VOL@SNAP POOL/NEW`,
 //! `volume promote POOL/CLONE`, the `origin` property, and the start-up
 //! check that the engine knows no clone the catalog does not. The engine
-//! does the work (`pool/snapshots.rs`).
+//! does the work (`pool/snapshots/clones.rs`).
 
 use super::*;
 

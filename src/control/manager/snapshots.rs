@@ -1,6 +1,6 @@
 //! Snapshots as the admin sees them: `POOL/VOL@SNAP` names, the commands
 //! and API calls, and read-only snapshot volumes for the frontends. The
-//! engine keeps the snapshots themselves (`pool/snapshots.rs`); the catalog
+//! engine keeps the snapshots themselves (`pool/snapshots/`); the catalog
 //! does not list them.
 
 use super::*;
