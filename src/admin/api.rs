@@ -412,6 +412,7 @@ async fn add_device(
         path: request.path,
         role,
         mirror: None,
+        write_mostly: false,
     };
     let status = blocking(&manager, move |m| m.add_device(&pool, &device, request.force)).await?;
     Ok((StatusCode::CREATED, Json(status)))

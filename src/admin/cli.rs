@@ -362,6 +362,10 @@ pub enum PoolCommand {
         /// Dedicated intent-log device, or `mirror:A,B`.
         #[arg(long = "log", value_name = "FILE|DEV|mirror:A,B")]
         log: Vec<String>,
+        /// A mirror's device that takes reads only when no other copy can
+        /// (an HDD copy of an SSD); repeatable.
+        #[arg(long = "write-mostly", value_name = "FILE|DEV")]
+        write_mostly: Vec<String>,
         /// Placement unit, a power of two from 64K to 64M (fixed at creation).
         #[arg(long = "chunk-size", default_value = "1M")]
         chunk_size: String,
@@ -676,11 +680,16 @@ fn run_pool(args: PoolArgs) -> CliResult<String> {
             fast,
             capacity,
             log,
+            write_mostly,
             chunk_size,
             ram,
             force,
         } => {
             validate_component("pool", &name)?;
+            let write_mostly: Vec<std::path::PathBuf> = write_mostly
+                .iter()
+                .map(|p| std::path::absolute(p).map_err(|e| format!("{p}: {e}")))
+                .collect::<Result<_, _>>()?;
             let chunk_bytes = parse_size(&chunk_size)?;
             let ram_bytes = ram.as_deref().map(parse_size).transpose()?;
             let mut devices = Vec::new();
@@ -708,12 +717,25 @@ fn run_pool(args: PoolArgs) -> CliResult<String> {
                         if let Some(group) = group {
                             device["mirror"] = json!(group);
                         }
+                        if write_mostly.contains(&absolute) {
+                            device["write_mostly"] = json!(true);
+                        }
                         devices.push(device);
                     }
                 }
             }
             if fast.is_empty() && capacity.is_empty() {
                 return Err(CliError("a pool needs at least one --fast or --capacity device".into()));
+            }
+            let named: Vec<&str> = devices.iter().filter_map(|d| d["path"].as_str()).collect();
+            if let Some(path) = write_mostly
+                .iter()
+                .find(|p| !named.contains(&p.display().to_string().as_str()))
+            {
+                return Err(CliError(format!(
+                    "--write-mostly {}: not one of the pool's devices",
+                    path.display()
+                )));
             }
             let client = Client::new(&args.client)?;
             let body = json!({ "name": name, "devices": devices, "chunk_bytes": chunk_bytes, "ram_bytes": ram_bytes, "force": force });
@@ -1517,11 +1539,9 @@ fn pool_table(pools: &[PoolStatus]) -> String {
         for member in &pool.devices {
             if let Some(r) = member.resilver {
                 let left = r.total_bytes.saturating_sub(r.done_bytes);
-                let eta = if r.bytes_per_second > 0 {
-                    format!(", about {} s left", left / r.bytes_per_second)
-                } else {
-                    String::new()
-                };
+                let eta = left
+                    .checked_div(r.bytes_per_second)
+                    .map_or_else(String::new, |seconds| format!(", about {seconds} s left"));
                 out.push_str(&format!(
                     "pool {}: resilvering {}: {} of {} ({}%) at {}/s{eta}\n",
                     pool.name,

@@ -378,8 +378,16 @@ fn render_mirrors(out: &mut String, pools: &[crate::control::manager::PoolStatus
         }
     }
     for (name, help, done) in [
-        ("strata_mirror_resilver_done_bytes", "Bytes a resilver under way has brought up to date.", true),
-        ("strata_mirror_resilver_total_bytes", "Bytes a resilver under way copies in all.", false),
+        (
+            "strata_mirror_resilver_done_bytes",
+            "Bytes a resilver under way has brought up to date.",
+            true,
+        ),
+        (
+            "strata_mirror_resilver_total_bytes",
+            "Bytes a resilver under way copies in all.",
+            false,
+        ),
     ] {
         header(out, name, "gauge", help);
         for pool in pools {
@@ -390,7 +398,11 @@ fn render_mirrors(out: &mut String, pools: &[crate::control::manager::PoolStatus
                         "{name}{{pool=\"{}\",mirror=\"{}\"}} {}",
                         escape_label(&pool.name),
                         escape_label(&member.name),
-                        if done { resilver.done_bytes } else { resilver.total_bytes }
+                        if done {
+                            resilver.done_bytes
+                        } else {
+                            resilver.total_bytes
+                        }
                     );
                 }
             }

@@ -91,6 +91,10 @@ pub struct DeviceRecord {
     /// which.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mirror: Option<u8>,
+    /// When creating a pool: a mirror's device that takes reads only when
+    /// no other can (md's write-mostly: an HDD copy of an SSD). Not stored.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub write_mostly: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -510,6 +510,7 @@ impl VolumeManager {
                     path: canonical_device_path(&d.path)?,
                     role: d.role,
                     mirror: d.mirror,
+                    write_mostly: d.write_mostly,
                 })
             })
             .collect::<Result<Vec<_>, AdminError>>()?;
@@ -548,22 +549,43 @@ impl VolumeManager {
             if !force {
                 self.refuse_if_not_empty(&device.path, &handle)?;
             }
+            if device.write_mostly && device.mirror.is_none() {
+                return Err(AdminError::Invalid(format!(
+                    "{} is not part of a mirror: only a mirror's device can be write-mostly",
+                    device.path
+                )));
+            }
             match device.mirror {
                 None => opened.push(NewVdev {
                     role: device.role,
                     devices: vec![handle],
+                    write_mostly: vec![false],
                 }),
                 Some(group) => match mirrors.iter().find(|(key, _)| *key == (device.role, group)) {
-                    Some(&(_, at)) => opened[at].devices.push(handle),
+                    Some(&(_, at)) => {
+                        opened[at].devices.push(handle);
+                        opened[at].write_mostly.push(device.write_mostly);
+                    }
                     None => {
                         mirrors.push(((device.role, group), opened.len()));
                         opened.push(NewVdev {
                             role: device.role,
                             devices: vec![handle],
+                            write_mostly: vec![device.write_mostly],
                         });
                     }
                 },
             }
+        }
+        if let Some(at) = mirrors
+            .iter()
+            .map(|(_, at)| *at)
+            .find(|&at| opened[at].write_mostly.iter().all(|&w| w))
+        {
+            return Err(AdminError::Invalid(format!(
+                "every device of a {} mirror is write-mostly: at least one must take reads",
+                opened[at].role.as_str()
+            )));
         }
         if let Some(((role, _), _)) = mirrors.iter().find(|(_, at)| opened[*at].devices.len() < 2) {
             return Err(AdminError::Invalid(format!(
@@ -588,6 +610,7 @@ impl VolumeManager {
                     .iter()
                     .map(|d| DeviceRecord {
                         mirror: None,
+                        write_mostly: false,
                         ..d.clone()
                     })
                     .collect(),
@@ -658,6 +681,7 @@ impl VolumeManager {
             path: canonical_device_path(&device.path)?,
             role: device.role,
             mirror: None,
+            write_mostly: false,
         };
         let mut catalog = self.catalog();
         let record = catalog
@@ -1696,6 +1720,7 @@ async fn initialise(data_dir: &Path, wraps: &DeviceWraps) -> Result<Catalog, Adm
             path: path.display().to_string(),
             role,
             mirror: None,
+            write_mostly: false,
         });
     }
     sync_dir(&directory).map_err(|e| internal("cannot sync pool directory", e))?;

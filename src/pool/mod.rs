@@ -542,6 +542,9 @@ pub struct NewDevice {
 pub struct NewVdev {
     pub role: Role,
     pub devices: Vec<Arc<dyn Device>>,
+    /// Per device: a mirror's device that takes reads only when no other
+    /// can (empty: none).
+    pub write_mostly: Vec<bool>,
 }
 
 impl Pool {

@@ -54,6 +54,7 @@ impl Pool {
             .map(|d| NewVdev {
                 role: d.role,
                 devices: vec![d.device],
+                write_mostly: Vec::new(),
             })
             .collect();
         Self::create_vdevs(name, chunk_bytes, vdevs, options).await
@@ -135,12 +136,12 @@ impl Pool {
                 continue;
             }
             let uuids: Vec<[u8; 16]> = new.devices.iter().map(|_| random_uuid()).collect();
-            for uuid in &uuids {
+            for (at, uuid) in uuids.iter().enumerate() {
                 children.push(superblock::Child {
                     uuid: *uuid,
                     member: index as u8,
                     state: superblock::ChildState::Online,
-                    write_mostly: false,
+                    write_mostly: new.write_mostly.get(at).copied().unwrap_or(false),
                     resilvered: 0,
                 });
             }

@@ -626,7 +626,11 @@ impl Device for Mirror {
         // A discard changes nothing a read may rely on (the range reads as
         // zeros or as before), so a child that refuses one is not faulted.
         Box::pin(self.barred(offset, length, move || async move {
-            let futures = self.written().filter_map(|i| self.children[i].device.as_ref()).map(|d| d.discard(offset, length)).collect();
+            let futures = self
+                .written()
+                .filter_map(|i| self.children[i].device.as_ref())
+                .map(|d| d.discard(offset, length))
+                .collect();
             let results = join_all(futures).await;
             match results.iter().find_map(|r| r.as_ref().err()) {
                 Some(e) if results.iter().all(|r| r.is_err()) => Err(unavailable(&self.info.name, &e.to_string())),
