@@ -15,7 +15,7 @@ Two device models:
   FILE=throttle:iops=N`, a disk-like device whose operations are the
   limit: reads spread over the copies show as IOPS.
 
-Usage: bench/mirror_bench.py [--runtime S] [--size-mib N] [--repeat N] [--iops N]
+Usage: bench/mirror_bench.py [--runtime S] [--size-mib N] [--repeat N] [--iops N] [--binary PATH]
 Prints a Markdown table (ratios mirror/single) and writes JSON to --json.
 """
 import argparse, json, os, shutil, signal, socket, statistics, subprocess, sys, tempfile, time
@@ -102,7 +102,10 @@ def model(name, work, size_mib, iops, seed, options):
         with open(path, "wb") as f:
             f.truncate(device_bytes)
     wraps = [(p, f"throttle:iops={iops}") for p in files.values()] if iops else []
-    daemon = Daemon(os.path.join(work, name.replace(" ", "-")), wraps)
+    data = os.path.join(work, name.replace(" ", "-"))
+    # Pools made and filled unthrottled (`--wrap` names devices of existing
+    # pools), then the daemon restarted with the wraps.
+    daemon = Daemon(data, [])
     try:
         # Small caches (64M of RAM): reads are meant to reach the devices.
         for pool in ("single", "mirror"):
@@ -113,6 +116,9 @@ def model(name, work, size_mib, iops, seed, options):
             daemon.call("POST", "/v1/volumes", {"name": f"{pool}/bench", "size": size_mib << 20})
             subprocess.run(["nbdcopy", "--flush", seed, f"nbd://127.0.0.1:{daemon.nbd}/{pool}/bench"], check=True)
             daemon.call("POST", f"/v1/pools/{pool}/sync")
+        if wraps:
+            daemon.stop()
+            daemon = Daemon(data, wraps)
         results = {}
         for workload, args in WORKLOADS:
             samples = {"single": [], "mirror": []}
@@ -149,7 +155,10 @@ def main():
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--iops", type=int, default=2000, help="the throttled model's IOPS per device")
     parser.add_argument("--json", default=os.path.join(ROOT, "bench", "last-mirror-results.json"))
+    parser.add_argument("--binary", default="", help="the strata binary (default: STRATA_BIN or target/release)")
     options = parser.parse_args()
+    global STRATA
+    STRATA = options.binary or STRATA
     for tool in ("fio", "nbdcopy", "curl"):
         if shutil.which(tool) is None:
             sys.exit(f"missing {tool}: apt-get install -y fio libnbd-bin curl")

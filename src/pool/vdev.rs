@@ -639,6 +639,24 @@ impl Device for Mirror {
         }))
     }
 
+    /// Every child written at once from the caller's memory, when each of
+    /// them can and none fails; else `None`, and the caller's `write` of
+    /// the same bytes writes every child again (harmless for those already
+    /// written) and deals with a failure, which may mean faulting a child:
+    /// that waits for its superblocks, so it is not done here. Not while a
+    /// resilver runs: its barrier is taken by `write`.
+    fn write_now(&self, offset: u64, data: &[u8]) -> Option<DeviceResult<()>> {
+        self.unbarred.fetch_add(1, Ordering::SeqCst);
+        let done = !self.resyncing.load(Ordering::SeqCst)
+            && self.online().next().is_some()
+            && self
+                .written()
+                .filter_map(|i| self.children[i].device.as_ref())
+                .all(|device| matches!(device.write_now(offset, data), Some(Ok(()))));
+        self.unbarred.fetch_sub(1, Ordering::SeqCst);
+        done.then_some(Ok(()))
+    }
+
     fn read_now(&self, offset: u64, dst: &mut [u8]) -> Option<DeviceResult<()>> {
         let index = self.pick(0)?;
         let device = self.children[index].device.as_ref()?;
