@@ -622,6 +622,22 @@ def migrator_planning(ctx):
     return rows
 
 
+def mirrors(ctx):
+    out = ctx.tmp / "mirrors.json"
+    runtime, repeat, size = ctx.pick((10, 3, 1024), (3, 1, 256))
+    shown = "python3 bench/mirror_bench.py"
+    sh(["python3", "bench/mirror_bench.py", "--binary", ctx.binary, "--runtime", str(runtime), "--repeat",
+        str(repeat), "--size-mib", str(size), "--json", str(out)])
+    rows = []
+    for model, workloads in json.loads(out.read_text()).items():
+        for workload, got in workloads.items():
+            two, one = got["mirror"], got["single"]
+            rows.append(row(f"{workload}, mirror of two against one ({model})", shown, two["iops"], "IOPS",
+                            peer_name="one device", peer=one["iops"], strata_cpu=two["cpu_us_per_op"],
+                            peer_cpu=one["cpu_us_per_op"], strata_p99=two["p99_us"], peer_p99=one["p99_us"]))
+    return rows
+
+
 def free_port():
     import socket
     with socket.socket() as s:
@@ -657,6 +673,7 @@ FAMILIES = [
     Family("client-memory", "Client memory", ["bench/client_memory.py"], "3 min", client_memory),
     Family("nfs-listing", "NFS listing", ["bench/nfs_list_reads.py", "bench/nfs_peers.py", "bench/nfs_load.c"],
            "4 min", nfs_listing),
+    Family("mirrors", "Mirrors", ["bench/mirror_bench.py"], "5 min", mirrors),
     Family("tiering", "Tiering", ["bench/tiering.sh", LIB], "40 min", tiering, in_all=False),
     Family("migrator-planning", "Migrator planning", ["bench/migrate_plan.py"], "10 min", migrator_planning,
            in_all=False),

@@ -411,6 +411,8 @@ async fn add_device(
     let device = DeviceRecord {
         path: request.path,
         role,
+        mirror: None,
+        write_mostly: false,
     };
     let status = blocking(&manager, move |m| m.add_device(&pool, &device, request.force)).await?;
     Ok((StatusCode::CREATED, Json(status)))

@@ -352,15 +352,20 @@ pub enum PoolCommand {
     Create {
         /// Pool name.
         name: String,
-        /// Fast tier device (SSD/NVMe); repeatable.
-        #[arg(long = "fast", value_name = "FILE|DEV")]
+        /// Fast tier device (SSD/NVMe), or `mirror:A,B[,...]` for one member
+        /// kept on each of those devices; repeatable.
+        #[arg(long = "fast", value_name = "FILE|DEV|mirror:A,B")]
         fast: Vec<String>,
-        /// Capacity tier device (HDD); repeatable.
-        #[arg(long = "capacity", value_name = "FILE|DEV")]
+        /// Capacity tier device (HDD), or `mirror:A,B[,...]`; repeatable.
+        #[arg(long = "capacity", value_name = "FILE|DEV|mirror:A,B")]
         capacity: Vec<String>,
-        /// Dedicated intent-log device.
-        #[arg(long = "log", value_name = "FILE|DEV")]
+        /// Dedicated intent-log device, or `mirror:A,B`.
+        #[arg(long = "log", value_name = "FILE|DEV|mirror:A,B")]
         log: Vec<String>,
+        /// A mirror's device that takes reads only when no other copy can
+        /// (an HDD copy of an SSD); repeatable.
+        #[arg(long = "write-mostly", value_name = "FILE|DEV")]
+        write_mostly: Vec<String>,
         /// Placement unit, a power of two from 64K to 64M (fixed at creation).
         #[arg(long = "chunk-size", default_value = "1M")]
         chunk_size: String,
@@ -675,23 +680,62 @@ fn run_pool(args: PoolArgs) -> CliResult<String> {
             fast,
             capacity,
             log,
+            write_mostly,
             chunk_size,
             ram,
             force,
         } => {
             validate_component("pool", &name)?;
+            let write_mostly: Vec<std::path::PathBuf> = write_mostly
+                .iter()
+                .map(|p| std::path::absolute(p).map_err(|e| format!("{p}: {e}")))
+                .collect::<Result<_, _>>()?;
             let chunk_bytes = parse_size(&chunk_size)?;
             let ram_bytes = ram.as_deref().map(parse_size).transpose()?;
             let mut devices = Vec::new();
+            let mut mirrors = 0u8;
             for (role, paths) in [("fast", &fast), ("capacity", &capacity), ("log", &log)] {
-                for path in paths {
-                    // Absolute paths: the daemon may run in another directory.
-                    let absolute = std::path::absolute(path).map_err(|e| format!("{path}: {e}"))?;
-                    devices.push(json!({ "path": absolute.display().to_string(), "role": role }));
+                for spec in paths {
+                    // `mirror:A,B[,...]`: one member, a copy on each device.
+                    let (group, paths) = match spec.strip_prefix("mirror:") {
+                        Some(list) => {
+                            let paths: Vec<&str> = list.split(',').filter(|p| !p.is_empty()).collect();
+                            if paths.len() < 2 {
+                                return Err(CliError(format!(
+                                    "'{spec}': a mirror needs at least two devices (mirror:A,B)"
+                                )));
+                            }
+                            mirrors += 1;
+                            (Some(mirrors - 1), paths)
+                        }
+                        None => (None, vec![spec.as_str()]),
+                    };
+                    for path in paths {
+                        // Absolute paths: the daemon may run in another directory.
+                        let absolute = std::path::absolute(path).map_err(|e| format!("{path}: {e}"))?;
+                        let mut device = json!({ "path": absolute.display().to_string(), "role": role });
+                        if let Some(group) = group {
+                            device["mirror"] = json!(group);
+                        }
+                        if write_mostly.contains(&absolute) {
+                            device["write_mostly"] = json!(true);
+                        }
+                        devices.push(device);
+                    }
                 }
             }
             if fast.is_empty() && capacity.is_empty() {
                 return Err(CliError("a pool needs at least one --fast or --capacity device".into()));
+            }
+            let named: Vec<&str> = devices.iter().filter_map(|d| d["path"].as_str()).collect();
+            if let Some(path) = write_mostly
+                .iter()
+                .find(|p| !named.contains(&p.display().to_string().as_str()))
+            {
+                return Err(CliError(format!(
+                    "--write-mostly {}: not one of the pool's devices",
+                    path.display()
+                )));
             }
             let client = Client::new(&args.client)?;
             let body = json!({ "name": name, "devices": devices, "chunk_bytes": chunk_bytes, "ram_bytes": ram_bytes, "force": force });
@@ -1350,6 +1394,7 @@ fn pool_table(pools: &[PoolStatus]) -> String {
     use Align::*;
     let headers = [
         ("NAME", Left),
+        ("STATE", Left),
         ("SIZE", Right),
         ("USED", Right),
         ("AVAIL", Right),
@@ -1367,6 +1412,7 @@ fn pool_table(pools: &[PoolStatus]) -> String {
         .map(|p| {
             vec![
                 p.name.clone(),
+                p.state.clone(),
                 format_size(p.size_bytes),
                 format_size(p.used_bytes),
                 format_size(p.available_bytes),
@@ -1386,6 +1432,7 @@ fn pool_table(pools: &[PoolStatus]) -> String {
     let device_headers = [
         ("POOL", Left),
         ("DEVICE", Left),
+        ("STATE", Left),
         ("ROLE", Left),
         ("SIZE", Right),
         ("DATA", Right),
@@ -1393,17 +1440,21 @@ fn pool_table(pools: &[PoolStatus]) -> String {
         ("READ", Right),
         ("WRITE", Right),
         ("CKSUM", Right),
+        ("REPAIRED", Right),
         ("ENGINE", Left),
         ("FS_FREE", Right),
         ("UNBACKED", Right),
     ];
+    let fs_free =
+        |backing: Option<crate::device::BackingSpace>| backing.map_or("-".into(), |b| format_size(b.fs_free_bytes));
     let device_rows: Vec<Vec<String>> = pools
         .iter()
         .flat_map(|p| {
-            p.devices.iter().map(move |d| {
-                vec![
+            p.devices.iter().flat_map(move |d| {
+                let member = vec![
                     p.name.clone(),
                     d.name.clone(),
+                    d.state.clone(),
                     d.role.as_str().to_string(),
                     format_size(d.size_bytes),
                     format_size(d.data_bytes),
@@ -1411,11 +1462,32 @@ fn pool_table(pools: &[PoolStatus]) -> String {
                     d.read_errors.to_string(),
                     d.write_errors.to_string(),
                     d.checksum_errors.to_string(),
+                    "-".into(),
                     d.engine.clone(),
-                    d.backing.map_or("-".into(), |b| format_size(b.fs_free_bytes)),
+                    fs_free(d.backing),
                     d.backing
                         .map_or("-".into(), |b| format_size(d.size_bytes.saturating_sub(b.backed_bytes))),
-                ]
+                ];
+                // A mirror's devices under it, indented as in `zpool status`.
+                let children = d.children.iter().map(move |c| {
+                    vec![
+                        p.name.clone(),
+                        format!("  {}{}", c.name, if c.write_mostly { " (write-mostly)" } else { "" }),
+                        c.state.as_str().to_string(),
+                        String::new(),
+                        String::new(),
+                        String::new(),
+                        String::new(),
+                        c.read_errors.to_string(),
+                        c.write_errors.to_string(),
+                        c.checksum_errors.to_string(),
+                        c.repaired_sectors.to_string(),
+                        String::new(),
+                        fs_free(c.backing),
+                        String::new(),
+                    ]
+                });
+                std::iter::once(member).chain(children)
             })
         })
         .collect();
@@ -1461,6 +1533,26 @@ fn pool_table(pools: &[PoolStatus]) -> String {
     for pool in pools {
         out.push_str(&migration_line(pool));
         out.push('\n');
+        if let Some(action) = &pool.action {
+            out.push_str(&format!("pool {} is {}: {action}\n", pool.name, pool.state));
+        }
+        for member in &pool.devices {
+            if let Some(r) = member.resilver {
+                let left = r.total_bytes.saturating_sub(r.done_bytes);
+                let eta = left
+                    .checked_div(r.bytes_per_second)
+                    .map_or_else(String::new, |seconds| format!(", about {seconds} s left"));
+                out.push_str(&format!(
+                    "pool {}: resilvering {}: {} of {} ({}%) at {}/s{eta}\n",
+                    pool.name,
+                    member.name,
+                    format_size(r.done_bytes),
+                    format_size(r.total_bytes),
+                    r.done_bytes * 100 / r.total_bytes.max(1),
+                    format_size(r.bytes_per_second)
+                ));
+            }
+        }
     }
     // The file system under a sparse device cannot hold what the device
     // may still ask of it, or is nearly full.

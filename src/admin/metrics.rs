@@ -257,6 +257,7 @@ pub fn render_backing(pools: &[crate::control::manager::PoolStatus]) -> String {
         }
     }
     render_migration(&mut out, pools);
+    render_mirrors(&mut out, pools);
     let name = "strata_device_used_bytes";
     let _ = writeln!(
         out,
@@ -303,6 +304,110 @@ pub fn render_backing(pools: &[crate::control::manager::PoolStatus]) -> String {
         }
     }
     out
+}
+
+/// Redundancy: whether each pool is degraded, and per mirror device its
+/// state, errors and repairs; a resilver's progress.
+fn render_mirrors(out: &mut String, pools: &[crate::control::manager::PoolStatus]) {
+    let header = |out: &mut String, name: &str, kind: &str, help: &str| {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
+    };
+    let name = "strata_pool_degraded";
+    header(
+        out,
+        name,
+        "gauge",
+        "1 while a mirror of the pool serves without one of its devices.",
+    );
+    for pool in pools {
+        let _ = writeln!(
+            out,
+            "{name}{{pool=\"{}\"}} {}",
+            escape_label(&pool.name),
+            u8::from(pool.state != "ONLINE")
+        );
+    }
+    type Count = fn(&crate::pool::ChildStatus) -> u64;
+    let series: [(&str, &str, &str, Count); 5] = [
+        (
+            "strata_mirror_device_online",
+            "gauge",
+            "1 while the mirror device is up to date and serving reads.",
+            |c| u64::from(c.state == crate::pool::vdev::Health::Online),
+        ),
+        (
+            "strata_mirror_device_read_errors_total",
+            "counter",
+            "Reads the mirror device failed (served from another copy).",
+            |c| c.read_errors,
+        ),
+        (
+            "strata_mirror_device_write_errors_total",
+            "counter",
+            "Writes and flushes the mirror device failed.",
+            |c| c.write_errors,
+        ),
+        (
+            "strata_mirror_device_checksum_errors_total",
+            "counter",
+            "Sectors of the mirror device whose checksum did not match.",
+            |c| c.checksum_errors,
+        ),
+        (
+            "strata_mirror_device_repaired_sectors_total",
+            "counter",
+            "4 KiB sectors of the mirror device rewritten from another copy.",
+            |c| c.repaired_sectors,
+        ),
+    ];
+    for (name, kind, help, value) in series {
+        header(out, name, kind, help);
+        for pool in pools {
+            for member in &pool.devices {
+                for child in &member.children {
+                    let _ = writeln!(
+                        out,
+                        "{name}{{pool=\"{}\",mirror=\"{}\",device=\"{}\"}} {}",
+                        escape_label(&pool.name),
+                        escape_label(&member.name),
+                        escape_label(&child.name),
+                        value(child)
+                    );
+                }
+            }
+        }
+    }
+    for (name, help, done) in [
+        (
+            "strata_mirror_resilver_done_bytes",
+            "Bytes a resilver under way has brought up to date.",
+            true,
+        ),
+        (
+            "strata_mirror_resilver_total_bytes",
+            "Bytes a resilver under way copies in all.",
+            false,
+        ),
+    ] {
+        header(out, name, "gauge", help);
+        for pool in pools {
+            for member in &pool.devices {
+                if let Some(resilver) = member.resilver {
+                    let _ = writeln!(
+                        out,
+                        "{name}{{pool=\"{}\",mirror=\"{}\"}} {}",
+                        escape_label(&pool.name),
+                        escape_label(&member.name),
+                        if done {
+                            resilver.done_bytes
+                        } else {
+                            resilver.total_bytes
+                        }
+                    );
+                }
+            }
+        }
+    }
 }
 
 /// Automatic tiering: what the migrator moved, is moving and failed to

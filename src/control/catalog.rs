@@ -86,6 +86,15 @@ pub struct DatasetRecord {
 pub struct DeviceRecord {
     pub path: String,
     pub role: crate::pool::superblock::Role,
+    /// When creating a pool: devices with the same number (and role) form
+    /// one mirror. Not stored: the superblocks say which devices mirror
+    /// which.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mirror: Option<u8>,
+    /// When creating a pool: a mirror's device that takes reads only when
+    /// no other can (md's write-mostly: an HDD copy of an SSD). Not stored.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub write_mostly: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -21,7 +21,7 @@ use crate::pool::migrate::MigrationStatus;
 use crate::pool::ram::{self, RamSource, MIN_RAM_BYTES};
 use crate::pool::superblock::Role;
 use crate::pool::volume::EngineVolume;
-use crate::pool::{DeviceStatus, NewDevice, Pool, PoolError, PoolOptions, DEFAULT_CHUNK_BYTES};
+use crate::pool::{DeviceStatus, NewDevice, NewVdev, Pool, PoolError, PoolOptions, DEFAULT_CHUNK_BYTES};
 use crate::volume::props::{
     canonical_value, IscsiAccess, IscsiAuthMode, PropError, PropertyRow, StoredProps, DEFAULT_VOLBLOCKSIZE,
 };
@@ -96,6 +96,13 @@ pub struct VolumeInfo {
 pub struct PoolStatus {
     pub name: String,
     pub uuid: String,
+    /// `ONLINE`, or `DEGRADED` while a mirror serves without one of its
+    /// devices (every block still readable).
+    #[serde(default = "online")]
+    pub state: String,
+    /// What to do about a degraded pool.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub action: Option<String>,
     pub chunk_bytes: u32,
     pub volumes: usize,
     /// Sum of all volume sizes (thin: may exceed the space available).
@@ -502,6 +509,8 @@ impl VolumeManager {
                 Ok(DeviceRecord {
                     path: canonical_device_path(&d.path)?,
                     role: d.role,
+                    mirror: d.mirror,
+                    write_mostly: d.write_mostly,
                 })
             })
             .collect::<Result<Vec<_>, AdminError>>()?;
@@ -528,7 +537,9 @@ impl VolumeManager {
             .values()
             .flat_map(|p| p.devices.iter().chain(&p.adding).map(|d| d.path.as_str()))
             .collect();
-        let mut opened = Vec::new();
+        // Members in the order given; a mirror where its first device is.
+        let mut opened: Vec<NewVdev> = Vec::new();
+        let mut mirrors: Vec<((Role, u8), usize)> = Vec::new();
         for device in devices {
             if known.contains(&device.path.as_str()) || devices.iter().filter(|d| d.path == device.path).count() > 1 {
                 return Err(AdminError::Invalid(format!("device {} is used twice", device.path)));
@@ -538,17 +549,56 @@ impl VolumeManager {
             if !force {
                 self.refuse_if_not_empty(&device.path, &handle)?;
             }
-            opened.push(NewDevice {
-                device: handle,
-                role: device.role,
-            });
+            if device.write_mostly && device.mirror.is_none() {
+                return Err(AdminError::Invalid(format!(
+                    "{} is not part of a mirror: only a mirror's device can be write-mostly",
+                    device.path
+                )));
+            }
+            match device.mirror {
+                None => opened.push(NewVdev {
+                    role: device.role,
+                    devices: vec![handle],
+                    write_mostly: vec![false],
+                }),
+                Some(group) => match mirrors.iter().find(|(key, _)| *key == (device.role, group)) {
+                    Some(&(_, at)) => {
+                        opened[at].devices.push(handle);
+                        opened[at].write_mostly.push(device.write_mostly);
+                    }
+                    None => {
+                        mirrors.push(((device.role, group), opened.len()));
+                        opened.push(NewVdev {
+                            role: device.role,
+                            devices: vec![handle],
+                            write_mostly: vec![device.write_mostly],
+                        });
+                    }
+                },
+            }
+        }
+        if let Some(at) = mirrors
+            .iter()
+            .map(|(_, at)| *at)
+            .find(|&at| opened[at].write_mostly.iter().all(|&w| w))
+        {
+            return Err(AdminError::Invalid(format!(
+                "every device of a {} mirror is write-mostly: at least one must take reads",
+                opened[at].role.as_str()
+            )));
+        }
+        if let Some(((role, _), _)) = mirrors.iter().find(|(_, at)| opened[*at].devices.len() < 2) {
+            return Err(AdminError::Invalid(format!(
+                "a {} mirror needs at least two devices",
+                role.as_str()
+            )));
         }
         let chunk_bytes = chunk_bytes.unwrap_or(DEFAULT_CHUNK_BYTES);
         fs::create_dir_all(pool_dir(&self.data_dir, name)).map_err(|e| internal("cannot create pool directory", e))?;
         let options = pool_options(&self.data_dir, name, ram_bytes);
         let pool = self
             .runtime
-            .block_on(Pool::create_with(name, chunk_bytes, opened, options))
+            .block_on(Pool::create_vdevs(name, chunk_bytes, opened, options))
             .map_err(|e| AdminError::Invalid(format!("cannot create pool '{name}': {e}")))?;
         let mut updated = catalog.clone();
         updated.pools.insert(
@@ -556,7 +606,14 @@ impl VolumeManager {
             PoolRecord {
                 created_unix: now_unix(),
                 uuid: pool.uuid(),
-                devices: devices.to_vec(),
+                devices: devices
+                    .iter()
+                    .map(|d| DeviceRecord {
+                        mirror: None,
+                        write_mostly: false,
+                        ..d.clone()
+                    })
+                    .collect(),
                 next_volume_id: 1,
                 volumes: Default::default(),
                 ram_bytes,
@@ -623,6 +680,8 @@ impl VolumeManager {
         let device = &DeviceRecord {
             path: canonical_device_path(&device.path)?,
             role: device.role,
+            mirror: None,
+            write_mostly: false,
         };
         let mut catalog = self.catalog();
         let record = catalog
@@ -1159,9 +1218,15 @@ impl VolumeManager {
                     read_misses: read.misses,
                     ram_tier: pool.cache.ram.location().to_string(),
                 };
+                let degraded = devices.iter().any(|d| d.state != "ONLINE");
+                let child_errors = |count: fn(&crate::pool::ChildStatus) -> u64| -> u64 {
+                    devices.iter().flat_map(|d| &d.children).map(count).sum()
+                };
                 Some(PoolStatus {
                     name: name.clone(),
                     uuid: pool.uuid(),
+                    state: if degraded { "DEGRADED" } else { "ONLINE" }.into(),
+                    action: degraded.then(|| pool_action(&devices)),
                     chunk_bytes: pool.chunk_bytes(),
                     volumes: record.volumes.len(),
                     provisioned_bytes: record.volumes.values().map(|v| v.props.volsize).sum(),
@@ -1169,9 +1234,11 @@ impl VolumeManager {
                     used_bytes,
                     available_bytes: size_bytes.saturating_sub(used_bytes),
                     freeing_bytes: pool.freeing_bytes(),
-                    read_errors: devices.iter().map(|d| d.read_errors).sum(),
-                    write_errors: devices.iter().map(|d| d.write_errors).sum(),
-                    checksum_errors: devices.iter().map(|d| d.checksum_errors).sum(),
+                    read_errors: devices.iter().map(|d| d.read_errors).sum::<u64>() + child_errors(|c| c.read_errors),
+                    write_errors: devices.iter().map(|d| d.write_errors).sum::<u64>()
+                        + child_errors(|c| c.write_errors),
+                    checksum_errors: devices.iter().map(|d| d.checksum_errors).sum::<u64>()
+                        + child_errors(|c| c.checksum_errors),
                     metadata_errors: counters.metadata_errors,
                     suspect_chunks: pool.suspect_chunks(),
                     data_bytes_written: counters.data_bytes,
@@ -1480,10 +1547,18 @@ async fn open_pool(
     wraps: &DeviceWraps,
 ) -> Result<(Arc<Pool>, bool), AdminError> {
     let mut devices = Vec::new();
+    // A device that cannot be opened is left out: a mirror opens without
+    // one of its devices (DEGRADED); any other member missing fails the
+    // open below, which then names these.
+    let mut unopened = Vec::new();
     for device in &record.devices {
-        let opened = open_wrapped(&device.path, wraps)
-            .map_err(|e| internal(&format!("pool {name}: cannot open device {}", device.path), e))?;
-        devices.push(opened);
+        match open_wrapped(&device.path, wraps) {
+            Ok(opened) => devices.push(opened),
+            Err(e) => {
+                tracing::warn!("pool {name}: cannot open device {}: {e}", device.path);
+                unopened.push(format!("cannot open device {}: {e}", device.path));
+            }
+        }
     }
     let mut joined = false;
     if let Some(adding) = &record.adding {
@@ -1505,7 +1580,12 @@ async fn open_pool(
                 }
                 _ => "",
             };
-            AdminError::Internal(format!("pool {name}: {e}{hint}"))
+            let unopened = if unopened.is_empty() {
+                String::new()
+            } else {
+                format!(" ({})", unopened.join("; "))
+            };
+            AdminError::Internal(format!("pool {name}: {e}{hint}{unopened}"))
         })?;
     if pool.uuid() != record.uuid {
         return Err(AdminError::Internal(format!(
@@ -1515,6 +1595,30 @@ async fn open_pool(
         )));
     }
     Ok((pool, joined))
+}
+
+fn online() -> String {
+    "ONLINE".into()
+}
+
+/// The action line of a degraded pool: which devices are not up to date,
+/// and what brings them back.
+fn pool_action(devices: &[DeviceStatus]) -> String {
+    use crate::pool::vdev::Health;
+    let mut out = Vec::new();
+    for child in devices.iter().flat_map(|d| &d.children) {
+        let what = match child.state {
+            Health::Online => continue,
+            Health::Resilvering => "is being resilvered; the mirror is whole again when it finishes",
+            Health::Faulted => {
+                "failed a write and is faulted: check the device, then restart the daemon with it to resilver it"
+            }
+            Health::Stale => "missed writes: it is resilvered when the daemon next starts with it",
+            Health::Missing => "is missing: make it available and restart the daemon to resilver it",
+        };
+        out.push(format!("{} {what}", child.name));
+    }
+    out.join("; ")
 }
 
 /// The role names `pool add-device` accepts (`fast`, `capacity`), with a
@@ -1615,6 +1719,8 @@ async fn initialise(data_dir: &Path, wraps: &DeviceWraps) -> Result<Catalog, Adm
         records.push(DeviceRecord {
             path: path.display().to_string(),
             role,
+            mirror: None,
+            write_mostly: false,
         });
     }
     sync_dir(&directory).map_err(|e| internal("cannot sync pool directory", e))?;

@@ -506,9 +506,10 @@ pub trait Device: Send + Sync {
 
     /// Writes `data` at `offset` straight from the caller's memory, when
     /// this device does such a write as a plain memory copy into the page
-    /// cache (a buffered file). `None` means it does not, and nothing was
-    /// done: the caller writes an owned buffer with [`Device::write`]. Same
-    /// checks, errors and durability as `write`.
+    /// cache (a buffered file). `None` means it does not: the caller writes
+    /// the same bytes with [`Device::write`] (nothing was done, or, for a
+    /// mirror, only what that write does again). Same checks, errors and
+    /// durability as `write`.
     fn write_now(&self, _offset: u64, _data: &[u8]) -> Option<DeviceResult<()>> {
         None
     }

@@ -171,6 +171,13 @@ impl DeviceSpace {
     pub fn used_bytes(&self) -> u64 {
         self.used_slots_bytes
     }
+
+    /// The chunks that hold (or may hold) data, in order.
+    pub fn assigned_chunks(&self) -> Vec<u64> {
+        let mut chunks: Vec<u64> = self.chunks.keys().copied().collect();
+        chunks.sort_unstable();
+        chunks
+    }
 }
 
 #[derive(Debug)]

@@ -380,9 +380,25 @@ mod tests {
                 index: 0,
                 size_bytes: 1 << 30,
             }],
+            device_uuid: [1; 16],
+            children: Vec::new(),
         };
         let bytes = superblock.encode();
         write("meta_superblock", "valid", &bytes);
+        // A mirrored member: the device is its second child.
+        let child = |uuid: u8| crate::pool::superblock::Child {
+            uuid: [uuid; 16],
+            member: 0,
+            state: crate::pool::superblock::ChildState::Online,
+            write_mostly: false,
+            resilvered: 0,
+        };
+        let mirrored = Superblock {
+            device_uuid: [9; 16],
+            children: vec![child(8), child(9)],
+            ..superblock.clone()
+        };
+        write("meta_superblock", "mirror", &mirrored.encode());
         let mut many = bytes.clone();
         many[53] = 200;
         write("meta_superblock", "too-many-members", &many);

@@ -227,7 +227,7 @@ impl Pool {
         }
         let chunk = self.chunk_bytes as u64;
         let size_bytes = device.info().size_bytes / chunk * chunk;
-        let needed = (1 + MIN_DATA_CHUNKS) * chunk;
+        let needed = current.header_bytes() + MIN_DATA_CHUNKS * chunk;
         if size_bytes < needed {
             return Err(PoolError::Invalid(format!(
                 "{name} is too small ({}; a data device of this pool needs at least {}: its superblocks and {MIN_DATA_CHUNKS} chunks of {})",
@@ -260,10 +260,12 @@ impl Pool {
             index: count as u8,
             size_bytes,
         });
+        let device_uuid = members[count].uuid;
         let superblock = Superblock {
             generation,
             device_index: count as u8,
             members,
+            device_uuid,
             ..current
         };
         Ok(DeviceAddition {
@@ -289,6 +291,7 @@ impl Pool {
         let chunks = member.size_bytes / chunk;
         let joined = self.devices.push(PoolDevice {
             device: addition.device.clone(),
+            mirror: None,
             member,
             counters: DeviceCounters::default(),
             chunk_epochs: (0..chunks).map(|_| AtomicU32::new(0)).collect(),
@@ -310,19 +313,25 @@ impl Pool {
             .devices
             .push(crate::meta::geometry::DeviceExtent {
                 holds_data: member.role.holds_data(),
-                first_data: chunk,
+                first_data: new.header_bytes(),
                 end: chunks * chunk,
             });
-        // Chunk 0 holds the superblocks; every other chunk is data.
-        self.allocator
-            .lock_or_abort()
-            .add_device(DeviceSpace::new(index, member.role, 1, chunks));
+        // The header holds the superblocks; every other chunk is data.
+        self.allocator.lock_or_abort().add_device(DeviceSpace::new(
+            index,
+            member.role,
+            new.header_bytes() / chunk,
+            chunks,
+        ));
+        if let Some(device) = self.devices.get(index as usize) {
+            self.membership.add_member(index, &device.device, None);
+        }
         tracing::info!(
             "pool {}: added {} as {} device {index} ({} of data); superblock generation {}",
             self.name,
             addition.device.info().name,
             member.role.as_str(),
-            format_size((chunks - 1) * chunk),
+            format_size(chunks * chunk - new.header_bytes()),
             new.generation
         );
         Ok(index)
@@ -337,26 +346,35 @@ impl Pool {
         })
     }
 
-    /// Writes `superblock` to the new device, then to every existing one.
+    /// Writes `superblock` to the new device, then to every existing one
+    /// (each mirror child with its own identity), and makes it the
+    /// membership the pool records from now on.
     async fn write_member_superblocks(
         &self,
         new_device: &Arc<dyn Device>,
         superblock: &Superblock,
     ) -> Result<(), PoolError> {
+        let mut current = self.membership.lock().await;
+        let mut next = superblock.clone();
+        // Mirror children faulted since the addition was planned.
+        next.children = current.children.clone();
+        self.membership.note_health(&mut next);
+        next.generation = next.generation.max(current.generation + 1);
         // The new device first: once any existing device names it, its own
         // superblock must already be durable, or the pool would not open.
-        write_superblock(new_device, superblock).await?;
-        for member in &self.devices {
-            let mut copy = superblock.clone();
-            copy.device_index = member.member.index;
-            if let Err(e) = write_superblock(&member.device, &copy).await {
-                member
-                    .counters
-                    .write_errors
-                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        write_superblock(new_device, &next).await?;
+        for (device, index, uuid) in self.membership.writable_devices(&next) {
+            if let Err(e) = write_superblock(&device, &next.for_device(index, uuid)).await {
+                if let Some(member) = self.devices.get(index as usize) {
+                    member
+                        .counters
+                        .write_errors
+                        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                }
                 return Err(e.into());
             }
         }
+        *current = next;
         Ok(())
     }
 
@@ -365,16 +383,18 @@ impl Pool {
     /// then zeroes the new device's superblocks (best effort: a leftover
     /// superblock naming an unknown member is harmless and may be reused).
     async fn undo_add_device(&self, addition: &DeviceAddition) -> Result<(), String> {
-        let mut old = addition.superblock.clone();
-        old.generation += 1;
+        let mut current = self.membership.lock().await;
+        let mut old = current.clone();
+        self.membership.note_health(&mut old);
+        old.generation = old.generation.max(addition.superblock.generation) + 1;
         old.members.truncate(addition.index() as usize);
-        for member in &self.devices {
-            let mut copy = old.clone();
-            copy.device_index = member.member.index;
-            write_superblock(&member.device, &copy)
+        for (device, index, uuid) in self.membership.writable_devices(&old) {
+            write_superblock(&device, &old.for_device(index, uuid))
                 .await
                 .map_err(|e| e.to_string())?;
         }
+        *current = old;
+        drop(current);
         let device = &addition.device;
         for offset in SUPERBLOCK_OFFSETS {
             let (_, written) = device.write(offset, IoBuf::new(SUPERBLOCK_BYTES)).await;

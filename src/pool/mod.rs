@@ -40,11 +40,14 @@ pub mod ram;
 pub mod readcache;
 mod recover;
 mod relocate;
+mod resilver;
+pub use resilver::ResilverStatus;
 mod scrub;
 pub use scrub::ScrubReport;
 mod send;
 pub mod snapshots;
 pub mod superblock;
+pub mod vdev;
 pub mod volume;
 mod volumes;
 
@@ -221,7 +224,10 @@ fn new_gates() -> Box<[GateShard]> {
 }
 
 pub struct PoolDevice {
+    /// What the pool reads and writes: the device itself, or its mirror.
     pub device: Arc<dyn Device>,
+    /// The mirror, when the member is one (the same object as `device`).
+    pub mirror: Option<Arc<vdev::Mirror>>,
     pub member: Member,
     pub counters: DeviceCounters,
     /// Per chunk: the epoch in which a `Dirty` record was last committed.
@@ -266,6 +272,35 @@ pub struct DeviceStatus {
     /// them all, or for block devices).
     #[serde(default)]
     pub unbackable_bytes: u64,
+    /// `ONLINE`, or `DEGRADED` for a mirror with a child that is not up to
+    /// date.
+    #[serde(default = "online")]
+    pub state: String,
+    /// A mirror's devices (empty for a single device).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub children: Vec<ChildStatus>,
+    /// The resilver under way on this mirror.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resilver: Option<ResilverStatus>,
+}
+
+fn online() -> String {
+    "ONLINE".into()
+}
+
+/// One device of a mirror in `pool status`.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize, PartialEq, Eq, utoipa::ToSchema)]
+pub struct ChildStatus {
+    pub name: String,
+    pub state: vdev::Health,
+    pub write_mostly: bool,
+    pub read_errors: u64,
+    pub write_errors: u64,
+    pub checksum_errors: u64,
+    /// 4 KiB sectors rewritten from another copy.
+    pub repaired_sectors: u64,
+    #[serde(default)]
+    pub backing: Option<BackingSpace>,
 }
 
 impl DeviceStatus {
@@ -372,6 +407,12 @@ pub struct Pool {
     /// volume (every pool created since the tags exist; see
     /// `blockmap::sector_tag`).
     checksum_tags: bool,
+    /// The membership as the superblocks record it (`pool/vdev.rs`).
+    membership: Arc<vdev::Membership>,
+    /// Where the metadata and log regions are (fixed at creation).
+    regions: Regions,
+    /// Resilvers under way, by member (`pool/resilver.rs`).
+    resilvers: Mutex<HashMap<u8, resilver::ResilverStatus>>,
     /// The devices as stored metadata is checked against (grows with
     /// `pool add-device`).
     geometry: Arc<std::sync::RwLock<crate::meta::geometry::Geometry>>,
@@ -480,6 +521,14 @@ pub struct Pool {
     pub(crate) page_copy_pause: Mutex<Option<Box<dyn FnOnce() + Send>>>,
 }
 
+/// The metadata and log regions: (byte offset, bytes) on their devices.
+#[derive(Debug, Clone, Copy)]
+struct Regions {
+    meta: (u64, u64),
+    log_device: u8,
+    log: (u64, u64),
+}
+
 /// An open engine in `Pool::open_engines`: its id, and the engine (weak).
 type OpenEngine = (u32, std::sync::Weak<volume::EngineVolume>);
 
@@ -487,6 +536,15 @@ type OpenEngine = (u32, std::sync::Weak<volume::EngineVolume>);
 pub struct NewDevice {
     pub device: Arc<dyn Device>,
     pub role: Role,
+}
+
+/// A member of a new pool: one device, or a mirror of several.
+pub struct NewVdev {
+    pub role: Role,
+    pub devices: Vec<Arc<dyn Device>>,
+    /// Per device: a mirror's device that takes reads only when no other
+    /// can (empty: none).
+    pub write_mostly: Vec<bool>,
 }
 
 impl Pool {
@@ -534,6 +592,27 @@ impl Pool {
                     repaired_after_crash: d.counters.repaired_after_crash.load(Ordering::Relaxed),
                     backing: d.device.backing_space(),
                     unbackable_bytes: 0,
+                    resilver: self.resilver_status(d.member.index),
+                    state: if d.mirror.as_ref().is_some_and(|m| m.degraded()) {
+                        "DEGRADED".into()
+                    } else {
+                        online()
+                    },
+                    children: d.mirror.as_ref().map_or_else(Vec::new, |m| {
+                        m.children()
+                            .iter()
+                            .map(|c| ChildStatus {
+                                name: c.name.clone(),
+                                state: c.health(),
+                                write_mostly: c.write_mostly,
+                                read_errors: c.counters.read_errors.load(Ordering::Relaxed),
+                                write_errors: c.counters.write_errors.load(Ordering::Relaxed),
+                                checksum_errors: c.counters.checksum_errors.load(Ordering::Relaxed),
+                                repaired_sectors: c.counters.repaired.load(Ordering::Relaxed),
+                                backing: c.device.as_ref().and_then(|d| d.backing_space()),
+                            })
+                            .collect()
+                    }),
                 }
             })
             .collect();

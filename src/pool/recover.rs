@@ -26,7 +26,7 @@ pub(super) async fn read_superblock(device: &Arc<dyn Device>) -> Result<(Superbl
 
 pub(super) async fn write_superblock(device: &Arc<dyn Device>, superblock: &Superblock) -> Result<(), DeviceError> {
     let bytes = superblock.encode();
-    for offset in SUPERBLOCK_OFFSETS {
+    for &offset in superblock.copy_offsets() {
         let (_, result) = device.write(offset, IoBuf::copy_from(&bytes)).await;
         result?;
         // Flush between copies: a crash can tear at most one of them.
@@ -49,10 +49,44 @@ impl Pool {
         devices: Vec<NewDevice>,
         options: PoolOptions,
     ) -> Result<Arc<Pool>, PoolError> {
-        if devices.is_empty() || devices.len() > superblock::MAX_MEMBERS {
+        let vdevs = devices
+            .into_iter()
+            .map(|d| NewVdev {
+                role: d.role,
+                devices: vec![d.device],
+                write_mostly: Vec::new(),
+            })
+            .collect();
+        Self::create_vdevs(name, chunk_bytes, vdevs, options).await
+    }
+
+    /// Initialises a pool whose members are single devices or mirrors
+    /// (`vdevs`, none of whose devices may already be strata devices) and
+    /// opens it.
+    pub async fn create_vdevs(
+        name: &str,
+        chunk_bytes: u32,
+        vdevs: Vec<NewVdev>,
+        options: PoolOptions,
+    ) -> Result<Arc<Pool>, PoolError> {
+        if vdevs.is_empty() || vdevs.len() > superblock::MAX_MEMBERS {
             return Err(PoolError::Invalid(format!(
                 "a pool needs 1 to {} devices",
                 superblock::MAX_MEMBERS
+            )));
+        }
+        if vdevs.iter().any(|v| v.devices.is_empty()) {
+            return Err(PoolError::Invalid("a mirror needs at least one device".into()));
+        }
+        let child_count: usize = vdevs
+            .iter()
+            .filter(|v| v.devices.len() > 1)
+            .map(|v| v.devices.len())
+            .sum();
+        if child_count > superblock::MAX_CHILDREN {
+            return Err(PoolError::Invalid(format!(
+                "a pool's mirrors have at most {} devices in all",
+                superblock::MAX_CHILDREN
             )));
         }
         if !chunk_bytes.is_power_of_two() || !(64 << 10..=64 << 20).contains(&chunk_bytes) {
@@ -60,27 +94,59 @@ impl Pool {
                 "chunk size {chunk_bytes} must be a power of two from 64K to 64M"
             )));
         }
-        if !devices.iter().any(|d| d.role.holds_data()) {
+        if !vdevs.iter().any(|d| d.role.holds_data()) {
             return Err(PoolError::Invalid(
                 "a pool needs at least one fast or capacity device".into(),
             ));
         }
-        for new in &devices {
-            if read_superblock(&new.device).await.is_ok() {
-                return Err(PoolError::InUse(new.device.info().name.clone()));
+        for device in vdevs.iter().flat_map(|v| &v.devices) {
+            if read_superblock(device).await.is_ok() {
+                return Err(PoolError::InUse(device.info().name.clone()));
             }
         }
         let chunk = chunk_bytes as u64;
-        let members: Vec<Member> = devices
+        let format = superblock::FORMAT_VERSION;
+        let header = superblock::header_bytes(format, chunk_bytes);
+        // The name of a member in messages: its device, or its mirror's.
+        let vdev_name = |index: u8| -> String {
+            let devices = &vdevs[index as usize].devices;
+            devices
+                .iter()
+                .map(|d| d.info().name.clone())
+                .collect::<Vec<_>>()
+                .join(" + ")
+        };
+        let members: Vec<Member> = vdevs
             .iter()
             .enumerate()
             .map(|(index, new)| Member {
                 uuid: random_uuid(),
                 role: new.role,
                 index: index as u8,
-                size_bytes: new.device.info().size_bytes / chunk * chunk,
+                // A mirror is as large as its smallest device.
+                size_bytes: new.devices.iter().map(|d| d.info().size_bytes).min().unwrap_or(0) / chunk * chunk,
             })
             .collect();
+        let mut children = Vec::new();
+        // Each device's own uuid, in `vdevs` order.
+        let mut device_uuids: Vec<Vec<[u8; 16]>> = Vec::new();
+        for (index, new) in vdevs.iter().enumerate() {
+            if new.devices.len() == 1 {
+                device_uuids.push(vec![members[index].uuid]);
+                continue;
+            }
+            let uuids: Vec<[u8; 16]> = new.devices.iter().map(|_| random_uuid()).collect();
+            for (at, uuid) in uuids.iter().enumerate() {
+                children.push(superblock::Child {
+                    uuid: *uuid,
+                    member: index as u8,
+                    state: superblock::ChildState::Online,
+                    write_mostly: new.write_mostly.get(at).copied().unwrap_or(false),
+                    resilvered: 0,
+                });
+            }
+            device_uuids.push(uuids);
+        }
         // Metadata on the first fast device (else the first data device).
         let meta_device = members
             .iter()
@@ -96,9 +162,13 @@ impl Pool {
         // Metadata needs about 1/128 of the data; four times that leaves
         // room to grow the pool fourfold with `pool add-device`.
         let meta_bytes = round_up((data_bytes / 32).clamp(MIN_META_BYTES, MAX_META_BYTES), chunk);
-        let meta_offset = chunk;
+        let meta_offset = header;
         let (log_device, log_offset, log_bytes) = match members.iter().find(|m| m.role == Role::Log) {
-            Some(log) => (log.index, chunk, round_up((log.size_bytes - chunk).min(1 << 30), chunk)),
+            Some(log) => (
+                log.index,
+                header,
+                round_up(log.size_bytes.saturating_sub(header).min(1 << 30), chunk),
+            ),
             None => (
                 meta_device,
                 meta_offset + meta_bytes,
@@ -107,16 +177,17 @@ impl Pool {
         };
         // A log region smaller than a chunk (a dedicated log device under
         // two chunks) cannot hold a commit's blocks.
-        if log_bytes < chunk {
+        let log_member = &members[log_device as usize];
+        if log_bytes < chunk || log_offset + log_bytes > log_member.size_bytes {
             return Err(PoolError::Invalid(format!(
                 "{} is too small for a log ({} bytes; needs at least {})",
-                devices[log_device as usize].device.info().name,
-                devices[log_device as usize].device.info().size_bytes,
-                2 * chunk
+                vdev_name(log_device),
+                log_member.size_bytes,
+                header + chunk
             )));
         }
         for member in &members {
-            let mut reserved = chunk;
+            let mut reserved = header;
             if member.index == meta_device {
                 reserved += meta_bytes;
             }
@@ -126,7 +197,7 @@ impl Pool {
             if member.size_bytes < reserved + if member.role.holds_data() { 4 * chunk } else { 0 } {
                 return Err(PoolError::Invalid(format!(
                     "{} is too small ({} bytes; needs at least {} for its role)",
-                    devices[member.index as usize].device.info().name,
+                    vdev_name(member.index),
                     member.size_bytes,
                     reserved + 4 * chunk
                 )));
@@ -138,17 +209,20 @@ impl Pool {
             .map(|d| d.as_secs())
             .unwrap_or(0);
         // An empty header makes the metadata region start empty.
-        let meta = &devices[meta_device as usize].device;
-        let (_, result) = meta.write(meta_offset, IoBuf::new(4096)).await;
-        result?;
-        meta.flush().await?;
+        for meta in &vdevs[meta_device as usize].devices {
+            let (_, result) = meta.write(meta_offset, IoBuf::new(4096)).await;
+            result?;
+            meta.flush().await?;
+        }
         // On a regular file, write the log region once now: otherwise each
         // commit's first pass over it makes the file system allocate blocks,
         // and the commit's fdatasync then also commits the file system's
         // journal (measured: a 4K sync write's p50 375 µs on a sparse log
         // file against 243 µs on a written one).
-        let log_dev = &devices[log_device as usize].device;
-        if log_dev.info().regular_file {
+        for log_dev in &vdevs[log_device as usize].devices {
+            if !log_dev.info().regular_file {
+                continue;
+            }
             let mut zeros = IoBuf::new(1 << 20);
             let mut at = 0;
             while at < log_bytes {
@@ -163,26 +237,30 @@ impl Pool {
             }
             log_dev.flush().await?;
         }
-        for (index, new) in devices.iter().enumerate() {
-            let superblock = Superblock {
-                format: superblock::FORMAT_VERSION,
-                pool_uuid,
-                pool_name: name.to_string(),
-                generation: 1,
-                created_unix,
-                chunk_bytes,
-                device_index: index as u8,
-                meta_device,
-                meta_offset,
-                meta_bytes,
-                log_device,
-                log_offset,
-                log_bytes,
-                members: members.clone(),
-            };
-            write_superblock(&new.device, &superblock).await?;
+        let template = Superblock {
+            format,
+            pool_uuid,
+            pool_name: name.to_string(),
+            generation: 1,
+            created_unix,
+            chunk_bytes,
+            device_index: 0,
+            meta_device,
+            meta_offset,
+            meta_bytes,
+            log_device,
+            log_offset,
+            log_bytes,
+            members: members.clone(),
+            device_uuid: members[0].uuid,
+            children,
+        };
+        for (index, new) in vdevs.iter().enumerate() {
+            for (device, uuid) in new.devices.iter().zip(&device_uuids[index]) {
+                write_superblock(device, &template.for_device(index as u8, *uuid)).await?;
+            }
         }
-        Self::open_with(devices.into_iter().map(|d| d.device).collect(), options).await
+        Self::open_with(vdevs.into_iter().flat_map(|v| v.devices).collect(), options).await
     }
 
     /// Opens a pool from its devices (in any order), replaying the log.
@@ -203,7 +281,20 @@ impl Pool {
             .max_by_key(|(_, s, _)| s.generation)
             .map(|(_, s, _)| s.clone())
             .ok_or_else(|| PoolError::Invalid("no devices given".into()))?;
-        let mut slots: Vec<Option<Arc<dyn Device>>> = vec![None; reference.members.len()];
+        // Each member's devices as the reference lists them: one for a
+        // single device, one per child for a mirror.
+        let listed = |index: u8| -> Vec<[u8; 16]> {
+            if reference.is_mirror(index) {
+                reference.children_of(index).map(|c| c.uuid).collect()
+            } else {
+                vec![reference.members[index as usize].uuid]
+            }
+        };
+        let mut slots: Vec<Vec<Option<Arc<dyn Device>>>> = reference
+            .members
+            .iter()
+            .map(|m| vec![None; listed(m.index).len()])
+            .collect();
         for (device, superblock, repair) in &found {
             if superblock.pool_uuid != reference.pool_uuid {
                 return Err(PoolError::Foreign {
@@ -213,59 +304,137 @@ impl Pool {
                     expected: reference.pool_name.clone(),
                 });
             }
-            let member = superblock
-                .this_member()
-                .ok_or_else(|| PoolError::Invalid("superblock without its own member entry".into()))?;
-            match reference.members.get(member.index as usize) {
-                Some(expected) if expected.uuid == member.uuid => {}
-                _ => {
-                    return Err(PoolError::Invalid(format!(
-                        "{} claims to be device {} of pool '{}' but the pool does not list it",
-                        device.info().name,
-                        member.index,
-                        reference.pool_name
-                    )))
-                }
-            }
-            if slots[member.index as usize].is_some() {
+            let index = superblock.device_index;
+            let position = (index as usize)
+                .lt(&reference.members.len())
+                .then(|| listed(index).iter().position(|u| *u == superblock.device_uuid))
+                .flatten();
+            let Some(position) = position else {
+                return Err(PoolError::Invalid(format!(
+                    "{} claims to be device {} of pool '{}' but the pool does not list it",
+                    device.info().name,
+                    index,
+                    reference.pool_name
+                )));
+            };
+            let slot = &mut slots[index as usize][position];
+            if slot.is_some() {
                 return Err(PoolError::Invalid(format!(
                     "device {} of pool '{}' was given twice",
-                    member.index, reference.pool_name
+                    index, reference.pool_name
                 )));
             }
             if *repair || superblock.generation < reference.generation {
-                let mut fixed = reference.clone();
-                fixed.device_index = member.index;
-                write_superblock(device, &fixed).await?;
-                tracing::warn!("{}: rewrote a damaged or stale superblock copy", device.info().name);
+                let rewritten = write_superblock(device, &reference.for_device(index, superblock.device_uuid)).await;
+                match rewritten {
+                    Ok(()) => tracing::warn!("{}: rewrote a damaged or stale superblock copy", device.info().name),
+                    // A mirror goes on without a device that cannot take
+                    // its superblock; any other member is needed.
+                    Err(e) if reference.is_mirror(index) => {
+                        tracing::error!("{}: {e}; the mirror opens without it", device.info().name);
+                        continue;
+                    }
+                    Err(e) => return Err(e.into()),
+                }
             }
-            slots[member.index as usize] = Some(device.clone());
+            *slot = Some(device.clone());
         }
+        // Two devices of one mirror that each say the other missed writes
+        // were used apart (the pool opened with one, then with the other):
+        // neither can be trusted over the other without the admin.
+        for (a, first, _) in &found {
+            for (b, second, _) in &found {
+                let stale_in = |s: &Superblock, uuid: [u8; 16]| {
+                    s.children
+                        .iter()
+                        .any(|c| c.uuid == uuid && c.state == superblock::ChildState::Stale)
+                };
+                if first.device_index == second.device_index
+                    && first.device_uuid < second.device_uuid
+                    && stale_in(first, second.device_uuid)
+                    && stale_in(second, first.device_uuid)
+                {
+                    return Err(PoolError::Invalid(format!(
+                        "{} and {} of pool '{}' each say the other missed writes: the pool ran on each \
+                         of them without the other, and their data differs. Open the pool with only the \
+                         one to keep (leave the other out of catalog.json)",
+                        a.info().name,
+                        b.info().name,
+                        reference.pool_name
+                    )));
+                }
+            }
+        }
+        let membership = Arc::new(super::vdev::Membership::new(reference.clone()));
         let mut pool_devices = Vec::new();
+        let mut went_missing = false;
         for (index, slot) in slots.into_iter().enumerate() {
             let member = reference.members[index];
-            let Some(device) = slot else {
-                return Err(PoolError::Missing {
-                    pool: reference.pool_name.clone(),
-                    role: member.role.as_str(),
-                    uuid: uuid_text(&member.uuid),
-                    index: index as u8,
-                    count: reference.members.len(),
-                });
+            let missing = || PoolError::Missing {
+                pool: reference.pool_name.clone(),
+                role: member.role.as_str(),
+                uuid: uuid_text(&member.uuid),
+                index: index as u8,
+                count: reference.members.len(),
             };
-            if device.info().size_bytes < member.size_bytes {
-                return Err(PoolError::Device {
-                    device: device.info().name.clone(),
-                    reason: format!(
-                        "is {} bytes but the pool recorded {} (truncated or wrong device)",
-                        device.info().size_bytes,
-                        member.size_bytes
-                    ),
-                });
+            for device in slot.iter().flatten() {
+                if device.info().size_bytes < member.size_bytes {
+                    return Err(PoolError::Device {
+                        device: device.info().name.clone(),
+                        reason: format!(
+                            "is {} bytes but the pool recorded {} (truncated or wrong device)",
+                            device.info().size_bytes,
+                            member.size_bytes
+                        ),
+                    });
+                }
             }
+            let (device, mirror): (Arc<dyn Device>, _) = if reference.is_mirror(index as u8) {
+                use super::vdev::{Health, Mirror, MirrorChild};
+                let children: Vec<MirrorChild> = reference
+                    .children_of(index as u8)
+                    .zip(slot)
+                    .map(|(child, device)| {
+                        // A stale device that is here is resilvered: it
+                        // takes every write from now on, and reads once the
+                        // resilver (`Pool::resilver`) has copied the rest.
+                        let health = match (&device, child.state) {
+                            (None, _) => Health::Missing,
+                            (Some(_), superblock::ChildState::Online) => Health::Online,
+                            (Some(_), superblock::ChildState::Stale) => Health::Resilvering,
+                        };
+                        if device.is_none() && child.state == superblock::ChildState::Online {
+                            went_missing = true;
+                        }
+                        MirrorChild::new(device, child.uuid, child.write_mostly, health, child.resilvered)
+                    })
+                    .collect();
+                let mirror = Arc::new(Mirror::new(index as u8, member.size_bytes, children));
+                if mirror.online().next().is_none() {
+                    return Err(missing());
+                }
+                for child in mirror.children().iter().filter(|c| c.health() != Health::Online) {
+                    tracing::warn!(
+                        "pool '{}': {} of {} is {}; the mirror is DEGRADED",
+                        reference.pool_name,
+                        child.name,
+                        mirror.info().name,
+                        child.health().as_str()
+                    );
+                }
+                mirror.set_membership(&membership);
+                (mirror.clone(), Some(mirror))
+            } else {
+                let Some(device) = slot.into_iter().next().flatten() else {
+                    return Err(missing());
+                };
+                (device, None)
+            };
+            membership.add_member(index as u8, &device, mirror.as_ref());
             let chunks = member.size_bytes / reference.chunk_bytes as u64;
             pool_devices.push(PoolDevice {
                 device,
+                mirror,
                 member,
                 counters: DeviceCounters::default(),
                 chunk_epochs: (0..chunks).map(|_| AtomicU32::new(0)).collect(),
@@ -273,12 +442,18 @@ impl Pool {
                 written: Default::default(),
             });
         }
-        Self::recover(reference, pool_devices, options).await
+        // A child that was up to date and is not here misses every write
+        // from now on: say so in the others' superblocks before writing.
+        if went_missing {
+            membership.record_health().await;
+        }
+        Self::recover(reference, pool_devices, membership, options).await
     }
 
     async fn recover(
         superblock: Superblock,
         devices: Vec<PoolDevice>,
+        membership: Arc<super::vdev::Membership>,
         options: PoolOptions,
     ) -> Result<Arc<Pool>, PoolError> {
         let chunk = superblock.chunk_bytes as u64;
@@ -306,7 +481,7 @@ impl Pool {
 
         // Space: every data device minus chunk 0 and the metadata/log regions.
         let first_data_chunk = |d: &PoolDevice| {
-            let mut first = 1u64;
+            let mut first = superblock.header_bytes() / chunk;
             if d.member.index == superblock.meta_device {
                 first = first.max((superblock.meta_offset + superblock.meta_bytes).div_ceil(chunk));
             }
@@ -475,6 +650,13 @@ impl Pool {
                 .checked(geometry.clone(), corruption.clone()),
             checksum_tags,
             geometry,
+            membership,
+            regions: Regions {
+                meta: (superblock.meta_offset, superblock.meta_bytes),
+                log_device: superblock.log_device,
+                log: (superblock.log_offset, superblock.log_bytes),
+            },
+            resilvers: Mutex::new(HashMap::new()),
             corruption,
             allocator: Ranked::new(Rank::Allocator, 0, crate::sync::WatchedMutex::new(allocator)),
             epoch: AtomicU32::new(epoch.wrapping_add(1).max(1)),
@@ -579,13 +761,47 @@ impl Pool {
         // Persist what replay rebuilt and start the log afresh; blocks staged
         // before the crash must not be replayed again by a later recovery.
         pool.checkpoint().await?;
+        pool.sync_mirrored_log(&superblock).await?;
         pool.log.seal(valid_end).await?;
         if options.background {
             pool.start_destager();
             pool.start_migrator();
             pool.start_freer();
+            pool.start_resilver();
         }
         Ok(pool)
+    }
+
+    /// Mirrors read from one child while the pool opens: the log was
+    /// replayed from it. A write in flight when the pool stopped may have
+    /// reached one child's log and not another's, so the log region is
+    /// copied from that child to the others before new records follow the
+    /// replayed ones; from then on reads go to the least busy child.
+    async fn sync_mirrored_log(&self, superblock: &Superblock) -> Result<(), PoolError> {
+        for device in &self.devices {
+            let Some(mirror) = &device.mirror else {
+                continue;
+            };
+            let source = mirror.online().map(|(i, _)| i).next();
+            if let (Some(source), true) = (source, device.member.index == superblock.log_device) {
+                let targets: Vec<usize> = mirror.written().filter(|&i| i != source).collect();
+                let step = 1u64 << 20;
+                let mut at = 0;
+                while at < superblock.log_bytes && !targets.is_empty() {
+                    let length = (superblock.log_bytes - at).min(step);
+                    let offset = superblock.log_offset + at;
+                    let (buf, result) = mirror.read_child(source, offset, IoBuf::new(length as usize)).await;
+                    result?;
+                    for &target in &targets {
+                        // A child that fails this is faulted; the others go on.
+                        let _ = mirror.write_child(target, offset, buf.payload()).await;
+                    }
+                    at += length;
+                }
+            }
+            mirror.pin_reads(false);
+        }
+        Ok(())
     }
 
     /// Checks a log record about to be replayed against the pool's

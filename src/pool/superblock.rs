@@ -9,16 +9,32 @@ pub const SUPERBLOCK_OFFSETS: [u64; 2] = [0, 256 << 10];
 pub const MAGIC: [u8; 8] = *b"STRATASB";
 /// The format new pools are created with. Format 1: stored checksums are
 /// plain crc32c. Format 2: they are tagged with each sector's place in its
-/// volume (`pool::blockmap::sector_tag`). A pool keeps the format it was
-/// created with; versions that know only format 1 refuse format 2.
-pub const FORMAT_VERSION: u32 = 2;
+/// volume (`pool::blockmap::sector_tag`). Format 3: as 2, plus a header of
+/// [`HEADER_BYTES`] before any region (chunk 0 alone was smaller than the
+/// second superblock copy's offset with chunks under 512 KiB), and mirrors:
+/// each device names itself and the children of every mirrored member. A
+/// pool keeps the format it was created with; versions that know fewer
+/// formats refuse newer ones.
+pub const FORMAT_VERSION: u32 = 3;
 /// The first format whose stored checksums are tagged.
 pub const TAGGED_CHECKSUMS_FORMAT: u32 = 2;
+/// The first format with a [`HEADER_BYTES`] header and mirrors.
+pub const MIRRORS_FORMAT: u32 = 3;
+/// Bytes at the start of every device of a format-3 pool that hold the
+/// superblocks and nothing else (rounded up to whole chunks).
+pub const HEADER_BYTES: u64 = 1 << 20;
 pub const MAX_MEMBERS: usize = 32;
+/// Children of mirrored members, over all members.
+pub const MAX_CHILDREN: usize = 64;
 const NAME_BYTES: usize = 64;
+const DEVICE_UUID_OFFSET: usize = 160;
+const CHILD_COUNT_OFFSET: usize = 176;
 const MEMBERS_OFFSET: usize = 256;
 const MEMBER_BYTES: usize = 32;
+const CHILDREN_OFFSET: usize = MEMBERS_OFFSET + MAX_MEMBERS * MEMBER_BYTES;
+const CHILD_BYTES: usize = 32;
 const CRC_OFFSET: usize = SUPERBLOCK_BYTES - 4;
+const _: () = assert!(CHILDREN_OFFSET + MAX_CHILDREN * CHILD_BYTES <= CRC_OFFSET);
 
 /// What a device is for.
 #[derive(
@@ -68,6 +84,33 @@ pub struct Member {
     pub size_bytes: u64,
 }
 
+/// Whether a mirror's child holds the member's data.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize, utoipa::ToSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum ChildState {
+    /// Up to date: it gets every write and may serve reads.
+    Online = 0,
+    /// Missed writes (it failed one, or the pool ran without it): never
+    /// read from until a resilver has brought it up to date again.
+    Stale = 1,
+}
+
+/// One child of a mirrored member, as every superblock lists it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Child {
+    /// The device's own uuid (its superblock's `device_uuid`).
+    pub uuid: [u8; 16],
+    /// The member (mirror) it belongs to.
+    pub member: u8,
+    pub state: ChildState,
+    /// Takes reads only when no other child can (an HDD copy of an SSD
+    /// mirror), as md's write-mostly.
+    pub write_mostly: bool,
+    /// A stale child being resilvered: every byte below this offset is up
+    /// to date (a resilver copies in device order and resumes here).
+    pub resilvered: u64,
+}
+
 /// A decoded superblock.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Superblock {
@@ -90,6 +133,12 @@ pub struct Superblock {
     pub log_offset: u64,
     pub log_bytes: u64,
     pub members: Vec<Member>,
+    /// Which device this is: the uuid of its member when that member is a
+    /// single device, of its child entry when the member is a mirror.
+    pub device_uuid: [u8; 16],
+    /// The children of mirrored members (format 3); a member none of these
+    /// names is a single device.
+    pub children: Vec<Child>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -129,6 +178,39 @@ impl Superblock {
         self.members.get(self.device_index as usize)
     }
 
+    /// The children of member `index` (empty: it is a single device).
+    pub fn children_of(&self, index: u8) -> impl Iterator<Item = &Child> + '_ {
+        self.children.iter().filter(move |c| c.member == index)
+    }
+
+    /// Whether member `index` is a mirror.
+    pub fn is_mirror(&self, index: u8) -> bool {
+        self.children_of(index).next().is_some()
+    }
+
+    /// Bytes at the start of every device that hold only superblocks: one
+    /// chunk before format 3, [`HEADER_BYTES`] (whole chunks) since.
+    pub fn header_bytes(&self) -> u64 {
+        header_bytes(self.format, self.chunk_bytes)
+    }
+
+    /// The offsets of the superblock copies this pool keeps: both, unless
+    /// its header is too small for the second (pools of format 1 and 2
+    /// with chunks under 512 KiB, where the second copy's place belongs to
+    /// the metadata region or to data).
+    pub fn copy_offsets(&self) -> &'static [u64] {
+        copy_offsets(self.header_bytes())
+    }
+
+    /// This superblock as device `device_uuid` of member `index` carries it.
+    pub fn for_device(&self, index: u8, device_uuid: [u8; 16]) -> Superblock {
+        Superblock {
+            device_index: index,
+            device_uuid,
+            ..self.clone()
+        }
+    }
+
     /// Encodes into exactly [`SUPERBLOCK_BYTES`] bytes.
     pub fn encode(&self) -> Vec<u8> {
         assert!(self.members.len() <= MAX_MEMBERS, "too many pool members");
@@ -156,6 +238,19 @@ impl Superblock {
             out[at + 16] = member.role as u8;
             out[at + 17] = member.index;
             put_u64(&mut out, at + 24, member.size_bytes);
+        }
+        if self.format >= MIRRORS_FORMAT {
+            assert!(self.children.len() <= MAX_CHILDREN, "too many mirror children");
+            out[DEVICE_UUID_OFFSET..DEVICE_UUID_OFFSET + 16].copy_from_slice(&self.device_uuid);
+            out[CHILD_COUNT_OFFSET] = self.children.len() as u8;
+            for (index, child) in self.children.iter().enumerate() {
+                let at = CHILDREN_OFFSET + index * CHILD_BYTES;
+                out[at..at + 16].copy_from_slice(&child.uuid);
+                out[at + 16] = child.member;
+                out[at + 17] = child.state as u8;
+                out[at + 18] = child.write_mostly as u8;
+                put_u64(&mut out, at + 24, child.resilvered);
+            }
         }
         let crc = crate::checksum::crc32c(&out[..CRC_OFFSET]);
         put_u32(&mut out, CRC_OFFSET, crc);
@@ -197,6 +292,37 @@ impl Superblock {
             .unwrap_or(NAME_BYTES);
         let pool_name = String::from_utf8(bytes[96..96 + name_end].to_vec())
             .map_err(|_| SuperblockError::Invalid("pool name is not UTF-8".into()))?;
+        let mut children = Vec::new();
+        let mut device_uuid = [0u8; 16];
+        if version >= MIRRORS_FORMAT {
+            device_uuid =
+                crate::bytes::array_at(bytes, DEVICE_UUID_OFFSET).ok_or_else(|| truncated(DEVICE_UUID_OFFSET))?;
+            let count = bytes[CHILD_COUNT_OFFSET] as usize;
+            if count > MAX_CHILDREN {
+                return Err(SuperblockError::Invalid(format!("{count} mirror children")));
+            }
+            for index in 0..count {
+                let at = CHILDREN_OFFSET + index * CHILD_BYTES;
+                let state = match bytes[at + 17] {
+                    0 => ChildState::Online,
+                    1 => ChildState::Stale,
+                    other => {
+                        return Err(SuperblockError::Invalid(format!(
+                            "mirror child {index} has unknown state {other}"
+                        )))
+                    }
+                };
+                children.push(Child {
+                    uuid: crate::bytes::array_at(bytes, at).ok_or_else(|| truncated(at))?,
+                    member: bytes[at + 16],
+                    state,
+                    write_mostly: bytes[at + 18] & 1 != 0,
+                    resilvered: get_u64(bytes, at + 24)?,
+                });
+            }
+        } else if let Some(member) = members.get(bytes[52] as usize) {
+            device_uuid = member.uuid;
+        }
         let superblock = Superblock {
             format: version,
             pool_uuid: crate::bytes::array_at(bytes, 16).ok_or_else(|| truncated(16))?,
@@ -212,6 +338,8 @@ impl Superblock {
             log_offset: get_u64(bytes, 72)?,
             log_bytes: get_u64(bytes, 80)?,
             members,
+            device_uuid,
+            children,
         };
         superblock.check()?;
         Ok(superblock)
@@ -252,13 +380,14 @@ impl Superblock {
             if offset.checked_add(bytes).is_none_or(|end| end > member.size_bytes) || bytes == 0 {
                 return invalid(format!("{what} region [{offset}, +{bytes}) outside device {device}"));
             }
-            // Chunk 0 holds the superblocks; regions are whole chunks.
-            if offset < chunk || !offset.is_multiple_of(chunk) || !bytes.is_multiple_of(chunk) {
+            // The header holds the superblocks; regions are whole chunks.
+            if offset < self.header_bytes() || !offset.is_multiple_of(chunk) || !bytes.is_multiple_of(chunk) {
                 return invalid(format!(
-                    "{what} region [{offset}, +{bytes}) is not made of whole chunks after chunk 0"
+                    "{what} region [{offset}, +{bytes}) is not made of whole chunks after the header"
                 ));
             }
         }
+        self.check_children()?;
         if !self.members[self.meta_device as usize].role.holds_data() {
             return invalid(format!("metadata device {} holds no data", self.meta_device));
         }
@@ -270,6 +399,60 @@ impl Superblock {
         }
         Ok(())
     }
+
+    fn check_children(&self) -> Result<(), SuperblockError> {
+        let invalid = |what: String| Err(SuperblockError::Invalid(what));
+        for (index, child) in self.children.iter().enumerate() {
+            if child.member as usize >= self.members.len() {
+                return invalid(format!("mirror child {index} names member {}", child.member));
+            }
+            let twice = self.children[..index].iter().any(|other| other.uuid == child.uuid);
+            if twice || self.members.iter().any(|m| m.uuid == child.uuid) {
+                return invalid(format!("mirror child {index} has the UUID of another device"));
+            }
+        }
+        for member in &self.members {
+            if self.is_mirror(member.index) && self.children_of(member.index).all(|c| c.state != ChildState::Online) {
+                return invalid(format!("mirror {} has no child that is up to date", member.index));
+            }
+        }
+        let own = if self.is_mirror(self.device_index) {
+            self.children_of(self.device_index).any(|c| c.uuid == self.device_uuid)
+        } else {
+            self.members[self.device_index as usize].uuid == self.device_uuid
+        };
+        if !own {
+            return invalid(format!(
+                "device {} is not listed among the devices of member {}",
+                uuid_hex(&self.device_uuid),
+                self.device_index
+            ));
+        }
+        Ok(())
+    }
+}
+
+fn uuid_hex(uuid: &[u8; 16]) -> String {
+    uuid.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// See [`Superblock::header_bytes`].
+pub fn header_bytes(format: u32, chunk_bytes: u32) -> u64 {
+    let chunk = u64::from(chunk_bytes);
+    if format >= MIRRORS_FORMAT {
+        HEADER_BYTES.div_ceil(chunk) * chunk
+    } else {
+        chunk
+    }
+}
+
+/// See [`Superblock::copy_offsets`].
+pub fn copy_offsets(header_bytes: u64) -> &'static [u64] {
+    if SUPERBLOCK_OFFSETS[1] + SUPERBLOCK_BYTES as u64 <= header_bytes {
+        &SUPERBLOCK_OFFSETS
+    } else {
+        &SUPERBLOCK_OFFSETS[..1]
+    }
 }
 
 /// Picks the superblock from the two copies read off a device: the valid one
@@ -277,6 +460,15 @@ impl Superblock {
 /// rewriting.
 pub fn choose(copies: [&[u8]; 2]) -> Result<(Superblock, bool), SuperblockError> {
     let decoded = copies.map(Superblock::decode);
+    // A pool whose header has no room for the second copy does not keep
+    // one: that place belongs to the metadata region or to data, so what
+    // it holds is not compared (a copy found there is one written when the
+    // pool was created, used only when the first is damaged).
+    if let Ok(first) = &decoded[0] {
+        if first.copy_offsets().len() == 1 {
+            return Ok((first.clone(), false));
+        }
+    }
     match decoded {
         [Ok(a), Ok(b)] => {
             let stale = a != b;
@@ -328,7 +520,83 @@ mod tests {
                     size_bytes: 4 << 30,
                 },
             ],
+            device_uuid: [2; 16],
+            children: Vec::new(),
         }
+    }
+
+    /// Member 1 a mirror of two devices; this one is its second.
+    fn mirrored() -> Superblock {
+        let child = |uuid: u8, state| Child {
+            uuid: [uuid; 16],
+            member: 1,
+            state,
+            write_mostly: uuid == 4,
+            resilvered: if state == ChildState::Stale { 5 << 20 } else { 0 },
+        };
+        Superblock {
+            device_uuid: [4; 16],
+            children: vec![child(3, ChildState::Online), child(4, ChildState::Stale)],
+            ..sample()
+        }
+    }
+
+    #[test]
+    fn a_mirror_round_trips_and_its_devices_must_be_listed() {
+        let superblock = mirrored();
+        let decoded = Superblock::decode(&superblock.encode()).unwrap();
+        assert_eq!(decoded, superblock);
+        assert!(decoded.is_mirror(1) && !decoded.is_mirror(0));
+        assert_eq!(decoded.children_of(1).count(), 2);
+        let refused = |change: fn(&mut Superblock), needle: &str| {
+            let mut superblock = mirrored();
+            change(&mut superblock);
+            match Superblock::decode(&superblock.encode()) {
+                Err(SuperblockError::Invalid(what)) => assert!(what.contains(needle), "{what}"),
+                other => panic!("{needle}: {other:?}"),
+            }
+        };
+        // The member's own uuid names no device once it is a mirror.
+        refused(|s| s.device_uuid = [2; 16], "not listed");
+        refused(|s| s.children[1].uuid = [3; 16], "UUID of another device");
+        refused(|s| s.children[0].uuid = [1; 16], "UUID of another device");
+        refused(|s| s.children[0].member = 7, "names member 7");
+        refused(
+            |s| s.children[0].state = ChildState::Stale,
+            "no child that is up to date",
+        );
+    }
+
+    #[test]
+    fn small_chunks_keep_one_copy_before_format_3_and_a_header_since() {
+        let old = Superblock {
+            format: 2,
+            chunk_bytes: 64 << 10,
+            meta_offset: 64 << 10,
+            log_offset: (64 << 20) + (64 << 10),
+            ..sample()
+        };
+        assert_eq!(old.copy_offsets(), &SUPERBLOCK_OFFSETS[..1]);
+        // A leftover second copy is not read: it is not the pool's any more.
+        let mut stale = old.clone();
+        stale.generation += 5;
+        let (chosen, repair) = choose([&old.encode(), &stale.encode()]).unwrap();
+        assert_eq!((chosen.generation, repair), (old.generation, false));
+        let new = Superblock {
+            chunk_bytes: 64 << 10,
+            ..sample()
+        };
+        assert_eq!(new.header_bytes(), HEADER_BYTES);
+        assert_eq!(new.copy_offsets(), &SUPERBLOCK_OFFSETS);
+        // Format 3 regions start after the header.
+        let inside = Superblock {
+            meta_offset: 64 << 10,
+            ..new
+        };
+        assert!(matches!(
+            Superblock::decode(&inside.encode()),
+            Err(SuperblockError::Invalid(_))
+        ));
     }
 
     #[test]
@@ -349,7 +617,7 @@ mod tests {
         };
         let error = Superblock::decode(&newer.encode()).unwrap_err();
         assert_eq!(error, SuperblockError::Version(FORMAT_VERSION + 1));
-        assert!(error.to_string().contains("formats 1 to 2"), "{error}");
+        assert!(error.to_string().contains("formats 1 to 3"), "{error}");
     }
 
     #[test]

@@ -33,6 +33,7 @@ type RwLockWriteGuard<'a, T> = Held<tokio::sync::RwLockWriteGuard<'a, T>>;
 use super::alloc::Hint;
 use super::cache::{Entry, VolState, VolumeCache};
 use super::superblock::Role;
+use super::vdev::Mirror;
 use super::{BlockPtr, Pool, PoolError, SECTOR_BYTES};
 use crate::device::{DeviceError, IoBuf};
 use crate::meta::log::Record;

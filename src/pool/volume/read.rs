@@ -8,14 +8,30 @@ impl EngineVolume {
     /// Checks the sectors of `data` read from `device` at `offset`. A mismatch
     /// in a part that is suspect after a crash is repaired from the data.
     /// `holding_gate`: the caller already holds the pool's write gate.
-    async fn verify(&self, device: u8, offset: u64, data: &[u8], logical: u64, holding_gate: bool) -> BlockResult<()> {
+    async fn verify(
+        &self,
+        device: u8,
+        offset: u64,
+        data: &mut [u8],
+        logical: u64,
+        holding_gate: bool,
+    ) -> BlockResult<()> {
         let stored = self
             .pool
             .crcs(device, offset, data.len() / SECTOR_BYTES as usize)
             .map_err(meta_error)?;
         let mut actuals = sector_crcs(data);
         self.pool.tag_crcs(&mut actuals, logical);
+        if actuals == stored {
+            return Ok(());
+        }
         let pool_device = self.pool.data_device(device).map_err(meta_error)?;
+        if let Some(mirror) = &pool_device.mirror {
+            // Another copy may hold what the checksums describe.
+            self.heal(mirror, offset, data, &stored, logical).await;
+            actuals = sector_crcs(data);
+            self.pool.tag_crcs(&mut actuals, logical);
+        }
         for (index, (&actual, &expected)) in actuals.iter().zip(&stored).enumerate() {
             let at = offset + index as u64 * SECTOR_BYTES;
             if actual == expected {
@@ -31,6 +47,15 @@ impl EngineVolume {
                 };
                 self.pool.set_crc(device, at, actual).map_err(meta_error)?;
                 counters.repaired_after_crash.fetch_add(1, Ordering::Relaxed);
+                if pool_device.mirror.is_some() {
+                    // No copy matched: the crash explains it, and every copy
+                    // is made the one the checksum now describes.
+                    let from = index * SECTOR_BYTES as usize;
+                    let sector = IoBuf::copy_from(&data[from..from + SECTOR_BYTES as usize]);
+                    if let (_, Err(e)) = pool_device.device.write(at, sector).await {
+                        return Err(io_error(e));
+                    }
+                }
                 continue;
             }
             counters.checksum_errors.fetch_add(1, Ordering::Relaxed);
@@ -46,6 +71,52 @@ impl EngineVolume {
             });
         }
         Ok(())
+    }
+
+    /// Looks for the sectors of `data` (read from `mirror` at `offset`)
+    /// whose checksums do not match `stored` on every up-to-date child of
+    /// the mirror: a sector one child holds intact replaces the bad one in
+    /// `data` and is written over the copies that do not match (never over
+    /// one that does: a power cut mid-repair leaves a good copy). Counted
+    /// per child. Sectors no child holds intact stay as they were.
+    async fn heal(&self, mirror: &Mirror, offset: u64, data: &mut [u8], stored: &[u32], logical: u64) {
+        let sector = SECTOR_BYTES as usize;
+        let mut copies: Vec<(usize, IoBuf, Vec<u32>)> = Vec::new();
+        let online: Vec<usize> = mirror.online().map(|(i, _)| i).collect();
+        for index in online {
+            let (buf, result) = mirror.read_child(index, offset, IoBuf::new(data.len())).await;
+            if result.is_ok() {
+                let mut sums = sector_crcs(buf.payload());
+                self.pool.tag_crcs(&mut sums, logical);
+                copies.push((index, buf, sums));
+            }
+        }
+        for (at, &expected) in stored.iter().enumerate() {
+            let Some(good) = copies.iter().position(|(_, _, sums)| sums[at] == expected) else {
+                continue;
+            };
+            let range = at * sector..(at + 1) * sector;
+            data[range.clone()].copy_from_slice(&copies[good].1.payload()[range.clone()]);
+            let bad: Vec<usize> = copies
+                .iter()
+                .filter(|(_, _, sums)| sums[at] != expected)
+                .map(|(index, _, _)| *index)
+                .collect();
+            for index in bad {
+                let child = &mirror.children()[index];
+                child.counters.checksum_errors.fetch_add(1, Ordering::Relaxed);
+                let place = offset + (at * sector) as u64;
+                tracing::warn!(
+                    "volume {}: checksum mismatch on {} at offset {place} (volume offset {}); rewritten from another copy",
+                    self.id,
+                    child.name,
+                    logical + (at * sector) as u64
+                );
+                if mirror.write_child(index, place, &data[range.clone()]).await.is_ok() {
+                    child.counters.repaired.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        }
     }
 
     /// Reads whole sectors into `dst` straight from `device`'s memory, their
@@ -116,8 +187,8 @@ impl EngineVolume {
         holding_gate: bool,
     ) -> BlockResult<IoBuf> {
         debug_assert!(offset.is_multiple_of(SECTOR_BYTES) && length.is_multiple_of(SECTOR_BYTES));
-        let buf = self.read_device(device, offset, length).await?;
-        self.verify(device, offset, buf.payload(), logical, holding_gate)
+        let mut buf = self.read_device(device, offset, length).await?;
+        self.verify(device, offset, buf.payload_mut(), logical, holding_gate)
             .await?;
         Ok(buf)
     }
@@ -128,10 +199,10 @@ impl EngineVolume {
     /// the device need not be next to each other in the volume.
     pub(super) async fn read_slots(&self, device: u8, offset: u64, blocks: &[u64]) -> BlockResult<IoBuf> {
         let bytes = self.block_bytes();
-        let buf = self.read_device(device, offset, blocks.len() as u64 * bytes).await?;
+        let mut buf = self.read_device(device, offset, blocks.len() as u64 * bytes).await?;
         for (at, &block) in blocks.iter().enumerate() {
             let from = at * bytes as usize;
-            let data = &buf.payload()[from..from + bytes as usize];
+            let data = &mut buf.payload_mut()[from..from + bytes as usize];
             self.verify(
                 device,
                 offset + at as u64 * bytes,
@@ -265,12 +336,12 @@ impl EngineVolume {
                     Ok(pool_device) => pool_device,
                     Err(e) => return (buf, Err(meta_error(e))),
                 };
-                let (buf, result) = pool_device.device.read(physical, buf).await;
+                let (mut buf, result) = pool_device.device.read(physical, buf).await;
                 if let Err(e) = result {
                     pool_device.counters.read_errors.fetch_add(1, Ordering::Relaxed);
                     return (buf, Err(io_error(e)));
                 }
-                let verified = self.verify(device, physical, buf.payload(), offset, false).await;
+                let verified = self.verify(device, physical, buf.payload_mut(), offset, false).await;
                 return (buf, verified);
             }
         }
@@ -288,7 +359,7 @@ impl EngineVolume {
                 }
                 match pool_device.device.read_now(physical, dst) {
                     Some(Ok(())) => {
-                        let data = &buf.payload()[at as usize..(at + run) as usize];
+                        let data = &mut buf.payload_mut()[at as usize..(at + run) as usize];
                         if let Err(e) = self.verify(device, physical, data, offset + at, false).await {
                             return (buf, Err(e));
                         }

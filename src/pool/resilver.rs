@@ -1,0 +1,221 @@
+//! Resilver: bringing a mirror's stale device up to date. A device that
+//! missed writes (it failed one, or the pool ran without it) and is present
+//! when the pool opens takes every write from then on; the resilver copies
+//! what it may have missed from an up-to-date device, then lets it serve
+//! reads again.
+//!
+//! What is copied: the metadata region and the log region when the member
+//! holds them, and every chunk the allocator has assigned, in device order
+//! ([`RESYNC_UNIT`] at a time, each under the mirror's barrier so no write
+//! lands between reading a unit and writing it). Free chunks hold nothing a
+//! read can reach, so they are not copied. The device's superblock entry
+//! keeps how far the copy got, so a resilver cut short by a restart resumes
+//! there: the device took every write meanwhile.
+
+use super::*;
+use crate::pool::vdev::{Health, Mirror, RESYNC_UNIT};
+
+/// A resilver's progress, as `pool status` shows it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize, utoipa::ToSchema)]
+pub struct ResilverStatus {
+    /// Bytes to copy in all (ranges below a resumed resilver's start
+    /// included, counted as done).
+    pub total_bytes: u64,
+    pub done_bytes: u64,
+    /// Since the resilver started (or resumed).
+    pub seconds: u64,
+    /// Bytes copied since it started, per second.
+    pub bytes_per_second: u64,
+}
+
+/// How often the cursor is recorded in the superblocks.
+const RECORD_EVERY: std::time::Duration = std::time::Duration::from_secs(10);
+
+impl Pool {
+    /// Resilvers every mirror with devices being resilvered, one mirror at
+    /// a time; returns the bytes copied. Errors reading the up-to-date
+    /// copy stop that mirror's resilver (its devices stay stale).
+    pub async fn resilver(&self) -> Result<u64, PoolError> {
+        let mut copied = 0;
+        for device in &self.devices {
+            let Some(mirror) = &device.mirror else {
+                continue;
+            };
+            if mirror.children().iter().any(|c| c.health() == Health::Resilvering) {
+                copied += self.resilver_mirror(device, mirror).await?;
+            }
+        }
+        Ok(copied)
+    }
+
+    /// The byte ranges of member `device` that hold something, in order.
+    fn resilver_ranges(&self, device: &PoolDevice) -> Vec<(u64, u64)> {
+        let index = device.member.index;
+        let mut ranges = Vec::new();
+        if index == self.meta_device {
+            ranges.push(self.regions.meta);
+        }
+        if index == self.regions.log_device {
+            ranges.push(self.regions.log);
+        }
+        let chunk = self.chunk_bytes as u64;
+        let allocator = self.allocator.lock_or_abort();
+        if let Some(space) = allocator.devices().iter().find(|s| s.index == index) {
+            for c in space.assigned_chunks() {
+                match ranges.last_mut() {
+                    Some((start, length)) if *start + *length == c * chunk => *length += chunk,
+                    _ => ranges.push((c * chunk, chunk)),
+                }
+            }
+        }
+        ranges.sort_unstable();
+        ranges
+    }
+
+    async fn resilver_mirror(&self, device: &PoolDevice, mirror: &Mirror) -> Result<u64, PoolError> {
+        let mut targets: Vec<usize> = mirror
+            .children()
+            .iter()
+            .enumerate()
+            .filter(|(_, c)| c.health() == Health::Resilvering)
+            .map(|(i, _)| i)
+            .collect();
+        // Resume where the least advanced of them stopped.
+        let start = targets
+            .iter()
+            .map(|&i| mirror.children()[i].resilvered.load(Ordering::Acquire))
+            .min()
+            .unwrap_or(0);
+        let ranges = self.resilver_ranges(device);
+        let total: u64 = ranges.iter().map(|r| r.1).sum();
+        let below: u64 = ranges.iter().map(|&(s, l)| l.min(start.saturating_sub(s))).sum();
+        let began = std::time::Instant::now();
+        self.set_resilver_status(
+            device.member.index,
+            Some(ResilverStatus {
+                total_bytes: total,
+                done_bytes: below,
+                ..Default::default()
+            }),
+        );
+        tracing::info!(
+            "pool {}: resilvering {} ({} to copy{})",
+            self.name,
+            mirror.info().name,
+            crate::units::format_size(total - below),
+            if start > 0 {
+                format!(", resuming at offset {start}")
+            } else {
+                String::new()
+            }
+        );
+        mirror.set_resyncing(true).await;
+        let mut copied = 0u64;
+        let mut recorded = std::time::Instant::now();
+        let mut outcome = Ok(());
+        'ranges: for (range_start, range_length) in ranges {
+            let mut at = range_start.max(start);
+            let end = range_start + range_length;
+            while at < end && !targets.is_empty() {
+                let length = (RESYNC_UNIT - at % RESYNC_UNIT).min(end - at);
+                if let Err(e) = mirror.copy_unit(at, length, &mut targets).await {
+                    outcome = Err(PoolError::Io(e));
+                    break 'ranges;
+                }
+                at += length;
+                copied += length;
+                for &target in &targets {
+                    mirror.children()[target].resilvered.store(at, Ordering::Release);
+                }
+                let seconds = began.elapsed().as_secs_f64().max(1e-3);
+                self.set_resilver_status(
+                    device.member.index,
+                    Some(ResilverStatus {
+                        total_bytes: total,
+                        done_bytes: below + copied,
+                        seconds: seconds as u64,
+                        bytes_per_second: (copied as f64 / seconds) as u64,
+                    }),
+                );
+                if recorded.elapsed() >= RECORD_EVERY {
+                    self.membership.record_health().await;
+                    recorded = std::time::Instant::now();
+                }
+                // Clients' requests go first.
+                tokio::task::yield_now().await;
+            }
+        }
+        if outcome.is_ok() {
+            // What was copied is durable before the devices count as up to date.
+            for &target in &targets {
+                if let Some(child) = &mirror.children()[target].device {
+                    if let Err(e) = child.flush().await {
+                        tracing::error!("{}: {e}; resilver failed", child.info().name);
+                        mirror.children()[target].set_health(Health::Faulted);
+                    }
+                }
+            }
+            for &target in &targets {
+                let child = &mirror.children()[target];
+                if child.health() == Health::Resilvering {
+                    child.set_health(Health::Online);
+                    child.resilvered.store(0, Ordering::Release);
+                }
+            }
+        }
+        mirror.set_resyncing(false).await;
+        self.membership.record_health().await;
+        self.set_resilver_status(device.member.index, None);
+        match &outcome {
+            Ok(()) => tracing::info!(
+                "pool {}: resilvered {} ({} copied in {:.1} s)",
+                self.name,
+                mirror.info().name,
+                crate::units::format_size(copied),
+                began.elapsed().as_secs_f64()
+            ),
+            Err(e) => tracing::error!("pool {}: resilver of {} stopped: {e}", self.name, mirror.info().name),
+        }
+        outcome.map(|()| copied)
+    }
+
+    /// Starts [`Pool::resilver`] in the background, if there is anything to
+    /// resilver and a runtime to run it on.
+    pub(crate) fn start_resilver(self: &Arc<Self>) {
+        let needed = self.devices.iter().any(|d| {
+            d.mirror
+                .as_ref()
+                .is_some_and(|m| m.children().iter().any(|c| c.health() == Health::Resilvering))
+        });
+        let Some(runtime) = background_runtime().filter(|_| needed) else {
+            return;
+        };
+        let pool = Arc::downgrade(self);
+        runtime.spawn(async move {
+            if let Some(pool) = pool.upgrade() {
+                let _ = pool.resilver().await;
+            }
+        });
+    }
+
+    fn set_resilver_status(&self, member: u8, status: Option<ResilverStatus>) {
+        let mut all = self.resilvers.lock().unwrap_or_else(|e| e.into_inner());
+        match status {
+            Some(status) => {
+                all.insert(member, status);
+            }
+            None => {
+                all.remove(&member);
+            }
+        }
+    }
+
+    /// The resilver under way on member `member`, if any.
+    pub fn resilver_status(&self, member: u8) -> Option<ResilverStatus> {
+        self.resilvers
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&member)
+            .copied()
+    }
+}

@@ -1,0 +1,692 @@
+//! Virtual devices: what a pool member is. A member is a single device or a
+//! mirror of devices; either way the pool sees one address space, through
+//! the [`Device`] trait, so the allocator, the block map, the metadata store
+//! and the log are the same on both (ZFS's vdevs are the model).
+//!
+//! A [`Mirror`]:
+//! - writes to every child that is up to date (and to one being
+//!   resilvered), all at once, and completes when they all have; a child
+//!   that fails a write or a flush is faulted, and the fault is recorded in
+//!   the other devices' superblocks (the pool's [`Membership`]) before
+//!   the write completes, so a restart never trusts a copy that missed an
+//!   acknowledged write. The write fails only when no up-to-date child took
+//!   it.
+//! - reads from the up-to-date child with the fewest reads in flight
+//!   (write-mostly children only when no other can); a read that fails is
+//!   retried on the next child, and the range that failed is rewritten from
+//!   the copy that read.
+//! - lets the pool read and write one child at a time
+//!   ([`Mirror::read_child`], [`Mirror::write_child`]): a block whose
+//!   checksum does not match is looked for on the other children and the
+//!   bad copies rewritten from a good one (`pool/volume/read.rs`).
+//! - while the pool opens, reads from one child only ([`Mirror::pin_reads`]):
+//!   the log is replayed and the metadata store opened from one copy, and
+//!   the log's live part is then copied to the others, so a write that was
+//!   in flight on one child only when the pool stopped cannot make the
+//!   copies tell two stories.
+
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicU8, Ordering};
+use std::sync::{Arc, OnceLock};
+
+use super::superblock::{ChildState, Superblock};
+use crate::device::{BackingSpace, BoxFuture, Device, DeviceError, DeviceInfo, DeviceResult, IoBuf};
+
+/// How a mirror child is doing, as `pool status` shows it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize, utoipa::ToSchema)]
+#[serde(rename_all = "UPPERCASE")]
+pub enum Health {
+    /// Up to date: written and read.
+    Online,
+    /// Being brought up to date: written, not read.
+    Resilvering,
+    /// Missed writes while it was away or failing (its superblocks say
+    /// so): neither written nor read until a resilver.
+    Stale,
+    /// Failed a write or flush while the pool ran: no more I/O.
+    Faulted,
+    /// Not found when the pool was opened.
+    Missing,
+}
+
+impl Health {
+    fn from_u8(value: u8) -> Health {
+        match value {
+            0 => Health::Online,
+            1 => Health::Resilvering,
+            2 => Health::Stale,
+            3 => Health::Faulted,
+            _ => Health::Missing,
+        }
+    }
+
+    fn code(self) -> u8 {
+        match self {
+            Health::Online => 0,
+            Health::Resilvering => 1,
+            Health::Stale => 2,
+            Health::Faulted => 3,
+            Health::Missing => 4,
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Health::Online => "ONLINE",
+            Health::Resilvering => "RESILVERING",
+            Health::Stale => "STALE",
+            Health::Faulted => "FAULTED",
+            Health::Missing => "MISSING",
+        }
+    }
+
+    /// Whether the child gets writes.
+    fn written(self) -> bool {
+        matches!(self, Health::Online | Health::Resilvering)
+    }
+}
+
+/// Error counts of one physical device.
+#[derive(Debug, Default)]
+pub struct ChildCounters {
+    pub read_errors: AtomicU64,
+    pub write_errors: AtomicU64,
+    pub checksum_errors: AtomicU64,
+    /// Ranges rewritten from another copy (after a failed read or a
+    /// checksum mismatch), in 4 KiB sectors.
+    pub repaired: AtomicU64,
+}
+
+/// One device of a mirror.
+pub struct MirrorChild {
+    /// `None`: not found when the pool was opened.
+    pub device: Option<Arc<dyn Device>>,
+    /// The uuid its superblock carries.
+    pub uuid: [u8; 16],
+    /// A name for messages, also when the device is missing.
+    pub name: String,
+    pub write_mostly: bool,
+    pub counters: ChildCounters,
+    health: AtomicU8,
+    in_flight: AtomicU32,
+    /// While resilvering: every byte below this is up to date.
+    pub(crate) resilvered: AtomicU64,
+}
+
+impl MirrorChild {
+    pub fn new(
+        device: Option<Arc<dyn Device>>,
+        uuid: [u8; 16],
+        write_mostly: bool,
+        health: Health,
+        resilvered: u64,
+    ) -> MirrorChild {
+        let name = match &device {
+            Some(device) => device.info().name.clone(),
+            None => format!("device {}", super::uuid_text(&uuid)),
+        };
+        MirrorChild {
+            device,
+            uuid,
+            name,
+            write_mostly,
+            counters: ChildCounters::default(),
+            health: AtomicU8::new(health.code()),
+            in_flight: AtomicU32::new(0),
+            resilvered: AtomicU64::new(resilvered),
+        }
+    }
+
+    pub fn health(&self) -> Health {
+        Health::from_u8(self.health.load(Ordering::Acquire))
+    }
+
+    pub(crate) fn set_health(&self, health: Health) {
+        self.health.store(health.code(), Ordering::Release);
+    }
+}
+
+/// Bytes a resilver copies at a time, and the unit its barrier locks.
+pub const RESYNC_UNIT: u64 = 1 << 20;
+const STRIPES: usize = 64;
+
+/// A mirror of two or more devices (see the module header).
+pub struct Mirror {
+    info: DeviceInfo,
+    member: u8,
+    children: Vec<MirrorChild>,
+    /// Reads go to the first up-to-date child only (while the pool opens).
+    pinned: AtomicBool,
+    /// Which child an idle mirror's next read prefers.
+    turn: AtomicU32,
+    /// While a resilver copies: writes and discards hold the stripes of the
+    /// units they touch shared, the copy of a unit holds its stripe
+    /// exclusively, so no write can land between the copy's read from an
+    /// up-to-date child and its write to the child being resilvered.
+    resyncing: AtomicBool,
+    /// Writes under way that did not take a stripe (no resilver then).
+    unbarred: AtomicU32,
+    stripes: Box<[tokio::sync::RwLock<()>]>,
+    /// Where a fault is recorded before the write that met it completes.
+    membership: OnceLock<std::sync::Weak<Membership>>,
+}
+
+impl Mirror {
+    /// A mirror of `children` (in the order the superblocks list them) as
+    /// member `member` of size `size_bytes`.
+    pub fn new(member: u8, size_bytes: u64, children: Vec<MirrorChild>) -> Mirror {
+        let present: Vec<&Arc<dyn Device>> = children.iter().filter_map(|c| c.device.as_ref()).collect();
+        let info = DeviceInfo {
+            name: format!(
+                "mirror-{member} ({})",
+                children.iter().map(|c| c.name.as_str()).collect::<Vec<_>>().join(", ")
+            ),
+            size_bytes,
+            block_bytes: present.iter().map(|d| d.info().block_bytes).max().unwrap_or(512),
+            direct_io: present.iter().all(|d| d.info().direct_io),
+            rotational: children
+                .iter()
+                .filter(|c| !c.write_mostly)
+                .filter_map(|c| c.device.as_ref())
+                .any(|d| d.info().rotational),
+            engine: "mirror",
+            regular_file: present.iter().any(|d| d.info().regular_file),
+        };
+        Mirror {
+            info,
+            member,
+            children,
+            pinned: AtomicBool::new(true),
+            turn: AtomicU32::new(0),
+            resyncing: AtomicBool::new(false),
+            unbarred: AtomicU32::new(0),
+            stripes: (0..STRIPES).map(|_| tokio::sync::RwLock::new(())).collect(),
+            membership: OnceLock::new(),
+        }
+    }
+
+    pub fn member(&self) -> u8 {
+        self.member
+    }
+
+    pub fn children(&self) -> &[MirrorChild] {
+        &self.children
+    }
+
+    /// Reads from one child only (`true`, the state a mirror starts in) or
+    /// from the least busy one.
+    pub fn pin_reads(&self, pinned: bool) {
+        self.pinned.store(pinned, Ordering::Release);
+    }
+
+    pub fn set_membership(&self, membership: &Arc<Membership>) {
+        let _ = self.membership.set(Arc::downgrade(membership));
+    }
+
+    /// Whether any child is not up to date.
+    pub fn degraded(&self) -> bool {
+        self.children.iter().any(|c| c.health() != Health::Online)
+    }
+
+    /// The children that are up to date, in order.
+    pub fn online(&self) -> impl Iterator<Item = (usize, &MirrorChild)> {
+        self.children
+            .iter()
+            .enumerate()
+            .filter(|(_, c)| c.health() == Health::Online && c.device.is_some())
+    }
+
+    /// The children that get writes (up to date or being resilvered).
+    pub fn written(&self) -> impl Iterator<Item = usize> + '_ {
+        self.children
+            .iter()
+            .enumerate()
+            .filter(|(_, c)| c.health().written() && c.device.is_some())
+            .map(|(i, _)| i)
+    }
+
+    /// The child a read goes to, skipping those in `tried` (a bit each).
+    fn pick(&self, tried: u64) -> Option<usize> {
+        let candidates = || self.online().filter(|(i, _)| tried & (1 << i) == 0);
+        if self.pinned.load(Ordering::Acquire) {
+            return candidates().map(|(i, _)| i).next();
+        }
+        // Ties (idle children) are broken in turn, so that one reader at a
+        // time still spreads its reads over the copies.
+        let turn = self.turn.fetch_add(1, Ordering::Relaxed) as usize;
+        let count = self.children.len();
+        let least_busy = |write_mostly: bool| {
+            candidates()
+                .filter(|(_, c)| c.write_mostly == write_mostly)
+                .min_by_key(|(i, c)| (c.in_flight.load(Ordering::Relaxed), (i + count - turn % count) % count))
+                .map(|(i, _)| i)
+        };
+        least_busy(false).or_else(|| least_busy(true))
+    }
+
+    /// Reads `buf.len()` bytes at `offset` from child `index` alone,
+    /// counting a failure on it.
+    pub async fn read_child(&self, index: usize, offset: u64, buf: IoBuf) -> (IoBuf, DeviceResult<()>) {
+        let child = &self.children[index];
+        let Some(device) = &child.device else {
+            return (buf, Err(self.missing(index)));
+        };
+        child.in_flight.fetch_add(1, Ordering::Relaxed);
+        let (buf, result) = device.read(offset, buf).await;
+        child.in_flight.fetch_sub(1, Ordering::Relaxed);
+        if result.is_err() {
+            child.counters.read_errors.fetch_add(1, Ordering::Relaxed);
+        }
+        (buf, result)
+    }
+
+    /// Writes `data` at `offset` to child `index` alone (a repair); a
+    /// child that fails it is faulted.
+    pub async fn write_child(&self, index: usize, offset: u64, data: &[u8]) -> DeviceResult<()> {
+        let child = &self.children[index];
+        let Some(device) = &child.device else {
+            return Err(self.missing(index));
+        };
+        let (_, result) = device.write(offset, IoBuf::copy_from(data)).await;
+        if let Err(e) = &result {
+            self.fault(index, e).await;
+        }
+        result
+    }
+
+    fn missing(&self, index: usize) -> DeviceError {
+        unavailable(&self.children[index].name, "the device is not part of the running pool")
+    }
+
+    /// Marks child `index` faulted after `error` and has the fault
+    /// recorded. The last up-to-date child is never faulted: its errors are
+    /// the pool's.
+    async fn fault(&self, index: usize, error: &DeviceError) {
+        let child = &self.children[index];
+        child.counters.write_errors.fetch_add(1, Ordering::Relaxed);
+        let others_online = self.online().any(|(i, _)| i != index);
+        if !others_online || child.health() == Health::Faulted {
+            return;
+        }
+        let was = child.health();
+        child.set_health(Health::Faulted);
+        tracing::error!(
+            "{}: {error}; the device is faulted and {} goes on without it (DEGRADED)",
+            child.name,
+            self.info.name
+        );
+        // A device being resilvered loses its cursor too: it missed a write.
+        if matches!(was, Health::Online | Health::Resilvering) {
+            if let Some(membership) = self.membership.get().and_then(std::sync::Weak::upgrade) {
+                membership.record_health().await;
+            }
+        }
+    }
+
+    /// Runs `op` (a write or discard of `[offset, +length)`), holding the
+    /// stripes of the units it touches while a resilver runs.
+    async fn barred<'a, F, Fut>(&'a self, offset: u64, length: u64, op: F) -> DeviceResult<()>
+    where
+        F: FnOnce() -> Fut,
+        Fut: std::future::Future<Output = DeviceResult<()>> + 'a,
+    {
+        self.unbarred.fetch_add(1, Ordering::SeqCst);
+        if !self.resyncing.load(Ordering::SeqCst) {
+            let result = op().await;
+            self.unbarred.fetch_sub(1, Ordering::SeqCst);
+            return result;
+        }
+        self.unbarred.fetch_sub(1, Ordering::SeqCst);
+        let first = offset / RESYNC_UNIT;
+        let last = (offset + length.max(1) - 1) / RESYNC_UNIT;
+        // Stripes in ascending order, each once: the copy holds one at a time.
+        let mut wanted: Vec<usize> = (first..=last.min(first + STRIPES as u64 - 1))
+            .map(|unit| (unit % STRIPES as u64) as usize)
+            .collect();
+        wanted.sort_unstable();
+        wanted.dedup();
+        let mut guards = Vec::with_capacity(wanted.len());
+        for stripe in wanted {
+            guards.push(self.stripes[stripe].read().await);
+        }
+        op().await
+    }
+
+    /// Starts or ends a resilver's barrier ([`Mirror::copy_unit`]). Starting
+    /// waits for the writes that began without it.
+    pub async fn set_resyncing(&self, on: bool) {
+        self.resyncing.store(on, Ordering::SeqCst);
+        while on && self.unbarred.load(Ordering::SeqCst) > 0 {
+            tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+        }
+    }
+
+    /// Copies `[offset, +length)` (inside one [`RESYNC_UNIT`]) from an
+    /// up-to-date child to each of `targets`, no write landing in between.
+    /// A target that fails the write is faulted and dropped from `targets`.
+    pub async fn copy_unit(&self, offset: u64, length: u64, targets: &mut Vec<usize>) -> DeviceResult<()> {
+        debug_assert!(offset / RESYNC_UNIT == (offset + length - 1) / RESYNC_UNIT);
+        let _unit = self.stripes[((offset / RESYNC_UNIT) % STRIPES as u64) as usize]
+            .write()
+            .await;
+        let (buf, result) = Device::read(self, offset, IoBuf::new(length as usize)).await;
+        result?;
+        let mut kept = Vec::with_capacity(targets.len());
+        for &target in targets.iter() {
+            if self.write_child(target, offset, buf.payload()).await.is_ok() {
+                kept.push(target);
+            }
+        }
+        *targets = kept;
+        Ok(())
+    }
+
+    /// Runs `op` on every child that gets writes, all at once; faults the
+    /// ones that fail. `Ok` when at least one up-to-date child succeeded.
+    async fn on_all<'a, F>(&'a self, op: F) -> DeviceResult<()>
+    where
+        F: Fn(&'a Arc<dyn Device>) -> BoxFuture<'a, DeviceResult<()>>,
+    {
+        let targets: Vec<(usize, Health)> = self
+            .children
+            .iter()
+            .enumerate()
+            .filter(|(_, c)| c.health().written() && c.device.is_some())
+            .map(|(i, c)| (i, c.health()))
+            .collect();
+        let futures = targets
+            .iter()
+            .map(|&(i, _)| op(self.children[i].device.as_ref().expect("present")))
+            .collect();
+        let results = join_all(futures).await;
+        let mut first_error = None;
+        let mut succeeded = false;
+        for (&(index, health), result) in targets.iter().zip(results) {
+            match result {
+                Ok(()) => succeeded |= health == Health::Online,
+                Err(e) => {
+                    self.fault(index, &e).await;
+                    first_error.get_or_insert(e);
+                }
+            }
+        }
+        match (succeeded, first_error) {
+            (true, _) => Ok(()),
+            (false, Some(e)) => Err(e),
+            (false, None) => Err(unavailable(&self.info.name, "no device of the mirror is up to date")),
+        }
+    }
+}
+
+fn unavailable(name: &str, reason: &str) -> DeviceError {
+    DeviceError::Io {
+        device: name.to_string(),
+        offset: 0,
+        source: std::io::Error::new(std::io::ErrorKind::NotConnected, reason.to_string()),
+    }
+}
+
+/// The pool's membership as its superblocks record it, kept in memory so
+/// that a change (a mirror child faulted, a device added) is written to
+/// every device under one lock, each with the next generation.
+pub struct Membership {
+    current: tokio::sync::Mutex<Superblock>,
+    /// Every member's mirror (`None` for single devices), by member index.
+    mirrors: std::sync::RwLock<Vec<Option<Arc<Mirror>>>>,
+    /// Single-device members' devices, by member index.
+    singles: std::sync::RwLock<Vec<Option<Arc<dyn Device>>>>,
+}
+
+impl Membership {
+    pub fn new(current: Superblock) -> Membership {
+        Membership {
+            current: tokio::sync::Mutex::new(current),
+            mirrors: Default::default(),
+            singles: Default::default(),
+        }
+    }
+
+    /// Adds member `index`: its mirror, or its one device.
+    pub fn add_member(&self, index: u8, device: &Arc<dyn Device>, mirror: Option<&Arc<Mirror>>) {
+        let index = index as usize;
+        let mut mirrors = self.mirrors.write().unwrap_or_else(|e| e.into_inner());
+        let mut singles = self.singles.write().unwrap_or_else(|e| e.into_inner());
+        if mirrors.len() <= index {
+            mirrors.resize(index + 1, None);
+            singles.resize(index + 1, None);
+        }
+        mirrors[index] = mirror.cloned();
+        singles[index] = mirror.is_none().then(|| device.clone());
+    }
+
+    /// The superblock as last written (or read at open).
+    pub async fn lock(&self) -> tokio::sync::MutexGuard<'_, Superblock> {
+        self.current.lock().await
+    }
+
+    /// Every physical device that takes superblock writes now, with its
+    /// member index and own uuid: single devices, and mirror children that
+    /// are written to (up to date, or being resilvered).
+    pub fn writable_devices(&self, superblock: &Superblock) -> Vec<(Arc<dyn Device>, u8, [u8; 16])> {
+        let mirrors = self.mirrors.read().unwrap_or_else(|e| e.into_inner());
+        let singles = self.singles.read().unwrap_or_else(|e| e.into_inner());
+        let mut out = Vec::new();
+        for member in &superblock.members {
+            let index = member.index as usize;
+            if let Some(Some(device)) = singles.get(index) {
+                out.push((device.clone(), member.index, member.uuid));
+            }
+            if let Some(Some(mirror)) = mirrors.get(index) {
+                for child in mirror.children().iter().filter(|c| c.health().written()) {
+                    if let Some(device) = &child.device {
+                        out.push((device.clone(), member.index, child.uuid));
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    /// Copies the children's health into `superblock` (up to date or not).
+    pub fn note_health(&self, superblock: &mut Superblock) {
+        let mirrors = self.mirrors.read().unwrap_or_else(|e| e.into_inner());
+        for entry in &mut superblock.children {
+            let Some(Some(mirror)) = mirrors.get(entry.member as usize) else {
+                continue;
+            };
+            if let Some(child) = mirror.children().iter().find(|c| c.uuid == entry.uuid) {
+                (entry.state, entry.resilvered) = match child.health() {
+                    Health::Online => (ChildState::Online, 0),
+                    // Up to date below its resilver's cursor.
+                    Health::Resilvering => (ChildState::Stale, child.resilvered.load(Ordering::Acquire)),
+                    Health::Stale | Health::Faulted | Health::Missing => (ChildState::Stale, 0),
+                };
+            }
+        }
+    }
+
+    /// Writes the children's health to every writable device, as the next
+    /// generation. Failures are logged: a device that cannot take its
+    /// superblock is failing, and the next write there faults it.
+    pub async fn record_health(&self) {
+        let mut current = self.lock().await;
+        let mut next = current.clone();
+        self.note_health(&mut next);
+        if next.children == current.children {
+            return;
+        }
+        next.generation += 1;
+        for (device, index, uuid) in self.writable_devices(&next) {
+            if let Err(e) = super::write_superblock(&device, &next.for_device(index, uuid)).await {
+                tracing::error!(
+                    "{}: cannot record the mirror's state in its superblock: {e}",
+                    device.info().name
+                );
+            }
+        }
+        *current = next;
+    }
+}
+
+/// Polls every future to completion, all at once; results in order.
+async fn join_all<T>(futures: Vec<BoxFuture<'_, T>>) -> Vec<T> {
+    let mut futures: Vec<Option<BoxFuture<'_, T>>> = futures.into_iter().map(Some).collect();
+    let mut results: Vec<Option<T>> = futures.iter().map(|_| None).collect();
+    std::future::poll_fn(|cx| {
+        let mut pending = false;
+        for (future, result) in futures.iter_mut().zip(results.iter_mut()) {
+            if let Some(f) = future {
+                match f.as_mut().poll(cx) {
+                    std::task::Poll::Ready(value) => {
+                        *result = Some(value);
+                        *future = None;
+                    }
+                    std::task::Poll::Pending => pending = true,
+                }
+            }
+        }
+        if pending {
+            std::task::Poll::Pending
+        } else {
+            std::task::Poll::Ready(())
+        }
+    })
+    .await;
+    results
+        .into_iter()
+        .map(|r| r.expect("every future completed"))
+        .collect()
+}
+
+impl Device for Mirror {
+    fn info(&self) -> &DeviceInfo {
+        &self.info
+    }
+
+    fn read(&self, offset: u64, buf: IoBuf) -> BoxFuture<'_, (IoBuf, DeviceResult<()>)> {
+        Box::pin(async move {
+            let mut tried = 0u64;
+            let mut failed: Vec<usize> = Vec::new();
+            let mut buf = buf;
+            let mut last_error = None;
+            while let Some(index) = self.pick(tried) {
+                tried |= 1 << index;
+                let (back, result) = self.read_child(index, offset, buf).await;
+                buf = back;
+                match result {
+                    Ok(()) => {
+                        // Rewrite what failed to read from the copy that did.
+                        for bad in failed {
+                            if self.write_child(bad, offset, buf.payload()).await.is_ok() {
+                                let sectors = (buf.len() as u64).div_ceil(4096);
+                                self.children[bad]
+                                    .counters
+                                    .repaired
+                                    .fetch_add(sectors, Ordering::Relaxed);
+                            }
+                        }
+                        return (buf, Ok(()));
+                    }
+                    Err(e) => {
+                        tracing::warn!("{}: {e}; reading from another copy", self.children[index].name);
+                        failed.push(index);
+                        last_error = Some(e);
+                    }
+                }
+            }
+            let error =
+                last_error.unwrap_or_else(|| unavailable(&self.info.name, "no device of the mirror is up to date"));
+            (buf, Err(error))
+        })
+    }
+
+    fn write(&self, offset: u64, buf: IoBuf) -> BoxFuture<'_, (IoBuf, DeviceResult<()>)> {
+        Box::pin(async move {
+            let length = buf.len() as u64;
+            let result = self
+                .barred(offset, length, || {
+                    self.on_all(|device| {
+                        let copy = IoBuf::copy_from(buf.payload());
+                        Box::pin(async move { device.write(offset, copy).await.1 })
+                    })
+                })
+                .await;
+            (buf, result)
+        })
+    }
+
+    fn flush(&self) -> BoxFuture<'_, DeviceResult<()>> {
+        Box::pin(self.on_all(|device| device.flush()))
+    }
+
+    fn flush_range(&self, offset: u64, length: u64) -> BoxFuture<'_, DeviceResult<()>> {
+        Box::pin(self.on_all(move |device| device.flush_range(offset, length)))
+    }
+
+    fn discard(&self, offset: u64, length: u64) -> BoxFuture<'_, DeviceResult<()>> {
+        // A discard changes nothing a read may rely on (the range reads as
+        // zeros or as before), so a child that refuses one is not faulted.
+        Box::pin(self.barred(offset, length, move || async move {
+            let futures = self
+                .written()
+                .filter_map(|i| self.children[i].device.as_ref())
+                .map(|d| d.discard(offset, length))
+                .collect();
+            let results = join_all(futures).await;
+            match results.iter().find_map(|r| r.as_ref().err()) {
+                Some(e) if results.iter().all(|r| r.is_err()) => Err(unavailable(&self.info.name, &e.to_string())),
+                _ => Ok(()),
+            }
+        }))
+    }
+
+    /// Every child written at once from the caller's memory, when each of
+    /// them can and none fails; else `None`, and the caller's `write` of
+    /// the same bytes writes every child again (harmless for those already
+    /// written) and deals with a failure, which may mean faulting a child:
+    /// that waits for its superblocks, so it is not done here. Not while a
+    /// resilver runs: its barrier is taken by `write`.
+    fn write_now(&self, offset: u64, data: &[u8]) -> Option<DeviceResult<()>> {
+        self.unbarred.fetch_add(1, Ordering::SeqCst);
+        let done = !self.resyncing.load(Ordering::SeqCst)
+            && self.online().next().is_some()
+            && self
+                .written()
+                .filter_map(|i| self.children[i].device.as_ref())
+                .all(|device| matches!(device.write_now(offset, data), Some(Ok(()))));
+        self.unbarred.fetch_sub(1, Ordering::SeqCst);
+        done.then_some(Ok(()))
+    }
+
+    fn read_now(&self, offset: u64, dst: &mut [u8]) -> Option<DeviceResult<()>> {
+        let index = self.pick(0)?;
+        let device = self.children[index].device.as_ref()?;
+        match device.read_now(offset, dst)? {
+            Ok(()) => Some(Ok(())),
+            // The usual read retries on another child.
+            Err(_) => None,
+        }
+    }
+
+    fn read_now_summed(&self, offset: u64, dst: &mut [u8], sums: &mut [u32]) -> bool {
+        let Some(index) = self.pick(0) else {
+            return false;
+        };
+        self.children[index]
+            .device
+            .as_ref()
+            .is_some_and(|device| device.read_now_summed(offset, dst, sums))
+    }
+
+    fn backing_space(&self) -> Option<BackingSpace> {
+        None
+    }
+
+    fn preallocate(&self, offset: u64, length: u64) -> DeviceResult<()> {
+        for child in self.children.iter().filter(|c| c.health().written()) {
+            if let Some(device) = &child.device {
+                device.preallocate(offset, length)?;
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,428 @@
+//! Mirrors at engine level, on simulated devices: a copy whose bytes rot is
+//! found by its checksums and rewritten from the other; a device that fails
+//! writes is faulted and the pool goes on DEGRADED, the fault recorded in
+//! the other device's superblocks; a mirror opens without one of its
+//! devices; a device that missed writes is not read from until a resilver
+//! has copied what it missed; devices used apart are refused together. And
+//! under the daemon, through NBD: a device failing writes under `--wrap`,
+//! its resilver after a restart, and bit rot healed.
+
+mod common;
+
+use std::process::Command;
+use std::sync::Arc;
+
+use common::{cli, require_tool, run, Server};
+use strata::device::wrappers::IoOp;
+use strata::device::{Device, ErrorDevice, ErrorRule, SimDevice};
+use strata::pool::superblock::{ChildState, Role, Superblock, SUPERBLOCK_BYTES};
+use strata::pool::vdev::Health;
+use strata::pool::volume::EngineVolume;
+use strata::pool::{NewVdev, Pool, PoolOptions};
+use strata::volume::{BlockDevice, IoBuf};
+
+const MIB: u64 = 1 << 20;
+const BLOCK: u64 = 64 << 10;
+const BLOCKS: u64 = 64;
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+/// No background work and no read cache: every read goes to the devices.
+fn options() -> PoolOptions {
+    PoolOptions {
+        background: false,
+        read_cache_bytes: 0,
+        ..PoolOptions::default()
+    }
+}
+
+fn block_data(block: u64, round: u8) -> Vec<u8> {
+    (0..BLOCK)
+        .map(|i| (i as u8).wrapping_mul(31) ^ (block as u8).wrapping_mul(7) ^ round)
+        .collect()
+}
+
+struct Mirrored {
+    sims: [SimDevice; 2],
+    errors: [Arc<ErrorDevice>; 2],
+}
+
+impl Mirrored {
+    fn new() -> Mirrored {
+        let sims = [SimDevice::new(160 * MIB, 1), SimDevice::new(160 * MIB, 2)];
+        let errors = [0, 1].map(|i| Arc::new(ErrorDevice::new(sims[i].as_device(), Vec::new(), 9)));
+        Mirrored { sims, errors }
+    }
+
+    /// The same devices opened again: no rules, no sticky error.
+    fn reopened(self) -> Mirrored {
+        let errors = [0, 1].map(|i| Arc::new(ErrorDevice::new(self.sims[i].as_device(), Vec::new(), 9)));
+        Mirrored { errors, ..self }
+    }
+
+    fn devices(&self) -> Vec<Arc<dyn Device>> {
+        self.errors.iter().map(|e| e.clone() as Arc<dyn Device>).collect()
+    }
+
+    async fn create(&self) -> Arc<Pool> {
+        let vdevs = vec![NewVdev {
+            role: Role::Fast,
+            devices: self.devices(),
+            write_mostly: Vec::new(),
+        }];
+        Pool::create_vdevs("m", 1 << 20, vdevs, options()).await.unwrap()
+    }
+
+    async fn open(&self, which: &[usize]) -> Arc<Pool> {
+        let devices = which
+            .iter()
+            .map(|&i| -> Arc<dyn Device> { self.errors[i].clone() })
+            .collect();
+        Pool::open_with(devices, options()).await.unwrap()
+    }
+
+    fn superblock(&self, which: usize) -> Superblock {
+        let bytes = self.sims[which].snapshot().read(0, SUPERBLOCK_BYTES);
+        Superblock::decode(&bytes).unwrap()
+    }
+}
+
+async fn write_all(volume: &EngineVolume, round: u8) {
+    for block in 0..BLOCKS {
+        volume
+            .write(block * BLOCK, IoBuf::copy_from(&block_data(block, round)), false)
+            .await
+            .unwrap();
+    }
+    volume.flush().await.unwrap();
+}
+
+async fn check_all(volume: &EngineVolume, round: u8) {
+    for block in 0..BLOCKS {
+        let (buf, result) = volume.read(block * BLOCK, IoBuf::new(BLOCK as usize)).await;
+        result.unwrap_or_else(|e| panic!("block {block}: {e}"));
+        assert!(buf.payload() == block_data(block, round), "block {block} differs");
+    }
+}
+
+fn children(pool: &Pool) -> Vec<(Health, u64, u64, u64)> {
+    let status = pool.status();
+    status[0]
+        .children
+        .iter()
+        .map(|c| (c.state, c.checksum_errors, c.repaired_sectors, c.write_errors))
+        .collect()
+}
+
+#[test]
+fn a_rotten_copy_is_found_by_its_checksums_and_rewritten_from_the_other() {
+    runtime().block_on(async {
+        let mirror = Mirrored::new();
+        let pool = mirror.create().await;
+        assert_eq!(pool.status()[0].children.len(), 2);
+        let volume = pool.open_volume(1, BLOCKS * BLOCK, BLOCK as u32).unwrap();
+        write_all(&volume, 1).await;
+        pool.destage_all().await.unwrap();
+        // Rot in every block of one copy.
+        let places: Vec<(u8, u64)> = (0..BLOCKS).map(|b| volume.block_place(b).unwrap().unwrap()).collect();
+        for &(_, offset) in &places {
+            mirror.sims[1].corrupt(offset + 4096, 512);
+        }
+        // Reads alternate between copies, so read each block twice.
+        check_all(&volume, 1).await;
+        check_all(&volume, 1).await;
+        let after = children(&pool);
+        assert_eq!(after[0].1, 0, "the good copy has no errors: {after:?}");
+        assert_eq!(after[1].1, BLOCKS, "one bad sector per block: {after:?}");
+        assert_eq!(after[1].2, BLOCKS, "each rewritten: {after:?}");
+        assert_eq!(pool.status()[0].checksum_errors, 0, "no error reached a client");
+        // The bad copy now holds the data again.
+        let image = mirror.sims[1].snapshot();
+        for (block, &(_, offset)) in places.iter().enumerate() {
+            let bytes = image.read(offset, BLOCK as usize);
+            assert!(
+                bytes == block_data(block as u64, 1),
+                "copy of block {block} not repaired"
+            );
+        }
+    });
+}
+
+#[test]
+fn bit_rot_in_both_copies_of_a_sector_is_an_error_not_garbage() {
+    runtime().block_on(async {
+        let mirror = Mirrored::new();
+        let pool = mirror.create().await;
+        let volume = pool.open_volume(1, BLOCKS * BLOCK, BLOCK as u32).unwrap();
+        write_all(&volume, 1).await;
+        pool.destage_all().await.unwrap();
+        let (_, offset) = volume.block_place(3).unwrap().unwrap();
+        // Different sectors of block 3 on each copy: each sector has one good copy.
+        mirror.sims[0].corrupt(offset, 512);
+        mirror.sims[1].corrupt(offset + 8192, 512);
+        check_all(&volume, 1).await;
+        // The same sector on both: no good copy is left.
+        let (_, offset) = volume.block_place(5).unwrap().unwrap();
+        mirror.sims[0].corrupt(offset, 512);
+        mirror.sims[1].corrupt(offset, 512);
+        let (_, result) = volume.read(5 * BLOCK, IoBuf::new(BLOCK as usize)).await;
+        assert!(result.is_err(), "a sector with no good copy must fail its read");
+        assert_eq!(pool.status()[0].checksum_errors, 1);
+    });
+}
+
+#[test]
+fn a_device_that_fails_writes_is_faulted_and_the_pool_goes_on_degraded() {
+    runtime().block_on(async {
+        let mirror = Mirrored::new();
+        let pool = mirror.create().await;
+        let volume = pool.open_volume(1, BLOCKS * BLOCK, BLOCK as u32).unwrap();
+        write_all(&volume, 1).await;
+        pool.destage_all().await.unwrap();
+        mirror.errors[1].set_rules(vec![ErrorRule::always(&[IoOp::Write, IoOp::Flush])]);
+        // Every write and flush still succeeds for the client.
+        write_all(&volume, 2).await;
+        pool.destage_all().await.unwrap();
+        pool.checkpoint().await.unwrap();
+        check_all(&volume, 2).await;
+        let status = pool.status();
+        assert_eq!(status[0].state, "DEGRADED");
+        let after = children(&pool);
+        assert_eq!(after[0].0, Health::Online);
+        assert_eq!(after[1].0, Health::Faulted);
+        assert!(after[1].3 >= 1, "the failed write is counted: {after:?}");
+        // The surviving device's superblocks say the other missed writes.
+        let recorded = mirror.superblock(0);
+        assert_eq!(recorded.children[1].state, ChildState::Stale);
+        assert_eq!(recorded.children[0].state, ChildState::Online);
+        drop(volume);
+        drop(pool);
+
+        // Reopened with both devices (the failing one working again): the
+        // stale one is not trusted, and the data is the newest.
+        let mirror = mirror.reopened();
+        let pool = mirror.open(&[0, 1]).await;
+        assert_eq!(children(&pool)[1].0, Health::Resilvering);
+        let volume = pool.open_volume(1, BLOCKS * BLOCK, BLOCK as u32).unwrap();
+        check_all(&volume, 2).await;
+        check_all(&volume, 2).await;
+        // The resilver copies what it missed; then it is a copy again.
+        let copied = pool.resilver().await.unwrap();
+        assert!(copied >= BLOCKS * BLOCK, "copied {copied}");
+        assert_eq!(children(&pool)[1].0, Health::Online);
+        assert_eq!(pool.status()[0].state, "ONLINE");
+        assert_eq!(mirror.superblock(0).children[1].state, ChildState::Online);
+        assert_copy_holds(&mirror, 1, &volume, 2);
+    });
+}
+
+/// Device `which` holds round `round` of every block where the volume maps it.
+fn assert_copy_holds(mirror: &Mirrored, which: usize, volume: &EngineVolume, round: u8) {
+    let image = mirror.sims[which].snapshot();
+    for block in 0..BLOCKS {
+        let (_, offset) = volume.block_place(block).unwrap().unwrap();
+        assert!(
+            image.read(offset, BLOCK as usize) == block_data(block, round),
+            "device {which} lacks block {block} of round {round}"
+        );
+    }
+}
+
+#[test]
+fn a_mirror_opens_without_one_device_and_never_reads_the_missing_one_again() {
+    runtime().block_on(async {
+        let mirror = Mirrored::new();
+        {
+            let pool = mirror.create().await;
+            let volume = pool.open_volume(1, BLOCKS * BLOCK, BLOCK as u32).unwrap();
+            write_all(&volume, 1).await;
+            pool.destage_all().await.unwrap();
+            pool.checkpoint().await.unwrap();
+        }
+        {
+            // Device 1 is away: DEGRADED, writes go on.
+            let pool = mirror.open(&[0]).await;
+            assert_eq!(pool.status()[0].state, "DEGRADED");
+            assert_eq!(children(&pool)[1].0, Health::Missing);
+            let volume = pool.open_volume(1, BLOCKS * BLOCK, BLOCK as u32).unwrap();
+            check_all(&volume, 1).await;
+            write_all(&volume, 2).await;
+            pool.destage_all().await.unwrap();
+            pool.checkpoint().await.unwrap();
+        }
+        assert_eq!(mirror.superblock(0).children[1].state, ChildState::Stale);
+        // Back with both: device 1 still holds round 1 and is not read
+        // until it is resilvered; it takes the writes meanwhile.
+        let pool = mirror.open(&[1, 0]).await;
+        assert_eq!(children(&pool)[1].0, Health::Resilvering);
+        let volume = pool.open_volume(1, BLOCKS * BLOCK, BLOCK as u32).unwrap();
+        check_all(&volume, 2).await;
+        check_all(&volume, 2).await;
+        drop(volume);
+        drop(pool);
+        // Its own superblock now says so too: alone, it does not open.
+        let error = Pool::open_with(vec![mirror.errors[1].clone() as Arc<dyn Device>], options())
+            .await
+            .err()
+            .expect("a stale device alone must not open the pool");
+        assert!(error.to_string().contains("missing"), "{error}");
+        // With the other it is resilvered, and serves its copy after.
+        let pool = mirror.open(&[0, 1]).await;
+        pool.resilver().await.unwrap();
+        let volume = pool.open_volume(1, BLOCKS * BLOCK, BLOCK as u32).unwrap();
+        assert_copy_holds(&mirror, 1, &volume, 2);
+        drop(volume);
+        drop(pool);
+        let pool = mirror.open(&[1]).await;
+        assert_eq!(pool.status()[0].state, "DEGRADED");
+        let volume = pool.open_volume(1, BLOCKS * BLOCK, BLOCK as u32).unwrap();
+        check_all(&volume, 2).await;
+    });
+}
+
+#[test]
+fn devices_of_a_mirror_used_apart_are_refused_together() {
+    runtime().block_on(async {
+        let mirror = Mirrored::new();
+        drop(mirror.create().await);
+        for (alone, round) in [(0, 1), (1, 2)] {
+            // Each alone: neither superblock knows what the other did.
+            let pool = mirror.open(&[alone]).await;
+            let volume = pool.open_volume(1, BLOCKS * BLOCK, BLOCK as u32).unwrap();
+            write_all(&volume, round).await;
+            pool.destage_all().await.unwrap();
+        }
+        let error = Pool::open_with(mirror.devices(), options())
+            .await
+            .err()
+            .expect("devices used apart must not open together");
+        assert!(
+            error.to_string().contains("each say the other missed writes"),
+            "{error}"
+        );
+    });
+}
+
+/// The pool's status as JSON.
+fn pool_json(server: &Server) -> serde_json::Value {
+    let status = cli(server, &["pool", "status", "tank", "--json"]);
+    assert!(status.status.success(), "{}", String::from_utf8_lossy(&status.stderr));
+    serde_json::from_slice(&status.stdout).unwrap()
+}
+
+/// The mirror's device rows (the pool's only member).
+fn mirror_children(status: &serde_json::Value) -> Vec<serde_json::Value> {
+    status["devices"][0]["children"].as_array().cloned().unwrap_or_default()
+}
+
+#[test]
+fn a_mirror_under_the_daemon_outlives_a_failing_device_resilvers_it_and_heals_rot() {
+    require_tool("qemu-io");
+    let dir = tempfile::tempdir().unwrap();
+    let a = common::sparse_file(dir.path(), "a.img", 256 << 20);
+    let b = common::sparse_file(dir.path(), "b.img", 256 << 20);
+    let data = dir.path().join("data");
+    // The metadata and log regions end at 97 MiB (a 1 MiB header, 32 MiB
+    // of metadata, 64 MiB of log); writes past 100 MiB on b fail.
+    let mut server = Server::start(&data);
+    let spec = format!("mirror:{a},{b}");
+    // b takes reads only when a cannot: every read below goes to a.
+    let created = cli(
+        &server,
+        &["pool", "create", "tank", "--capacity", &spec, "--write-mostly", &b],
+    );
+    assert!(created.status.success(), "{}", String::from_utf8_lossy(&created.stderr));
+    let volume = cli(&server, &["volume", "create", "tank/v", "--size", "64M"]);
+    assert!(volume.status.success(), "{}", String::from_utf8_lossy(&volume.stderr));
+    assert_eq!(mirror_children(&pool_json(&server)).len(), 2);
+    assert!(server.stop().success());
+    let wrap = format!("{b}=error:write,offset=100M-256M");
+    let mut server = Server::start_with_args(&data, Some(&data), &["--wrap", &wrap]);
+    let uri = server.uri("tank/v");
+    // No error reaches the client; the data reads back.
+    run(Command::new("qemu-io")
+        .args(["-f", "raw", "-c", "write -P 0x5a 0 32M", "-c", "flush"])
+        .arg(&uri));
+    let synced = cli(&server, &["pool", "sync", "tank"]);
+    assert!(synced.status.success(), "{}", String::from_utf8_lossy(&synced.stderr));
+    run(Command::new("qemu-io")
+        .args(["-f", "raw", "-c", "read -P 0x5a 0 32M"])
+        .arg(&uri));
+    let status = pool_json(&server);
+    assert_eq!(status["state"], "DEGRADED", "{status}");
+    let children = mirror_children(&status);
+    assert_eq!(children[0]["state"], "ONLINE", "{status}");
+    assert_eq!(children[1]["state"], "FAULTED", "{status}");
+    assert!(children[1]["write_errors"].as_u64().unwrap() >= 1, "{status}");
+    assert!(status["action"].as_str().unwrap().contains("faulted"), "{status}");
+    let text = cli(&server, &["pool", "status", "tank"]);
+    let text = String::from_utf8_lossy(&text.stdout);
+    assert!(text.contains("FAULTED") && text.contains("is DEGRADED"), "{text}");
+    assert!(server.stop().success());
+
+    // Without the failing writes: b is resilvered in the background.
+    let mut server = Server::start(&data);
+    let mut waited = 0;
+    loop {
+        let status = pool_json(&server);
+        if status["state"] == "ONLINE" {
+            break;
+        }
+        assert!(waited < 600, "the resilver did not finish: {status}");
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        waited += 1;
+    }
+    assert!(server.stop().success());
+
+    // Rot in a's copy of the data, under a running daemon (nothing cached
+    // yet): reads return the data, and the rotten sectors are rewritten.
+    let server = Server::start(&data);
+    {
+        use std::os::unix::fs::FileExt;
+        let file = std::fs::OpenOptions::new().read(true).write(true).open(&a).unwrap();
+        let mut byte = [0u8; 1];
+        for sector in 0..256u64 {
+            let at = (97 << 20) + sector * 4096 + 100;
+            file.read_exact_at(&mut byte, at).unwrap();
+            byte[0] ^= 0x40;
+            file.write_all_at(&byte, at).unwrap();
+        }
+        file.sync_all().unwrap();
+    }
+    let uri = server.uri("tank/v");
+    run(Command::new("qemu-io")
+        .args(["-f", "raw", "-c", "read -P 0x5a 0 32M"])
+        .arg(&uri));
+    let status = pool_json(&server);
+    let children = mirror_children(&status);
+    assert_eq!(children[1]["write_mostly"], true, "{status}");
+    assert_eq!(
+        children[0]["checksum_errors"], 256,
+        "every rotten sector was found: {status}"
+    );
+    assert_eq!(children[0]["repaired_sectors"], 256, "and rewritten: {status}");
+    assert_eq!(
+        status["devices"][0]["checksum_errors"], 0,
+        "no error reached a client: {status}"
+    );
+    // Rewritten: a's copy of those sectors is b's again.
+    let range = |path: &str| {
+        use std::os::unix::fs::FileExt;
+        let mut bytes = vec![0u8; 1 << 20];
+        std::fs::File::open(path)
+            .unwrap()
+            .read_exact_at(&mut bytes, 97 << 20)
+            .unwrap();
+        bytes
+    };
+    assert!(
+        range(&a) == range(&b),
+        "the rotten copy was rewritten from the good one"
+    );
+    drop(server);
+}
