@@ -286,6 +286,58 @@ fn a_mirror_opens_without_one_device_and_never_reads_the_missing_one_again() {
 }
 
 #[test]
+fn a_resilver_cut_short_resumes_where_it_stopped() {
+    runtime().block_on(async {
+        let mirror = Mirrored::new();
+        {
+            let pool = mirror.create().await;
+            let volume = pool.open_volume(1, BLOCKS * BLOCK, BLOCK as u32).unwrap();
+            write_all(&volume, 1).await;
+            pool.destage_all().await.unwrap();
+        }
+        {
+            let pool = mirror.open(&[0]).await;
+            let volume = pool.open_volume(1, BLOCKS * BLOCK, BLOCK as u32).unwrap();
+            write_all(&volume, 2).await;
+            pool.destage_all().await.unwrap();
+            pool.checkpoint().await.unwrap();
+        }
+        let first = {
+            let pool = mirror.open(&[0, 1]).await;
+            let copied = pool.resilver_at_most(8 << 20).await.unwrap();
+            assert_eq!(children(&pool)[1].0, Health::Resilvering, "paused, not done");
+            copied
+        };
+        let cursor = mirror.superblock(0).children[1].resilvered;
+        assert!(cursor > 0, "the cursor is recorded");
+        assert_eq!(mirror.superblock(0).children[1].state, ChildState::Stale);
+        // The next open resumes at the cursor: the rest only is copied.
+        let pool = mirror.open(&[0, 1]).await;
+        let rest = pool.resilver().await.unwrap();
+        assert_eq!(children(&pool)[1].0, Health::Online);
+        let whole = {
+            let fresh = Mirrored::new();
+            let pool = fresh.create().await;
+            let volume = pool.open_volume(1, BLOCKS * BLOCK, BLOCK as u32).unwrap();
+            write_all(&volume, 1).await;
+            pool.destage_all().await.unwrap();
+            drop(volume);
+            drop(pool);
+            drop(fresh.open(&[0]).await);
+            let pool = fresh.open(&[0, 1]).await;
+            pool.resilver().await.unwrap()
+        };
+        assert!(
+            first >= 8 << 20 && rest < whole,
+            "copied {first} then {rest}, whole {whole}"
+        );
+        assert_eq!(first + rest, whole, "no byte copied twice, none skipped");
+        let volume = pool.open_volume(1, BLOCKS * BLOCK, BLOCK as u32).unwrap();
+        assert_copy_holds(&mirror, 1, &volume, 2);
+    });
+}
+
+#[test]
 fn devices_of_a_mirror_used_apart_are_refused_together() {
     runtime().block_on(async {
         let mirror = Mirrored::new();

@@ -36,13 +36,20 @@ impl Pool {
     /// a time; returns the bytes copied. Errors reading the up-to-date
     /// copy stop that mirror's resilver (its devices stay stale).
     pub async fn resilver(&self) -> Result<u64, PoolError> {
+        self.resilver_at_most(u64::MAX).await
+    }
+
+    /// [`Pool::resilver`], stopping once `budget` bytes are copied: the
+    /// devices stay stale, their cursor recorded, as when a restart cuts a
+    /// resilver short (tests use it to resume one).
+    pub async fn resilver_at_most(&self, budget: u64) -> Result<u64, PoolError> {
         let mut copied = 0;
         for device in &self.devices {
             let Some(mirror) = &device.mirror else {
                 continue;
             };
-            if mirror.children().iter().any(|c| c.health() == Health::Resilvering) {
-                copied += self.resilver_mirror(device, mirror).await?;
+            if copied < budget && mirror.children().iter().any(|c| c.health() == Health::Resilvering) {
+                copied += self.resilver_mirror(device, mirror, budget - copied).await?;
             }
         }
         Ok(copied)
@@ -72,7 +79,7 @@ impl Pool {
         ranges
     }
 
-    async fn resilver_mirror(&self, device: &PoolDevice, mirror: &Mirror) -> Result<u64, PoolError> {
+    async fn resilver_mirror(&self, device: &PoolDevice, mirror: &Mirror, budget: u64) -> Result<u64, PoolError> {
         let mut targets: Vec<usize> = mirror
             .children()
             .iter()
@@ -113,10 +120,15 @@ impl Pool {
         let mut copied = 0u64;
         let mut recorded = std::time::Instant::now();
         let mut outcome = Ok(());
+        let mut paused = false;
         'ranges: for (range_start, range_length) in ranges {
             let mut at = range_start.max(start);
             let end = range_start + range_length;
             while at < end && !targets.is_empty() {
+                if copied >= budget {
+                    paused = true;
+                    break 'ranges;
+                }
                 let length = (RESYNC_UNIT - at % RESYNC_UNIT).min(end - at);
                 if let Err(e) = mirror.copy_unit(at, length, &mut targets).await {
                     outcome = Err(PoolError::Io(e));
@@ -145,7 +157,8 @@ impl Pool {
                 tokio::task::yield_now().await;
             }
         }
-        if outcome.is_ok() {
+        let finished = outcome.is_ok() && !paused;
+        if finished {
             // What was copied is durable before the devices count as up to date.
             for &target in &targets {
                 if let Some(child) = &mirror.children()[target].device {
@@ -167,6 +180,12 @@ impl Pool {
         self.membership.record_health().await;
         self.set_resilver_status(device.member.index, None);
         match &outcome {
+            Ok(()) if !finished => tracing::info!(
+                "pool {}: resilver of {} paused after {}",
+                self.name,
+                mirror.info().name,
+                crate::units::format_size(copied)
+            ),
             Ok(()) => tracing::info!(
                 "pool {}: resilvered {} ({} copied in {:.1} s)",
                 self.name,
