@@ -673,7 +673,7 @@ FAMILIES = [
     Family("client-memory", "Client memory", ["bench/client_memory.py"], "3 min", client_memory),
     Family("nfs-listing", "NFS listing", ["bench/nfs_list_reads.py", "bench/nfs_peers.py", "bench/nfs_load.c"],
            "4 min", nfs_listing),
-    Family("mirrors", "Mirrors", ["bench/mirror_bench.py"], "5 min", mirrors),
+    Family("mirrors", "Mirrors", ["bench/mirror_bench.py", "bench/nbd_bench.py"], "5 min", mirrors),
     Family("tiering", "Tiering", ["bench/tiering.sh", LIB], "40 min", tiering, in_all=False),
     Family("migrator-planning", "Migrator planning", ["bench/migrate_plan.py"], "10 min", migrator_planning,
            in_all=False),

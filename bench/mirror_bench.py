@@ -22,36 +22,14 @@ import argparse, json, os, shutil, signal, socket, statistics, subprocess, sys, 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STRATA = os.environ.get("STRATA_BIN") or os.path.join(ROOT, "target", "release", "strata")
-TICKS = os.sysconf("SC_CLK_TCK")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from nbd_bench import cpu_seconds, free_port, run_fio, wait_port  # noqa: E402
 
 WORKLOADS = [
     ("4K randwrite QD32", ["--rw=randwrite", "--bs=4k", "--iodepth=32"]),
     ("4K randread QD32", ["--rw=randread", "--bs=4k", "--iodepth=32"]),
     ("4K randread QD1", ["--rw=randread", "--bs=4k", "--iodepth=1"]),
 ]
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_port(port, timeout=30):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return
-        except OSError:
-            time.sleep(0.05)
-    raise RuntimeError(f"port {port} did not open")
-
-
-def cpu_seconds(pid):
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICKS
 
 
 class Daemon:
@@ -85,14 +63,6 @@ class Daemon:
             self.proc.wait(60)
         except subprocess.TimeoutExpired:
             self.proc.kill()
-
-
-def run_fio(uri, args, runtime, size_mib):
-    cmd = ["fio", "--name=bench", "--ioengine=nbd", f"--uri={uri}", f"--size={size_mib}m",
-           "--time_based", f"--runtime={runtime}", "--norandommap", "--randrepeat=0",
-           "--output-format=json"] + args
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-    return json.loads(out[out.index("{"):])["jobs"][0]
 
 
 def model(name, work, size_mib, iops, seed, options):

@@ -102,6 +102,17 @@ async fn write_all(volume: &EngineVolume, round: u8) {
     volume.flush().await.unwrap();
 }
 
+/// The test volume (id 1) of `pool`.
+fn volume_of(pool: &Arc<Pool>) -> Arc<EngineVolume> {
+    pool.open_volume(1, BLOCKS * BLOCK, BLOCK as u32).unwrap()
+}
+
+/// Round `round` written and destaged to its place on the devices.
+async fn write_placed(pool: &Pool, volume: &EngineVolume, round: u8) {
+    write_all(volume, round).await;
+    pool.destage_all().await.unwrap();
+}
+
 async fn check_all(volume: &EngineVolume, round: u8) {
     for block in 0..BLOCKS {
         let (buf, result) = volume.read(block * BLOCK, IoBuf::new(BLOCK as usize)).await;
@@ -125,9 +136,8 @@ fn a_rotten_copy_is_found_by_its_checksums_and_rewritten_from_the_other() {
         let mirror = Mirrored::new();
         let pool = mirror.create().await;
         assert_eq!(pool.status()[0].children.len(), 2);
-        let volume = pool.open_volume(1, BLOCKS * BLOCK, BLOCK as u32).unwrap();
-        write_all(&volume, 1).await;
-        pool.destage_all().await.unwrap();
+        let volume = volume_of(&pool);
+        write_placed(&pool, &volume, 1).await;
         // Rot in every block of one copy.
         let places: Vec<(u8, u64)> = (0..BLOCKS).map(|b| volume.block_place(b).unwrap().unwrap()).collect();
         for &(_, offset) in &places {
@@ -158,9 +168,8 @@ fn bit_rot_in_both_copies_of_a_sector_is_an_error_not_garbage() {
     runtime().block_on(async {
         let mirror = Mirrored::new();
         let pool = mirror.create().await;
-        let volume = pool.open_volume(1, BLOCKS * BLOCK, BLOCK as u32).unwrap();
-        write_all(&volume, 1).await;
-        pool.destage_all().await.unwrap();
+        let volume = volume_of(&pool);
+        write_placed(&pool, &volume, 1).await;
         let (_, offset) = volume.block_place(3).unwrap().unwrap();
         // Different sectors of block 3 on each copy: each sector has one good copy.
         mirror.sims[0].corrupt(offset, 512);
@@ -181,13 +190,11 @@ fn a_device_that_fails_writes_is_faulted_and_the_pool_goes_on_degraded() {
     runtime().block_on(async {
         let mirror = Mirrored::new();
         let pool = mirror.create().await;
-        let volume = pool.open_volume(1, BLOCKS * BLOCK, BLOCK as u32).unwrap();
-        write_all(&volume, 1).await;
-        pool.destage_all().await.unwrap();
+        let volume = volume_of(&pool);
+        write_placed(&pool, &volume, 1).await;
         mirror.errors[1].set_rules(vec![ErrorRule::always(&[IoOp::Write, IoOp::Flush])]);
         // Every write and flush still succeeds for the client.
-        write_all(&volume, 2).await;
-        pool.destage_all().await.unwrap();
+        write_placed(&pool, &volume, 2).await;
         pool.checkpoint().await.unwrap();
         check_all(&volume, 2).await;
         let status = pool.status();
@@ -208,7 +215,7 @@ fn a_device_that_fails_writes_is_faulted_and_the_pool_goes_on_degraded() {
         let mirror = mirror.reopened();
         let pool = mirror.open(&[0, 1]).await;
         assert_eq!(children(&pool)[1].0, Health::Resilvering);
-        let volume = pool.open_volume(1, BLOCKS * BLOCK, BLOCK as u32).unwrap();
+        let volume = volume_of(&pool);
         check_all(&volume, 2).await;
         check_all(&volume, 2).await;
         // The resilver copies what it missed; then it is a copy again.
@@ -239,9 +246,8 @@ fn a_mirror_opens_without_one_device_and_never_reads_the_missing_one_again() {
         let mirror = Mirrored::new();
         {
             let pool = mirror.create().await;
-            let volume = pool.open_volume(1, BLOCKS * BLOCK, BLOCK as u32).unwrap();
-            write_all(&volume, 1).await;
-            pool.destage_all().await.unwrap();
+            let volume = volume_of(&pool);
+            write_placed(&pool, &volume, 1).await;
             pool.checkpoint().await.unwrap();
         }
         {
@@ -249,10 +255,9 @@ fn a_mirror_opens_without_one_device_and_never_reads_the_missing_one_again() {
             let pool = mirror.open(&[0]).await;
             assert_eq!(pool.status()[0].state, "DEGRADED");
             assert_eq!(children(&pool)[1].0, Health::Missing);
-            let volume = pool.open_volume(1, BLOCKS * BLOCK, BLOCK as u32).unwrap();
+            let volume = volume_of(&pool);
             check_all(&volume, 1).await;
-            write_all(&volume, 2).await;
-            pool.destage_all().await.unwrap();
+            write_placed(&pool, &volume, 2).await;
             pool.checkpoint().await.unwrap();
         }
         assert_eq!(mirror.superblock(0).children[1].state, ChildState::Stale);
@@ -260,7 +265,7 @@ fn a_mirror_opens_without_one_device_and_never_reads_the_missing_one_again() {
         // until it is resilvered; it takes the writes meanwhile.
         let pool = mirror.open(&[1, 0]).await;
         assert_eq!(children(&pool)[1].0, Health::Resilvering);
-        let volume = pool.open_volume(1, BLOCKS * BLOCK, BLOCK as u32).unwrap();
+        let volume = volume_of(&pool);
         check_all(&volume, 2).await;
         check_all(&volume, 2).await;
         drop(volume);
@@ -274,13 +279,13 @@ fn a_mirror_opens_without_one_device_and_never_reads_the_missing_one_again() {
         // With the other it is resilvered, and serves its copy after.
         let pool = mirror.open(&[0, 1]).await;
         pool.resilver().await.unwrap();
-        let volume = pool.open_volume(1, BLOCKS * BLOCK, BLOCK as u32).unwrap();
+        let volume = volume_of(&pool);
         assert_copy_holds(&mirror, 1, &volume, 2);
         drop(volume);
         drop(pool);
         let pool = mirror.open(&[1]).await;
         assert_eq!(pool.status()[0].state, "DEGRADED");
-        let volume = pool.open_volume(1, BLOCKS * BLOCK, BLOCK as u32).unwrap();
+        let volume = volume_of(&pool);
         check_all(&volume, 2).await;
     });
 }
@@ -291,15 +296,13 @@ fn a_resilver_cut_short_resumes_where_it_stopped() {
         let mirror = Mirrored::new();
         {
             let pool = mirror.create().await;
-            let volume = pool.open_volume(1, BLOCKS * BLOCK, BLOCK as u32).unwrap();
-            write_all(&volume, 1).await;
-            pool.destage_all().await.unwrap();
+            let volume = volume_of(&pool);
+            write_placed(&pool, &volume, 1).await;
         }
         {
             let pool = mirror.open(&[0]).await;
-            let volume = pool.open_volume(1, BLOCKS * BLOCK, BLOCK as u32).unwrap();
-            write_all(&volume, 2).await;
-            pool.destage_all().await.unwrap();
+            let volume = volume_of(&pool);
+            write_placed(&pool, &volume, 2).await;
             pool.checkpoint().await.unwrap();
         }
         let first = {
@@ -318,9 +321,8 @@ fn a_resilver_cut_short_resumes_where_it_stopped() {
         let whole = {
             let fresh = Mirrored::new();
             let pool = fresh.create().await;
-            let volume = pool.open_volume(1, BLOCKS * BLOCK, BLOCK as u32).unwrap();
-            write_all(&volume, 1).await;
-            pool.destage_all().await.unwrap();
+            let volume = volume_of(&pool);
+            write_placed(&pool, &volume, 1).await;
             drop(volume);
             drop(pool);
             drop(fresh.open(&[0]).await);
@@ -332,7 +334,7 @@ fn a_resilver_cut_short_resumes_where_it_stopped() {
             "copied {first} then {rest}, whole {whole}"
         );
         assert_eq!(first + rest, whole, "no byte copied twice, none skipped");
-        let volume = pool.open_volume(1, BLOCKS * BLOCK, BLOCK as u32).unwrap();
+        let volume = volume_of(&pool);
         assert_copy_holds(&mirror, 1, &volume, 2);
     });
 }
@@ -345,7 +347,7 @@ fn devices_of_a_mirror_used_apart_are_refused_together() {
         for (alone, round) in [(0, 1), (1, 2)] {
             // Each alone: neither superblock knows what the other did.
             let pool = mirror.open(&[alone]).await;
-            let volume = pool.open_volume(1, BLOCKS * BLOCK, BLOCK as u32).unwrap();
+            let volume = volume_of(&pool);
             write_all(&volume, round).await;
             pool.destage_all().await.unwrap();
         }
