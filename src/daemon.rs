@@ -363,6 +363,11 @@ async fn serve(args: ServeArgs) -> Result<(), String> {
 
     // Automatic snapshots (`snapshot.schedule`); stops between rounds.
     let retention_task = tokio::spawn(crate::control::retention::run(manager.clone(), stop.clone()));
+    // Devices a pool let go of (a replaced one) leave the catalog.
+    let settle_task = tokio::spawn(crate::control::manager::settle_devices_every(
+        manager.clone(),
+        stop.clone(),
+    ));
     // One analytics frame per second.
     manager.analytics().set_enabled(!args.no_analytics);
     let analytics_task = tokio::spawn(crate::analytics::record::run(manager.analytics().clone(), stop.clone()));
@@ -377,6 +382,7 @@ async fn serve(args: ServeArgs) -> Result<(), String> {
     }
     let _ = api_task.await;
     let _ = retention_task.await;
+    let _ = settle_task.await;
     let _ = analytics_task.await;
     let mut untold = manager.flush_all().await;
     untold.extend(manager.close().await);

@@ -33,12 +33,15 @@ use crate::units::parse_size;
 pub const METRICS_CONTENT_TYPE: &str = "text/plain; version=0.0.4";
 
 /// Every endpoint, as listed by `GET /` and `GET /v1`.
-pub const ENDPOINTS: [&str; 47] = [
+pub const ENDPOINTS: [&str; 50] = [
     "GET /metrics",
     "GET /v1/pools",
     "POST /v1/pools",
     "GET /v1/pools/{pool}",
     "POST /v1/pools/{pool}/devices",
+    "POST /v1/pools/{pool}/attach",
+    "POST /v1/pools/{pool}/detach",
+    "POST /v1/pools/{pool}/replace",
     "GET /v1/volumes[?pool=POOL]",
     "POST /v1/volumes",
     "GET /v1/volumes/{pool}/{name}",
@@ -416,6 +419,84 @@ async fn add_device(
     };
     let status = blocking(&manager, move |m| m.add_device(&pool, &device, request.force)).await?;
     Ok((StatusCode::CREATED, Json(status)))
+}
+
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+struct AttachRequest {
+    /// A device of the pool: its path, or its uuid (as `pool status` names
+    /// a missing device: `device UUID`).
+    device: String,
+    /// The device to attach: its path.
+    new: String,
+    /// Write over a device that holds data or a known signature.
+    #[serde(default)]
+    force: bool,
+}
+
+#[utoipa::path(post, path = "/v1/pools/{pool}/attach", tag = "pools", params(("pool" = String, Path, description = "Pool name")), request_body = AttachRequest, responses((status = 200, description = "The pool, the new device resilvering beside `device` (a single device becomes a mirror)", body = PoolStatus), (status = 404, description = "No such pool, or `device` is not one of its devices, or `new` does not exist", body = ErrorBody), (status = 409, description = "`new` is in use, or busy", body = ErrorBody), (status = 400, description = "Invalid request (`new` too small for the member, not empty without `force`, ...)", body = ErrorBody), (status = 401, description = "No valid token (TCP)", body = ErrorBody)))]
+async fn attach_device(
+    State(manager): State<Manager>,
+    path: Result<Path<String>, PathRejection>,
+    body: Result<Json<AttachRequest>, JsonRejection>,
+) -> ApiResult<Json<PoolStatus>> {
+    let Path(pool) = path?;
+    let Json(request) = body?;
+    device_exists(&request.new)?;
+    let status = blocking(&manager, move |m| {
+        m.attach_device(&pool, &request.device, &request.new, false, request.force)
+    })
+    .await?;
+    Ok(Json(status))
+}
+
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+struct ReplaceRequest {
+    /// The device to replace: its path, or its uuid (`device UUID`, as
+    /// `pool status` names a missing one).
+    old: String,
+    /// The device taking its place: its path.
+    new: String,
+    /// Write over a device that holds data or a known signature.
+    #[serde(default)]
+    force: bool,
+}
+
+#[utoipa::path(post, path = "/v1/pools/{pool}/replace", tag = "pools", params(("pool" = String, Path, description = "Pool name")), request_body = ReplaceRequest, responses((status = 200, description = "The pool, `new` resilvering as `old`'s replacement; `old` is detached once it is done", body = PoolStatus), (status = 404, description = "No such pool, or `old` is not one of its devices, or `new` does not exist", body = ErrorBody), (status = 409, description = "`new` is in use, or a replacement is already under way in the mirror", body = ErrorBody), (status = 400, description = "Invalid request (`new` too small, not empty without `force`, ...)", body = ErrorBody), (status = 401, description = "No valid token (TCP)", body = ErrorBody)))]
+async fn replace_device(
+    State(manager): State<Manager>,
+    path: Result<Path<String>, PathRejection>,
+    body: Result<Json<ReplaceRequest>, JsonRejection>,
+) -> ApiResult<Json<PoolStatus>> {
+    let Path(pool) = path?;
+    let Json(request) = body?;
+    device_exists(&request.new)?;
+    let status = blocking(&manager, move |m| {
+        m.attach_device(&pool, &request.old, &request.new, true, request.force)
+    })
+    .await?;
+    Ok(Json(status))
+}
+
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+struct DetachRequest {
+    /// The device to detach from its mirror: its path, or its uuid
+    /// (`device UUID`).
+    device: String,
+}
+
+#[utoipa::path(post, path = "/v1/pools/{pool}/detach", tag = "pools", params(("pool" = String, Path, description = "Pool name")), request_body = DetachRequest, responses((status = 200, description = "The pool without the device", body = PoolStatus), (status = 404, description = "No such pool, or `device` is not one of its devices", body = ErrorBody), (status = 400, description = "Refused: the device is a single-device member, or the last up-to-date copy of its mirror", body = ErrorBody), (status = 401, description = "No valid token (TCP)", body = ErrorBody)))]
+async fn detach_device(
+    State(manager): State<Manager>,
+    path: Result<Path<String>, PathRejection>,
+    body: Result<Json<DetachRequest>, JsonRejection>,
+) -> ApiResult<Json<PoolStatus>> {
+    let Path(pool) = path?;
+    let Json(request) = body?;
+    let status = blocking(&manager, move |m| m.detach_device(&pool, &request.device)).await?;
+    Ok(Json(status))
 }
 
 #[utoipa::path(post, path = "/v1/pools/{pool}/sync", tag = "pools", params(("pool" = String, Path, description = "Pool name")), responses((status = 200, description = "Everything cached is placed and checkpointed", body = PoolStatus), (status = 404, description = "No such pool, volume or snapshot", body = ErrorBody), (status = 400, description = "Invalid request", body = ErrorBody), (status = 401, description = "No valid token (TCP)", body = ErrorBody)))]
@@ -1212,6 +1293,15 @@ fn complete(doc: &mut Value) {
     schemas["CreateRequest"]["required"] = json!(["name", "size"]);
     set(schemas, "AddDeviceRequest", "role", choice(&["fast", "capacity"]));
     schemas["AddDeviceRequest"]["properties"]["path"]["minLength"] = json!(1);
+    for (schema, fields) in [
+        ("AttachRequest", &["device", "new"][..]),
+        ("ReplaceRequest", &["old", "new"][..]),
+        ("DetachRequest", &["device"][..]),
+    ] {
+        for field in fields {
+            schemas[schema]["properties"][field]["minLength"] = json!(1);
+        }
+    }
     set(schemas, "CreateRequest", "name", full_name_schema());
     set(
         schemas,
@@ -1380,7 +1470,8 @@ pub fn document() -> Value {
         description = "The strata daemon's REST API: pools, volumes, file datasets, snapshots, send/receive, iSCSI settings and analytics. Over TCP every request but an open GET /metrics, GET /ui and GET /openapi.json carries `Authorization: Bearer TOKEN` (the token in DATA_DIR/api.token); the Unix socket DATA_DIR/api.sock needs none. Errors are `{\"error\": \"...\"}`."
     ),
     paths(
-        index, metrics, openapi, dashboard, list_pools, create_pool, get_pool, add_device, sync_pool,
+        index, metrics, openapi, dashboard, list_pools, create_pool, get_pool, add_device, attach_device,
+        detach_device, replace_device, sync_pool,
         get_pool_properties, set_pool_properties, migrate_pool, list_volumes,
         create_volume, get_volume, set_volume, resize_volume, delete_volume, promote_volume, list_filesystems,
         create_filesystem, get_filesystem, set_filesystem, destroy_filesystem, promote_filesystem, list_filesystem_snapshots,
@@ -1424,6 +1515,9 @@ pub fn router(manager: Arc<VolumeManager>, auth: Arc<ApiAuth>) -> Router {
         .route("/v1/pools", get(list_pools).post(create_pool))
         .route("/v1/pools/:pool", get(get_pool))
         .route("/v1/pools/:pool/devices", post(add_device))
+        .route("/v1/pools/:pool/attach", post(attach_device))
+        .route("/v1/pools/:pool/detach", post(detach_device))
+        .route("/v1/pools/:pool/replace", post(replace_device))
         .route("/v1/pools/:pool/sync", post(sync_pool))
         .route(
             "/v1/pools/:pool/properties",

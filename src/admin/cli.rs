@@ -413,6 +413,50 @@ pub enum PoolCommand {
         #[arg(long)]
         force: bool,
     },
+    /// Attach NEW to the pool as a mirror copy of EXISTING while the pool
+    /// runs: a single device becomes a two-way mirror, a mirror gets one
+    /// more copy. NEW takes writes at once and reads once resilvered
+    /// (`pool status` shows the progress).
+    #[command(override_usage = "strata pool attach POOL EXISTING NEW [--force]")]
+    Attach {
+        /// Pool name.
+        pool: String,
+        /// A device of the pool (its path, or the uuid `pool status` shows
+        /// for a missing one).
+        existing: String,
+        /// The device to attach (FILE|DEV, at least EXISTING's size).
+        new: String,
+        /// Write over a device that is not empty (refused otherwise).
+        #[arg(long)]
+        force: bool,
+    },
+    /// Detach DEVICE from its mirror; refused when it is the mirror's last
+    /// up-to-date copy, or a single-device member. Its superblocks are
+    /// cleared, so it can be used again.
+    #[command(override_usage = "strata pool detach POOL DEVICE")]
+    Detach {
+        /// Pool name.
+        pool: String,
+        /// The device (its path, or the uuid `pool status` shows for a
+        /// missing one).
+        device: String,
+    },
+    /// Replace OLD with NEW while the pool runs: NEW is attached beside
+    /// OLD, resilvered (from OLD, or from the mirror's other copies when
+    /// OLD is missing or faulted), and OLD is then detached.
+    #[command(override_usage = "strata pool replace POOL OLD NEW [--force]")]
+    Replace {
+        /// Pool name.
+        pool: String,
+        /// The device to replace (its path, or the uuid `pool status`
+        /// shows for a missing one).
+        old: String,
+        /// The device taking its place (FILE|DEV, at least OLD's size).
+        new: String,
+        /// Write over a device that is not empty (refused otherwise).
+        #[arg(long)]
+        force: bool,
+    },
     /// Show a pool's properties: NAME PROPERTY VALUE SOURCE.
     Get {
         /// Pool name.
@@ -767,6 +811,32 @@ fn run_pool(args: PoolArgs) -> CliResult<String> {
             let client = Client::new(&args.client)?;
             let body = json!({ "path": absolute.display().to_string(), "role": role, "force": force });
             let status: PoolStatus = client.send("POST", &format!("/v1/pools/{pool}/devices"), Some(body))?;
+            Ok(if output.json { pretty(&status) } else { String::new() })
+        }
+        PoolCommand::Attach {
+            pool,
+            existing,
+            new,
+            force,
+        } => {
+            validate_component("pool", &pool)?;
+            let body = json!({ "device": device_argument(&existing)?, "new": absolute(&new)?, "force": force });
+            let client = Client::new(&args.client)?;
+            let status: PoolStatus = client.send("POST", &format!("/v1/pools/{pool}/attach"), Some(body))?;
+            Ok(if output.json { pretty(&status) } else { String::new() })
+        }
+        PoolCommand::Detach { pool, device } => {
+            validate_component("pool", &pool)?;
+            let body = json!({ "device": device_argument(&device)? });
+            let client = Client::new(&args.client)?;
+            let status: PoolStatus = client.send("POST", &format!("/v1/pools/{pool}/detach"), Some(body))?;
+            Ok(if output.json { pretty(&status) } else { String::new() })
+        }
+        PoolCommand::Replace { pool, old, new, force } => {
+            validate_component("pool", &pool)?;
+            let body = json!({ "old": device_argument(&old)?, "new": absolute(&new)?, "force": force });
+            let client = Client::new(&args.client)?;
+            let status: PoolStatus = client.send("POST", &format!("/v1/pools/{pool}/replace"), Some(body))?;
             Ok(if output.json { pretty(&status) } else { String::new() })
         }
         PoolCommand::Sync { pool } => {
@@ -1472,7 +1542,16 @@ fn pool_table(pools: &[PoolStatus]) -> String {
                 let children = d.children.iter().map(move |c| {
                     vec![
                         p.name.clone(),
-                        format!("  {}{}", c.name, if c.write_mostly { " (write-mostly)" } else { "" }),
+                        format!(
+                            "  {}{}{}",
+                            c.name,
+                            if c.write_mostly { " (write-mostly)" } else { "" },
+                            match (c.replaced, c.replacement) {
+                                (true, _) => " (being replaced)",
+                                (_, true) => " (replacement)",
+                                _ => "",
+                            }
+                        ),
                         c.state.as_str().to_string(),
                         String::new(),
                         String::new(),
@@ -1566,6 +1645,21 @@ fn pool_table(pools: &[PoolStatus]) -> String {
         out.push_str(&format!("warning: {warning}\n"));
     }
     out
+}
+
+/// A device path made absolute (the daemon may run in another directory).
+fn absolute(path: &str) -> CliResult<String> {
+    let absolute = std::path::absolute(path).map_err(|e| format!("{path}: {e}"))?;
+    Ok(absolute.display().to_string())
+}
+
+/// A device of a pool as given: a uuid (`device UUID`, as `pool status`
+/// names a missing device) as it is, a path made absolute.
+fn device_argument(text: &str) -> CliResult<String> {
+    match crate::pool::DeviceSpec::parse(text) {
+        crate::pool::DeviceSpec::Uuid(_) => Ok(text.to_string()),
+        crate::pool::DeviceSpec::Path(path) => absolute(&path),
+    }
 }
 
 // ---------------------------------------------------------------------------

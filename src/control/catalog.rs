@@ -50,6 +50,13 @@ pub struct PoolRecord {
     /// list it (a crash after they started naming it), else dropped.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub adding: Option<DeviceRecord>,
+    /// A device being attached to a member as a mirror copy (`pool attach`,
+    /// `pool replace`), recorded before its superblock is written and moved
+    /// to `devices` once every superblock names it. At the next start it is
+    /// opened with the pool if the superblocks list it (its own included:
+    /// then it is a stale copy, resilvered), else dropped.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attaching: Option<DeviceRecord>,
     /// The GUIDs of received snapshots (by snapshot id; ids are never
     /// reused, so an entry of a deleted snapshot matches nothing): a
     /// received snapshot keeps its source's GUID, so an incremental

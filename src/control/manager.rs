@@ -364,7 +364,7 @@ impl VolumeManager {
         let paths: Vec<&Path> = catalog
             .pools
             .values()
-            .flat_map(|p| p.devices.iter().chain(&p.adding))
+            .flat_map(|p| p.devices.iter().chain(&p.adding).chain(&p.attaching))
             .map(|d| Path::new(&d.path))
             .collect();
         if let Some(path) = wraps.unmatched(&paths).first() {
@@ -383,8 +383,35 @@ impl VolumeManager {
         let mut pools = HashMap::new();
         let mut open_datasets = HashMap::new();
         let mut settled = catalog.clone();
+        let mut forgotten: Vec<(Arc<Pool>, Arc<dyn Device>)> = Vec::new();
         for (pool_name, record) in &catalog.pools {
-            let (pool, joined) = open_pool(data_dir, pool_name, record, &wraps).await?;
+            let OpenedPool {
+                pool,
+                joined,
+                attached,
+                unopened,
+            } = open_pool(data_dir, pool_name, record, &wraps).await?;
+            let mut gone = Vec::new();
+            if let Some(settled) = settled.pools.get_mut(pool_name) {
+                // An attach that did not finish, settled the same way.
+                if let Some(attaching) = settled.attaching.take() {
+                    if attached {
+                        tracing::warn!(
+                            "pool {pool_name}: device {} was being attached when strata stopped; it is part of \
+                             the pool and is resilvered",
+                            attaching.path
+                        );
+                        settled.devices.push(attaching);
+                    } else {
+                        tracing::warn!(
+                            "pool {pool_name}: device {} was being attached when strata stopped, before its \
+                             superblock was written; it is not part of the pool",
+                            attaching.path
+                        );
+                    }
+                }
+                gone = forget_detached(pool_name, &pool, settled, &unopened);
+            }
             // An addition that did not finish is settled now, one way or the other.
             if let (Some(adding), Some(settled)) = (&record.adding, settled.pools.get_mut(pool_name)) {
                 settled.adding = None;
@@ -402,6 +429,7 @@ impl VolumeManager {
                     );
                 }
             }
+            forgotten.extend(gone.into_iter().map(|device| (pool.clone(), device)));
             clones::remove_unnamed_clones(pool_name, &pool, record).await;
             pool_props::apply_at_open(pool_name, &pool, &record.properties);
             for (name, volume) in &record.volumes {
@@ -444,9 +472,17 @@ impl VolumeManager {
         }
         if settled != catalog {
             match settled.save(data_dir) {
-                Ok(()) => catalog = settled,
+                Ok(()) => {
+                    catalog = settled;
+                    // Out of the catalog: their superblocks may go now.
+                    for (pool, device) in forgotten {
+                        if let Err(e) = pool.forget_device(&device).await {
+                            tracing::warn!("{}: cannot clear its superblocks: {e}", device.info().name);
+                        }
+                    }
+                }
                 // The next start settles it again, the same way.
-                Err(e) => tracing::error!("cannot save the catalog after settling a device addition: {e}"),
+                Err(e) => tracing::error!("cannot save the catalog after settling a device change: {e}"),
             }
         }
         let manager = VolumeManager {
@@ -535,7 +571,13 @@ impl VolumeManager {
         let known: Vec<&str> = catalog
             .pools
             .values()
-            .flat_map(|p| p.devices.iter().chain(&p.adding).map(|d| d.path.as_str()))
+            .flat_map(|p| {
+                p.devices
+                    .iter()
+                    .chain(&p.adding)
+                    .chain(&p.attaching)
+                    .map(|d| d.path.as_str())
+            })
             .collect();
         // Members in the order given; a mirror where its first device is.
         let mut opened: Vec<NewVdev> = Vec::new();
@@ -618,6 +660,7 @@ impl VolumeManager {
                 volumes: Default::default(),
                 ram_bytes,
                 adding: None,
+                attaching: None,
                 snapshot_guids: Default::default(),
                 properties: Default::default(),
                 datasets: Default::default(),
@@ -696,7 +739,14 @@ impl VolumeManager {
         }
         for (name, other) in &catalog.pools {
             let retry = name == pool_name && other.adding.as_ref().is_some_and(|a| a.path == device.path);
-            if other.devices.iter().chain(&other.adding).any(|d| d.path == device.path) && !retry {
+            if other
+                .devices
+                .iter()
+                .chain(&other.adding)
+                .chain(&other.attaching)
+                .any(|d| d.path == device.path)
+                && !retry
+            {
                 return Err(AdminError::Busy(format!(
                     "device {} is already part of pool '{name}'",
                     device.path
@@ -787,6 +837,238 @@ impl VolumeManager {
                 device.path
             )));
         }
+        self.pool_status()
+            .into_iter()
+            .find(|p| p.name == pool_name)
+            .ok_or_else(|| AdminError::Internal(format!("pool '{pool_name}' vanished")))
+    }
+
+    /// Attaches `new` to the pool as a mirror copy of `existing` (`pool
+    /// attach`; with `replace`, as its replacement: `pool replace`). Order
+    /// (docs/FORMAT.md, "Attaching, detaching and replacing"): the catalog
+    /// records the new device as being attached, the pool writes the
+    /// superblocks (the new device's first) and takes it in as resilvering,
+    /// and the catalog moves it to the pool's devices. The resilver runs in
+    /// the background; `pool status` shows it.
+    pub fn attach_device(
+        &self,
+        pool_name: &str,
+        existing: &str,
+        new: &str,
+        replace: bool,
+        force: bool,
+    ) -> Result<PoolStatus, AdminError> {
+        validate_component("pool", pool_name)?;
+        if existing.is_empty() {
+            return Err(AdminError::Invalid("missing device".into()));
+        }
+        let new_path = canonical_device_path(new)?;
+        let mut catalog = self.catalog();
+        let pool = self.pool_of(&catalog, pool_name)?;
+        self.settle_detached(&mut catalog, pool_name, &pool);
+        for (name, other) in &catalog.pools {
+            let retry = name == pool_name && other.attaching.as_ref().is_some_and(|a| a.path == new_path);
+            if other
+                .devices
+                .iter()
+                .chain(&other.adding)
+                .chain(&other.attaching)
+                .any(|d| d.path == new_path)
+                && !retry
+            {
+                return Err(AdminError::Busy(format!(
+                    "device {new_path} is already part of pool '{name}'"
+                )));
+            }
+        }
+        let record = catalog
+            .pools
+            .get(pool_name)
+            .ok_or_else(|| AdminError::NotFound(format!("pool '{pool_name}' does not exist")))?;
+        if let Some(earlier) = record.attaching.as_ref().filter(|a| a.path != new_path) {
+            let listed = match open_device(&earlier.path, &DeviceOptions::default()) {
+                Ok(handle) => self.runtime.block_on(pool.lists(&handle)),
+                Err(_) => false,
+            };
+            if listed {
+                return Err(AdminError::Busy(format!(
+                    "an earlier attach of {} to pool '{pool_name}' did not finish; restart the daemon to settle it",
+                    earlier.path
+                )));
+            }
+        }
+        let (spec, missing_path) = resolve_device(&pool, record, existing);
+        let (_, role) = pool.device_member(&spec).map_err(|e| pool_error(pool_name, e))?;
+        let handle = open_wrapped(&new_path, &self.wraps).map_err(|e| {
+            let message = format!("cannot open device {new_path}: {}", device_error_reason(&e));
+            match &e {
+                DeviceError::Io { source, .. } if source.kind() == std::io::ErrorKind::ResourceBusy => {
+                    AdminError::Busy(message)
+                }
+                _ => AdminError::Invalid(message),
+            }
+        })?;
+        if !force {
+            self.refuse_if_not_empty(&new_path, &handle)?;
+        }
+        let device = DeviceRecord {
+            path: new_path.clone(),
+            role,
+            mirror: None,
+            write_mostly: false,
+        };
+        let mut pending = catalog.clone();
+        if let Some(record) = pending.pools.get_mut(pool_name) {
+            record.attaching = Some(device.clone());
+        }
+        pending
+            .save(&self.data_dir)
+            .map_err(|e| internal(&format!("cannot save catalog (device {new_path} not attached)"), e))?;
+        catalog.set(pending);
+        let attached = if replace {
+            self.runtime.block_on(pool.replace(&spec, handle.clone()))
+        } else {
+            self.runtime.block_on(pool.attach(&spec, handle.clone()))
+        };
+        if let Err(e) = attached {
+            // Unless its superblocks name it (they then do at the next
+            // start too, which settles it), the device is not the pool's.
+            if !self.runtime.block_on(pool.uses_device(&handle)) {
+                let mut undone = catalog.clone();
+                if let Some(record) = undone.pools.get_mut(pool_name) {
+                    record.attaching = None;
+                }
+                if undone.save(&self.data_dir).is_ok() {
+                    catalog.set(undone);
+                }
+            }
+            return Err(pool_error(pool_name, e));
+        }
+        let mut done = catalog.clone();
+        if let Some(record) = done.pools.get_mut(pool_name) {
+            record.attaching = None;
+            record.devices.push(device);
+            // A missing device being replaced is not opened again.
+            if let (true, Some(path)) = (replace, &missing_path) {
+                record.devices.retain(|d| &d.path != path);
+            }
+        }
+        let saved = done.save(&self.data_dir);
+        catalog.set(done);
+        drop(catalog);
+        if let Err(e) = saved {
+            return Err(AdminError::Internal(format!(
+                "device {new_path} was attached to pool '{pool_name}' and is in use, but the catalog could not be \
+                 saved ({e}); it lists the device as being attached, which the next start completes"
+            )));
+        }
+        self.status_of(pool_name)
+    }
+
+    /// Detaches `device` from its mirror (`pool detach`): the pool's other
+    /// superblocks stop naming it, the catalog forgets it, and its own
+    /// superblocks are cleared so it can be used again.
+    pub fn detach_device(&self, pool_name: &str, device: &str) -> Result<PoolStatus, AdminError> {
+        validate_component("pool", pool_name)?;
+        if device.is_empty() {
+            return Err(AdminError::Invalid("missing device".into()));
+        }
+        let mut catalog = self.catalog();
+        let pool = self.pool_of(&catalog, pool_name)?;
+        self.settle_detached(&mut catalog, pool_name, &pool);
+        let record = catalog
+            .pools
+            .get(pool_name)
+            .ok_or_else(|| AdminError::NotFound(format!("pool '{pool_name}' does not exist")))?;
+        let (spec, missing_path) = resolve_device(&pool, record, device);
+        let handle = self
+            .runtime
+            .block_on(pool.detach(&spec))
+            .map_err(|e| pool_error(pool_name, e))?;
+        let mut done = catalog.clone();
+        if let Some(record) = done.pools.get_mut(pool_name) {
+            record.devices.retain(|d| {
+                let named = match (&handle, &spec) {
+                    (Some(handle), _) => crate::pool::device_named(&handle.info().name, &d.path),
+                    (None, crate::pool::DeviceSpec::Path(path)) => &d.path == path,
+                    (None, _) => missing_path.as_ref() == Some(&d.path),
+                };
+                !named
+            });
+        }
+        let saved = done.save(&self.data_dir);
+        catalog.set(done);
+        drop(catalog);
+        match (saved, handle) {
+            (Err(e), _) => {
+                return Err(AdminError::Internal(format!(
+                    "{device} was detached from pool '{pool_name}', but the catalog could not be saved ({e}); the \
+                     next start leaves the device out"
+                )))
+            }
+            (Ok(()), Some(handle)) => {
+                if let Err(e) = self.runtime.block_on(pool.forget_device(&handle)) {
+                    tracing::warn!("{}: detached, but its superblocks could not be cleared: {e}", device);
+                }
+            }
+            (Ok(()), None) => {}
+        }
+        self.status_of(pool_name)
+    }
+
+    /// Forgets (in the catalog) the devices every pool has let go of by
+    /// itself (a replaced device, once its replacement is resilvered), then
+    /// clears their superblocks. The daemon calls it every few seconds.
+    pub fn settle_devices(&self) {
+        let pools: Vec<(String, Arc<Pool>)> = self
+            .pools
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .filter(|(_, p)| p.has_detached())
+            .map(|(n, p)| (n.clone(), p.clone()))
+            .collect();
+        if pools.is_empty() {
+            return;
+        }
+        let mut catalog = self.catalog();
+        for (name, pool) in pools {
+            self.settle_detached(&mut catalog, &name, &pool);
+        }
+    }
+
+    /// [`VolumeManager::settle_devices`] for one pool, under the catalog.
+    fn settle_detached(&self, catalog: &mut CatalogGuard<'_>, pool_name: &str, pool: &Arc<Pool>) {
+        if !pool.has_detached() {
+            return;
+        }
+        let mut next = (**catalog).clone();
+        let Some(record) = next.pools.get_mut(pool_name) else {
+            return;
+        };
+        let detached = forget_detached(pool_name, pool, record, &[]);
+        if let Err(e) = next.save(&self.data_dir) {
+            // They stay listed; the next start leaves them out again.
+            tracing::error!("cannot save the catalog after a device left pool '{pool_name}': {e}");
+            return;
+        }
+        catalog.set(next);
+        for device in detached {
+            if let Err(e) = self.runtime.block_on(pool.forget_device(&device)) {
+                tracing::warn!("{}: cannot clear its superblocks: {e}", device.info().name);
+            }
+        }
+    }
+
+    fn pool_of(&self, catalog: &Catalog, pool_name: &str) -> Result<Arc<Pool>, AdminError> {
+        if !catalog.pools.contains_key(pool_name) {
+            return Err(AdminError::NotFound(format!("pool '{pool_name}' does not exist")));
+        }
+        self.pool(pool_name)
+            .ok_or_else(|| AdminError::Internal(format!("pool '{pool_name}' is in the catalog but not open")))
+    }
+
+    fn status_of(&self, pool_name: &str) -> Result<PoolStatus, AdminError> {
         self.pool_status()
             .into_iter()
             .find(|p| p.name == pool_name)
@@ -1226,7 +1508,7 @@ impl VolumeManager {
                     name: name.clone(),
                     uuid: pool.uuid(),
                     state: if degraded { "DEGRADED" } else { "ONLINE" }.into(),
-                    action: degraded.then(|| pool_action(&devices)),
+                    action: degraded.then(|| pool_action(name, &devices)),
                     chunk_bytes: pool.chunk_bytes(),
                     volumes: record.volumes.len(),
                     provisioned_bytes: record.volumes.values().map(|v| v.props.volsize).sum(),
@@ -1537,26 +1819,101 @@ fn open_wrapped(path: impl AsRef<Path>, wraps: &DeviceWraps) -> Result<Arc<dyn D
     Ok(wraps.apply(path, open_device(path, &DeviceOptions::default())?))
 }
 
+/// Runs [`VolumeManager::settle_devices`] every 2 s until `stop` turns
+/// true: a replaced device leaves the catalog soon after its replacement is
+/// resilvered.
+pub async fn settle_devices_every(manager: Arc<VolumeManager>, mut stop: tokio::sync::watch::Receiver<bool>) {
+    loop {
+        tokio::select! {
+            changed = stop.changed() => {
+                if changed.is_err() || *stop.borrow() {
+                    return;
+                }
+            }
+            _ = tokio::time::sleep(std::time::Duration::from_secs(2)) => {}
+        }
+        let settling = manager.clone();
+        let _ = tokio::task::spawn_blocking(move || settling.settle_devices()).await;
+    }
+}
+
+/// How a request's device is meant, for the pool: a path (canonical when
+/// it exists) or a uuid. A path of the catalog that names no device the
+/// pool has open is the pool's one missing device, if it has exactly one
+/// (returned too: the catalog path that stands for it).
+fn resolve_device(pool: &Pool, record: &PoolRecord, text: &str) -> (crate::pool::DeviceSpec, Option<String>) {
+    use crate::pool::DeviceSpec;
+    let spec = DeviceSpec::parse(text);
+    let DeviceSpec::Path(path) = &spec else {
+        return (spec, None);
+    };
+    let path = fs::canonicalize(path)
+        .ok()
+        .and_then(|p| p.to_str().map(str::to_string))
+        .unwrap_or_else(|| path.clone());
+    let spec = DeviceSpec::Path(path.clone());
+    if pool.device_member(&spec).is_ok() || !record.devices.iter().any(|d| d.path == path) {
+        return (spec, None);
+    }
+    let missing: Vec<DeviceSpec> = pool
+        .status()
+        .iter()
+        .flat_map(|d| &d.children)
+        .filter(|c| c.state == crate::pool::vdev::Health::Missing)
+        .map(|c| DeviceSpec::parse(&c.name))
+        .collect();
+    match &missing[..] {
+        [one] => (one.clone(), Some(path)),
+        _ => (spec, None),
+    }
+}
+
+/// A pool's refusal as the admin error of its kind.
+fn pool_error(pool_name: &str, error: PoolError) -> AdminError {
+    match error {
+        PoolError::NotFound(_) => AdminError::NotFound(error.to_string()),
+        PoolError::InUse(_) | PoolError::Busy(_) => AdminError::Busy(error.to_string()),
+        PoolError::Invalid(_) | PoolError::Device { .. } => AdminError::Invalid(error.to_string()),
+        PoolError::Io(_) => AdminError::Io(format!("pool '{pool_name}': {error}")),
+        _ => AdminError::Internal(format!("pool '{pool_name}': {error}")),
+    }
+}
+
+/// A pool as [`open_pool`] opened it.
+struct OpenedPool {
+    pool: Arc<Pool>,
+    /// The device being added (`record.adding`) was opened as a member.
+    joined: bool,
+    /// The device being attached (`record.attaching`) was opened as one of
+    /// the pool's devices.
+    attached: bool,
+    /// Paths of `record.devices` that could not be opened.
+    unopened: Vec<String>,
+}
+
 /// Opens a pool's devices and the pool (replaying its log). Also says
-/// whether the device being added (`record.adding`), if any, was opened as
-/// a member: it is when the pool's superblocks list it.
+/// whether the device being added (`record.adding`) or attached
+/// (`record.attaching`), if any, was opened with it: it is when the pool's
+/// superblocks list it.
 async fn open_pool(
     data_dir: &Path,
     name: &str,
     record: &PoolRecord,
     wraps: &DeviceWraps,
-) -> Result<(Arc<Pool>, bool), AdminError> {
+) -> Result<OpenedPool, AdminError> {
     let mut devices = Vec::new();
     // A device that cannot be opened is left out: a mirror opens without
     // one of its devices (DEGRADED); any other member missing fails the
     // open below, which then names these.
     let mut unopened = Vec::new();
+    let mut unopened_paths = Vec::new();
     for device in &record.devices {
         match open_wrapped(&device.path, wraps) {
             Ok(opened) => devices.push(opened),
             Err(e) => {
                 tracing::warn!("pool {name}: cannot open device {}: {e}", device.path);
                 unopened.push(format!("cannot open device {}: {e}", device.path));
+                unopened_paths.push(device.path.clone());
             }
         }
     }
@@ -1568,6 +1925,17 @@ async fn open_pool(
             if Pool::superblocks_list(&devices, &candidate).await {
                 devices.push(candidate);
                 joined = true;
+            }
+        }
+    }
+    let mut attached = false;
+    if let Some(attaching) = &record.attaching {
+        // The same rule: its own superblock, once written, lists it (as a
+        // stale copy), so it is opened with the pool whatever the others say.
+        if let Ok(candidate) = open_wrapped(&attaching.path, wraps) {
+            if Pool::superblocks_list(&devices, &candidate).await {
+                devices.push(candidate);
+                attached = true;
             }
         }
     }
@@ -1594,7 +1962,53 @@ async fn open_pool(
             record.uuid
         )));
     }
-    Ok((pool, joined))
+    Ok(OpenedPool {
+        pool,
+        joined,
+        attached,
+        unopened: unopened_paths,
+    })
+}
+
+/// Takes the devices `pool` no longer uses (detached: a replaced device, or
+/// one whose superblock the pool's newest no longer lists) out of `record`,
+/// and, when the pool misses none of its devices, the paths in `record`
+/// that could not be opened: none of them is a device of the pool. Returns
+/// the detached devices, whose superblocks are cleared once the catalog is
+/// saved without them.
+fn forget_detached(pool_name: &str, pool: &Pool, record: &mut PoolRecord, unopened: &[String]) -> Vec<Arc<dyn Device>> {
+    let detached = pool.take_detached();
+    for device in &detached {
+        let name = device.info().name.clone();
+        record.devices.retain(|d| {
+            let named = crate::pool::device_named(&name, &d.path);
+            if named {
+                tracing::warn!(
+                    "pool {pool_name}: {} is no longer one of its devices; forgetting it",
+                    d.path
+                );
+            }
+            !named
+        });
+    }
+    let missing = pool
+        .status()
+        .iter()
+        .flat_map(|d| &d.children)
+        .any(|c| c.state == crate::pool::vdev::Health::Missing);
+    if !missing {
+        record.devices.retain(|d| {
+            let gone = unopened.contains(&d.path);
+            if gone {
+                tracing::warn!(
+                    "pool {pool_name}: {} cannot be opened and the pool misses none of its devices; forgetting it",
+                    d.path
+                );
+            }
+            !gone
+        });
+    }
+    detached
 }
 
 fn online() -> String {
@@ -1603,18 +2017,32 @@ fn online() -> String {
 
 /// The action line of a degraded pool: which devices are not up to date,
 /// and what brings them back.
-fn pool_action(devices: &[DeviceStatus]) -> String {
+fn pool_action(pool: &str, devices: &[DeviceStatus]) -> String {
     use crate::pool::vdev::Health;
     let mut out = Vec::new();
     for child in devices.iter().flat_map(|d| &d.children) {
+        let replace = format!(
+            "`strata pool replace {pool} {} NEW`",
+            child.name.trim_start_matches("device ")
+        );
         let what = match child.state {
-            Health::Online => continue,
-            Health::Resilvering => "is being resilvered; the mirror is whole again when it finishes",
-            Health::Faulted => {
-                "failed a write and is faulted: check the device, then restart the daemon with it to resilver it"
+            Health::Online if child.replaced => {
+                "is being replaced: it is detached once its replacement is resilvered".to_string()
             }
-            Health::Stale => "missed writes: it is resilvered when the daemon next starts with it",
-            Health::Missing => "is missing: make it available and restart the daemon to resilver it",
+            Health::Online => continue,
+            Health::Resilvering if child.replacement => {
+                "is being resilvered to replace another device; the mirror is whole again when it finishes".to_string()
+            }
+            Health::Resilvering => "is being resilvered; the mirror is whole again when it finishes".to_string(),
+            Health::Faulted => format!(
+                "failed a write and is faulted: replace it with {replace} (or check the device, then restart \
+                 the daemon with it to resilver it)"
+            ),
+            Health::Stale => "missed writes: it is resilvered when the daemon next starts with it".to_string(),
+            Health::Missing => format!(
+                "is missing: replace it with {replace}, or make it available and restart the daemon to \
+                 resilver it"
+            ),
         };
         out.push(format!("{} {what}", child.name));
     }

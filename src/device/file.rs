@@ -546,6 +546,11 @@ impl Device for FileDevice {
         result.map(|result| result.map_err(|e| self.fail("write", offset, e)))
     }
 
+    fn release_lock(&self) {
+        // SAFETY: flock on a descriptor this device owns; no pointers.
+        unsafe { libc::flock(self.file.as_raw_fd(), libc::LOCK_UN) };
+    }
+
     fn backing_space(&self) -> Option<BackingSpace> {
         if self.is_block_device {
             return None;

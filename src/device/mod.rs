@@ -529,6 +529,12 @@ pub trait Device: Send + Sync {
         None
     }
 
+    /// Gives up the exclusive lock taken when the device was opened
+    /// ([`DeviceOptions::lock`]), so that it can be opened again while this
+    /// handle still exists: the pool calls it on a device it let go of
+    /// (detached) and never uses again. No-op by default.
+    fn release_lock(&self) {}
+
     /// Makes the file system under a sparse file back `[offset, +length)`
     /// now (`fallocate`), so writes there can never fail for lack of space;
     /// ranges already backed are left as they are. A no-op for block

@@ -68,6 +68,10 @@ impl Device for DelayDevice {
         self.inner.backing_space()
     }
 
+    fn release_lock(&self) {
+        self.inner.release_lock()
+    }
+
     fn preallocate(&self, offset: u64, length: u64) -> super::DeviceResult<()> {
         self.inner.preallocate(offset, length)
     }
@@ -199,6 +203,10 @@ impl Device for ThrottleDevice {
 
     fn backing_space(&self) -> Option<super::BackingSpace> {
         self.inner.backing_space()
+    }
+
+    fn release_lock(&self) {
+        self.inner.release_lock()
     }
 
     fn preallocate(&self, offset: u64, length: u64) -> super::DeviceResult<()> {
@@ -394,6 +402,10 @@ impl Device for ErrorDevice {
 
     fn backing_space(&self) -> Option<super::BackingSpace> {
         self.inner.backing_space()
+    }
+
+    fn release_lock(&self) {
+        self.inner.release_lock()
     }
 
     fn preallocate(&self, offset: u64, length: u64) -> super::DeviceResult<()> {

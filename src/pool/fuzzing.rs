@@ -392,6 +392,8 @@ mod tests {
             state: crate::pool::superblock::ChildState::Online,
             write_mostly: false,
             resilvered: 0,
+            replaced: false,
+            replacement: false,
         };
         let mirrored = Superblock {
             device_uuid: [9; 16],

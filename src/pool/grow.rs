@@ -28,14 +28,13 @@
 //! get generation + 2 with the old table, and the new device's superblocks
 //! are zeroed.
 
-use std::sync::atomic::AtomicU32;
 use std::sync::{Arc, OnceLock};
 
 use super::alloc::DeviceSpace;
 use super::superblock::{Member, Role, Superblock, MAX_MEMBERS, SUPERBLOCK_BYTES, SUPERBLOCK_OFFSETS};
 use super::{
-    random_uuid, read_superblock, round_up, write_superblock, DeviceCounters, Pool, PoolDevice, PoolError,
-    MAX_META_BYTES, MIN_META_BYTES,
+    random_uuid, read_superblock, round_up, write_superblock, Pool, PoolDevice, PoolError, MAX_META_BYTES,
+    MIN_META_BYTES,
 };
 use crate::device::{Device, IoBuf};
 use crate::meta::MetaError;
@@ -289,15 +288,8 @@ impl Pool {
         let member = new.members[index as usize];
         let chunk = self.chunk_bytes as u64;
         let chunks = member.size_bytes / chunk;
-        let joined = self.devices.push(PoolDevice {
-            device: addition.device.clone(),
-            mirror: None,
-            member,
-            counters: DeviceCounters::default(),
-            chunk_epochs: (0..chunks).map(|_| AtomicU32::new(0)).collect(),
-            heat: super::migrate::Heat::new(chunks),
-            written: Default::default(),
-        });
+        let vdev = Arc::new(super::vdev::Vdev::single(addition.device.clone()));
+        let joined = self.devices.push(PoolDevice::new(vdev.clone(), member, chunks));
         if let Err(error) = joined {
             // Cannot happen while additions are serialised; the superblocks
             // list the device, so the next open takes it in.
@@ -323,9 +315,7 @@ impl Pool {
             new.header_bytes() / chunk,
             chunks,
         ));
-        if let Some(device) = self.devices.get(index as usize) {
-            self.membership.add_member(index, &device.device, None);
-        }
+        self.membership.add_member(index, &vdev);
         tracing::info!(
             "pool {}: added {} as {} device {index} ({} of data); superblock generation {}",
             self.name,
@@ -413,8 +403,8 @@ impl Pool {
         Ok(())
     }
 
-    /// Whether `candidate` is a member of the pool made of `members` as the
-    /// superblocks have it: its own superblock is valid and names the same
+    /// Whether `candidate` is a device of the pool made of `members` as the
+    /// superblocks have it (a member, or a mirror's child): its own superblock is valid and names the same
     /// pool, and the newest superblock among all of them lists it. Decides,
     /// after a crash or a failed undo, whether a device whose addition did
     /// not finish must be opened with the pool (the addition had reached the
@@ -423,9 +413,9 @@ impl Pool {
         let Ok((own, _)) = read_superblock(candidate).await else {
             return false;
         };
-        let Some(me) = own.this_member().copied() else {
+        if own.this_member().is_none() {
             return false;
-        };
+        }
         let mut newest = own.clone();
         let mut same_pool = false;
         for member in members {
@@ -439,12 +429,25 @@ impl Pool {
                 }
             }
         }
-        same_pool && newest.members.get(me.index as usize).is_some_and(|m| m.uuid == me.uuid)
+        same_pool && names_device(&newest, own.device_index, &own.device_uuid)
     }
 
     /// [`Pool::superblocks_list`] against this pool's running devices.
     pub async fn lists(&self, candidate: &Arc<dyn Device>) -> bool {
         let members: Vec<Arc<dyn Device>> = self.devices.iter().map(|d| d.device.clone()).collect();
         Self::superblocks_list(&members, candidate).await
+    }
+}
+
+/// Whether `superblock` lists device `device_uuid` in member `index`: as the
+/// member itself when it is a single device, as a child when a mirror.
+pub(super) fn names_device(superblock: &Superblock, index: u8, device_uuid: &[u8; 16]) -> bool {
+    if superblock.is_mirror(index) {
+        superblock.children_of(index).any(|c| &c.uuid == device_uuid)
+    } else {
+        superblock
+            .members
+            .get(index as usize)
+            .is_some_and(|m| &m.uuid == device_uuid)
     }
 }

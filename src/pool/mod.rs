@@ -26,6 +26,7 @@
 //! - A freed slot is reused only after the record freeing it is durable.
 
 pub mod alloc;
+mod attach;
 mod blockmap;
 pub mod cache;
 mod checkpoint;
@@ -40,6 +41,7 @@ pub mod ram;
 pub mod readcache;
 mod recover;
 mod relocate;
+pub use attach::{device_named, DeviceSpec};
 mod resilver;
 pub use resilver::ResilverStatus;
 mod scrub;
@@ -167,6 +169,12 @@ pub enum PoolError {
     InUse(String),
     #[error("{0}")]
     Invalid(String),
+    /// No such device in the pool.
+    #[error("{0}")]
+    NotFound(String),
+    /// Another change of the same kind is under way.
+    #[error("{0}")]
+    Busy(String),
     /// A snapshot that clones depend on (their volume ids) cannot go.
     #[error("the snapshot has clones (volumes {0:?}): promote or delete them first")]
     HasClones(Vec<u32>),
@@ -224,10 +232,11 @@ fn new_gates() -> Box<[GateShard]> {
 }
 
 pub struct PoolDevice {
-    /// What the pool reads and writes: the device itself, or its mirror.
+    /// What the pool reads and writes: the member ([`vdev::Vdev`]: its
+    /// device, or its mirror once it is one), as a `Device`.
     pub device: Arc<dyn Device>,
-    /// The mirror, when the member is one (the same object as `device`).
-    pub mirror: Option<Arc<vdev::Mirror>>,
+    /// The same object as `device`.
+    pub vdev: Arc<vdev::Vdev>,
     pub member: Member,
     pub counters: DeviceCounters,
     /// Per chunk: the epoch in which a `Dirty` record was last committed.
@@ -236,6 +245,26 @@ pub struct PoolDevice {
     pub(crate) heat: migrate::Heat,
     /// Data written here, and how much of it a flush covered.
     written: DataWrites,
+}
+
+impl PoolDevice {
+    /// The member's mirror, when it is one (it may become one while the
+    /// pool runs, never the other way).
+    pub fn mirror(&self) -> Option<&Arc<vdev::Mirror>> {
+        self.vdev.mirror()
+    }
+
+    fn new(vdev: Arc<vdev::Vdev>, member: Member, chunks: u64) -> PoolDevice {
+        PoolDevice {
+            device: vdev.clone(),
+            vdev,
+            member,
+            counters: DeviceCounters::default(),
+            chunk_epochs: (0..chunks).map(|_| AtomicU32::new(0)).collect(),
+            heat: migrate::Heat::new(chunks),
+            written: Default::default(),
+        }
+    }
 }
 
 /// A device's completed data writes (count and bytes) and the count the
@@ -301,6 +330,13 @@ pub struct ChildStatus {
     pub repaired_sectors: u64,
     #[serde(default)]
     pub backing: Option<BackingSpace>,
+    /// Being replaced (`pool replace`): detached once its replacement is
+    /// resilvered.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub replaced: bool,
+    /// The device replacing the mirror's `replaced` one.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub replacement: bool,
 }
 
 impl DeviceStatus {
@@ -413,6 +449,16 @@ pub struct Pool {
     regions: Regions,
     /// Resilvers under way, by member (`pool/resilver.rs`).
     resilvers: Mutex<HashMap<u8, resilver::ResilverStatus>>,
+    /// Background work runs (`PoolOptions::background`): an attach starts
+    /// its resilver at once.
+    background: bool,
+    /// Held by the one resilver that runs at a time.
+    resilvering: tokio::sync::Mutex<()>,
+    /// Devices taken out of the pool (a replaced device detached when its
+    /// replacement was resilvered, or one given at open that the newest
+    /// superblock no longer names), for the caller to forget and clear
+    /// ([`Pool::take_detached`]).
+    detached: Mutex<Vec<Arc<dyn Device>>>,
     /// The devices as stored metadata is checked against (grows with
     /// `pool add-device`).
     geometry: Arc<std::sync::RwLock<crate::meta::geometry::Geometry>>,
@@ -593,12 +639,12 @@ impl Pool {
                     backing: d.device.backing_space(),
                     unbackable_bytes: 0,
                     resilver: self.resilver_status(d.member.index),
-                    state: if d.mirror.as_ref().is_some_and(|m| m.degraded()) {
+                    state: if d.mirror().is_some_and(|m| m.degraded()) {
                         "DEGRADED".into()
                     } else {
                         online()
                     },
-                    children: d.mirror.as_ref().map_or_else(Vec::new, |m| {
+                    children: d.mirror().map_or_else(Vec::new, |m| {
                         m.children()
                             .iter()
                             .map(|c| ChildStatus {
@@ -610,6 +656,8 @@ impl Pool {
                                 checksum_errors: c.counters.checksum_errors.load(Ordering::Relaxed),
                                 repaired_sectors: c.counters.repaired.load(Ordering::Relaxed),
                                 backing: c.device.as_ref().and_then(|d| d.backing_space()),
+                                replaced: c.replacing().0,
+                                replacement: c.replacing().1,
                             })
                             .collect()
                     }),

@@ -143,6 +143,8 @@ impl Pool {
                     state: superblock::ChildState::Online,
                     write_mostly: new.write_mostly.get(at).copied().unwrap_or(false),
                     resilvered: 0,
+                    replaced: false,
+                    replacement: false,
                 });
             }
             device_uuids.push(uuids);
@@ -295,6 +297,7 @@ impl Pool {
             .iter()
             .map(|m| vec![None; listed(m.index).len()])
             .collect();
+        let mut left_out: Vec<Arc<dyn Device>> = Vec::new();
         for (device, superblock, repair) in &found {
             if superblock.pool_uuid != reference.pool_uuid {
                 return Err(PoolError::Foreign {
@@ -310,6 +313,20 @@ impl Pool {
                 .then(|| listed(index).iter().position(|u| *u == superblock.device_uuid))
                 .flatten();
             let Some(position) = position else {
+                if superblock.generation < reference.generation {
+                    // Detached (or replaced) since: the newest superblock
+                    // no longer names it. Left for the caller to clear.
+                    tracing::warn!(
+                        "{}: was detached from pool '{}' (its superblock is of generation {}, the pool's {}); \
+                         opening without it",
+                        device.info().name,
+                        reference.pool_name,
+                        superblock.generation,
+                        reference.generation
+                    );
+                    left_out.push(device.clone());
+                    continue;
+                }
                 return Err(PoolError::Invalid(format!(
                     "{} claims to be device {} of pool '{}' but the pool does not list it",
                     device.info().name,
@@ -389,7 +406,7 @@ impl Pool {
                     });
                 }
             }
-            let (device, mirror): (Arc<dyn Device>, _) = if reference.is_mirror(index as u8) {
+            let vdev = if reference.is_mirror(index as u8) {
                 use super::vdev::{Health, Mirror, MirrorChild};
                 let children: Vec<MirrorChild> = reference
                     .children_of(index as u8)
@@ -406,11 +423,14 @@ impl Pool {
                         if device.is_none() && child.state == superblock::ChildState::Online {
                             went_missing = true;
                         }
-                        MirrorChild::new(device, child.uuid, child.write_mostly, health, child.resilvered)
+                        let opened = MirrorChild::new(device, child.uuid, child.write_mostly, health, child.resilvered);
+                        opened.replaced.store(child.replaced, Ordering::Release);
+                        opened.replacement.store(child.replacement, Ordering::Release);
+                        opened
                     })
                     .collect();
                 let mirror = Arc::new(Mirror::new(index as u8, member.size_bytes, children));
-                if mirror.online().next().is_none() {
+                if mirror.online().is_empty() {
                     return Err(missing());
                 }
                 for child in mirror.children().iter().filter(|c| c.health() != Health::Online) {
@@ -423,31 +443,27 @@ impl Pool {
                     );
                 }
                 mirror.set_membership(&membership);
-                (mirror.clone(), Some(mirror))
+                Arc::new(super::vdev::Vdev::mirrored(mirror))
             } else {
                 let Some(device) = slot.into_iter().next().flatten() else {
                     return Err(missing());
                 };
-                (device, None)
+                Arc::new(super::vdev::Vdev::single(device))
             };
-            membership.add_member(index as u8, &device, mirror.as_ref());
+            membership.add_member(index as u8, &vdev);
             let chunks = member.size_bytes / reference.chunk_bytes as u64;
-            pool_devices.push(PoolDevice {
-                device,
-                mirror,
-                member,
-                counters: DeviceCounters::default(),
-                chunk_epochs: (0..chunks).map(|_| AtomicU32::new(0)).collect(),
-                heat: super::migrate::Heat::new(chunks),
-                written: Default::default(),
-            });
+            pool_devices.push(PoolDevice::new(vdev, member, chunks));
         }
         // A child that was up to date and is not here misses every write
         // from now on: say so in the others' superblocks before writing.
         if went_missing {
             membership.record_health().await;
         }
-        Self::recover(reference, pool_devices, membership, options).await
+        let pool = Self::recover(reference, pool_devices, membership, options).await?;
+        // A replacement up to date when the pool stopped takes its place now.
+        pool.finish_replacements().await;
+        pool.detached.lock().unwrap_or_else(|e| e.into_inner()).extend(left_out);
+        Ok(pool)
     }
 
     async fn recover(
@@ -657,6 +673,9 @@ impl Pool {
                 log: (superblock.log_offset, superblock.log_bytes),
             },
             resilvers: Mutex::new(HashMap::new()),
+            background: options.background,
+            resilvering: tokio::sync::Mutex::new(()),
+            detached: Mutex::new(Vec::new()),
             corruption,
             allocator: Ranked::new(Rank::Allocator, 0, crate::sync::WatchedMutex::new(allocator)),
             epoch: AtomicU32::new(epoch.wrapping_add(1).max(1)),
@@ -779,20 +798,24 @@ impl Pool {
     /// replayed ones; from then on reads go to the least busy child.
     async fn sync_mirrored_log(&self, superblock: &Superblock) -> Result<(), PoolError> {
         for device in &self.devices {
-            let Some(mirror) = &device.mirror else {
+            let Some(mirror) = device.mirror() else {
                 continue;
             };
-            let source = mirror.online().map(|(i, _)| i).next();
+            let source = mirror.online().into_iter().next();
             if let (Some(source), true) = (source, device.member.index == superblock.log_device) {
-                let targets: Vec<usize> = mirror.written().filter(|&i| i != source).collect();
+                let targets: Vec<_> = mirror
+                    .written()
+                    .into_iter()
+                    .filter(|c| !Arc::ptr_eq(c, &source))
+                    .collect();
                 let step = 1u64 << 20;
                 let mut at = 0;
                 while at < superblock.log_bytes && !targets.is_empty() {
                     let length = (superblock.log_bytes - at).min(step);
                     let offset = superblock.log_offset + at;
-                    let (buf, result) = mirror.read_child(source, offset, IoBuf::new(length as usize)).await;
+                    let (buf, result) = mirror.read_child(&source, offset, IoBuf::new(length as usize)).await;
                     result?;
-                    for &target in &targets {
+                    for target in &targets {
                         // A child that fails this is faulted; the others go on.
                         let _ = mirror.write_child(target, offset, buf.payload()).await;
                     }

@@ -13,7 +13,7 @@
 //! there: the device took every write meanwhile.
 
 use super::*;
-use crate::pool::vdev::{Health, Mirror, RESYNC_UNIT};
+use crate::pool::vdev::{Health, Mirror, MirrorChild, RESYNC_UNIT};
 
 /// A resilver's progress, as `pool status` shows it.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize, utoipa::ToSchema)]
@@ -43,16 +43,25 @@ impl Pool {
     /// devices stay stale, their cursor recorded, as when a restart cuts a
     /// resilver short (tests use it to resume one).
     pub async fn resilver_at_most(&self, budget: u64) -> Result<u64, PoolError> {
+        let _one_at_a_time = self.resilvering.lock().await;
         let mut copied = 0;
-        for device in &self.devices {
-            let Some(mirror) = &device.mirror else {
-                continue;
-            };
-            if copied < budget && mirror.children().iter().any(|c| c.health() == Health::Resilvering) {
-                copied += self.resilver_mirror(device, mirror, budget - copied).await?;
+        // Again while devices were attached during a pass: each pass copies
+        // to the devices being resilvered when it started.
+        loop {
+            let mut passes = 0;
+            for device in &self.devices {
+                let Some(mirror) = device.mirror().cloned() else {
+                    continue;
+                };
+                if copied < budget && mirror.children().iter().any(|c| c.health() == Health::Resilvering) {
+                    passes += 1;
+                    copied += self.resilver_mirror(device, &mirror, budget - copied).await?;
+                }
+            }
+            if passes == 0 || copied >= budget {
+                return Ok(copied);
             }
         }
-        Ok(copied)
     }
 
     /// The byte ranges of member `device` that hold something, in order.
@@ -80,17 +89,16 @@ impl Pool {
     }
 
     async fn resilver_mirror(&self, device: &PoolDevice, mirror: &Mirror, budget: u64) -> Result<u64, PoolError> {
-        let mut targets: Vec<usize> = mirror
+        let mut targets: Vec<Arc<MirrorChild>> = mirror
             .children()
             .iter()
-            .enumerate()
-            .filter(|(_, c)| c.health() == Health::Resilvering)
-            .map(|(i, _)| i)
+            .filter(|c| c.health() == Health::Resilvering)
+            .cloned()
             .collect();
         // Resume where the least advanced of them stopped.
         let start = targets
             .iter()
-            .map(|&i| mirror.children()[i].resilvered.load(Ordering::Acquire))
+            .map(|c| c.resilvered.load(Ordering::Acquire))
             .min()
             .unwrap_or(0);
         let ranges = self.resilver_ranges(device);
@@ -136,8 +144,8 @@ impl Pool {
                 }
                 at += length;
                 copied += length;
-                for &target in &targets {
-                    mirror.children()[target].resilvered.store(at, Ordering::Release);
+                for target in &targets {
+                    target.resilvered.store(at, Ordering::Release);
                 }
                 let seconds = began.elapsed().as_secs_f64().max(1e-3);
                 self.set_resilver_status(
@@ -160,24 +168,26 @@ impl Pool {
         let finished = outcome.is_ok() && !paused;
         if finished {
             // What was copied is durable before the devices count as up to date.
-            for &target in &targets {
-                if let Some(child) = &mirror.children()[target].device {
+            for target in &targets {
+                if let Some(child) = &target.device {
                     if let Err(e) = child.flush().await {
                         tracing::error!("{}: {e}; resilver failed", child.info().name);
-                        mirror.children()[target].set_health(Health::Faulted);
+                        target.change_health(Health::Resilvering, Health::Faulted);
                     }
                 }
             }
-            for &target in &targets {
-                let child = &mirror.children()[target];
-                if child.health() == Health::Resilvering {
-                    child.set_health(Health::Online);
-                    child.resilvered.store(0, Ordering::Release);
+            for target in &targets {
+                if target.change_health(Health::Resilvering, Health::Online) {
+                    target.resilvered.store(0, Ordering::Release);
                 }
             }
         }
         mirror.set_resyncing(false).await;
         self.membership.record_health().await;
+        if finished {
+            // A replacement that is now up to date takes its device's place.
+            self.finish_replacement(device.member.index).await;
+        }
         self.set_resilver_status(device.member.index, None);
         match &outcome {
             Ok(()) if !finished => tracing::info!(
@@ -202,8 +212,7 @@ impl Pool {
     /// resilver and a runtime to run it on.
     pub(crate) fn start_resilver(self: &Arc<Self>) {
         let needed = self.devices.iter().any(|d| {
-            d.mirror
-                .as_ref()
+            d.mirror()
                 .is_some_and(|m| m.children().iter().any(|c| c.health() == Health::Resilvering))
         });
         let Some(runtime) = background_runtime().filter(|_| needed) else {

@@ -109,6 +109,11 @@ pub struct Child {
     /// A stale child being resilvered: every byte below this offset is up
     /// to date (a resilver copies in device order and resumes here).
     pub resilvered: u64,
+    /// Being replaced (`pool replace`): detached once the member's
+    /// `replacement` child is up to date.
+    pub replaced: bool,
+    /// The device replacing the member's `replaced` child.
+    pub replacement: bool,
 }
 
 /// A decoded superblock.
@@ -248,7 +253,7 @@ impl Superblock {
                 out[at..at + 16].copy_from_slice(&child.uuid);
                 out[at + 16] = child.member;
                 out[at + 17] = child.state as u8;
-                out[at + 18] = child.write_mostly as u8;
+                out[at + 18] = child.write_mostly as u8 | (child.replaced as u8) << 1 | (child.replacement as u8) << 2;
                 put_u64(&mut out, at + 24, child.resilvered);
             }
         }
@@ -317,6 +322,8 @@ impl Superblock {
                     member: bytes[at + 16],
                     state,
                     write_mostly: bytes[at + 18] & 1 != 0,
+                    replaced: bytes[at + 18] & 2 != 0,
+                    replacement: bytes[at + 18] & 4 != 0,
                     resilvered: get_u64(bytes, at + 24)?,
                 });
             }
@@ -407,7 +414,13 @@ impl Superblock {
                 return invalid(format!("mirror child {index} names member {}", child.member));
             }
             let twice = self.children[..index].iter().any(|other| other.uuid == child.uuid);
-            if twice || self.members.iter().any(|m| m.uuid == child.uuid) {
+            // A device that was a single-device member before a device was
+            // attached beside it keeps its uuid, the member's, as a child.
+            let other_member = self
+                .members
+                .iter()
+                .any(|m| m.uuid == child.uuid && m.index != child.member);
+            if twice || other_member {
                 return invalid(format!("mirror child {index} has the UUID of another device"));
             }
         }
@@ -533,6 +546,8 @@ mod tests {
             state,
             write_mostly: uuid == 4,
             resilvered: if state == ChildState::Stale { 5 << 20 } else { 0 },
+            replaced: false,
+            replacement: uuid == 4,
         };
         Superblock {
             device_uuid: [4; 16],
@@ -560,6 +575,12 @@ mod tests {
         refused(|s| s.device_uuid = [2; 16], "not listed");
         refused(|s| s.children[1].uuid = [3; 16], "UUID of another device");
         refused(|s| s.children[0].uuid = [1; 16], "UUID of another device");
+        // Its own member's uuid is allowed: the device the member was
+        // before a device was attached beside it.
+        let mut attached = mirrored();
+        attached.children[0].uuid = [2; 16];
+        attached.children[1].replaced = true;
+        assert_eq!(Superblock::decode(&attached.encode()).unwrap(), attached);
         refused(|s| s.children[0].member = 7, "names member 7");
         refused(
             |s| s.children[0].state = ChildState::Stale,

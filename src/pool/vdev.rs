@@ -1,7 +1,10 @@
-//! Virtual devices: what a pool member is. A member is a single device or a
-//! mirror of devices; either way the pool sees one address space, through
-//! the [`Device`] trait, so the allocator, the block map, the metadata store
-//! and the log are the same on both (ZFS's vdevs are the model).
+//! Virtual devices: what a pool member is. A member ([`Vdev`]) is a single
+//! device or a mirror of devices; either way the pool sees one address
+//! space, through the [`Device`] trait, so the allocator, the block map, the
+//! metadata store and the log are the same on both (ZFS's vdevs are the
+//! model). A single device becomes a mirror, and a mirror gains or loses
+//! devices, while the pool runs (`pool/attach.rs`): a mirror's children are
+//! a list replaced whole under a short lock, which every request reads once.
 //!
 //! A [`Mirror`]:
 //! - writes to every child that is up to date (and to one being
@@ -110,6 +113,13 @@ pub struct MirrorChild {
     in_flight: AtomicU32,
     /// While resilvering: every byte below this is up to date.
     pub(crate) resilvered: AtomicU64,
+    /// Taken out of the mirror by a detach (a request that picked it
+    /// before may still finish on it; nothing trusts it any more).
+    detached: AtomicBool,
+    /// As its superblock entry says: being replaced (detached once the
+    /// replacement is up to date), or the replacement (`pool replace`).
+    pub(crate) replaced: AtomicBool,
+    pub(crate) replacement: AtomicBool,
 }
 
 impl MirrorChild {
@@ -133,6 +143,9 @@ impl MirrorChild {
             health: AtomicU8::new(health.code()),
             in_flight: AtomicU32::new(0),
             resilvered: AtomicU64::new(resilvered),
+            detached: AtomicBool::new(false),
+            replaced: AtomicBool::new(false),
+            replacement: AtomicBool::new(false),
         }
     }
 
@@ -140,20 +153,53 @@ impl MirrorChild {
         Health::from_u8(self.health.load(Ordering::Acquire))
     }
 
-    pub(crate) fn set_health(&self, health: Health) {
-        self.health.store(health.code(), Ordering::Release);
+    /// Moves the child from `from` to `to`; `false` if it was not in `from`.
+    pub(crate) fn change_health(&self, from: Health, to: Health) -> bool {
+        self.health
+            .compare_exchange(from.code(), to.code(), Ordering::AcqRel, Ordering::Acquire)
+            .is_ok()
+    }
+
+    /// Whether it is being replaced, and whether it is a replacement.
+    pub fn replacing(&self) -> (bool, bool) {
+        (
+            self.replaced.load(Ordering::Acquire),
+            self.replacement.load(Ordering::Acquire),
+        )
+    }
+
+    /// Whether a detach took it out of its mirror.
+    pub fn detached(&self) -> bool {
+        self.detached.load(Ordering::Acquire)
+    }
+
+    fn is_online(&self) -> bool {
+        self.health() == Health::Online && self.device.is_some()
+    }
+
+    fn is_written(&self) -> bool {
+        self.health().written() && self.device.is_some()
     }
 }
+
+/// A mirror's children as they are at one moment: requests work on one
+/// such list from start to end, so an index into it stays valid while the
+/// mirror's own list changes (a device attached or detached).
+pub type Children = Arc<[Arc<MirrorChild>]>;
 
 /// Bytes a resilver copies at a time, and the unit its barrier locks.
 pub const RESYNC_UNIT: u64 = 1 << 20;
 const STRIPES: usize = 64;
+/// Children of one mirror (a read's retries are a bit each in a `u64`).
+pub const MAX_MIRROR_CHILDREN: usize = 64;
 
-/// A mirror of two or more devices (see the module header).
+/// A mirror of one or more devices (see the module header).
 pub struct Mirror {
     info: DeviceInfo,
     member: u8,
-    children: Vec<MirrorChild>,
+    /// Replaced whole (under the membership lock) when a device is attached
+    /// or detached; readers clone the `Arc` under a short read lock.
+    children: std::sync::RwLock<Children>,
     /// Reads go to the first up-to-date child only (while the pool opens).
     pinned: AtomicBool,
     /// Which child an idle mirror's next read prefers.
@@ -172,14 +218,12 @@ pub struct Mirror {
 
 impl Mirror {
     /// A mirror of `children` (in the order the superblocks list them) as
-    /// member `member` of size `size_bytes`.
+    /// member `member` of size `size_bytes`. It reads from its first
+    /// up-to-date child only until [`Mirror::pin_reads`] says otherwise.
     pub fn new(member: u8, size_bytes: u64, children: Vec<MirrorChild>) -> Mirror {
         let present: Vec<&Arc<dyn Device>> = children.iter().filter_map(|c| c.device.as_ref()).collect();
         let info = DeviceInfo {
-            name: format!(
-                "mirror-{member} ({})",
-                children.iter().map(|c| c.name.as_str()).collect::<Vec<_>>().join(", ")
-            ),
+            name: format!("mirror-{member}"),
             size_bytes,
             block_bytes: present.iter().map(|d| d.info().block_bytes).max().unwrap_or(512),
             direct_io: present.iter().all(|d| d.info().direct_io),
@@ -194,7 +238,7 @@ impl Mirror {
         Mirror {
             info,
             member,
-            children,
+            children: std::sync::RwLock::new(children.into_iter().map(Arc::new).collect()),
             pinned: AtomicBool::new(true),
             turn: AtomicU32::new(0),
             resyncing: AtomicBool::new(false),
@@ -208,8 +252,30 @@ impl Mirror {
         self.member
     }
 
-    pub fn children(&self) -> &[MirrorChild] {
-        &self.children
+    /// The children as they are now.
+    pub fn children(&self) -> Children {
+        self.children.read().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Appends `child` (attached: it takes writes from now on if it is
+    /// resilvering). The caller holds the membership lock.
+    pub(crate) fn push_child(&self, child: MirrorChild) -> Arc<MirrorChild> {
+        let child = Arc::new(child);
+        let mut children = self.children.write().unwrap_or_else(|e| e.into_inner());
+        let mut next: Vec<Arc<MirrorChild>> = children.iter().cloned().collect();
+        next.push(child.clone());
+        *children = next.into();
+        child
+    }
+
+    /// Takes the child of uuid `uuid` out (detached): no request started
+    /// from now on reads or writes it. The caller holds the membership lock.
+    pub(crate) fn remove_child(&self, uuid: &[u8; 16]) -> Option<Arc<MirrorChild>> {
+        let mut children = self.children.write().unwrap_or_else(|e| e.into_inner());
+        let removed = children.iter().find(|c| &c.uuid == uuid)?.clone();
+        removed.detached.store(true, Ordering::Release);
+        *children = children.iter().filter(|c| &c.uuid != uuid).cloned().collect();
+        Some(removed)
     }
 
     /// Reads from one child only (`true`, the state a mirror starts in) or
@@ -224,36 +290,35 @@ impl Mirror {
 
     /// Whether any child is not up to date.
     pub fn degraded(&self) -> bool {
-        self.children.iter().any(|c| c.health() != Health::Online)
+        self.children().iter().any(|c| c.health() != Health::Online)
     }
 
     /// The children that are up to date, in order.
-    pub fn online(&self) -> impl Iterator<Item = (usize, &MirrorChild)> {
-        self.children
-            .iter()
-            .enumerate()
-            .filter(|(_, c)| c.health() == Health::Online && c.device.is_some())
+    pub fn online(&self) -> Vec<Arc<MirrorChild>> {
+        self.children().iter().filter(|c| c.is_online()).cloned().collect()
     }
 
     /// The children that get writes (up to date or being resilvered).
-    pub fn written(&self) -> impl Iterator<Item = usize> + '_ {
-        self.children
-            .iter()
-            .enumerate()
-            .filter(|(_, c)| c.health().written() && c.device.is_some())
-            .map(|(i, _)| i)
+    pub fn written(&self) -> Vec<Arc<MirrorChild>> {
+        self.children().iter().filter(|c| c.is_written()).cloned().collect()
     }
 
-    /// The child a read goes to, skipping those in `tried` (a bit each).
-    fn pick(&self, tried: u64) -> Option<usize> {
-        let candidates = || self.online().filter(|(i, _)| tried & (1 << i) == 0);
+    /// The child of `children` a read goes to, skipping those in `tried`
+    /// (a bit each).
+    fn pick(&self, children: &[Arc<MirrorChild>], tried: u64) -> Option<usize> {
+        let candidates = || {
+            children
+                .iter()
+                .enumerate()
+                .filter(|(i, c)| tried & (1 << i) == 0 && c.is_online())
+        };
         if self.pinned.load(Ordering::Acquire) {
             return candidates().map(|(i, _)| i).next();
         }
         // Ties (idle children) are broken in turn, so that one reader at a
         // time still spreads its reads over the copies.
         let turn = self.turn.fetch_add(1, Ordering::Relaxed) as usize;
-        let count = self.children.len();
+        let count = children.len();
         let least_busy = |write_mostly: bool| {
             candidates()
                 .filter(|(_, c)| c.write_mostly == write_mostly)
@@ -263,12 +328,11 @@ impl Mirror {
         least_busy(false).or_else(|| least_busy(true))
     }
 
-    /// Reads `buf.len()` bytes at `offset` from child `index` alone,
-    /// counting a failure on it.
-    pub async fn read_child(&self, index: usize, offset: u64, buf: IoBuf) -> (IoBuf, DeviceResult<()>) {
-        let child = &self.children[index];
+    /// Reads `buf.len()` bytes at `offset` from `child` alone, counting a
+    /// failure on it.
+    pub async fn read_child(&self, child: &MirrorChild, offset: u64, buf: IoBuf) -> (IoBuf, DeviceResult<()>) {
         let Some(device) = &child.device else {
-            return (buf, Err(self.missing(index)));
+            return (buf, Err(missing(child)));
         };
         child.in_flight.fetch_add(1, Ordering::Relaxed);
         let (buf, result) = device.read(offset, buf).await;
@@ -279,46 +343,42 @@ impl Mirror {
         (buf, result)
     }
 
-    /// Writes `data` at `offset` to child `index` alone (a repair); a
-    /// child that fails it is faulted.
-    pub async fn write_child(&self, index: usize, offset: u64, data: &[u8]) -> DeviceResult<()> {
-        let child = &self.children[index];
+    /// Writes `data` at `offset` to `child` alone (a repair, a resilver's
+    /// copy); a child that fails it is faulted.
+    pub async fn write_child(&self, child: &MirrorChild, offset: u64, data: &[u8]) -> DeviceResult<()> {
         let Some(device) = &child.device else {
-            return Err(self.missing(index));
+            return Err(missing(child));
         };
         let (_, result) = device.write(offset, IoBuf::copy_from(data)).await;
         if let Err(e) = &result {
-            self.fault(index, e).await;
+            self.fault(child, e).await;
         }
         result
     }
 
-    fn missing(&self, index: usize) -> DeviceError {
-        unavailable(&self.children[index].name, "the device is not part of the running pool")
-    }
-
-    /// Marks child `index` faulted after `error` and has the fault
-    /// recorded. The last up-to-date child is never faulted: its errors are
-    /// the pool's.
-    async fn fault(&self, index: usize, error: &DeviceError) {
-        let child = &self.children[index];
+    /// Marks `child` faulted after `error` and has the fault recorded. The
+    /// last up-to-date child is never faulted: its errors are the pool's.
+    async fn fault(&self, child: &MirrorChild, error: &DeviceError) {
         child.counters.write_errors.fetch_add(1, Ordering::Relaxed);
-        let others_online = self.online().any(|(i, _)| i != index);
-        if !others_online || child.health() == Health::Faulted {
+        let others_online = self
+            .children()
+            .iter()
+            .any(|c| c.is_online() && !std::ptr::eq(&**c, child));
+        if !others_online || child.detached() {
             return;
         }
         let was = child.health();
-        child.set_health(Health::Faulted);
+        if !matches!(was, Health::Online | Health::Resilvering) || !child.change_health(was, Health::Faulted) {
+            return;
+        }
         tracing::error!(
             "{}: {error}; the device is faulted and {} goes on without it (DEGRADED)",
             child.name,
             self.info.name
         );
         // A device being resilvered loses its cursor too: it missed a write.
-        if matches!(was, Health::Online | Health::Resilvering) {
-            if let Some(membership) = self.membership.get().and_then(std::sync::Weak::upgrade) {
-                membership.record_health().await;
-            }
+        if let Some(membership) = self.membership.get().and_then(std::sync::Weak::upgrade) {
+            membership.record_health().await;
         }
     }
 
@@ -362,18 +422,23 @@ impl Mirror {
 
     /// Copies `[offset, +length)` (inside one [`RESYNC_UNIT`]) from an
     /// up-to-date child to each of `targets`, no write landing in between.
-    /// A target that fails the write is faulted and dropped from `targets`.
-    pub async fn copy_unit(&self, offset: u64, length: u64, targets: &mut Vec<usize>) -> DeviceResult<()> {
+    /// A target that fails the write (it is faulted), or that was detached,
+    /// is dropped from `targets`.
+    pub async fn copy_unit(&self, offset: u64, length: u64, targets: &mut Vec<Arc<MirrorChild>>) -> DeviceResult<()> {
         debug_assert!(offset / RESYNC_UNIT == (offset + length - 1) / RESYNC_UNIT);
         let _unit = self.stripes[((offset / RESYNC_UNIT) % STRIPES as u64) as usize]
             .write()
             .await;
+        targets.retain(|t| !t.detached() && t.health() == Health::Resilvering);
+        if targets.is_empty() {
+            return Ok(());
+        }
         let (buf, result) = Device::read(self, offset, IoBuf::new(length as usize)).await;
         result?;
         let mut kept = Vec::with_capacity(targets.len());
-        for &target in targets.iter() {
+        for target in targets.iter() {
             if self.write_child(target, offset, buf.payload()).await.is_ok() {
-                kept.push(target);
+                kept.push(target.clone());
             }
         }
         *targets = kept;
@@ -384,27 +449,26 @@ impl Mirror {
     /// ones that fail. `Ok` when at least one up-to-date child succeeded.
     async fn on_all<'a, F>(&'a self, op: F) -> DeviceResult<()>
     where
-        F: Fn(&'a Arc<dyn Device>) -> BoxFuture<'a, DeviceResult<()>>,
+        F: Fn(Arc<dyn Device>) -> BoxFuture<'a, DeviceResult<()>>,
     {
-        let targets: Vec<(usize, Health)> = self
-            .children
+        let targets: Vec<(Arc<MirrorChild>, Health)> = self
+            .children()
             .iter()
-            .enumerate()
-            .filter(|(_, c)| c.health().written() && c.device.is_some())
-            .map(|(i, c)| (i, c.health()))
+            .filter(|c| c.is_written())
+            .map(|c| (c.clone(), c.health()))
             .collect();
         let futures = targets
             .iter()
-            .map(|&(i, _)| op(self.children[i].device.as_ref().expect("present")))
+            .map(|(c, _)| op(c.device.clone().expect("present")))
             .collect();
         let results = join_all(futures).await;
         let mut first_error = None;
         let mut succeeded = false;
-        for (&(index, health), result) in targets.iter().zip(results) {
+        for ((child, health), result) in targets.iter().zip(results) {
             match result {
-                Ok(()) => succeeded |= health == Health::Online,
+                Ok(()) => succeeded |= *health == Health::Online,
                 Err(e) => {
-                    self.fault(index, &e).await;
+                    self.fault(child, &e).await;
                     first_error.get_or_insert(e);
                 }
             }
@@ -417,6 +481,10 @@ impl Mirror {
     }
 }
 
+fn missing(child: &MirrorChild) -> DeviceError {
+    unavailable(&child.name, "the device is not part of the running pool")
+}
+
 fn unavailable(name: &str, reason: &str) -> DeviceError {
     DeviceError::Io {
         device: name.to_string(),
@@ -425,37 +493,210 @@ fn unavailable(name: &str, reason: &str) -> DeviceError {
     }
 }
 
+/// What a pool member is: one device, or a mirror, and a single device can
+/// become a mirror while the pool runs (`pool attach`). The pool, its
+/// metadata store and its log hold this as the member's one `Device`, so
+/// they follow the change without knowing it.
+///
+/// A single device's reads go straight to it (one load to see it is not a
+/// mirror); its writes, discards and preallocations also count themselves
+/// in `writing` while they run, so that the switch to a mirror can wait for
+/// those that began before it (a resilver must not copy a range that such a
+/// write lands in afterwards). Once a mirror, always a mirror until the pool
+/// is closed: a mirror left with one device by a detach stays a mirror of
+/// one.
+pub struct Vdev {
+    /// The device while the member is a single device; `None` for a member
+    /// opened as a mirror.
+    single: Option<Arc<dyn Device>>,
+    mirror: OnceLock<Arc<Mirror>>,
+    /// Set (after `mirror`) when the member becomes a mirror; read with the
+    /// same order as `writing` is counted, so a write either sees it or is
+    /// waited for.
+    mirrored: AtomicBool,
+    /// Writes (and discards, preallocations) under way on `single`.
+    writing: AtomicU32,
+}
+
+/// Counts one operation in [`Vdev::writing`] until dropped.
+struct Writing<'a>(&'a AtomicU32);
+
+impl Drop for Writing<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+impl Vdev {
+    /// A single-device member.
+    pub fn single(device: Arc<dyn Device>) -> Vdev {
+        Vdev {
+            single: Some(device),
+            mirror: OnceLock::new(),
+            mirrored: AtomicBool::new(false),
+            writing: AtomicU32::new(0),
+        }
+    }
+
+    /// A member that is a mirror.
+    pub fn mirrored(mirror: Arc<Mirror>) -> Vdev {
+        let vdev = Vdev {
+            single: None,
+            mirror: OnceLock::new(),
+            mirrored: AtomicBool::new(true),
+            writing: AtomicU32::new(0),
+        };
+        let _ = vdev.mirror.set(mirror);
+        vdev
+    }
+
+    /// The mirror, once the member is one.
+    pub fn mirror(&self) -> Option<&Arc<Mirror>> {
+        self.mirror.get()
+    }
+
+    /// The device of a member that is (still) a single device.
+    pub fn single_device(&self) -> Option<&Arc<dyn Device>> {
+        match self.mirror.get() {
+            Some(_) => None,
+            None => self.single.as_ref(),
+        }
+    }
+
+    /// Makes the single-device member a mirror of `mirror` (whose children
+    /// include the device), then waits for the writes that went to the
+    /// device alone before the switch. The caller holds the membership lock.
+    pub(crate) async fn become_mirror(&self, mirror: Arc<Mirror>) -> Result<(), String> {
+        if self.mirror.set(mirror).is_err() {
+            return Err("the member is already a mirror".into());
+        }
+        self.mirrored.store(true, Ordering::SeqCst);
+        while self.writing.load(Ordering::SeqCst) > 0 {
+            tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+        }
+        Ok(())
+    }
+
+    /// The single device for an operation that changes its contents, counted
+    /// until the guard is dropped; `None` when the member is a mirror.
+    fn enter_single(&self) -> Option<(&Arc<dyn Device>, Writing<'_>)> {
+        self.writing.fetch_add(1, Ordering::SeqCst);
+        let guard = Writing(&self.writing);
+        if self.mirrored.load(Ordering::SeqCst) {
+            return None;
+        }
+        self.single.as_ref().map(|device| (device, guard))
+    }
+
+    fn current(&self) -> &dyn Device {
+        match (self.mirror.get(), &self.single) {
+            (Some(mirror), _) => &**mirror,
+            (None, Some(single)) => &**single,
+            (None, None) => unreachable!("a member is a device or a mirror"),
+        }
+    }
+}
+
+impl Device for Vdev {
+    fn info(&self) -> &DeviceInfo {
+        self.current().info()
+    }
+
+    fn read(&self, offset: u64, buf: IoBuf) -> BoxFuture<'_, (IoBuf, DeviceResult<()>)> {
+        self.current().read(offset, buf)
+    }
+
+    fn write(&self, offset: u64, buf: IoBuf) -> BoxFuture<'_, (IoBuf, DeviceResult<()>)> {
+        if let Some(mirror) = self.mirror.get() {
+            return mirror.write(offset, buf);
+        }
+        Box::pin(async move {
+            match self.enter_single() {
+                Some((device, _writing)) => device.write(offset, buf).await,
+                None => self.current().write(offset, buf).await,
+            }
+        })
+    }
+
+    fn flush(&self) -> BoxFuture<'_, DeviceResult<()>> {
+        self.current().flush()
+    }
+
+    fn flush_range(&self, offset: u64, length: u64) -> BoxFuture<'_, DeviceResult<()>> {
+        self.current().flush_range(offset, length)
+    }
+
+    fn discard(&self, offset: u64, length: u64) -> BoxFuture<'_, DeviceResult<()>> {
+        if let Some(mirror) = self.mirror.get() {
+            return mirror.discard(offset, length);
+        }
+        Box::pin(async move {
+            match self.enter_single() {
+                Some((device, _writing)) => device.discard(offset, length).await,
+                None => self.current().discard(offset, length).await,
+            }
+        })
+    }
+
+    fn write_now(&self, offset: u64, data: &[u8]) -> Option<DeviceResult<()>> {
+        if let Some(mirror) = self.mirror.get() {
+            return mirror.write_now(offset, data);
+        }
+        match self.enter_single() {
+            Some((device, _writing)) => device.write_now(offset, data),
+            None => self.current().write_now(offset, data),
+        }
+    }
+
+    fn read_now(&self, offset: u64, dst: &mut [u8]) -> Option<DeviceResult<()>> {
+        self.current().read_now(offset, dst)
+    }
+
+    fn read_now_summed(&self, offset: u64, dst: &mut [u8], sums: &mut [u32]) -> bool {
+        self.current().read_now_summed(offset, dst, sums)
+    }
+
+    fn backing_space(&self) -> Option<BackingSpace> {
+        self.current().backing_space()
+    }
+
+    fn preallocate(&self, offset: u64, length: u64) -> DeviceResult<()> {
+        if let Some(mirror) = self.mirror.get() {
+            return mirror.preallocate(offset, length);
+        }
+        match self.enter_single() {
+            Some((device, _writing)) => device.preallocate(offset, length),
+            None => self.current().preallocate(offset, length),
+        }
+    }
+}
+
 /// The pool's membership as its superblocks record it, kept in memory so
-/// that a change (a mirror child faulted, a device added) is written to
-/// every device under one lock, each with the next generation.
+/// that a change (a mirror child faulted, a device added, attached or
+/// detached) is written to every device under one lock, each with the next
+/// generation.
 pub struct Membership {
     current: tokio::sync::Mutex<Superblock>,
-    /// Every member's mirror (`None` for single devices), by member index.
-    mirrors: std::sync::RwLock<Vec<Option<Arc<Mirror>>>>,
-    /// Single-device members' devices, by member index.
-    singles: std::sync::RwLock<Vec<Option<Arc<dyn Device>>>>,
+    /// Every member, by member index.
+    members: std::sync::RwLock<Vec<Option<Arc<Vdev>>>>,
 }
 
 impl Membership {
     pub fn new(current: Superblock) -> Membership {
         Membership {
             current: tokio::sync::Mutex::new(current),
-            mirrors: Default::default(),
-            singles: Default::default(),
+            members: Default::default(),
         }
     }
 
-    /// Adds member `index`: its mirror, or its one device.
-    pub fn add_member(&self, index: u8, device: &Arc<dyn Device>, mirror: Option<&Arc<Mirror>>) {
+    /// Adds member `index`.
+    pub fn add_member(&self, index: u8, vdev: &Arc<Vdev>) {
         let index = index as usize;
-        let mut mirrors = self.mirrors.write().unwrap_or_else(|e| e.into_inner());
-        let mut singles = self.singles.write().unwrap_or_else(|e| e.into_inner());
-        if mirrors.len() <= index {
-            mirrors.resize(index + 1, None);
-            singles.resize(index + 1, None);
+        let mut members = self.members.write().unwrap_or_else(|e| e.into_inner());
+        if members.len() <= index {
+            members.resize(index + 1, None);
         }
-        mirrors[index] = mirror.cloned();
-        singles[index] = mirror.is_none().then(|| device.clone());
+        members[index] = Some(vdev.clone());
     }
 
     /// The superblock as last written (or read at open).
@@ -464,21 +705,28 @@ impl Membership {
     }
 
     /// Every physical device that takes superblock writes now, with its
-    /// member index and own uuid: single devices, and mirror children that
-    /// are written to (up to date, or being resilvered).
+    /// member index and own uuid: single devices, and the mirror children
+    /// `superblock` lists that are written to (up to date, or being
+    /// resilvered).
     pub fn writable_devices(&self, superblock: &Superblock) -> Vec<(Arc<dyn Device>, u8, [u8; 16])> {
-        let mirrors = self.mirrors.read().unwrap_or_else(|e| e.into_inner());
-        let singles = self.singles.read().unwrap_or_else(|e| e.into_inner());
+        let members = self.members.read().unwrap_or_else(|e| e.into_inner());
         let mut out = Vec::new();
         for member in &superblock.members {
-            let index = member.index as usize;
-            if let Some(Some(device)) = singles.get(index) {
-                out.push((device.clone(), member.index, member.uuid));
-            }
-            if let Some(Some(mirror)) = mirrors.get(index) {
-                for child in mirror.children().iter().filter(|c| c.health().written()) {
-                    if let Some(device) = &child.device {
-                        out.push((device.clone(), member.index, child.uuid));
+            let Some(Some(vdev)) = members.get(member.index as usize) else {
+                continue;
+            };
+            match vdev.mirror() {
+                None => {
+                    if let Some(device) = vdev.single_device() {
+                        out.push((device.clone(), member.index, member.uuid));
+                    }
+                }
+                Some(mirror) => {
+                    let listed = |uuid: &[u8; 16]| superblock.children_of(member.index).any(|c| &c.uuid == uuid);
+                    for child in mirror.children().iter().filter(|c| c.is_written() && listed(&c.uuid)) {
+                        if let Some(device) = &child.device {
+                            out.push((device.clone(), member.index, child.uuid));
+                        }
                     }
                 }
             }
@@ -488,9 +736,12 @@ impl Membership {
 
     /// Copies the children's health into `superblock` (up to date or not).
     pub fn note_health(&self, superblock: &mut Superblock) {
-        let mirrors = self.mirrors.read().unwrap_or_else(|e| e.into_inner());
+        let members = self.members.read().unwrap_or_else(|e| e.into_inner());
         for entry in &mut superblock.children {
-            let Some(Some(mirror)) = mirrors.get(entry.member as usize) else {
+            let Some(Some(mirror)) = members
+                .get(entry.member as usize)
+                .map(|m| m.as_ref().and_then(|v| v.mirror()))
+            else {
                 continue;
             };
             if let Some(child) = mirror.children().iter().find(|c| c.uuid == entry.uuid) {
@@ -504,6 +755,22 @@ impl Membership {
         }
     }
 
+    /// Writes `next` (the next generation) to every device it names that
+    /// takes writes, and makes it the current one; the caller holds the
+    /// lock (`current`). A device that fails is logged: it is failing, and
+    /// its next write faults it (the newest generation is on the others).
+    pub async fn write_all(&self, current: &mut Superblock, next: Superblock) {
+        for (device, index, uuid) in self.writable_devices(&next) {
+            if let Err(e) = super::write_superblock(&device, &next.for_device(index, uuid)).await {
+                tracing::error!(
+                    "{}: cannot record the pool's membership in its superblock: {e}",
+                    device.info().name
+                );
+            }
+        }
+        *current = next;
+    }
+
     /// Writes the children's health to every writable device, as the next
     /// generation. Failures are logged: a device that cannot take its
     /// superblock is failing, and the next write there faults it.
@@ -515,15 +782,7 @@ impl Membership {
             return;
         }
         next.generation += 1;
-        for (device, index, uuid) in self.writable_devices(&next) {
-            if let Err(e) = super::write_superblock(&device, &next.for_device(index, uuid)).await {
-                tracing::error!(
-                    "{}: cannot record the mirror's state in its superblock: {e}",
-                    device.info().name
-                );
-            }
-        }
-        *current = next;
+        self.write_all(&mut current, next).await;
     }
 }
 
@@ -564,30 +823,29 @@ impl Device for Mirror {
 
     fn read(&self, offset: u64, buf: IoBuf) -> BoxFuture<'_, (IoBuf, DeviceResult<()>)> {
         Box::pin(async move {
+            let children = self.children();
             let mut tried = 0u64;
             let mut failed: Vec<usize> = Vec::new();
             let mut buf = buf;
             let mut last_error = None;
-            while let Some(index) = self.pick(tried) {
+            while let Some(index) = self.pick(&children, tried) {
                 tried |= 1 << index;
-                let (back, result) = self.read_child(index, offset, buf).await;
+                let (back, result) = self.read_child(&children[index], offset, buf).await;
                 buf = back;
                 match result {
                     Ok(()) => {
                         // Rewrite what failed to read from the copy that did.
                         for bad in failed {
-                            if self.write_child(bad, offset, buf.payload()).await.is_ok() {
+                            let child = &children[bad];
+                            if self.write_child(child, offset, buf.payload()).await.is_ok() {
                                 let sectors = (buf.len() as u64).div_ceil(4096);
-                                self.children[bad]
-                                    .counters
-                                    .repaired
-                                    .fetch_add(sectors, Ordering::Relaxed);
+                                child.counters.repaired.fetch_add(sectors, Ordering::Relaxed);
                             }
                         }
                         return (buf, Ok(()));
                     }
                     Err(e) => {
-                        tracing::warn!("{}: {e}; reading from another copy", self.children[index].name);
+                        tracing::warn!("{}: {e}; reading from another copy", children[index].name);
                         failed.push(index);
                         last_error = Some(e);
                     }
@@ -615,20 +873,21 @@ impl Device for Mirror {
     }
 
     fn flush(&self) -> BoxFuture<'_, DeviceResult<()>> {
-        Box::pin(self.on_all(|device| device.flush()))
+        Box::pin(self.on_all(|device| Box::pin(async move { device.flush().await })))
     }
 
     fn flush_range(&self, offset: u64, length: u64) -> BoxFuture<'_, DeviceResult<()>> {
-        Box::pin(self.on_all(move |device| device.flush_range(offset, length)))
+        Box::pin(self.on_all(move |device| Box::pin(async move { device.flush_range(offset, length).await })))
     }
 
     fn discard(&self, offset: u64, length: u64) -> BoxFuture<'_, DeviceResult<()>> {
         // A discard changes nothing a read may rely on (the range reads as
         // zeros or as before), so a child that refuses one is not faulted.
         Box::pin(self.barred(offset, length, move || async move {
-            let futures = self
-                .written()
-                .filter_map(|i| self.children[i].device.as_ref())
+            let written = self.written();
+            let futures = written
+                .iter()
+                .filter_map(|c| c.device.as_ref())
                 .map(|d| d.discard(offset, length))
                 .collect();
             let results = join_all(futures).await;
@@ -647,19 +906,22 @@ impl Device for Mirror {
     /// resilver runs: its barrier is taken by `write`.
     fn write_now(&self, offset: u64, data: &[u8]) -> Option<DeviceResult<()>> {
         self.unbarred.fetch_add(1, Ordering::SeqCst);
+        let children = self.children();
         let done = !self.resyncing.load(Ordering::SeqCst)
-            && self.online().next().is_some()
-            && self
-                .written()
-                .filter_map(|i| self.children[i].device.as_ref())
+            && children.iter().any(|c| c.is_online())
+            && children
+                .iter()
+                .filter(|c| c.is_written())
+                .filter_map(|c| c.device.as_ref())
                 .all(|device| matches!(device.write_now(offset, data), Some(Ok(()))));
         self.unbarred.fetch_sub(1, Ordering::SeqCst);
         done.then_some(Ok(()))
     }
 
     fn read_now(&self, offset: u64, dst: &mut [u8]) -> Option<DeviceResult<()>> {
-        let index = self.pick(0)?;
-        let device = self.children[index].device.as_ref()?;
+        let children = self.children();
+        let index = self.pick(&children, 0)?;
+        let device = children[index].device.as_ref()?;
         match device.read_now(offset, dst)? {
             Ok(()) => Some(Ok(())),
             // The usual read retries on another child.
@@ -668,10 +930,11 @@ impl Device for Mirror {
     }
 
     fn read_now_summed(&self, offset: u64, dst: &mut [u8], sums: &mut [u32]) -> bool {
-        let Some(index) = self.pick(0) else {
+        let children = self.children();
+        let Some(index) = self.pick(&children, 0) else {
             return false;
         };
-        self.children[index]
+        children[index]
             .device
             .as_ref()
             .is_some_and(|device| device.read_now_summed(offset, dst, sums))
@@ -682,7 +945,7 @@ impl Device for Mirror {
     }
 
     fn preallocate(&self, offset: u64, length: u64) -> DeviceResult<()> {
-        for child in self.children.iter().filter(|c| c.health().written()) {
+        for child in self.written() {
             if let Some(device) = &child.device {
                 device.preallocate(offset, length)?;
             }

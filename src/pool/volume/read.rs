@@ -26,7 +26,7 @@ impl EngineVolume {
             return Ok(());
         }
         let pool_device = self.pool.data_device(device).map_err(meta_error)?;
-        if let Some(mirror) = &pool_device.mirror {
+        if let Some(mirror) = pool_device.mirror() {
             // Another copy may hold what the checksums describe.
             self.heal(mirror, offset, data, &stored, logical).await;
             actuals = sector_crcs(data);
@@ -47,7 +47,7 @@ impl EngineVolume {
                 };
                 self.pool.set_crc(device, at, actual).map_err(meta_error)?;
                 counters.repaired_after_crash.fetch_add(1, Ordering::Relaxed);
-                if pool_device.mirror.is_some() {
+                if pool_device.mirror().is_some() {
                     // No copy matched: the crash explains it, and every copy
                     // is made the one the checksum now describes.
                     let from = index * SECTOR_BYTES as usize;
@@ -81,14 +81,13 @@ impl EngineVolume {
     /// per child. Sectors no child holds intact stay as they were.
     async fn heal(&self, mirror: &Mirror, offset: u64, data: &mut [u8], stored: &[u32], logical: u64) {
         let sector = SECTOR_BYTES as usize;
-        let mut copies: Vec<(usize, IoBuf, Vec<u32>)> = Vec::new();
-        let online: Vec<usize> = mirror.online().map(|(i, _)| i).collect();
-        for index in online {
-            let (buf, result) = mirror.read_child(index, offset, IoBuf::new(data.len())).await;
+        let mut copies: Vec<(Arc<crate::pool::vdev::MirrorChild>, IoBuf, Vec<u32>)> = Vec::new();
+        for child in mirror.online() {
+            let (buf, result) = mirror.read_child(&child, offset, IoBuf::new(data.len())).await;
             if result.is_ok() {
                 let mut sums = sector_crcs(buf.payload());
                 self.pool.tag_crcs(&mut sums, logical);
-                copies.push((index, buf, sums));
+                copies.push((child, buf, sums));
             }
         }
         for (at, &expected) in stored.iter().enumerate() {
@@ -97,13 +96,12 @@ impl EngineVolume {
             };
             let range = at * sector..(at + 1) * sector;
             data[range.clone()].copy_from_slice(&copies[good].1.payload()[range.clone()]);
-            let bad: Vec<usize> = copies
+            let bad: Vec<Arc<crate::pool::vdev::MirrorChild>> = copies
                 .iter()
                 .filter(|(_, _, sums)| sums[at] != expected)
-                .map(|(index, _, _)| *index)
+                .map(|(child, _, _)| child.clone())
                 .collect();
-            for index in bad {
-                let child = &mirror.children()[index];
+            for child in bad {
                 child.counters.checksum_errors.fetch_add(1, Ordering::Relaxed);
                 let place = offset + (at * sector) as u64;
                 tracing::warn!(
@@ -112,7 +110,7 @@ impl EngineVolume {
                     child.name,
                     logical + (at * sector) as u64
                 );
-                if mirror.write_child(index, place, &data[range.clone()]).await.is_ok() {
+                if mirror.write_child(&child, place, &data[range.clone()]).await.is_ok() {
                     child.counters.repaired.fetch_add(1, Ordering::Relaxed);
                 }
             }
