@@ -370,6 +370,86 @@ fn an_attachs_resilver_cut_short_resumes_at_its_cursor() {
     });
 }
 
+#[test]
+fn a_faulted_mirror_device_is_replaced_and_then_forgotten() {
+    use strata::device::wrappers::IoOp;
+    use strata::device::{ErrorDevice, ErrorRule};
+    runtime().block_on(async {
+        let (a, b, c) = (sim(15), sim(16), sim(17));
+        let failing = Arc::new(ErrorDevice::new(b.as_device(), Vec::new(), 3));
+        let vdevs = vec![NewVdev {
+            role: Role::Fast,
+            devices: vec![a.as_device(), failing.clone()],
+            write_mostly: Vec::new(),
+        }];
+        let pool = Pool::create_vdevs("f", 1 << 20, vdevs, options()).await.unwrap();
+        let volume = volume_of(&pool);
+        write_placed(&pool, &volume, 1).await;
+        failing.set_rules(vec![ErrorRule::always(&[IoOp::Write, IoOp::Flush])]);
+        write_placed(&pool, &volume, 2).await;
+        assert_eq!(children(&pool)[1].0, Health::Faulted);
+        let name = pool.status()[0].children[1].name.clone();
+        pool.replace(&DeviceSpec::Path(name), c.as_device()).await.unwrap();
+        assert_eq!(
+            children(&pool),
+            [
+                (Health::Online, false, false),
+                (Health::Faulted, true, false),
+                (Health::Resilvering, false, true)
+            ]
+        );
+        pool.resilver().await.unwrap();
+        assert_eq!(
+            children(&pool),
+            [(Health::Online, false, false), (Health::Online, false, false)]
+        );
+        assert_eq!(pool.status()[0].state, "ONLINE");
+        // The faulted device is handed over to be forgotten.
+        assert_eq!(pool.take_detached().len(), 1);
+        assert_holds(&c, &volume, 2);
+        check_all(&volume, 2).await;
+    });
+}
+
+/// A crash between an attach's superblock writes: the new device's is
+/// written, the old device's is not. The pool opens with the old device
+/// alone as before, or with both, the new one then a stale copy that is
+/// resilvered; never with neither, and the data is there either way.
+#[test]
+fn an_attach_cut_short_between_its_superblock_writes_opens_with_or_without_the_new_device() {
+    runtime().block_on(async {
+        let (a, b) = (sim(18), sim(19));
+        let header = {
+            let pool = single_pool(&a).await;
+            let volume = volume_of(&pool);
+            write_placed(&pool, &volume, 1).await;
+            pool.checkpoint().await.unwrap();
+            let header = a.snapshot().read(0, 1 << 20);
+            let member = superblock(&a).members[0].uuid;
+            pool.attach(&spec(member), b.as_device()).await.unwrap();
+            header
+        };
+        // a as it was before the attach reached it.
+        a.write_durable(0, &header);
+        assert!(superblock(&a).children.is_empty());
+        for devices in [vec![&a], vec![&a, &b]] {
+            let pool = open(&devices).await;
+            let volume = volume_of(&pool);
+            check_all(&volume, 1).await;
+            if devices.len() == 2 {
+                assert_eq!(
+                    children(&pool),
+                    [(Health::Online, false, false), (Health::Resilvering, false, false)]
+                );
+                pool.resilver().await.unwrap();
+                assert_holds(&b, &volume, 1);
+            } else {
+                assert!(pool.status()[0].children.is_empty(), "a single device, as before");
+            }
+        }
+    });
+}
+
 // ---------------------------------------------------------------------------
 // Under the daemon
 
