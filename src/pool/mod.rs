@@ -40,6 +40,8 @@ pub mod ram;
 pub mod readcache;
 mod recover;
 mod relocate;
+mod remove;
+pub use remove::RemovalStatus;
 mod resilver;
 pub use resilver::ResilverStatus;
 mod scrub;
@@ -236,6 +238,8 @@ pub struct PoolDevice {
     pub(crate) heat: migrate::Heat,
     /// Data written here, and how much of it a flush covered.
     written: DataWrites,
+    /// Its [`superblock::MemberState`] as of now (`pool/remove.rs`).
+    state: std::sync::atomic::AtomicU8,
 }
 
 /// A device's completed data writes (count and bytes) and the count the
@@ -282,6 +286,9 @@ pub struct DeviceStatus {
     /// The resilver under way on this mirror.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub resilver: Option<ResilverStatus>,
+    /// Its removal (`pool remove`), under way or stopped.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub removal: Option<RemovalStatus>,
 }
 
 fn online() -> String {
@@ -413,6 +420,8 @@ pub struct Pool {
     regions: Regions,
     /// Resilvers under way, by member (`pool/resilver.rs`).
     resilvers: Mutex<HashMap<u8, resilver::ResilverStatus>>,
+    /// The removal under way, or the last one that failed (`pool/remove.rs`).
+    removal: Mutex<Option<RemovalStatus>>,
     /// The devices as stored metadata is checked against (grows with
     /// `pool add-device`).
     geometry: Arc<std::sync::RwLock<crate::meta::geometry::Geometry>>,
@@ -568,15 +577,19 @@ impl Pool {
     pub fn rotational(&self) -> bool {
         self.devices
             .iter()
-            .any(|d| d.member.role.holds_data() && d.device.info().rotational)
+            .any(|d| d.member.role.holds_data() && !d.is_removed() && d.device.info().rotational)
     }
 
     pub fn status(&self) -> Vec<DeviceStatus> {
         let allocator = self.allocator.lock_or_abort();
+        let removal = self.removal_status();
         let mut statuses: Vec<DeviceStatus> = self
             .devices
             .iter()
+            .filter(|d| !d.is_removed())
             .map(|d| {
+                let removal = removal.clone().filter(|r| r.index == d.member.index);
+                let removing = d.state() == superblock::MemberState::Evacuating;
                 let space = allocator.devices().iter().find(|s| s.index == d.member.index);
                 DeviceStatus {
                     index: d.member.index,
@@ -593,7 +606,10 @@ impl Pool {
                     backing: d.device.backing_space(),
                     unbackable_bytes: 0,
                     resilver: self.resilver_status(d.member.index),
-                    state: if d.mirror.as_ref().is_some_and(|m| m.degraded()) {
+                    removal,
+                    state: if removing {
+                        "REMOVING".into()
+                    } else if d.mirror.as_ref().is_some_and(|m| m.degraded()) {
                         "DEGRADED".into()
                     } else {
                         online()

@@ -458,6 +458,20 @@ impl Membership {
         singles[index] = mirror.is_none().then(|| device.clone());
     }
 
+    /// Forgets member `index` (removed): no superblock is written to its
+    /// devices any more.
+    pub fn remove_member(&self, index: u8) {
+        let index = index as usize;
+        let mut mirrors = self.mirrors.write().unwrap_or_else(|e| e.into_inner());
+        let mut singles = self.singles.write().unwrap_or_else(|e| e.into_inner());
+        if let Some(slot) = mirrors.get_mut(index) {
+            *slot = None;
+        }
+        if let Some(slot) = singles.get_mut(index) {
+            *slot = None;
+        }
+    }
+
     /// The superblock as last written (or read at open).
     pub async fn lock(&self) -> tokio::sync::MutexGuard<'_, Superblock> {
         self.current.lock().await
