@@ -33,12 +33,13 @@ use crate::units::parse_size;
 pub const METRICS_CONTENT_TYPE: &str = "text/plain; version=0.0.4";
 
 /// Every endpoint, as listed by `GET /` and `GET /v1`.
-pub const ENDPOINTS: [&str; 47] = [
+pub const ENDPOINTS: [&str; 48] = [
     "GET /metrics",
     "GET /v1/pools",
     "POST /v1/pools",
     "GET /v1/pools/{pool}",
     "POST /v1/pools/{pool}/devices",
+    "POST /v1/pools/{pool}/remove",
     "GET /v1/volumes[?pool=POOL]",
     "POST /v1/volumes",
     "GET /v1/volumes/{pool}/{name}",
@@ -416,6 +417,29 @@ async fn add_device(
     };
     let status = blocking(&manager, move |m| m.add_device(&pool, &device, request.force)).await?;
     Ok((StatusCode::CREATED, Json(status)))
+}
+
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+struct RemoveDeviceRequest {
+    /// The device to remove: its path, or for a whole mirror `mirror-N`
+    /// or the path of any of its devices.
+    device: String,
+}
+
+#[utoipa::path(post, path = "/v1/pools/{pool}/remove", tag = "pools", params(("pool" = String, Path, description = "Pool name")), request_body = RemoveDeviceRequest, responses((status = 202, description = "The removal is under way (the device takes no new data; its progress is the device's `removal` in the pool's status)", body = PoolStatus), (status = 404, description = "No such pool, or the device is not one of its members", body = ErrorBody), (status = 400, description = "Invalid request, or the device cannot be removed (the reason)", body = ErrorBody), (status = 401, description = "No valid token (TCP)", body = ErrorBody)))]
+async fn remove_device(
+    State(manager): State<Manager>,
+    path: Result<Path<String>, PathRejection>,
+    body: Result<Json<RemoveDeviceRequest>, JsonRejection>,
+) -> ApiResult<(StatusCode, Json<PoolStatus>)> {
+    let Path(pool) = path?;
+    let Json(request) = body?;
+    let status = tokio::task::spawn_blocking(move || manager.remove_device(&pool, &request.device))
+        .await
+        .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, format!("internal error: {e}")))?
+        .map_err(ApiError::from)?;
+    Ok((StatusCode::ACCEPTED, Json(status)))
 }
 
 #[utoipa::path(post, path = "/v1/pools/{pool}/sync", tag = "pools", params(("pool" = String, Path, description = "Pool name")), responses((status = 200, description = "Everything cached is placed and checkpointed", body = PoolStatus), (status = 404, description = "No such pool, volume or snapshot", body = ErrorBody), (status = 400, description = "Invalid request", body = ErrorBody), (status = 401, description = "No valid token (TCP)", body = ErrorBody)))]
@@ -1212,6 +1236,7 @@ fn complete(doc: &mut Value) {
     schemas["CreateRequest"]["required"] = json!(["name", "size"]);
     set(schemas, "AddDeviceRequest", "role", choice(&["fast", "capacity"]));
     schemas["AddDeviceRequest"]["properties"]["path"]["minLength"] = json!(1);
+    schemas["RemoveDeviceRequest"]["properties"]["device"]["minLength"] = json!(1);
     set(schemas, "CreateRequest", "name", full_name_schema());
     set(
         schemas,
@@ -1380,7 +1405,7 @@ pub fn document() -> Value {
         description = "The strata daemon's REST API: pools, volumes, file datasets, snapshots, send/receive, iSCSI settings and analytics. Over TCP every request but an open GET /metrics, GET /ui and GET /openapi.json carries `Authorization: Bearer TOKEN` (the token in DATA_DIR/api.token); the Unix socket DATA_DIR/api.sock needs none. Errors are `{\"error\": \"...\"}`."
     ),
     paths(
-        index, metrics, openapi, dashboard, list_pools, create_pool, get_pool, add_device, sync_pool,
+        index, metrics, openapi, dashboard, list_pools, create_pool, get_pool, add_device, remove_device, sync_pool,
         get_pool_properties, set_pool_properties, migrate_pool, list_volumes,
         create_volume, get_volume, set_volume, resize_volume, delete_volume, promote_volume, list_filesystems,
         create_filesystem, get_filesystem, set_filesystem, destroy_filesystem, promote_filesystem, list_filesystem_snapshots,
@@ -1424,6 +1449,7 @@ pub fn router(manager: Arc<VolumeManager>, auth: Arc<ApiAuth>) -> Router {
         .route("/v1/pools", get(list_pools).post(create_pool))
         .route("/v1/pools/:pool", get(get_pool))
         .route("/v1/pools/:pool/devices", post(add_device))
+        .route("/v1/pools/:pool/remove", post(remove_device))
         .route("/v1/pools/:pool/sync", post(sync_pool))
         .route(
             "/v1/pools/:pool/properties",

@@ -30,6 +30,7 @@ use crate::volume::{full_name, Volume};
 mod clones;
 mod datasets;
 mod pool_props;
+mod removal;
 mod retention;
 mod send;
 mod snapshots;
@@ -384,7 +385,15 @@ impl VolumeManager {
         let mut open_datasets = HashMap::new();
         let mut settled = catalog.clone();
         for (pool_name, record) in &catalog.pools {
-            let (pool, joined) = open_pool(data_dir, pool_name, record, &wraps).await?;
+            let (pool, joined, removed) = open_pool(data_dir, pool_name, record, &wraps).await?;
+            // A removal that ended between its superblocks and the catalog.
+            if let Some(settled) = settled.pools.get_mut(pool_name).filter(|_| !removed.is_empty()) {
+                tracing::warn!(
+                    "pool {pool_name}: {} removed from the pool before strata stopped; dropped from the catalog",
+                    removed.join(", ")
+                );
+                settled.devices.retain(|d| !removed.contains(&d.path));
+            }
             // An addition that did not finish is settled now, one way or the other.
             if let (Some(adding), Some(settled)) = (&record.adding, settled.pools.get_mut(pool_name)) {
                 settled.adding = None;
@@ -1218,7 +1227,7 @@ impl VolumeManager {
                     read_misses: read.misses,
                     ram_tier: pool.cache.ram.location().to_string(),
                 };
-                let degraded = devices.iter().any(|d| d.state != "ONLINE");
+                let degraded = devices.iter().any(|d| d.state == "DEGRADED");
                 let child_errors = |count: fn(&crate::pool::ChildStatus) -> u64| -> u64 {
                     devices.iter().flat_map(|d| &d.children).map(count).sum()
                 };
@@ -1514,7 +1523,7 @@ fn discovery_rows(settings: &std::collections::BTreeMap<String, String>) -> Vec<
 
 /// A device path as the pool records it: absolute, with every symlink and
 /// `..` resolved, so the catalog names the file itself.
-fn canonical_device_path(path: &str) -> Result<String, AdminError> {
+pub(super) fn canonical_device_path(path: &str) -> Result<String, AdminError> {
     if path.is_empty() {
         return Err(AdminError::Invalid("missing device path".into()));
     }
@@ -1539,27 +1548,43 @@ fn open_wrapped(path: impl AsRef<Path>, wraps: &DeviceWraps) -> Result<Arc<dyn D
 
 /// Opens a pool's devices and the pool (replaying its log). Also says
 /// whether the device being added (`record.adding`), if any, was opened as
-/// a member: it is when the pool's superblocks list it.
+/// a member: it is when the pool's superblocks list it; and which of the
+/// catalog's devices were left out because their member was removed.
 async fn open_pool(
     data_dir: &Path,
     name: &str,
     record: &PoolRecord,
     wraps: &DeviceWraps,
-) -> Result<(Arc<Pool>, bool), AdminError> {
+) -> Result<(Arc<Pool>, bool, Vec<String>), AdminError> {
     let mut devices = Vec::new();
     // A device that cannot be opened is left out: a mirror opens without
     // one of its devices (DEGRADED); any other member missing fails the
     // open below, which then names these.
     let mut unopened = Vec::new();
+    let mut paths = Vec::new();
     for device in &record.devices {
         match open_wrapped(&device.path, wraps) {
-            Ok(opened) => devices.push(opened),
+            Ok(opened) => {
+                devices.push(opened);
+                paths.push(device.path.clone());
+            }
             Err(e) => {
                 tracing::warn!("pool {name}: cannot open device {}: {e}", device.path);
                 unopened.push(format!("cannot open device {}: {e}", device.path));
             }
         }
     }
+    // Devices of a member removed after the catalog was last saved.
+    let mut removed = Vec::new();
+    let mut kept = Vec::new();
+    for (device, path) in devices.iter().zip(paths) {
+        if Pool::superblocks_removed(&devices, device).await {
+            removed.push(path.clone());
+        } else {
+            kept.push(device.clone());
+        }
+    }
+    let mut devices = kept;
     let mut joined = false;
     if let Some(adding) = &record.adding {
         // Unreadable or not listed: leave it out. If the superblocks do list
@@ -1594,7 +1619,7 @@ async fn open_pool(
             record.uuid
         )));
     }
-    Ok((pool, joined))
+    Ok((pool, joined, removed))
 }
 
 fn online() -> String {
