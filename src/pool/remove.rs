@@ -22,8 +22,9 @@
 //!    every other superblock marks it `Removed`. Its device is never opened
 //!    again, and its entry stays: member indexes name devices in map
 //!    entries, checksum pages and log records, and an index is never given
-//!    to another member. Its own superblocks are zeroed last (best effort),
-//!    so the device can be used elsewhere.
+//!    to another member. Its own superblocks are zeroed last
+//!    ([`Pool::release_removed`], once the volume manager's catalog no
+//!    longer lists it; best effort), so the device can be used elsewhere.
 //!
 //! A crash before step 3's superblocks leaves the member in (evacuating:
 //! the removal resumes); after, out. Data is where the last committed
@@ -333,10 +334,14 @@ impl Pool {
         result
     }
 
-    /// [`Pool::start_removal`] then [`Pool::finish_removal`].
+    /// [`Pool::start_removal`], [`Pool::finish_removal`], then
+    /// [`Pool::release_removed`]: for callers that keep no list of the
+    /// pool's devices.
     pub async fn remove_member(self: &Arc<Self>, index: u8) -> Result<(), PoolError> {
         self.start_removal(index).await?;
-        self.finish_removal(index).await
+        self.finish_removal(index).await?;
+        self.release_removed(index).await;
+        Ok(())
     }
 
     async fn evacuate_and_drop(self: &Arc<Self>, index: u8) -> Result<(), PoolError> {
@@ -392,7 +397,6 @@ impl Pool {
         self.checkpoint().await?;
         self.record_member_state(index, MemberState::Removed).await?;
         self.membership.remove_member(index);
-        self.clear_removed_superblocks(index).await;
         self.update_removal(|s| {
             s.left_bytes = 0;
             s.phase = "done".into();
@@ -565,11 +569,14 @@ impl Pool {
         Ok(())
     }
 
-    /// Zeroes both superblock copies of removed member `index`'s devices
-    /// (best effort: a device that keeps them is refused by other pools
-    /// until overwritten with `--force`, and this pool never opens it).
-    async fn clear_removed_superblocks(&self, index: u8) {
-        let Some(device) = self.devices.get(index as usize) else {
+    /// Zeroes both superblock copies of removed member `index`'s devices,
+    /// so they can go into another pool. Best effort: a device that keeps
+    /// them is left out by this pool (its member is removed) and refused by
+    /// others as this pool's. The caller calls it once it no longer lists
+    /// the devices (the catalog): a device listed without a superblock
+    /// would stop the pool from opening.
+    pub async fn release_removed(&self, index: u8) {
+        let Some(device) = self.devices.get(index as usize).filter(|d| d.is_removed()) else {
             return;
         };
         let devices: Vec<Arc<dyn Device>> = match &device.mirror {

@@ -96,11 +96,13 @@ impl VolumeManager {
                 return;
             }
             let done = tokio::task::spawn_blocking(move || manager.forget_devices(&pool_name, &names)).await;
-            if let Ok(Err(e)) | Err(e) = done.map_err(|e| AdminError::Internal(e.to_string())) {
-                tracing::error!(
+            match done.map_err(|e| AdminError::Internal(e.to_string())) {
+                // Not listed any more: its superblocks can go.
+                Ok(Ok(())) => pool.release_removed(index).await,
+                Ok(Err(e)) | Err(e) => tracing::error!(
                     "the member is out of the pool, but the catalog could not be updated ({e}); the next start \
                      leaves its devices out and updates it"
-                );
+                ),
             }
         });
     }
