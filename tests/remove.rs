@@ -154,7 +154,10 @@ fn every_block_and_a_snapshots_leave_the_member_which_is_never_opened_again() {
         drop(pool);
 
         // Its superblocks are gone; the others keep its entry, removed.
-        assert!(three.superblock(1).is_err(), "the removed device's superblock is cleared");
+        assert!(
+            three.superblock(1).is_err(),
+            "the removed device's superblock is cleared"
+        );
         let kept = three.superblock(2).unwrap();
         assert_eq!(kept.members.len(), 3);
         assert_eq!(kept.members[1].state, MemberState::Removed);
@@ -165,21 +168,15 @@ fn every_block_and_a_snapshots_leave_the_member_which_is_never_opened_again() {
         check_blocks(&volume, BLOCKS / 2..BLOCKS, 3).await;
         let view = pool.open_snapshot(snapshot, BLOCK as u32).unwrap();
         check_blocks(&view, 0..BLOCKS, 1).await;
-        assert_eq!(
-            pool.status().iter().map(|d| d.index).collect::<Vec<_>>(),
-            vec![0, 2]
-        );
+        assert_eq!(pool.status().iter().map(|d| d.index).collect::<Vec<_>>(), vec![0, 2]);
         // A device added now gets a new index.
         let fourth = SimDevice::new(64 * MIB, 4);
         assert_eq!(pool.add_device(fourth.as_device(), Role::Capacity).await.unwrap(), 3);
         drop((view, volume));
         pool.checkpoint().await.unwrap();
         drop(pool);
-        let devices: Vec<Arc<dyn Device>> = vec![
-            three.sims[0].as_device(),
-            three.sims[2].as_device(),
-            fourth.as_device(),
-        ];
+        let devices: Vec<Arc<dyn Device>> =
+            vec![three.sims[0].as_device(), three.sims[2].as_device(), fourth.as_device()];
         let pool = Pool::open_with(devices, options()).await.unwrap();
         let volume = volume_of(&pool);
         check_blocks(&volume, 0..BLOCKS / 2, 2).await;
@@ -273,7 +270,11 @@ fn device_row(status: &serde_json::Value, path: &str) -> Option<serde_json::Valu
         .as_array()
         .unwrap()
         .iter()
-        .find(|d| d["name"].as_str().is_some_and(|n| n == path || n.contains(&format!("({path})"))))
+        .find(|d| {
+            d["name"]
+                .as_str()
+                .is_some_and(|n| n == path || n.contains(&format!("({path})")))
+        })
         .cloned()
 }
 
@@ -289,7 +290,17 @@ fn three_device_pool(dir: &std::path::Path, data_mib: u64, c2_mib: u64) -> (Serv
     let server = Server::start(&data);
     cli_ok(
         &server,
-        &["pool", "create", "tank", "--fast", &fast, "--capacity", &c1, "--capacity", &c2],
+        &[
+            "pool",
+            "create",
+            "tank",
+            "--fast",
+            &fast,
+            "--capacity",
+            &c1,
+            "--capacity",
+            &c2,
+        ],
     );
     cli_ok(&server, &["volume", "create", "tank/v", "--size", "384M"]);
     let uri = server.uri("tank/v");
@@ -304,9 +315,20 @@ fn three_device_pool(dir: &std::path::Path, data_mib: u64, c2_mib: u64) -> (Serv
 fn fio_verify(uri: &str, dir: &std::path::Path) -> Command {
     let mut command = Command::new("fio");
     command
-        .args(["--name=remove", "--ioengine=nbd", "--rw=randwrite", "--bs=4k", "--iodepth=16"])
+        .args([
+            "--name=remove",
+            "--ioengine=nbd",
+            "--rw=randwrite",
+            "--bs=4k",
+            "--iodepth=16",
+        ])
         .args(["--offset=256m", "--size=64m", "--rate_iops=4000"])
-        .args(["--verify=crc32c", "--do_verify=1", "--verify_fatal=1", "--output-format=json"])
+        .args([
+            "--verify=crc32c",
+            "--do_verify=1",
+            "--verify_fatal=1",
+            "--output-format=json",
+        ])
         .current_dir(dir)
         .arg(format!("--uri={uri}"));
     command
@@ -343,7 +365,11 @@ fn a_capacity_device_leaves_while_fio_writes_and_verifies_and_its_file_can_go() 
     let job = &report["jobs"][0];
     assert_eq!(job["error"], 0, "{report}");
     assert_eq!(job["write"]["io_bytes"].as_u64().unwrap(), 64 * MIB);
-    assert_eq!(job["read"]["io_bytes"].as_u64().unwrap(), 64 * MIB, "fio verified all it wrote");
+    assert_eq!(
+        job["read"]["io_bytes"].as_u64().unwrap(),
+        64 * MIB,
+        "fio verified all it wrote"
+    );
     eprintln!("removed {c1} (192 MiB and fio's writes) in {seconds:.1} s");
     let status = pool_json(&server, "tank");
     assert!(device_row(&status, &c1).is_none(), "{status}");
@@ -386,7 +412,10 @@ fn a_removal_is_refused_in_one_line_when_it_cannot_be_done() {
         assert_eq!(stderr.trim().lines().count(), 1, "one line: {stderr}");
     };
     refused(&fast, "metadata region");
-    refused(&dir.path().join("nothing.img").display().to_string(), "not a device of pool");
+    refused(
+        &dir.path().join("nothing.img").display().to_string(),
+        "not a device of pool",
+    );
     refused("mirror-4", "not a device of pool");
     refused(&c1, "the other capacity devices have");
     // Nothing changed: both still take data, and the data reads back.
@@ -417,7 +446,11 @@ fn a_kill_during_the_move_leaves_the_device_in_or_out_and_the_data_intact() {
     let start = || {
         // A wrap may name only a device the catalog lists.
         let catalog = std::fs::read_to_string(data.join("catalog.json")).unwrap();
-        let args: &[&str] = if catalog.contains("c1.img") { &["--wrap", &wrap] } else { &[] };
+        let args: &[&str] = if catalog.contains("c1.img") {
+            &["--wrap", &wrap]
+        } else {
+            &[]
+        };
         Server::start_with_args(&data, Some(&data), args)
     };
     let mut server = start();

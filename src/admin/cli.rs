@@ -1582,9 +1582,9 @@ fn pool_table(pools: &[PoolStatus]) -> String {
         for member in &pool.devices {
             if let Some(r) = &member.removal {
                 let what = match &r.error {
-                    Some(error) if r.phase == "failed" => format!(
-                        "stopped: {error}; it takes no new data, run `strata pool remove` again to retry"
-                    ),
+                    Some(error) if r.phase == "failed" => {
+                        format!("stopped: {error}; it takes no new data, run `strata pool remove` again to retry")
+                    }
                     _ => format!(
                         "{} moved to the {} tier, {} left",
                         format_size(r.moved_bytes),

@@ -547,11 +547,7 @@ impl Pool {
         let mut allocator = Allocator::new(superblock.chunk_bytes, spaces);
         // Rows of a removed member: a removal deletes them with the
         // checkpoint before its superblocks, so none should be left.
-        let removed = |device: u32| {
-            devices
-                .get(device as usize)
-                .is_some_and(|d| d.member.removed())
-        };
+        let removed = |device: u32| devices.get(device as usize).is_some_and(|d| d.member.removed());
         let mut suspect: HashMap<(u8, u64), ChunkParts> = HashMap::new();
         store::guarded("loading the chunk, suspect and heat tables", || {
             let txn = db.begin_read().map_err(MetaError::from)?;

@@ -349,10 +349,15 @@ impl Pool {
             .devices
             .get(index as usize)
             .ok_or_else(|| PoolError::Invalid(format!("no member {index}")))?;
-        assert_eq!(device.state(), MemberState::Evacuating, "a removal starts with start_removal");
-        let to = self
-            .removal_status()
-            .map_or_else(|| self.removal_destination(index, device.member.role), |s| s.destination);
+        assert_eq!(
+            device.state(),
+            MemberState::Evacuating,
+            "a removal starts with start_removal"
+        );
+        let to = self.removal_status().map_or_else(
+            || self.removal_destination(index, device.member.role),
+            |s| s.destination,
+        );
         let mut stuck = 0;
         loop {
             self.evacuate(index, to).await?;

@@ -41,12 +41,10 @@ impl VolumeManager {
             .member_named(&canonical)
             .or_else(|| pool.member_named(device))
             .ok_or_else(|| AdminError::NotFound(format!("{device} is not a device of pool '{pool_name}'")))?;
-        self.runtime
-            .block_on(pool.start_removal(index))
-            .map_err(|e| match e {
-                PoolError::Invalid(_) => AdminError::Invalid(e.to_string()),
-                _ => AdminError::Internal(format!("cannot remove {device} from pool '{pool_name}': {e}")),
-            })?;
+        self.runtime.block_on(pool.start_removal(index)).map_err(|e| match e {
+            PoolError::Invalid(_) => AdminError::Invalid(e.to_string()),
+            _ => AdminError::Internal(format!("cannot remove {device} from pool '{pool_name}': {e}")),
+        })?;
         drop(catalog);
         self.spawn_removal(pool_name, &pool, index, false);
         self.pool_status()
