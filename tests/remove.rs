@@ -185,6 +185,56 @@ fn every_block_and_a_snapshots_leave_the_member_which_is_never_opened_again() {
 }
 
 #[test]
+fn a_whole_mirror_is_removed_and_both_its_devices_are_released() {
+    runtime().block_on(async {
+        let sims = [
+            SimDevice::new(104 * MIB, 11),
+            SimDevice::new(64 * MIB, 12),
+            SimDevice::new(64 * MIB, 13),
+            SimDevice::new(64 * MIB, 14),
+        ];
+        let vdevs = vec![
+            strata::pool::NewVdev {
+                role: Role::Fast,
+                devices: vec![sims[0].as_device()],
+                write_mostly: Vec::new(),
+            },
+            strata::pool::NewVdev {
+                role: Role::Capacity,
+                devices: vec![sims[1].as_device(), sims[2].as_device()],
+                write_mostly: Vec::new(),
+            },
+            strata::pool::NewVdev {
+                role: Role::Capacity,
+                devices: vec![sims[3].as_device()],
+                write_mostly: Vec::new(),
+            },
+        ];
+        let pool = Pool::create_vdevs("m", 1 << 20, vdevs, options()).await.unwrap();
+        let volume = volume_of(&pool);
+        write_blocks(&pool, &volume, 0..BLOCKS, 1).await;
+        assert!(on_device(&volume, 1) > 0, "the mirror holds blocks");
+        // Named as `pool status` names it, or by either of its devices.
+        assert_eq!(pool.member_named("mirror-1"), Some(1));
+        pool.remove_member(1).await.unwrap();
+        assert_eq!(on_device(&volume, 1), 0);
+        check_blocks(&volume, 0..BLOCKS, 1).await;
+        drop(volume);
+        pool.checkpoint().await.unwrap();
+        drop(pool);
+        for sim in &sims[1..3] {
+            assert!(Superblock::decode(&sim.snapshot().read(0, SUPERBLOCK_BYTES)).is_err());
+        }
+        let kept = Superblock::decode(&sims[3].snapshot().read(0, SUPERBLOCK_BYTES)).unwrap();
+        assert_eq!(kept.members[1].state, MemberState::Removed);
+        assert!(kept.children.is_empty(), "its child entries went with it");
+        let devices: Vec<Arc<dyn Device>> = vec![sims[0].as_device(), sims[3].as_device()];
+        let pool = Pool::open_with(devices, options()).await.unwrap();
+        check_blocks(&volume_of(&pool), 0..BLOCKS, 1).await;
+    });
+}
+
+#[test]
 fn a_removal_cut_short_keeps_the_member_closed_to_new_data_and_resumes() {
     runtime().block_on(async {
         let three = Three::new();
@@ -472,8 +522,12 @@ fn a_kill_during_the_move_leaves_the_device_in_or_out_and_the_data_intact() {
         // In (the removal resumes by itself) or out; the data is intact.
         let mut server = start();
         let status = pool_json(&server, "tank");
-        if let Some(row) = device_row(&status, &c1) {
-            assert_eq!(row["state"], "REMOVING", "{status}");
+        match device_row(&status, &c1) {
+            Some(row) => {
+                assert_eq!(row["state"], "REMOVING", "{status}");
+                eprintln!("after kill {kills}: in, removing ({})", row["removal"]);
+            }
+            None => eprintln!("after kill {kills}: out"),
         }
         let uri = server.uri("tank/v");
         qemu_io_ok(&uri, &["read -P 0x5c 0 256M".into()]);
