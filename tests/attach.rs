@@ -579,7 +579,13 @@ fn a_device_attached_while_a_client_writes_resilvers_and_alone_holds_the_data() 
     );
     let attached = common::cli_ok(&server, &["pool", "attach", "tank", &a, &b, "--json"]);
     let attached: serde_json::Value = serde_json::from_str(&attached).unwrap();
-    assert_eq!(child_states(&attached), ["ONLINE", "RESILVERING"], "{attached}");
+    // The new copy is resilvering, or already done: 160 MiB of a fast
+    // device can be copied before the answer is sent.
+    let states = child_states(&attached);
+    assert!(
+        states[0] == "ONLINE" && ["RESILVERING", "ONLINE"].contains(&states[1].as_str()),
+        "{attached}"
+    );
     assert_eq!(attached["devices"][0]["name"], "mirror-0", "{attached}");
     let written = writer.wait_with_output().unwrap();
     let text = String::from_utf8_lossy(&written.stdout).to_string() + &String::from_utf8_lossy(&written.stderr);

@@ -33,7 +33,7 @@ use crate::units::parse_size;
 pub const METRICS_CONTENT_TYPE: &str = "text/plain; version=0.0.4";
 
 /// Every endpoint, as listed by `GET /` and `GET /v1`.
-pub const ENDPOINTS: [&str; 50] = [
+pub const ENDPOINTS: [&str; 51] = [
     "GET /metrics",
     "GET /v1/pools",
     "POST /v1/pools",
@@ -42,6 +42,7 @@ pub const ENDPOINTS: [&str; 50] = [
     "POST /v1/pools/{pool}/attach",
     "POST /v1/pools/{pool}/detach",
     "POST /v1/pools/{pool}/replace",
+    "POST /v1/pools/{pool}/remove",
     "GET /v1/volumes[?pool=POOL]",
     "POST /v1/volumes",
     "GET /v1/volumes/{pool}/{name}",
@@ -497,6 +498,30 @@ async fn detach_device(
     let Json(request) = body?;
     let status = blocking(&manager, move |m| m.detach_device(&pool, &request.device)).await?;
     Ok(Json(status))
+}
+
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+struct RemoveDeviceRequest {
+    /// The device to remove: its path, or for a whole mirror `mirror-N`
+    /// or the path of any of its devices.
+    device: String,
+}
+
+#[utoipa::path(post, path = "/v1/pools/{pool}/remove", tag = "pools", params(("pool" = String, Path, description = "Pool name")), request_body = RemoveDeviceRequest, responses((status = 202, description = "The removal is under way (the device takes no new data; its progress is the device's `removal` in the pool's status)", body = PoolStatus), (status = 404, description = "No such pool, or the device is not one of its members", body = ErrorBody), (status = 400, description = "Invalid request, or the device cannot be removed (the reason)", body = ErrorBody), (status = 401, description = "No valid token (TCP)", body = ErrorBody)))]
+async fn remove_device(
+    State(manager): State<Manager>,
+    path: Result<Path<String>, PathRejection>,
+    body: Result<Json<RemoveDeviceRequest>, JsonRejection>,
+) -> ApiResult<(StatusCode, Json<PoolStatus>)> {
+    let Path(pool) = path?;
+    let Json(request) = body?;
+    // `remove_device` keeps the manager (`Arc`) for the move it starts.
+    let status = tokio::task::spawn_blocking(move || manager.remove_device(&pool, &request.device))
+        .await
+        .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, format!("internal error: {e}")))?
+        .map_err(ApiError::from)?;
+    Ok((StatusCode::ACCEPTED, Json(status)))
 }
 
 #[utoipa::path(post, path = "/v1/pools/{pool}/sync", tag = "pools", params(("pool" = String, Path, description = "Pool name")), responses((status = 200, description = "Everything cached is placed and checkpointed", body = PoolStatus), (status = 404, description = "No such pool, volume or snapshot", body = ErrorBody), (status = 400, description = "Invalid request", body = ErrorBody), (status = 401, description = "No valid token (TCP)", body = ErrorBody)))]
@@ -1302,6 +1327,7 @@ fn complete(doc: &mut Value) {
             schemas[schema]["properties"][field]["minLength"] = json!(1);
         }
     }
+    schemas["RemoveDeviceRequest"]["properties"]["device"]["minLength"] = json!(1);
     set(schemas, "CreateRequest", "name", full_name_schema());
     set(
         schemas,
@@ -1471,7 +1497,7 @@ pub fn document() -> Value {
     ),
     paths(
         index, metrics, openapi, dashboard, list_pools, create_pool, get_pool, add_device, attach_device,
-        detach_device, replace_device, sync_pool,
+        detach_device, replace_device, remove_device, sync_pool,
         get_pool_properties, set_pool_properties, migrate_pool, list_volumes,
         create_volume, get_volume, set_volume, resize_volume, delete_volume, promote_volume, list_filesystems,
         create_filesystem, get_filesystem, set_filesystem, destroy_filesystem, promote_filesystem, list_filesystem_snapshots,
@@ -1518,6 +1544,7 @@ pub fn router(manager: Arc<VolumeManager>, auth: Arc<ApiAuth>) -> Router {
         .route("/v1/pools/:pool/attach", post(attach_device))
         .route("/v1/pools/:pool/detach", post(detach_device))
         .route("/v1/pools/:pool/replace", post(replace_device))
+        .route("/v1/pools/:pool/remove", post(remove_device))
         .route("/v1/pools/:pool/sync", post(sync_pool))
         .route(
             "/v1/pools/:pool/properties",

@@ -457,6 +457,24 @@ pub enum PoolCommand {
         #[arg(long)]
         force: bool,
     },
+    /// Remove a device, or a whole mirror, from a pool while it runs: it
+    /// takes no new data at once, its blocks move to the other devices of
+    /// its tier (or to the other tier when it is the only one), then it
+    /// leaves the pool. Without --wait the move runs in the background
+    /// (`pool status` shows it).
+    #[command(override_usage = "strata pool remove POOL FILE|DEV|mirror-N [--wait]")]
+    Remove {
+        /// Pool name.
+        pool: String,
+        /// The device's path, or `mirror-N` (or the path of any of its
+        /// devices) for a whole mirror.
+        #[arg(value_name = "FILE|DEV|mirror-N")]
+        device: String,
+        /// Wait until the device is out of the pool (progress on a
+        /// terminal), then print one line.
+        #[arg(long)]
+        wait: bool,
+    },
     /// Show a pool's properties: NAME PROPERTY VALUE SOURCE.
     Get {
         /// Pool name.
@@ -838,6 +856,28 @@ fn run_pool(args: PoolArgs) -> CliResult<String> {
             let client = Client::new(&args.client)?;
             let status: PoolStatus = client.send("POST", &format!("/v1/pools/{pool}/replace"), Some(body))?;
             Ok(if output.json { pretty(&status) } else { String::new() })
+        }
+        PoolCommand::Remove { pool, device, wait } => {
+            validate_component("pool", &pool)?;
+            // Absolute paths: the daemon may run in another directory.
+            let device = if device.starts_with("mirror-") {
+                device
+            } else {
+                absolute(&device)?
+            };
+            let client = Client::new(&args.client)?;
+            let body = json!({ "device": device });
+            let status: PoolStatus = client.send("POST", &format!("/v1/pools/{pool}/remove"), Some(body))?;
+            if !wait {
+                return Ok(if output.json { pretty(&status) } else { String::new() });
+            }
+            let line = remove_and_wait(&client, &pool, &status)?;
+            Ok(if output.json {
+                let status: PoolStatus = client.get(&format!("/v1/pools/{pool}"))?;
+                pretty(&status)
+            } else {
+                format!("{line}\n")
+            })
         }
         PoolCommand::Sync { pool } => {
             validate_component("pool", &pool)?;
@@ -1616,6 +1656,20 @@ fn pool_table(pools: &[PoolStatus]) -> String {
             out.push_str(&format!("pool {} is {}: {action}\n", pool.name, pool.state));
         }
         for member in &pool.devices {
+            if let Some(r) = &member.removal {
+                let what = match &r.error {
+                    Some(error) if r.phase == "failed" => {
+                        format!("stopped: {error}; it takes no new data, run `strata pool remove` again to retry")
+                    }
+                    _ => format!(
+                        "{} moved to the {} tier, {} left",
+                        format_size(r.moved_bytes),
+                        r.destination.as_str(),
+                        format_size(r.left_bytes)
+                    ),
+                };
+                out.push_str(&format!("pool {}: removing {}: {what}\n", pool.name, member.name));
+            }
             if let Some(r) = member.resilver {
                 let left = r.total_bytes.saturating_sub(r.done_bytes);
                 let eta = left
@@ -1659,6 +1713,53 @@ fn device_argument(text: &str) -> CliResult<String> {
     match crate::pool::DeviceSpec::parse(text) {
         crate::pool::DeviceSpec::Uuid(_) => Ok(text.to_string()),
         crate::pool::DeviceSpec::Path(path) => absolute(&path),
+    }
+}
+
+/// Follows a removal `started` (the pool's status as the request to
+/// remove answered) until its device leaves the pool: a progress line on a
+/// terminal, then the final line; the reason if it stopped.
+fn remove_and_wait(client: &Client, pool: &str, started: &PoolStatus) -> CliResult<String> {
+    use std::io::IsTerminal;
+    let Some(removal) = started.devices.iter().find_map(|d| d.removal.clone()) else {
+        return Ok(format!("pool {pool}: the device is out of the pool"));
+    };
+    let terminal = std::io::stderr().is_terminal();
+    let mut moved = 0;
+    loop {
+        let status: PoolStatus = client.get(&format!("/v1/pools/{pool}"))?;
+        let Some(now) = status.devices.iter().find(|d| d.index == removal.index) else {
+            if terminal {
+                eprint!("\r\x1b[K");
+            }
+            return Ok(format!(
+                "pool {pool}: removed {}; moved {}",
+                removal.name,
+                format_size(moved.max(removal.total_bytes))
+            ));
+        };
+        if let Some(r) = &now.removal {
+            moved = r.moved_bytes;
+            if let Some(error) = r.error.as_ref().filter(|_| r.phase == "failed") {
+                if terminal {
+                    eprint!("\r\x1b[K");
+                }
+                return Err(CliError(format!(
+                    "removing {} from pool {pool} stopped: {error} (it stays in the pool, taking no new data; \
+                     run `strata pool remove` again to retry)",
+                    removal.name
+                )));
+            }
+            if terminal {
+                eprint!(
+                    "\r\x1b[Kremoving {}: {} moved, {} left",
+                    removal.name,
+                    format_size(r.moved_bytes),
+                    format_size(r.left_bytes)
+                );
+            }
+        }
+        std::thread::sleep(std::time::Duration::from_millis(250));
     }
 }
 

@@ -30,6 +30,7 @@ use crate::volume::{full_name, Volume};
 mod clones;
 mod datasets;
 mod pool_props;
+mod removal;
 mod retention;
 mod send;
 mod snapshots;
@@ -390,6 +391,7 @@ impl VolumeManager {
                 joined,
                 attached,
                 unopened,
+                removed,
             } = open_pool(data_dir, pool_name, record, &wraps).await?;
             let mut gone = Vec::new();
             if let Some(settled) = settled.pools.get_mut(pool_name) {
@@ -411,6 +413,14 @@ impl VolumeManager {
                     }
                 }
                 gone = forget_detached(pool_name, &pool, settled, &unopened);
+                // A removal that ended between its superblocks and the catalog.
+                if !removed.is_empty() {
+                    tracing::warn!(
+                        "pool {pool_name}: {} removed from the pool before strata stopped; dropped from the catalog",
+                        removed.join(", ")
+                    );
+                    settled.devices.retain(|d| !removed.contains(&d.path));
+                }
             }
             // An addition that did not finish is settled now, one way or the other.
             if let (Some(adding), Some(settled)) = (&record.adding, settled.pools.get_mut(pool_name)) {
@@ -1500,7 +1510,7 @@ impl VolumeManager {
                     read_misses: read.misses,
                     ram_tier: pool.cache.ram.location().to_string(),
                 };
-                let degraded = devices.iter().any(|d| d.state != "ONLINE");
+                let degraded = devices.iter().any(|d| d.state == "DEGRADED");
                 let child_errors = |count: fn(&crate::pool::ChildStatus) -> u64| -> u64 {
                     devices.iter().flat_map(|d| &d.children).map(count).sum()
                 };
@@ -1796,7 +1806,7 @@ fn discovery_rows(settings: &std::collections::BTreeMap<String, String>) -> Vec<
 
 /// A device path as the pool records it: absolute, with every symlink and
 /// `..` resolved, so the catalog names the file itself.
-fn canonical_device_path(path: &str) -> Result<String, AdminError> {
+pub(super) fn canonical_device_path(path: &str) -> Result<String, AdminError> {
     if path.is_empty() {
         return Err(AdminError::Invalid("missing device path".into()));
     }
@@ -1889,12 +1899,16 @@ struct OpenedPool {
     attached: bool,
     /// Paths of `record.devices` that could not be opened.
     unopened: Vec<String>,
+    /// Paths of `record.devices` left out because their member was removed
+    /// (a removal that ended between the superblocks and the catalog).
+    removed: Vec<String>,
 }
 
 /// Opens a pool's devices and the pool (replaying its log). Also says
 /// whether the device being added (`record.adding`) or attached
 /// (`record.attaching`), if any, was opened with it: it is when the pool's
-/// superblocks list it.
+/// superblocks list it; and which of the catalog's devices were left out
+/// because their member was removed.
 async fn open_pool(
     data_dir: &Path,
     name: &str,
@@ -1907,9 +1921,13 @@ async fn open_pool(
     // open below, which then names these.
     let mut unopened = Vec::new();
     let mut unopened_paths = Vec::new();
+    let mut paths = Vec::new();
     for device in &record.devices {
         match open_wrapped(&device.path, wraps) {
-            Ok(opened) => devices.push(opened),
+            Ok(opened) => {
+                devices.push(opened);
+                paths.push(device.path.clone());
+            }
             Err(e) => {
                 tracing::warn!("pool {name}: cannot open device {}: {e}", device.path);
                 unopened.push(format!("cannot open device {}: {e}", device.path));
@@ -1917,6 +1935,17 @@ async fn open_pool(
             }
         }
     }
+    // Devices of a member removed after the catalog was last saved.
+    let mut removed = Vec::new();
+    let mut kept = Vec::new();
+    for (device, path) in devices.iter().zip(paths) {
+        if Pool::superblocks_removed(&devices, device).await {
+            removed.push(path.clone());
+        } else {
+            kept.push(device.clone());
+        }
+    }
+    let mut devices = kept;
     let mut joined = false;
     if let Some(adding) = &record.adding {
         // Unreadable or not listed: leave it out. If the superblocks do list
@@ -1967,6 +1996,7 @@ async fn open_pool(
         joined,
         attached,
         unopened: unopened_paths,
+        removed,
     })
 }
 

@@ -148,6 +148,9 @@ pub struct DeviceSpace {
     with_room: HashMap<u8, BTreeSet<u64>>,
     free_chunks: BTreeSet<u64>,
     used_slots_bytes: u64,
+    /// New slots may be placed here: false while the device is being
+    /// removed (`pool remove`), so what is moved off it never comes back.
+    pub accepting: bool,
 }
 
 impl DeviceSpace {
@@ -161,6 +164,7 @@ impl DeviceSpace {
             with_room: HashMap::new(),
             free_chunks: (first_chunk..end_chunk).collect(),
             used_slots_bytes: 0,
+            accepting: true,
         }
     }
 
@@ -170,6 +174,15 @@ impl DeviceSpace {
 
     pub fn used_bytes(&self) -> u64 {
         self.used_slots_bytes
+    }
+
+    /// Bytes that new slots may still take here: 0 on a device that takes
+    /// no new data.
+    pub fn free_bytes(&self, chunk_bytes: u64) -> u64 {
+        if !self.accepting {
+            return 0;
+        }
+        (self.data_chunks() * chunk_bytes).saturating_sub(self.used_slots_bytes)
     }
 
     /// The chunks that hold (or may hold) data, in order.
@@ -237,6 +250,9 @@ impl Allocator {
         let chunk_shift = self.chunk_shift;
         for position in 0..self.devices.len() {
             let device = &mut self.devices[position];
+            if !device.accepting {
+                continue;
+            }
             let room = device.with_room.entry(slot_shift).or_default();
             let chunk = match room.first().copied() {
                 Some(chunk) => chunk,
@@ -384,6 +400,7 @@ impl Allocator {
     fn first_with_room(&self, slot_shift: u8) -> Option<&DeviceSpace> {
         self.devices
             .iter()
+            .filter(|d| d.accepting)
             .find(|d| !d.free_chunks.is_empty() || d.with_room.get(&slot_shift).is_some_and(|r| !r.is_empty()))
     }
 
@@ -393,7 +410,7 @@ impl Allocator {
         // Never keep filling a slower tier while a faster one has room.
         let tier = self.first_with_room(slot_shift)?.role;
         let device = self.devices.iter_mut().find(|d| d.index == device_index)?;
-        if device.role != tier {
+        if device.role != tier || !device.accepting {
             return None;
         }
         let hinted_chunk = offset >> chunk_shift;
@@ -707,6 +724,71 @@ impl Allocator {
         );
     }
 
+    /// Stops (`false`) or resumes placing new slots on device `index`.
+    /// Returns whether the allocator has that device.
+    pub fn set_accepting(&mut self, index: u8, accepting: bool) -> bool {
+        self.device_mut(index).map(|d| d.accepting = accepting).is_some()
+    }
+
+    /// Takes device `index` out for good (`pool remove`, once every block
+    /// has moved off it): its queued frees are released unpunched (the
+    /// device leaves the pool), its chunk records are marked for deletion
+    /// by the next checkpoint, and its space goes. Refused with the bytes
+    /// still in use there (live slots, or a batch the freer is punching)
+    /// when it is not empty; nothing changes then.
+    pub fn retire_device(&mut self, index: u8) -> Result<(), u64> {
+        if !self.devices.iter().any(|d| d.index == index) {
+            return Ok(());
+        }
+        let punching = self.punching.iter().filter(|(d, _)| *d == index).count() as u64;
+        let live = self.live_bytes(index);
+        if live > 0 || punching > 0 {
+            return Err(live.max(punching));
+        }
+        let queued_chunks: Vec<u64> = self
+            .freeing
+            .range((index, 0)..=(index, u64::MAX))
+            .map(|(&(_, chunk), _)| chunk)
+            .collect();
+        for chunk in queued_chunks {
+            let Some(bits) = self.freeing.remove(&(index, chunk)) else {
+                continue;
+            };
+            let Some((slot_shift, _)) = self.slot_shift_of(index, chunk) else {
+                continue;
+            };
+            for slot in 0..MAX_SLOTS_PER_CHUNK {
+                if bits[(slot / 64) as usize] & (1 << (slot % 64)) != 0 {
+                    self.release_queued(index, (chunk << self.chunk_shift) + (slot << slot_shift));
+                }
+            }
+        }
+        let Some(position) = self.devices.iter().position(|d| d.index == index) else {
+            return Ok(());
+        };
+        let device = self.devices.remove(position);
+        assert_eq!(device.used_slots_bytes, 0, "a retired device holds no slots");
+        self.dirty.extend(device.chunks.keys().map(|&chunk| (index, chunk)));
+        Ok(())
+    }
+
+    /// Bytes of device `index` in live slots: in use and not queued to be
+    /// freed (0 for a device the allocator does not have).
+    pub fn live_bytes(&self, index: u8) -> u64 {
+        let Some(device) = self.devices.iter().find(|d| d.index == index) else {
+            return 0;
+        };
+        let queued: u64 = self
+            .freeing
+            .range((index, 0)..=(index, u64::MAX))
+            .map(|(&(_, chunk), bits)| {
+                let shift = device.chunks.get(&chunk).map_or(MIN_SLOT_SHIFT, |s| s.slot_shift);
+                bits.iter().map(|w| w.count_ones() as u64).sum::<u64>() << shift
+            })
+            .sum();
+        device.used_slots_bytes.saturating_sub(queued)
+    }
+
     /// Bytes queued to be freed.
     pub fn freeing_bytes(&self) -> u64 {
         self.freeing_bytes
@@ -997,6 +1079,36 @@ mod tests {
         assert_eq!(allocator.allocate(17).unwrap().0, 1);
         let order: Vec<u8> = allocator.devices().iter().map(|d| d.index).collect();
         assert_eq!(order, [0, 2, 1]);
+    }
+
+    /// A device being removed takes no new slot, not even one hinted next
+    /// to its own; once empty it is retired and its chunk records deleted.
+    #[test]
+    fn a_device_that_stops_accepting_gets_nothing_new_and_retires_when_empty() {
+        let mut allocator = Allocator::new(
+            1 << 20,
+            vec![
+                DeviceSpace::new(0, Role::Capacity, 1, 4),
+                DeviceSpace::new(1, Role::Capacity, 1, 4),
+            ],
+        );
+        let (device, offset) = allocator.allocate(12).unwrap();
+        assert_eq!(device, 0);
+        assert!(allocator.set_accepting(0, false));
+        for _ in 0..100 {
+            assert_eq!(allocator.allocate(12).unwrap().0, 1);
+        }
+        let hinted = allocator.allocate_near(12, Some(Hint::At(0, offset + 4096))).unwrap();
+        assert_eq!(hinted.0, 1);
+        assert_eq!(allocator.devices()[0].free_bytes(1 << 20), 0);
+        assert_eq!(allocator.retire_device(0), Err(4096));
+        allocator.take_dirty();
+        let mut queued = [(0, offset)];
+        allocator.defer_frees(&mut queued).unwrap();
+        allocator.retire_device(0).unwrap();
+        assert!(allocator.devices().iter().all(|d| d.index != 0));
+        let dirty = allocator.take_dirty();
+        assert!(dirty.contains(&((0, offset >> 20), None)), "{dirty:?}");
     }
 
     #[test]

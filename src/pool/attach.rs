@@ -198,6 +198,13 @@ impl Pool {
         let member = pool_device.member;
         let name = new.info().name.clone();
         let what = if replacing { "replace" } else { "attach" };
+        if pool_device.state() != super::superblock::MemberState::Active {
+            return Err(PoolError::Invalid(format!(
+                "cannot {what} a device of {}: it is being removed from pool '{}'",
+                pool_device.device.info().name,
+                self.name
+            )));
+        }
         if current.format < MIRRORS_FORMAT {
             return Err(PoolError::Invalid(format!(
                 "pool '{}' has on-disk format {}, which has no mirrors (format {MIRRORS_FORMAT} has): \

@@ -379,6 +379,7 @@ mod tests {
                 role: Role::Fast,
                 index: 0,
                 size_bytes: 1 << 30,
+                state: crate::pool::superblock::MemberState::Active,
             }],
             device_uuid: [1; 16],
             children: Vec::new(),

@@ -187,14 +187,22 @@ impl Pool {
         }
         // The superblock generation on disk, and the fields every member shares.
         let mut current: Option<Superblock> = None;
-        for member in &self.devices {
+        for member in self.devices.iter().filter(|d| !d.is_removed()) {
             let (superblock, _) = read_superblock(&member.device).await?;
             if current.as_ref().is_none_or(|c| superblock.generation > c.generation) {
                 current = Some(superblock);
             }
         }
         let current = current.ok_or_else(|| PoolError::Invalid("the pool has no devices".into()))?;
-        let running: Vec<Member> = self.devices.iter().map(|d| d.member).collect();
+        // Removed members keep their entries (and indexes).
+        let running: Vec<Member> = self
+            .devices
+            .iter()
+            .map(|d| Member {
+                state: d.state(),
+                ..d.member
+            })
+            .collect();
         let agrees = current.pool_uuid == self.uuid
             && current.members.len() >= running.len()
             && running.iter().zip(&current.members).all(|(a, b)| a.uuid == b.uuid);
@@ -238,7 +246,7 @@ impl Pool {
         // The rule `Pool::create` sized the metadata region by.
         let data_bytes: u64 = running
             .iter()
-            .filter(|m| m.role.holds_data())
+            .filter(|m| m.role.holds_data() && !m.removed())
             .map(|m| m.size_bytes)
             .sum::<u64>()
             + size_bytes;
@@ -258,6 +266,7 @@ impl Pool {
             role,
             index: count as u8,
             size_bytes,
+            state: super::superblock::MemberState::Active,
         });
         let device_uuid = members[count].uuid;
         let superblock = Superblock {
@@ -346,8 +355,12 @@ impl Pool {
     ) -> Result<(), PoolError> {
         let mut current = self.membership.lock().await;
         let mut next = superblock.clone();
-        // Mirror children faulted since the addition was planned.
+        // Mirror children faulted, and members being removed, since the
+        // addition was planned.
         next.children = current.children.clone();
+        for (member, recorded) in next.members.iter_mut().zip(&current.members) {
+            member.state = recorded.state;
+        }
         self.membership.note_health(&mut next);
         next.generation = next.generation.max(current.generation + 1);
         // The new device first: once any existing device names it, its own
@@ -434,7 +447,12 @@ impl Pool {
 
     /// [`Pool::superblocks_list`] against this pool's running devices.
     pub async fn lists(&self, candidate: &Arc<dyn Device>) -> bool {
-        let members: Vec<Arc<dyn Device>> = self.devices.iter().map(|d| d.device.clone()).collect();
+        let members: Vec<Arc<dyn Device>> = self
+            .devices
+            .iter()
+            .filter(|d| !d.is_removed())
+            .map(|d| d.device.clone())
+            .collect();
         Self::superblocks_list(&members, candidate).await
     }
 }

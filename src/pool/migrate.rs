@@ -284,7 +284,7 @@ impl Pool {
             return None;
         }
         let mut rows = Vec::new();
-        for device in self.devices.iter() {
+        for device in self.devices.iter().filter(|d| !d.is_removed()) {
             let index = device.member.index as u32;
             rows.extend(device.heat.warm().map(|(chunk, counts)| ((index, chunk), counts)));
         }

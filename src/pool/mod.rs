@@ -42,6 +42,8 @@ pub mod readcache;
 mod recover;
 mod relocate;
 pub use attach::{device_named, DeviceSpec};
+mod remove;
+pub use remove::RemovalStatus;
 mod resilver;
 pub use resilver::ResilverStatus;
 mod scrub;
@@ -245,6 +247,8 @@ pub struct PoolDevice {
     pub(crate) heat: migrate::Heat,
     /// Data written here, and how much of it a flush covered.
     written: DataWrites,
+    /// Its [`superblock::MemberState`] as of now (`pool/remove.rs`).
+    state: std::sync::atomic::AtomicU8,
 }
 
 impl PoolDevice {
@@ -263,6 +267,7 @@ impl PoolDevice {
             chunk_epochs: (0..chunks).map(|_| AtomicU32::new(0)).collect(),
             heat: migrate::Heat::new(chunks),
             written: Default::default(),
+            state: std::sync::atomic::AtomicU8::new(member.state as u8),
         }
     }
 }
@@ -311,6 +316,9 @@ pub struct DeviceStatus {
     /// The resilver under way on this mirror.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub resilver: Option<ResilverStatus>,
+    /// Its removal (`pool remove`), under way or stopped.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub removal: Option<RemovalStatus>,
 }
 
 fn online() -> String {
@@ -459,6 +467,8 @@ pub struct Pool {
     /// superblock no longer names), for the caller to forget and clear
     /// ([`Pool::take_detached`]).
     detached: Mutex<Vec<Arc<dyn Device>>>,
+    /// The removal under way, or the last one that failed (`pool/remove.rs`).
+    removal: Mutex<Option<RemovalStatus>>,
     /// The devices as stored metadata is checked against (grows with
     /// `pool add-device`).
     geometry: Arc<std::sync::RwLock<crate::meta::geometry::Geometry>>,
@@ -614,15 +624,19 @@ impl Pool {
     pub fn rotational(&self) -> bool {
         self.devices
             .iter()
-            .any(|d| d.member.role.holds_data() && d.device.info().rotational)
+            .any(|d| d.member.role.holds_data() && !d.is_removed() && d.device.info().rotational)
     }
 
     pub fn status(&self) -> Vec<DeviceStatus> {
         let allocator = self.allocator.lock_or_abort();
+        let removal = self.removal_status();
         let mut statuses: Vec<DeviceStatus> = self
             .devices
             .iter()
+            .filter(|d| !d.is_removed())
             .map(|d| {
+                let removal = removal.clone().filter(|r| r.index == d.member.index);
+                let removing = d.state() == superblock::MemberState::Evacuating;
                 let space = allocator.devices().iter().find(|s| s.index == d.member.index);
                 DeviceStatus {
                     index: d.member.index,
@@ -639,7 +653,10 @@ impl Pool {
                     backing: d.device.backing_space(),
                     unbackable_bytes: 0,
                     resilver: self.resilver_status(d.member.index),
-                    state: if d.mirror().is_some_and(|m| m.degraded()) {
+                    removal,
+                    state: if removing {
+                        "REMOVING".into()
+                    } else if d.mirror().is_some_and(|m| m.degraded()) {
                         "DEGRADED".into()
                     } else {
                         online()

@@ -125,6 +125,7 @@ impl Pool {
                 index: index as u8,
                 // A mirror is as large as its smallest device.
                 size_bytes: new.devices.iter().map(|d| d.info().size_bytes).min().unwrap_or(0) / chunk * chunk,
+                state: crate::pool::superblock::MemberState::Active,
             })
             .collect();
         let mut children = Vec::new();
@@ -308,6 +309,16 @@ impl Pool {
                 });
             }
             let index = superblock.device_index;
+            // A device of a member removed since it was last written (the
+            // catalog may still list it after a crash): never opened again.
+            if reference.members.get(index as usize).is_some_and(|m| m.removed()) {
+                tracing::warn!(
+                    "{}: its member was removed from pool '{}'; it is left out",
+                    device.info().name,
+                    reference.pool_name
+                );
+                continue;
+            }
             let position = (index as usize)
                 .lt(&reference.members.len())
                 .then(|| listed(index).iter().position(|u| *u == superblock.device_uuid))
@@ -387,6 +398,12 @@ impl Pool {
         let mut went_missing = false;
         for (index, slot) in slots.into_iter().enumerate() {
             let member = reference.members[index];
+            if member.removed() {
+                // Its index stays taken: stored metadata names members by index.
+                let device = super::remove::removed_device(index as u8, member.size_bytes);
+                pool_devices.push(PoolDevice::new(Arc::new(super::vdev::Vdev::single(device)), member, 0));
+                continue;
+            }
             let missing = || PoolError::Missing {
                 pool: reference.pool_name.clone(),
                 role: member.role.as_str(),
@@ -508,14 +525,17 @@ impl Pool {
         };
         let spaces = devices
             .iter()
-            .filter(|d| d.member.role.holds_data())
+            .filter(|d| d.member.role.holds_data() && !d.member.removed())
             .map(|d| {
-                DeviceSpace::new(
+                let mut space = DeviceSpace::new(
                     d.member.index,
                     d.member.role,
                     first_data_chunk(d),
                     d.member.size_bytes / chunk,
-                )
+                );
+                // Being removed: nothing new goes there (`pool/remove.rs`).
+                space.accepting = d.member.state == superblock::MemberState::Active;
+                space
             })
             .collect();
         // What stored map entries and checksum pages are checked against.
@@ -525,13 +545,16 @@ impl Pool {
             devices: devices
                 .iter()
                 .map(|d| DeviceExtent {
-                    holds_data: d.member.role.holds_data(),
+                    holds_data: d.member.role.holds_data() && !d.member.removed(),
                     first_data: first_data_chunk(d) * chunk,
                     end: d.member.size_bytes / chunk * chunk,
                 })
                 .collect(),
         };
         let mut allocator = Allocator::new(superblock.chunk_bytes, spaces);
+        // Rows of a removed member: a removal deletes them with the
+        // checkpoint before its superblocks, so none should be left.
+        let removed = |device: u32| devices.get(device as usize).is_some_and(|d| d.member.removed());
         let mut suspect: HashMap<(u8, u64), ChunkParts> = HashMap::new();
         store::guarded("loading the chunk, suspect and heat tables", || {
             let txn = db.begin_read().map_err(MetaError::from)?;
@@ -539,6 +562,9 @@ impl Pool {
             for row in chunks.iter().map_err(MetaError::from)? {
                 let (key, value) = row.map_err(MetaError::from)?;
                 let (device, chunk_index) = key.value();
+                if removed(device) {
+                    continue;
+                }
                 let state = ChunkState::decode_stored((device, chunk_index), value.value())
                     .map_err(|e| corrupt(format!("table chunks key ({device}, {chunk_index}): {e}")))?;
                 let device = u8::try_from(device).map_err(|_| {
@@ -554,6 +580,9 @@ impl Pool {
             for row in table.iter().map_err(MetaError::from)? {
                 let (key, _) = row.map_err(MetaError::from)?;
                 let (device, chunk_index) = key.value();
+                if removed(device) {
+                    continue;
+                }
                 geometry
                     .check_chunk(device as u64, chunk_index, chunk)
                     .map_err(|e| corrupt(format!("table suspect key ({device}, {chunk_index}): {e}")))?;
@@ -564,6 +593,9 @@ impl Pool {
                 for row in table.iter().map_err(MetaError::from)? {
                     let (key, value) = row.map_err(MetaError::from)?;
                     let (device, chunk_index) = key.value();
+                    if removed(device) {
+                        continue;
+                    }
                     geometry
                         .check_chunk(device as u64, chunk_index, chunk)
                         .map_err(|e| corrupt(format!("table suspect_parts key ({device}, {chunk_index}): {e}")))?;
@@ -676,6 +708,7 @@ impl Pool {
             background: options.background,
             resilvering: tokio::sync::Mutex::new(()),
             detached: Mutex::new(Vec::new()),
+            removal: Mutex::new(None),
             corruption,
             allocator: Ranked::new(Rank::Allocator, 0, crate::sync::WatchedMutex::new(allocator)),
             epoch: AtomicU32::new(epoch.wrapping_add(1).max(1)),

@@ -82,6 +82,43 @@ pub struct Member {
     pub role: Role,
     pub index: u8,
     pub size_bytes: u64,
+    /// Whether the member is being removed, or is gone (`pool remove`).
+    pub state: MemberState,
+}
+
+/// Where a member stands in its removal (`strata pool remove`,
+/// `pool/remove.rs`). Stored in byte 18 of its member entry (zero in
+/// superblocks written before removals existed: `Active`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum MemberState {
+    /// A member like any other.
+    #[default]
+    Active = 0,
+    /// Being emptied: no new data is placed on it, and a restart goes on
+    /// moving its blocks to the other members.
+    Evacuating = 1,
+    /// Gone: it holds nothing and no device is opened for it. Its entry
+    /// stays so that its index is never given to another member (stored
+    /// metadata names members by index).
+    Removed = 2,
+}
+
+impl MemberState {
+    fn from_u8(value: u8) -> Option<MemberState> {
+        match value {
+            0 => Some(MemberState::Active),
+            1 => Some(MemberState::Evacuating),
+            2 => Some(MemberState::Removed),
+            _ => None,
+        }
+    }
+}
+
+impl Member {
+    /// Whether the member is gone from the pool (see [`MemberState::Removed`]).
+    pub fn removed(&self) -> bool {
+        self.state == MemberState::Removed
+    }
 }
 
 /// Whether a mirror's child holds the member's data.
@@ -242,6 +279,7 @@ impl Superblock {
             out[at..at + 16].copy_from_slice(&member.uuid);
             out[at + 16] = member.role as u8;
             out[at + 17] = member.index;
+            out[at + 18] = member.state as u8;
             put_u64(&mut out, at + 24, member.size_bytes);
         }
         if self.format >= MIRRORS_FORMAT {
@@ -284,11 +322,15 @@ impl Superblock {
             let role = Role::from_u8(bytes[at + 16]).ok_or_else(|| {
                 SuperblockError::Invalid(format!("member {index} has unknown role {}", bytes[at + 16]))
             })?;
+            let state = MemberState::from_u8(bytes[at + 18]).ok_or_else(|| {
+                SuperblockError::Invalid(format!("member {index} has unknown state {}", bytes[at + 18]))
+            })?;
             members.push(Member {
                 uuid: crate::bytes::array_at(bytes, at).ok_or_else(|| truncated(at))?,
                 role,
                 index: bytes[at + 17],
                 size_bytes: get_u64(bytes, at + 24)?,
+                state,
             });
         }
         let name_end = bytes[96..96 + NAME_BYTES]
@@ -360,6 +402,12 @@ impl Superblock {
         if self.device_index as usize >= self.members.len() {
             return invalid(format!("device index {}", self.device_index));
         }
+        if self.members[self.device_index as usize].removed() {
+            return invalid(format!("device index {} names a removed member", self.device_index));
+        }
+        if self.members.iter().all(Member::removed) {
+            return invalid("every member is removed".into());
+        }
         for (index, member) in self.members.iter().enumerate() {
             if member.index as usize != index {
                 return invalid(format!("member {index} claims index {}", member.index));
@@ -381,7 +429,7 @@ impl Superblock {
             (self.meta_device, self.meta_offset, self.meta_bytes, "metadata"),
             (self.log_device, self.log_offset, self.log_bytes, "log"),
         ] {
-            let Some(member) = self.members.get(device as usize) else {
+            let Some(member) = self.members.get(device as usize).filter(|m| !m.removed()) else {
                 return invalid(format!("{what} device {device}"));
             };
             if offset.checked_add(bytes).is_none_or(|end| end > member.size_bytes) || bytes == 0 {
@@ -410,7 +458,7 @@ impl Superblock {
     fn check_children(&self) -> Result<(), SuperblockError> {
         let invalid = |what: String| Err(SuperblockError::Invalid(what));
         for (index, child) in self.children.iter().enumerate() {
-            if child.member as usize >= self.members.len() {
+            if self.members.get(child.member as usize).is_none_or(Member::removed) {
                 return invalid(format!("mirror child {index} names member {}", child.member));
             }
             let twice = self.children[..index].iter().any(|other| other.uuid == child.uuid);
@@ -525,12 +573,14 @@ mod tests {
                     role: Role::Fast,
                     index: 0,
                     size_bytes: 1 << 30,
+                    state: MemberState::Active,
                 },
                 Member {
                     uuid: [2; 16],
                     role: Role::Capacity,
                     index: 1,
                     size_bytes: 4 << 30,
+                    state: MemberState::Active,
                 },
             ],
             device_uuid: [2; 16],
@@ -618,6 +668,36 @@ mod tests {
             Superblock::decode(&inside.encode()),
             Err(SuperblockError::Invalid(_))
         ));
+    }
+
+    /// A removed member keeps its entry (its index is never reused) and
+    /// can hold neither region nor be the device a superblock is on.
+    #[test]
+    fn member_states_round_trip_and_a_removed_member_holds_nothing() {
+        let mut superblock = Superblock {
+            device_index: 0,
+            device_uuid: [1; 16],
+            ..sample()
+        };
+        superblock.members[1].state = MemberState::Evacuating;
+        assert_eq!(Superblock::decode(&superblock.encode()).unwrap(), superblock);
+        superblock.members[1].state = MemberState::Removed;
+        let decoded = Superblock::decode(&superblock.encode()).unwrap();
+        assert!(decoded.members[1].removed() && !decoded.members[0].removed());
+        let mut on_removed = superblock.clone();
+        on_removed.members[0].state = MemberState::Removed;
+        assert!(matches!(
+            Superblock::decode(&on_removed.encode()),
+            Err(SuperblockError::Invalid(_))
+        ));
+        let mut bytes = superblock.encode();
+        bytes[256 + 32 + 18] = 9;
+        let crc = crate::checksum::crc32c(&bytes[..CRC_OFFSET]);
+        put_u32(&mut bytes, CRC_OFFSET, crc);
+        match Superblock::decode(&bytes) {
+            Err(SuperblockError::Invalid(what)) => assert!(what.contains("unknown state 9"), "{what}"),
+            other => panic!("{other:?}"),
+        }
     }
 
     #[test]

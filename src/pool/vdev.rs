@@ -699,6 +699,16 @@ impl Membership {
         members[index] = Some(vdev.clone());
     }
 
+    /// Forgets member `index` (removed): no superblock is written to its
+    /// devices any more.
+    pub fn remove_member(&self, index: u8) {
+        let index = index as usize;
+        let mut members = self.members.write().unwrap_or_else(|e| e.into_inner());
+        if let Some(slot) = members.get_mut(index) {
+            *slot = None;
+        }
+    }
+
     /// The superblock as last written (or read at open).
     pub async fn lock(&self) -> tokio::sync::MutexGuard<'_, Superblock> {
         self.current.lock().await
