@@ -268,6 +268,7 @@ async fn serve(args: ServeArgs) -> Result<(), String> {
             .map_err(|e| e.to_string())?,
     );
     manager.resume_removals();
+    manager.resume_scrubs();
     let nbd_listener = bind("NBD", args.nbd).await?;
     let iscsi_listener = bind("iSCSI", args.iscsi).await?;
     let nfs_listener = match args.nfs.0 {

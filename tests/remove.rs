@@ -457,8 +457,9 @@ fn a_capacity_device_leaves_while_fio_writes_and_verifies_and_its_file_can_go() 
 fn a_removal_is_refused_in_one_line_when_it_cannot_be_done() {
     require_tool("qemu-io");
     let dir = tempfile::tempdir().unwrap();
-    // c2 has 127 MiB of data space: it cannot take c1's 192 MiB.
-    let (server, [fast, c1, c2]) = three_device_pool(dir.path(), 192, 128);
+    // c2 has under 64 MiB of data space; c1 holds at least half of the
+    // 192 MiB written (however much the fast tier kept): c2 cannot take it.
+    let (server, [fast, c1, c2]) = three_device_pool(dir.path(), 192, 64);
     let refused = |device: &str, needle: &str| {
         let output = cli(&server, &["pool", "remove", "tank", device]);
         let stderr = String::from_utf8_lossy(&output.stderr);

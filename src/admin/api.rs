@@ -33,7 +33,7 @@ use crate::units::parse_size;
 pub const METRICS_CONTENT_TYPE: &str = "text/plain; version=0.0.4";
 
 /// Every endpoint, as listed by `GET /` and `GET /v1`.
-pub const ENDPOINTS: [&str; 51] = [
+pub const ENDPOINTS: [&str; 53] = [
     "GET /metrics",
     "GET /v1/pools",
     "POST /v1/pools",
@@ -43,6 +43,8 @@ pub const ENDPOINTS: [&str; 51] = [
     "POST /v1/pools/{pool}/detach",
     "POST /v1/pools/{pool}/replace",
     "POST /v1/pools/{pool}/remove",
+    "GET /v1/pools/{pool}/scrub",
+    "POST /v1/pools/{pool}/scrub",
     "GET /v1/volumes[?pool=POOL]",
     "POST /v1/volumes",
     "GET /v1/volumes/{pool}/{name}",
@@ -518,6 +520,49 @@ async fn remove_device(
     let Json(request) = body?;
     // `remove_device` keeps the manager (`Arc`) for the move it starts.
     let status = tokio::task::spawn_blocking(move || manager.remove_device(&pool, &request.device))
+        .await
+        .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, format!("internal error: {e}")))?
+        .map_err(ApiError::from)?;
+    Ok((StatusCode::ACCEPTED, Json(status)))
+}
+
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+struct ScrubRequest {
+    /// `start` (the default: a new scrub, or the paused one from where it
+    /// stopped), `pause` or `stop`.
+    #[serde(default = "scrub_start")]
+    action: crate::control::manager::ScrubAction,
+}
+
+fn scrub_start() -> crate::control::manager::ScrubAction {
+    crate::control::manager::ScrubAction::Start
+}
+
+#[utoipa::path(get, path = "/v1/pools/{pool}/scrub", tag = "pools", params(("pool" = String, Path, description = "Pool name")), responses((status = 200, description = "The scrub under way or the last one (`null`: never scrubbed)", body = Option<crate::pool::ScrubStatus>), (status = 404, description = "No such pool", body = ErrorBody), (status = 401, description = "No valid token (TCP)", body = ErrorBody)))]
+async fn get_scrub(
+    State(manager): State<Manager>,
+    path: Result<Path<String>, PathRejection>,
+) -> ApiResult<Json<Option<crate::pool::ScrubStatus>>> {
+    let Path(pool) = path?;
+    let status = manager
+        .pool_status()
+        .into_iter()
+        .find(|p| p.name == pool)
+        .ok_or_else(|| ApiError::new(StatusCode::NOT_FOUND, format!("pool '{pool}' does not exist")))?;
+    Ok(Json(status.scrub))
+}
+
+#[utoipa::path(post, path = "/v1/pools/{pool}/scrub", tag = "pools", params(("pool" = String, Path, description = "Pool name")), request_body = ScrubRequest, responses((status = 202, description = "Started or resumed (it runs in the background), or paused or stopped: the scrub's status", body = crate::pool::ScrubStatus), (status = 404, description = "No such pool", body = ErrorBody), (status = 400, description = "Invalid request: a scrub already runs, or none to pause or stop", body = ErrorBody), (status = 401, description = "No valid token (TCP)", body = ErrorBody)))]
+async fn scrub_pool(
+    State(manager): State<Manager>,
+    path: Result<Path<String>, PathRejection>,
+    body: Result<Json<ScrubRequest>, JsonRejection>,
+) -> ApiResult<(StatusCode, Json<crate::pool::ScrubStatus>)> {
+    let Path(pool) = path?;
+    let Json(request) = body?;
+    // Pausing waits for the run being read; the scrub keeps the manager.
+    let status = tokio::task::spawn_blocking(move || manager.scrub_pool(&pool, request.action))
         .await
         .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, format!("internal error: {e}")))?
         .map_err(ApiError::from)?;
@@ -1497,7 +1542,7 @@ pub fn document() -> Value {
     ),
     paths(
         index, metrics, openapi, dashboard, list_pools, create_pool, get_pool, add_device, attach_device,
-        detach_device, replace_device, remove_device, sync_pool,
+        detach_device, replace_device, remove_device, get_scrub, scrub_pool, sync_pool,
         get_pool_properties, set_pool_properties, migrate_pool, list_volumes,
         create_volume, get_volume, set_volume, resize_volume, delete_volume, promote_volume, list_filesystems,
         create_filesystem, get_filesystem, set_filesystem, destroy_filesystem, promote_filesystem, list_filesystem_snapshots,
@@ -1545,6 +1590,7 @@ pub fn router(manager: Arc<VolumeManager>, auth: Arc<ApiAuth>) -> Router {
         .route("/v1/pools/:pool/detach", post(detach_device))
         .route("/v1/pools/:pool/replace", post(replace_device))
         .route("/v1/pools/:pool/remove", post(remove_device))
+        .route("/v1/pools/:pool/scrub", get(get_scrub).post(scrub_pool))
         .route("/v1/pools/:pool/sync", post(sync_pool))
         .route(
             "/v1/pools/:pool/properties",

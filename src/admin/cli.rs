@@ -17,6 +17,7 @@ use crate::control::manager::{
     PoolStatus, SnapshotView, VolumeInfo, DATASET_PROPERTIES, POOL_PROPERTY_NAMES,
 };
 use crate::pool::migrate::{MigrationStatus, PassSummary};
+use crate::pool::{ScrubState, ScrubStatus};
 use crate::units::{format_size, parse_size};
 use crate::volume::props::{split_assignment, PropError, PropertyRow};
 
@@ -475,6 +476,29 @@ pub enum PoolCommand {
         #[arg(long)]
         wait: bool,
     },
+    /// Scrub a pool: read back every block the pool's volumes, datasets
+    /// and snapshots hold, on every copy, and check it against its
+    /// checksum. A bad copy on a mirror is rewritten from a good one; a
+    /// block no copy holds intact is listed by volume and offset (and by
+    /// file for a dataset). Runs in the background, yielding to clients;
+    /// `pool status` shows its progress. With --wait, exits 1 if any block
+    /// could not be repaired.
+    #[command(override_usage = "strata pool scrub POOL [--pause | --stop] [--wait]")]
+    Scrub {
+        /// Pool name.
+        pool: String,
+        /// Pause the scrub under way; `pool scrub POOL` goes on from where
+        /// it paused, also after a restart.
+        #[arg(long, conflicts_with_all = ["stop", "wait"])]
+        pause: bool,
+        /// Stop the scrub under way (or a paused one) for good.
+        #[arg(long, conflicts_with = "wait")]
+        stop: bool,
+        /// Wait until the scrub ends (progress on a terminal), then print
+        /// what it found.
+        #[arg(long)]
+        wait: bool,
+    },
     /// Show a pool's properties: NAME PROPERTY VALUE SOURCE.
     Get {
         /// Pool name.
@@ -878,6 +902,40 @@ fn run_pool(args: PoolArgs) -> CliResult<String> {
             } else {
                 format!("{line}\n")
             })
+        }
+        PoolCommand::Scrub {
+            pool,
+            pause,
+            stop,
+            wait,
+        } => {
+            validate_component("pool", &pool)?;
+            let action = match (pause, stop) {
+                (true, _) => "pause",
+                (_, true) => "stop",
+                _ => "start",
+            };
+            let client = Client::new(&args.client)?;
+            let body = json!({ "action": action });
+            let mut status: ScrubStatus = client.send("POST", &format!("/v1/pools/{pool}/scrub"), Some(body))?;
+            if wait {
+                status = scrub_and_wait(&client, &pool)?;
+            }
+            let text = if output.json {
+                pretty(&status)
+            } else {
+                scrub_lines(&pool, &status)
+            };
+            if wait && status.errors > 0 {
+                // The summary goes out, and the exit status says it.
+                print!("{text}");
+                return Err(CliError(format!(
+                    "pool {pool}: {} block{} could not be repaired",
+                    status.errors,
+                    if status.errors == 1 { "" } else { "s" }
+                )));
+            }
+            Ok(text)
         }
         PoolCommand::Sync { pool } => {
             validate_component("pool", &pool)?;
@@ -1687,6 +1745,11 @@ fn pool_table(pools: &[PoolStatus]) -> String {
             }
         }
     }
+    for pool in pools {
+        if let Some(scrub) = &pool.scrub {
+            out.push_str(&scrub_lines(&pool.name, scrub));
+        }
+    }
     // The file system under a sparse device cannot hold what the device
     // may still ask of it, or is nearly full.
     for warning in pools
@@ -1758,6 +1821,106 @@ fn remove_and_wait(client: &Client, pool: &str, started: &PoolStatus) -> CliResu
                     format_size(r.left_bytes)
                 );
             }
+        }
+        std::thread::sleep(std::time::Duration::from_millis(250));
+    }
+}
+
+/// At most this many unrepaired blocks are listed in text output (`--json`
+/// has all the scrub kept).
+const SCRUB_FAULT_LINES: usize = 10;
+
+/// A scrub's status as lines of text: what it is doing or did, then the
+/// blocks it could not repair.
+fn scrub_lines(pool: &str, s: &ScrubStatus) -> String {
+    let percent = (s.issued_bytes * 100 / s.total_bytes.max(1)).min(100);
+    let found = format!(
+        "{} repaired, {} error{}",
+        format_size(s.repaired_bytes),
+        s.errors,
+        if s.errors == 1 { "" } else { "s" }
+    );
+    let mut out = match s.state {
+        ScrubState::Scanning => {
+            let eta = s
+                .eta_seconds()
+                .map_or_else(String::new, |seconds| format!(", about {seconds} s left"));
+            format!(
+                "pool {pool}: scrubbing: {} of {} ({percent}%) at {}/s, {found}{eta}\n",
+                format_size(s.issued_bytes),
+                format_size(s.total_bytes),
+                format_size(s.bytes_per_second)
+            )
+        }
+        ScrubState::Paused => format!(
+            "pool {pool}: scrub paused at {} of {} ({percent}%), {found}; `strata pool scrub {pool}` goes on\n",
+            format_size(s.issued_bytes),
+            format_size(s.total_bytes)
+        ),
+        ScrubState::Finished => format!(
+            "pool {pool}: scrubbed {} in {} s, {found}\n",
+            format_size(s.issued_bytes),
+            s.seconds
+        ),
+        ScrubState::Stopped => format!(
+            "pool {pool}: scrub stopped at {} of {} ({percent}%), {found}\n",
+            format_size(s.issued_bytes),
+            format_size(s.total_bytes)
+        ),
+        ScrubState::Failed => format!(
+            "pool {pool}: scrub failed after {}: {}, {found}\n",
+            format_size(s.issued_bytes),
+            s.error.as_deref().unwrap_or("unknown error")
+        ),
+    };
+    for fault in s.faults.iter().take(SCRUB_FAULT_LINES) {
+        let what = fault
+            .name
+            .clone()
+            .unwrap_or_else(|| format!("{pool}/volume-{}", fault.volume));
+        let file = fault
+            .path
+            .as_ref()
+            .map_or_else(String::new, |path| format!(" (file {path})"));
+        out.push_str(&format!(
+            "pool {pool}: unrepaired: {what}{file} at offset {}, {} bytes, on {}\n",
+            fault.offset, fault.length, fault.device
+        ));
+    }
+    let unlisted = (s.errors as usize).saturating_sub(s.faults.len().min(SCRUB_FAULT_LINES));
+    if unlisted > 0 {
+        out.push_str(&format!(
+            "pool {pool}: {unlisted} more unrepaired block{} (`--json` lists up to {})\n",
+            if unlisted == 1 { "" } else { "s" },
+            crate::pool::SCRUB_MAX_FAULTS
+        ));
+    }
+    out
+}
+
+/// Follows the pool's scrub until it is no longer scanning: a progress
+/// line on a terminal meanwhile. Returns its last status.
+fn scrub_and_wait(client: &Client, pool: &str) -> CliResult<ScrubStatus> {
+    use std::io::IsTerminal;
+    let terminal = std::io::stderr().is_terminal();
+    loop {
+        let status: Option<ScrubStatus> = client.get(&format!("/v1/pools/{pool}/scrub"))?;
+        let Some(status) = status else {
+            return Err(CliError(format!("pool {pool}: no scrub to wait for")));
+        };
+        if status.state != ScrubState::Scanning {
+            if terminal {
+                eprint!("\r\x1b[K");
+            }
+            return Ok(status);
+        }
+        if terminal {
+            eprint!(
+                "\r\x1b[Kscrubbing {pool}: {} of {} at {}/s",
+                format_size(status.issued_bytes),
+                format_size(status.total_bytes),
+                format_size(status.bytes_per_second)
+            );
         }
         std::thread::sleep(std::time::Duration::from_millis(250));
     }

@@ -32,6 +32,8 @@ mod datasets;
 mod pool_props;
 mod removal;
 mod retention;
+mod scrub;
+pub use scrub::{ScrubAction, SCRUB_FILE};
 mod send;
 mod snapshots;
 pub use datasets::{canonical_dataset_value, DatasetInfo, DatasetSnapshotInfo, DATASET_PROPERTIES};
@@ -176,6 +178,9 @@ pub struct PoolStatus {
     /// Automatic tiering: settings, the pass under way, totals since start.
     #[serde(default)]
     pub migration: MigrationStatus,
+    /// The scrub under way, or the last one (`pool scrub`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub scrub: Option<crate::pool::ScrubStatus>,
 }
 
 /// Space of one tier: the sum of its devices'.
@@ -1556,6 +1561,7 @@ impl VolumeManager {
                     cache,
                     tiers: PoolTiers::of(&devices),
                     migration: pool.migration_status(),
+                    scrub: self.scrub_status_of(name, &pool),
                     devices,
                 })
             })

@@ -108,6 +108,40 @@ impl Namespace {
         }
     }
 
+    /// A path of inode `ino` from the dataset's root (`/a/b`), for
+    /// messages: the first name found for it (a file with several links
+    /// has several). `None` when no directory names it (removed).
+    pub fn path_of(&self, ino: u64) -> Option<String> {
+        let name_in = |dir: u64, ino: u64| {
+            self.dirs
+                .get(&dir)?
+                .entries
+                .values()
+                .find(|(_, i)| *i == ino)
+                .map(|(name, _)| String::from_utf8_lossy(name).into_owned())
+        };
+        let mut names = Vec::new();
+        let mut at = ino;
+        // A directory's row names its parent; a file's parent is found by
+        // its entry. A loop in damaged rows ends at the inode count.
+        while at != ROOT_INO && names.len() <= self.inodes.len() {
+            let row = self.inodes.get(&at)?;
+            let parent = if row.kind == FileType::Directory {
+                row.parent
+            } else {
+                *self
+                    .dirs
+                    .iter()
+                    .find(|(_, dir)| dir.entries.values().any(|(_, i)| *i == at))?
+                    .0
+            };
+            names.push(name_in(parent, at)?);
+            at = parent;
+        }
+        names.reverse();
+        Some(format!("/{}", names.join("/")))
+    }
+
     /// A stored inode row (loading): row 0 holds the next generation.
     pub fn load_inode(&mut self, ino: u64, row: InodeRow) {
         if ino == 0 {

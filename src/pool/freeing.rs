@@ -88,7 +88,7 @@ impl Pool {
     /// data written to the devices (a large write goes around the RAM tier:
     /// counted only there, a stream of them looked like an idle pool, and
     /// the freer punched at full speed, holding the device file's lock).
-    fn foreground_ops(&self) -> u64 {
+    pub(super) fn foreground_ops(&self) -> u64 {
         let read = self.read_cache.stats();
         let placed: u64 = self
             .devices

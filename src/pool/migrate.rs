@@ -946,7 +946,7 @@ pub const LIST_BATCH_CHUNKS: u64 = 1024;
 
 /// Map page indexes the walk lists at a time (of a volume's view, or a
 /// snapshot's own pages): 2 Mi blocks' worth.
-const PAGE_WINDOW: usize = 4096;
+pub(crate) const PAGE_WINDOW: usize = 4096;
 
 /// Bounds of one pass's planning (tests choose smaller ones).
 #[derive(Debug, Clone, Copy)]

@@ -47,7 +47,9 @@ pub use remove::RemovalStatus;
 mod resilver;
 pub use resilver::ResilverStatus;
 mod scrub;
-pub use scrub::ScrubReport;
+pub use scrub::{
+    ScrubCommand, ScrubCursor, ScrubFault, ScrubJob, ScrubReport, ScrubState, ScrubStatus, SCRUB_MAX_FAULTS,
+};
 mod send;
 pub mod snapshots;
 pub mod superblock;
@@ -469,6 +471,8 @@ pub struct Pool {
     detached: Mutex<Vec<Arc<dyn Device>>>,
     /// The removal under way, or the last one that failed (`pool/remove.rs`).
     removal: Mutex<Option<RemovalStatus>>,
+    /// The scrub running or last run since the pool opened (`pool/scrub.rs`).
+    scrub: Mutex<Option<Arc<scrub::ScrubJob>>>,
     /// The devices as stored metadata is checked against (grows with
     /// `pool add-device`).
     geometry: Arc<std::sync::RwLock<crate::meta::geometry::Geometry>>,

@@ -709,6 +709,7 @@ impl Pool {
             resilvering: tokio::sync::Mutex::new(()),
             detached: Mutex::new(Vec::new()),
             removal: Mutex::new(None),
+            scrub: Mutex::new(None),
             corruption,
             allocator: Ranked::new(Rank::Allocator, 0, crate::sync::WatchedMutex::new(allocator)),
             epoch: AtomicU32::new(epoch.wrapping_add(1).max(1)),

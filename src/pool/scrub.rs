@@ -7,6 +7,8 @@
 //! on meanwhile.
 
 use super::*;
+use crate::pool::volume::EngineVolume;
+use crate::volume::BlockDevice;
 
 /// What a scrub did.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
@@ -86,5 +88,534 @@ impl Pool {
     /// Chunks with suspect parts.
     pub fn suspect_chunks(&self) -> usize {
         self.suspect.lock_or_abort().len()
+    }
+}
+
+// The scrub of a whole pool (`strata pool scrub`): every block some volume,
+// dataset, snapshot or clone maps is read back from every copy that holds
+// it and verified against its stored checksums; a bad copy on a mirror is
+// rewritten from a good one, a block no copy holds intact is listed by
+// volume and offset.
+//
+// Order: by place (member, then device offset), so a disk reads forward.
+// The maps are walked once per batch of `SCRUB_BATCH` places, keeping the
+// smallest places past the cursor (bounded memory, whatever the pool's
+// size); a slot several maps share (snapshots, clones) is read once.
+// Contiguous places are read in runs of up to `SCRUB_RUN_BYTES` and checked
+// block by block; only a block that does not match is checked again, alone,
+// under its stripe lock, the way a client's read would (a client's write in
+// place between the run's read and its check explains a mismatch, and the
+// recheck sees the block as it is now).
+//
+// Pace: while clients do I/O (the pool's foreground counters moved since
+// the last run), the scrub rests after each run several times as long as
+// the run took, so on a busy disk it takes a small share of it; idle, it
+// runs at the device's speed.
+
+/// Places collected per walk of the maps.
+pub(crate) const SCRUB_BATCH: usize = 128 * 1024;
+/// The most one run reads at a time.
+pub const SCRUB_RUN_BYTES: u64 = 1 << 20;
+/// While clients are at work: rest this many times as long as a run took.
+const SCRUB_BUSY_FACTOR: u32 = 4;
+const SCRUB_MIN_REST: std::time::Duration = std::time::Duration::from_millis(2);
+const SCRUB_MAX_REST: std::time::Duration = std::time::Duration::from_millis(200);
+/// Blocks listed by name in a scrub's status; the rest are counted.
+pub const SCRUB_MAX_FAULTS: usize = 1000;
+
+/// Where a scrub is: every place below it has been checked.
+#[derive(
+    Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord, serde::Serialize, serde::Deserialize, utoipa::ToSchema,
+)]
+pub struct ScrubCursor {
+    pub member: u8,
+    pub offset: u64,
+}
+
+/// A scrub's state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize, utoipa::ToSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum ScrubState {
+    /// Under way.
+    Scanning,
+    /// Paused (`pool scrub --pause`): `pool scrub` goes on from its cursor.
+    Paused,
+    /// Every block was checked.
+    Finished,
+    /// Stopped before the end (`pool scrub --stop`).
+    Stopped,
+    /// Stopped by an error (its reason in `error`).
+    Failed,
+}
+
+impl ScrubState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ScrubState::Scanning => "scanning",
+            ScrubState::Paused => "paused",
+            ScrubState::Finished => "finished",
+            ScrubState::Stopped => "stopped",
+            ScrubState::Failed => "failed",
+        }
+    }
+}
+
+/// A block the scrub found no intact copy of.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize, utoipa::ToSchema)]
+pub struct ScrubFault {
+    /// The volume (or dataset) id, and the snapshot's when only a snapshot
+    /// maps the block.
+    pub volume: u32,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub snapshot: Option<u32>,
+    /// Byte offset and length in the volume (a dataset's object).
+    pub offset: u64,
+    pub length: u64,
+    /// The device (or mirror) it lies on.
+    pub device: String,
+    /// Filled in by the manager: the volume's name (`pool/name`, with
+    /// `@snapshot`), and for a dataset the file's path.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub path: Option<String>,
+}
+
+/// A scrub's progress and findings, as `pool status` and `pool scrub`
+/// show them and as the daemon keeps them across restarts.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize, utoipa::ToSchema)]
+pub struct ScrubStatus {
+    pub state: ScrubState,
+    pub started_unix: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ended_unix: Option<u64>,
+    /// Bytes the pool's maps held when the scrub started (an estimate of
+    /// what it reads: blocks written meanwhile are read too if they lie
+    /// past the cursor).
+    pub total_bytes: u64,
+    /// Bytes of blocks read back and checked (each slot once, however many
+    /// copies it has).
+    pub issued_bytes: u64,
+    /// Bytes rewritten from another copy while it ran.
+    pub repaired_bytes: u64,
+    /// Blocks no copy holds intact (or that could not be read at all).
+    pub errors: u64,
+    /// Seconds spent scanning (pauses left out), and its pace.
+    pub seconds: u64,
+    pub bytes_per_second: u64,
+    pub cursor: ScrubCursor,
+    /// The first [`SCRUB_MAX_FAULTS`] of `errors`.
+    #[serde(default)]
+    pub faults: Vec<ScrubFault>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+impl ScrubStatus {
+    pub fn new(started_unix: u64) -> ScrubStatus {
+        ScrubStatus {
+            state: ScrubState::Scanning,
+            started_unix,
+            ended_unix: None,
+            total_bytes: 0,
+            issued_bytes: 0,
+            repaired_bytes: 0,
+            errors: 0,
+            seconds: 0,
+            bytes_per_second: 0,
+            cursor: ScrubCursor::default(),
+            faults: Vec::new(),
+            error: None,
+        }
+    }
+
+    /// Seconds left at the current pace, if it has one.
+    pub fn eta_seconds(&self) -> Option<u64> {
+        self.total_bytes
+            .saturating_sub(self.issued_bytes)
+            .checked_div(self.bytes_per_second)
+    }
+}
+
+/// What a running scrub is asked to do next.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ScrubCommand {
+    Run,
+    Pause,
+    Stop,
+}
+
+/// A scrub the pool runs: its status, shared with whoever shows it, and
+/// the command it checks between runs.
+pub struct ScrubJob {
+    status: Mutex<ScrubStatus>,
+    command: Mutex<ScrubCommand>,
+}
+
+impl ScrubJob {
+    pub fn new(status: ScrubStatus) -> Arc<ScrubJob> {
+        Arc::new(ScrubJob {
+            status: Mutex::new(status),
+            command: Mutex::new(ScrubCommand::Run),
+        })
+    }
+
+    pub fn status(&self) -> ScrubStatus {
+        self.status.lock_or_abort().clone()
+    }
+
+    pub fn command(&self, command: ScrubCommand) {
+        *self.command.lock_or_abort() = command;
+    }
+
+    fn next_command(&self) -> ScrubCommand {
+        *self.command.lock_or_abort()
+    }
+
+    fn update(&self, change: impl FnOnce(&mut ScrubStatus)) {
+        change(&mut self.status.lock_or_abort());
+    }
+}
+
+/// One place to check: a slot, who maps it, and at which block.
+#[derive(Clone)]
+struct ScrubTarget {
+    engine: Arc<EngineVolume>,
+    block: u64,
+    /// Mapped by this snapshot's own page (the volume no longer maps it).
+    snapshot: Option<u32>,
+    bytes: u64,
+}
+
+/// How checking one block came out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum ScrubBlock {
+    /// Every copy verified (or was repaired from one that did).
+    Good,
+    /// The slot no longer holds this block (rewritten or freed meanwhile).
+    Gone,
+    /// No copy verified.
+    Bad,
+}
+
+fn unix_now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+impl Pool {
+    /// The scrub running or last run since the pool opened, if any.
+    pub fn scrub_job(&self) -> Option<Arc<ScrubJob>> {
+        self.scrub.lock_or_abort().clone()
+    }
+
+    /// Makes `job` the pool's scrub, shown by [`Pool::scrub_job`]; refused
+    /// while another is scanning.
+    pub fn set_scrub_job(&self, job: Arc<ScrubJob>) -> Result<(), PoolError> {
+        let mut current = self.scrub.lock_or_abort();
+        if current
+            .as_ref()
+            .is_some_and(|j| j.status().state == ScrubState::Scanning)
+        {
+            return Err(PoolError::Invalid(format!(
+                "pool '{}' is already being scrubbed",
+                self.name
+            )));
+        }
+        *current = Some(job);
+        Ok(())
+    }
+
+    /// Bytes the maps of the open volumes hold (the allocator's live data).
+    fn scrub_total_bytes(&self) -> u64 {
+        let allocator = self.allocator.lock_or_abort();
+        self.devices
+            .iter()
+            .filter(|d| d.member.role.holds_data() && !d.is_removed())
+            .map(|d| allocator.live_bytes(d.member.index))
+            .sum()
+    }
+
+    fn repaired_sectors(&self) -> u64 {
+        self.devices
+            .iter()
+            .filter_map(|d| d.mirror())
+            .flat_map(|m| {
+                m.children()
+                    .iter()
+                    .map(|c| c.counters.repaired.load(Ordering::Relaxed))
+                    .collect::<Vec<_>>()
+            })
+            .sum()
+    }
+
+    /// Runs `job` (the pool's scrub, [`Pool::set_scrub_job`]) from its
+    /// cursor until every block is checked or it is told to pause or
+    /// stop; `save` is called with its status every `save_every` and when
+    /// it ends, so that a restart can go on from there.
+    pub async fn run_scrub(
+        &self,
+        job: &ScrubJob,
+        save_every: std::time::Duration,
+        save: &(dyn Fn(&ScrubStatus) + Send + Sync),
+    ) {
+        let began = std::time::Instant::now();
+        let (seconds_before, issued_before, repaired_before) = {
+            let status = job.status();
+            (status.seconds, status.issued_bytes, status.repaired_bytes)
+        };
+        let repaired_base = self.repaired_sectors();
+        job.update(|s| {
+            s.state = ScrubState::Scanning;
+            s.ended_unix = None;
+            s.error = None;
+            if s.issued_bytes == 0 {
+                s.total_bytes = self.scrub_total_bytes();
+            }
+        });
+        save(&job.status());
+        let mut saved = std::time::Instant::now();
+        let mut seen = self.foreground_ops();
+        let outcome: Result<ScrubState, PoolError> = async {
+            loop {
+                let cursor = job.status().cursor;
+                let batch = self.scrub_batch(cursor, SCRUB_BATCH)?;
+                if batch.is_empty() {
+                    return Ok(ScrubState::Finished);
+                }
+                let mut at = 0;
+                while at < batch.len() {
+                    match job.next_command() {
+                        ScrubCommand::Run => {}
+                        ScrubCommand::Pause => return Ok(ScrubState::Paused),
+                        ScrubCommand::Stop => return Ok(ScrubState::Stopped),
+                    }
+                    // A run: places one after another on one member.
+                    let ((member, offset), _) = &batch[at];
+                    let mut end = at + 1;
+                    let mut length = batch[at].1.bytes;
+                    while end < batch.len() {
+                        let ((m, o), t) = &batch[end];
+                        if *m != *member || *o != offset + length || length + t.bytes > SCRUB_RUN_BYTES {
+                            break;
+                        }
+                        length += t.bytes;
+                        end += 1;
+                    }
+                    let run = std::time::Instant::now();
+                    let faults = self.scrub_run(*member, *offset, &batch[at..end]).await?;
+                    let last = &batch[end - 1];
+                    let next = ScrubCursor {
+                        member: last.0 .0,
+                        offset: last.0 .1 + last.1.bytes,
+                    };
+                    let took = run.elapsed();
+                    job.update(|s| {
+                        s.cursor = next;
+                        s.issued_bytes += length;
+                        s.total_bytes = s.total_bytes.max(s.issued_bytes);
+                        s.repaired_bytes =
+                            repaired_before + (self.repaired_sectors().saturating_sub(repaired_base)) * SECTOR_BYTES;
+                        s.errors += faults.len() as u64;
+                        let room = SCRUB_MAX_FAULTS.saturating_sub(s.faults.len());
+                        s.faults.extend(faults.into_iter().take(room));
+                        let elapsed = began.elapsed().as_secs_f64().max(1e-3);
+                        s.seconds = seconds_before + elapsed as u64;
+                        s.bytes_per_second = ((s.issued_bytes - issued_before) as f64 / elapsed) as u64;
+                    });
+                    if saved.elapsed() >= save_every {
+                        save(&job.status());
+                        saved = std::time::Instant::now();
+                    }
+                    // Clients first: rest while they are at work.
+                    let now = self.foreground_ops();
+                    if now != seen {
+                        let rest = (took * SCRUB_BUSY_FACTOR).clamp(SCRUB_MIN_REST, SCRUB_MAX_REST);
+                        tokio::time::sleep(rest).await;
+                        seen = self.foreground_ops();
+                    } else {
+                        tokio::task::yield_now().await;
+                    }
+                    at = end;
+                }
+            }
+        }
+        .await;
+        job.update(|s| {
+            match outcome {
+                Ok(state) => s.state = state,
+                Err(e) => {
+                    s.state = ScrubState::Failed;
+                    s.error = Some(e.to_string());
+                }
+            }
+            if s.state == ScrubState::Stopped || s.state == ScrubState::Finished {
+                s.ended_unix = Some(unix_now());
+            }
+        });
+        let status = job.status();
+        save(&status);
+        let summary = format!(
+            "{} checked, {} repaired, {} errors",
+            crate::units::format_size(status.issued_bytes),
+            crate::units::format_size(status.repaired_bytes),
+            status.errors
+        );
+        match status.state {
+            ScrubState::Failed => tracing::error!(
+                "pool {}: scrub failed: {} ({summary})",
+                self.name,
+                status.error.as_deref().unwrap_or("")
+            ),
+            ScrubState::Finished if status.errors > 0 => {
+                tracing::error!("pool {}: scrub finished: {summary}", self.name)
+            }
+            state => tracing::info!("pool {}: scrub {}: {summary}", self.name, state.as_str()),
+        }
+    }
+
+    /// The first `max` places past `cursor` that the open volumes, their
+    /// snapshots and clones map, in place order, each slot once.
+    #[allow(clippy::type_complexity)]
+    fn scrub_batch(&self, cursor: ScrubCursor, max: usize) -> Result<Vec<((u8, u64), ScrubTarget)>, PoolError> {
+        let mut batch: std::collections::BTreeMap<(u8, u64), ScrubTarget> = std::collections::BTreeMap::new();
+        let from = (cursor.member, cursor.offset);
+        let mut note = |entry: BlockPtr, target: &dyn Fn() -> ScrubTarget| {
+            let Some(place) = entry.place() else { return };
+            if place < from || batch.contains_key(&place) {
+                return;
+            }
+            if batch.len() >= max {
+                match batch.last_key_value() {
+                    Some((last, _)) if place < *last => {
+                        batch.pop_last();
+                    }
+                    _ => return,
+                }
+            }
+            batch.insert(place, target());
+        };
+        for engine in self.engines() {
+            if engine.is_snapshot() {
+                continue;
+            }
+            let id = engine.id();
+            let bytes = engine.block_bytes();
+            let blocks = engine.size_bytes().div_ceil(bytes);
+            let mut next = Some(0);
+            while let Some(start) = next {
+                let (indexes, more) = self.view_page_indexes_from(id, blocks, start, migrate::PAGE_WINDOW)?;
+                for index in indexes {
+                    let first = index * MAP_ENTRIES_PER_PAGE;
+                    let last = (first + MAP_ENTRIES_PER_PAGE - 1).min(blocks - 1);
+                    for (block, entry) in (first..).zip(self.lookup_range(id, first, last)?) {
+                        note(entry, &|| ScrubTarget {
+                            engine: engine.clone(),
+                            block,
+                            snapshot: None,
+                            bytes,
+                        });
+                    }
+                }
+                next = more;
+            }
+            for snapshot in self.snapshots_of(id).iter().map(|s| s.id) {
+                let mut next = Some(0);
+                while let Some(start) = next {
+                    let (indexes, more) = self.own_pages_from(snapshot, start, migrate::PAGE_WINDOW)?;
+                    for index in indexes {
+                        let page = self.map_pages.get(&self.db, (snapshot, index))?;
+                        for (within, entry) in page.ptrs().into_iter().enumerate() {
+                            note(entry, &|| ScrubTarget {
+                                engine: engine.clone(),
+                                block: index * MAP_ENTRIES_PER_PAGE + within as u64,
+                                snapshot: Some(snapshot),
+                                bytes,
+                            });
+                        }
+                    }
+                    next = more;
+                }
+            }
+        }
+        Ok(batch.into_iter().collect())
+    }
+
+    /// Reads the run of `targets` (lying one after another on `member`
+    /// from `offset`) from every up-to-date copy and checks each block;
+    /// a block that does not match on some copy is checked again alone
+    /// ([`EngineVolume::scrub_block`]). Returns the blocks left bad.
+    async fn scrub_run(
+        &self,
+        member: u8,
+        offset: u64,
+        targets: &[((u8, u64), ScrubTarget)],
+    ) -> Result<Vec<ScrubFault>, PoolError> {
+        let length: u64 = targets.iter().map(|(_, t)| t.bytes).sum();
+        let pool_device = self.data_device(member).map_err(PoolError::Meta)?;
+        let stored = self
+            .crcs(member, offset, (length / SECTOR_BYTES) as usize)
+            .map_err(PoolError::Meta)?;
+        let copies: Vec<(IoBuf, Result<(), DeviceError>)> = match pool_device.mirror() {
+            Some(mirror) => {
+                let children = mirror.online();
+                let reads = children
+                    .iter()
+                    .map(|child| -> crate::device::BoxFuture<'_, _> {
+                        Box::pin(mirror.read_child(child, offset, IoBuf::new(length as usize)))
+                    })
+                    .collect();
+                vdev::join_all(reads).await
+            }
+            None => {
+                let (buf, result) = pool_device.device.read(offset, IoBuf::new(length as usize)).await;
+                if result.is_err() {
+                    pool_device.counters.read_errors.fetch_add(1, Ordering::Relaxed);
+                }
+                vec![(buf, result)]
+            }
+        };
+        let mut faults = Vec::new();
+        let mut at = 0u64;
+        for (_, target) in targets {
+            let sectors = (at / SECTOR_BYTES) as usize..((at + target.bytes) / SECTOR_BYTES) as usize;
+            let logical = target.block * target.bytes;
+            let matches = !copies.is_empty()
+                && copies.iter().all(|(buf, result)| {
+                    result.is_ok() && {
+                        let data = &buf.payload()[at as usize..(at + target.bytes) as usize];
+                        let mut sums = volume::sector_crcs(data);
+                        self.tag_crcs(&mut sums, logical);
+                        sums[..] == stored[sectors.clone()]
+                    }
+                });
+            if !matches {
+                let place = offset + at;
+                let checked = target
+                    .engine
+                    .scrub_block(member, place, target.block, target.snapshot)
+                    .await;
+                if checked == ScrubBlock::Bad {
+                    faults.push(ScrubFault {
+                        volume: target.engine.id(),
+                        snapshot: target.snapshot,
+                        offset: logical,
+                        length: target.bytes,
+                        device: pool_device.device.info().name.clone(),
+                        name: None,
+                        path: None,
+                    });
+                }
+            }
+            at += target.bytes;
+        }
+        Ok(faults)
+    }
+
+    /// The entry of `block` in snapshot `snapshot`'s own map page.
+    pub(crate) fn own_entry(&self, snapshot: u32, block: u64) -> Result<BlockPtr, MetaError> {
+        let page = self.map_pages.get(&self.db, (snapshot, block / MAP_ENTRIES_PER_PAGE))?;
+        Ok(page.ptrs()[(block % MAP_ENTRIES_PER_PAGE) as usize])
     }
 }

@@ -797,7 +797,7 @@ impl Membership {
 }
 
 /// Polls every future to completion, all at once; results in order.
-async fn join_all<T>(futures: Vec<BoxFuture<'_, T>>) -> Vec<T> {
+pub(crate) async fn join_all<T>(futures: Vec<BoxFuture<'_, T>>) -> Vec<T> {
     let mut futures: Vec<Option<BoxFuture<'_, T>>> = futures.into_iter().map(Some).collect();
     let mut results: Vec<Option<T>> = futures.iter().map(|_| None).collect();
     std::future::poll_fn(|cx| {

@@ -17,7 +17,7 @@ mod write;
 pub(crate) use moving::Moved;
 mod writeback;
 
-use write::sector_crcs;
+pub(crate) use write::sector_crcs;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;

@@ -175,6 +175,92 @@ impl EngineVolume {
         failed
     }
 
+    /// Checks block `block` (of this volume, or of its snapshot
+    /// `snapshot`'s own map) on every up-to-date copy, if it still lies at
+    /// `physical` on `device`: the whole-pool scrub's second look at a
+    /// block that did not match in its run. A bad copy on a mirror is
+    /// rewritten from a good one (as a client's read does), and a copy that
+    /// could not be read is rewritten too; errors are counted and logged on
+    /// their devices.
+    pub(crate) async fn scrub_block(
+        &self,
+        device: u8,
+        physical: u64,
+        block: u64,
+        snapshot: Option<u32>,
+    ) -> crate::pool::scrub::ScrubBlock {
+        use crate::pool::scrub::ScrubBlock;
+        let offset = block << self.block_shift;
+        let bytes = self.block_bytes();
+        // A snapshot's blocks do not change; a volume's are held still.
+        let _guards = match snapshot {
+            None => Some(self.lock_shared(offset, bytes).await),
+            Some(_) => None,
+        };
+        let still_here = |pool: &Pool| {
+            let entry = match snapshot {
+                None => pool.lookup(self.id, block),
+                Some(snapshot) => pool.own_entry(snapshot, block),
+            };
+            entry.is_ok_and(|e| e.place() == Some((device, physical)))
+        };
+        if !still_here(&self.pool) {
+            return ScrubBlock::Gone;
+        }
+        let Ok(pool_device) = self.pool.data_device(device) else {
+            return ScrubBlock::Bad;
+        };
+        let Some(mirror) = pool_device.mirror() else {
+            return match self.read_sectors(device, physical, bytes, offset, false).await {
+                Ok(_) => ScrubBlock::Good,
+                Err(_) if !still_here(&self.pool) => ScrubBlock::Gone,
+                Err(_) => ScrubBlock::Bad,
+            };
+        };
+        let Ok(stored) = self.pool.crcs(device, physical, (bytes / SECTOR_BYTES) as usize) else {
+            return ScrubBlock::Bad;
+        };
+        let mut good: Option<IoBuf> = None;
+        let mut mismatched: Option<IoBuf> = None;
+        let mut unreadable = Vec::new();
+        for child in mirror.online() {
+            let (buf, result) = mirror.read_child(&child, physical, IoBuf::new(bytes as usize)).await;
+            if result.is_err() {
+                unreadable.push(child);
+                continue;
+            }
+            let mut sums = sector_crcs(buf.payload());
+            self.pool.tag_crcs(&mut sums, offset);
+            if sums == stored {
+                good.get_or_insert(buf);
+            } else {
+                mismatched.get_or_insert(buf);
+            }
+        }
+        if let Some(mut data) = mismatched {
+            // Verifying a bad copy heals every copy that does not match.
+            match self.verify(device, physical, data.payload_mut(), offset, false).await {
+                Ok(()) => {
+                    good.get_or_insert(data);
+                }
+                Err(_) if !still_here(&self.pool) => return ScrubBlock::Gone,
+                Err(_) => return ScrubBlock::Bad,
+            }
+        }
+        let Some(good) = good else {
+            return ScrubBlock::Bad;
+        };
+        for child in unreadable {
+            if mirror.write_child(&child, physical, good.payload()).await.is_ok() {
+                child
+                    .counters
+                    .repaired
+                    .fetch_add(bytes / SECTOR_BYTES, Ordering::Relaxed);
+            }
+        }
+        ScrubBlock::Good
+    }
+
     /// Reads whole sectors `[offset, offset + length)` from a device and verifies them.
     pub(super) async fn read_sectors(
         &self,

@@ -209,7 +209,7 @@ fn stays_in_place(entry: BlockPtr, block: u64, relocate: &[u64]) -> bool {
     !entry.is_shared() && !relocate.contains(&block)
 }
 
-pub(super) fn sector_crcs(bytes: &[u8]) -> Vec<u32> {
+pub(crate) fn sector_crcs(bytes: &[u8]) -> Vec<u32> {
     let mut sums = Vec::with_capacity(bytes.len() / SECTOR_BYTES as usize);
     crate::checksum::extend_sector_sums(bytes, &mut sums);
     sums
