@@ -77,6 +77,50 @@ fn files_copied_in_read_back_and_survive_a_kill() {
 }
 
 /// One RPC call record: AUTH_NONE, no verifier.
+/// Volume and dataset ids are each pool's own: a second pool's dataset
+/// with the id of the default pool's is another export, whose handles
+/// never reach the first (each handle carries its pool's tag).
+#[test]
+fn datasets_of_two_pools_with_one_id_keep_their_own_files() {
+    for tool in ["nfs-cp", "nfs-cat", "nfs-ls"] {
+        require_tool(tool);
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let server = start(dir.path());
+    let device = common::sparse_file(dir.path(), "second.img", 256 << 20);
+    common::cli_ok(&server, &["pool", "create", "second", "--fast", &device]);
+    // Id 1 a volume, id 2 the dataset: as default's `files`.
+    server.create_volume("second/v", "16M");
+    common::cli_ok(&server, &["fs", "create", "second/files"]);
+    let listed = common::cli_ok(&server, &["fs", "list", "--json"]);
+    let listed: serde_json::Value = serde_json::from_str(&listed).unwrap();
+    let ids: Vec<&serde_json::Value> = listed.as_array().unwrap().iter().map(|d| &d["id"]).collect();
+    assert_eq!(ids[0], ids[1], "the test wants one id in both pools: {listed}");
+    let local = dir.path().join("in");
+    std::fs::create_dir(&local).unwrap();
+    for (export, text) in [("default", "in the default pool\n"), ("second", "in the second pool\n")] {
+        let file = local.join(export);
+        std::fs::write(&file, text).unwrap();
+        let output = nfs_cp(
+            file.to_str().unwrap(),
+            &url(&server, &format!("/{export}/files/{export}.txt")),
+        );
+        assert!(output.status.success(), "nfs-cp to {export}: {output:?}");
+    }
+    for (export, other, text) in [
+        ("default", "second", "in the default pool\n"),
+        ("second", "default", "in the second pool\n"),
+    ] {
+        assert_eq!(
+            nfs_cat(&server, &format!("/{export}/files/{export}.txt")),
+            text.as_bytes()
+        );
+        let listing = nfs_ls(&server, &format!("/{export}/files"));
+        assert!(listing.contains(&format!("{export}.txt")), "{listing}");
+        assert!(!listing.contains(&format!("{other}.txt")), "{export}: {listing}");
+    }
+}
+
 fn call(xid: u32, program: u32, version: u32, procedure: u32, args: &[u8]) -> Vec<u8> {
     let mut body = Vec::new();
     for word in [xid, 0, 2, program, version, procedure, 0, 0, 0, 0] {

@@ -168,8 +168,10 @@ pub struct Export {
 pub trait Exports: Send + Sync {
     /// The export mounted at `path` (MOUNT's MNT).
     fn by_path(&self, path: &str) -> Option<Export>;
-    /// The export a file handle's dataset id belongs to.
-    fn by_dataset(&self, dataset: u32) -> Option<Export>;
+    /// The export a file handle's dataset id in the pool of tag `pool`
+    /// belongs to (`pool` 0, a handle of the first version: the dataset of
+    /// that id if only one pool has one).
+    fn by_dataset(&self, pool: u64, dataset: u32) -> Option<Export>;
     /// Every export (MOUNT's EXPORT).
     fn all(&self) -> Vec<Export>;
 }

@@ -102,6 +102,8 @@ enum SnapshotView {
 pub struct FileSystem {
     /// The dataset's id, or the snapshot's (in handles).
     dataset: u32,
+    /// The pool's tag (in handles and the fsid).
+    pool_tag: u64,
     /// A snapshot's dataset (`None`: a live dataset).
     snapshot_of: Option<u32>,
     /// What GETATTR reports: a snapshot's files are in their dataset's
@@ -292,10 +294,14 @@ impl FileSystem {
         let now = Time::now();
         verifier[..4].copy_from_slice(&(now.seconds as u32).to_le_bytes());
         verifier[4..].copy_from_slice(&(now.nanos ^ std::process::id()).to_le_bytes());
+        let pool_tag = pool.handle_tag();
         FileSystem {
             dataset,
+            pool_tag,
             snapshot_of,
-            fsid: snapshot_of.unwrap_or(dataset) as u64,
+            // The pool's tag above the dataset's id: another pool's dataset
+            // of the same id is another file system to a client.
+            fsid: (pool_tag << 32) | snapshot_of.unwrap_or(dataset) as u64,
             fileid_base: if snapshot_of.is_some() {
                 (dataset as u64) << 32
             } else {
@@ -314,6 +320,11 @@ impl FileSystem {
             deferred: Mutex::new(Deferred::default()),
             this: this.clone(),
         }
+    }
+
+    /// The pool's tag in this file system's handles.
+    pub fn pool_tag(&self) -> u64 {
+        self.pool_tag
     }
 
     /// The dataset id (in file handles; a snapshot's id for a snapshot).
@@ -599,6 +610,7 @@ impl FileSystem {
 
     fn snapshot_dir_handle(&self) -> Handle {
         Handle {
+            pool: self.pool_tag,
             dataset: self.snapshot_of.unwrap_or(self.dataset),
             ino: SNAPSHOT_DIR_INO,
             generation: 0,
@@ -607,7 +619,7 @@ impl FileSystem {
 
     /// Whether `handle` names this dataset's `.snapshot` directory.
     fn is_snapshot_dir(&self, handle: &Handle) -> bool {
-        self.snapshot_of.is_none() && handle.dataset == self.dataset && handle.ino == SNAPSHOT_DIR_INO
+        self.snapshot_of.is_none() && self.names_this(handle) && handle.ino == SNAPSHOT_DIR_INO
     }
 
     /// A snapshot's root directory, as its dataset's `.snapshot` lists it.
@@ -687,6 +699,7 @@ impl FileSystem {
     pub fn root(&self) -> Handle {
         let ns = self.namespace.lock_or_abort();
         Handle {
+            pool: self.pool_tag,
             dataset: self.dataset,
             ino: ROOT_INO,
             generation: ns.inodes.get(&ROOT_INO).map_or(0, |row| row.generation),
@@ -713,7 +726,7 @@ impl FileSystem {
             // Nothing in `.snapshot` changes but by the admin's commands.
             return Err(FsError::ReadOnly);
         }
-        if handle.dataset != self.dataset {
+        if !self.names_this(handle) {
             return Err(FsError::Stale);
         }
         match ns.inodes.get(&handle.ino) {
@@ -757,8 +770,15 @@ impl FileSystem {
         }
     }
 
+    /// Whether `handle` is of this dataset (or snapshot): its id, and its
+    /// pool's tag unless it is a handle of the first version (without one).
+    fn names_this(&self, handle: &Handle) -> bool {
+        handle.dataset == self.dataset && (handle.pool == self.pool_tag || handle.pool == 0)
+    }
+
     fn handle(&self, ino: u64, row: &InodeRow) -> Handle {
         Handle {
+            pool: self.pool_tag,
             dataset: self.dataset,
             ino,
             generation: row.generation,
@@ -811,7 +831,7 @@ impl FileSystem {
 
     /// The attributes of the live object `handle` names, if it does.
     fn live_attr(&self, ns: &Namespace, handle: &Handle) -> Option<Attr> {
-        if handle.dataset != self.dataset {
+        if !self.names_this(handle) {
             return None;
         }
         let row = ns.inodes.get(&handle.ino)?;

@@ -59,33 +59,48 @@ pub struct Wcc {
 /// A file handle: stable across restarts, never valid for another file.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Handle {
+    /// The pool's tag ([`crate::pool::Pool::handle_tag`]); 0 in a handle
+    /// of the first version, which names no pool.
+    pub pool: u64,
     pub dataset: u32,
     pub ino: u64,
     pub generation: u64,
 }
 
 /// Encoded handle length.
-pub const HANDLE_BYTES: usize = 24;
-const HANDLE_VERSION: u8 = 1;
+pub const HANDLE_BYTES: usize = 32;
+const HANDLE_VERSION: u8 = 2;
+/// The first version: no pool tag, 24 bytes. Still accepted (handles a
+/// client kept from before an upgrade), naming a dataset only while one
+/// pool alone has a dataset of that id.
+const HANDLE_V1_BYTES: usize = 24;
 
 impl Handle {
-    /// version `u8`, three reserved zero bytes, dataset `u32`, inode
-    /// `u64`, generation `u64` (little endian; docs/FORMAT.md).
+    /// version `u8` 2, three reserved zero bytes, dataset `u32`, inode
+    /// `u64`, generation `u64`, pool tag `u64` (little endian;
+    /// docs/FORMAT.md).
     pub fn encode(&self) -> [u8; HANDLE_BYTES] {
         let mut out = [0u8; HANDLE_BYTES];
         out[0] = HANDLE_VERSION;
         out[4..8].copy_from_slice(&self.dataset.to_le_bytes());
         out[8..16].copy_from_slice(&self.ino.to_le_bytes());
         out[16..24].copy_from_slice(&self.generation.to_le_bytes());
+        out[24..32].copy_from_slice(&self.pool.to_le_bytes());
         out
     }
 
     /// `None` for bytes that are not a handle of ours (NFS3ERR_BADHANDLE).
     pub fn decode(bytes: &[u8]) -> Option<Handle> {
-        if bytes.len() != HANDLE_BYTES || bytes[0] != HANDLE_VERSION || bytes[1..4] != [0, 0, 0] {
+        let pool = match (bytes.len(), bytes.first()) {
+            (HANDLE_BYTES, Some(&HANDLE_VERSION)) => u64::from_le_bytes(bytes[24..32].try_into().ok()?),
+            (HANDLE_V1_BYTES, Some(1)) => 0,
+            _ => return None,
+        };
+        if bytes[1..4] != [0, 0, 0] || (bytes[0] == HANDLE_VERSION && pool == 0) {
             return None;
         }
         Some(Handle {
+            pool,
             dataset: u32::from_le_bytes(bytes[4..8].try_into().ok()?),
             ino: u64::from_le_bytes(bytes[8..16].try_into().ok()?),
             generation: u64::from_le_bytes(bytes[16..24].try_into().ok()?),
@@ -282,15 +297,26 @@ mod tests {
     #[test]
     fn handles_round_trip_and_foreign_bytes_are_refused() {
         let handle = Handle {
+            pool: 0x1234_5678_9abc_def0,
             dataset: 7,
             ino: 1234,
             generation: 99,
         };
         assert_eq!(Handle::decode(&handle.encode()), Some(handle));
         let mut bad = handle.encode();
-        bad[0] = 2;
+        bad[0] = 3;
         assert_eq!(Handle::decode(&bad), None);
         assert_eq!(Handle::decode(&handle.encode()[..20]), None);
+        // A second-version handle always names its pool.
+        let mut no_pool = handle.encode();
+        no_pool[24..].fill(0);
+        assert_eq!(Handle::decode(&no_pool), None);
+        // A first-version handle (24 bytes, version 1) names no pool.
+        let mut first = handle.encode()[..24].to_vec();
+        first[0] = 1;
+        assert_eq!(Handle::decode(&first), Some(Handle { pool: 0, ..handle }));
+        first[0] = 2;
+        assert_eq!(Handle::decode(&first), None);
         for code in 1..=7 {
             assert_eq!(FileType::from_code(code).map(FileType::code), Some(code));
         }

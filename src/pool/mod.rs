@@ -616,6 +616,16 @@ impl Pool {
         uuid_text(&self.uuid)
     }
 
+    /// The pool's tag in NFS file handles and fsids: the first 8 bytes of
+    /// its uuid (never 0, which marks a handle that names no pool).
+    /// Volume and dataset ids are the pool's own, so two pools' datasets
+    /// may share an id; the tag tells them apart.
+    pub fn handle_tag(&self) -> u64 {
+        let mut bytes = [0u8; 8];
+        bytes.copy_from_slice(&self.uuid[..8]);
+        u64::from_le_bytes(bytes).max(1)
+    }
+
     pub fn chunk_bytes(&self) -> u32 {
         self.chunk_bytes
     }

@@ -719,30 +719,44 @@ impl Exports for VolumeManager {
         })
     }
 
-    fn by_dataset(&self, dataset: u32) -> Option<Export> {
+    fn by_dataset(&self, pool: u64, dataset: u32) -> Option<Export> {
         let datasets = self.datasets.read().unwrap_or_else(|e| e.into_inner());
-        if crate::pool::snapshots::is_snapshot_id(dataset) {
-            // A snapshot: read-only whatever its dataset's options say.
-            return datasets.iter().find_map(|(name, open)| {
-                let fs = open.fs.snapshot_fs(dataset)?;
-                Some(Export {
-                    path: format!("/{name}/.snapshot"),
-                    fs,
-                    options: ExportOptions {
-                        read_only: true,
-                        ..open.options.clone()
-                    },
-                })
-            });
-        }
-        datasets
+        // Ids are per pool: the handle's pool tag picks the pool.
+        let in_pool = datasets
             .iter()
-            .find(|(_, d)| d.id == dataset)
-            .map(|(name, open)| Export {
-                path: format!("/{name}"),
-                fs: open.fs.clone(),
-                options: open.options.clone(),
-            })
+            .filter(|(_, open)| pool == 0 || open.fs.pool_tag() == pool);
+        let mut found: Vec<Export> = if crate::pool::snapshots::is_snapshot_id(dataset) {
+            // A snapshot: read-only whatever its dataset's options say.
+            in_pool
+                .filter_map(|(name, open)| {
+                    let fs = open.fs.snapshot_fs(dataset)?;
+                    Some(Export {
+                        path: format!("/{name}/.snapshot"),
+                        fs,
+                        options: ExportOptions {
+                            read_only: true,
+                            ..open.options.clone()
+                        },
+                    })
+                })
+                .collect()
+        } else {
+            in_pool
+                .filter(|(_, d)| d.id == dataset)
+                .map(|(name, open)| Export {
+                    path: format!("/{name}"),
+                    fs: open.fs.clone(),
+                    options: open.options.clone(),
+                })
+                .collect()
+        };
+        // One pool's dataset or snapshot of that id: it. More (only a
+        // first-version handle, without a pool, can match several): none,
+        // the handle is stale rather than served by the wrong dataset.
+        match found.len() {
+            1 => found.pop(),
+            _ => None,
+        }
     }
 
     fn all(&self) -> Vec<Export> {

@@ -117,7 +117,7 @@ impl Exports for FuzzExport {
     fn by_path(&self, path: &str) -> Option<Export> {
         (path == FUZZ_PATH).then(|| self.export())
     }
-    fn by_dataset(&self, dataset: u32) -> Option<Export> {
+    fn by_dataset(&self, _pool: u64, dataset: u32) -> Option<Export> {
         (dataset == FUZZ_DATASET).then(|| self.export())
     }
     fn all(&self) -> Vec<Export> {

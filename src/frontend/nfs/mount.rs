@@ -99,7 +99,7 @@ fn resolve(exports: &dyn Exports, path: &str) -> Result<(Export, Handle), u32> {
             return Err(status::NOTDIR);
         }
         if next.dataset != handle.dataset {
-            fs = exports.by_dataset(next.dataset).ok_or(status::NOENT)?.fs;
+            fs = exports.by_dataset(next.pool, next.dataset).ok_or(status::NOENT)?.fs;
         }
         handle = next;
     }
@@ -190,7 +190,7 @@ mod tests {
             fn by_path(&self, _: &str) -> Option<crate::fs::Export> {
                 None
             }
-            fn by_dataset(&self, _: u32) -> Option<crate::fs::Export> {
+            fn by_dataset(&self, _: u64, _: u32) -> Option<crate::fs::Export> {
                 None
             }
             fn all(&self) -> Vec<crate::fs::Export> {

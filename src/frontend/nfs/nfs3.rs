@@ -491,7 +491,7 @@ impl Target {
     /// directory), which must be in the same dataset.
     fn same_dataset(&self, fh: &[u8]) -> Status<Handle> {
         let handle = Handle::decode(fh).ok_or(status::BADHANDLE)?;
-        if handle.dataset != self.handle.dataset {
+        if (handle.pool, handle.dataset) != (self.handle.pool, self.handle.dataset) {
             return Err(status::XDEV);
         }
         Ok(handle)
@@ -508,7 +508,10 @@ struct Gate<'a> {
 impl Gate<'_> {
     fn target(&self, fh: &[u8], modifies: bool) -> Status<Target> {
         let handle = Handle::decode(fh).ok_or(status::BADHANDLE)?;
-        let export = self.exports.by_dataset(handle.dataset).ok_or(status::STALE)?;
+        let export = self
+            .exports
+            .by_dataset(handle.pool, handle.dataset)
+            .ok_or(status::STALE)?;
         let options = &export.options;
         if !options.allows(self.peer.ip(), self.peer.port()) {
             return Err(status::ACCES);
@@ -1079,6 +1082,7 @@ mod tests {
 
     fn handle() -> Handle {
         Handle {
+            pool: 5,
             dataset: 3,
             ino: 9,
             generation: 2,
@@ -1466,9 +1470,9 @@ mod tests {
         assert_eq!(&out[name_end + 8..name_end + 12], [0, 0, 0, 1]);
         assert_eq!(&out[name_end + 12..name_end + 12 + FATTR_BYTES], attr_bytes());
         let fh_at = name_end + 12 + FATTR_BYTES;
-        assert_eq!(&out[fh_at..fh_at + 8], [0, 0, 0, 1, 0, 0, 0, 24]);
-        assert_eq!(&out[fh_at + 8..fh_at + 32], handle().encode());
-        assert_eq!(&out[fh_at + 32..], [0, 0, 0, 0, 0, 0, 0, 0]);
+        assert_eq!(&out[fh_at..fh_at + 8], [0, 0, 0, 1, 0, 0, 0, 32]);
+        assert_eq!(&out[fh_at + 8..fh_at + 40], handle().encode());
+        assert_eq!(&out[fh_at + 40..], [0, 0, 0, 0, 0, 0, 0, 0]);
     }
 
     #[test]

@@ -357,7 +357,7 @@ mod tests {
         fn by_path(&self, _: &str) -> Option<Export> {
             None
         }
-        fn by_dataset(&self, _: u32) -> Option<Export> {
+        fn by_dataset(&self, _: u64, _: u32) -> Option<Export> {
             None
         }
         fn all(&self) -> Vec<Export> {
@@ -384,6 +384,7 @@ mod tests {
         let mut args = Vec::new();
         args.put_opaque(
             &Handle {
+                pool: 5,
                 dataset: 3,
                 ino: 1,
                 generation: 1,

@@ -39,7 +39,7 @@ impl Exports for OneExport {
     fn by_path(&self, path: &str) -> Option<Export> {
         (path == PATH).then(|| self.export())
     }
-    fn by_dataset(&self, dataset: u32) -> Option<Export> {
+    fn by_dataset(&self, _pool: u64, dataset: u32) -> Option<Export> {
         (dataset == DATASET).then(|| self.export())
     }
     fn all(&self) -> Vec<Export> {
@@ -237,7 +237,7 @@ async fn list(client: &mut Client, dir: &[u8], count: u32, plus: bool) -> Vec<St
             if plus {
                 assert!(post_op_attr(&mut d).is_some());
                 assert!(d.bool().unwrap());
-                assert_eq!(d.opaque(64).unwrap().len(), 24);
+                assert_eq!(d.opaque(64).unwrap().len(), crate::fs::HANDLE_BYTES);
             }
             page += 1;
         }
