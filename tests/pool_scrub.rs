@@ -176,18 +176,30 @@ fn a_paused_scrub_goes_on_from_its_cursor_and_checks_every_block_once() {
         let pool = Pool::create_with("p", 1 << 20, devices, options()).await.unwrap();
         let volume = volume_of(&pool);
         write_placed(&pool, &volume, 0..BLOCKS, 1).await;
-        // Rot at both ends: one found before the pause, one after.
+        pool.create_snapshots(&[SnapshotRequest {
+            volume: &volume,
+            name: "before".into(),
+        }])
+        .await
+        .unwrap();
+        let old_place = place_of(&volume, 3);
+        write_placed(&pool, &volume, 0..8, 2).await;
+        // Rot at both ends of the volume and in a block only the snapshot
+        // keeps: found before and after the pause.
         sim.corrupt(place_of(&volume, 0) + 1024, 512);
         sim.corrupt(place_of(&volume, BLOCKS - 1) + 1024, 512);
-        // Paused as soon as the first run is checked (statuses are saved
-        // after every run here).
-        let job = ScrubJob::new(ScrubStatus::new(0));
+        sim.corrupt(old_place + 1024, 512);
+        // Batches of 5 slots, so the walk crosses many, and paused as soon
+        // as a third of the slots are checked (statuses are saved after
+        // every run here), likely within a batch.
+        let slots = BLOCKS + 8;
+        let job = ScrubJob::with_batch(ScrubStatus::new(0), 5);
         pool.set_scrub_job(job.clone()).unwrap();
         let saved: Mutex<Vec<ScrubStatus>> = Mutex::new(Vec::new());
         let pausing = job.clone();
         pool.run_scrub(&job, Duration::ZERO, &|s| {
             saved.lock().unwrap().push(s.clone());
-            if s.issued_bytes > 0 {
+            if s.issued_bytes > slots / 3 * BLOCK {
                 pausing.command(ScrubCommand::Pause);
             }
         })
@@ -195,23 +207,31 @@ fn a_paused_scrub_goes_on_from_its_cursor_and_checks_every_block_once() {
         let paused = job.status();
         assert_eq!(paused.state, ScrubState::Paused);
         assert!(
-            paused.issued_bytes > 0 && paused.issued_bytes < BLOCKS * BLOCK,
+            paused.issued_bytes > 0 && paused.issued_bytes < slots * BLOCK,
             "{paused:?}"
         );
-        assert_eq!(paused.errors, 1, "{paused:?}");
         assert_eq!(saved.lock().unwrap().last(), Some(&paused), "the pause is saved");
-        // Another scrub may not start while one scans, but the paused
-        // one's status, handed to a new job (as after a restart), resumes.
-        let resumed = ScrubJob::new(paused.clone());
+        // The paused one's status, handed to a new job (as after a
+        // restart), resumes from its cursor.
+        let resumed = ScrubJob::with_batch(paused.clone(), 5);
         pool.set_scrub_job(resumed.clone()).unwrap();
         pool.run_scrub(&resumed, Duration::from_secs(3600), &|_| {}).await;
         let done = resumed.status();
         assert_eq!(done.state, ScrubState::Finished, "{done:?}");
-        assert_eq!(done.issued_bytes, BLOCKS * BLOCK, "no block read twice: {done:?}");
-        assert_eq!(done.errors, 2, "{done:?}");
-        let offsets: Vec<u64> = done.faults.iter().map(|f| f.offset).collect();
-        assert_eq!(offsets, [0, (BLOCKS - 1) * BLOCK]);
+        assert_eq!(done.issued_bytes, slots * BLOCK, "every slot once: {done:?}");
+        assert_eq!(done.errors, 3, "{done:?}");
+        let mut found: Vec<(Option<u32>, u64)> = done.faults.iter().map(|f| (f.snapshot, f.offset)).collect();
+        found.sort();
+        assert_eq!(found.len(), 3);
+        assert_eq!(found[0], (None, 0));
+        assert_eq!(found[1], (None, (BLOCKS - 1) * BLOCK));
+        assert_eq!(found[2].1, 3 * BLOCK);
+        assert!(found[2].0.is_some(), "{found:?}");
         assert!(done.ended_unix.is_some());
+        // The same walk in one go, in batches of the default size, checks
+        // the same slots.
+        let whole = scrub(&pool).await;
+        assert_eq!((whole.issued_bytes, whole.errors), (slots * BLOCK, 3), "{whole:?}");
     });
 }
 

@@ -97,15 +97,18 @@ impl Pool {
 // rewritten from a good one, a block no copy holds intact is listed by
 // volume and offset.
 //
-// Order: by place (member, then device offset), so a disk reads forward.
-// The maps are walked once per batch of `SCRUB_BATCH` places, keeping the
-// smallest places past the cursor (bounded memory, whatever the pool's
-// size); a slot several maps share (snapshots, clones) is read once.
-// Contiguous places are read in runs of up to `SCRUB_RUN_BYTES` and checked
-// block by block; only a block that does not match is checked again, alone,
-// under its stripe lock, the way a client's read would (a client's write in
-// place between the run's read and its check explains a mismatch, and the
-// recheck sees the block as it is now).
+// Order: the maps are walked once, volume by volume (by id), each
+// volume's own view and then its snapshots' own pages, in block order; a
+// batch of up to `SCRUB_BATCH` slots is collected and read in place order
+// (member, then device offset), so a disk reads forward within a batch
+// and memory stays bounded whatever the pool's size, as in ZFS's sorted
+// scrub. A slot two maps of one batch share (a snapshot and its clone) is
+// read once. Contiguous places are read in runs of up to
+// `SCRUB_RUN_BYTES` and checked block by block; only a block that does
+// not match is checked again, alone, under its stripe lock, the way a
+// client's read would (a client's write in place between the run's read
+// and its check explains a mismatch, and the recheck sees the block as it
+// is now).
 //
 // Pace: while clients do I/O (the pool's foreground counters moved since
 // the last run), the scrub rests after each run several times as long as
@@ -123,13 +126,34 @@ const SCRUB_MAX_REST: std::time::Duration = std::time::Duration::from_millis(200
 /// Blocks listed by name in a scrub's status; the rest are counted.
 pub const SCRUB_MAX_FAULTS: usize = 1000;
 
-/// Where a scrub is: every place below it has been checked.
+/// Where a scrub is. The walk of the maps has collected every block
+/// before (`volume`, `snapshot`, `block`) — a volume's own view first
+/// (`snapshot` absent), then its snapshots' own pages — and of the batch
+/// collected from there, every place before (`member`, `offset`) has been
+/// checked.
 #[derive(
     Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord, serde::Serialize, serde::Deserialize, utoipa::ToSchema,
 )]
 pub struct ScrubCursor {
+    pub volume: u32,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub snapshot: Option<u32>,
+    pub block: u64,
     pub member: u8,
     pub offset: u64,
+}
+
+impl ScrubCursor {
+    /// The start of the walk's next batch, nothing of it checked yet.
+    fn batch_at(volume: u32, snapshot: Option<u32>, block: u64) -> ScrubCursor {
+        ScrubCursor {
+            volume,
+            snapshot,
+            block,
+            member: 0,
+            offset: 0,
+        }
+    }
 }
 
 /// A scrub's state.
@@ -250,13 +274,22 @@ pub enum ScrubCommand {
 pub struct ScrubJob {
     status: Mutex<ScrubStatus>,
     command: Mutex<ScrubCommand>,
+    /// Slots collected per batch of the walk.
+    batch: usize,
 }
 
 impl ScrubJob {
     pub fn new(status: ScrubStatus) -> Arc<ScrubJob> {
+        ScrubJob::with_batch(status, SCRUB_BATCH)
+    }
+
+    /// A job that collects `batch` slots per batch of its walk (tests use
+    /// small ones to cross many batches).
+    pub fn with_batch(status: ScrubStatus, batch: usize) -> Arc<ScrubJob> {
         Arc::new(ScrubJob {
             status: Mutex::new(status),
             command: Mutex::new(ScrubCommand::Run),
+            batch: batch.max(1),
         })
     }
 
@@ -380,10 +413,10 @@ impl Pool {
         let outcome: Result<ScrubState, PoolError> = async {
             loop {
                 let cursor = job.status().cursor;
-                let batch = self.scrub_batch(cursor, SCRUB_BATCH)?;
-                if batch.is_empty() {
-                    return Ok(ScrubState::Finished);
-                }
+                let (batch, next) = self.scrub_batch(&cursor, job.batch)?;
+                // Resumed within a batch: what it checked before is skipped.
+                let skip = (cursor.member, cursor.offset);
+                let batch: Vec<_> = batch.into_iter().filter(|(place, _)| *place >= skip).collect();
                 let mut at = 0;
                 while at < batch.len() {
                     match job.next_command() {
@@ -406,13 +439,10 @@ impl Pool {
                     let run = std::time::Instant::now();
                     let faults = self.scrub_run(*member, *offset, &batch[at..end]).await?;
                     let last = &batch[end - 1];
-                    let next = ScrubCursor {
-                        member: last.0 .0,
-                        offset: last.0 .1 + last.1.bytes,
-                    };
                     let took = run.elapsed();
                     job.update(|s| {
-                        s.cursor = next;
+                        s.cursor.member = last.0 .0;
+                        s.cursor.offset = last.0 .1 + last.1.bytes;
                         s.issued_bytes += length;
                         s.total_bytes = s.total_bytes.max(s.issued_bytes);
                         s.repaired_bytes =
@@ -439,6 +469,10 @@ impl Pool {
                     }
                     at = end;
                 }
+                let Some(next) = next else {
+                    return Ok(ScrubState::Finished);
+                };
+                job.update(|s| s.cursor = next);
             }
         }
         .await;
@@ -475,62 +509,79 @@ impl Pool {
         }
     }
 
-    /// The first `max` places past `cursor` that the open volumes, their
-    /// snapshots and clones map, in place order, each slot once.
+    /// The next batch of the walk from `cursor`: at least `max` slots
+    /// (whole map pages of them) that the open volumes, their snapshots and
+    /// clones map, in place order, each slot once; and where the walk goes
+    /// on (`None`: this is its last batch).
     #[allow(clippy::type_complexity)]
-    fn scrub_batch(&self, cursor: ScrubCursor, max: usize) -> Result<Vec<((u8, u64), ScrubTarget)>, PoolError> {
+    fn scrub_batch(
+        &self,
+        cursor: &ScrubCursor,
+        max: usize,
+    ) -> Result<(Vec<((u8, u64), ScrubTarget)>, Option<ScrubCursor>), PoolError> {
         let mut batch: std::collections::BTreeMap<(u8, u64), ScrubTarget> = std::collections::BTreeMap::new();
-        let from = (cursor.member, cursor.offset);
-        let mut note = |entry: BlockPtr, target: &dyn Fn() -> ScrubTarget| {
-            let Some(place) = entry.place() else { return };
-            if place < from || batch.contains_key(&place) {
-                return;
-            }
-            if batch.len() >= max {
-                match batch.last_key_value() {
-                    Some((last, _)) if place < *last => {
-                        batch.pop_last();
-                    }
-                    _ => return,
-                }
-            }
-            batch.insert(place, target());
-        };
-        for engine in self.engines() {
-            if engine.is_snapshot() {
-                continue;
-            }
+        let mut engines: Vec<Arc<EngineVolume>> = self.engines().into_iter().filter(|e| !e.is_snapshot()).collect();
+        engines.sort_by_key(|e| e.id());
+        let walked: std::collections::HashSet<u32> = engines.iter().map(|e| e.id()).collect();
+        let from = (cursor.volume, cursor.snapshot);
+        for engine in engines.into_iter().filter(|e| e.id() >= cursor.volume) {
             let id = engine.id();
             let bytes = engine.block_bytes();
             let blocks = engine.size_bytes().div_ceil(bytes);
-            let mut next = Some(0);
-            while let Some(start) = next {
-                let (indexes, more) = self.view_page_indexes_from(id, blocks, start, migrate::PAGE_WINDOW)?;
-                for index in indexes {
-                    let first = index * MAP_ENTRIES_PER_PAGE;
-                    let last = (first + MAP_ENTRIES_PER_PAGE - 1).min(blocks - 1);
-                    for (block, entry) in (first..).zip(self.lookup_range(id, first, last)?) {
-                        note(entry, &|| ScrubTarget {
-                            engine: engine.clone(),
-                            block,
-                            snapshot: None,
-                            bytes,
-                        });
-                    }
-                }
-                next = more;
-            }
-            for snapshot in self.snapshots_of(id).iter().map(|s| s.id) {
-                let mut next = Some(0);
+            // A clone's entries equal to its origin's are walked with the
+            // origin (when the origin's volume is walked at all).
+            let origin = self
+                .origin_of(id)
+                .filter(|&origin| self.snapshot(origin).is_some_and(|info| walked.contains(&info.volume)));
+            let mut snapshots: Vec<u32> = self.snapshots_of(id).iter().map(|s| s.id).collect();
+            snapshots.sort_unstable();
+            let views = std::iter::once(None).chain(snapshots.into_iter().map(Some));
+            for snapshot in views.filter(|&view| (id, view) >= from) {
+                let first_block = if (id, snapshot) == from { cursor.block } else { 0 };
+                let mut next = Some(first_block / MAP_ENTRIES_PER_PAGE);
                 while let Some(start) = next {
-                    let (indexes, more) = self.own_pages_from(snapshot, start, migrate::PAGE_WINDOW)?;
+                    let (indexes, more) = match snapshot {
+                        None => self.view_page_indexes_from(id, blocks, start, migrate::PAGE_WINDOW)?,
+                        Some(snapshot) => self.own_pages_from(snapshot, start, migrate::PAGE_WINDOW)?,
+                    };
                     for index in indexes {
-                        let page = self.map_pages.get(&self.db, (snapshot, index))?;
-                        for (within, entry) in page.ptrs().into_iter().enumerate() {
-                            note(entry, &|| ScrubTarget {
+                        if batch.len() >= max {
+                            let block = index * MAP_ENTRIES_PER_PAGE;
+                            return Ok((
+                                batch.into_iter().collect(),
+                                Some(ScrubCursor::batch_at(id, snapshot, block)),
+                            ));
+                        }
+                        let first = index * MAP_ENTRIES_PER_PAGE;
+                        // What this view maps here, and what it shares
+                        // with a view walked for itself.
+                        let (entries, shared) = match snapshot {
+                            None => {
+                                let last = (first + MAP_ENTRIES_PER_PAGE - 1).min(blocks - 1);
+                                let shared = match origin {
+                                    Some(origin) => Some(self.view_entries(origin, index)?),
+                                    None => None,
+                                };
+                                (self.lookup_range(id, first, last)?, shared)
+                            }
+                            Some(snapshot) => (
+                                self.map_pages.get(&self.db, (snapshot, index))?.ptrs().to_vec(),
+                                self.newer_view_entries(snapshot, index)?,
+                            ),
+                        };
+                        for (within, (block, entry)) in (first..).zip(entries).enumerate() {
+                            let Some(place) = entry.place() else { continue };
+                            if block < first_block
+                                || shared
+                                    .as_ref()
+                                    .is_some_and(|s| s.get(within).and_then(|e| e.place()) == Some(place))
+                            {
+                                continue;
+                            }
+                            batch.entry(place).or_insert_with(|| ScrubTarget {
                                 engine: engine.clone(),
-                                block: index * MAP_ENTRIES_PER_PAGE + within as u64,
-                                snapshot: Some(snapshot),
+                                block,
+                                snapshot,
                                 bytes,
                             });
                         }
@@ -539,7 +590,7 @@ impl Pool {
                 }
             }
         }
-        Ok(batch.into_iter().collect())
+        Ok((batch.into_iter().collect(), None))
     }
 
     /// Reads the run of `targets` (lying one after another on `member`

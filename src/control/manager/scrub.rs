@@ -178,9 +178,9 @@ impl VolumeManager {
             if scanning {
                 let status = job.status();
                 tracing::info!(
-                    "pool {name}: resuming the scrub at member {} offset {} ({} checked)",
-                    status.cursor.member,
-                    status.cursor.offset,
+                    "pool {name}: resuming the scrub at volume {} block {} ({} checked)",
+                    status.cursor.volume,
+                    status.cursor.block,
                     crate::units::format_size(status.issued_bytes)
                 );
                 self.spawn_scrub(&name, &pool, job);

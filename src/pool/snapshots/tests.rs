@@ -1061,8 +1061,8 @@ fn a_synchronous_write_during_a_page_by_page_destage_survives_a_power_loss() {
             tokio::task::yield_now().await;
         }
         let value = 0x30 + round;
-        volume
-            .write(0, IoBuf::copy_from(&[value; BLOCK as usize]), true)
+        // Another client's write: not the holder of `held`.
+        crate::sync::rank::separate(volume.write(0, IoBuf::copy_from(&[value; BLOCK as usize]), true))
             .await
             .unwrap();
         assert!(!destage.is_finished(), "the destage went past a held block");

@@ -9,7 +9,7 @@ use super::*;
 impl Pool {
     /// The entries `owner` (a snapshot or a volume) sees at map page
     /// `index` (a consistent copy: see `read_view`).
-    pub(super) fn view_entries(&self, owner: u32, index: u64) -> Result<Vec<BlockPtr>, MetaError> {
+    pub(in crate::pool) fn view_entries(&self, owner: u32, index: u64) -> Result<Vec<BlockPtr>, MetaError> {
         self.read_view(owner, index, |page| page.ptrs())
     }
 
@@ -47,6 +47,21 @@ impl Pool {
         Err(MetaError::Corrupt(format!(
             "tables snapshots and clones: the views of map page {index} of {first:#x} form a cycle"
         )))
+    }
+
+    /// What `snapshot`'s newer neighbour (the oldest newer snapshot with a
+    /// copy of map page `index`, else the volume) sees there: the entries
+    /// of `snapshot`'s own copy equal to these are shared with it, not
+    /// `snapshot`'s alone. `None` if `snapshot` does not exist.
+    pub(in crate::pool) fn newer_view_entries(
+        &self,
+        snapshot: u32,
+        index: u64,
+    ) -> Result<Option<Vec<BlockPtr>>, MetaError> {
+        match self.newer_view(snapshot, index)? {
+            Some(owner) => Ok(Some(self.view_entries(owner, index)?)),
+            None => Ok(None),
+        }
     }
 
     /// Where `snapshot`, which has no copy of map page `index`, sees it:
