@@ -638,6 +638,26 @@ def mirrors(ctx):
     return rows
 
 
+def scrub(ctx):
+    out = ctx.tmp / "scrub.json"
+    runtime, size = ctx.pick((15, 1024), (3, 128))
+    shown = f"python3 bench/scrub_bench.py --runtime {runtime} --size-mib {size}"
+    sh(["python3", "bench/scrub_bench.py", "--binary", ctx.binary, "--runtime", str(runtime), "--size-mib",
+        str(size), "--json", str(out)])
+    got = json.loads(out.read_text())
+    idle, slow = got["idle"], got["slow"]
+    alone, beside = slow["alone"], slow["beside"]
+    return [
+        row("scrub of a mirror of two files, idle, against a client's sequential read of the volume", shown,
+            idle["scrub_mib_s"], "MiB/s", peer_name="fio 1M read QD4", peer=idle["read_mib_s"],
+            note=f"server CPU {idle['scrub_cpu_s_per_gib']:.2f} s per GiB scrubbed, "
+                 f"{idle['read_cpu_s_per_gib']:.2f} s per GiB read"),
+        row("4K randread QD1 beside a scrub, against alone (delay:4ms+throttle:iops=200 devices)", shown,
+            beside["iops"], "IOPS", peer_name="no scrub", peer=alone["iops"], strata_p99=beside["p99_us"],
+            peer_p99=alone["p99_us"], note=f"the scrub checked {slow['scrub_mib_s']:.1f} MiB/s meanwhile"),
+    ]
+
+
 def free_port():
     import socket
     with socket.socket() as s:
@@ -674,6 +694,8 @@ FAMILIES = [
     Family("nfs-listing", "NFS listing", ["bench/nfs_list_reads.py", "bench/nfs_peers.py", "bench/nfs_load.c"],
            "4 min", nfs_listing),
     Family("mirrors", "Mirrors", ["bench/mirror_bench.py", "bench/nbd_bench.py"], "5 min", mirrors),
+    Family("scrub", "Scrub", ["bench/scrub_bench.py", "bench/mirror_bench.py", "bench/nbd_bench.py"], "2 min",
+           scrub),
     Family("tiering", "Tiering", ["bench/tiering.sh", LIB], "40 min", tiering, in_all=False),
     Family("migrator-planning", "Migrator planning", ["bench/migrate_plan.py"], "10 min", migrator_planning,
            in_all=False),

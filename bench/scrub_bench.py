@@ -1,0 +1,136 @@
+#!/usr/bin/env python3
+"""What a scrub reads, and what it costs the clients meanwhile.
+
+One strata daemon, a pool on a mirror of two device files and a volume of
+--size-mib filled with random bytes (then destaged to its place).
+
+- Idle pace: `pool scrub` of the pool with no client, its bytes per second
+  (from the scrub's own status) and the daemon's CPU per GiB checked, side
+  by side with a client reading the whole volume sequentially through NBD
+  (fio, 1 MiB reads, QD4): the pace the same devices give a reader.
+- Under load, on disk-like devices (each device file behind `--wrap
+  FILE=delay:4ms+throttle:iops=200`): a client's 4K random reads at QD1
+  (fio over NBD, --runtime s) alone, then with a scrub running the whole
+  time; the client's IOPS and p99, and how far the scrub got meanwhile.
+
+Usage: bench/scrub_bench.py [--runtime S] [--size-mib N] [--binary PATH] [--json FILE]
+Prints a Markdown table and writes JSON to --json.
+"""
+import argparse, json, os, shutil, subprocess, sys, tempfile, time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import mirror_bench  # noqa: E402
+from nbd_bench import cpu_seconds, run_fio  # noqa: E402
+
+SLOW = "delay:4ms+throttle:iops=200"
+
+
+def scrub_status(daemon):
+    return json.loads(daemon.call("GET", "/v1/pools/m/scrub"))
+
+
+def wait_scrub(daemon, timeout=3600):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        status = scrub_status(daemon)
+        if status and status["state"] != "scanning":
+            return status
+        time.sleep(0.1)
+    sys.exit("the scrub did not end")
+
+
+def client(daemon, args, runtime, size_mib):
+    job = run_fio(f"nbd://127.0.0.1:{daemon.nbd}/m/bench", args, runtime, size_mib)
+    side = job["read"]
+    return {"iops": side["iops"], "mib_s": side["bw_bytes"] / (1 << 20),
+            "p99_us": side["clat_ns"]["percentile"].get("99.000000", 0) / 1000}
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--runtime", type=int, default=20)
+    parser.add_argument("--size-mib", type=int, default=1024)
+    parser.add_argument("--json", default=os.path.join(ROOT, "bench", "last-scrub-results.json"))
+    parser.add_argument("--binary", default="")
+    options = parser.parse_args()
+    if options.binary:
+        mirror_bench.STRATA = options.binary
+    for tool in ("fio", "nbdcopy", "curl"):
+        if shutil.which(tool) is None:
+            sys.exit(f"missing {tool}: apt-get install -y fio libnbd-bin curl")
+    work = tempfile.mkdtemp(prefix="strata-scrub-bench-")
+    results = {}
+    daemon = None
+    try:
+        files = [os.path.join(work, f"{n}.img") for n in ("a", "b")]
+        for path in files:
+            with open(path, "wb") as f:
+                f.truncate((options.size_mib << 20) + (256 << 20))
+        seed = os.path.join(work, "seed.img")
+        with open(seed, "wb") as f:
+            for _ in range(options.size_mib):
+                f.write(os.urandom(1 << 20))
+        data = os.path.join(work, "d")
+        daemon = mirror_bench.Daemon(data, [])
+        devices = [{"path": p, "role": "fast", "mirror": 0} for p in files]
+        daemon.call("POST", "/v1/pools", {"name": "m", "devices": devices, "ram_bytes": 64 << 20})
+        daemon.call("POST", "/v1/volumes", {"name": "m/bench", "size": options.size_mib << 20})
+        subprocess.run(["nbdcopy", "--flush", seed, f"nbd://127.0.0.1:{daemon.nbd}/m/bench"], check=True)
+        daemon.call("POST", "/v1/pools/m/sync")
+        os.sync()
+
+        # Idle pace against a client's sequential read of the same volume.
+        before = cpu_seconds(daemon.proc.pid)
+        daemon.call("POST", "/v1/pools/m/scrub", {"action": "start"})
+        done = wait_scrub(daemon)
+        cpu = cpu_seconds(daemon.proc.pid) - before
+        gib = done["issued_bytes"] / (1 << 30)
+        if done["state"] != "finished" or done["errors"]:
+            sys.exit(f"the scrub did not finish clean: {done}")
+        before = cpu_seconds(daemon.proc.pid)
+        read = client(daemon, ["--rw=read", "--bs=1M", "--iodepth=4"], options.runtime, options.size_mib)
+        read_cpu = cpu_seconds(daemon.proc.pid) - before
+        read_gib = read["mib_s"] * options.runtime / 1024
+        results["idle"] = {"scrub_mib_s": done["bytes_per_second"] / (1 << 20),
+                           "scrub_cpu_s_per_gib": cpu / max(gib, 1e-9),
+                           "read_mib_s": read["mib_s"], "read_cpu_s_per_gib": read_cpu / max(read_gib, 1e-9)}
+        print(f"idle: {results['idle']}", file=sys.stderr)
+
+        # Disk-like devices: a client alone, then beside a scrub.
+        daemon.stop()
+        daemon = mirror_bench.Daemon(data, [(p, SLOW) for p in files])
+        randread = ["--rw=randread", "--bs=4k", "--iodepth=1"]
+        alone = client(daemon, randread, options.runtime, options.size_mib)
+        print(f"alone: {alone}", file=sys.stderr)
+        daemon.call("POST", "/v1/pools/m/scrub", {"action": "start"})
+        beside = client(daemon, randread, options.runtime, options.size_mib)
+        during = scrub_status(daemon)
+        if during["state"] == "scanning":
+            daemon.call("POST", "/v1/pools/m/scrub", {"action": "stop"})
+        print(f"beside a scrub: {beside}; scrub {during}", file=sys.stderr)
+        if during["state"] not in ("scanning", "finished"):
+            sys.exit(f"the scrub did not run through the client's run: {during}")
+        results["slow"] = {"alone": alone, "beside": beside,
+                           "scrub_mib_s": during["issued_bytes"] / (1 << 20) / options.runtime,
+                           "scrub_state": during["state"]}
+    finally:
+        if daemon:
+            daemon.stop()
+        shutil.rmtree(work, ignore_errors=True)
+    idle, slow = results["idle"], results["slow"]
+    print("| measure | strata's scrub | reference | ratio |")
+    print("|---|---|---|---|")
+    print(f"| idle pace (files) | {idle['scrub_mib_s']:.0f} MiB/s, {idle['scrub_cpu_s_per_gib']:.2f} s CPU/GiB | "
+          f"client sequential read {idle['read_mib_s']:.0f} MiB/s, {idle['read_cpu_s_per_gib']:.2f} s CPU/GiB | "
+          f"{idle['scrub_mib_s'] / max(idle['read_mib_s'], 1e-9):.2f}x |")
+    a, b = slow["alone"], slow["beside"]
+    print(f"| 4K randread QD1 on {SLOW} | beside a scrub: {b['iops']:.0f} IOPS, p99 {b['p99_us']:.0f} µs "
+          f"(scrub {slow['scrub_mib_s']:.1f} MiB/s) | alone: {a['iops']:.0f} IOPS, p99 {a['p99_us']:.0f} µs | "
+          f"{b['iops'] / max(a['iops'], 1e-9):.2f}x IOPS, {b['p99_us'] / max(a['p99_us'], 1e-9):.2f}x p99 |")
+    with open(options.json, "w") as f:
+        json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
