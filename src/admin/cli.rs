@@ -895,7 +895,7 @@ fn run_pool(args: PoolArgs) -> CliResult<String> {
             if !wait {
                 return Ok(if output.json { pretty(&status) } else { String::new() });
             }
-            let line = remove_and_wait(&client, &pool, &status)?;
+            let line = remove_and_wait(&client, &pool, &device, &status)?;
             Ok(if output.json {
                 let status: PoolStatus = client.get(&format!("/v1/pools/{pool}"))?;
                 pretty(&status)
@@ -1782,10 +1782,11 @@ fn device_argument(text: &str) -> CliResult<String> {
 /// Follows a removal `started` (the pool's status as the request to
 /// remove answered) until its device leaves the pool: a progress line on a
 /// terminal, then the final line; the reason if it stopped.
-fn remove_and_wait(client: &Client, pool: &str, started: &PoolStatus) -> CliResult<String> {
+fn remove_and_wait(client: &Client, pool: &str, device: &str, started: &PoolStatus) -> CliResult<String> {
     use std::io::IsTerminal;
     let Some(removal) = started.devices.iter().find_map(|d| d.removal.clone()) else {
-        return Ok(format!("pool {pool}: the device is out of the pool"));
+        // Out before the request answered (it held little or nothing).
+        return Ok(format!("pool {pool}: removed {device}"));
     };
     let terminal = std::io::stderr().is_terminal();
     let mut moved = 0;
