@@ -545,6 +545,16 @@ impl VolumeManager {
         self.pools.read().unwrap_or_else(|e| e.into_inner()).get(name).cloned()
     }
 
+    /// Every open pool with its name, as of now (the lock is not kept).
+    pub(crate) fn open_pools(&self) -> Vec<(String, Arc<Pool>)> {
+        self.pools
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .map(|(name, pool)| (name.clone(), pool.clone()))
+            .collect()
+    }
+
     /// Creates a pool on existing devices and adds it to the catalog.
     pub fn create_pool(
         &self,

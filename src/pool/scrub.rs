@@ -301,6 +301,19 @@ impl ScrubJob {
         *self.command.lock_or_abort() = command;
     }
 
+    /// Keeps the names the manager found for the first faults
+    /// ([`ScrubFault::name`], `path`, and the offset within the file), so
+    /// they are looked up once, not at every status.
+    pub fn keep_fault_names(&self, named: &[ScrubFault]) {
+        self.update(|s| {
+            for (fault, named) in s.faults.iter_mut().zip(named) {
+                if fault.name.is_none() && named.name.is_some() {
+                    *fault = named.clone();
+                }
+            }
+        });
+    }
+
     fn next_command(&self) -> ScrubCommand {
         *self.command.lock_or_abort()
     }

@@ -56,14 +56,7 @@ impl VolumeManager {
     /// Resumes every removal the pools' superblocks say is under way (the
     /// daemon stopped during one). Called once the manager is shared.
     pub fn resume_removals(self: &Arc<Self>) {
-        let pools: Vec<(String, Arc<Pool>)> = self
-            .pools
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .iter()
-            .map(|(name, pool)| (name.clone(), pool.clone()))
-            .collect();
-        for (name, pool) in pools {
+        for (name, pool) in self.open_pools() {
             for index in pool.evacuating_members() {
                 tracing::info!("pool {name}: resuming the removal of member {index}");
                 self.spawn_removal(&name, &pool, index, true);

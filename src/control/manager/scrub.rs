@@ -159,14 +159,7 @@ impl VolumeManager {
     /// on with one that was scanning when the daemon stopped. Called once
     /// the manager is shared.
     pub fn resume_scrubs(self: &Arc<Self>) {
-        let pools: Vec<(String, Arc<Pool>)> = self
-            .pools
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .iter()
-            .map(|(name, pool)| (name.clone(), pool.clone()))
-            .collect();
-        for (name, pool) in pools {
+        for (name, pool) in self.open_pools() {
             let Some(status) = load(&scrub_file(self.data_dir(), &name)) else {
                 continue;
             };
@@ -190,18 +183,21 @@ impl VolumeManager {
 
     /// Pool `pool_name`'s scrub as `pool status` shows it.
     pub(super) fn scrub_status_of(&self, pool_name: &str, pool: &Pool) -> Option<ScrubStatus> {
-        let status = pool.scrub_job()?.status();
-        Some(self.named_scrub(pool_name, pool, status))
+        let job = pool.scrub_job()?;
+        let status = self.named_scrub(pool_name, pool, job.status());
+        job.keep_fault_names(&status.faults);
+        Some(status)
     }
 
-    /// `status` with each fault's volume (or dataset, and snapshot) named,
-    /// and for a dataset the file's path.
+    /// `status` with each fault not named yet given its volume's (or
+    /// dataset's, and snapshot's) name, and for a dataset the file's path
+    /// and the offset within the file.
     fn named_scrub(&self, pool_name: &str, pool: &Pool, mut status: ScrubStatus) -> ScrubStatus {
         let catalog = self.published();
         let Some(record) = catalog.pools.get(pool_name) else {
             return status;
         };
-        for fault in &mut status.faults {
+        for fault in status.faults.iter_mut().filter(|f| f.name.is_none()) {
             let volume = record
                 .volumes
                 .iter()
