@@ -190,7 +190,7 @@ pub async fn run(
     let Ok(logged_in) = logged_in else {
         return Err(ConnectionError::Protocol("login did not complete in time"));
     };
-    let Some(negotiated) = logged_in? else {
+    let Some((negotiated, final_response)) = logged_in? else {
         return Ok(());
     };
     let unit = match (&negotiated.session_type, &negotiated.target_name) {
@@ -230,6 +230,16 @@ pub async fn run(
     }
     if let Some(unit) = &unit {
         unit.attach(&nexus);
+    }
+    let sent = async {
+        writer.write_all(&final_response).await?;
+        writer.flush().await
+    };
+    if let Err(error) = sent.await {
+        if let Some(unit) = &unit {
+            unit.detach(&nexus);
+        }
+        return Err(error.into());
     }
     let recorder = unit.as_ref().and_then(|unit| {
         let volume = unit.volume();
@@ -276,7 +286,16 @@ pub async fn refuse(mut stream: TcpStream) {
     let _ = tokio::time::timeout(REFUSAL_WAIT, answered).await;
 }
 
-async fn login<R, W>(reader: &mut R, writer: &mut W, registry: &Registry) -> Result<Option<Negotiated>, ConnectionError>
+/// Runs the login phase. On success, returns what was negotiated and the
+/// final login response (the transit to full feature phase), unsent: the
+/// caller sends it once the session is attached to its logical unit, so a
+/// command of another session that raises a unit attention for every
+/// nexus after this initiator saw its login complete reaches this one too.
+async fn login<R, W>(
+    reader: &mut R,
+    writer: &mut W,
+    registry: &Registry,
+) -> Result<Option<(Negotiated, Vec<u8>)>, ConnectionError>
 where
     R: AsyncRead + Unpin,
     W: AsyncWrite + Unpin,
@@ -292,12 +311,14 @@ where
             return Err(ConnectionError::Protocol("PDU other than Login during login"));
         }
         let (bhs, text, next) = machine.step(&request.bhs, &request.data, registry, &mut || registry.new_tsih());
-        writer.write_all(&pdu::encode(&bhs, &text, false, false)).await?;
+        let response = pdu::encode(&bhs, &text, false, false);
+        if let Next::Complete(negotiated) = next {
+            return Ok(Some((*negotiated, response)));
+        }
+        writer.write_all(&response).await?;
         writer.flush().await?;
-        match next {
-            Next::Continue => {}
-            Next::Complete(negotiated) => return Ok(Some(*negotiated)),
-            Next::Fail => return Ok(None),
+        if let Next::Fail = next {
+            return Ok(None);
         }
     }
 }
