@@ -365,6 +365,8 @@ async fn serve(args: ServeArgs) -> Result<(), String> {
 
     // Automatic snapshots (`snapshot.schedule`); stops between rounds.
     let retention_task = tokio::spawn(crate::control::retention::run(manager.clone(), stop.clone()));
+    // Scheduled scrubs (`scrub.interval`).
+    let scrub_task = tokio::spawn(crate::control::manager::schedule_scrubs(manager.clone(), stop.clone()));
     // Devices a pool let go of (a replaced one) leave the catalog.
     let settle_task = tokio::spawn(crate::control::manager::settle_devices_every(
         manager.clone(),
@@ -385,6 +387,7 @@ async fn serve(args: ServeArgs) -> Result<(), String> {
     let _ = api_task.await;
     let _ = retention_task.await;
     let _ = settle_task.await;
+    let _ = scrub_task.await;
     let _ = analytics_task.await;
     let mut untold = manager.flush_all().await;
     untold.extend(manager.close().await);

@@ -1,6 +1,8 @@
-//! Human sizes: parsing `10G`-style arguments and printing byte counts.
+//! Human sizes: parsing `10G`-style arguments and printing byte counts;
+//! and spans of time: `30d`-style arguments.
 //!
-//! Suffixes are binary (K = 1024), as in ZFS and qemu-img: `10G` is 10 GiB.
+//! Size suffixes are binary (K = 1024), as in ZFS and qemu-img: `10G` is
+//! 10 GiB.
 
 /// Parses a size such as `4096`, `512K`, `10G`, `1.5T`, `64MiB`.
 ///
@@ -79,9 +81,74 @@ pub fn format_size(bytes: u64) -> String {
     }
 }
 
+/// Seconds in each span suffix, largest first (how [`format_span`] picks).
+const SPAN_UNITS: [(&str, u64); 5] = [("w", 7 * 86_400), ("d", 86_400), ("h", 3_600), ("m", 60), ("s", 1)];
+
+/// Parses a span of time such as `30d`, `2w`, `12h`, `90m` or `45s` (a
+/// whole number and one suffix) into seconds; zero is refused.
+pub fn parse_span(text: &str) -> Result<u64, String> {
+    let trimmed = text.trim();
+    let err = || format!("invalid span '{text}': expected a whole number and s, m, h, d or w (e.g. 30d)");
+    let split = trimmed.find(|c: char| !c.is_ascii_digit()).ok_or_else(err)?;
+    let (number, suffix) = trimmed.split_at(split);
+    let unit = SPAN_UNITS
+        .iter()
+        .find(|(name, _)| *name == suffix)
+        .map(|(_, seconds)| *seconds)
+        .ok_or_else(err)?;
+    let count: u64 = number.parse().map_err(|_| err())?;
+    match count.checked_mul(unit) {
+        Some(0) => Err(format!("invalid span '{text}': it must be longer than zero")),
+        Some(seconds) => Ok(seconds),
+        None => Err(format!("invalid span '{text}': too long")),
+    }
+}
+
+/// Formats seconds as [`parse_span`] reads them, in the largest unit that
+/// divides them: `30d`, `36h`, `90s`.
+pub fn format_span(seconds: u64) -> String {
+    let (name, unit) = SPAN_UNITS
+        .iter()
+        .find(|(_, unit)| seconds.is_multiple_of(*unit))
+        .copied()
+        .unwrap_or(("s", 1));
+    format!("{}{name}", seconds / unit)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn spans_round_trip_in_their_largest_unit() {
+        assert_eq!(parse_span("30d"), Ok(30 * 86_400));
+        assert_eq!(parse_span(" 2w "), Ok(14 * 86_400));
+        assert_eq!(parse_span("90m"), Ok(5_400));
+        assert_eq!(parse_span("45s"), Ok(45));
+        for bad in [
+            "",
+            "d",
+            "30",
+            "30x",
+            "1.5d",
+            "-1d",
+            "0h",
+            "99999999999999999999s",
+            "30 d",
+        ] {
+            assert!(parse_span(bad).is_err(), "{bad}");
+        }
+        assert!(parse_span(&format!("{}w", u64::MAX / 2))
+            .unwrap_err()
+            .contains("too long"));
+        assert_eq!(format_span(30 * 86_400), "30d");
+        assert_eq!(format_span(14 * 86_400), "2w");
+        assert_eq!(format_span(36 * 3_600), "36h");
+        assert_eq!(format_span(90), "90s");
+        for seconds in [1, 59, 60, 3_601, 86_400, 604_800, 1_000_000] {
+            assert_eq!(parse_span(&format_span(seconds)), Ok(seconds));
+        }
+    }
 
     #[test]
     fn parses_suffixes() {

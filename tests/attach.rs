@@ -730,3 +730,76 @@ fn replace_moves_a_single_device_and_replaces_a_missing_mirror_device() {
 fn uri_of(server: &Server) -> String {
     server.uri("tank/v")
 }
+
+#[test]
+fn add_device_adds_a_whole_mirror_whose_every_copy_holds_the_data() {
+    require_tool("qemu-io");
+    let dir = tempfile::tempdir().unwrap();
+    // The fast device holds the log and metadata regions and about 60 MiB
+    // of data: the rest of the volume's 128 MiB lands on the new mirror.
+    let a = common::sparse_file(dir.path(), "a.img", 160 << 20);
+    let b = common::sparse_file(dir.path(), "b.img", 256 << 20);
+    let c = common::sparse_file(dir.path(), "c.img", 256 << 20);
+    let data = dir.path().join("data");
+    let mut server = Server::start(&data);
+    common::cli_ok(&server, &["pool", "create", "tank", "--fast", &a]);
+
+    // Refused, and nothing changes: one device, a device named twice, a
+    // device of the pool.
+    for (spec, said) in [
+        (format!("mirror:{b}"), "at least two devices"),
+        (format!("mirror:{b},{b}"), "named twice"),
+        (format!("mirror:{b},{a}"), "already part of pool 'tank'"),
+    ] {
+        let out = cli(&server, &["pool", "add-device", "tank", "--capacity", &spec]);
+        assert_eq!(out.status.code(), Some(1), "{spec}");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.contains(said), "{spec}: {stderr}");
+        assert_eq!(tank(&server)["devices"].as_array().unwrap().len(), 1, "{spec}");
+    }
+
+    let mirror = format!("mirror:{b},{c}");
+    common::cli_ok(&server, &["pool", "add-device", "tank", "--capacity", &mirror]);
+    let status = wait_online(&server, 60);
+    let member = &status["devices"][1];
+    assert_eq!(member["role"], "capacity", "{status}");
+    let names: Vec<&str> = member["children"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, [b.as_str(), c.as_str()], "{status}");
+
+    server.create_volume("tank/v", "128M");
+    let uri = server.uri("tank/v");
+    let mut writes = pattern_writes(|i| i + 1);
+    writes.push("write -P 0x77 64M 64M".into());
+    writes.push("flush".into());
+    common::qemu_io_ok(&uri, &writes);
+    common::cli_ok(&server, &["pool", "sync", "tank"]);
+    let status = tank(&server);
+    assert!(
+        status["devices"][1]["used_bytes"].as_u64().unwrap() >= 32 << 20,
+        "the mirror holds little of the volume: {status}"
+    );
+    assert!(server.stop().success());
+
+    // Each copy alone serves every byte.
+    for gone in [&b, &c] {
+        let kept = format!("{gone}.away");
+        std::fs::rename(gone, &kept).unwrap();
+        let mut server = Server::start(&data);
+        let status = tank(&server);
+        assert_eq!(status["state"], "DEGRADED", "{status}");
+        let mut reads = pattern_reads(|i| i + 1);
+        reads.push("read -P 0x77 64M 64M".into());
+        common::qemu_io_ok(&server.uri("tank/v"), &reads);
+        assert!(server.stop().success());
+        std::fs::rename(&kept, gone).unwrap();
+        // Back with the other one: nothing was written, both are current.
+        let mut server = Server::start(&data);
+        wait_online(&server, 60);
+        assert!(server.stop().success());
+    }
+}

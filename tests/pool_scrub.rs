@@ -477,3 +477,88 @@ fn a_scrub_cut_by_a_kill_resumes_after_the_restart() {
     let said = std::fs::read_to_string(&log).unwrap();
     assert!(said.contains("resuming the scrub"), "{said}");
 }
+
+/// Polls pool `pool`'s scrub until `done` holds for it (at most 60 s).
+fn wait_scrub(server: &Server, pool: &str, what: &str, done: impl Fn(&serde_json::Value) -> bool) -> serde_json::Value {
+    let began = std::time::Instant::now();
+    loop {
+        let scrub = scrub_json(server, pool);
+        if done(&scrub) {
+            return scrub;
+        }
+        assert!(began.elapsed() < Duration::from_secs(60), "no {what}: {scrub}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+#[test]
+fn scrub_interval_schedules_scrubs_and_off_stops_them() {
+    require_tool("qemu-io");
+    let dir = tempfile::tempdir().unwrap();
+    let a = common::sparse_file(dir.path(), "a.img", 256 << 20);
+    let data = dir.path().join("data");
+    let mut server = Server::start(&data);
+    cli_ok(&server, &["pool", "create", "tank", "--fast", &a]);
+    server.create_volume("tank/v", "32M");
+    qemu_io_ok(&server.uri("tank/v"), &["write -P 0x41 0 8M".into(), "flush".into()]);
+    cli_ok(&server, &["pool", "sync", "tank"]);
+
+    // The default: a scrub 30 days after the pool was created.
+    let said = cli_ok(&server, &["pool", "get", "tank", "scrub.interval"]);
+    assert!(said.contains("30d") && said.contains("default"), "{said}");
+    let status = common::pool_json(&server, "tank");
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    let due = status["next_scrub_unix"].as_u64().unwrap();
+    assert!(due.abs_diff(now + 30 * 86_400) < 120, "{status}");
+    assert!(status["scrub"].is_null(), "{status}");
+    assert!(cli_ok(&server, &["pool", "status", "tank"]).contains("pool tank: next scrub due"));
+
+    // Refused values change nothing.
+    for bad in ["scrub.interval=0d", "scrub.interval=monthly"] {
+        let out = cli(&server, &["pool", "set", "tank", bad]);
+        assert_eq!(out.status.code(), Some(1), "{bad}");
+        assert!(String::from_utf8_lossy(&out.stderr).contains("scrub.interval"), "{bad}");
+    }
+
+    // Every 4 s: the pool is older than that, so a scrub starts at once,
+    // checks the volume, and another follows it.
+    cli_ok(&server, &["pool", "set", "tank", "scrub.interval=4s"]);
+    let first = wait_scrub(&server, "tank", "scheduled scrub", |s| s["state"] == "finished");
+    assert_eq!(first["issued_bytes"], 8 << 20, "{first}");
+    let started = first["started_unix"].as_u64().unwrap();
+    let second = wait_scrub(&server, "tank", "second scheduled scrub", |s| {
+        s["state"] == "finished" && s["started_unix"].as_u64().unwrap() > started
+    });
+    assert!(second["started_unix"].as_u64().unwrap() >= started + 4, "{second}");
+    let metrics = common::http(&server.api, "GET", "/metrics", "");
+    assert!(
+        metrics.contains("strata_pool_scrub_issued_bytes{pool=\"tank\"} 8388608"),
+        "{metrics}"
+    );
+    assert!(metrics.contains("strata_pool_scrub_next_timestamp_seconds{pool=\"tank\"}"));
+
+    // Off: none is due, none starts, and that outlives a restart.
+    cli_ok(&server, &["pool", "set", "tank", "scrub.interval=off"]);
+    let last = wait_scrub(&server, "tank", "end of the scrub under way", |s| {
+        s["state"] == "finished"
+    });
+    assert!(server.stop().success());
+    let server = Server::start(&data);
+    std::thread::sleep(Duration::from_secs(6));
+    let status = common::pool_json(&server, "tank");
+    assert!(status["next_scrub_unix"].is_null(), "{status}");
+    assert_eq!(status["scrub"]["started_unix"], last["started_unix"], "{status}");
+    let metrics = common::http(&server.api, "GET", "/metrics", "");
+    assert!(
+        metrics.contains("strata_pool_scrub_running{pool=\"tank\"} 0"),
+        "{metrics}"
+    );
+    assert!(
+        !metrics.contains("strata_pool_scrub_next_timestamp_seconds{pool=\"tank\"}"),
+        "{metrics}"
+    );
+    qemu_io_ok(&server.uri("tank/v"), &["read -P 0x41 0 8M".into()]);
+}

@@ -399,6 +399,10 @@ fn device_exists(path: &str) -> ApiResult<()> {
 struct AddDeviceRequest {
     path: String,
     role: String,
+    /// Further devices, each a mirror copy of `path`: the new member is a
+    /// mirror of all of them.
+    #[serde(default)]
+    copies: Vec<String>,
     /// Write over a device that holds data or a known signature.
     #[serde(default)]
     force: bool,
@@ -414,13 +418,23 @@ async fn add_device(
     let Json(request) = body?;
     let role = role_for_add(&request.role)?;
     device_exists(&request.path)?;
+    for copy in &request.copies {
+        device_exists(copy)?;
+    }
     let device = DeviceRecord {
         path: request.path,
         role,
         mirror: None,
         write_mostly: false,
     };
-    let status = blocking(&manager, move |m| m.add_device(&pool, &device, request.force)).await?;
+    let status = blocking(&manager, move |m| {
+        if request.copies.is_empty() {
+            m.add_device(&pool, &device, request.force)
+        } else {
+            m.add_mirror(&pool, &device, &request.copies, request.force)
+        }
+    })
+    .await?;
     Ok((StatusCode::CREATED, Json(status)))
 }
 
@@ -1363,6 +1377,7 @@ fn complete(doc: &mut Value) {
     schemas["CreateRequest"]["required"] = json!(["name", "size"]);
     set(schemas, "AddDeviceRequest", "role", choice(&["fast", "capacity"]));
     schemas["AddDeviceRequest"]["properties"]["path"]["minLength"] = json!(1);
+    schemas["AddDeviceRequest"]["properties"]["copies"]["items"]["minLength"] = json!(1);
     for (schema, fields) in [
         ("AttachRequest", &["device", "new"][..]),
         ("ReplaceRequest", &["old", "new"][..]),

@@ -388,21 +388,23 @@ pub enum PoolCommand {
         /// Pool name.
         pool: String,
     },
-    /// Add a fast or capacity device to a pool while it runs; its space is
-    /// usable at once. The device must not already be in a pool.
+    /// Add a fast or capacity device, or a mirror of devices, to a pool
+    /// while it runs; its space is usable at once. The devices must not
+    /// already be in a pool.
     #[command(
         name = "add-device",
-        override_usage = "strata pool add-device POOL (--fast|--capacity) FILE|DEV [--force]",
+        override_usage = "strata pool add-device POOL (--fast|--capacity) FILE|DEV|mirror:A,B [--force]",
         group(clap::ArgGroup::new("role").required(true))
     )]
     AddDevice {
         /// Pool name.
         pool: String,
-        /// Add as a fast tier device (SSD/NVMe).
-        #[arg(long = "fast", value_name = "FILE|DEV", group = "role")]
+        /// Add as a fast tier device (SSD/NVMe), or `mirror:A,B[,...]` for
+        /// a mirror of them.
+        #[arg(long = "fast", value_name = "FILE|DEV|mirror:A,B", group = "role")]
         fast: Option<String>,
-        /// Add as a capacity tier device (HDD).
-        #[arg(long = "capacity", value_name = "FILE|DEV", group = "role")]
+        /// Add as a capacity tier device (HDD), or `mirror:A,B[,...]`.
+        #[arg(long = "capacity", value_name = "FILE|DEV|mirror:A,B", group = "role")]
         capacity: Option<String>,
         /// Refused: a log device is fixed when the pool is created.
         #[arg(long = "log", value_name = "FILE|DEV", group = "role", hide = true)]
@@ -848,10 +850,25 @@ fn run_pool(args: PoolArgs) -> CliResult<String> {
                 (_, _, Some(_), _) => return Err(role_for_add("log").unwrap_err().into()),
                 _ => return Err(role_for_add("ram").unwrap_err().into()),
             };
+            // `mirror:A,B[,...]`: A is added, and the others attached to it.
+            let paths: Vec<&str> = match path.strip_prefix("mirror:") {
+                Some(list) => {
+                    let paths: Vec<&str> = list.split(',').collect();
+                    if paths.len() < 2 || paths.iter().any(|p| p.is_empty()) {
+                        return Err(format!("'{path}': a mirror needs at least two devices (mirror:A,B)").into());
+                    }
+                    paths
+                }
+                None => vec![path.as_str()],
+            };
             // Absolute paths: the daemon may run in another directory.
-            let absolute = std::path::absolute(&path).map_err(|e| format!("{path}: {e}"))?;
+            let mut absolute = Vec::with_capacity(paths.len());
+            for path in paths {
+                let path = std::path::absolute(path).map_err(|e| format!("{path}: {e}"))?;
+                absolute.push(path.display().to_string());
+            }
             let client = Client::new(&args.client)?;
-            let body = json!({ "path": absolute.display().to_string(), "role": role, "force": force });
+            let body = json!({ "path": absolute[0], "copies": absolute[1..], "role": role, "force": force });
             let status: PoolStatus = client.send("POST", &format!("/v1/pools/{pool}/devices"), Some(body))?;
             Ok(if output.json { pretty(&status) } else { String::new() })
         }
@@ -1748,6 +1765,14 @@ fn pool_table(pools: &[PoolStatus]) -> String {
     for pool in pools {
         if let Some(scrub) = &pool.scrub {
             out.push_str(&scrub_lines(&pool.name, scrub));
+        }
+        if let Some(due) = pool.next_scrub_unix {
+            out.push_str(&format!(
+                "pool {}: next scrub due {} UTC (`strata pool set {} scrub.interval=...`)\n",
+                pool.name,
+                crate::utc::UtcTime::of_unix(due),
+                pool.name
+            ));
         }
     }
     // The file system under a sparse device cannot hold what the device

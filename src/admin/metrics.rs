@@ -258,6 +258,7 @@ pub fn render_backing(pools: &[crate::control::manager::PoolStatus]) -> String {
     }
     render_migration(&mut out, pools);
     render_mirrors(&mut out, pools);
+    render_scrub(&mut out, pools);
     let name = "strata_device_used_bytes";
     let _ = writeln!(
         out,
@@ -405,6 +406,63 @@ fn render_mirrors(out: &mut String, pools: &[crate::control::manager::PoolStatus
                         }
                     );
                 }
+            }
+        }
+    }
+}
+
+/// Scrubs: whether one is under way and what the current or last one
+/// found, and when the next scheduled one is due.
+fn render_scrub(out: &mut String, pools: &[crate::control::manager::PoolStatus]) {
+    type Value = fn(&crate::control::manager::PoolStatus) -> Option<u64>;
+    let series: [(&str, &str, Value); 7] = [
+        (
+            "strata_pool_scrub_running",
+            "1 while a scrub of the pool is under way.",
+            |p| {
+                Some(u64::from(
+                    p.scrub
+                        .as_ref()
+                        .is_some_and(|s| s.state == crate::pool::ScrubState::Scanning),
+                ))
+            },
+        ),
+        (
+            "strata_pool_scrub_issued_bytes",
+            "Bytes the current or last scrub read back and checked.",
+            |p| p.scrub.as_ref().map(|s| s.issued_bytes),
+        ),
+        (
+            "strata_pool_scrub_total_bytes",
+            "Bytes the current or last scrub had to check when it started.",
+            |p| p.scrub.as_ref().map(|s| s.total_bytes),
+        ),
+        (
+            "strata_pool_scrub_repaired_bytes",
+            "Bytes the current or last scrub rewrote from another copy.",
+            |p| p.scrub.as_ref().map(|s| s.repaired_bytes),
+        ),
+        (
+            "strata_pool_scrub_errors",
+            "Blocks the current or last scrub found that no copy holds intact.",
+            |p| p.scrub.as_ref().map(|s| s.errors),
+        ),
+        (
+            "strata_pool_scrub_end_timestamp_seconds",
+            "When the last scrub ended (unix seconds).",
+            |p| p.scrub.as_ref().and_then(|s| s.ended_unix),
+        ),
+        (
+            "strata_pool_scrub_next_timestamp_seconds",
+            "When the next scheduled scrub is due (unix seconds; pool property scrub.interval).",
+            |p| p.next_scrub_unix,
+        ),
+    ];
+    for (name, help, value) in series {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge");
+        for pool in pools {
+            if let Some(value) = value(pool) {
+                let _ = writeln!(out, "{name}{{pool=\"{}\"}} {value}", escape_label(&pool.name));
             }
         }
     }

@@ -33,7 +33,7 @@ mod pool_props;
 mod removal;
 mod retention;
 mod scrub;
-pub use scrub::{ScrubAction, SCRUB_FILE};
+pub use scrub::{next_scrub_due, schedule_scrubs, ScrubAction, SCRUB_FILE};
 mod send;
 mod snapshots;
 pub use datasets::{canonical_dataset_value, DatasetInfo, DatasetSnapshotInfo, DATASET_PROPERTIES};
@@ -181,6 +181,11 @@ pub struct PoolStatus {
     /// The scrub under way, or the last one (`pool scrub`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub scrub: Option<crate::pool::ScrubStatus>,
+    /// When the next scheduled scrub is due (unix seconds; pool property
+    /// `scrub.interval`); absent while one is under way or paused, or when
+    /// `scrub.interval=off`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub next_scrub_unix: Option<u64>,
 }
 
 /// Space of one tier: the sum of its devices'.
@@ -866,6 +871,69 @@ impl VolumeManager {
             .into_iter()
             .find(|p| p.name == pool_name)
             .ok_or_else(|| AdminError::Internal(format!("pool '{pool_name}' vanished")))
+    }
+
+    /// Adds a mirror as a new member (`pool add-device --capacity
+    /// mirror:A,B[,...]`): `device` (A) is added, then each of `copies` is
+    /// attached to it. The new member holds no data yet, so their resilver
+    /// copies only what was written to it in between. Every copy is
+    /// checked first (it exists, is named once, is in no pool, and is empty
+    /// unless `force`), so a refusal changes nothing; should an attach fail
+    /// after all, the error says that A was added alone and how to attach
+    /// the rest.
+    pub fn add_mirror(
+        &self,
+        pool_name: &str,
+        device: &DeviceRecord,
+        copies: &[String],
+        force: bool,
+    ) -> Result<PoolStatus, AdminError> {
+        validate_component("pool", pool_name)?;
+        let first = canonical_device_path(&device.path)?;
+        let mut named = vec![first.clone()];
+        for copy in copies {
+            let path = canonical_device_path(copy)?;
+            if named.contains(&path) {
+                return Err(AdminError::Invalid(format!(
+                    "device {path} is named twice in the mirror"
+                )));
+            }
+            let catalog = self.published();
+            if let Some((name, _)) = catalog.pools.iter().find(|(_, other)| {
+                other
+                    .devices
+                    .iter()
+                    .chain(&other.adding)
+                    .chain(&other.attaching)
+                    .any(|d| d.path == path)
+            }) {
+                return Err(AdminError::Busy(format!(
+                    "device {path} is already part of pool '{name}'"
+                )));
+            }
+            if !force {
+                let handle = open_device(&path, &DeviceOptions::default()).map_err(|e| {
+                    AdminError::Invalid(format!("cannot open device {path}: {}", device_error_reason(&e)))
+                })?;
+                self.refuse_if_not_empty(&path, &handle)?;
+            }
+            named.push(path);
+        }
+        let mut status = self.add_device(pool_name, device, force)?;
+        for copy in &named[1..] {
+            status = self.attach_device(pool_name, &first, copy, false, force).map_err(|e| {
+                let message = format!(
+                    "{first} was added to pool '{pool_name}' as a single device, but attaching {copy} to it failed: \
+                     {e}; `strata pool attach {pool_name} {first} {copy}` makes it a mirror"
+                );
+                match e {
+                    AdminError::Busy(_) => AdminError::Busy(message),
+                    AdminError::Invalid(_) | AdminError::NotFound(_) => AdminError::Invalid(message),
+                    _ => AdminError::Internal(message),
+                }
+            })?;
+        }
+        Ok(status)
     }
 
     /// Attaches `new` to the pool as a mirror copy of `existing` (`pool
@@ -1572,6 +1640,7 @@ impl VolumeManager {
                     tiers: PoolTiers::of(&devices),
                     migration: pool.migration_status(),
                     scrub: self.scrub_status_of(name, &pool),
+                    next_scrub_unix: self.next_scrub_of(name, &pool),
                     devices,
                 })
             })

@@ -1,6 +1,7 @@
 //! Pool properties (`strata pool get|set`): the settings of automatic
-//! tiering, kept in the catalog's `PoolRecord::properties` (only what was
-//! set explicitly, like a volume's) and applied to the running pool.
+//! tiering and how often the pool is scrubbed, kept in the catalog's
+//! `PoolRecord::properties` (only what was set explicitly, like a
+//! volume's) and applied to the running pool.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -11,7 +12,17 @@ use crate::pool::{Pool, PoolError};
 use crate::volume::props::{PropError, PropertyRow, StoredProps};
 
 /// Every pool property, in the order `pool get` shows them.
-pub const POOL_PROPERTY_NAMES: [&str; 4] = ["migration", "migration.high", "migration.low", "migration.window"];
+pub const POOL_PROPERTY_NAMES: [&str; 5] = [
+    "migration",
+    "migration.high",
+    "migration.low",
+    "migration.window",
+    "scrub.interval",
+];
+
+/// How often a pool is scrubbed when its `scrub.interval` is not set: every
+/// 30 days, as distributions schedule ZFS's and TrueNAS does (35 days).
+pub const DEFAULT_SCRUB_INTERVAL: u64 = 30 * 86_400;
 
 fn unknown(key: &str) -> AdminError {
     AdminError::Invalid(format!(
@@ -80,6 +91,13 @@ pub fn canonical_pool_value(key: &str, value: &str) -> Result<Option<String>, Ad
                 Ok(Some(format_window(Some((start, end)))))
             }
         },
+        "scrub.interval" => match value {
+            "off" => Ok(Some("off".to_string())),
+            _ => match crate::units::parse_span(value) {
+                Ok(seconds) => Ok(Some(crate::units::format_span(seconds))),
+                Err(_) => Err(bad(key, value, "a span such as 30d, 2w or 12h, or off")),
+            },
+        },
         other => Err(unknown(other)),
     }
 }
@@ -95,11 +113,23 @@ pub fn migration_settings(properties: &BTreeMap<String, String>) -> Result<Migra
             "migration.high" => settings.high_percent = value.parse().map_err(|_| invalid())?,
             "migration.low" => settings.low_percent = value.parse().map_err(|_| invalid())?,
             "migration.window" => settings.window = Some(parse_window(value).ok_or_else(invalid)?),
+            "scrub.interval" => {}
             _ => return Err(format!("unknown pool property '{key}'")),
         }
     }
     settings.validate()?;
     Ok(settings)
+}
+
+/// Seconds between scrubs that stored pool properties ask for; `None` for
+/// `scrub.interval=off` (a stored value that does not parse, from a
+/// hand-edited catalog, counts as the default).
+pub fn scrub_interval(properties: &BTreeMap<String, String>) -> Option<u64> {
+    match properties.get("scrub.interval").map(String::as_str) {
+        Some("off") => None,
+        Some(value) => Some(crate::units::parse_span(value).unwrap_or(DEFAULT_SCRUB_INTERVAL)),
+        None => Some(DEFAULT_SCRUB_INTERVAL),
+    }
 }
 
 /// The rows of `pool get`: every property, its effective value, and
@@ -110,6 +140,7 @@ pub fn pool_rows(properties: &BTreeMap<String, String>) -> Vec<PropertyRow> {
         "migration" => if defaults.enabled { "on" } else { "off" }.to_string(),
         "migration.high" => defaults.high_percent.to_string(),
         "migration.low" => defaults.low_percent.to_string(),
+        "scrub.interval" => crate::units::format_span(DEFAULT_SCRUB_INTERVAL),
         _ => format_window(defaults.window),
     };
     POOL_PROPERTY_NAMES
@@ -309,8 +340,22 @@ mod tests {
         for bad in ["25:00-03:00", "01:00", "01:00-01:00", "a-b", "01:60-02:00"] {
             assert!(canonical_pool_value("migration.window", bad).is_err(), "{bad}");
         }
+        assert_eq!(
+            canonical_pool_value("scrub.interval", "720h").unwrap().as_deref(),
+            Some("30d")
+        );
+        assert_eq!(
+            canonical_pool_value("scrub.interval", "off").unwrap().as_deref(),
+            Some("off")
+        );
+        for bad in ["0d", "monthly", "30", ""] {
+            assert!(canonical_pool_value("scrub.interval", bad).is_err(), "{bad}");
+        }
         let error = canonical_pool_value("colour", "red").unwrap_err().to_string();
-        assert!(error.contains("migration.window"), "{error}");
+        assert!(
+            error.contains("migration.window") && error.contains("scrub.interval"),
+            "{error}"
+        );
     }
 
     #[test]
@@ -328,6 +373,13 @@ mod tests {
         let rows = pool_rows(&properties);
         let names: Vec<&str> = rows.iter().map(|r| r.property.as_str()).collect();
         assert_eq!(names, POOL_PROPERTY_NAMES);
+        let interval = rows.iter().find(|r| r.property == "scrub.interval").unwrap();
+        assert_eq!((interval.value.as_str(), interval.source.as_str()), ("30d", "default"));
+        assert_eq!(scrub_interval(&properties), Some(DEFAULT_SCRUB_INTERVAL));
+        properties.insert("scrub.interval".to_string(), "12h".to_string());
+        assert_eq!(scrub_interval(&properties), Some(12 * 3_600));
+        properties.insert("scrub.interval".to_string(), "off".to_string());
+        assert_eq!(scrub_interval(&properties), None);
         assert_eq!(rows[1].value, "85");
         assert_eq!(rows[1].source, "default");
         assert_eq!(rows[3].value, "22:00-06:00");

@@ -4,6 +4,11 @@
 //! rewritten every few seconds and when it ends, so a scrub cut short by a
 //! restart or a crash goes on from where the file says it was, and the
 //! last scrub's findings are still shown after a restart.
+//!
+//! Scheduled scrubs: the daemon starts one when a pool's `scrub.interval`
+//! (default 30 days) has passed since its last scrub started, or since the
+//! pool was created if it never had one. A scrub under way or paused by
+//! hand is left alone; a stopped or failed one counts as the last scrub.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -20,6 +25,39 @@ const SAVE_EVERY: Duration = Duration::from_secs(5);
 /// How long `--pause` and `--stop` wait for the scrub to reach the end of
 /// the run it is reading.
 const SETTLE_WAIT: Duration = Duration::from_secs(30);
+/// How often the daemon looks for pools whose scheduled scrub is due.
+const SCHEDULE_EVERY: Duration = Duration::from_secs(2);
+
+/// When a pool's next scheduled scrub is due (unix seconds): `interval`
+/// after the last scrub started (`last`, its state and start) or, with no
+/// scrub yet, after the pool was created. `None` when scrubs are not
+/// scheduled (`interval` is `None`) or while one is scanning or paused.
+pub fn next_scrub_due(interval: Option<u64>, last: Option<(ScrubState, u64)>, created_unix: u64) -> Option<u64> {
+    let interval = interval?;
+    let base = match last {
+        Some((ScrubState::Scanning | ScrubState::Paused, _)) => return None,
+        Some((_, started)) => started,
+        None => created_unix,
+    };
+    Some(base.saturating_add(interval))
+}
+
+/// Starts the scheduled scrub of every pool whose one is due, every
+/// [`SCHEDULE_EVERY`], until `stop`.
+pub async fn schedule_scrubs(manager: Arc<VolumeManager>, mut stop: tokio::sync::watch::Receiver<bool>) {
+    loop {
+        tokio::select! {
+            changed = stop.changed() => {
+                if changed.is_err() || *stop.borrow() {
+                    return;
+                }
+            }
+            _ = tokio::time::sleep(SCHEDULE_EVERY) => {}
+        }
+        let starting = manager.clone();
+        let _ = tokio::task::spawn_blocking(move || starting.start_due_scrubs(now_unix())).await;
+    }
+}
 
 /// What `POST /v1/pools/{pool}/scrub` asks for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize, utoipa::ToSchema)]
@@ -181,6 +219,45 @@ impl VolumeManager {
         }
     }
 
+    /// When pool `pool_name`'s next scheduled scrub is due (see
+    /// [`next_scrub_due`]).
+    pub(super) fn next_scrub_of(&self, pool_name: &str, pool: &Pool) -> Option<u64> {
+        let catalog = self.published();
+        let record = catalog.pools.get(pool_name)?;
+        let last = pool.scrub_job().map(|job| {
+            let status = job.status();
+            (status.state, status.started_unix)
+        });
+        next_scrub_due(
+            super::pool_props::scrub_interval(&record.properties),
+            last,
+            record.created_unix,
+        )
+    }
+
+    /// Starts the scrub of each pool whose scheduled one is due at `now`.
+    fn start_due_scrubs(self: &Arc<Self>, now: u64) {
+        for (name, pool) in self.open_pools() {
+            let Some(due) = self.next_scrub_of(&name, &pool).filter(|due| *due <= now) else {
+                continue;
+            };
+            let interval = self
+                .published()
+                .pools
+                .get(&name)
+                .and_then(|record| super::pool_props::scrub_interval(&record.properties))
+                .unwrap_or_default();
+            tracing::info!(
+                "pool {name}: starting its scheduled scrub (scrub.interval={}, due {} s ago)",
+                crate::units::format_span(interval),
+                now - due
+            );
+            if let Err(e) = self.scrub_pool(&name, ScrubAction::Start) {
+                tracing::error!("pool {name}: its scheduled scrub did not start: {e}");
+            }
+        }
+    }
+
     /// Pool `pool_name`'s scrub as `pool status` shows it.
     pub(super) fn scrub_status_of(&self, pool_name: &str, pool: &Pool) -> Option<ScrubStatus> {
         let job = pool.scrub_job()?;
@@ -225,5 +302,31 @@ impl VolumeManager {
             }
         }
         status
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_next_scrub_is_due_an_interval_after_the_last_began() {
+        let day = 86_400;
+        // Never scrubbed: an interval after the pool was created.
+        assert_eq!(next_scrub_due(Some(30 * day), None, 1_000), Some(1_000 + 30 * day));
+        // After a finished, stopped or failed scrub: after it started.
+        for state in [ScrubState::Finished, ScrubState::Stopped, ScrubState::Failed] {
+            assert_eq!(
+                next_scrub_due(Some(day), Some((state, 5_000)), 1_000),
+                Some(5_000 + day),
+                "{state:?}"
+            );
+        }
+        // Not while one scans or is paused, nor when scrubs are off.
+        for state in [ScrubState::Scanning, ScrubState::Paused] {
+            assert_eq!(next_scrub_due(Some(day), Some((state, 5_000)), 1_000), None);
+        }
+        assert_eq!(next_scrub_due(None, None, 1_000), None);
+        assert_eq!(next_scrub_due(Some(u64::MAX), None, 1_000), Some(u64::MAX));
     }
 }
