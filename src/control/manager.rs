@@ -767,22 +767,9 @@ impl VolumeManager {
         if device.path.is_empty() {
             return Err(AdminError::Invalid("missing device path".into()));
         }
-        for (name, other) in &catalog.pools {
-            let retry = name == pool_name && other.adding.as_ref().is_some_and(|a| a.path == device.path);
-            if other
-                .devices
-                .iter()
-                .chain(&other.adding)
-                .chain(&other.attaching)
-                .any(|d| d.path == device.path)
-                && !retry
-            {
-                return Err(AdminError::Busy(format!(
-                    "device {} is already part of pool '{name}'",
-                    device.path
-                )));
-            }
-        }
+        refuse_if_in_a_pool(&catalog.pools, &device.path, |name, other| {
+            name == pool_name && other.adding.as_ref().is_some_and(|a| a.path == device.path)
+        })?;
         let pool = self
             .pool(pool_name)
             .ok_or_else(|| AdminError::Internal(format!("pool '{pool_name}' is in the catalog but not open")))?;
@@ -898,19 +885,7 @@ impl VolumeManager {
                     "device {path} is named twice in the mirror"
                 )));
             }
-            let catalog = self.published();
-            if let Some((name, _)) = catalog.pools.iter().find(|(_, other)| {
-                other
-                    .devices
-                    .iter()
-                    .chain(&other.adding)
-                    .chain(&other.attaching)
-                    .any(|d| d.path == path)
-            }) {
-                return Err(AdminError::Busy(format!(
-                    "device {path} is already part of pool '{name}'"
-                )));
-            }
+            refuse_if_in_a_pool(&self.published().pools, &path, |_, _| false)?;
             if !force {
                 let handle = open_device(&path, &DeviceOptions::default()).map_err(|e| {
                     AdminError::Invalid(format!("cannot open device {path}: {}", device_error_reason(&e)))
@@ -959,21 +934,9 @@ impl VolumeManager {
         let mut catalog = self.catalog();
         let pool = self.pool_of(&catalog, pool_name)?;
         self.settle_detached(&mut catalog, pool_name, &pool);
-        for (name, other) in &catalog.pools {
-            let retry = name == pool_name && other.attaching.as_ref().is_some_and(|a| a.path == new_path);
-            if other
-                .devices
-                .iter()
-                .chain(&other.adding)
-                .chain(&other.attaching)
-                .any(|d| d.path == new_path)
-                && !retry
-            {
-                return Err(AdminError::Busy(format!(
-                    "device {new_path} is already part of pool '{name}'"
-                )));
-            }
-        }
+        refuse_if_in_a_pool(&catalog.pools, &new_path, |name, other| {
+            name == pool_name && other.attaching.as_ref().is_some_and(|a| a.path == new_path)
+        })?;
         let record = catalog
             .pools
             .get(pool_name)
@@ -1930,6 +1893,30 @@ pub async fn settle_devices_every(manager: Arc<VolumeManager>, mut stop: tokio::
         let settling = manager.clone();
         let _ = tokio::task::spawn_blocking(move || settling.settle_devices()).await;
     }
+}
+
+/// Refuses `path` when a pool's record names it (as a device, or one being
+/// added or attached), unless `retrying` says that record was left by an
+/// earlier try of this same request.
+fn refuse_if_in_a_pool(
+    pools: &std::collections::BTreeMap<String, PoolRecord>,
+    path: &str,
+    retrying: impl Fn(&str, &PoolRecord) -> bool,
+) -> Result<(), AdminError> {
+    for (name, other) in pools {
+        let named = other
+            .devices
+            .iter()
+            .chain(&other.adding)
+            .chain(&other.attaching)
+            .any(|d| d.path == path);
+        if named && !retrying(name, other) {
+            return Err(AdminError::Busy(format!(
+                "device {path} is already part of pool '{name}'"
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// How a request's device is meant, for the pool: a path (canonical when

@@ -51,6 +51,7 @@ def heat_pixels():
 try:
     driver.get(f"{base}/ui#token={token}")
     wait_for("the status line to say live", lambda: "live" in driver.find_element(By.ID, "status").text)
+    wait_for("the pool panel's scrub line", lambda: "next scrub" in driver.find_element(By.ID, "pools").text)
     coloured, before = wait_for("requests in the heat map", lambda: (lambda p: p if p[0] > 50 else None)(heat_pixels()))
     print(f"heat map: {coloured} coloured pixels")
     # Break down by operation, then click the first entry: the map now shows
