@@ -33,15 +33,17 @@ WORKLOADS = [
 
 
 class Daemon:
-    def __init__(self, work, wraps):
+    def __init__(self, work, wraps, log=None):
         self.data = os.path.join(work, "data")
         self.api, self.nbd = free_port(), free_port()
         argv = [STRATA, "serve", "--data-dir", self.data, "--nbd", f"127.0.0.1:{self.nbd}",
                 "--api", f"127.0.0.1:{self.api}", "--iscsi", "127.0.0.1:0", "--nfs", "127.0.0.1:0"]
         for path, spec in wraps:
             argv += ["--wrap", f"{path}={spec}"]
-        self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                     env=dict(os.environ, STRATA_LOG="warn"))
+        # With `log`, the daemon's info lines are appended to that file.
+        stderr = open(log, "a") if log else subprocess.DEVNULL
+        self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=stderr,
+                                     env=dict(os.environ, STRATA_LOG="info" if log else "warn"))
         wait_port(self.api)
         wait_port(self.nbd)
         token = os.path.join(self.data, "api.token")

@@ -8,6 +8,12 @@ One strata daemon, a pool on a mirror of two device files and a volume of
   (from the scrub's own status) and the daemon's CPU per GiB checked, side
   by side with a client reading the whole volume sequentially through NBD
   (fio, 1 MiB reads, QD4): the pace the same devices give a reader.
+- Resilver: a third device attached to the mirror is copied (every chunk
+  in use: a new device has no dirty record) at the resilver's own pace,
+  against the same sequential read; then that device is taken away, the
+  client writes --changed-mib (1 MiB writes from a quarter of the volume
+  on), and the device comes back:
+  the bytes the resilver copies against the bytes written meanwhile.
 - Under load, on disk-like devices (each device file behind `--wrap
   FILE=delay:4ms+throttle:iops=200`): a client's 4K random reads at QD1
   (fio over NBD, --runtime s) alone, then with a scrub running the whole
@@ -16,7 +22,7 @@ One strata daemon, a pool on a mirror of two device files and a volume of
 Usage: bench/scrub_bench.py [--runtime S] [--size-mib N] [--binary PATH] [--json FILE]
 Prints a Markdown table and writes JSON to --json.
 """
-import argparse, json, os, shutil, subprocess, sys, tempfile, time
+import argparse, json, os, re, shutil, subprocess, sys, tempfile, time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -40,6 +46,29 @@ def wait_scrub(daemon, timeout=3600):
     sys.exit("the scrub did not end")
 
 
+SUFFIX = {"B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def resilvers(log):
+    """(bytes copied, seconds) of every resilver the daemon's log reports."""
+    found = []
+    for line in open(log, errors="replace"):
+        m = re.search(r"resilvered .* \(([\d.]+)([BKMGT]) copied in ([\d.]+) s\)", line)
+        if m:
+            found.append((float(m.group(1)) * SUFFIX[m.group(2)], float(m.group(3))))
+    return found
+
+
+def wait_resilvers(log, count, timeout=600):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        found = resilvers(log)
+        if len(found) >= count:
+            return found[count - 1]
+        time.sleep(0.05)
+    sys.exit(f"no resilver {count} in {log}")
+
+
 def client(daemon, args, runtime, size_mib):
     job = run_fio(f"nbd://127.0.0.1:{daemon.nbd}/m/bench", args, runtime, size_mib)
     side = job["read"]
@@ -51,6 +80,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--runtime", type=int, default=20)
     parser.add_argument("--size-mib", type=int, default=1024)
+    parser.add_argument("--changed-mib", type=int, default=64)
     parser.add_argument("--json", default=os.path.join(ROOT, "bench", "last-scrub-results.json"))
     parser.add_argument("--binary", default="")
     options = parser.parse_args()
@@ -97,6 +127,33 @@ def main():
                            "read_mib_s": read["mib_s"], "read_cpu_s_per_gib": read_cpu / max(read_gib, 1e-9)}
         print(f"idle: {results['idle']}", file=sys.stderr)
 
+        # Resilver of a new copy, then after an absence.
+        daemon.stop()
+        log = os.path.join(work, "daemon.log")
+        daemon = mirror_bench.Daemon(data, [], log=log)
+        third = os.path.join(work, "c.img")
+        with open(third, "wb") as f:
+            f.truncate((options.size_mib << 20) + (256 << 20))
+        before = cpu_seconds(daemon.proc.pid)
+        daemon.call("POST", "/v1/pools/m/attach", {"device": files[0], "new": third})
+        full_bytes, full_s = wait_resilvers(log, 1)
+        full_cpu = cpu_seconds(daemon.proc.pid) - before
+        daemon.stop()
+        os.rename(third, third + ".away")
+        daemon = mirror_bench.Daemon(data, [], log=log)
+        run_fio(f"nbd://127.0.0.1:{daemon.nbd}/m/bench", ["--rw=write", "--bs=1M", "--iodepth=4",
+                f"--offset={options.size_mib // 4}m", "--time_based=0"], 0, options.changed_mib)
+        daemon.call("POST", "/v1/pools/m/sync")
+        daemon.stop()
+        os.rename(third + ".away", third)
+        daemon = mirror_bench.Daemon(data, [], log=log)
+        back_bytes, back_s = wait_resilvers(log, 2)
+        results["resilver"] = {"full_mib_s": full_bytes / (1 << 20) / max(full_s, 1e-9), "full_bytes": full_bytes,
+                               "full_cpu_s_per_gib": full_cpu / max(full_bytes / (1 << 30), 1e-9),
+                               "changed_bytes": options.changed_mib << 20, "back_bytes": back_bytes,
+                               "back_s": back_s}
+        print(f"resilver: {results['resilver']}", file=sys.stderr)
+
         # Disk-like devices: a client alone, then beside a scrub.
         daemon.stop()
         daemon = mirror_bench.Daemon(data, [(p, SLOW) for p in files])
@@ -128,6 +185,11 @@ def main():
     print(f"| 4K randread QD1 on {SLOW} | beside a scrub: {b['iops']:.0f} IOPS, p99 {b['p99_us']:.0f} µs "
           f"(scrub {slow['scrub_mib_s']:.1f} MiB/s) | alone: {a['iops']:.0f} IOPS, p99 {a['p99_us']:.0f} µs | "
           f"{b['iops'] / max(a['iops'], 1e-9):.2f}x IOPS, {b['p99_us'] / max(a['p99_us'], 1e-9):.2f}x p99 |")
+    r = results["resilver"]
+    print(f"| resilver of a new copy (files) | {r['full_mib_s']:.0f} MiB/s, {r['full_cpu_s_per_gib']:.2f} s CPU/GiB | "
+          f"client sequential read {idle['read_mib_s']:.0f} MiB/s | {r['full_mib_s'] / max(idle['read_mib_s'], 1e-9):.2f}x |")
+    print(f"| resilver after an absence | {r['back_bytes'] / (1 << 20):.1f} MiB copied | "
+          f"{r['changed_bytes'] >> 20} MiB written meanwhile | {r['back_bytes'] / r['changed_bytes']:.2f}x |")
     with open(options.json, "w") as f:
         json.dump(results, f, indent=1)
 
