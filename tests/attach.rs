@@ -13,40 +13,18 @@ mod common;
 use std::process::Command;
 use std::sync::Arc;
 
+use common::engine::{block_data, options, runtime};
 use common::{cli, require_tool, Server};
 use strata::device::SimDevice;
 use strata::pool::superblock::{ChildState, Role, Superblock, SUPERBLOCK_BYTES};
 use strata::pool::vdev::Health;
 use strata::pool::volume::EngineVolume;
-use strata::pool::{DeviceSpec, NewVdev, Pool, PoolOptions};
+use strata::pool::{DeviceSpec, NewVdev, Pool};
 use strata::volume::{BlockDevice, IoBuf};
 
 const MIB: u64 = 1 << 20;
 const BLOCK: u64 = 64 << 10;
 const BLOCKS: u64 = 64;
-
-fn runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap()
-}
-
-/// No background work and no read cache: every read goes to the devices,
-/// and a resilver runs when the test says.
-fn options() -> PoolOptions {
-    PoolOptions {
-        background: false,
-        read_cache_bytes: 0,
-        ..PoolOptions::default()
-    }
-}
-
-fn block_data(block: u64, round: u8) -> Vec<u8> {
-    (0..BLOCK)
-        .map(|i| (i as u8).wrapping_mul(29) ^ (block as u8).wrapping_mul(11) ^ round)
-        .collect()
-}
 
 fn sim(seed: u64) -> SimDevice {
     SimDevice::new(160 * MIB, seed)
@@ -74,7 +52,7 @@ fn volume_of(pool: &Arc<Pool>) -> Arc<EngineVolume> {
 async fn write_placed(pool: &Pool, volume: &EngineVolume, round: u8) {
     for block in 0..BLOCKS {
         volume
-            .write(block * BLOCK, IoBuf::copy_from(&block_data(block, round)), false)
+            .write(block * BLOCK, IoBuf::copy_from(&block_data(BLOCK, block, round)), false)
             .await
             .unwrap();
     }
@@ -86,7 +64,10 @@ async fn check_all(volume: &EngineVolume, round: u8) {
     for block in 0..BLOCKS {
         let (buf, result) = volume.read(block * BLOCK, IoBuf::new(BLOCK as usize)).await;
         result.unwrap_or_else(|e| panic!("block {block}: {e}"));
-        assert!(buf.payload() == block_data(block, round), "block {block} differs");
+        assert!(
+            buf.payload() == block_data(BLOCK, block, round),
+            "block {block} differs"
+        );
     }
 }
 
@@ -96,7 +77,7 @@ fn assert_holds(device: &SimDevice, volume: &EngineVolume, round: u8) {
     for block in 0..BLOCKS {
         let (_, offset) = volume.block_place(block).unwrap().unwrap();
         assert!(
-            image.read(offset, BLOCK as usize) == block_data(block, round),
+            image.read(offset, BLOCK as usize) == block_data(BLOCK, block, round),
             "the device lacks block {block} of round {round}"
         );
     }
@@ -189,7 +170,7 @@ fn a_copy_attached_under_a_running_writer_misses_no_write() {
                 let mut round = 2u8;
                 while !stop.load(std::sync::atomic::Ordering::Relaxed) {
                     for block in 0..BLOCKS {
-                        let data = IoBuf::copy_from(&block_data(block, round));
+                        let data = IoBuf::copy_from(&block_data(BLOCK, block, round));
                         volume.write(block * BLOCK, data, false).await.unwrap();
                     }
                     volume.flush().await.unwrap();

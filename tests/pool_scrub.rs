@@ -13,39 +13,18 @@ mod common;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use common::engine::{block_data, options, runtime};
 use common::{cli, cli_ok, qemu_io_ok, require_tool, run, Server};
 use strata::device::{Device, SimDevice};
 use strata::pool::snapshots::SnapshotRequest;
 use strata::pool::superblock::Role;
 use strata::pool::volume::EngineVolume;
-use strata::pool::{NewDevice, NewVdev, Pool, PoolOptions, ScrubCommand, ScrubJob, ScrubState, ScrubStatus};
+use strata::pool::{NewDevice, NewVdev, Pool, ScrubCommand, ScrubJob, ScrubState, ScrubStatus};
 use strata::volume::{BlockDevice, IoBuf};
 
 const MIB: u64 = 1 << 20;
 const BLOCK: u64 = 64 << 10;
 const BLOCKS: u64 = 64;
-
-fn runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap()
-}
-
-/// No background work and no read cache: every read goes to the devices.
-fn options() -> PoolOptions {
-    PoolOptions {
-        background: false,
-        read_cache_bytes: 0,
-        ..PoolOptions::default()
-    }
-}
-
-fn block_data(block: u64, round: u8) -> Vec<u8> {
-    (0..BLOCK)
-        .map(|i| (i as u8).wrapping_mul(31) ^ (block as u8).wrapping_mul(7) ^ round)
-        .collect()
-}
 
 /// The test volume (id 1) of `pool`.
 fn volume_of(pool: &Arc<Pool>) -> Arc<EngineVolume> {
@@ -56,7 +35,7 @@ fn volume_of(pool: &Arc<Pool>) -> Arc<EngineVolume> {
 async fn write_placed(pool: &Pool, volume: &EngineVolume, blocks: std::ops::Range<u64>, round: u8) {
     for block in blocks {
         volume
-            .write(block * BLOCK, IoBuf::copy_from(&block_data(block, round)), false)
+            .write(block * BLOCK, IoBuf::copy_from(&block_data(BLOCK, block, round)), false)
             .await
             .unwrap();
     }
@@ -108,7 +87,7 @@ fn a_scrub_rewrites_rotten_copies_of_a_mirror_from_the_good_ones() {
             let image = sim.snapshot();
             for block in 0..BLOCKS {
                 let bytes = image.read(place_of(&volume, block), BLOCK as usize);
-                assert!(bytes == block_data(block, 1), "block {block} not repaired");
+                assert!(bytes == block_data(BLOCK, block, 1), "block {block} not repaired");
             }
         }
         // A second scrub finds nothing left to repair.

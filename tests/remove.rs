@@ -14,38 +14,18 @@ use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use common::engine::{block_data, options, runtime};
 use common::{cli, cli_ok, pool_json, qemu_io_ok, require_tool, run, Server};
 use strata::device::{Device, SimDevice};
 use strata::pool::snapshots::SnapshotRequest;
 use strata::pool::superblock::{MemberState, Role, Superblock, SUPERBLOCK_BYTES};
 use strata::pool::volume::EngineVolume;
-use strata::pool::{DeviceSpec, NewDevice, Pool, PoolOptions};
+use strata::pool::{DeviceSpec, NewDevice, Pool};
 use strata::volume::{BlockDevice, IoBuf};
 
 const MIB: u64 = 1 << 20;
 const BLOCK: u64 = 16 << 10;
 const BLOCKS: u64 = 2048;
-
-fn runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap()
-}
-
-fn options() -> PoolOptions {
-    PoolOptions {
-        background: false,
-        read_cache_bytes: 0,
-        ..PoolOptions::default()
-    }
-}
-
-fn block_data(block: u64, round: u8) -> Vec<u8> {
-    (0..BLOCK)
-        .map(|i| (i as u8).wrapping_mul(13) ^ (block as u8).wrapping_mul(29) ^ round)
-        .collect()
-}
 
 /// A small fast device (metadata and log) and two capacity devices: the
 /// volumes' blocks fill the fast tier and spill to device 1, then 2.
@@ -96,7 +76,7 @@ fn volume_of(pool: &Arc<Pool>) -> Arc<EngineVolume> {
 async fn write_blocks(pool: &Pool, volume: &EngineVolume, blocks: std::ops::Range<u64>, round: u8) {
     for block in blocks {
         volume
-            .write(block * BLOCK, IoBuf::copy_from(&block_data(block, round)), false)
+            .write(block * BLOCK, IoBuf::copy_from(&block_data(BLOCK, block, round)), false)
             .await
             .unwrap();
     }
@@ -108,7 +88,10 @@ async fn check_blocks(volume: &EngineVolume, blocks: std::ops::Range<u64>, round
     for block in blocks {
         let (buf, result) = volume.read(block * BLOCK, IoBuf::new(BLOCK as usize)).await;
         result.unwrap_or_else(|e| panic!("block {block}: {e}"));
-        assert!(buf.payload() == block_data(block, round), "block {block} differs");
+        assert!(
+            buf.payload() == block_data(BLOCK, block, round),
+            "block {block} differs"
+        );
     }
 }
 
@@ -303,7 +286,7 @@ fn the_metadata_device_the_last_data_device_and_a_too_full_pool_are_refused() {
         let volume = pool.open_volume(1, 120 * MIB, BLOCK as u32).unwrap();
         for block in 0..(100 * MIB / BLOCK) {
             volume
-                .write(block * BLOCK, IoBuf::copy_from(&block_data(block, 1)), false)
+                .write(block * BLOCK, IoBuf::copy_from(&block_data(BLOCK, block, 1)), false)
                 .await
                 .unwrap();
         }

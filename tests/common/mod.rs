@@ -2,6 +2,7 @@
 //! ephemeral loopback ports, stop it by PID, and run external clients.
 #![allow(dead_code)]
 
+pub mod engine;
 pub mod iscsi;
 pub mod nbd;
 pub mod send;
