@@ -355,7 +355,10 @@ fn a_resilver_cut_short_resumes_where_it_stopped() {
             );
             if tracked {
                 // The paused open's own writes may dirty a unit or two more.
-                assert!(first + rest <= whole + (2 << 20), "copied {first} then {rest}, whole {whole}");
+                assert!(
+                    first + rest <= whole + (2 << 20),
+                    "copied {first} then {rest}, whole {whole}"
+                );
                 assert!(whole < 32 << 20, "only what changed: {whole}");
             } else {
                 assert_eq!(first + rest, whole, "no byte copied twice, none skipped");
@@ -561,7 +564,12 @@ async fn big_pool(mirror: &Mirrored) {
 
 /// 1 MiB units outside the header where two images differ.
 fn differing_units(a: &strata::device::sim::SimImage, b: &strata::device::sim::SimImage) -> Vec<u64> {
-    let mut units: Vec<u64> = a.differing_sectors(b).into_iter().map(|o| o / MIB).filter(|&u| u > 0).collect();
+    let mut units: Vec<u64> = a
+        .differing_sectors(b)
+        .into_iter()
+        .map(|o| o / MIB)
+        .filter(|&u| u > 0)
+        .collect();
     units.dedup();
     units
 }
@@ -613,7 +621,10 @@ fn a_device_back_after_an_absence_is_resilvered_only_where_the_mirror_changed() 
         // At least the 3 MiB rewritten, at most what changed (plus the
         // units written with the same bytes), far below a full resilver.
         assert!(copied >= 3 * MIB, "copied {copied}");
-        assert!(copied <= changed_bytes + 4 * MIB, "copied {copied}, changed {changed_bytes}");
+        assert!(
+            copied <= changed_bytes + 4 * MIB,
+            "copied {copied}, changed {changed_bytes}"
+        );
         assert!(copied * 8 < FULL_AT_LEAST, "copied {copied}");
         // Device 0 away now: device 1 alone holds every byte.
         check_alone(&mirror, 1).await;
@@ -644,7 +655,10 @@ fn a_device_faulted_by_write_errors_is_resilvered_only_where_writes_went_on() {
         let changed_bytes = changed.len() as u64 * MIB;
         eprintln!("copied {copied} bytes; {} units changed", changed.len());
         assert!(copied >= 3 * MIB, "copied {copied}");
-        assert!(copied <= changed_bytes + 4 * MIB, "copied {copied}, changed {changed_bytes}");
+        assert!(
+            copied <= changed_bytes + 4 * MIB,
+            "copied {copied}, changed {changed_bytes}"
+        );
         assert!(copied * 8 < FULL_AT_LEAST, "copied {copied}");
         check_alone(&mirror, 1).await;
     });

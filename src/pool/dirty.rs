@@ -125,8 +125,7 @@ pub fn decode(key: &RecordKey, bytes: &[u8]) -> Result<Vec<u64>, RecordError> {
     if checksum(bytes, map_bytes) != stored {
         return Err(RecordError::Damaged);
     }
-    if bytes[8..24] != key.pool_uuid || bytes[40] != key.member || unit_bytes != key.unit_bytes || units != key.units
-    {
+    if bytes[8..24] != key.pool_uuid || bytes[40] != key.member || unit_bytes != key.unit_bytes || units != key.units {
         return Err(RecordError::Foreign);
     }
     let mut bits = vec![0u64; key.words()];
@@ -189,9 +188,11 @@ impl DirtyState {
     /// is tracked): a write there needs no persist first.
     pub fn covered(&self, units: std::ops::RangeInclusive<u64>) -> bool {
         !self.tracking
-            || units
-                .into_iter()
-                .all(|unit| self.durable.get((unit / 64) as usize).is_some_and(|w| w & (1 << (unit % 64)) != 0))
+            || units.into_iter().all(|unit| {
+                self.durable
+                    .get((unit / 64) as usize)
+                    .is_some_and(|w| w & (1 << (unit % 64)) != 0)
+            })
     }
 
     /// Starts tracking (a child the record is complete for stopped being
@@ -286,7 +287,7 @@ mod tests {
         let bits = vec![u64::MAX; huge.words()];
         let mut expected = bits.clone();
         // Bits past the last unit are not stored.
-        if huge.units % 64 != 0 {
+        if !huge.units.is_multiple_of(64) {
             *expected.last_mut().unwrap() = (1 << (huge.units % 64)) - 1;
         }
         assert_eq!(decode(&huge, &encode(&huge, &bits)), Ok(expected));

@@ -396,6 +396,7 @@ impl Pool {
         }
         let membership = Arc::new(super::vdev::Membership::new(reference.clone()));
         let mut pool_devices = Vec::new();
+        let mut mirrors = Vec::new();
         for (index, slot) in slots.into_iter().enumerate() {
             let member = reference.members[index];
             if member.removed() {
@@ -461,7 +462,7 @@ impl Pool {
                     );
                 }
                 mirror.set_membership(&membership);
-                Self::open_dirty_record(&reference, &mirror).await?;
+                mirrors.push(mirror.clone());
                 Arc::new(super::vdev::Vdev::mirrored(mirror))
             } else {
                 let Some(device) = slot.into_iter().next().flatten() else {
@@ -477,6 +478,9 @@ impl Pool {
         // from now on: say so in the others' superblocks before writing
         // (and a stale child whose dirty record was lost is resilvered in
         // full: say that too, before writes the record would miss).
+        for mirror in &mirrors {
+            Self::open_dirty_record(&reference, mirror).await?;
+        }
         membership.record_health().await;
         let pool = Self::recover(reference, pool_devices, membership, options).await?;
         // A replacement up to date when the pool stopped takes its place now.

@@ -279,7 +279,10 @@ impl Pool {
 /// The parts of `ranges` (sorted, disjoint) inside units of `unit_bytes`
 /// whose bit is set in `bits`, merged where they touch.
 fn dirty_parts(ranges: &[(u64, u64)], unit_bytes: u64, bits: &[u64]) -> Vec<(u64, u64)> {
-    let dirty = |unit: u64| bits.get((unit / 64) as usize).is_some_and(|w| w & (1 << (unit % 64)) != 0);
+    let dirty = |unit: u64| {
+        bits.get((unit / 64) as usize)
+            .is_some_and(|w| w & (1 << (unit % 64)) != 0)
+    };
     let mut out: Vec<(u64, u64)> = Vec::new();
     for &(start, length) in ranges {
         let end = start + length;
@@ -308,7 +311,10 @@ mod tests {
         // Units 1, 2 and 5 of 1 MiB dirty.
         let bits = [0b100110u64];
         let ranges = [(0, 3 * MIB + MIB / 2), (5 * MIB, MIB / 4), (7 * MIB, MIB)];
-        assert_eq!(dirty_parts(&ranges, MIB, &bits), vec![(MIB, 2 * MIB), (5 * MIB, MIB / 4)]);
+        assert_eq!(
+            dirty_parts(&ranges, MIB, &bits),
+            vec![(MIB, 2 * MIB), (5 * MIB, MIB / 4)]
+        );
         // A coarser unit covers more.
         assert_eq!(dirty_parts(&ranges, 4 * MIB, &[0b1]), vec![(0, 3 * MIB + MIB / 2)]);
         assert!(dirty_parts(&ranges, MIB, &[0]).is_empty());

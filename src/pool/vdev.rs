@@ -581,7 +581,7 @@ impl Mirror {
         let Some(key) = self.record_key() else {
             return Ok(());
         };
-        let _one = self.persisting.lock().await;
+        let one_at_a_time = self.persisting.lock().await;
         let mut force = force;
         let mut faulted = false;
         loop {
@@ -625,7 +625,11 @@ impl Mirror {
             }
             for (child, e) in failed {
                 child.counters.write_errors.fetch_add(1, Ordering::Relaxed);
-                tracing::error!("{}: {e}; cannot write the dirty record of {}", child.name, self.info.name);
+                tracing::error!(
+                    "{}: {e}; cannot write the dirty record of {}",
+                    child.name,
+                    self.info.name
+                );
                 match self.mark_faulted(&child) {
                     Faulting::Refused => return Err(e),
                     Faulting::Already => {}
@@ -634,7 +638,7 @@ impl Mirror {
             }
             force = true;
         }
-        drop(_one);
+        drop(one_at_a_time);
         if faulted {
             if let Some(membership) = self.membership.get().and_then(std::sync::Weak::upgrade) {
                 membership.record_health().await;
@@ -1156,7 +1160,9 @@ impl Device for Mirror {
             // What was written before this flush is durable on each child
             // it succeeds on; a child it fails on is faulted with them.
             let flush = self.dirty_state().begin_flush();
-            let result = self.on_all(|device| Box::pin(async move { device.flush().await })).await;
+            let result = self
+                .on_all(|device| Box::pin(async move { device.flush().await }))
+                .await;
             self.dirty_state().end_flush(flush);
             result
         })
@@ -1171,20 +1177,23 @@ impl Device for Mirror {
         // zeros or as before), so a child that refuses one is not faulted.
         Box::pin(async move {
             self.before_write(offset, length).await?;
-            let result = self.barred(offset, length, move || async move {
-            let written = self.written();
-            let futures = written
-                .iter()
-                .filter_map(|c| c.device.as_ref())
-                .map(|d| d.discard(offset, length))
-                .collect();
-            let results = join_all(futures).await;
-            match results.iter().find_map(|r| r.as_ref().err()) {
-                Some(e) if results.iter().all(|r| r.is_err()) => Err(unavailable(&self.info.name, &e.to_string())),
-                _ => Ok(()),
-            }
-            })
-            .await;
+            let result = self
+                .barred(offset, length, move || async move {
+                    let written = self.written();
+                    let futures = written
+                        .iter()
+                        .filter_map(|c| c.device.as_ref())
+                        .map(|d| d.discard(offset, length))
+                        .collect();
+                    let results = join_all(futures).await;
+                    match results.iter().find_map(|r| r.as_ref().err()) {
+                        Some(e) if results.iter().all(|r| r.is_err()) => {
+                            Err(unavailable(&self.info.name, &e.to_string()))
+                        }
+                        _ => Ok(()),
+                    }
+                })
+                .await;
             self.note_recent(offset, length);
             result
         })
