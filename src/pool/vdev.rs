@@ -423,8 +423,7 @@ impl Mirror {
         // entry says the record is complete for it.
         if let Err(e) = self.persist_record(false).await {
             tracing::error!(
-                "{}: {e}; the dirty record of {} could not be written, so {} will be resilvered in full",
-                self.info.name,
+                "{}: cannot write its dirty record ({e}); {} will be resilvered in full",
                 self.info.name,
                 child.name
             );
