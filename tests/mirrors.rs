@@ -3,7 +3,9 @@
 //! writes is faulted and the pool goes on DEGRADED, the fault recorded in
 //! the other device's superblocks; a mirror opens without one of its
 //! devices; a device that missed writes is not read from until a resilver
-//! has copied what it missed; devices used apart are refused together. And
+//! has copied what it missed, and only what changed while it was away when
+//! the mirror's dirty record covers its absence (else all of it); devices
+//! used apart are refused together. And
 //! under the daemon, through NBD: a device failing writes under `--wrap`,
 //! its resilver after a restart, and bit rot healed.
 
@@ -54,7 +56,11 @@ struct Mirrored {
 
 impl Mirrored {
     fn new() -> Mirrored {
-        let sims = [SimDevice::new(160 * MIB, 1), SimDevice::new(160 * MIB, 2)];
+        Mirrored::sized(160 * MIB)
+    }
+
+    fn sized(size_bytes: u64) -> Mirrored {
+        let sims = [SimDevice::new(size_bytes, 1), SimDevice::new(size_bytes, 2)];
         let errors = [0, 1].map(|i| Arc::new(ErrorDevice::new(sims[i].as_device(), Vec::new(), 9)));
         Mirrored { sims, errors }
     }
@@ -290,53 +296,77 @@ fn a_mirror_opens_without_one_device_and_never_reads_the_missing_one_again() {
     });
 }
 
-#[test]
-fn a_resilver_cut_short_resumes_where_it_stopped() {
-    runtime().block_on(async {
-        let mirror = Mirrored::new();
-        {
-            let pool = mirror.create().await;
-            let volume = volume_of(&pool);
-            write_placed(&pool, &volume, 1).await;
-        }
-        {
-            let pool = mirror.open(&[0]).await;
+/// A pool written (round 1), opened without device 1 and, if `rewrite`,
+/// written again (round 2); `tracked`: left as its dirty record has it,
+/// else with device 1's entry stale without a record (a full resilver).
+async fn away_and_back(mirror: &Mirrored, rewrite: bool, tracked: bool) {
+    {
+        let pool = mirror.create().await;
+        let volume = volume_of(&pool);
+        write_placed(&pool, &volume, 1).await;
+    }
+    {
+        let pool = mirror.open(&[0]).await;
+        if rewrite {
             let volume = volume_of(&pool);
             write_placed(&pool, &volume, 2).await;
             pool.checkpoint().await.unwrap();
         }
-        let first = {
+    }
+    assert!(mirror.superblock(0).children[1].tracked);
+    if !tracked {
+        rewrite_superblock(mirror, 0, |s| s.children[1].tracked = false);
+    }
+}
+
+#[test]
+fn a_resilver_cut_short_resumes_where_it_stopped() {
+    // In full, and from the dirty record.
+    for tracked in [false, true] {
+        runtime().block_on(async {
+            let mirror = Mirrored::new();
+            away_and_back(&mirror, true, tracked).await;
+            let first = {
+                let pool = mirror.open(&[0, 1]).await;
+                let copied = pool.resilver_at_most(4 << 20).await.unwrap();
+                assert_eq!(children(&pool)[1].0, Health::Resilvering, "paused, not done");
+                copied
+            };
+            let cursor = mirror.superblock(0).children[1].resilvered;
+            assert!(cursor > 0, "the cursor is recorded");
+            assert_eq!(mirror.superblock(0).children[1].state, ChildState::Stale);
+            assert_eq!(mirror.superblock(0).children[1].tracked, tracked);
+            // The next open resumes at the cursor: the rest only is copied.
             let pool = mirror.open(&[0, 1]).await;
-            let copied = pool.resilver_at_most(8 << 20).await.unwrap();
-            assert_eq!(children(&pool)[1].0, Health::Resilvering, "paused, not done");
-            copied
-        };
-        let cursor = mirror.superblock(0).children[1].resilvered;
-        assert!(cursor > 0, "the cursor is recorded");
-        assert_eq!(mirror.superblock(0).children[1].state, ChildState::Stale);
-        // The next open resumes at the cursor: the rest only is copied.
-        let pool = mirror.open(&[0, 1]).await;
-        let rest = pool.resilver().await.unwrap();
-        assert_eq!(children(&pool)[1].0, Health::Online);
-        let whole = {
-            let fresh = Mirrored::new();
-            let pool = fresh.create().await;
+            let rest = pool.resilver().await.unwrap();
+            assert_eq!(children(&pool)[1].0, Health::Online);
+            // The same history resilvered in one go; in full, a pool that
+            // only went away copies as much (the same chunks are in use).
+            let whole = {
+                let fresh = Mirrored::new();
+                away_and_back(&fresh, tracked, tracked).await;
+                let pool = fresh.open(&[0, 1]).await;
+                pool.resilver().await.unwrap()
+            };
+            eprintln!("tracked {tracked}: copied {first} then {rest}, whole {whole}");
+            assert!(
+                first >= 4 << 20 && rest < whole,
+                "copied {first} then {rest}, whole {whole}"
+            );
+            if tracked {
+                // The paused open's own writes may dirty a unit or two more.
+                assert!(
+                    first + rest <= whole + (2 << 20),
+                    "copied {first} then {rest}, whole {whole}"
+                );
+                assert!(whole < 32 << 20, "only what changed: {whole}");
+            } else {
+                assert_eq!(first + rest, whole, "no byte copied twice, none skipped");
+            }
             let volume = volume_of(&pool);
-            write_placed(&pool, &volume, 1).await;
-            drop(volume);
-            drop(pool);
-            drop(fresh.open(&[0]).await);
-            let pool = fresh.open(&[0, 1]).await;
-            pool.resilver().await.unwrap()
-        };
-        assert!(
-            first >= 8 << 20 && rest < whole,
-            "copied {first} then {rest}, whole {whole}"
-        );
-        assert_eq!(first + rest, whole, "no byte copied twice, none skipped");
-        let volume = volume_of(&pool);
-        assert_copy_holds(&mirror, 1, &volume, 2);
-    });
+            assert_copy_holds(&mirror, 1, &volume, 2);
+        });
+    }
 }
 
 #[test]
@@ -479,4 +509,198 @@ fn a_mirror_under_the_daemon_outlives_a_failing_device_resilvers_it_and_heals_ro
         "the rotten copy was rewritten from the good one"
     );
     drop(server);
+}
+
+// A returning device is resilvered from the mirror's dirty record: only
+// the units written while it was away are copied.
+
+/// 64 MiB of data in 64 KiB blocks.
+const BIG_BLOCKS: u64 = 1024;
+/// The places rewritten while a device is away: three runs of 1 MiB.
+const CHANGED: [std::ops::Range<u64>; 3] = [100..116, 500..516, 1000..1016];
+
+fn big_volume(pool: &Arc<Pool>) -> Arc<EngineVolume> {
+    pool.open_volume(1, BIG_BLOCKS * BLOCK, BLOCK as u32).unwrap()
+}
+
+/// The round each block of the big volume holds after the changes.
+fn round_of(block: u64) -> u8 {
+    if CHANGED.iter().any(|r| r.contains(&block)) {
+        2
+    } else {
+        1
+    }
+}
+
+async fn write_blocks(pool: &Pool, volume: &EngineVolume, blocks: impl Iterator<Item = u64>, round: u8) {
+    for block in blocks {
+        volume
+            .write(block * BLOCK, IoBuf::copy_from(&block_data(block, round)), false)
+            .await
+            .unwrap();
+    }
+    volume.flush().await.unwrap();
+    pool.destage_all().await.unwrap();
+    pool.checkpoint().await.unwrap();
+}
+
+async fn check_big(volume: &EngineVolume) {
+    for block in 0..BIG_BLOCKS {
+        let (buf, result) = volume.read(block * BLOCK, IoBuf::new(BLOCK as usize)).await;
+        result.unwrap_or_else(|e| panic!("block {block}: {e}"));
+        assert!(
+            buf.payload() == block_data(block, round_of(block)),
+            "block {block} differs"
+        );
+    }
+}
+
+/// A pool with the big volume written whole (round 1), closed.
+async fn big_pool(mirror: &Mirrored) {
+    let pool = mirror.create().await;
+    let volume = big_volume(&pool);
+    write_blocks(&pool, &volume, 0..BIG_BLOCKS, 1).await;
+}
+
+/// 1 MiB units outside the header where two images differ.
+fn differing_units(a: &strata::device::sim::SimImage, b: &strata::device::sim::SimImage) -> Vec<u64> {
+    let mut units: Vec<u64> = a
+        .differing_sectors(b)
+        .into_iter()
+        .map(|o| o / MIB)
+        .filter(|&u| u > 0)
+        .collect();
+    units.dedup();
+    units
+}
+
+/// Opens `mirror` with both devices (device 1 stale), resilvers, and
+/// returns the bytes copied and the 1 MiB units device 0 changed in since
+/// `before` (the session without device 1, and this open's own writes).
+async fn resilver_back(mirror: &Mirrored, before: &strata::device::sim::SimImage) -> (u64, Vec<u64>) {
+    let pool = mirror.open(&[0, 1]).await;
+    assert_eq!(children(&pool)[1].0, Health::Resilvering);
+    let changed = differing_units(before, &mirror.sims[0].snapshot());
+    let copied = pool.resilver().await.unwrap();
+    assert_eq!(children(&pool)[1].0, Health::Online);
+    assert_eq!(mirror.superblock(0).children[1].state, ChildState::Online);
+    assert!(!mirror.superblock(0).children[1].tracked);
+    (copied, changed)
+}
+
+/// Device 1 alone serves every block, old and new.
+async fn check_alone(mirror: &Mirrored, which: usize) {
+    let pool = mirror.open(&[which]).await;
+    assert_eq!(pool.status()[0].state, "DEGRADED");
+    let volume = big_volume(&pool);
+    check_big(&volume).await;
+}
+
+/// What a full resilver of the same pool copies: the metadata and log
+/// regions and every assigned chunk (over 64 MiB of data).
+const FULL_AT_LEAST: u64 = (32 + 64 + 64) * MIB;
+
+#[test]
+fn a_device_back_after_an_absence_is_resilvered_only_where_the_mirror_changed() {
+    runtime().block_on(async {
+        let mirror = Mirrored::sized(256 * MIB);
+        big_pool(&mirror).await;
+        let before = mirror.sims[0].snapshot();
+        {
+            let pool = mirror.open(&[0]).await;
+            assert_eq!(children(&pool)[1].0, Health::Missing);
+            let volume = big_volume(&pool);
+            write_blocks(&pool, &volume, CHANGED.into_iter().flatten(), 2).await;
+        }
+        let recorded = mirror.superblock(0);
+        assert_eq!(recorded.children[1].state, ChildState::Stale);
+        assert!(recorded.children[1].tracked, "the record covers its absence");
+        let (copied, changed) = resilver_back(&mirror, &before).await;
+        let changed_bytes = changed.len() as u64 * MIB;
+        eprintln!("copied {copied} bytes; {} units changed", changed.len());
+        // At least the 3 MiB rewritten, at most what changed (plus the
+        // units written with the same bytes), far below a full resilver.
+        assert!(copied >= 3 * MIB, "copied {copied}");
+        assert!(
+            copied <= changed_bytes + 4 * MIB,
+            "copied {copied}, changed {changed_bytes}"
+        );
+        assert!(copied * 8 < FULL_AT_LEAST, "copied {copied}");
+        // Device 0 away now: device 1 alone holds every byte.
+        check_alone(&mirror, 1).await;
+    });
+}
+
+#[test]
+fn a_device_faulted_by_write_errors_is_resilvered_only_where_writes_went_on() {
+    runtime().block_on(async {
+        let mirror = Mirrored::sized(256 * MIB);
+        big_pool(&mirror).await;
+        let mirror = mirror.reopened();
+        let before = mirror.sims[0].snapshot();
+        {
+            let pool = mirror.open(&[0, 1]).await;
+            let volume = big_volume(&pool);
+            mirror.errors[1].set_rules(vec![ErrorRule::always(&[IoOp::Write, IoOp::Flush])]);
+            write_blocks(&pool, &volume, CHANGED.into_iter().flatten(), 2).await;
+            assert_eq!(children(&pool)[1].0, Health::Faulted);
+            let recorded = mirror.superblock(0);
+            assert_eq!(recorded.children[1].state, ChildState::Stale);
+            assert!(recorded.children[1].tracked, "the record covers what it missed");
+            check_big(&volume).await;
+        }
+        // The same path, working again.
+        let mirror = mirror.reopened();
+        let (copied, changed) = resilver_back(&mirror, &before).await;
+        let changed_bytes = changed.len() as u64 * MIB;
+        eprintln!("copied {copied} bytes; {} units changed", changed.len());
+        assert!(copied >= 3 * MIB, "copied {copied}");
+        assert!(
+            copied <= changed_bytes + 4 * MIB,
+            "copied {copied}, changed {changed_bytes}"
+        );
+        assert!(copied * 8 < FULL_AT_LEAST, "copied {copied}");
+        check_alone(&mirror, 1).await;
+    });
+}
+
+/// Rewrites device `which`'s superblocks as `change` makes them.
+fn rewrite_superblock(mirror: &Mirrored, which: usize, change: impl Fn(&mut Superblock)) {
+    let mut superblock = mirror.superblock(which);
+    change(&mut superblock);
+    for offset in superblock.copy_offsets() {
+        mirror.sims[which].write_durable(*offset, &superblock.encode());
+    }
+}
+
+#[test]
+fn a_stale_device_without_a_whole_dirty_record_is_resilvered_in_full() {
+    // The record damaged on the up-to-date device (a torn or rotten
+    // copy), or a stale entry that never had one (as every pool from
+    // before dirty records): the whole device is copied, and is right.
+    for case in ["damaged record", "untracked entry"] {
+        runtime().block_on(async {
+            let mirror = Mirrored::sized(256 * MIB);
+            big_pool(&mirror).await;
+            let before = mirror.sims[0].snapshot();
+            {
+                let pool = mirror.open(&[0]).await;
+                let volume = big_volume(&pool);
+                write_blocks(&pool, &volume, CHANGED.into_iter().flatten(), 2).await;
+            }
+            assert!(mirror.superblock(0).children[1].tracked);
+            match case {
+                "damaged record" => {
+                    for offset in strata::pool::dirty::RECORD_OFFSETS {
+                        mirror.sims[0].corrupt(offset, 64);
+                    }
+                }
+                _ => rewrite_superblock(&mirror, 0, |s| s.children[1].tracked = false),
+            }
+            let (copied, changed) = resilver_back(&mirror, &before).await;
+            eprintln!("{case}: copied {copied} bytes; {} units changed", changed.len());
+            assert!(copied >= FULL_AT_LEAST, "{case}: copied {copied}");
+            check_alone(&mirror, 1).await;
+        });
+    }
 }

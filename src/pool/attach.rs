@@ -267,6 +267,7 @@ impl Pool {
                 state: ChildState::Online,
                 write_mostly: false,
                 resilvered: 0,
+                tracked: false,
                 replaced: replacing,
                 replacement: false,
             }),
@@ -282,6 +283,7 @@ impl Pool {
             state: ChildState::Stale,
             write_mostly: false,
             resilvered: 0,
+            tracked: false,
             replaced: false,
             replacement: replacing,
         });

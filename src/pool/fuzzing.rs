@@ -393,6 +393,7 @@ mod tests {
             state: crate::pool::superblock::ChildState::Online,
             write_mostly: false,
             resilvered: 0,
+            tracked: false,
             replaced: false,
             replacement: false,
         };

@@ -32,6 +32,7 @@ pub mod cache;
 mod checkpoint;
 mod commit;
 mod destage;
+pub mod dirty;
 pub mod files;
 mod freeing;
 pub mod fuzzing;

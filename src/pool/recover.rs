@@ -144,6 +144,7 @@ impl Pool {
                     state: superblock::ChildState::Online,
                     write_mostly: new.write_mostly.get(at).copied().unwrap_or(false),
                     resilvered: 0,
+                    tracked: false,
                     replaced: false,
                     replacement: false,
                 });
@@ -395,7 +396,7 @@ impl Pool {
         }
         let membership = Arc::new(super::vdev::Membership::new(reference.clone()));
         let mut pool_devices = Vec::new();
-        let mut went_missing = false;
+        let mut mirrors = Vec::new();
         for (index, slot) in slots.into_iter().enumerate() {
             let member = reference.members[index];
             if member.removed() {
@@ -437,12 +438,13 @@ impl Pool {
                             (Some(_), superblock::ChildState::Online) => Health::Online,
                             (Some(_), superblock::ChildState::Stale) => Health::Resilvering,
                         };
-                        if device.is_none() && child.state == superblock::ChildState::Online {
-                            went_missing = true;
-                        }
+                        // One up to date and missing now is tracked from
+                        // here: the record starts before anything is written.
+                        let missing_now = device.is_none() && child.state == superblock::ChildState::Online;
                         let opened = MirrorChild::new(device, child.uuid, child.write_mostly, health, child.resilvered);
                         opened.replaced.store(child.replaced, Ordering::Release);
                         opened.replacement.store(child.replacement, Ordering::Release);
+                        opened.tracked.store(child.tracked || missing_now, Ordering::Release);
                         opened
                     })
                     .collect();
@@ -460,6 +462,7 @@ impl Pool {
                     );
                 }
                 mirror.set_membership(&membership);
+                mirrors.push(mirror.clone());
                 Arc::new(super::vdev::Vdev::mirrored(mirror))
             } else {
                 let Some(device) = slot.into_iter().next().flatten() else {
@@ -472,15 +475,53 @@ impl Pool {
             pool_devices.push(PoolDevice::new(vdev, member, chunks));
         }
         // A child that was up to date and is not here misses every write
-        // from now on: say so in the others' superblocks before writing.
-        if went_missing {
-            membership.record_health().await;
+        // from now on: say so in the others' superblocks before writing
+        // (and a stale child whose dirty record was lost is resilvered in
+        // full: say that too, before writes the record would miss).
+        for mirror in &mirrors {
+            Self::open_dirty_record(&reference, mirror).await?;
         }
+        membership.record_health().await;
         let pool = Self::recover(reference, pool_devices, membership, options).await?;
         // A replacement up to date when the pool stopped takes its place now.
         pool.finish_replacements().await;
         pool.detached.lock().unwrap_or_else(|e| e.into_inner()).extend(left_out);
         Ok(pool)
+    }
+
+    /// Reads the dirty record of `mirror` when a stale child is tracked by
+    /// it; when it cannot be read whole, those children are resilvered in
+    /// full. While it tracks, it is written to every device the mirror
+    /// writes before any superblock names a tracked child or anything else
+    /// is written.
+    async fn open_dirty_record(reference: &Superblock, mirror: &super::vdev::Mirror) -> Result<(), PoolError> {
+        let index = mirror.member();
+        let stale_tracked = reference
+            .children_of(index)
+            .any(|c| c.state == superblock::ChildState::Stale && c.tracked);
+        let loaded = if stale_tracked {
+            let loaded = mirror.load_record().await;
+            if loaded.is_none() {
+                tracing::warn!(
+                    "pool '{}': the dirty record of {} cannot be read; its stale devices are resilvered in full",
+                    reference.pool_name,
+                    mirror.info().name
+                );
+                for (entry, child) in reference.children_of(index).zip(mirror.children().iter()) {
+                    if entry.state == superblock::ChildState::Stale {
+                        child.tracked.store(false, Ordering::Release);
+                    }
+                }
+            }
+            loaded
+        } else {
+            None
+        };
+        mirror.init_record(loaded);
+        if mirror.tracking() {
+            mirror.persist_record(true).await?;
+        }
+        Ok(())
     }
 
     async fn recover(

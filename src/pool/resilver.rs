@@ -8,9 +8,12 @@
 //! holds them, and every chunk the allocator has assigned, in device order
 //! ([`RESYNC_UNIT`] at a time, each under the mirror's barrier so no write
 //! lands between reading a unit and writing it). Free chunks hold nothing a
-//! read can reach, so they are not copied. The device's superblock entry
-//! keeps how far the copy got, so a resilver cut short by a restart resumes
-//! there: the device took every write meanwhile.
+//! read can reach, so they are not copied. When the mirror's dirty record
+//! is complete for every device being resilvered (`pool/dirty.rs`: they
+//! went stale while it tracked), only the parts of those ranges whose units
+//! it marks are copied: nothing else was written while they were away. The
+//! device's superblock entry keeps how far the copy got, so a resilver cut
+//! short by a restart resumes there: the device took every write meanwhile.
 
 use super::*;
 use crate::pool::vdev::{Health, Mirror, MirrorChild, RESYNC_UNIT};
@@ -101,7 +104,17 @@ impl Pool {
             .map(|c| c.resilvered.load(Ordering::Acquire))
             .min()
             .unwrap_or(0);
-        let ranges = self.resilver_ranges(device);
+        let mut ranges = self.resilver_ranges(device);
+        // Every target went stale while the record tracked: the rest of
+        // the member has not changed since.
+        let record = if targets.iter().all(|t| t.tracked()) {
+            mirror.dirty_units()
+        } else {
+            None
+        };
+        if let Some((unit, bits)) = &record {
+            ranges = dirty_parts(&ranges, *unit, bits);
+        }
         let total: u64 = ranges.iter().map(|r| r.1).sum();
         let below: u64 = ranges.iter().map(|&(s, l)| l.min(start.saturating_sub(s))).sum();
         let began = std::time::Instant::now();
@@ -114,10 +127,15 @@ impl Pool {
             }),
         );
         tracing::info!(
-            "pool {}: resilvering {} ({} to copy{})",
+            "pool {}: resilvering {} ({} to copy{}{})",
             self.name,
             mirror.info().name,
             crate::units::format_size(total - below),
+            if record.is_some() {
+                ", what changed while it was away"
+            } else {
+                ""
+            },
             if start > 0 {
                 format!(", resuming at offset {start}")
             } else {
@@ -165,7 +183,15 @@ impl Pool {
                 tokio::task::yield_now().await;
             }
         }
-        let finished = outcome.is_ok() && !paused;
+        let mut finished = outcome.is_ok() && !paused;
+        if finished && mirror.tracking() {
+            // The devices about to be up to date hold the record too: a
+            // device still behind may have to be resilvered from them.
+            if let Err(e) = mirror.persist_record(true).await {
+                outcome = Err(PoolError::Io(e));
+                finished = false;
+            }
+        }
         if finished {
             // What was copied is durable before the devices count as up to date.
             for target in &targets {
@@ -179,8 +205,10 @@ impl Pool {
             for target in &targets {
                 if target.change_health(Health::Resilvering, Health::Online) {
                     target.resilvered.store(0, Ordering::Release);
+                    target.tracked.store(false, Ordering::Release);
                 }
             }
+            mirror.refresh_tracking();
         }
         mirror.set_resyncing(false).await;
         self.membership.record_health().await;
@@ -245,5 +273,50 @@ impl Pool {
             .unwrap_or_else(|e| e.into_inner())
             .get(&member)
             .copied()
+    }
+}
+
+/// The parts of `ranges` (sorted, disjoint) inside units of `unit_bytes`
+/// whose bit is set in `bits`, merged where they touch.
+fn dirty_parts(ranges: &[(u64, u64)], unit_bytes: u64, bits: &[u64]) -> Vec<(u64, u64)> {
+    let dirty = |unit: u64| {
+        bits.get((unit / 64) as usize)
+            .is_some_and(|w| w & (1 << (unit % 64)) != 0)
+    };
+    let mut out: Vec<(u64, u64)> = Vec::new();
+    for &(start, length) in ranges {
+        let end = start + length;
+        let mut at = start;
+        while at < end {
+            let next = ((at / unit_bytes + 1) * unit_bytes).min(end);
+            if dirty(at / unit_bytes) {
+                match out.last_mut() {
+                    Some((s, l)) if *s + *l == at => *l += next - at,
+                    _ => out.push((at, next - at)),
+                }
+            }
+            at = next;
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::dirty_parts;
+
+    #[test]
+    fn only_the_dirty_units_of_the_ranges_are_copied() {
+        const MIB: u64 = 1 << 20;
+        // Units 1, 2 and 5 of 1 MiB dirty.
+        let bits = [0b100110u64];
+        let ranges = [(0, 3 * MIB + MIB / 2), (5 * MIB, MIB / 4), (7 * MIB, MIB)];
+        assert_eq!(
+            dirty_parts(&ranges, MIB, &bits),
+            vec![(MIB, 2 * MIB), (5 * MIB, MIB / 4)]
+        );
+        // A coarser unit covers more.
+        assert_eq!(dirty_parts(&ranges, 4 * MIB, &[0b1]), vec![(0, 3 * MIB + MIB / 2)]);
+        assert!(dirty_parts(&ranges, MIB, &[0]).is_empty());
     }
 }

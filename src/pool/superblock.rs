@@ -151,6 +151,14 @@ pub struct Child {
     pub replaced: bool,
     /// The device replacing the member's `replaced` child.
     pub replacement: bool,
+    /// A stale child whose missed writes the member's dirty record
+    /// (`pool/dirty.rs`) covers: the record on every up-to-date device
+    /// holds every unit written since it went stale, so a resilver copies
+    /// only those. `false` for an up-to-date child, and for a stale one
+    /// resilvered in full (attached, replaced, or whose record was lost).
+    /// Stored as child state `2`, which strata without dirty records
+    /// refuses: it would write without keeping the record.
+    pub tracked: bool,
 }
 
 /// A decoded superblock.
@@ -290,7 +298,11 @@ impl Superblock {
                 let at = CHILDREN_OFFSET + index * CHILD_BYTES;
                 out[at..at + 16].copy_from_slice(&child.uuid);
                 out[at + 16] = child.member;
-                out[at + 17] = child.state as u8;
+                out[at + 17] = match (child.state, child.tracked) {
+                    (ChildState::Online, _) => 0,
+                    (ChildState::Stale, false) => 1,
+                    (ChildState::Stale, true) => 2,
+                };
                 out[at + 18] = child.write_mostly as u8 | (child.replaced as u8) << 1 | (child.replacement as u8) << 2;
                 put_u64(&mut out, at + 24, child.resilvered);
             }
@@ -350,9 +362,10 @@ impl Superblock {
             }
             for index in 0..count {
                 let at = CHILDREN_OFFSET + index * CHILD_BYTES;
-                let state = match bytes[at + 17] {
-                    0 => ChildState::Online,
-                    1 => ChildState::Stale,
+                let (state, tracked) = match bytes[at + 17] {
+                    0 => (ChildState::Online, false),
+                    1 => (ChildState::Stale, false),
+                    2 => (ChildState::Stale, true),
                     other => {
                         return Err(SuperblockError::Invalid(format!(
                             "mirror child {index} has unknown state {other}"
@@ -367,6 +380,7 @@ impl Superblock {
                     replaced: bytes[at + 18] & 2 != 0,
                     replacement: bytes[at + 18] & 4 != 0,
                     resilvered: get_u64(bytes, at + 24)?,
+                    tracked,
                 });
             }
         } else if let Some(member) = members.get(bytes[52] as usize) {
@@ -598,6 +612,7 @@ mod tests {
             resilvered: if state == ChildState::Stale { 5 << 20 } else { 0 },
             replaced: false,
             replacement: uuid == 4,
+            tracked: state == ChildState::Stale,
         };
         Superblock {
             device_uuid: [4; 16],

@@ -22,6 +22,10 @@
 //!   ([`Mirror::read_child`], [`Mirror::write_child`]): a block whose
 //!   checksum does not match is looked for on the other children and the
 //!   bad copies rewritten from a good one (`pool/volume/read.rs`).
+//! - while a child that its dirty record is complete for is behind, keeps
+//!   the record (`pool/dirty.rs`): a write to a unit whose bit is not yet
+//!   durable on every written child waits until it is, so a returning child
+//!   is resilvered only where the member changed.
 //! - while the pool opens, reads from one child only ([`Mirror::pin_reads`]):
 //!   the log is replayed and the metadata store opened from one copy, and
 //!   the log's live part is then copied to the others, so a write that was
@@ -31,6 +35,7 @@
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, OnceLock};
 
+use super::dirty::{self, DirtyState, RecordKey, RECORD_OFFSETS};
 use super::superblock::{ChildState, Superblock};
 use crate::device::{BackingSpace, BoxFuture, Device, DeviceError, DeviceInfo, DeviceResult, IoBuf};
 
@@ -120,6 +125,10 @@ pub struct MirrorChild {
     /// replacement is up to date), or the replacement (`pool replace`).
     pub(crate) replaced: AtomicBool,
     pub(crate) replacement: AtomicBool,
+    /// While not up to date: the mirror's dirty record holds every unit
+    /// written since it went stale (its superblock entry's state `2`), so
+    /// a resilver copies only those.
+    pub(crate) tracked: AtomicBool,
 }
 
 impl MirrorChild {
@@ -146,7 +155,13 @@ impl MirrorChild {
             detached: AtomicBool::new(false),
             replaced: AtomicBool::new(false),
             replacement: AtomicBool::new(false),
+            tracked: AtomicBool::new(false),
         }
+    }
+
+    /// Whether the mirror's dirty record is complete for it (see `tracked`).
+    pub fn tracked(&self) -> bool {
+        self.tracked.load(Ordering::Acquire)
     }
 
     pub fn health(&self) -> Health {
@@ -193,6 +208,18 @@ const STRIPES: usize = 64;
 /// Children of one mirror (a read's retries are a bit each in a `u64`).
 pub const MAX_MIRROR_CHILDREN: usize = 64;
 
+/// What [`Mirror::mark_faulted`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Faulting {
+    /// The child is faulted now.
+    Faulted,
+    /// It was not written already (a concurrent failure faulted it).
+    Already,
+    /// The last up-to-date child, or a detached one: its errors are the
+    /// pool's (or nobody's).
+    Refused,
+}
+
 /// A mirror of one or more devices (see the module header).
 pub struct Mirror {
     info: DeviceInfo,
@@ -214,6 +241,15 @@ pub struct Mirror {
     stripes: Box<[tokio::sync::RwLock<()>]>,
     /// Where a fault is recorded before the write that met it completes.
     membership: OnceLock<std::sync::Weak<Membership>>,
+    /// The pool's uuid (set with the membership): dirty records name it.
+    pool_uuid: OnceLock<[u8; 16]>,
+    /// Bytes per bit of the dirty record, and 64-bit words of its bitmap.
+    unit_bytes: u64,
+    words: usize,
+    dirty: std::sync::Mutex<DirtyState>,
+    /// One persist of the dirty record at a time; writes that need new
+    /// bits share the next.
+    persisting: tokio::sync::Mutex<()>,
 }
 
 impl Mirror {
@@ -245,6 +281,11 @@ impl Mirror {
             unbarred: AtomicU32::new(0),
             stripes: (0..STRIPES).map(|_| tokio::sync::RwLock::new(())).collect(),
             membership: OnceLock::new(),
+            pool_uuid: OnceLock::new(),
+            unit_bytes: dirty::unit_bytes_for(size_bytes),
+            words: size_bytes.div_ceil(dirty::unit_bytes_for(size_bytes)).div_ceil(64) as usize,
+            dirty: std::sync::Mutex::new(DirtyState::default()),
+            persisting: tokio::sync::Mutex::new(()),
         }
     }
 
@@ -275,6 +316,8 @@ impl Mirror {
         let removed = children.iter().find(|c| &c.uuid == uuid)?.clone();
         removed.detached.store(true, Ordering::Release);
         *children = children.iter().filter(|c| &c.uuid != uuid).cloned().collect();
+        drop(children);
+        self.refresh_tracking();
         Some(removed)
     }
 
@@ -286,6 +329,7 @@ impl Mirror {
 
     pub fn set_membership(&self, membership: &Arc<Membership>) {
         let _ = self.membership.set(Arc::downgrade(membership));
+        let _ = self.pool_uuid.set(membership.pool_uuid);
     }
 
     /// Whether any child is not up to date.
@@ -349,7 +393,10 @@ impl Mirror {
         let Some(device) = &child.device else {
             return Err(missing(child));
         };
+        let length = data.len() as u64;
+        self.note_recent(offset, length);
         let (_, result) = device.write(offset, IoBuf::copy_from(data)).await;
+        self.note_recent(offset, length);
         if let Err(e) = &result {
             self.fault(child, e).await;
         }
@@ -360,26 +407,243 @@ impl Mirror {
     /// last up-to-date child is never faulted: its errors are the pool's.
     async fn fault(&self, child: &MirrorChild, error: &DeviceError) {
         child.counters.write_errors.fetch_add(1, Ordering::Relaxed);
+        match self.mark_faulted(child) {
+            Faulting::Refused => return,
+            // Faulted by a concurrent failure whose record may still be on
+            // its way: this write waits for it too (both are no-ops once
+            // done).
+            Faulting::Already => {}
+            Faulting::Faulted => tracing::error!(
+                "{}: {error}; the device is faulted and {} goes on without it (DEGRADED)",
+                child.name,
+                self.info.name
+            ),
+        }
+        // The units it may lack go into the record before its superblock
+        // entry says the record is complete for it.
+        if let Err(e) = self.persist_record(false).await {
+            tracing::error!(
+                "{}: cannot write its dirty record ({e}); {} will be resilvered in full",
+                self.info.name,
+                child.name
+            );
+            child.tracked.store(false, Ordering::Release);
+        }
+        // A device being resilvered loses its cursor too: it missed a write.
+        if let Some(membership) = self.membership.get().and_then(std::sync::Weak::upgrade) {
+            membership.record_health().await;
+        }
+    }
+
+    /// Moves `child` to FAULTED (if it may be) and, when it was up to date
+    /// or the record was already complete for it, starts the record for it
+    /// with every unit it may not hold durably: those written since the
+    /// last flush that covered them, and those in flight. Under the
+    /// record's lock, so a write either is in that merge or sees the
+    /// record tracking and waits for its bits.
+    fn mark_faulted(&self, child: &MirrorChild) -> Faulting {
         let others_online = self
             .children()
             .iter()
             .any(|c| c.is_online() && !std::ptr::eq(&**c, child));
         if !others_online || child.detached() {
-            return;
+            return Faulting::Refused;
         }
+        let mut state = self.dirty.lock().unwrap_or_else(|e| e.into_inner());
         let was = child.health();
         if !matches!(was, Health::Online | Health::Resilvering) || !child.change_health(was, Health::Faulted) {
-            return;
+            return Faulting::Already;
         }
-        tracing::error!(
-            "{}: {error}; the device is faulted and {} goes on without it (DEGRADED)",
-            child.name,
-            self.info.name
-        );
-        // A device being resilvered loses its cursor too: it missed a write.
-        if let Some(membership) = self.membership.get().and_then(std::sync::Weak::upgrade) {
-            membership.record_health().await;
+        // A device being resilvered in full stays so: the record does not
+        // know what it missed before it came back.
+        let tracked = was == Health::Online || child.tracked();
+        child.tracked.store(tracked, Ordering::Release);
+        if tracked {
+            state.start(self.words);
         }
+        Faulting::Faulted
+    }
+
+    /// The units of the dirty record that `[offset, +length)` touches.
+    fn units(&self, offset: u64, length: u64) -> std::ops::RangeInclusive<u64> {
+        offset / self.unit_bytes..=(offset + length.max(1) - 1) / self.unit_bytes
+    }
+
+    fn dirty_state(&self) -> std::sync::MutexGuard<'_, DirtyState> {
+        self.dirty.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Notes a write of `[offset, +length)` as recent (see
+    /// `DirtyState::recent`): before it is issued, and again once done so
+    /// that a flush that began meanwhile does not count it as covered.
+    fn note_recent(&self, offset: u64, length: u64) {
+        let units = self.units(offset, length);
+        let mut state = self.dirty_state();
+        for unit in units {
+            state.recent.insert(unit);
+        }
+    }
+
+    /// Before a write or discard of `[offset, +length)` is issued: its
+    /// units are noted, and while the record tracks, made durable in it
+    /// first (nothing to do when they already are).
+    async fn before_write(&self, offset: u64, length: u64) -> DeviceResult<()> {
+        let pending = self.dirty_state().note(self.units(offset, length), self.words);
+        if pending {
+            self.persist_record(false).await?;
+        }
+        Ok(())
+    }
+
+    /// Whether the dirty record tracks writes now.
+    pub fn tracking(&self) -> bool {
+        self.dirty_state().tracking
+    }
+
+    /// The record's unit and bits while it tracks (a resilver copies only
+    /// the units set).
+    pub(crate) fn dirty_units(&self) -> Option<(u64, Vec<u64>)> {
+        let state = self.dirty_state();
+        (state.tracking && state.marked.len() == self.words).then(|| (self.unit_bytes, state.marked.clone()))
+    }
+
+    /// Sets the record at open: `loaded` as read from the up-to-date
+    /// children, tracking when a child it is complete for is behind.
+    pub(crate) fn init_record(&self, loaded: Option<Vec<u64>>) {
+        let tracking = self
+            .children()
+            .iter()
+            .any(|c| c.tracked() && c.health() != Health::Online);
+        let mut state = self.dirty_state();
+        state.stop();
+        if tracking {
+            state.start(self.words);
+            if let Some(bits) = loaded.filter(|b| b.len() == self.words) {
+                state.marked = bits;
+            }
+        }
+    }
+
+    /// Stops the record once no child it is complete for is behind (all
+    /// resilvered, or detached): it starts empty the next time one is.
+    pub(crate) fn refresh_tracking(&self) {
+        let children = self.children();
+        let mut state = self.dirty_state();
+        if state.tracking && !children.iter().any(|c| c.tracked() && c.health() != Health::Online) {
+            state.stop();
+        }
+    }
+
+    fn record_key(&self) -> Option<RecordKey> {
+        let uuid = *self.pool_uuid.get()?;
+        Some(RecordKey::new(uuid, self.member, self.info.size_bytes))
+    }
+
+    /// Reads the record from every up-to-date child present: the union of
+    /// their copies, or `None` when one of them holds no valid copy (its
+    /// bits could be the ones missing from the others').
+    pub(crate) async fn load_record(&self) -> Option<Vec<u64>> {
+        let key = self.record_key()?;
+        let mut union = vec![0u64; self.words];
+        let online = self.online();
+        if online.is_empty() {
+            return None;
+        }
+        for child in online {
+            let mut found = false;
+            for at in RECORD_OFFSETS {
+                let (buf, result) = self.read_child(&child, at, IoBuf::new(key.encoded_bytes())).await;
+                if result.is_err() {
+                    continue;
+                }
+                match dirty::decode(&key, buf.payload()) {
+                    Ok(bits) => {
+                        found = true;
+                        union.iter_mut().zip(&bits).for_each(|(u, b)| *u |= b);
+                    }
+                    Err(e) => tracing::warn!("{}: copy of the dirty record at {at}: {e}", child.name),
+                }
+            }
+            if !found {
+                return None;
+            }
+        }
+        Some(union)
+    }
+
+    /// Writes the dirty record (both copies, each flushed) to every child
+    /// that is written, when it has bits not yet durable there (`force`:
+    /// in any case, while it tracks). A child that fails is faulted and
+    /// the record written again to the others; fails only when the last
+    /// up-to-date child cannot take it.
+    pub(crate) async fn persist_record(&self, force: bool) -> DeviceResult<()> {
+        let Some(key) = self.record_key() else {
+            return Ok(());
+        };
+        let one_at_a_time = self.persisting.lock().await;
+        let mut force = force;
+        let mut faulted = false;
+        loop {
+            let snapshot = {
+                let state = self.dirty_state();
+                if !state.tracking || !(force || state.behind()) {
+                    break;
+                }
+                state.marked.clone()
+            };
+            let bytes = dirty::encode(&key, &snapshot);
+            let targets = self.written();
+            let futures = targets
+                .iter()
+                .filter_map(|c| c.device.clone())
+                .map(|device| -> BoxFuture<'_, DeviceResult<()>> {
+                    let bytes = &bytes;
+                    Box::pin(async move {
+                        for at in RECORD_OFFSETS {
+                            // Flushed one copy at a time: a crash tears one.
+                            device.write(at, IoBuf::copy_from(bytes)).await.1?;
+                            device.flush().await?;
+                        }
+                        Ok(())
+                    })
+                })
+                .collect();
+            let results = join_all(futures).await;
+            let mut failed = Vec::new();
+            for (child, result) in targets.iter().zip(results) {
+                if let Err(e) = result {
+                    failed.push((child.clone(), e));
+                }
+            }
+            if failed.is_empty() {
+                let mut state = self.dirty_state();
+                if state.tracking {
+                    state.durable.iter_mut().zip(&snapshot).for_each(|(d, s)| *d |= s);
+                }
+                break;
+            }
+            for (child, e) in failed {
+                child.counters.write_errors.fetch_add(1, Ordering::Relaxed);
+                tracing::error!(
+                    "{}: {e}; cannot write the dirty record of {}",
+                    child.name,
+                    self.info.name
+                );
+                match self.mark_faulted(&child) {
+                    Faulting::Refused => return Err(e),
+                    Faulting::Already => {}
+                    Faulting::Faulted => faulted = true,
+                }
+            }
+            force = true;
+        }
+        drop(one_at_a_time);
+        if faulted {
+            if let Some(membership) = self.membership.get().and_then(std::sync::Weak::upgrade) {
+                membership.record_health().await;
+            }
+        }
+        Ok(())
     }
 
     /// Runs `op` (a write or discard of `[offset, +length)`), holding the
@@ -676,6 +940,8 @@ impl Device for Vdev {
 /// detached) is written to every device under one lock, each with the next
 /// generation.
 pub struct Membership {
+    /// The pool's, which mirrors' dirty records name.
+    pool_uuid: [u8; 16],
     current: tokio::sync::Mutex<Superblock>,
     /// Every member, by member index.
     members: std::sync::RwLock<Vec<Option<Arc<Vdev>>>>,
@@ -684,6 +950,7 @@ pub struct Membership {
 impl Membership {
     pub fn new(current: Superblock) -> Membership {
         Membership {
+            pool_uuid: current.pool_uuid,
             current: tokio::sync::Mutex::new(current),
             members: Default::default(),
         }
@@ -761,6 +1028,7 @@ impl Membership {
                     Health::Resilvering => (ChildState::Stale, child.resilvered.load(Ordering::Acquire)),
                     Health::Stale | Health::Faulted | Health::Missing => (ChildState::Stale, 0),
                 };
+                entry.tracked = entry.state == ChildState::Stale && child.tracked();
             }
         }
     }
@@ -870,6 +1138,9 @@ impl Device for Mirror {
     fn write(&self, offset: u64, buf: IoBuf) -> BoxFuture<'_, (IoBuf, DeviceResult<()>)> {
         Box::pin(async move {
             let length = buf.len() as u64;
+            if let Err(e) = self.before_write(offset, length).await {
+                return (buf, Err(e));
+            }
             let result = self
                 .barred(offset, length, || {
                     self.on_all(|device| {
@@ -878,12 +1149,22 @@ impl Device for Mirror {
                     })
                 })
                 .await;
+            self.note_recent(offset, length);
             (buf, result)
         })
     }
 
     fn flush(&self) -> BoxFuture<'_, DeviceResult<()>> {
-        Box::pin(self.on_all(|device| Box::pin(async move { device.flush().await })))
+        Box::pin(async move {
+            // What was written before this flush is durable on each child
+            // it succeeds on; a child it fails on is faulted with them.
+            let flush = self.dirty_state().begin_flush();
+            let result = self
+                .on_all(|device| Box::pin(async move { device.flush().await }))
+                .await;
+            self.dirty_state().end_flush(flush);
+            result
+        })
     }
 
     fn flush_range(&self, offset: u64, length: u64) -> BoxFuture<'_, DeviceResult<()>> {
@@ -893,19 +1174,28 @@ impl Device for Mirror {
     fn discard(&self, offset: u64, length: u64) -> BoxFuture<'_, DeviceResult<()>> {
         // A discard changes nothing a read may rely on (the range reads as
         // zeros or as before), so a child that refuses one is not faulted.
-        Box::pin(self.barred(offset, length, move || async move {
-            let written = self.written();
-            let futures = written
-                .iter()
-                .filter_map(|c| c.device.as_ref())
-                .map(|d| d.discard(offset, length))
-                .collect();
-            let results = join_all(futures).await;
-            match results.iter().find_map(|r| r.as_ref().err()) {
-                Some(e) if results.iter().all(|r| r.is_err()) => Err(unavailable(&self.info.name, &e.to_string())),
-                _ => Ok(()),
-            }
-        }))
+        Box::pin(async move {
+            self.before_write(offset, length).await?;
+            let result = self
+                .barred(offset, length, move || async move {
+                    let written = self.written();
+                    let futures = written
+                        .iter()
+                        .filter_map(|c| c.device.as_ref())
+                        .map(|d| d.discard(offset, length))
+                        .collect();
+                    let results = join_all(futures).await;
+                    match results.iter().find_map(|r| r.as_ref().err()) {
+                        Some(e) if results.iter().all(|r| r.is_err()) => {
+                            Err(unavailable(&self.info.name, &e.to_string()))
+                        }
+                        _ => Ok(()),
+                    }
+                })
+                .await;
+            self.note_recent(offset, length);
+            result
+        })
     }
 
     /// Every child written at once from the caller's memory, when each of
@@ -915,6 +1205,16 @@ impl Device for Mirror {
     /// that waits for its superblocks, so it is not done here. Not while a
     /// resilver runs: its barrier is taken by `write`.
     fn write_now(&self, offset: u64, data: &[u8]) -> Option<DeviceResult<()>> {
+        let length = data.len() as u64;
+        {
+            // A unit whose bit is not durable yet waits for it: not here.
+            let units = self.units(offset, length);
+            let mut state = self.dirty_state();
+            if !state.covered(units.clone()) {
+                return None;
+            }
+            state.note(units, self.words);
+        }
         self.unbarred.fetch_add(1, Ordering::SeqCst);
         let children = self.children();
         let done = !self.resyncing.load(Ordering::SeqCst)
@@ -925,6 +1225,7 @@ impl Device for Mirror {
                 .filter_map(|c| c.device.as_ref())
                 .all(|device| matches!(device.write_now(offset, data), Some(Ok(()))));
         self.unbarred.fetch_sub(1, Ordering::SeqCst);
+        self.note_recent(offset, length);
         done.then_some(Ok(()))
     }
 
