@@ -14,40 +14,19 @@ mod common;
 use std::process::Command;
 use std::sync::Arc;
 
+use common::engine::{block_data, options, runtime};
 use common::{cli, require_tool, run, Server};
 use strata::device::wrappers::IoOp;
 use strata::device::{Device, ErrorDevice, ErrorRule, SimDevice};
 use strata::pool::superblock::{ChildState, Role, Superblock, SUPERBLOCK_BYTES};
 use strata::pool::vdev::Health;
 use strata::pool::volume::EngineVolume;
-use strata::pool::{NewVdev, Pool, PoolOptions};
+use strata::pool::{NewVdev, Pool};
 use strata::volume::{BlockDevice, IoBuf};
 
 const MIB: u64 = 1 << 20;
 const BLOCK: u64 = 64 << 10;
 const BLOCKS: u64 = 64;
-
-fn runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap()
-}
-
-/// No background work and no read cache: every read goes to the devices.
-fn options() -> PoolOptions {
-    PoolOptions {
-        background: false,
-        read_cache_bytes: 0,
-        ..PoolOptions::default()
-    }
-}
-
-fn block_data(block: u64, round: u8) -> Vec<u8> {
-    (0..BLOCK)
-        .map(|i| (i as u8).wrapping_mul(31) ^ (block as u8).wrapping_mul(7) ^ round)
-        .collect()
-}
 
 struct Mirrored {
     sims: [SimDevice; 2],
@@ -101,7 +80,7 @@ impl Mirrored {
 async fn write_all(volume: &EngineVolume, round: u8) {
     for block in 0..BLOCKS {
         volume
-            .write(block * BLOCK, IoBuf::copy_from(&block_data(block, round)), false)
+            .write(block * BLOCK, IoBuf::copy_from(&block_data(BLOCK, block, round)), false)
             .await
             .unwrap();
     }
@@ -123,7 +102,10 @@ async fn check_all(volume: &EngineVolume, round: u8) {
     for block in 0..BLOCKS {
         let (buf, result) = volume.read(block * BLOCK, IoBuf::new(BLOCK as usize)).await;
         result.unwrap_or_else(|e| panic!("block {block}: {e}"));
-        assert!(buf.payload() == block_data(block, round), "block {block} differs");
+        assert!(
+            buf.payload() == block_data(BLOCK, block, round),
+            "block {block} differs"
+        );
     }
 }
 
@@ -162,7 +144,7 @@ fn a_rotten_copy_is_found_by_its_checksums_and_rewritten_from_the_other() {
         for (block, &(_, offset)) in places.iter().enumerate() {
             let bytes = image.read(offset, BLOCK as usize);
             assert!(
-                bytes == block_data(block as u64, 1),
+                bytes == block_data(BLOCK, block as u64, 1),
                 "copy of block {block} not repaired"
             );
         }
@@ -240,7 +222,7 @@ fn assert_copy_holds(mirror: &Mirrored, which: usize, volume: &EngineVolume, rou
     for block in 0..BLOCKS {
         let (_, offset) = volume.block_place(block).unwrap().unwrap();
         assert!(
-            image.read(offset, BLOCK as usize) == block_data(block, round),
+            image.read(offset, BLOCK as usize) == block_data(BLOCK, block, round),
             "device {which} lacks block {block} of round {round}"
         );
     }
@@ -535,7 +517,7 @@ fn round_of(block: u64) -> u8 {
 async fn write_blocks(pool: &Pool, volume: &EngineVolume, blocks: impl Iterator<Item = u64>, round: u8) {
     for block in blocks {
         volume
-            .write(block * BLOCK, IoBuf::copy_from(&block_data(block, round)), false)
+            .write(block * BLOCK, IoBuf::copy_from(&block_data(BLOCK, block, round)), false)
             .await
             .unwrap();
     }
@@ -549,7 +531,7 @@ async fn check_big(volume: &EngineVolume) {
         let (buf, result) = volume.read(block * BLOCK, IoBuf::new(BLOCK as usize)).await;
         result.unwrap_or_else(|e| panic!("block {block}: {e}"));
         assert!(
-            buf.payload() == block_data(block, round_of(block)),
+            buf.payload() == block_data(BLOCK, block, round_of(block)),
             "block {block} differs"
         );
     }

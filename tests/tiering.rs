@@ -71,7 +71,13 @@ fn pool_properties_round_trip_and_survive_a_restart() {
     let names: Vec<&str> = all.iter().map(|(p, _, _)| p.as_str()).collect();
     assert_eq!(
         names,
-        ["migration", "migration.high", "migration.low", "migration.window"]
+        [
+            "migration",
+            "migration.high",
+            "migration.low",
+            "migration.window",
+            "scrub.interval"
+        ]
     );
     assert!(all.iter().all(|(_, _, source)| source == "default"), "{all:?}");
     assert_eq!(pool_property(&server, "migration"), pair("on", "default"));
@@ -172,7 +178,7 @@ fn invalid_pool_properties_are_refused_and_change_nothing() {
         // Valid values with an invalid one: none is applied.
         (
             &["migration=off", "colour=red"],
-            "unknown pool property 'colour' (known: migration, migration.high, migration.low, migration.window)",
+            "unknown pool property 'colour' (known: migration, migration.high, migration.low, migration.window, scrub.interval)",
         ),
     ];
     for (assignments, expected) in cases {
