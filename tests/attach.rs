@@ -13,7 +13,7 @@ mod common;
 use std::process::Command;
 use std::sync::Arc;
 
-use common::engine::{block_data, options, runtime};
+use common::engine::{block_data, options, runtime, write_placed};
 use common::{cli, require_tool, Server};
 use strata::device::SimDevice;
 use strata::pool::superblock::{ChildState, Role, Superblock, SUPERBLOCK_BYTES};
@@ -47,17 +47,6 @@ async fn open(devices: &[&SimDevice]) -> Arc<Pool> {
 
 fn volume_of(pool: &Arc<Pool>) -> Arc<EngineVolume> {
     pool.open_volume(1, BLOCKS * BLOCK, BLOCK as u32).unwrap()
-}
-
-async fn write_placed(pool: &Pool, volume: &EngineVolume, round: u8) {
-    for block in 0..BLOCKS {
-        volume
-            .write(block * BLOCK, IoBuf::copy_from(&block_data(BLOCK, block, round)), false)
-            .await
-            .unwrap();
-    }
-    volume.flush().await.unwrap();
-    pool.destage_all().await.unwrap();
 }
 
 async fn check_all(volume: &EngineVolume, round: u8) {
@@ -106,7 +95,7 @@ fn a_single_device_becomes_a_mirror_and_the_new_copy_alone_holds_the_data() {
         let (a, b) = (sim(1), sim(2));
         let pool = single_pool(&a).await;
         let volume = volume_of(&pool);
-        write_placed(&pool, &volume, 1).await;
+        write_placed(&pool, &volume, BLOCK, 0..BLOCKS, 1).await;
         let member = superblock(&a).members[0].uuid;
         pool.attach(&spec(member), b.as_device()).await.unwrap();
         assert_eq!(
@@ -114,7 +103,7 @@ fn a_single_device_becomes_a_mirror_and_the_new_copy_alone_holds_the_data() {
             [(Health::Online, false, false), (Health::Resilvering, false, false)]
         );
         // Writes land on the new device from now on; reads only once resilvered.
-        write_placed(&pool, &volume, 2).await;
+        write_placed(&pool, &volume, BLOCK, 0..BLOCKS, 2).await;
         check_all(&volume, 2).await;
         let recorded = superblock(&a);
         assert_eq!(recorded.children.len(), 2);
@@ -162,7 +151,7 @@ fn a_copy_attached_under_a_running_writer_misses_no_write() {
         let (a, b) = (sim(3), sim(4));
         let pool = single_pool(&a).await;
         let volume = volume_of(&pool);
-        write_placed(&pool, &volume, 1).await;
+        write_placed(&pool, &volume, BLOCK, 0..BLOCKS, 1).await;
         let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let writer = {
             let (volume, stop) = (volume.clone(), stop.clone());
@@ -203,7 +192,7 @@ fn a_present_single_device_is_replaced_and_left_out_when_given_again() {
         let (a, b) = (sim(5), sim(6));
         let pool = single_pool(&a).await;
         let volume = volume_of(&pool);
-        write_placed(&pool, &volume, 1).await;
+        write_placed(&pool, &volume, BLOCK, 0..BLOCKS, 1).await;
         let old = superblock(&a).members[0].uuid;
         pool.replace(&spec(old), b.as_device()).await.unwrap();
         assert_eq!(
@@ -223,7 +212,7 @@ fn a_present_single_device_is_replaced_and_left_out_when_given_again() {
         assert_eq!(recorded.children.len(), 1);
         assert_ne!(recorded.children[0].uuid, old);
         check_all(&volume, 1).await;
-        write_placed(&pool, &volume, 2).await;
+        write_placed(&pool, &volume, BLOCK, 0..BLOCKS, 2).await;
         drop(volume);
         pool.checkpoint().await.unwrap();
         drop(pool);
@@ -251,7 +240,7 @@ fn a_missing_mirror_device_is_replaced_from_the_other() {
         }];
         let pool = Pool::create_vdevs("m", 1 << 20, vdevs, options()).await.unwrap();
         let volume = volume_of(&pool);
-        write_placed(&pool, &volume, 1).await;
+        write_placed(&pool, &volume, BLOCK, 0..BLOCKS, 1).await;
         pool.checkpoint().await.unwrap();
         drop(volume);
         drop(pool);
@@ -263,7 +252,7 @@ fn a_missing_mirror_device_is_replaced_from_the_other() {
         assert_eq!(DeviceSpec::parse(&named), spec(gone));
         pool.replace(&DeviceSpec::parse(&named), c.as_device()).await.unwrap();
         let volume = volume_of(&pool);
-        write_placed(&pool, &volume, 2).await;
+        write_placed(&pool, &volume, BLOCK, 0..BLOCKS, 2).await;
         pool.resilver().await.unwrap();
         assert_eq!(
             children(&pool),
@@ -287,7 +276,7 @@ fn detaching_the_last_up_to_date_copy_or_a_single_device_is_refused() {
         let (a, b) = (sim(11), sim(12));
         let pool = single_pool(&a).await;
         let volume = volume_of(&pool);
-        write_placed(&pool, &volume, 1).await;
+        write_placed(&pool, &volume, BLOCK, 0..BLOCKS, 1).await;
         let member = superblock(&a).members[0].uuid;
         let error = pool.detach(&spec(member)).await.err().unwrap();
         assert!(error.to_string().contains("not part of a mirror"), "{error}");
@@ -327,7 +316,7 @@ fn an_attachs_resilver_cut_short_resumes_at_its_cursor() {
         {
             let pool = single_pool(&a).await;
             let volume = volume_of(&pool);
-            write_placed(&pool, &volume, 1).await;
+            write_placed(&pool, &volume, BLOCK, 0..BLOCKS, 1).await;
             let member = superblock(&a).members[0].uuid;
             pool.attach(&spec(member), b.as_device()).await.unwrap();
             pool.resilver_at_most(8 << 20).await.unwrap();
@@ -365,9 +354,9 @@ fn a_faulted_mirror_device_is_replaced_and_then_forgotten() {
         }];
         let pool = Pool::create_vdevs("f", 1 << 20, vdevs, options()).await.unwrap();
         let volume = volume_of(&pool);
-        write_placed(&pool, &volume, 1).await;
+        write_placed(&pool, &volume, BLOCK, 0..BLOCKS, 1).await;
         failing.set_rules(vec![ErrorRule::always(&[IoOp::Write, IoOp::Flush])]);
-        write_placed(&pool, &volume, 2).await;
+        write_placed(&pool, &volume, BLOCK, 0..BLOCKS, 2).await;
         assert_eq!(children(&pool)[1].0, Health::Faulted);
         let name = pool.status()[0].children[1].name.clone();
         pool.replace(&DeviceSpec::Path(name), c.as_device()).await.unwrap();
@@ -403,7 +392,7 @@ fn an_attach_cut_short_between_its_superblock_writes_opens_with_or_without_the_n
         let header = {
             let pool = single_pool(&a).await;
             let volume = volume_of(&pool);
-            write_placed(&pool, &volume, 1).await;
+            write_placed(&pool, &volume, BLOCK, 0..BLOCKS, 1).await;
             pool.checkpoint().await.unwrap();
             let header = a.snapshot().read(0, 1 << 20);
             let member = superblock(&a).members[0].uuid;

@@ -515,14 +515,7 @@ fn round_of(block: u64) -> u8 {
 }
 
 async fn write_blocks(pool: &Pool, volume: &EngineVolume, blocks: impl Iterator<Item = u64>, round: u8) {
-    for block in blocks {
-        volume
-            .write(block * BLOCK, IoBuf::copy_from(&block_data(BLOCK, block, round)), false)
-            .await
-            .unwrap();
-    }
-    volume.flush().await.unwrap();
-    pool.destage_all().await.unwrap();
+    common::engine::write_placed(pool, volume, BLOCK, blocks, round).await;
     pool.checkpoint().await.unwrap();
 }
 

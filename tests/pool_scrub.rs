@@ -13,7 +13,7 @@ mod common;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use common::engine::{block_data, options, runtime};
+use common::engine::{block_data, options, runtime, write_placed};
 use common::{cli, cli_ok, qemu_io_ok, require_tool, run, Server};
 use strata::device::{Device, SimDevice};
 use strata::pool::snapshots::SnapshotRequest;
@@ -32,17 +32,6 @@ fn volume_of(pool: &Arc<Pool>) -> Arc<EngineVolume> {
 }
 
 /// Blocks `blocks` written with round `round` and destaged to their places.
-async fn write_placed(pool: &Pool, volume: &EngineVolume, blocks: std::ops::Range<u64>, round: u8) {
-    for block in blocks {
-        volume
-            .write(block * BLOCK, IoBuf::copy_from(&block_data(BLOCK, block, round)), false)
-            .await
-            .unwrap();
-    }
-    volume.flush().await.unwrap();
-    pool.destage_all().await.unwrap();
-}
-
 fn place_of(volume: &EngineVolume, block: u64) -> u64 {
     volume.block_place(block).unwrap().unwrap().1
 }
@@ -66,7 +55,7 @@ fn a_scrub_rewrites_rotten_copies_of_a_mirror_from_the_good_ones() {
         }];
         let pool = Pool::create_vdevs("m", 1 << 20, vdevs, options()).await.unwrap();
         let volume = volume_of(&pool);
-        write_placed(&pool, &volume, 0..BLOCKS, 1).await;
+        write_placed(&pool, &volume, BLOCK, 0..BLOCKS, 1).await;
         // One sector of every block rots on the second copy, and one
         // sector of block 7 on the first: every block has a good copy.
         for block in 0..BLOCKS {
@@ -106,7 +95,7 @@ fn rot_on_a_single_device_is_listed_by_volume_and_offset_snapshots_too() {
         }];
         let pool = Pool::create_with("s", 1 << 20, devices, options()).await.unwrap();
         let volume = volume_of(&pool);
-        write_placed(&pool, &volume, 0..BLOCKS, 1).await;
+        write_placed(&pool, &volume, BLOCK, 0..BLOCKS, 1).await;
         let snapshot = pool
             .create_snapshots(&[SnapshotRequest {
                 volume: &volume,
@@ -117,7 +106,7 @@ fn rot_on_a_single_device_is_listed_by_volume_and_offset_snapshots_too() {
             .id;
         // Block 3's old copy is the snapshot's alone once it is rewritten.
         let old_place = place_of(&volume, 3);
-        write_placed(&pool, &volume, 0..8, 2).await;
+        write_placed(&pool, &volume, BLOCK, 0..8, 2).await;
         assert_ne!(place_of(&volume, 3), old_place);
         sim.corrupt(old_place + 512, 512);
         sim.corrupt(place_of(&volume, 40) + 60_000, 100);
@@ -154,7 +143,7 @@ fn a_paused_scrub_goes_on_from_its_cursor_and_checks_every_block_once() {
         }];
         let pool = Pool::create_with("p", 1 << 20, devices, options()).await.unwrap();
         let volume = volume_of(&pool);
-        write_placed(&pool, &volume, 0..BLOCKS, 1).await;
+        write_placed(&pool, &volume, BLOCK, 0..BLOCKS, 1).await;
         pool.create_snapshots(&[SnapshotRequest {
             volume: &volume,
             name: "before".into(),
@@ -162,7 +151,7 @@ fn a_paused_scrub_goes_on_from_its_cursor_and_checks_every_block_once() {
         .await
         .unwrap();
         let old_place = place_of(&volume, 3);
-        write_placed(&pool, &volume, 0..8, 2).await;
+        write_placed(&pool, &volume, BLOCK, 0..8, 2).await;
         // Rot at both ends of the volume and in a block only the snapshot
         // keeps: found before and after the pause.
         sim.corrupt(place_of(&volume, 0) + 1024, 512);

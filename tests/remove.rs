@@ -14,7 +14,7 @@ use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::engine::{block_data, options, runtime};
+use common::engine::{block_data, options, runtime, write_placed};
 use common::{cli, cli_ok, pool_json, qemu_io_ok, require_tool, run, Server};
 use strata::device::{Device, SimDevice};
 use strata::pool::snapshots::SnapshotRequest;
@@ -73,17 +73,6 @@ fn volume_of(pool: &Arc<Pool>) -> Arc<EngineVolume> {
     pool.open_volume(1, BLOCKS * BLOCK, BLOCK as u32).unwrap()
 }
 
-async fn write_blocks(pool: &Pool, volume: &EngineVolume, blocks: std::ops::Range<u64>, round: u8) {
-    for block in blocks {
-        volume
-            .write(block * BLOCK, IoBuf::copy_from(&block_data(BLOCK, block, round)), false)
-            .await
-            .unwrap();
-    }
-    volume.flush().await.unwrap();
-    pool.destage_all().await.unwrap();
-}
-
 async fn check_blocks(volume: &EngineVolume, blocks: std::ops::Range<u64>, round: u8) {
     for block in blocks {
         let (buf, result) = volume.read(block * BLOCK, IoBuf::new(BLOCK as usize)).await;
@@ -107,7 +96,7 @@ fn every_block_and_a_snapshots_leave_the_member_which_is_never_opened_again() {
         let three = Three::new();
         let pool = three.create().await;
         let volume = volume_of(&pool);
-        write_blocks(&pool, &volume, 0..BLOCKS, 1).await;
+        write_placed(&pool, &volume, BLOCK, 0..BLOCKS, 1).await;
         let snapshot = pool
             .create_snapshots(&[SnapshotRequest {
                 volume: &volume,
@@ -118,7 +107,7 @@ fn every_block_and_a_snapshots_leave_the_member_which_is_never_opened_again() {
             .id;
         // Half rewritten after the snapshot: the snapshot keeps the old
         // blocks, which must move too.
-        write_blocks(&pool, &volume, 0..BLOCKS / 2, 2).await;
+        write_placed(&pool, &volume, BLOCK, 0..BLOCKS / 2, 2).await;
         let first = on_device(&volume, 1);
         assert!(first > 0, "the volume has blocks on device 1");
         pool.remove_member(1).await.unwrap();
@@ -130,7 +119,7 @@ fn every_block_and_a_snapshots_leave_the_member_which_is_never_opened_again() {
         let view = pool.open_snapshot(snapshot, BLOCK as u32).unwrap();
         check_blocks(&view, 0..BLOCKS, 1).await;
         // New writes never land there.
-        write_blocks(&pool, &volume, BLOCKS / 2..BLOCKS, 3).await;
+        write_placed(&pool, &volume, BLOCK, BLOCKS / 2..BLOCKS, 3).await;
         assert_eq!(on_device(&volume, 1), 0);
         drop((view, volume));
         pool.checkpoint().await.unwrap();
@@ -195,7 +184,7 @@ fn a_whole_mirror_is_removed_and_both_its_devices_are_released() {
         ];
         let pool = Pool::create_vdevs("m", 1 << 20, vdevs, options()).await.unwrap();
         let volume = volume_of(&pool);
-        write_blocks(&pool, &volume, 0..BLOCKS, 1).await;
+        write_placed(&pool, &volume, BLOCK, 0..BLOCKS, 1).await;
         assert!(on_device(&volume, 1) > 0, "the mirror holds blocks");
         // Named as `pool status` names it, or by either of its devices.
         assert_eq!(pool.member_named("mirror-1"), Some(1));
@@ -223,7 +212,7 @@ fn a_removal_cut_short_keeps_the_member_closed_to_new_data_and_resumes() {
         let three = Three::new();
         let pool = three.create().await;
         let volume = volume_of(&pool);
-        write_blocks(&pool, &volume, 0..BLOCKS / 2, 1).await;
+        write_placed(&pool, &volume, BLOCK, 0..BLOCKS / 2, 1).await;
         let on_one = on_device(&volume, 1);
         assert!(on_one > 0);
         // Only the first step: every superblock says evacuating.
@@ -247,7 +236,7 @@ fn a_removal_cut_short_keeps_the_member_closed_to_new_data_and_resumes() {
         assert_eq!(pool.evacuating_members(), vec![1]);
         assert_eq!(pool.status()[1].state, "REMOVING");
         let volume = volume_of(&pool);
-        write_blocks(&pool, &volume, BLOCKS / 2..BLOCKS, 2).await;
+        write_placed(&pool, &volume, BLOCK, BLOCKS / 2..BLOCKS, 2).await;
         assert_eq!(on_device(&volume, 1), on_one, "nothing new on the member being removed");
         // Resumed as the volume manager does; its superblocks are kept
         // (the catalog would still list it).

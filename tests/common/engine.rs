@@ -27,3 +27,23 @@ pub fn block_data(bytes: u64, block: u64, round: u8) -> Vec<u8> {
         .map(|i| (i as u8).wrapping_mul(31) ^ (block as u8).wrapping_mul(7) ^ round)
         .collect()
 }
+
+/// Writes blocks `blocks` (of `bytes` each) of `volume` with round
+/// `round`'s pattern, flushes them and destages them to their places.
+pub async fn write_placed(
+    pool: &strata::pool::Pool,
+    volume: &strata::pool::volume::EngineVolume,
+    bytes: u64,
+    blocks: impl IntoIterator<Item = u64>,
+    round: u8,
+) {
+    use strata::volume::{BlockDevice, IoBuf};
+    for block in blocks {
+        volume
+            .write(block * bytes, IoBuf::copy_from(&block_data(bytes, block, round)), false)
+            .await
+            .unwrap();
+    }
+    volume.flush().await.unwrap();
+    pool.destage_all().await.unwrap();
+}
