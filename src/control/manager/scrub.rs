@@ -129,7 +129,7 @@ impl VolumeManager {
         let state = current.as_ref().map(|job| job.status().state);
         let status = match action {
             ScrubAction::Start => {
-                let status = match current.map(|job| job.status()) {
+                let mut status = match current.map(|job| job.status()) {
                     Some(status) if status.state == ScrubState::Scanning => {
                         return Err(AdminError::Invalid(format!(
                             "pool '{pool_name}' is already being scrubbed (`strata pool scrub {pool_name} --pause` \
@@ -139,6 +139,10 @@ impl VolumeManager {
                     Some(status) if status.state == ScrubState::Paused => status,
                     _ => ScrubStatus::new(now_unix()),
                 };
+                // Scanning from now on, so whoever looks next (`--wait`)
+                // does not see the pause it goes on from.
+                status.state = ScrubState::Scanning;
+                status.ended_unix = None;
                 let job = ScrubJob::new(status);
                 pool.set_scrub_job(job.clone())
                     .map_err(|e| AdminError::Invalid(e.to_string()))?;
