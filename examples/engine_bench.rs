@@ -10,10 +10,10 @@
 
 use std::sync::Arc;
 
+use strata::block::{BlockDevice, IoBuf};
 use strata::device::{create_file, open_device, DeviceOptions, SimRng};
 use strata::pool::superblock::Role;
 use strata::pool::{NewDevice, Pool};
-use strata::volume::{BlockDevice, IoBuf};
 
 const FLUSH_EVERY: u64 = 256;
 const VOLBLOCKSIZE: u32 = 16 << 10;

@@ -7,6 +7,7 @@
 
 pub mod admin;
 pub mod analytics;
+pub mod block;
 pub mod bytes;
 pub mod checksum;
 pub mod control;

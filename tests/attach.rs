@@ -15,12 +15,12 @@ use std::sync::Arc;
 
 use common::engine::{block_data, options, runtime, write_placed};
 use common::{cli, require_tool, Server};
+use strata::block::{BlockDevice, IoBuf};
 use strata::device::SimDevice;
 use strata::pool::superblock::{ChildState, Role, Superblock, SUPERBLOCK_BYTES};
 use strata::pool::vdev::Health;
 use strata::pool::volume::EngineVolume;
 use strata::pool::{DeviceSpec, NewVdev, Pool};
-use strata::volume::{BlockDevice, IoBuf};
 
 const MIB: u64 = 1 << 20;
 const BLOCK: u64 = 64 << 10;

@@ -16,11 +16,11 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, Once};
 use std::time::{Duration, Instant};
 
+use strata::block::{BlockDevice, IoBuf};
 use strata::device::sim::SimRng;
 use strata::device::{Device, SimDevice};
 use strata::pool::superblock::{Role, Superblock, SUPERBLOCK_BYTES, SUPERBLOCK_OFFSETS};
 use strata::pool::{NewDevice, Pool, PoolOptions};
-use strata::volume::{BlockDevice, IoBuf};
 
 const MIB: u64 = 1 << 20;
 const VOLUME_BYTES: u64 = 4 * MIB;
@@ -423,7 +423,7 @@ async fn read_all(engine: &strata::pool::volume::EngineVolume, volume: u32, name
         let (buf, result) = engine.read(at, IoBuf::new(MIB as usize)).await;
         match result {
             Ok(()) => outcomes.push(Some(buf.payload() == expected(volume, at, MIB).as_slice())),
-            Err(strata::volume::BlockError::Io(error)) => {
+            Err(strata::block::BlockError::Io(error)) => {
                 assert!(error.to_string().contains(named), "{error}");
                 outcomes.push(None);
             }

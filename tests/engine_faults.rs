@@ -4,12 +4,12 @@
 
 use std::sync::Arc;
 
+use strata::block::{BlockDevice, BlockError, IoBuf};
 use strata::device::sim::CrashModel;
 use strata::device::wrappers::IoOp;
 use strata::device::{Device, ErrorDevice, ErrorRule, SimDevice};
 use strata::pool::superblock::Role;
 use strata::pool::{NewDevice, Pool, PoolError};
-use strata::volume::{BlockDevice, BlockError, IoBuf};
 
 const MIB: u64 = 1 << 20;
 

@@ -15,6 +15,7 @@
 use std::collections::BTreeSet;
 use std::sync::Arc;
 
+use strata::block::{BlockDevice, BlockError, IoBuf, ZeroFlags};
 use strata::device::sim::{CrashModel, SimFaults};
 use strata::device::{Device, SimDevice, SimRng};
 use strata::pool::migrate::{MigrationSettings, TierPin};
@@ -23,7 +24,6 @@ use strata::pool::snapshots::SnapshotRequest;
 use strata::pool::superblock::Role;
 use strata::pool::volume::EngineVolume;
 use strata::pool::{NewDevice, Pool, PoolOptions};
-use strata::volume::{BlockDevice, BlockError, IoBuf, ZeroFlags};
 
 const SECTOR: u64 = 512;
 const VOLUME_ID: u32 = 7;

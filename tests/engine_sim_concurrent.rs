@@ -32,6 +32,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 
+use strata::block::{BlockDevice, IoBuf, ZeroFlags};
 use strata::device::sim::{CrashModel, SimDelays};
 use strata::device::{Device, SimDevice, SimRng};
 use strata::pool::migrate::MigrationSettings;
@@ -40,7 +41,6 @@ use strata::pool::snapshots::SnapshotRequest;
 use strata::pool::superblock::Role;
 use strata::pool::volume::EngineVolume;
 use strata::pool::{NewDevice, Pool, PoolOptions};
-use strata::volume::{BlockDevice, IoBuf, ZeroFlags};
 
 const SECTOR: u64 = 512;
 const VOLUMES: usize = 2;

@@ -16,13 +16,13 @@ use std::sync::Arc;
 
 use common::engine::{block_data, options, runtime};
 use common::{cli, require_tool, run, Server};
+use strata::block::{BlockDevice, IoBuf};
 use strata::device::wrappers::IoOp;
 use strata::device::{Device, ErrorDevice, ErrorRule, SimDevice};
 use strata::pool::superblock::{ChildState, Role, Superblock, SUPERBLOCK_BYTES};
 use strata::pool::vdev::Health;
 use strata::pool::volume::EngineVolume;
 use strata::pool::{NewVdev, Pool};
-use strata::volume::{BlockDevice, IoBuf};
 
 const MIB: u64 = 1 << 20;
 const BLOCK: u64 = 64 << 10;

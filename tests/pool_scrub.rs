@@ -15,12 +15,12 @@ use std::time::Duration;
 
 use common::engine::{block_data, options, runtime, write_placed};
 use common::{cli, cli_ok, qemu_io_ok, require_tool, run, Server};
+use strata::block::{BlockDevice, IoBuf};
 use strata::device::{Device, SimDevice};
 use strata::pool::snapshots::SnapshotRequest;
 use strata::pool::superblock::Role;
 use strata::pool::volume::EngineVolume;
 use strata::pool::{NewDevice, NewVdev, Pool, ScrubCommand, ScrubJob, ScrubState, ScrubStatus};
-use strata::volume::{BlockDevice, IoBuf};
 
 const MIB: u64 = 1 << 20;
 const BLOCK: u64 = 64 << 10;

@@ -11,12 +11,12 @@ use common::{cli, require_tool, run, Server};
 use std::process::Command;
 use std::sync::Arc;
 
+use strata::block::{BlockDevice, BlockError, IoBuf};
 use strata::device::wrappers::IoOp;
 use strata::device::{open_device, Device, DeviceOptions, ErrorDevice, ErrorRule, SimDevice};
 use strata::pool::superblock::{Role, SUPERBLOCK_BYTES, SUPERBLOCK_OFFSETS};
 use strata::pool::volume::EngineVolume;
 use strata::pool::{NewDevice, Pool, PoolError};
-use strata::volume::{BlockDevice, BlockError, IoBuf};
 
 const MIB: u64 = 1 << 20;
 

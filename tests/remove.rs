@@ -16,12 +16,12 @@ use std::time::{Duration, Instant};
 
 use common::engine::{block_data, options, runtime, write_placed};
 use common::{cli, cli_ok, pool_json, qemu_io_ok, require_tool, run, Server};
+use strata::block::{BlockDevice, IoBuf};
 use strata::device::{Device, SimDevice};
 use strata::pool::snapshots::SnapshotRequest;
 use strata::pool::superblock::{MemberState, Role, Superblock, SUPERBLOCK_BYTES};
 use strata::pool::volume::EngineVolume;
 use strata::pool::{DeviceSpec, NewDevice, Pool};
-use strata::volume::{BlockDevice, IoBuf};
 
 const MIB: u64 = 1 << 20;
 const BLOCK: u64 = 16 << 10;

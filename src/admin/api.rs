@@ -1344,11 +1344,11 @@ fn error_response(description: &str) -> Value {
 }
 
 /// The `op` values the analytics queries take (empty: every one).
-const OP_NAMES: [&str; crate::volume::stats::OPS.len() + 1] = {
-    let mut names = [""; crate::volume::stats::OPS.len() + 1];
+const OP_NAMES: [&str; crate::block::OPS.len() + 1] = {
+    let mut names = [""; crate::block::OPS.len() + 1];
     let mut i = 0;
-    while i < crate::volume::stats::OPS.len() {
-        names[i + 1] = crate::volume::stats::OPS[i].as_str();
+    while i < crate::block::OPS.len() {
+        names[i + 1] = crate::block::OPS[i].as_str();
         i += 1;
     }
     names

@@ -5,8 +5,9 @@ use std::fmt::Write as _;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use crate::volume::stats::{OpStats, LATENCY_BUCKETS, OPS, PROTOCOLS};
-use crate::volume::Volume;
+use crate::block::{OPS, PROTOCOLS};
+use crate::volume::stats::{OpStats, LATENCY_BUCKETS};
+use crate::volume::ServedVolume;
 
 fn escape_label(value: &str) -> String {
     value.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
@@ -14,7 +15,7 @@ fn escape_label(value: &str) -> String {
 
 /// Renders the Prometheus text exposition for `volumes`. Only the
 /// (protocol, operation) pairs that have seen at least one request appear.
-pub fn render(volumes: &[Arc<Volume>]) -> String {
+pub fn render(volumes: &[Arc<ServedVolume>]) -> String {
     let mut out = String::new();
     let mut series = Vec::new();
     for volume in volumes {

@@ -109,7 +109,7 @@ fn plan<'a>(history: &'a History, params: &'a Params) -> Result<Plan<'a>, String
         Some(other) => return Err(format!("unknown phase '{other}' (total, queued or commit)")),
     };
     if let Some(op) = &params.op {
-        if !crate::volume::stats::OPS.iter().any(|o| o.as_str() == op) {
+        if !crate::block::OPS.iter().any(|o| o.as_str() == op) {
             return Err(format!("unknown operation '{op}'"));
         }
     }
@@ -612,7 +612,7 @@ pub fn status(history: &History, enabled: bool, recorders: usize) -> Status {
 mod tests {
     use super::super::record::Analytics;
     use super::*;
-    use crate::volume::stats::{Op, Protocol};
+    use crate::block::{Op, Protocol};
     use std::time::Duration;
 
     fn sample() -> std::sync::Arc<Analytics> {

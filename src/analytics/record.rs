@@ -8,8 +8,8 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use super::hist::{bucket_of, Packed, Sparse, BUCKETS};
+use crate::block::{Op, Protocol, OPS};
 use crate::sync::LockOrAbort;
-use crate::volume::stats::{Op, Protocol, OPS};
 
 /// Regions a volume's offsets are counted in (each 1/32 of the volume).
 pub const OFFSET_BUCKETS: usize = 32;

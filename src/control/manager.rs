@@ -25,7 +25,7 @@ use crate::pool::{DeviceStatus, NewDevice, NewVdev, Pool, PoolError, PoolOptions
 use crate::volume::props::{
     canonical_value, IscsiAccess, IscsiAuthMode, PropError, PropertyRow, StoredProps, DEFAULT_VOLBLOCKSIZE,
 };
-use crate::volume::{full_name, Volume};
+use crate::volume::{full_name, ServedVolume};
 
 mod clones;
 mod datasets;
@@ -273,7 +273,7 @@ pub struct VolumeManager {
     /// each time it changes: what frontends read when admitting clients,
     /// and what read-only admin calls show.
     published: RwLock<Arc<Catalog>>,
-    volumes: RwLock<HashMap<String, Arc<Volume>>>,
+    volumes: RwLock<HashMap<String, Arc<ServedVolume>>>,
     engines: RwLock<HashMap<String, Arc<EngineVolume>>>,
     pools: RwLock<HashMap<String, Arc<Pool>>>,
     /// Open file datasets, by `pool/name`.
@@ -460,7 +460,7 @@ impl VolumeManager {
                     .map_err(|e| internal(&format!("cannot open volume {pool_name}/{name}"), e))?;
                 // A volume being received is not exported until the receive ends.
                 if volume.receiving.is_none() {
-                    let opened = Volume::new(pool_name, name, engine.clone(), &props);
+                    let opened = ServedVolume::new(pool_name, name, engine.clone(), &props);
                     volumes.insert(full_name(pool_name, name), Arc::new(opened));
                 }
                 engines.insert(full_name(pool_name, name), engine);
@@ -534,7 +534,7 @@ impl VolumeManager {
         props: &crate::volume::props::VolumeProps,
     ) {
         let name = full_name(pool, short);
-        let volume = Volume::new(pool, short, engine.clone(), props);
+        let volume = ServedVolume::new(pool, short, engine.clone(), props);
         self.volumes
             .write()
             .unwrap_or_else(|e| e.into_inner())
@@ -1195,7 +1195,7 @@ impl VolumeManager {
 
     /// The open volume called `pool/name`, or the read-only volume of
     /// snapshot `pool/name@snapshot`.
-    pub fn lookup(&self, name: &str) -> Option<Arc<Volume>> {
+    pub fn lookup(&self, name: &str) -> Option<Arc<ServedVolume>> {
         if name.contains('@') {
             return self.snapshot_volume(name);
         }
@@ -1207,7 +1207,7 @@ impl VolumeManager {
     }
 
     /// All open volumes, sorted by name.
-    pub fn volumes(&self) -> Vec<Arc<Volume>> {
+    pub fn volumes(&self) -> Vec<Arc<ServedVolume>> {
         let mut all: Vec<_> = self
             .volumes
             .read()
@@ -1481,7 +1481,7 @@ impl VolumeManager {
             .ok_or_else(|| AdminError::NotFound(format!("volume '{name}' does not exist")))?;
         // New clients are refused before the open ones are counted: a
         // handshake that found the volume either is counted here (and the
-        // delete refused) or is refused itself (`Volume::try_open_handle`).
+        // delete refused) or is refused itself (`ServedVolume::try_open_handle`).
         let refused = self
             .lookup(name)
             .map(|volume| snapshots::Eviction::refuse_clients(vec![volume]));
@@ -2301,7 +2301,7 @@ async fn initialise(data_dir: &Path, wraps: &DeviceWraps) -> Result<Catalog, Adm
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::volume::IoBuf;
+    use crate::block::IoBuf;
 
     fn props(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
         pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()

@@ -23,7 +23,7 @@ use tokio::sync::Notify;
 use crate::sync::LockOrAbort;
 
 /// The largest request's data.
-const LARGEST: u64 = crate::volume::MAX_REQUEST_BYTES as u64;
+const LARGEST: u64 = crate::block::MAX_REQUEST_BYTES as u64;
 /// The smallest budget `--client-memory` takes: four of the largest
 /// requests (a client's share is one of them).
 pub const MIN_BYTES: u64 = 4 * LARGEST;

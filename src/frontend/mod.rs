@@ -1,5 +1,5 @@
 //! Protocol frontends. Each speaks a wire protocol and turns requests into
-//! calls on a [`crate::volume::Volume`] (NBD, iSCSI) or on a dataset's
+//! calls on a [`crate::volume::ServedVolume`] (NBD, iSCSI) or on a dataset's
 //! [`crate::fs::FileSystem`] (NFS); none touches storage directly. Beside
 //! them: connection caps ([`limits`]), the process-wide budget of request
 //! and reply payloads in flight ([`memory`]), and the reply path ([`outbox`]) and

@@ -17,6 +17,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
+use crate::block::{BlockDevice, BlockError};
 use crate::device::IoBuf;
 use crate::meta::fsrows::{InodeRow, NsOp};
 use crate::meta::namespace::Namespace;
@@ -25,14 +26,13 @@ use crate::pool::snapshots::{SnapshotInfo, SnapshotRequest};
 use crate::pool::volume::EngineVolume;
 use crate::pool::{Pool, PoolError};
 use crate::sync::LockOrAbort;
-use crate::volume::{BlockDevice, BlockError};
 
 type FsResult<T> = Result<T, FsError>;
 
 /// The dataset's engine object: every file's 1 TiB range.
 const ENGINE_BYTES: u64 = MAX_INODES << FILE_BITS;
 /// Alignment of the engine's requests.
-const ALIGN: u64 = crate::volume::SECTOR_BYTES as u64;
+const ALIGN: u64 = crate::block::SECTOR_BYTES as u64;
 /// Data locks: inodes share one of these by number.
 const DATA_LOCKS: usize = 64;
 /// Most hard links to one file.

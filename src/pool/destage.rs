@@ -67,7 +67,7 @@ impl Pool {
     /// the pool short of space (see [`Pool::space_short`]).
     async fn destage(&self, engine: &EngineVolume, blocks: &[u64]) -> Result<(), PoolError> {
         let result = engine.destage_blocks(blocks).await;
-        if matches!(result, Err(crate::volume::BlockError::NoSpace)) {
+        if matches!(result, Err(crate::block::BlockError::NoSpace)) {
             self.note_no_space();
         }
         result.map_err(block_error)
@@ -298,14 +298,14 @@ impl Pool {
     }
 }
 
-fn block_error(error: crate::volume::BlockError) -> PoolError {
+fn block_error(error: crate::block::BlockError) -> PoolError {
     match error {
-        crate::volume::BlockError::NoSpace => PoolError::Invalid(
+        crate::block::BlockError::NoSpace => PoolError::Invalid(
             "no space left to place cached data (in the pool, or on the file system under its devices); \
              it stays in the RAM cache (and in the intent log once flushed) until space is freed"
                 .into(),
         ),
-        crate::volume::BlockError::Io(error) => PoolError::Device {
+        crate::block::BlockError::Io(error) => PoolError::Device {
             device: "pool".into(),
             reason: format!("destage: {error}"),
         },

@@ -140,9 +140,9 @@ impl Pool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::block::{BlockDevice, BlockError};
     use crate::device::SimDevice;
     use crate::pool::NewDevice;
-    use crate::volume::{BlockDevice, BlockError};
 
     const MIB: u64 = 1 << 20;
 

@@ -92,8 +92,8 @@ const OTHER_VOLUME: u32 = 3;
 
 impl SmallPool {
     fn new() -> SmallPool {
+        use crate::block::BlockDevice;
         use crate::device::SimDevice;
-        use crate::volume::BlockDevice;
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
@@ -159,7 +159,7 @@ impl SmallPool {
     /// Reads the whole volume a MiB at a time and asks for its extents:
     /// each is answered, with data or an error, and nothing panics.
     fn use_volume(&self) {
-        use crate::volume::BlockDevice;
+        use crate::block::BlockDevice;
         self.runtime.block_on(async {
             for at in (0..SMALL_VOLUME_BYTES).step_by(1 << 20) {
                 let (_, _) = self.volume.read(at, crate::device::IoBuf::new(1 << 20)).await;
@@ -488,7 +488,7 @@ mod tests {
     /// `DeviceList::index`, on the connection's task).
     #[test]
     fn a_map_entry_naming_a_missing_device_fails_its_reads_and_nothing_else() {
-        use crate::volume::BlockDevice;
+        use crate::block::BlockDevice;
         let small = SmallPool::new();
         let page: Vec<u8> = (0..256u64)
             .flat_map(|i| ((1u64 << 63) | (7 << 48) | ((97 << 8) + i * 4)).to_le_bytes())

@@ -37,8 +37,8 @@ use std::time::{Duration, Instant};
 use super::superblock::Role;
 use super::volume::{EngineVolume, Moved};
 use super::{BlockPtr, Pool, PoolError, MAP_ENTRIES_PER_PAGE};
+use crate::block::BlockDevice;
 use crate::meta::MetaError;
-use crate::volume::BlockDevice;
 
 /// How often the background migrator looks at the tiers.
 pub const PASS_INTERVAL: Duration = Duration::from_secs(10);
@@ -742,7 +742,7 @@ impl Pool {
                 let outcome = match engine.move_blocks(&blocks, chunk.to).await {
                     Ok(outcome) => outcome,
                     // The target tier filled meanwhile: the rest waits.
-                    Err(crate::volume::BlockError::NoSpace) => return Ok(()),
+                    Err(crate::block::BlockError::NoSpace) => return Ok(()),
                     Err(e) => {
                         summary.errors += blocks.len() as u64;
                         tracing::warn!(

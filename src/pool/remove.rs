@@ -45,9 +45,9 @@ use std::time::Duration;
 use super::superblock::{MemberState, Role, Superblock, SUPERBLOCK_BYTES};
 use super::volume::{EngineVolume, Moved};
 use super::{read_superblock, write_superblock, BlockPtr, Pool, PoolError, MAP_ENTRIES_PER_PAGE};
+use crate::block::BlockDevice;
 use crate::device::{BoxFuture, Device, DeviceError, DeviceInfo, DeviceResult, IoBuf};
 use crate::units::format_size;
-use crate::volume::BlockDevice;
 
 /// Owners of blocks on the member collected per walk of the maps: bounds
 /// the memory a round holds (about 48 bytes each).
@@ -440,7 +440,7 @@ impl Pool {
                 for batch in blocks.chunks(MOVE_BATCH) {
                     let outcome = match engine.move_blocks(batch, to).await {
                         Ok(outcome) => outcome,
-                        Err(crate::volume::BlockError::NoSpace) => {
+                        Err(crate::block::BlockError::NoSpace) => {
                             return Err(PoolError::Invalid(format!(
                                 "the {} tier ran out of space while blocks moved to it",
                                 to.as_str()

@@ -7,8 +7,8 @@
 //! on meanwhile.
 
 use super::*;
+use crate::block::BlockDevice;
 use crate::pool::volume::EngineVolume;
-use crate::volume::BlockDevice;
 
 /// What a scrub did.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
@@ -49,7 +49,7 @@ impl Pool {
             }
             let id = engine.id();
             let block_bytes = engine.block_bytes();
-            let blocks = crate::volume::BlockDevice::size_bytes(&*engine).div_ceil(block_bytes);
+            let blocks = crate::block::BlockDevice::size_bytes(&*engine).div_ceil(block_bytes);
             if blocks == 0 {
                 continue;
             }

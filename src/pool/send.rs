@@ -53,7 +53,7 @@ impl Pool {
         if !volume.cached_blocks(|e| e.seq >= floor, 1).is_empty() {
             return Ok(true);
         }
-        let blocks = crate::volume::BlockDevice::size_bytes(volume).div_ceil(volume.volblocksize() as u64);
+        let blocks = crate::block::BlockDevice::size_bytes(volume).div_ceil(volume.volblocksize() as u64);
         if blocks == 0 {
             return Ok(false);
         }

@@ -1,4 +1,4 @@
-//! A logical unit: executes decoded SBC/SPC commands against a [`Volume`].
+//! A logical unit: executes decoded SBC/SPC commands against a [`ServedVolume`].
 //!
 //! One `LogicalUnit` exists per volume and is shared by every session that
 //! reaches it. The data path (READ/WRITE) touches no lock except the
@@ -18,9 +18,10 @@ use super::cdb::{Command, PageControl};
 use super::pages::{self, ModeValues, UnitInfo, BLOCK_BYTES};
 use super::pr;
 use super::sense::{sense_for, status, Sense};
+use crate::block::{BlockResult, IoBuf, ZeroFlags};
+use crate::block::{Op, Protocol};
 use crate::control::manager::VolumeManager;
-use crate::volume::stats::{Op, Protocol};
-use crate::volume::{BlockResult, IoBuf, Volume, ZeroFlags};
+use crate::volume::ServedVolume;
 
 /// Identifies an I_T nexus: the initiator port (`name,i,0xISID`).
 pub type Nexus = Arc<str>;
@@ -103,7 +104,7 @@ struct SavedReservations {
 }
 
 pub struct LogicalUnit {
-    volume: Arc<Volume>,
+    volume: Arc<ServedVolume>,
     manager: Option<Arc<VolumeManager>>,
     naa: [u8; 16],
     serial: String,
@@ -130,7 +131,7 @@ impl LogicalUnit {
     /// A logical unit for `volume`, exported as `target_name`. With a
     /// `manager`, MODE SELECT changes persist through it and persistent
     /// reservations are saved under its data directory.
-    pub fn new(volume: Arc<Volume>, manager: Option<Arc<VolumeManager>>, target_name: &str) -> Self {
+    pub fn new(volume: Arc<ServedVolume>, manager: Option<Arc<VolumeManager>>, target_name: &str) -> Self {
         let naa = pages::naa_for(volume.full_name());
         let serial: String = naa[8..16].iter().map(|b| format!("{b:02x}")).collect();
         let reservations_path = manager.as_ref().map(|m| {
@@ -165,7 +166,7 @@ impl LogicalUnit {
         }
     }
 
-    pub fn volume(&self) -> &Arc<Volume> {
+    pub fn volume(&self) -> &Arc<ServedVolume> {
         &self.volume
     }
 
@@ -891,8 +892,8 @@ fn first_difference(a: &[u8], b: &[u8]) -> Option<usize> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::block::{BlockDevice, BlockError, BoxFuture, Capabilities, Extent};
     use crate::volume::props::{LogBias, SyncMode, VolumeProps};
-    use crate::volume::{BlockDevice, BlockError, BoxFuture, Capabilities, Extent};
 
     /// A backing whose only behaviour is the backing-space flag.
     struct Backing {
@@ -952,7 +953,7 @@ mod tests {
             logbias: LogBias::Latency,
             wce: true,
         };
-        let volume = Arc::new(Volume::new("tank", "vol", backing, &props));
+        let volume = Arc::new(ServedVolume::new("tank", "vol", backing, &props));
         LogicalUnit::new(volume, None, "iqn.test:tank.vol")
     }
 

@@ -2,7 +2,7 @@
 //! functions of a [`UnitInfo`] snapshot. Everything advertised here is
 //! derived from the volume's one [`Capabilities`] description.
 
-use crate::volume::Capabilities;
+use crate::block::Capabilities;
 
 /// Logical block size of every LUN.
 pub const BLOCK_BYTES: u32 = 512;

@@ -1,7 +1,7 @@
 //! SCSI status codes and sense data (SPC-4 4.5), and the one mapping from
 //! [`BlockError`] to sense.
 
-use crate::volume::BlockError;
+use crate::block::BlockError;
 
 /// SCSI status byte values (SAM-5 5.3).
 pub mod status {
@@ -154,7 +154,7 @@ pub fn sense_for(error: &BlockError) -> Sense {
         BlockError::NotFast | BlockError::NotSupported(_) => Sense::INVALID_OPCODE,
         BlockError::ReadOnly => Sense::WRITE_PROTECTED,
         BlockError::Checksum { offset } => {
-            Sense::UNRECOVERED_READ_ERROR.with_information(offset / crate::volume::SECTOR_BYTES as u64)
+            Sense::UNRECOVERED_READ_ERROR.with_information(offset / crate::block::SECTOR_BYTES as u64)
         }
         BlockError::Gone => Sense::NOT_READY_NOT_PRESENT,
         BlockError::Io(_) => Sense::INTERNAL_TARGET_FAILURE,

@@ -1,8 +1,9 @@
-//! Volumes: the block-device contract every frontend speaks to.
+//! Served volumes: what the block frontends (NBD and iSCSI) talk to.
 //!
-//! [`BlockDevice`] is the boundary between the block frontends (NBD and
-//! iSCSI) and storage; NFS serves file datasets through [`crate::fs`]
-//! instead. The block frontends only ever see a [`Volume`], which
+//! [`BlockDevice`] (in [`crate::block`]) is the boundary between the
+//! block frontends and storage; NFS serves file datasets through
+//! [`crate::fs`] instead. The block frontends only ever see a
+//! [`ServedVolume`], which
 //! checks every request against the volume's size and alignment, applies the
 //! volume's durability properties (`sync`, `wce`) and forwards to its backing.
 //! The backing is the storage engine's thin volume
@@ -12,177 +13,17 @@ pub mod props;
 pub mod schedule;
 pub mod stats;
 
-use std::future::Future;
-use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::Arc;
 
+use std::future::Future;
+
+use crate::block::{
+    BlockDevice, BlockError, BlockResult, Capabilities, ChangedRun, Extent, IoBuf, ZeroFlags, MAX_REQUEST_BYTES,
+    SECTOR_BYTES,
+};
 use props::{SyncMode, VolumeProps};
 use stats::VolumeStats;
-
-/// A boxed future, so that [`BlockDevice`] stays object safe.
-pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
-
-/// Sector size every request offset and length must be a multiple of.
-pub const SECTOR_BYTES: u32 = 512;
-/// Largest single read or write the volume accepts (also advertised to clients).
-pub const MAX_REQUEST_BYTES: u32 = 32 << 20;
-
-/// What a device can do. Declared once; NBD transmission flags and SCSI VPD
-/// and mode pages are all derived from this one description.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Capabilities {
-    pub can_flush: bool,
-    pub can_fua: bool,
-    pub can_trim: bool,
-    pub can_zero: bool,
-    /// WRITE_ZEROES can report "not fast" instead of writing zeros slowly.
-    pub can_fast_zero: bool,
-    pub can_cache: bool,
-    pub can_block_status: bool,
-    pub read_only: bool,
-    pub rotational: bool,
-    /// An acknowledged write may sit in volatile memory until a flush.
-    pub volatile_write_cache: bool,
-    /// A flush through any handle makes durable every write completed through
-    /// every handle of the same volume (NBD's CAN_MULTI_CONN).
-    pub flush_covers_all_handles: bool,
-    pub min_block_bytes: u32,
-    pub preferred_block_bytes: u32,
-    pub max_request_bytes: u32,
-}
-
-#[cfg(test)]
-impl Capabilities {
-    /// A thin, writable, non-rotational device with a volatile write cache
-    /// and 4 KiB preferred blocks (unit tests of what is derived from it).
-    pub(crate) fn thin_for_tests() -> Self {
-        Capabilities {
-            can_flush: true,
-            can_fua: true,
-            can_trim: true,
-            can_zero: true,
-            can_fast_zero: true,
-            can_cache: true,
-            can_block_status: true,
-            read_only: false,
-            rotational: false,
-            volatile_write_cache: true,
-            flush_covers_all_handles: true,
-            min_block_bytes: 512,
-            preferred_block_bytes: 4096,
-            max_request_bytes: 32 << 20,
-        }
-    }
-}
-
-/// One run of a [`BlockDevice::block_status`] answer.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Extent {
-    pub length: u64,
-    /// No storage is allocated for this range.
-    pub hole: bool,
-    /// The range reads as zeros.
-    pub zero: bool,
-}
-
-/// One run of a [`BlockDevice::changed_since`] answer.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct ChangedRun {
-    pub length: u64,
-    /// The range may differ from the older snapshot (its blocks are mapped
-    /// differently); false: it is the same data.
-    pub changed: bool,
-}
-
-/// How WRITE_ZEROES may be carried out.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct ZeroFlags {
-    /// The range may be deallocated (punched) instead of written.
-    pub may_trim: bool,
-    /// Fail with [`BlockError::NotFast`] rather than write zeros slowly.
-    pub fast_only: bool,
-    pub fua: bool,
-}
-
-/// Errors a block request can end with. Each frontend maps these to its wire
-/// codes in exactly one place (NBD: `frontend::nbd::proto::errno_for`).
-#[derive(Debug, thiserror::Error)]
-pub enum BlockError {
-    #[error("request [{offset}, +{length}) is beyond the end of the volume ({size} bytes)")]
-    OutOfRange { offset: u64, length: u64, size: u64 },
-    #[error("request offset {offset} or length {length} is not a multiple of {alignment} bytes")]
-    Misaligned { offset: u64, length: u64, alignment: u32 },
-    #[error("request of {length} bytes exceeds the maximum of {max} bytes")]
-    TooLarge { length: u64, max: u32 },
-    #[error("no space left (in the pool, or on the file system under its devices)")]
-    NoSpace,
-    #[error("zeroing cannot be done quickly")]
-    NotFast,
-    #[error("operation not supported: {0}")]
-    NotSupported(&'static str),
-    #[error("volume is read-only")]
-    ReadOnly,
-    #[error("checksum mismatch reading offset {offset}")]
-    Checksum { offset: u64 },
-    #[error("volume has been deleted")]
-    Gone,
-    #[error("I/O error: {0}")]
-    Io(#[from] std::io::Error),
-}
-
-pub type BlockResult<T> = Result<T, BlockError>;
-
-pub use crate::device::IoBuf;
-
-/// The block-device contract. Every method may complete asynchronously; a
-/// frontend may have many calls in flight on one device and they complete in
-/// any order. Callers (the [`Volume`]) have already checked ranges and
-/// alignment; the engine asserts them again (a bug above must not reach the
-/// blocks of another volume).
-///
-/// Durability: a `write` with `fua` is durable when its future completes; a
-/// `flush` makes durable every write that completed before the flush began.
-pub trait BlockDevice: Send + Sync {
-    fn capabilities(&self) -> Capabilities;
-    fn size_bytes(&self) -> u64;
-    /// Fills `buf.payload()` with the bytes at `offset`. Never-written ranges read as zeros.
-    fn read(&self, offset: u64, buf: IoBuf) -> BoxFuture<'_, (IoBuf, BlockResult<()>)>;
-    fn write(&self, offset: u64, data: IoBuf, fua: bool) -> BoxFuture<'_, BlockResult<()>>;
-    fn flush(&self) -> BoxFuture<'_, BlockResult<()>>;
-    /// Deallocates the range; it reads back as zeros afterwards.
-    fn trim(&self, offset: u64, length: u64, fua: bool) -> BoxFuture<'_, BlockResult<()>>;
-    fn write_zeroes(&self, offset: u64, length: u64, flags: ZeroFlags) -> BoxFuture<'_, BlockResult<()>>;
-    /// Prefetches the range into cache; a hint with no visible effect.
-    fn cache(&self, offset: u64, length: u64) -> BoxFuture<'_, BlockResult<()>>;
-    /// Describes allocation from `offset`; the extents cover at least one byte
-    /// and at most `length` bytes.
-    fn block_status(&self, offset: u64, length: u64) -> BoxFuture<'_, BlockResult<Vec<Extent>>>;
-    /// Changes the size. Growing exposes zeros.
-    fn resize(&self, new_size_bytes: u64) -> BlockResult<()>;
-
-    /// For a snapshot: which parts of `offset..offset + length` changed
-    /// since `older`, an older snapshot of the same volume (by engine id).
-    /// The runs cover at least one byte and at most `length` bytes. Others
-    /// do not track changes.
-    fn changed_since(&self, _older: u32, _offset: u64, _length: u64) -> BoxFuture<'_, BlockResult<Vec<ChangedRun>>> {
-        Box::pin(std::future::ready(Err(BlockError::NotSupported(
-            "changed-block tracking (snapshots only)",
-        ))))
-    }
-
-    /// `logbias=throughput` (true) or `latency`: where synchronous writes go
-    /// first. Backings without an intent log ignore it.
-    fn set_log_throughput(&self, _throughput: bool) {}
-
-    /// Whether the space the backing draws on is running low (for the
-    /// engine: the file system under the pool's sparse device files, as
-    /// `pool status` warns). Called per SCSI command: must be as cheap as
-    /// an atomic load, never compute anything.
-    fn backing_space_low(&self) -> bool {
-        false
-    }
-}
 
 /// `pool/name`, the name a volume is exported under.
 pub fn full_name(pool: &str, name: &str) -> String {
@@ -191,7 +32,7 @@ pub fn full_name(pool: &str, name: &str) -> String {
 
 /// An open volume as the frontends see it: validation and durability
 /// properties in front of a backing [`BlockDevice`].
-pub struct Volume {
+pub struct ServedVolume {
     pool: String,
     name: String,
     full_name: String,
@@ -219,10 +60,10 @@ pub enum Client {
     Iscsi,
 }
 
-impl Volume {
+impl ServedVolume {
     pub fn new(pool: &str, name: &str, backing: Arc<dyn BlockDevice>, props: &VolumeProps) -> Self {
         backing.set_log_throughput(props.logbias == props::LogBias::Throughput);
-        Volume {
+        ServedVolume {
             pool: pool.to_string(),
             name: name.to_string(),
             full_name: full_name(pool, name),
@@ -306,7 +147,7 @@ impl Volume {
     }
 
     /// Registers a handle of `client` unless the volume is dropping its
-    /// clients (see [`Volume::begin_eviction`]). Counted before the check,
+    /// clients (see [`ServedVolume::begin_eviction`]). Counted before the check,
     /// so an eviction either sees the handle or the handle sees the
     /// eviction.
     pub fn try_open_handle(self: &Arc<Self>, client: Client) -> Option<HandleGuard> {
@@ -323,7 +164,7 @@ impl Volume {
 
     /// Tells the frontends to end every connection to this volume (after
     /// the replies to the requests in flight) and refuses new ones, until
-    /// [`Volume::end_eviction`]. Frontends wait on [`Volume::evictions`]
+    /// [`ServedVolume::end_eviction`]. Frontends wait on [`ServedVolume::evictions`]
     /// once per connection, never per request.
     pub(crate) fn begin_eviction(&self) {
         self.refuse_clients();
@@ -331,12 +172,12 @@ impl Volume {
     }
 
     /// Refuses new clients and leaves those connected alone, until
-    /// [`Volume::end_eviction`].
+    /// [`ServedVolume::end_eviction`].
     pub(crate) fn refuse_clients(&self) {
         self.evicting.fetch_add(1, Ordering::SeqCst);
     }
 
-    /// Ends one [`Volume::refuse_clients`] or [`Volume::begin_eviction`].
+    /// Ends one [`ServedVolume::refuse_clients`] or [`ServedVolume::begin_eviction`].
     pub(crate) fn end_eviction(&self) {
         if self.evicting.fetch_sub(1, Ordering::SeqCst) == 1 {
             self.evictions.send_replace(false);
@@ -349,7 +190,7 @@ impl Volume {
     }
 
     /// Resolves when the volume's clients are told to go (see
-    /// [`Volume::begin_eviction`]); never otherwise.
+    /// [`ServedVolume::begin_eviction`]); never otherwise.
     pub fn evicted(&self) -> impl Future<Output = ()> + Send + 'static {
         let mut evictions = self.evictions.subscribe();
         async move {
@@ -506,11 +347,11 @@ impl Volume {
     }
 }
 
-/// Keeps [`Volume::open_handles`] counted while a frontend uses the volume.
-pub struct HandleGuard(Arc<Volume>, Client);
+/// Keeps [`ServedVolume::open_handles`] counted while a frontend uses the volume.
+pub struct HandleGuard(Arc<ServedVolume>, Client);
 
 impl HandleGuard {
-    pub fn volume(&self) -> &Arc<Volume> {
+    pub fn volume(&self) -> &Arc<ServedVolume> {
         &self.0
     }
 }

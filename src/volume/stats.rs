@@ -10,57 +10,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Protocol {
-    Nbd = 0,
-    Iscsi = 1,
-}
-
-pub const PROTOCOLS: [Protocol; 2] = [Protocol::Nbd, Protocol::Iscsi];
-
-impl Protocol {
-    pub const fn as_str(self) -> &'static str {
-        match self {
-            Protocol::Nbd => "nbd",
-            Protocol::Iscsi => "iscsi",
-        }
-    }
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Op {
-    Read = 0,
-    Write = 1,
-    Flush = 2,
-    Trim = 3,
-    WriteZeroes = 4,
-    Cache = 5,
-    BlockStatus = 6,
-}
-
-pub const OPS: [Op; 7] = [
-    Op::Read,
-    Op::Write,
-    Op::Flush,
-    Op::Trim,
-    Op::WriteZeroes,
-    Op::Cache,
-    Op::BlockStatus,
-];
-
-impl Op {
-    pub const fn as_str(self) -> &'static str {
-        match self {
-            Op::Read => "read",
-            Op::Write => "write",
-            Op::Flush => "flush",
-            Op::Trim => "trim",
-            Op::WriteZeroes => "write_zeroes",
-            Op::Cache => "cache",
-            Op::BlockStatus => "block_status",
-        }
-    }
-}
+use crate::block::{Op, Protocol, OPS, PROTOCOLS};
 
 /// Bucket `i` counts latencies up to 2^i microseconds (1 µs .. ~8.4 s); one
 /// more bucket counts everything slower.

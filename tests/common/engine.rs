@@ -37,7 +37,7 @@ pub async fn write_placed(
     blocks: impl IntoIterator<Item = u64>,
     round: u8,
 ) {
-    use strata::volume::{BlockDevice, IoBuf};
+    use strata::block::{BlockDevice, IoBuf};
     for block in blocks {
         volume
             .write(block * bytes, IoBuf::copy_from(&block_data(bytes, block, round)), false)

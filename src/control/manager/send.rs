@@ -15,6 +15,7 @@
 //! to the base snapshot); `receive --abort` discards a pending one.
 
 use super::*;
+use crate::block::{BlockDevice, BlockError};
 use crate::control::catalog::ReceiveRecord;
 use crate::control::stream::{
     self, end_payload, Accepted, Header, PlannedRecord, Position, RecordHeader, RecordKind, StreamError, StreamKind,
@@ -22,7 +23,6 @@ use crate::control::stream::{
 };
 use crate::device::{IoBuf, ReadBuffers};
 use crate::pool::snapshots::{SnapshotInfo, SnapshotRequest};
-use crate::volume::{BlockDevice, BlockError};
 use hyper::body::Bytes;
 use std::collections::{HashSet, VecDeque};
 use tokio::sync::mpsc;
@@ -210,7 +210,7 @@ pub struct SendJob {
     total_data: u64,
     /// The snapshot's read-only volume, held open (a snapshot with open
     /// handles cannot be deleted).
-    volume: Arc<Volume>,
+    volume: Arc<ServedVolume>,
     _handle: crate::volume::HandleGuard,
     /// Bytes this response carries.
     pub body_bytes: u64,
@@ -603,7 +603,7 @@ impl VolumeManager {
                 .get(&name)
                 .cloned();
             if let Some(engine) = engine {
-                let volume = Volume::new(pool, short, engine, &props);
+                let volume = ServedVolume::new(pool, short, engine, &props);
                 manager
                     .volumes
                     .write()
@@ -679,7 +679,7 @@ impl VolumeManager {
                     catalog.set(updated);
                     let engine = self.engines.read().unwrap_or_else(|e| e.into_inner()).get(&name).cloned();
                     if let Some(engine) = engine {
-                        let volume = Volume::new(pool_name_of(&name), short_name_of(&name), engine, &props);
+                        let volume = ServedVolume::new(pool_name_of(&name), short_name_of(&name), engine, &props);
                         self.volumes
                             .write()
                             .unwrap_or_else(|e| e.into_inner())

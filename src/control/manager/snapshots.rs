@@ -53,18 +53,18 @@ const EVICTION_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
 /// Volumes dropping their clients; new clients are admitted again when it
 /// is dropped (after the rollback, or when it failed), unless it is kept
 /// (the volumes were deleted).
-pub(super) struct Eviction(Vec<Arc<Volume>>);
+pub(super) struct Eviction(Vec<Arc<ServedVolume>>);
 
 impl Eviction {
     /// Refuses new clients of `volumes` (those connected stay).
-    pub(super) fn refuse_clients(volumes: Vec<Arc<Volume>>) -> Eviction {
+    pub(super) fn refuse_clients(volumes: Vec<Arc<ServedVolume>>) -> Eviction {
         for volume in &volumes {
             volume.refuse_clients();
         }
         Eviction(volumes)
     }
 
-    pub(super) fn volumes(&self) -> &[Arc<Volume>] {
+    pub(super) fn volumes(&self) -> &[Arc<ServedVolume>] {
         &self.0
     }
 
@@ -75,7 +75,7 @@ impl Eviction {
 
     /// Tells the frontends to close every connection to `volumes` and waits
     /// until they have, up to [`EVICTION_WAIT`].
-    fn drop_clients(volumes: Vec<Arc<Volume>>, volume_name: &str) -> Result<Eviction, AdminError> {
+    fn drop_clients(volumes: Vec<Arc<ServedVolume>>, volume_name: &str) -> Result<Eviction, AdminError> {
         for volume in &volumes {
             volume.begin_eviction();
         }
@@ -120,7 +120,7 @@ impl Drop for Eviction {
 /// A snapshot's read-only export, by `POOL/VOL@SNAP`.
 pub(super) enum Export {
     /// Opened for clients; gone when the last of them closes.
-    Open(Weak<Volume>),
+    Open(Weak<ServedVolume>),
     /// Being deleted: no client may open it.
     Deleting,
 }
@@ -363,7 +363,7 @@ impl VolumeManager {
                 .filter(|s| s.generation > info.generation)
                 .collect();
             if newer.is_empty() || destroy_newer {
-                let mut clients: Vec<Arc<Volume>> = volume.iter().cloned().collect();
+                let mut clients: Vec<Arc<ServedVolume>> = volume.iter().cloned().collect();
                 for snapshot in newer {
                     clients.extend(self.open_snapshot_view(&format!("{volume_name}@{}", snapshot.name)));
                 }
@@ -451,7 +451,7 @@ impl VolumeManager {
     /// The read-only volume of snapshot `POOL/VOL@SNAP`, for an export.
     /// Opened under the views' lock, so it is never opened beside another
     /// view of the same snapshot, nor once a deletion claimed it.
-    pub(super) fn snapshot_volume(&self, name: &str) -> Option<Arc<Volume>> {
+    pub(super) fn snapshot_volume(&self, name: &str) -> Option<Arc<ServedVolume>> {
         let mut views = self.snapshot_views.lock().unwrap_or_else(|e| e.into_inner());
         match views.get(name) {
             Some(Export::Deleting) => return None,
@@ -469,12 +469,12 @@ impl VolumeManager {
         let props = record.props.effective();
         let engine = pool.open_snapshot(info.id, props.volblocksize).ok()?;
         let short_name = name.split_once('/')?.1;
-        let volume = Arc::new(Volume::new(pool_name, short_name, engine, &props));
+        let volume = Arc::new(ServedVolume::new(pool_name, short_name, engine, &props));
         views.insert(name.to_string(), Export::Open(Arc::downgrade(&volume)));
         Some(volume)
     }
 
-    pub(super) fn open_snapshot_view(&self, name: &str) -> Option<Arc<Volume>> {
+    pub(super) fn open_snapshot_view(&self, name: &str) -> Option<Arc<ServedVolume>> {
         match self.snapshot_views.lock().unwrap_or_else(|e| e.into_inner()).get(name) {
             Some(Export::Open(view)) => view.upgrade(),
             _ => None,
@@ -489,7 +489,7 @@ impl VolumeManager {
         let mut views = self.snapshot_views.lock().unwrap_or_else(|e| e.into_inner());
         // Clients of the open views are refused before they are counted: a
         // handshake holding a view is either counted or refused.
-        let open: Vec<Arc<Volume>> = names
+        let open: Vec<Arc<ServedVolume>> = names
             .iter()
             .filter_map(|name| match views.get(name) {
                 Some(Export::Open(view)) => view.upgrade(),

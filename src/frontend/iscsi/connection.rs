@@ -26,13 +26,13 @@ use super::pdu::{self, op, reject, Bhs, Framing, Layout, Pdu, BHS_BYTES, RESERVE
 use super::server::Registry;
 use super::text::{self, Params, TARGET_MAX_RECV_DATA_SEGMENT};
 use crate::analytics::Recorder;
+use crate::block::{Op, Protocol};
 use crate::frontend::memory::MemoryPermit;
 use crate::frontend::Shutdown;
 use crate::scsi::cdb::{self, Command, Transfer};
 use crate::scsi::lu::{LogicalUnit, Nexus, Outcome, ResetKind};
 use crate::scsi::pages::{self, BLOCK_BYTES};
 use crate::scsi::sense::{status, Sense};
-use crate::volume::stats::{Op, Protocol};
 use crate::volume::Client;
 
 /// Commands the CmdSN window admits at once (MaxCmdSN - ExpCmdSN + 1 when idle).
@@ -40,7 +40,7 @@ pub const COMMAND_WINDOW: u32 = 128;
 /// Hard cap on tasks per connection, immediate commands included.
 const MAX_TASKS: u32 = 2 * COMMAND_WINDOW;
 /// Largest data-out we gather for one command (the volume's request limit).
-pub(super) const MAX_DATA_OUT_BYTES: u64 = crate::volume::MAX_REQUEST_BYTES as u64;
+pub(super) const MAX_DATA_OUT_BYTES: u64 = crate::block::MAX_REQUEST_BYTES as u64;
 /// How long a login may take before the connection is closed (an idle
 /// half-logged-in connection holds nothing, but should not stay forever).
 /// Write data one connection may be gathering at once (the sum of the

@@ -18,7 +18,7 @@ use crate::scsi::opcodes;
 use crate::scsi::pages::BLOCK_BYTES;
 use crate::scsi::sense::status;
 use crate::volume::props::{IscsiAccess, IscsiAuthMode, LogBias, SyncMode, VolumeProps};
-use crate::volume::Volume;
+use crate::volume::ServedVolume;
 
 /// The byte every "random" challenge byte is, so seeds can carry a valid
 /// CHAP answer and reach the stages behind authentication.
@@ -180,7 +180,7 @@ async fn fuzz_unit() -> (Arc<Pool>, LogicalUnit, Nexus) {
         logbias: LogBias::Latency,
         wce: true,
     };
-    let volume = Arc::new(Volume::new("fuzz", "lu", engine, &props));
+    let volume = Arc::new(ServedVolume::new("fuzz", "lu", engine, &props));
     let unit = LogicalUnit::new(volume, None, "iqn.fuzz:lu");
     let nexus: Nexus = "iqn.fuzz:initiator,i,0x1".into();
     unit.attach(&nexus);

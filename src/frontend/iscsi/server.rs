@@ -14,7 +14,7 @@ use crate::frontend::limits::ConnectionLimits;
 use crate::frontend::Shutdown;
 use crate::scsi::lu::LogicalUnit;
 use crate::volume::props::{IscsiAccess, StoredProps};
-use crate::volume::Volume;
+use crate::volume::ServedVolume;
 
 /// Refused connections whose login is answered at the same time.
 const MAX_REFUSALS_ANSWERING: usize = 16;
@@ -52,7 +52,7 @@ impl Registry {
 
     /// The target name of a volume (`<prefix>:POOL.NAME`) or of a snapshot
     /// (`<prefix>.snapshot:POOL.NAME:SNAPSHOT`, see [`SNAPSHOT_SEGMENT`]).
-    pub fn target_name(&self, volume: &Volume) -> String {
+    pub fn target_name(&self, volume: &ServedVolume) -> String {
         self.name_of(volume.pool(), volume.name())
     }
 
@@ -112,7 +112,7 @@ impl Registry {
     }
 
     /// The volume (or read-only snapshot volume) behind `target_name`.
-    fn volume_for(&self, target_name: &str) -> Option<Arc<Volume>> {
+    fn volume_for(&self, target_name: &str) -> Option<Arc<ServedVolume>> {
         let (export, _) = self.exports().into_iter().find(|(_, target)| target == target_name)?;
         self.manager.lookup(&export)
     }

@@ -4,7 +4,7 @@
 //! fuzzed without a socket (`fuzz/fuzz_targets/nbd_option.rs`,
 //! `nbd_request.rs`). The numbers follow the protocol's `doc/proto.md`.
 
-use crate::volume::{BlockError, Capabilities, ChangedRun, Extent};
+use crate::block::{BlockError, Capabilities, ChangedRun, Extent};
 
 /// `NBDMAGIC`, the first eight bytes the server sends.
 pub const NBD_MAGIC: u64 = 0x4e42_444d_4147_4943;

@@ -35,6 +35,8 @@ use super::tls::{self, Access, NbdTls, Peer, TlsMode};
 use crate::analytics::phase;
 use crate::analytics::record::Split;
 use crate::analytics::Recorder;
+use crate::block::{BlockError, IoBuf, ZeroFlags, MAX_REQUEST_BYTES};
+use crate::block::{Op, Protocol};
 use crate::control::manager::{VolumeManager, DEFAULT_POOL, DEFAULT_VOLUME};
 use crate::device::ReadBuffers;
 use crate::frontend::lane::Lane;
@@ -42,8 +44,7 @@ use crate::frontend::limits::ConnectionLimits;
 use crate::frontend::memory::MemoryPermit;
 use crate::frontend::outbox::{Outbox, ReplySocket};
 use crate::frontend::Shutdown;
-use crate::volume::stats::{Op, Protocol};
-use crate::volume::{full_name, BlockError, Client, HandleGuard, IoBuf, Volume, ZeroFlags, MAX_REQUEST_BYTES};
+use crate::volume::{full_name, Client, HandleGuard, ServedVolume};
 
 /// Options one connection may send before it is considered abusive.
 const MAX_OPTIONS_PER_CONNECTION: usize = 1024;
@@ -230,7 +231,7 @@ impl Drop for AbortOnDrop {
 
 /// What a connection in transmission serves.
 struct Serve {
-    volume: Arc<Volume>,
+    volume: Arc<ServedVolume>,
     handle: HandleGuard,
     negotiated: Negotiated,
     recorder: Option<Arc<Recorder>>,
@@ -283,7 +284,7 @@ struct Agreed {
     transport: Transport,
     /// Bytes the client sent after its last option (already received).
     early: Vec<u8>,
-    volume: Arc<Volume>,
+    volume: Arc<ServedVolume>,
     negotiated: Negotiated,
 }
 
@@ -613,7 +614,7 @@ impl<S: AsyncRead + AsFd + Unpin> AsyncRead for Receiver<S> {
 }
 
 /// The volume an export name means; the empty name is `default/vol0`.
-fn lookup_export(manager: &VolumeManager, name: &str) -> Option<Arc<Volume>> {
+fn lookup_export(manager: &VolumeManager, name: &str) -> Option<Arc<ServedVolume>> {
     if name.is_empty() {
         manager.lookup(&full_name(DEFAULT_POOL, DEFAULT_VOLUME))
     } else {
@@ -625,7 +626,7 @@ fn lookup_export(manager: &VolumeManager, name: &str) -> Option<Arc<Volume>> {
 enum Outcome {
     /// The client aborted.
     Abort,
-    Export(Arc<Volume>, Negotiated),
+    Export(Arc<ServedVolume>, Negotiated),
     /// NBD_OPT_STARTTLS was acknowledged: the TLS handshake comes next.
     StartTls,
 }
@@ -633,7 +634,7 @@ enum Outcome {
 /// Whether the client (in TLS as `peer`, or in plaintext) may see and
 /// open `volume`: its `nbd.tls_identities` list. A volume whose
 /// properties cannot be read is refused.
-fn export_access(manager: &VolumeManager, volume: &Volume, peer: Option<&Peer>) -> Access {
+fn export_access(manager: &VolumeManager, volume: &ServedVolume, peer: Option<&Peer>) -> Access {
     match manager.stored_props(volume.full_name()) {
         Some(props) => tls::access(props.nbd_tls_identities(), peer),
         None => Access::Denied,
@@ -971,7 +972,7 @@ impl Ready {
 async fn transmission<R: AsyncRead + Unpin>(
     mut reader: BufReader<R>,
     socket: ReplySocket,
-    volume: Arc<Volume>,
+    volume: Arc<ServedVolume>,
     _handle: HandleGuard,
     negotiated: Negotiated,
     idle: &AtomicBool,
@@ -1155,7 +1156,7 @@ fn error_reply(request: &Request, negotiated: &Negotiated, errno: u32, message: 
     }
 }
 
-fn log_error(volume: &Volume, request: &Request, error: &BlockError) {
+fn log_error(volume: &ServedVolume, request: &Request, error: &BlockError) {
     match error {
         BlockError::Io(_) | BlockError::Checksum { .. } => tracing::warn!(
             "nbd: {} {} at {} (+{}) failed: {error}",
@@ -1170,7 +1171,7 @@ fn log_error(volume: &Volume, request: &Request, error: &BlockError) {
 
 /// Runs one request and builds its reply.
 async fn execute(
-    volume: &Volume,
+    volume: &ServedVolume,
     recorder: &Option<Arc<Recorder>>,
     request: Request,
     payload: Option<IoBuf>,
@@ -1201,7 +1202,7 @@ async fn execute(
 /// Runs one request: its reply, the bytes it moved (read or written) and
 /// whether it succeeded.
 async fn run(
-    volume: &Volume,
+    volume: &ServedVolume,
     request: Request,
     payload: Option<IoBuf>,
     negotiated: Negotiated,
@@ -1256,7 +1257,11 @@ async fn run(
 
 /// The chunks of a BLOCK_STATUS reply: one per selected context,
 /// `base:allocation` first, the last one final.
-async fn block_status(volume: &Volume, request: &Request, negotiated: &Negotiated) -> Result<Vec<u8>, BlockError> {
+async fn block_status(
+    volume: &ServedVolume,
+    request: &Request,
+    negotiated: &Negotiated,
+) -> Result<Vec<u8>, BlockError> {
     let req_one = request.flags & cflag::REQ_ONE != 0;
     let (offset, length) = (request.offset, request.length as u64);
     let mut out = Vec::new();
@@ -1291,7 +1296,7 @@ async fn block_status(volume: &Volume, request: &Request, negotiated: &Negotiate
 /// followed by the data. With them: one data chunk, or (unless the client set
 /// DF) hole chunks for 4 KiB runs of zeros and data chunks between.
 async fn read_reply(
-    volume: &Volume,
+    volume: &ServedVolume,
     request: &Request,
     negotiated: &Negotiated,
     buffers: &ReadBuffers,

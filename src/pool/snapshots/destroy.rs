@@ -164,7 +164,7 @@ impl Pool {
             self.log.append_frees(Record::Rollback { volume: id, snapshot }, freed);
         }
         self.read_cache.invalidate_volume(id);
-        let size = crate::volume::BlockDevice::size_bytes(volume.as_ref());
+        let size = crate::block::BlockDevice::size_bytes(volume.as_ref());
         volume.recount_mapped(self.count_volume_blocks(id, size, volume.volblocksize())?);
         // Under the guards: a commit that makes no log room.
         self.commit_holding_placement().await

@@ -98,7 +98,7 @@ impl Pool {
                     created_unix,
                     // Placed blocks and those the cache will place.
                     mapped_blocks: request.volume.used_bytes() / request.volume.volblocksize() as u64,
-                    size_bytes: crate::volume::BlockDevice::size_bytes(request.volume.as_ref()),
+                    size_bytes: crate::block::BlockDevice::size_bytes(request.volume.as_ref()),
                     cache_seq,
                 };
                 entries.push(SnapshotEntry {

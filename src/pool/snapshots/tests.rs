@@ -5,10 +5,10 @@
 //! once and share their fixtures (devices, runtimes, checks).
 
 use super::*;
+use crate::block::{BlockDevice, BlockError};
 use crate::device::SimDevice;
 use crate::pool::superblock::Role;
 use crate::pool::NewDevice;
-use crate::volume::{BlockDevice, BlockError};
 
 const MIB: u64 = 1 << 20;
 const VOLUME: u64 = 4 * MIB;

@@ -35,10 +35,10 @@ use super::cache::{Entry, VolState, VolumeCache};
 use super::superblock::Role;
 use super::vdev::Mirror;
 use super::{BlockPtr, Pool, PoolError, SECTOR_BYTES};
+use crate::block::{BlockDevice, BlockError, BlockResult, BoxFuture, Capabilities, ChangedRun, Extent, ZeroFlags};
 use crate::device::{DeviceError, IoBuf};
 use crate::meta::log::Record;
 use crate::meta::MetaError;
-use crate::volume::{BlockDevice, BlockError, BlockResult, BoxFuture, Capabilities, ChangedRun, Extent, ZeroFlags};
 
 const STRIPES: usize = 1024;
 // A stripe's lock ordinal is its volume's id, then its index in 10 bits.
@@ -293,12 +293,12 @@ impl EngineVolume {
         &self.pool
     }
 
-    /// The engine's own check of what the `Volume` validated (in range,
+    /// The engine's own check of what the `ServedVolume` validated (in range,
     /// sector aligned): a request that gets here otherwise is a bug above,
     /// and is stopped before it can touch another volume's blocks.
     fn assert_in_range(&self, offset: u64, length: u64) {
         let size = self.size_bytes.load(Ordering::Acquire);
-        let sector = crate::volume::SECTOR_BYTES as u64;
+        let sector = crate::block::SECTOR_BYTES as u64;
         assert!(
             offset.checked_add(length).is_some_and(|end| end <= size)
                 && offset.is_multiple_of(sector)
@@ -425,9 +425,9 @@ impl BlockDevice for EngineVolume {
             volatile_write_cache: true,
             // A flush commits the whole pool: every device and the log.
             flush_covers_all_handles: true,
-            min_block_bytes: crate::volume::SECTOR_BYTES,
+            min_block_bytes: crate::block::SECTOR_BYTES,
             preferred_block_bytes: SECTOR_BYTES as u32,
-            max_request_bytes: crate::volume::MAX_REQUEST_BYTES,
+            max_request_bytes: crate::block::MAX_REQUEST_BYTES,
         }
     }
 
@@ -517,7 +517,7 @@ impl BlockDevice for EngineVolume {
     fn cache(&self, offset: u64, length: u64) -> BoxFuture<'_, BlockResult<()>> {
         Box::pin(async move {
             self.settle().await?;
-            let length = length.min(crate::volume::MAX_REQUEST_BYTES as u64);
+            let length = length.min(crate::block::MAX_REQUEST_BYTES as u64);
             let (_, result) = self.read_impl(offset, IoBuf::new(length as usize)).await;
             result
         })
@@ -604,10 +604,10 @@ impl EngineVolume {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::block::BlockDevice;
     use crate::device::SimDevice;
     use crate::pool::superblock::Role;
     use crate::pool::NewDevice;
-    use crate::volume::BlockDevice;
 
     const MIB: u64 = 1 << 20;
 
