@@ -366,11 +366,18 @@ async fn serve(args: ServeArgs) -> Result<(), String> {
     // Automatic snapshots (`snapshot.schedule`); stops between rounds.
     let retention_task = tokio::spawn(crate::control::retention::run(manager.clone(), stop.clone()));
     // Scheduled scrubs (`scrub.interval`).
-    let scrub_task = tokio::spawn(crate::control::manager::schedule_scrubs(manager.clone(), stop.clone()));
-    // Devices a pool let go of (a replaced one) leave the catalog.
-    let settle_task = tokio::spawn(crate::control::manager::settle_devices_every(
-        manager.clone(),
+    let scrubbing = manager.clone();
+    let scrub_task = tokio::spawn(crate::control::manager::every(
+        crate::control::manager::SCHEDULE_EVERY,
         stop.clone(),
+        move || scrubbing.start_due_scrubs(crate::control::manager::now_unix()),
+    ));
+    // Devices a pool let go of (a replaced one) leave the catalog.
+    let settling = manager.clone();
+    let settle_task = tokio::spawn(crate::control::manager::every(
+        crate::control::manager::SETTLE_EVERY,
+        stop.clone(),
+        move || settling.settle_devices(),
     ));
     // One analytics frame per second.
     manager.analytics().set_enabled(!args.no_analytics);

@@ -429,6 +429,13 @@ fn a_mirror_under_the_daemon_outlives_a_failing_device_resilvers_it_and_heals_ro
     let text = cli(&server, &["pool", "status", "tank"]);
     let text = String::from_utf8_lossy(&text.stdout);
     assert!(text.contains("FAULTED") && text.contains("is DEGRADED"), "{text}");
+    // Its return copies only what the writes since the fault changed.
+    assert!(children[1]["changed_bytes"].as_u64().is_some(), "{status}");
+    assert!(
+        text.lines()
+            .any(|l| l.contains(&b) && l.contains(" of mirror-") && l.contains(" is FAULTED: at most ")),
+        "{text}"
+    );
     assert!(server.stop().success());
 
     // Without the failing writes: b is resilvered in the background.
@@ -552,11 +559,18 @@ fn differing_units(a: &strata::device::sim::SimImage, b: &strata::device::sim::S
 /// Opens `mirror` with both devices (device 1 stale), resilvers, and
 /// returns the bytes copied and the 1 MiB units device 0 changed in since
 /// `before` (the session without device 1, and this open's own writes).
+/// `pool status` shows beforehand at most what is copied, or that the
+/// copy is whole when the record does not cover the device.
 async fn resilver_back(mirror: &Mirrored, before: &strata::device::sim::SimImage) -> (u64, Vec<u64>) {
     let pool = mirror.open(&[0, 1]).await;
     assert_eq!(children(&pool)[1].0, Health::Resilvering);
+    let shown = pool.status()[0].children[1].changed_bytes;
     let changed = differing_units(before, &mirror.sims[0].snapshot());
     let copied = pool.resilver().await.unwrap();
+    match shown {
+        Some(bytes) => assert!(copied <= bytes, "copied {copied}, status said at most {bytes}"),
+        None => assert!(copied >= FULL_AT_LEAST, "copied {copied}: status said in full"),
+    }
     assert_eq!(children(&pool)[1].0, Health::Online);
     assert_eq!(mirror.superblock(0).children[1].state, ChildState::Online);
     assert!(!mirror.superblock(0).children[1].tracked);
@@ -586,6 +600,12 @@ fn a_device_back_after_an_absence_is_resilvered_only_where_the_mirror_changed() 
             assert_eq!(children(&pool)[1].0, Health::Missing);
             let volume = big_volume(&pool);
             write_blocks(&pool, &volume, CHANGED.into_iter().flatten(), 2).await;
+            // `pool status` says the return copies little.
+            let shown = pool.status()[0].children[1].changed_bytes;
+            assert!(
+                shown.is_some_and(|bytes| (3 * MIB..FULL_AT_LEAST / 8).contains(&bytes)),
+                "{shown:?}"
+            );
         }
         let recorded = mirror.superblock(0);
         assert_eq!(recorded.children[1].state, ChildState::Stale);

@@ -10,6 +10,7 @@
 
 mod common;
 
+use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -346,17 +347,28 @@ fn pool_scrub_exits_0_when_clean_and_1_naming_every_block_it_cannot_repair() {
     assert_eq!(out.status.code(), Some(1));
 }
 
+/// A running daemon with pool `tank` on one 256 MiB file device (its path
+/// returned) and volume `tank/v` of `size`, its first `written` bytes
+/// (qemu-io's notation) written with `pattern` and synced to the device.
+fn written_pool(dir: &Path, data: &Path, size: &str, pattern: u8, written: &str) -> (Server, String) {
+    let a = common::sparse_file(dir, "a.img", 256 << 20);
+    let server = Server::start(data);
+    cli_ok(&server, &["pool", "create", "tank", "--fast", &a]);
+    server.create_volume("tank/v", size);
+    qemu_io_ok(
+        &server.uri("tank/v"),
+        &[format!("write -P {pattern:#x} 0 {written}"), "flush".into()],
+    );
+    cli_ok(&server, &["pool", "sync", "tank"]);
+    (server, a)
+}
+
 #[test]
 fn a_paused_scrub_outlives_a_restart_and_clients_go_on_while_it_runs() {
     require_tool("qemu-io");
     let dir = tempfile::tempdir().unwrap();
-    let a = common::sparse_file(dir.path(), "a.img", 256 << 20);
     let data = dir.path().join("data");
-    let mut server = Server::start(&data);
-    cli_ok(&server, &["pool", "create", "tank", "--fast", &a]);
-    server.create_volume("tank/v", "96M");
-    qemu_io_ok(&server.uri("tank/v"), &["write -P 0x31 0 64M".into(), "flush".into()]);
-    cli_ok(&server, &["pool", "sync", "tank"]);
+    let (mut server, a) = written_pool(dir.path(), &data, "96M", 0x31, "64M");
     assert!(server.stop().success());
     // Reads of a at 8 MiB/s: the scrub of 64 MiB takes about 8 s.
     let wrap = format!("{a}=throttle:bw=8M");
@@ -405,13 +417,8 @@ fn a_paused_scrub_outlives_a_restart_and_clients_go_on_while_it_runs() {
 fn a_scrub_cut_by_a_kill_resumes_after_the_restart() {
     require_tool("qemu-io");
     let dir = tempfile::tempdir().unwrap();
-    let a = common::sparse_file(dir.path(), "a.img", 256 << 20);
     let data = dir.path().join("data");
-    let mut server = Server::start(&data);
-    cli_ok(&server, &["pool", "create", "tank", "--fast", &a]);
-    server.create_volume("tank/v", "96M");
-    qemu_io_ok(&server.uri("tank/v"), &["write -P 0x41 0 80M".into(), "flush".into()]);
-    cli_ok(&server, &["pool", "sync", "tank"]);
+    let (mut server, a) = written_pool(dir.path(), &data, "96M", 0x41, "80M");
     assert!(server.stop().success());
     // 80 MiB at 8 MiB/s: the status is saved 5 s in, the kill comes at 7 s.
     let wrap = format!("{a}=throttle:bw=8M");
@@ -463,13 +470,8 @@ fn wait_scrub(server: &Server, pool: &str, what: &str, done: impl Fn(&serde_json
 fn scrub_interval_schedules_scrubs_and_off_stops_them() {
     require_tool("qemu-io");
     let dir = tempfile::tempdir().unwrap();
-    let a = common::sparse_file(dir.path(), "a.img", 256 << 20);
     let data = dir.path().join("data");
-    let mut server = Server::start(&data);
-    cli_ok(&server, &["pool", "create", "tank", "--fast", &a]);
-    server.create_volume("tank/v", "32M");
-    qemu_io_ok(&server.uri("tank/v"), &["write -P 0x41 0 8M".into(), "flush".into()]);
-    cli_ok(&server, &["pool", "sync", "tank"]);
+    let (mut server, _) = written_pool(dir.path(), &data, "32M", 0x41, "8M");
 
     // The default: a scrub 30 days after the pool was created.
     let said = cli_ok(&server, &["pool", "get", "tank", "scrub.interval"]);

@@ -1760,6 +1760,28 @@ fn pool_table(pools: &[PoolStatus]) -> String {
                     format_size(r.bytes_per_second)
                 ));
             }
+            // A device away or faulted: what its return will copy.
+            for child in member.children.iter().filter(|c| {
+                !matches!(
+                    c.state,
+                    crate::pool::vdev::Health::Online | crate::pool::vdev::Health::Resilvering
+                )
+            }) {
+                let resync = match child.changed_bytes {
+                    Some(bytes) => format!(
+                        "at most {} written since it fell behind is copied to it when it is back",
+                        format_size(bytes)
+                    ),
+                    None => "it is copied whole when it is back".into(),
+                };
+                out.push_str(&format!(
+                    "pool {}: {} of {} is {}: {resync}\n",
+                    pool.name,
+                    child.name,
+                    member.name,
+                    child.state.as_str()
+                ));
+            }
         }
     }
     for pool in pools {

@@ -33,7 +33,7 @@ mod pool_props;
 mod removal;
 mod retention;
 mod scrub;
-pub use scrub::{next_scrub_due, schedule_scrubs, ScrubAction, SCRUB_FILE};
+pub use scrub::{next_scrub_due, ScrubAction, SCHEDULE_EVERY, SCRUB_FILE};
 mod send;
 mod snapshots;
 pub use datasets::{canonical_dataset_value, DatasetInfo, DatasetSnapshotInfo, DATASET_PROPERTIES};
@@ -314,7 +314,7 @@ impl std::ops::Deref for CatalogGuard<'_> {
     }
 }
 
-fn now_unix() -> u64 {
+pub(crate) fn now_unix() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_secs())
@@ -1877,10 +1877,14 @@ fn open_wrapped(path: impl AsRef<Path>, wraps: &DeviceWraps) -> Result<Arc<dyn D
     Ok(wraps.apply(path, open_device(path, &DeviceOptions::default())?))
 }
 
-/// Runs [`VolumeManager::settle_devices`] every 2 s until `stop` turns
-/// true: a replaced device leaves the catalog soon after its replacement is
-/// resilvered.
-pub async fn settle_devices_every(manager: Arc<VolumeManager>, mut stop: tokio::sync::watch::Receiver<bool>) {
+/// Runs `work` on a blocking thread every `period` until `stop` turns
+/// true (the daemon's periodic admin chores: they take the catalog, which
+/// nothing on the runtime may wait for).
+pub async fn every(
+    period: std::time::Duration,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+    work: impl Fn() + Clone + Send + 'static,
+) {
     loop {
         tokio::select! {
             changed = stop.changed() => {
@@ -1888,12 +1892,16 @@ pub async fn settle_devices_every(manager: Arc<VolumeManager>, mut stop: tokio::
                     return;
                 }
             }
-            _ = tokio::time::sleep(std::time::Duration::from_secs(2)) => {}
+            _ = tokio::time::sleep(period) => {}
         }
-        let settling = manager.clone();
-        let _ = tokio::task::spawn_blocking(move || settling.settle_devices()).await;
+        let _ = tokio::task::spawn_blocking(work.clone()).await;
     }
 }
+
+/// How often the daemon lets go of the devices a pool released: a
+/// replaced device leaves the catalog soon after its replacement is
+/// resilvered ([`VolumeManager::settle_devices`]).
+pub const SETTLE_EVERY: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// Refuses `path` when a pool's record names it (as a device, or one being
 /// added or attached), unless `retrying` says that record was left by an

@@ -348,6 +348,11 @@ pub struct ChildStatus {
     /// The device replacing the mirror's `replaced` one.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub replacement: bool,
+    /// For a device not up to date: at most how much its resilver copies
+    /// (what changed while it was away, from the mirror's dirty record).
+    /// Absent: it is resilvered in full.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub changed_bytes: Option<u64>,
 }
 
 impl DeviceStatus {
@@ -690,6 +695,9 @@ impl Pool {
                                 backing: c.device.as_ref().and_then(|d| d.backing_space()),
                                 replaced: c.replacing().0,
                                 replacement: c.replacing().1,
+                                changed_bytes: (c.health() != vdev::Health::Online)
+                                    .then(|| m.changed_bytes(c))
+                                    .flatten(),
                             })
                             .collect()
                     }),

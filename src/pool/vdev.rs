@@ -507,6 +507,17 @@ impl Mirror {
         (state.tracking && state.marked.len() == self.words).then(|| (self.unit_bytes, state.marked.clone()))
     }
 
+    /// For a child not up to date: at most how much its resilver copies,
+    /// the units the dirty record marks, when the record is complete for
+    /// it; `None` when it is to be resilvered in full.
+    pub fn changed_bytes(&self, child: &MirrorChild) -> Option<u64> {
+        if !child.tracked() {
+            return None;
+        }
+        let (unit, bits) = self.dirty_units()?;
+        Some(bits.iter().map(|w| u64::from(w.count_ones())).sum::<u64>() * unit)
+    }
+
     /// Sets the record at open: `loaded` as read from the up-to-date
     /// children, tracking when a child it is complete for is behind.
     pub(crate) fn init_record(&self, loaded: Option<Vec<u64>>) {

@@ -25,8 +25,9 @@ const SAVE_EVERY: Duration = Duration::from_secs(5);
 /// How long `--pause` and `--stop` wait for the scrub to reach the end of
 /// the run it is reading.
 const SETTLE_WAIT: Duration = Duration::from_secs(30);
-/// How often the daemon looks for pools whose scheduled scrub is due.
-const SCHEDULE_EVERY: Duration = Duration::from_secs(2);
+/// How often the daemon looks for pools whose scheduled scrub is due
+/// ([`VolumeManager::start_due_scrubs`]).
+pub const SCHEDULE_EVERY: Duration = Duration::from_secs(2);
 
 /// When a pool's next scheduled scrub is due (unix seconds): `interval`
 /// after the last scrub started (`last`, its state and start) or, with no
@@ -40,23 +41,6 @@ pub fn next_scrub_due(interval: Option<u64>, last: Option<(ScrubState, u64)>, cr
         None => created_unix,
     };
     Some(base.saturating_add(interval))
-}
-
-/// Starts the scheduled scrub of every pool whose one is due, every
-/// [`SCHEDULE_EVERY`], until `stop`.
-pub async fn schedule_scrubs(manager: Arc<VolumeManager>, mut stop: tokio::sync::watch::Receiver<bool>) {
-    loop {
-        tokio::select! {
-            changed = stop.changed() => {
-                if changed.is_err() || *stop.borrow() {
-                    return;
-                }
-            }
-            _ = tokio::time::sleep(SCHEDULE_EVERY) => {}
-        }
-        let starting = manager.clone();
-        let _ = tokio::task::spawn_blocking(move || starting.start_due_scrubs(now_unix())).await;
-    }
 }
 
 /// What `POST /v1/pools/{pool}/scrub` asks for.
@@ -240,7 +224,7 @@ impl VolumeManager {
     }
 
     /// Starts the scrub of each pool whose scheduled one is due at `now`.
-    fn start_due_scrubs(self: &Arc<Self>, now: u64) {
+    pub fn start_due_scrubs(self: &Arc<Self>, now: u64) {
         for (name, pool) in self.open_pools() {
             let Some(due) = self.next_scrub_of(&name, &pool).filter(|due| *due <= now) else {
                 continue;
