@@ -645,7 +645,7 @@ def scrub(ctx):
     sh(["python3", "bench/scrub_bench.py", "--binary", ctx.binary, "--runtime", str(runtime), "--size-mib",
         str(size), "--json", str(out)])
     got = json.loads(out.read_text())
-    idle, slow = got["idle"], got["slow"]
+    idle, slow, resilver = got["idle"], got["slow"], got["resilver"]
     alone, beside = slow["alone"], slow["beside"]
     return [
         row("scrub of a mirror of two files, idle, against a client's sequential read of the volume", shown,
@@ -655,6 +655,13 @@ def scrub(ctx):
         row("4K randread QD1 beside a scrub, against alone (delay:4ms+throttle:iops=200 devices)", shown,
             beside["iops"], "IOPS", peer_name="no scrub", peer=alone["iops"], strata_p99=beside["p99_us"],
             peer_p99=alone["p99_us"], note=f"the scrub checked {slow['scrub_mib_s']:.1f} MiB/s meanwhile"),
+        row("resilver of a new third copy (files), idle, against a client's sequential read of the volume", shown,
+            resilver["full_mib_s"], "MiB/s", peer_name="fio 1M read QD4", peer=idle["read_mib_s"],
+            note=f"{resilver['full_bytes'] / (1 << 20):.0f} MiB copied, server CPU "
+                 f"{resilver['full_cpu_s_per_gib']:.2f} s per GiB"),
+        row("resilver of a device back after an absence, against the bytes written meanwhile", shown,
+            resilver["back_bytes"] / (1 << 20), f"MiB copied ({LOWER})", peer_name="written meanwhile",
+            peer=resilver["changed_bytes"] / (1 << 20), note=f"copied in {resilver['back_s']:.1f} s"),
     ]
 
 

@@ -341,6 +341,43 @@ fn an_attachs_resilver_cut_short_resumes_at_its_cursor() {
 }
 
 #[test]
+fn an_attachs_resilver_cut_again_and_again_copies_each_unit_once() {
+    runtime().block_on(async {
+        let attached = |a: SimDevice, b: SimDevice| async move {
+            let pool = single_pool(&a).await;
+            let volume = volume_of(&pool);
+            write_placed(&pool, &volume, BLOCK, 0..BLOCKS, 1).await;
+            let member = superblock(&a).members[0].uuid;
+            pool.attach(&spec(member), b.as_device()).await.unwrap();
+            pool
+        };
+        // The same history resilvered in one go.
+        let whole = attached(sim(21), sim(22)).await.resilver().await.unwrap();
+        let (a, b) = (sim(23), sim(24));
+        drop(attached(a.clone(), b.clone()).await);
+        // Each cut ends inside a run of units copied at once (11 MiB: 8
+        // units, then 3), and the pool stops there, as a kill would.
+        let (mut copied, mut cursor) = (0, 0);
+        let pool = loop {
+            let pool = open(&[&a, &b]).await;
+            if children(&pool)[1].0 == Health::Online {
+                break pool;
+            }
+            assert!(copied < whole, "copied {copied} of {whole} and not done");
+            copied += pool.resilver_at_most(11 * MIB).await.unwrap();
+            drop(pool);
+            let next = superblock(&a).children[1].resilvered;
+            assert!(next > cursor || next == 0, "the cursor moves on: {cursor} then {next}");
+            cursor = next;
+        };
+        assert_eq!(copied, whole, "no byte copied twice, none skipped");
+        let volume = volume_of(&pool);
+        check_all(&volume, 1).await;
+        assert_holds(&b, &volume, 1);
+    });
+}
+
+#[test]
 fn a_faulted_mirror_device_is_replaced_and_then_forgotten() {
     use strata::device::wrappers::IoOp;
     use strata::device::{ErrorDevice, ErrorRule};

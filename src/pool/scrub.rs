@@ -113,7 +113,8 @@ impl Pool {
 // Pace: while clients do I/O (the pool's foreground counters moved since
 // the last run), the scrub rests after each run several times as long as
 // the run took, so on a busy disk it takes a small share of it; idle, it
-// runs at the device's speed.
+// runs at the device's speed (`Pool::yield_to_clients`, which the resilver
+// uses too).
 
 /// Places collected per walk of the maps.
 pub(crate) const SCRUB_BATCH: usize = 128 * 1024;
@@ -471,15 +472,7 @@ impl Pool {
                         save(&job.status());
                         saved = std::time::Instant::now();
                     }
-                    // Clients first: rest while they are at work.
-                    let now = self.foreground_ops();
-                    if now != seen {
-                        let rest = (took * SCRUB_BUSY_FACTOR).clamp(SCRUB_MIN_REST, SCRUB_MAX_REST);
-                        tokio::time::sleep(rest).await;
-                        seen = self.foreground_ops();
-                    } else {
-                        tokio::task::yield_now().await;
-                    }
+                    self.yield_to_clients(&mut seen, took).await;
                     at = end;
                 }
                 let Some(next) = next else {
@@ -604,6 +597,22 @@ impl Pool {
             }
         }
         Ok((batch.into_iter().collect(), None))
+    }
+
+    /// Clients first, for background work (the scrub, the resilver) after
+    /// a step that took `took`: if clients did I/O since `seen` (the
+    /// pool's foreground counters, which it moves on), rests several times
+    /// as long as the step took; else only yields, so idle, the work runs
+    /// at the devices' speed.
+    pub(super) async fn yield_to_clients(&self, seen: &mut u64, took: std::time::Duration) {
+        let now = self.foreground_ops();
+        if now != *seen {
+            let rest = (took * SCRUB_BUSY_FACTOR).clamp(SCRUB_MIN_REST, SCRUB_MAX_REST);
+            tokio::time::sleep(rest).await;
+            *seen = self.foreground_ops();
+        } else {
+            tokio::task::yield_now().await;
+        }
     }
 
     /// Reads the run of `targets` (lying one after another on `member`
