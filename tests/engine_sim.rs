@@ -167,8 +167,9 @@ impl Harness {
             ("STRATA_SIM_SEED", "simulated_crashes_never_lose_flushed_writes")
         };
         panic!(
-            "seed {} failed: {message}\nlast operations (newest first):\n  {}\nreplay: {variable}={} cargo test --release --test engine_sim {test} -- --nocapture",
+            "seed {} failed: {message}\n{}\nlast operations (newest first):\n  {}\nreplay: {variable}={} cargo test --release --test engine_sim {test} -- --nocapture",
             self.seed,
+            self.log[0],
             recent.iter().map(|s| s.as_str()).collect::<Vec<_>>().join("\n  "),
             self.seed
         );
@@ -1152,7 +1153,13 @@ const MIRROR_SEEDS: u64 = 8;
 fn simulated_crashes_faults_and_rot_on_mirrors_never_lose_or_garble_data() {
     if let Ok(seed) = std::env::var("STRATA_SIM_MIRROR_SEED") {
         let seed: u64 = seed.parse().expect("STRATA_SIM_MIRROR_SEED is a number");
-        runtime().block_on(run_mirror_seed(seed, OPERATIONS));
+        // Fewer operations (`STRATA_SIM_OPERATIONS`) to find the shortest
+        // run of a seed that still fails.
+        let operations = std::env::var("STRATA_SIM_OPERATIONS")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(OPERATIONS);
+        runtime().block_on(run_mirror_seed(seed, operations));
         return;
     }
     let seeds: u64 = std::env::var("STRATA_SIM_MIRROR_SEEDS")
