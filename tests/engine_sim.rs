@@ -7,10 +7,18 @@
 //! to, and cloned (the clone written, promoted, promoted back and
 //! deleted); every snapshot must read back exactly after any crash.
 //!
+//! Mirrors have their own seeds: the fast tier (and sometimes the capacity
+//! tier) a mirror of two or three devices, power loss on all at once, one
+//! child failing reads or writes, bit rot in one child at a time; no error
+//! may reach a caller then, every read returns the model's data, and each
+//! rotten sector is rewritten from a good copy exactly once.
+//!
 //! Every seed is independent; a failure prints its seed, and
 //! `STRATA_SIM_SEED=<seed> cargo test --release --test engine_sim -- --nocapture`
-//! replays exactly that run. `STRATA_SIM_SEEDS=N` sets how many seeds run
-//! (default 1000), from `STRATA_SIM_FIRST_SEED` (default 0).
+//! replays exactly that run (`STRATA_SIM_MIRROR_SEED` a mirror seed's).
+//! `STRATA_SIM_SEEDS=N` sets how many seeds run (default 1000;
+//! `STRATA_SIM_MIRROR_SEEDS`, default 100, for mirrors), from
+//! `STRATA_SIM_FIRST_SEED` (default 0).
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
@@ -22,8 +30,9 @@ use strata::pool::migrate::{MigrationSettings, TierPin};
 use strata::pool::ram::{HeapImage, RamSource, MIN_RAM_BYTES};
 use strata::pool::snapshots::SnapshotRequest;
 use strata::pool::superblock::Role;
+use strata::pool::vdev::Health;
 use strata::pool::volume::EngineVolume;
-use strata::pool::{NewDevice, Pool, PoolOptions};
+use strata::pool::{NewVdev, Pool, PoolOptions, ScrubJob, ScrubState, ScrubStatus};
 
 const SECTOR: u64 = 512;
 const VOLUME_ID: u32 = 7;
@@ -138,14 +147,29 @@ struct Harness {
     /// A snapshot operation failed: after the next crash, the snapshots
     /// are those the pool lists (with this one, named so, if it made it).
     unsure: Option<Option<(String, Vec<u64>)>>,
+    /// Per pool member (by index): the indexes in `devices` of its
+    /// devices, several for a mirror.
+    members: Vec<Vec<usize>>,
+    /// Faults are injected into one child of a mirror only: the pool must
+    /// hide every one of them (no I/O error may reach a caller).
+    masked: bool,
+    /// Bit rot checks run, and the rotten sectors they saw rewritten.
+    rot_checks: u64,
+    rot_sectors: u64,
 }
 
 impl Harness {
     fn fail(&self, message: String) -> ! {
         let recent: Vec<&String> = self.log.iter().rev().take(40).collect();
+        let (variable, test) = if self.masked {
+            ("STRATA_SIM_MIRROR_SEED", "simulated_crashes_faults_and_rot_on_mirrors")
+        } else {
+            ("STRATA_SIM_SEED", "simulated_crashes_never_lose_flushed_writes")
+        };
         panic!(
-            "seed {} failed: {message}\nlast operations (newest first):\n  {}\nreplay: STRATA_SIM_SEED={} cargo test --release --test engine_sim -- --nocapture",
+            "seed {} failed: {message}\n{}\nlast operations (newest first):\n  {}\nreplay: {variable}={} cargo test --release --test engine_sim {test} -- --nocapture",
             self.seed,
+            self.log[0],
             recent.iter().map(|s| s.as_str()).collect::<Vec<_>>().join("\n  "),
             self.seed
         );
@@ -157,6 +181,29 @@ impl Harness {
         match tokio::time::timeout(std::time::Duration::from_secs(60), operation).await {
             Ok(done) => done,
             Err(_) => self.fail(format!("{what} never finished")),
+        }
+    }
+
+    /// An injected fault reached a caller: honest unless the pool should
+    /// have hidden it (`masked`).
+    fn injected_error(&self, what: &str, error: impl std::fmt::Display) {
+        if self.masked {
+            self.fail(format!("{what} failed with one bad copy of a mirror: {error}"));
+        }
+    }
+
+    /// Every device's faults, then none on any (recovery, checks).
+    fn faults_off(&self) -> Vec<SimFaults> {
+        let faults = self.devices.iter().map(|(d, _)| d.faults()).collect();
+        for (device, _) in &self.devices {
+            device.set_faults(SimFaults::default());
+        }
+        faults
+    }
+
+    fn restore_faults(&self, faults: Vec<SimFaults>) {
+        for ((device, _), faults) in self.devices.iter().zip(faults) {
+            device.set_faults(faults);
         }
     }
 
@@ -216,6 +263,7 @@ impl Harness {
                 summary.moved_down_bytes, summary.moved_up_bytes, summary.skipped_blocks, summary.errors
             )),
             Err(e) => {
+                self.injected_error("migration", &e);
                 self.log.push(format!("migrate failed: {e}"));
                 self.crash_and_reopen("after failed migration").await;
             }
@@ -233,6 +281,7 @@ impl Harness {
         };
         drop(pool);
         if let Err(e) = result {
+            self.injected_error("destage", &e);
             self.log.push(format!("destage failed: {e}"));
             self.crash_and_reopen("after failed destage").await;
         }
@@ -279,7 +328,8 @@ impl Harness {
             }
             // A device error (injected) is allowed; the write may be partly
             // done, so every sector may now hold either value.
-            Err(BlockError::Io(_)) => {
+            Err(BlockError::Io(e)) => {
+                self.injected_error("write", e);
                 for sector in first..first + count {
                     self.model.sectors[sector]
                         .possible_after_crash
@@ -313,7 +363,8 @@ impl Harness {
                 .model
                 .write((offset / SECTOR) as usize, (length / SECTOR) as usize, |_| 0, fua),
             // Like a failed write: the range may now hold zeros or not.
-            Err(BlockError::Io(_)) => {
+            Err(BlockError::Io(e)) => {
+                self.injected_error("zeroing", e);
                 for sector in (offset / SECTOR) as usize..((offset + length) / SECTOR) as usize {
                     self.model.sectors[sector].possible_after_crash.insert(0);
                 }
@@ -329,7 +380,11 @@ impl Harness {
         let (buf, result) = self.volume().read(offset, IoBuf::new(length as usize)).await;
         match result {
             Ok(()) => {}
-            Err(BlockError::Io(_)) => return, // an injected read error is an honest answer
+            Err(BlockError::Io(e)) => {
+                // An injected read error is an honest answer.
+                self.injected_error("read", e);
+                return;
+            }
             Err(e) => self.fail(format!("read failed: {e}")),
         }
         let first = (offset / SECTOR) as usize;
@@ -349,7 +404,10 @@ impl Harness {
         self.log.push("flush".into());
         match self.volume().flush().await {
             Ok(()) => self.model.flush(),
-            Err(BlockError::Io(_)) => self.crash_and_reopen("after failed flush").await,
+            Err(BlockError::Io(e)) => {
+                self.injected_error("flush", e);
+                self.crash_and_reopen("after failed flush").await
+            }
             Err(e) => self.fail(format!("flush failed: {e}")),
         }
     }
@@ -360,6 +418,7 @@ impl Harness {
         let result = pool.checkpoint().await;
         drop(pool);
         if let Err(e) = result {
+            self.injected_error("checkpoint", &e);
             self.log.push(format!("checkpoint failed: {e}"));
             self.crash_and_reopen("after failed checkpoint").await;
         }
@@ -384,7 +443,11 @@ impl Harness {
                 .await;
             match result {
                 Ok(()) => {}
-                Err(BlockError::Io(_)) => return, // an injected read error
+                Err(BlockError::Io(e)) => {
+                    // An injected read error.
+                    self.injected_error(&format!("reading {what}"), e);
+                    return;
+                }
                 Err(e) => self.fail(format!("reading {what} at sector {first}: {e}")),
             }
             for (i, bytes) in buf.payload().chunks(SECTOR as usize).enumerate() {
@@ -437,7 +500,8 @@ impl Harness {
                 Ok(()) => {}
                 // An injected error: handled as any failed flush, and no
                 // snapshot is taken.
-                Err(BlockError::Io(_)) => {
+                Err(BlockError::Io(e)) => {
+                    self.injected_error("the flush before a snapshot", e);
                     self.crash_and_reopen("after failed flush before a snapshot").await;
                     return;
                 }
@@ -465,6 +529,7 @@ impl Harness {
             Err(e) => {
                 // A snapshot that failed may or may not be there after a
                 // crash; if it is, it holds what the volume held.
+                self.injected_error("snapshot", &e);
                 self.log.push(format!("snapshot failed: {e}"));
                 self.unsure = Some(Some((name, self.image())));
                 self.crash_and_reopen("after failed snapshot").await;
@@ -486,6 +551,7 @@ impl Harness {
                 self.snapshots.remove(at);
             }
             Err(e) => {
+                self.injected_error("snapshot delete", &e);
                 self.log.push(format!("delete failed: {e}"));
                 self.unsure = Some(None);
                 self.crash_and_reopen("after failed snapshot delete").await;
@@ -513,6 +579,7 @@ impl Harness {
             }
             Err(e) => {
                 // Done or not: either image may be found after the crash.
+                self.injected_error("rollback", &e);
                 self.log.push(format!("rollback failed: {e}"));
                 for (sector, tag) in self.model.sectors.iter_mut().zip(&image) {
                     sector.possible_after_crash.insert(*tag);
@@ -533,10 +600,7 @@ impl Harness {
         let at = self.rng.below(self.snapshots.len() as u64) as usize;
         let (origin, mut image) = self.snapshots[at].clone();
         self.log.push(format!("clone {origin:#x}"));
-        let faults = self.devices[0].0.faults();
-        for (device, _) in &self.devices {
-            device.set_faults(SimFaults::default());
-        }
+        let faults = self.faults_off();
         let pool = self.pool();
         if let Err(e) = pool.create_clone(CLONE_ID, origin).await {
             self.fail(format!("clone: {e}"));
@@ -587,19 +651,155 @@ impl Harness {
             self.fail("snapshots or clones left over after the clone went".into());
         }
         drop(pool);
-        for (device, _) in &self.devices {
-            device.set_faults(faults);
+        self.restore_faults(faults);
+    }
+
+    /// A whole-pool scrub, run to its end; it must find no block that no
+    /// copy holds intact.
+    async fn scrub(&self, what: &str) -> ScrubStatus {
+        let pool = self.pool();
+        let job = ScrubJob::new(ScrubStatus::new(0));
+        if let Err(e) = pool.set_scrub_job(job.clone()) {
+            self.fail(format!("{what}: starting the scrub: {e}"));
         }
+        self.in_time(
+            "the scrub",
+            pool.run_scrub(&job, std::time::Duration::from_secs(3600), &|_| {}),
+        )
+        .await;
+        let status = job.status();
+        if status.state != ScrubState::Finished || status.errors != 0 {
+            self.fail(format!(
+                "{what}: the scrub found damage it could not repair: {status:?}"
+            ));
+        }
+        status
+    }
+
+    /// Sectors rewritten from another copy on every mirror's children so
+    /// far, and checksum errors that reached a caller.
+    fn repair_counters(&self) -> (u64, u64) {
+        let status = self.pool().status();
+        let repaired = status
+            .iter()
+            .flat_map(|m| m.children.iter().map(|c| c.repaired_sectors))
+            .sum();
+        (repaired, status.iter().map(|m| m.checksum_errors).sum())
+    }
+
+    /// A resilver of whatever children missed writes (a crash or a failed
+    /// write left them stale), faults on: the bad child may fail it again,
+    /// which only keeps it stale.
+    async fn op_resilver(&mut self) {
+        let pool = self.pool();
+        let result = self.in_time("the resilver", pool.resilver()).await;
+        drop(pool);
+        match result {
+            Ok(copied) => self.log.push(format!("resilver: {copied} bytes")),
+            Err(e) => self.log.push(format!("resilver failed: {e}")),
+        }
+    }
+
+    /// Bit rot in one copy: with faults off, every mirror is resilvered
+    /// and scrubbed (its copies agree again: a crash may have left them
+    /// apart where writes were in flight); then a sector of a few mapped
+    /// blocks rots on one child of their mirror. Every read must return
+    /// the model's data, no checksum error may reach a caller, and the
+    /// reads and a scrub must rewrite each rotten sector exactly once.
+    async fn op_rot(&mut self) {
+        if self.devices.iter().any(|(d, _)| d.has_failed()) {
+            // A child that failed is faulted until the next crash: its copy
+            // is not there to fall back on.
+            self.log.push("rot: skipped (a child is faulted)".into());
+            return;
+        }
+        let faults = self.faults_off();
+        let pool = self.pool();
+        if let Err(e) = self.in_time("the resilver", pool.resilver()).await {
+            self.fail(format!("resilver before rot: {e}"));
+        }
+        let states: Vec<Vec<Health>> = pool
+            .status()
+            .iter()
+            .map(|m| m.children.iter().map(|c| c.state).collect())
+            .collect();
+        if states.iter().flatten().any(|&s| s != Health::Online) {
+            self.fail(format!(
+                "children not online after a resilver without faults: {states:?}"
+            ));
+        }
+        // The cached writes go to their places, where they can rot.
+        if let Err(e) = self.in_time("the destage", pool.destage_all()).await {
+            self.fail(format!("destage before rot: {e}"));
+        }
+        drop(pool);
+        self.scrub("the scrub before rot").await;
+        let volume = self.volume().clone();
+        let blocks = self.volume_bytes / self.volblocksize as u64;
+        // The volume's blocks that lie on a mirror, and where.
+        let mut mirrored = Vec::new();
+        for block in 0..blocks {
+            let place = volume
+                .block_place(block)
+                .unwrap_or_else(|e| self.fail(format!("place of block {block}: {e}")));
+            if let Some((member, offset)) = place {
+                if self.members[member as usize].len() > 1 {
+                    mirrored.push((block, member, offset));
+                }
+            }
+        }
+        let mut rotten = BTreeSet::new();
+        // One child of each mirror rots (the same in a mirror of three,
+        // whose two others stay good), and only it.
+        let which = self.rng.below(3) as usize;
+        for _ in 0..self.rng.range(1, 5) {
+            if mirrored.is_empty() {
+                break;
+            }
+            let (block, member, offset) = mirrored[self.rng.below(mirrored.len() as u64) as usize];
+            let children = self.members[member as usize].clone();
+            let child = children[which % children.len()];
+            let at = offset + self.rng.below(self.volblocksize as u64 / SECTOR) * SECTOR;
+            self.devices[child].0.corrupt(at, SECTOR);
+            self.log.push(format!("rot: block {block} at {at} of device {child}"));
+            // Checksums cover 4 KiB: each rotten one is rewritten whole.
+            rotten.insert((child, at / 4096));
+        }
+        let (repaired_before, errors_before) = self.repair_counters();
+        // Reads go to each copy in turn: read it all once per copy.
+        let copies = self.members.iter().map(Vec::len).max().unwrap_or(1);
+        let image = self.image();
+        for _ in 0..copies {
+            self.check_image(&volume, &image, "the volume after bit rot").await;
+        }
+        let scrubbed = self.scrub("the scrub after rot").await;
+        let (repaired, errors) = self.repair_counters();
+        self.log.push(format!(
+            "rot: {} sectors rotten, {} rewritten ({} by the scrub)",
+            rotten.len(),
+            repaired - repaired_before,
+            scrubbed.repaired_bytes / 4096
+        ));
+        if repaired - repaired_before != rotten.len() as u64 || errors != errors_before {
+            self.fail(format!(
+                "{} rotten sectors, {} rewritten from another copy, {} checksum errors reached a caller",
+                rotten.len(),
+                repaired - repaired_before,
+                errors - errors_before
+            ));
+        }
+        self.rot_checks += 1;
+        self.rot_sectors += rotten.len() as u64;
+        self.restore_faults(faults);
     }
 
     async fn crash_and_reopen(&mut self, why: &str) {
         self.log.push(format!("crash ({why})"));
         // The power fails first; only then is the old pool dropped (its
         // handles are dead by then: dropping it must not flush anything).
-        let faults = self.devices[0].0.faults();
+        // No faults while recovering; they come back afterwards.
+        let faults = self.faults_off();
         for (device, _) in &self.devices {
-            // No faults while recovering; they come back afterwards.
-            device.set_faults(SimFaults::default());
             device.crash_with(&mut self.rng);
         }
         let old_pool = self.pool.as_ref().map(Arc::downgrade);
@@ -677,9 +877,7 @@ impl Harness {
         if let Err(e) = self.volume().flush().await {
             self.fail(format!("flush after recovery failed: {e}"));
         }
-        for (device, _) in &self.devices {
-            device.set_faults(faults);
-        }
+        self.restore_faults(faults);
     }
 }
 
@@ -700,98 +898,214 @@ async fn run_seed(seed: u64, operations: usize) {
     if small_log {
         devices.push((SimDevice::new(2 << 20, seed ^ 0x106_de71ce), Role::Log));
     }
-    let volume_bytes = 8u64 << 20;
     let with_faults = rng.chance(0.3);
     // Some seeds crash like kill -9 (everything written reaches the device,
     // flushed or not); the others like power loss (unflushed writes dropped
     // or torn).
     let process_kill = rng.chance(0.3);
     let log_throughput = rng.chance(0.25);
-    // A small RAM tier (about 250 sectors against 2048 in the volume), so
-    // writers often have to destage to make room.
-    let ram = HeapImage::new(MIN_RAM_BYTES);
-    let mut harness = Harness {
+    let faults = SimFaults {
+        read_error: if with_faults { 0.01 } else { 0.0 },
+        ..SimFaults::default()
+    };
+    let faults = vec![faults; devices.len()];
+    let members = (0..devices.len()).map(|i| vec![i]).collect();
+    let config = format!(
+        "volblocksize={volblocksize} two_tiers={two_tiers} faults={with_faults} process_kill={process_kill} \
+         log_throughput={log_throughput} small_log={small_log}"
+    );
+    let harness = Harness::new(
         seed,
         rng,
         devices,
-        pool: None,
-        volume: None,
-        volume_bytes,
+        members,
         volblocksize,
-        model: Model::new((volume_bytes / SECTOR) as usize),
         process_kill,
-        ram: ram.clone(),
         log_throughput,
-        next_write: 0,
-        snapshots: Vec::new(),
-        snapshots_taken: 0,
-        unsure: None,
-        log: vec![format!(
-            "volblocksize={volblocksize} two_tiers={two_tiers} faults={with_faults} process_kill={process_kill} \
-             log_throughput={log_throughput} small_log={small_log}"
-        )],
-    };
-    if process_kill {
-        for (device, _) in &harness.devices {
-            device.set_crash_model(CrashModel {
-                drop_weight: 0,
-                apply_weight: 1,
-                tear_weight: 0,
-            });
+        config,
+    );
+    harness.run(faults, operations).await;
+}
+
+impl Harness {
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        seed: u64,
+        rng: SimRng,
+        devices: Vec<(SimDevice, Role)>,
+        members: Vec<Vec<usize>>,
+        volblocksize: u32,
+        process_kill: bool,
+        log_throughput: bool,
+        config: String,
+    ) -> Harness {
+        let volume_bytes = 8u64 << 20;
+        // A small RAM tier (about 250 sectors against 2048 in the volume), so
+        // writers often have to destage to make room.
+        let ram = HeapImage::new(MIN_RAM_BYTES);
+        Harness {
+            seed,
+            rng,
+            devices,
+            pool: None,
+            volume: None,
+            volume_bytes,
+            volblocksize,
+            model: Model::new((volume_bytes / SECTOR) as usize),
+            process_kill,
+            ram,
+            log_throughput,
+            next_write: 0,
+            snapshots: Vec::new(),
+            snapshots_taken: 0,
+            unsure: None,
+            members,
+            masked: false,
+            rot_checks: 0,
+            rot_sectors: 0,
+            log: vec![config],
         }
     }
-    let new_devices = harness
-        .devices
-        .iter()
-        .map(|(d, role)| NewDevice {
-            device: d.as_device(),
-            role: *role,
-        })
-        .collect();
-    let options = PoolOptions {
-        ram: Some(RamSource::Heap(ram)),
-        background: false,
-        background_free_above: Some(FREE_AT_ONCE),
-        ..PoolOptions::default()
-    };
-    let pool = Pool::create_with("sim", 1 << 20, new_devices, options)
-        .await
-        .unwrap_or_else(|e| harness.fail(format!("create failed: {e}")));
-    drop(pool);
-    harness.open().await;
-    if with_faults {
-        for (device, _) in &harness.devices {
-            device.set_faults(SimFaults {
-                read_error: 0.01,
-                ..SimFaults::default()
-            });
-        }
-    }
-    for _ in 0..operations {
-        match harness.rng.below(116) {
-            0..=39 => harness.op_write().await,
-            40..=59 => harness.op_read().await,
-            60..=66 => harness.op_zero(true).await,
-            67..=72 => harness.op_zero(false).await,
-            73..=84 => harness.op_flush().await,
-            85..=87 => harness.op_checkpoint().await,
-            88..=89 => harness.op_destage().await,
-            90..=99 => harness.crash_and_reopen("random").await,
-            100..=103 => harness.op_snapshot().await,
-            104..=105 => harness.op_delete_snapshot().await,
-            106 => harness.op_rollback().await,
-            110 => harness.op_free_batch().await,
-            113..=115 => harness.op_migrate().await,
-            107..=109 => {
-                if !harness.snapshots.is_empty() {
-                    let at = harness.rng.below(harness.snapshots.len() as u64) as usize;
-                    harness.check_snapshot(at).await;
-                }
+
+    /// Creates the pool (its members as `members` says), opens it, turns on
+    /// each device's `faults` and runs `operations` random operations, then
+    /// a last crash.
+    async fn run(mut self, faults: Vec<SimFaults>, operations: usize) {
+        let harness = &mut self;
+        if harness.process_kill {
+            for (device, _) in &harness.devices {
+                device.set_crash_model(CrashModel {
+                    drop_weight: 0,
+                    apply_weight: 1,
+                    tear_weight: 0,
+                });
             }
-            _ => harness.op_clone().await,
+        }
+        let vdevs = harness
+            .members
+            .iter()
+            .map(|member| NewVdev {
+                role: harness.devices[member[0]].1,
+                devices: member.iter().map(|&i| harness.devices[i].0.as_device()).collect(),
+                write_mostly: Vec::new(),
+            })
+            .collect();
+        let options = PoolOptions {
+            ram: Some(RamSource::Heap(harness.ram.clone())),
+            background: false,
+            background_free_above: Some(FREE_AT_ONCE),
+            ..PoolOptions::default()
+        };
+        let pool = Pool::create_vdevs("sim", 1 << 20, vdevs, options)
+            .await
+            .unwrap_or_else(|e| harness.fail(format!("create failed: {e}")));
+        drop(pool);
+        harness.open().await;
+        harness.restore_faults(faults);
+        // Mirrors add their own operations; the others' seeds run as they
+        // always did.
+        let kinds = if harness.masked { 124 } else { 116 };
+        for _ in 0..operations {
+            match harness.rng.below(kinds) {
+                0..=39 => harness.op_write().await,
+                40..=59 => harness.op_read().await,
+                60..=66 => harness.op_zero(true).await,
+                67..=72 => harness.op_zero(false).await,
+                73..=84 => harness.op_flush().await,
+                85..=87 => harness.op_checkpoint().await,
+                88..=89 => harness.op_destage().await,
+                90..=99 => harness.crash_and_reopen("random").await,
+                100..=103 => harness.op_snapshot().await,
+                104..=105 => harness.op_delete_snapshot().await,
+                106 => harness.op_rollback().await,
+                110 => harness.op_free_batch().await,
+                113..=115 => harness.op_migrate().await,
+                116..=119 => harness.op_rot().await,
+                120..=123 => harness.op_resilver().await,
+                107..=109 => {
+                    if !harness.snapshots.is_empty() {
+                        let at = harness.rng.below(harness.snapshots.len() as u64) as usize;
+                        harness.check_snapshot(at).await;
+                    }
+                }
+                _ => harness.op_clone().await,
+            }
+        }
+        harness.crash_and_reopen("final").await;
+        if harness.masked {
+            // What the seed covered (shown with --nocapture).
+            let crashes = harness.log.iter().filter(|l| l.starts_with("crash")).count();
+            let stats: Vec<(u64, u64, u64)> = harness
+                .devices
+                .iter()
+                .map(|(d, _)| d.stats())
+                .map(|s| (s.reads, s.writes, s.injected_errors))
+                .collect();
+            eprintln!(
+                "mirror seed {}: {crashes} crashes, (reads, writes, injected errors) {stats:?}, {} rot checks ({} sectors rewritten); {}",
+                harness.seed,
+                harness.rot_checks,
+                harness.rot_sectors,
+                harness.log[0]
+            );
         }
     }
-    harness.crash_and_reopen("final").await;
+}
+
+/// A seed of the mirror simulation: the fast tier a mirror of two or
+/// three devices, sometimes a capacity tier (a mirror of two, or one
+/// device). Power losses hit every device at once (each drops or tears its
+/// own unflushed writes); faults go to one child of a mirror only (failed
+/// reads, or failed writes and flushes that fault it until a crash and a
+/// resilver bring it back), and bit rot to one child at a time, so a good
+/// copy of everything is always left: no error may reach a caller.
+async fn run_mirror_seed(seed: u64, operations: usize) {
+    // Another stream than `run_seed`'s for the same number.
+    let mut rng = SimRng::new(seed ^ 0x3141_5926_5358_9793);
+    let volblocksize = [4096u32, 16384, 65536][rng.below(3) as usize];
+    let copies = if rng.chance(0.3) { 3 } else { 2 };
+    let mut devices: Vec<(SimDevice, Role)> = (0..copies)
+        .map(|_| (SimDevice::new(160 << 20, rng.next_u64()), Role::Fast))
+        .collect();
+    let mut members = vec![(0..copies).collect::<Vec<usize>>()];
+    let capacity = rng.below(3);
+    for _ in 0..capacity {
+        devices.push((SimDevice::new(64 << 20, rng.next_u64()), Role::Capacity));
+    }
+    if capacity > 0 {
+        members.push((copies..copies + capacity as usize).collect());
+    }
+    let process_kill = rng.chance(0.2);
+    let log_throughput = rng.chance(0.25);
+    // One child of one mirror fails: reads, or writes and flushes, or all.
+    let mirrors: Vec<&Vec<usize>> = members.iter().filter(|m| m.len() > 1).collect();
+    let mirror = mirrors[rng.below(mirrors.len() as u64) as usize];
+    let bad = mirror[rng.below(mirror.len() as u64) as usize];
+    let kind = rng.below(4);
+    let bad_faults = SimFaults {
+        read_error: if kind & 1 == 1 { 0.25 } else { 0.0 },
+        write_error: if kind & 2 == 2 { 0.03 } else { 0.0 },
+        flush_error: if kind & 2 == 2 { 0.03 } else { 0.0 },
+        ..SimFaults::default()
+    };
+    let mut faults = vec![SimFaults::default(); devices.len()];
+    faults[bad] = bad_faults;
+    let config = format!(
+        "mirror: volblocksize={volblocksize} copies={copies} capacity={capacity} process_kill={process_kill} \
+         log_throughput={log_throughput} bad device {bad}: {bad_faults:?}"
+    );
+    let mut harness = Harness::new(
+        seed,
+        rng,
+        devices,
+        members,
+        volblocksize,
+        process_kill,
+        log_throughput,
+        config,
+    );
+    harness.masked = true;
+    harness.run(faults, operations).await;
 }
 
 fn runtime() -> tokio::runtime::Runtime {
@@ -826,6 +1140,43 @@ fn simulated_crashes_never_lose_flushed_writes() {
                 let seeds_runtime = runtime();
                 for seed in (first + worker..first + seeds).step_by(workers as usize) {
                     seeds_runtime.block_on(run_seed(seed, OPERATIONS));
+                }
+            });
+        }
+    });
+}
+
+/// Seeds of the mirror simulation per run (`STRATA_SIM_MIRROR_SEEDS`).
+const MIRROR_SEEDS: u64 = 8;
+
+#[test]
+fn simulated_crashes_faults_and_rot_on_mirrors_never_lose_or_garble_data() {
+    if let Ok(seed) = std::env::var("STRATA_SIM_MIRROR_SEED") {
+        let seed: u64 = seed.parse().expect("STRATA_SIM_MIRROR_SEED is a number");
+        // Fewer operations (`STRATA_SIM_OPERATIONS`) to find the shortest
+        // run of a seed that still fails.
+        let operations = std::env::var("STRATA_SIM_OPERATIONS")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(OPERATIONS);
+        runtime().block_on(run_mirror_seed(seed, operations));
+        return;
+    }
+    let seeds: u64 = std::env::var("STRATA_SIM_MIRROR_SEEDS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(MIRROR_SEEDS);
+    let first: u64 = std::env::var("STRATA_SIM_FIRST_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    let workers = std::thread::available_parallelism().map_or(1, |n| n.get()) as u64;
+    std::thread::scope(|scope| {
+        for worker in 0..workers {
+            scope.spawn(move || {
+                let seeds_runtime = runtime();
+                for seed in (first + worker..first + seeds).step_by(workers as usize) {
+                    seeds_runtime.block_on(run_mirror_seed(seed, OPERATIONS));
                 }
             });
         }
