@@ -17,7 +17,7 @@
 //! `STRATA_SIM_SEED=<seed> cargo test --release --test engine_sim -- --nocapture`
 //! replays exactly that run (`STRATA_SIM_MIRROR_SEED` a mirror seed's).
 //! `STRATA_SIM_SEEDS=N` sets how many seeds run (default 1000;
-//! `STRATA_SIM_MIRROR_SEEDS`, default 100, for mirrors), from
+//! `STRATA_SIM_MIRROR_SEEDS`, default 8, for mirrors), from
 //! `STRATA_SIM_FIRST_SEED` (default 0).
 
 use std::collections::BTreeSet;

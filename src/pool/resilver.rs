@@ -6,25 +6,20 @@
 //!
 //! What is copied: the metadata region and the log region when the member
 //! holds them, and every chunk the allocator has assigned, in device order
-//! in [`RESYNC_UNIT`]s, each under the mirror's barrier so no write lands
-//! between reading a unit and writing it. Up to [`IN_FLIGHT`] consecutive
-//! units are copied at once, so reading the next ones from the up-to-date
-//! device overlaps writing the last ones. Free chunks hold nothing a read
-//! can reach, so they are not copied. When the mirror's dirty record
+//! ([`RESYNC_UNIT`] at a time, each under the mirror's barrier so no write
+//! lands between reading a unit and writing it). Free chunks hold nothing a
+//! read can reach, so they are not copied. When the mirror's dirty record
 //! is complete for every device being resilvered (`pool/dirty.rs`: they
 //! went stale while it tracked), only the parts of those ranges whose units
 //! it marks are copied: nothing else was written while they were away. The
-//! device's superblock entry keeps how far the copy got (the end of the
-//! copied units below the first one not copied, whatever the order the
-//! units in flight finished in), so a resilver cut short by a restart
-//! resumes there: the device took every write meanwhile.
+//! device's superblock entry keeps how far the copy got, so a resilver cut
+//! short by a restart resumes there: the device took every write meanwhile.
 //!
 //! Pace: clients first. While they do I/O, the resilver rests after each
-//! run of units several times as long as the run took, as the scrub does
+//! unit several times as long as the unit took, as the scrub does
 //! ([`Pool::yield_to_clients`]); idle, it runs at the devices' speed.
 
 use super::*;
-use crate::device::BoxFuture;
 use crate::pool::vdev::{Health, Mirror, MirrorChild, RESYNC_UNIT};
 
 /// A resilver's progress, as `pool status` shows it.
@@ -42,9 +37,6 @@ pub struct ResilverStatus {
 
 /// How often the cursor is recorded in the superblocks.
 const RECORD_EVERY: std::time::Duration = std::time::Duration::from_secs(10);
-/// Units copied at once: reading the next ones from the up-to-date device
-/// overlaps writing the last ones to the device being resilvered.
-const IN_FLIGHT: usize = 8;
 
 impl Pool {
     /// Resilvers every mirror with devices being resilvered, one mirror at
@@ -155,90 +147,46 @@ impl Pool {
             }
         );
         mirror.set_resyncing(true).await;
-        // The units to copy, in device order: the parts of the ranges above
-        // `start`, cut at unit boundaries.
-        let mut units = ranges
-            .into_iter()
-            .flat_map(move |(range_start, range_length)| {
-                let end = range_start + range_length;
-                let mut at = range_start.max(start);
-                std::iter::from_fn(move || {
-                    (at < end).then(|| {
-                        let length = (RESYNC_UNIT - at % RESYNC_UNIT).min(end - at);
-                        at += length;
-                        (at - length, length)
-                    })
-                })
-            })
-            .peekable();
         let mut copied = 0u64;
         let mut recorded = std::time::Instant::now();
         let mut outcome = Ok(());
         let mut paused = false;
         let mut seen = self.foreground_ops();
-        while !targets.is_empty() {
-            // Up to IN_FLIGHT consecutive units at once, each under its own
-            // stripe of the barrier.
-            let mut wave = Vec::with_capacity(IN_FLIGHT);
-            let mut planned = copied;
-            while wave.len() < IN_FLIGHT && planned < budget {
-                let Some((at, length)) = units.next() else {
-                    break;
-                };
-                wave.push((at, length));
-                planned += length;
-            }
-            if wave.is_empty() {
-                paused = units.peek().is_some();
-                break;
-            }
-            let took = std::time::Instant::now();
-            let copies = wave
-                .iter()
-                .map(|&(at, length)| -> BoxFuture<'_, _> {
-                    let mut kept = targets.clone();
-                    Box::pin(async move { mirror.copy_unit(at, length, &mut kept).await.map(|()| kept) })
-                })
-                .collect();
-            // The cursor goes to the first unit not copied: every unit below
-            // it is, whatever the order they finished in.
-            let mut cursor = None;
-            for (&(at, length), result) in wave.iter().zip(vdev::join_all(copies).await) {
-                match result {
-                    Ok(kept) => {
-                        targets.retain(|t| kept.iter().any(|k| Arc::ptr_eq(k, t)));
-                        copied += length;
-                        cursor = Some(at + length);
-                    }
-                    Err(e) => {
-                        outcome = Err(PoolError::Io(e));
-                        break;
-                    }
+        'ranges: for (range_start, range_length) in ranges {
+            let mut at = range_start.max(start);
+            let end = range_start + range_length;
+            while at < end && !targets.is_empty() {
+                if copied >= budget {
+                    paused = true;
+                    break 'ranges;
                 }
-            }
-            if let Some(cursor) = cursor {
+                let length = (RESYNC_UNIT - at % RESYNC_UNIT).min(end - at);
+                let took = std::time::Instant::now();
+                if let Err(e) = mirror.copy_unit(at, length, &mut targets).await {
+                    outcome = Err(PoolError::Io(e));
+                    break 'ranges;
+                }
+                at += length;
+                copied += length;
                 for target in &targets {
-                    target.resilvered.fetch_max(cursor, Ordering::AcqRel);
+                    target.resilvered.store(at, Ordering::Release);
                 }
+                let seconds = began.elapsed().as_secs_f64().max(1e-3);
+                self.set_resilver_status(
+                    device.member.index,
+                    Some(ResilverStatus {
+                        total_bytes: total,
+                        done_bytes: below + copied,
+                        seconds: seconds as u64,
+                        bytes_per_second: (copied as f64 / seconds) as u64,
+                    }),
+                );
+                if recorded.elapsed() >= RECORD_EVERY {
+                    self.membership.record_health().await;
+                    recorded = std::time::Instant::now();
+                }
+                self.yield_to_clients(&mut seen, took.elapsed()).await;
             }
-            if outcome.is_err() {
-                break;
-            }
-            let seconds = began.elapsed().as_secs_f64().max(1e-3);
-            self.set_resilver_status(
-                device.member.index,
-                Some(ResilverStatus {
-                    total_bytes: total,
-                    done_bytes: below + copied,
-                    seconds: seconds as u64,
-                    bytes_per_second: (copied as f64 / seconds) as u64,
-                }),
-            );
-            if recorded.elapsed() >= RECORD_EVERY {
-                self.membership.record_health().await;
-                recorded = std::time::Instant::now();
-            }
-            self.yield_to_clients(&mut seen, took.elapsed()).await;
         }
         let mut finished = outcome.is_ok() && !paused;
         if finished && mirror.tracking() {
