@@ -1122,24 +1122,27 @@ fn simulated_crashes_never_lose_flushed_writes() {
         runtime().block_on(run_seed(seed, OPERATIONS));
         return;
     }
-    let seeds: u64 = std::env::var("STRATA_SIM_SEEDS")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(1000);
-    // From `STRATA_SIM_FIRST_SEED` (default 0), for longer searches.
-    let first: u64 = std::env::var("STRATA_SIM_FIRST_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(0);
-    // Seeds are independent: one worker per core, each with its own
-    // single-threaded runtime (a seed's run stays deterministic).
+    run_seeds(env_number("STRATA_SIM_SEEDS", 1000), |seed| run_seed(seed, OPERATIONS));
+}
+
+/// The number environment variable `name` holds, else `default`.
+fn env_number(name: &str, default: u64) -> u64 {
+    std::env::var(name).ok().and_then(|s| s.parse().ok()).unwrap_or(default)
+}
+
+/// Runs `run` on `count` seeds from `STRATA_SIM_FIRST_SEED` (default 0,
+/// for longer searches). Seeds are independent: one worker per core, each
+/// with its own single-threaded runtime (a seed's run stays deterministic).
+fn run_seeds<F: std::future::Future<Output = ()>>(count: u64, run: impl Fn(u64) -> F + Sync) {
+    let first = env_number("STRATA_SIM_FIRST_SEED", 0);
     let workers = std::thread::available_parallelism().map_or(1, |n| n.get()) as u64;
     std::thread::scope(|scope| {
         for worker in 0..workers {
+            let run = &run;
             scope.spawn(move || {
                 let seeds_runtime = runtime();
-                for seed in (first + worker..first + seeds).step_by(workers as usize) {
-                    seeds_runtime.block_on(run_seed(seed, OPERATIONS));
+                for seed in (first + worker..first + count).step_by(workers as usize) {
+                    seeds_runtime.block_on(run(seed));
                 }
             });
         }
@@ -1155,30 +1158,11 @@ fn simulated_crashes_faults_and_rot_on_mirrors_never_lose_or_garble_data() {
         let seed: u64 = seed.parse().expect("STRATA_SIM_MIRROR_SEED is a number");
         // Fewer operations (`STRATA_SIM_OPERATIONS`) to find the shortest
         // run of a seed that still fails.
-        let operations = std::env::var("STRATA_SIM_OPERATIONS")
-            .ok()
-            .and_then(|s| s.parse().ok())
-            .unwrap_or(OPERATIONS);
+        let operations = env_number("STRATA_SIM_OPERATIONS", OPERATIONS as u64) as _;
         runtime().block_on(run_mirror_seed(seed, operations));
         return;
     }
-    let seeds: u64 = std::env::var("STRATA_SIM_MIRROR_SEEDS")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(MIRROR_SEEDS);
-    let first: u64 = std::env::var("STRATA_SIM_FIRST_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(0);
-    let workers = std::thread::available_parallelism().map_or(1, |n| n.get()) as u64;
-    std::thread::scope(|scope| {
-        for worker in 0..workers {
-            scope.spawn(move || {
-                let seeds_runtime = runtime();
-                for seed in (first + worker..first + seeds).step_by(workers as usize) {
-                    seeds_runtime.block_on(run_mirror_seed(seed, OPERATIONS));
-                }
-            });
-        }
+    run_seeds(env_number("STRATA_SIM_MIRROR_SEEDS", MIRROR_SEEDS), |seed| {
+        run_mirror_seed(seed, OPERATIONS)
     });
 }
