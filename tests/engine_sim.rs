@@ -1149,6 +1149,21 @@ fn run_seeds<F: std::future::Future<Output = ()>>(count: u64, run: impl Fn(u64) 
     });
 }
 
+/// Mirror seeds that failed once, with how many operations showed it; each
+/// runs on every test run.
+const MIRROR_REGRESSIONS: &[(u64, usize)] = &[
+    // A rotten sector rewritten on one child, the rewrite lost to a power
+    // loss, then the other child faulted.
+    (50, 117),
+];
+
+#[test]
+fn simulated_mirrors_seeds_that_failed_once() {
+    for &(seed, operations) in MIRROR_REGRESSIONS {
+        runtime().block_on(run_mirror_seed(seed, operations));
+    }
+}
+
 /// Seeds of the mirror simulation per run (`STRATA_SIM_MIRROR_SEEDS`).
 const MIRROR_SEEDS: u64 = 8;
 

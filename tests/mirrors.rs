@@ -139,8 +139,9 @@ fn a_rotten_copy_is_found_by_its_checksums_and_rewritten_from_the_other() {
         assert_eq!(after[1].1, BLOCKS, "one bad sector per block: {after:?}");
         assert_eq!(after[1].2, BLOCKS, "each rewritten: {after:?}");
         assert_eq!(pool.status()[0].checksum_errors, 0, "no error reached a client");
-        // The bad copy now holds the data again.
-        let image = mirror.sims[1].snapshot();
+        // The bad copy now holds the data again, durably: a power loss
+        // right after the reads cannot bring the rot back.
+        let image = mirror.sims[1].durable_snapshot();
         for (block, &(_, offset)) in places.iter().enumerate() {
             let bytes = image.read(offset, BLOCK as usize);
             assert!(

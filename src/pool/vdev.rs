@@ -21,7 +21,8 @@
 //! - lets the pool read and write one child at a time
 //!   ([`Mirror::read_child`], [`Mirror::write_child`]): a block whose
 //!   checksum does not match is looked for on the other children and the
-//!   bad copies rewritten from a good one (`pool/volume/read.rs`).
+//!   bad copies rewritten from a good one (`pool/volume/read.rs`), each
+//!   rewrite flushed before it counts as repaired.
 //! - while a child that its dirty record is complete for is behind, keeps
 //!   the record (`pool/dirty.rs`): a write to a unit whose bit is not yet
 //!   durable on every written child waits until it is, so a returning child
@@ -387,9 +388,29 @@ impl Mirror {
         (buf, result)
     }
 
-    /// Writes `data` at `offset` to `child` alone (a repair, a resilver's
-    /// copy); a child that fails it is faulted.
+    /// Rewrites `[offset, +data.len())` of `child` alone with `data` (a
+    /// repair: the copy failed a read or its checksum) and flushes that
+    /// range, so that the repair is durable when it returns `Ok`. No pool
+    /// flush would cover it otherwise (the pool flushes the data devices
+    /// its own writes went to), and a power loss would bring the damage
+    /// back unseen, leaving one good copy where the pool counts two. A
+    /// child that fails the write or the flush is faulted.
     pub async fn write_child(&self, child: &MirrorChild, offset: u64, data: &[u8]) -> DeviceResult<()> {
+        self.write_child_unflushed(child, offset, data).await?;
+        let Some(device) = &child.device else {
+            return Err(missing(child));
+        };
+        let result = device.flush_range(offset, data.len() as u64).await;
+        if let Err(e) = &result {
+            self.fault(child, e).await;
+        }
+        result
+    }
+
+    /// Writes `data` at `offset` to `child` alone, not flushed (a
+    /// resilver's copy: the resilver flushes each child before it counts
+    /// as up to date); a child that fails it is faulted.
+    async fn write_child_unflushed(&self, child: &MirrorChild, offset: u64, data: &[u8]) -> DeviceResult<()> {
         let Some(device) = &child.device else {
             return Err(missing(child));
         };
@@ -712,7 +733,7 @@ impl Mirror {
         result?;
         let mut kept = Vec::with_capacity(targets.len());
         for target in targets.iter() {
-            if self.write_child(target, offset, buf.payload()).await.is_ok() {
+            if self.write_child_unflushed(target, offset, buf.payload()).await.is_ok() {
                 kept.push(target.clone());
             }
         }
