@@ -118,6 +118,25 @@ impl Geometry {
         Ok(())
     }
 
+    /// Checks `count` sectors from byte `offset` of `device` (a replayed
+    /// record's): a data device, a sector boundary, inside its data area.
+    pub fn check_sectors(&self, device: u8, offset: u64, count: u64) -> Result<(), String> {
+        let extent = self.device(device as u64)?;
+        if !extent.holds_data {
+            return Err(format!("device {device} holds no data"));
+        }
+        let end = count
+            .checked_mul(self.sector_bytes)
+            .and_then(|bytes| offset.checked_add(bytes));
+        if offset % self.sector_bytes != 0 || offset < extent.first_data || end.is_none_or(|end| end > extent.end) {
+            return Err(format!(
+                "{count} sectors at {offset} do not lie on sectors of device {device}'s data area [{}, {})",
+                extent.first_data, extent.end
+            ));
+        }
+        Ok(())
+    }
+
     /// Checks a (device, chunk) pair of a stored row or a replayed record.
     pub fn check_chunk(&self, device: u64, chunk: u64, chunk_bytes: u64) -> Result<(), String> {
         let extent = self.device(device)?;

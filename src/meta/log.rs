@@ -116,6 +116,13 @@ pub enum Record {
         dataset: u32,
         ops: Vec<crate::meta::fsrows::NsOp>,
     },
+    /// The 4 KiB sectors from byte `offset` of member `device` hold data
+    /// whose checksums are `crcs`, as the checksum table stores them
+    /// (tagged). Committed before a copy on a mirror is rewritten from
+    /// another when those checksums may not be durable yet (written in
+    /// place since the last checkpoint): after a power cut during or after
+    /// the repair the checksums still tell the good copy from the bad.
+    Sums { device: u8, offset: u64, crcs: Vec<u32> },
 }
 
 /// One snapshot of a [`Record::Snapshot`].
@@ -144,7 +151,8 @@ impl Record {
     fn needs_durable_data(&self) -> bool {
         match self {
             Record::Map { new, .. } => *new != 0,
-            Record::Written { .. } | Record::Relocate { .. } => true,
+            // The checksums describe data that must be durable first.
+            Record::Written { .. } | Record::Relocate { .. } | Record::Sums { .. } => true,
             Record::Dirty { .. }
             | Record::Destroy { .. }
             | Record::Data { .. }
@@ -185,6 +193,7 @@ impl Record {
             Record::Promote { .. } => 9,
             Record::Relocate { crcs, owners, .. } => 28 + 4 * crcs.len() + 4 * owners.len(),
             Record::Namespace { ops, .. } => 1 + crate::meta::fsrows::ops_len(ops),
+            Record::Sums { crcs, .. } => 11 + 4 * crcs.len(),
         }
     }
 
@@ -336,6 +345,16 @@ impl Record {
             Record::Namespace { dataset, ops } => {
                 out.push(16);
                 crate::meta::fsrows::encode_ops(*dataset, ops, out);
+            }
+            Record::Sums { device, offset, crcs } => {
+                assert!(!crcs.is_empty() && crcs.len() <= MAX_CRCS_PER_RECORD);
+                out.push(17);
+                out.push(*device);
+                out.extend_from_slice(&offset.to_le_bytes());
+                out.push(crcs.len() as u8);
+                for crc in crcs {
+                    out.extend_from_slice(&crc.to_le_bytes());
+                }
             }
         }
     }
@@ -503,6 +522,19 @@ impl Record {
                 let (dataset, ops, used) = crate::meta::fsrows::decode_ops(&bytes[1..])?;
                 Some((Record::Namespace { dataset, ops }, 1 + used))
             }
+            17 => {
+                let count = *bytes.get(10)? as usize;
+                if count == 0 || count > MAX_CRCS_PER_RECORD {
+                    return None;
+                }
+                let crcs = (0..count).map(|i| u32_at(11 + 4 * i)).collect::<Option<Vec<u32>>>()?;
+                let record = Record::Sums {
+                    device: *bytes.get(1)?,
+                    offset: u64_at(2)?,
+                    crcs,
+                };
+                Some((record, 11 + 4 * count))
+            }
             _ => None,
         }
     }
@@ -584,7 +616,8 @@ enum Touches {
 impl Deferred {
     fn touches(&self, record: &Record) -> Touches {
         match record {
-            Record::Dirty { .. } | Record::Namespace { .. } => Touches::Nothing,
+            // A `Sums` record describes data already in place.
+            Record::Dirty { .. } | Record::Namespace { .. } | Record::Sums { .. } => Touches::Nothing,
             Record::Map { volume, block, .. } => Touches::Blocks(vec![(*volume, *block)]),
             Record::Written {
                 volume,
@@ -1588,6 +1621,11 @@ mod tests {
                 new: (1 << 63) | (1 << 48) | 9,
                 crcs: vec![1, 2, 3, 4],
                 owners: vec![3, 0x8000_0001, 0x8000_0004],
+            },
+            Record::Sums {
+                device: 2,
+                offset: 1 << 30,
+                crcs: vec![5, 6, 7],
             },
         ];
         for record in &records {

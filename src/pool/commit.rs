@@ -151,6 +151,42 @@ impl Pool {
             .is_none_or(|slot| slot.load(Ordering::Acquire) == epoch)
     }
 
+    /// Whether the stored checksum of the sector at (device, byte offset)
+    /// may differ from the durable one: its chunk may have been written in
+    /// place since the last checkpoint (its `Dirty` mark is of this epoch),
+    /// or the sector is suspect after a crash. Everything else that sets
+    /// checksums logs them (`Map`, `Relocate`).
+    pub(crate) fn sums_may_be_unlogged(&self, device: u8, offset: u64) -> bool {
+        self.is_marked((device, offset), self.epoch()) || self.is_suspect(device, offset)
+    }
+
+    /// Makes durable the stored checksums `sums` (byte offset, checksum as
+    /// stored) of sectors of `device`, and the data they describe: `Sums`
+    /// records, committed with a flush of the data devices first. Before a
+    /// copy on a mirror is rewritten from another (`EngineVolume::heal`).
+    pub(crate) async fn commit_sums(&self, device: u8, sums: &[(u64, u32)]) -> Result<(), PoolError> {
+        let mut at = 0;
+        while at < sums.len() {
+            // A run of consecutive sectors, at most one record's worth.
+            let first = sums[at].0;
+            let mut end = at + 1;
+            while end < sums.len()
+                && end - at < crate::meta::log::MAX_CRCS_PER_RECORD
+                && sums[end].0 == first + (end - at) as u64 * SECTOR_BYTES
+            {
+                end += 1;
+            }
+            let crcs = sums[at..end].iter().map(|(_, crc)| *crc).collect();
+            self.log.append(Record::Sums {
+                device,
+                offset: first,
+                crcs,
+            });
+            at = end;
+        }
+        self.commit_marks().await
+    }
+
     /// The write gate's shard of `volume` (see `Pool::gates`). Held shared
     /// it keeps a checkpoint from starting; nobody holds two at once (a
     /// checkpoint waiting for one would then deadlock with it).

@@ -359,6 +359,15 @@ mod tests {
         let mut too_many = body.clone();
         too_many[4 + 1 + 24 + 1 + 8..4 + 1 + 24 + 1 + 8 + 2].copy_from_slice(&u16::MAX.to_le_bytes());
         write("meta_log_block", "relocate-too-many-owners", &too_many);
+        // A mirror repair's checksums.
+        let sums = Record::Sums {
+            device: 1,
+            offset: 1 << 20,
+            crcs: vec![0xdead_beef, 7],
+        };
+        let mut body = 1u32.to_le_bytes().to_vec();
+        crate::meta::log::encode_record_for_fuzzing(&sums, &mut body);
+        write("meta_log_block", "sums", &body);
         // Superblocks: a real one, one with too many members, a cut one.
         let superblock = Superblock {
             format: crate::pool::superblock::FORMAT_VERSION,

@@ -948,12 +948,20 @@ impl Pool {
                 slot("old", *old).map_err(what)?;
                 checksums(BlockPtr::from_bits(*new), crcs).map_err(what)
             }
+            Record::Sums { device, offset, crcs } => geometry
+                .check_sectors(*device, *offset, crcs.len() as u64)
+                .map_err(|e| format!("Sums, {e}")),
             _ => Ok(()),
         }
     }
 
     /// Whether the data a staged `Map` record points at matches its checksums.
+    /// A staged `Sums` record never counts: the repair it came before
+    /// waits for its commit, so without one there was no repair.
     async fn staged_data_present(&self, record: &Record) -> bool {
+        if matches!(record, Record::Sums { .. }) {
+            return false;
+        }
         let (Record::Map { crcs, .. } | Record::Relocate { crcs, .. }) = record else {
             return true;
         };
@@ -1049,6 +1057,7 @@ impl Pool {
                 self.replay_slots(old, new, block, &crcs)
                     .map_err(|e| corrupt(format!("log record moving block {block} of {owners:?}: {e}")))?;
             }
+            Record::Sums { device, offset, crcs } => self.store_crcs(device, offset, &crcs).map_err(PoolError::Meta)?,
             Record::Destroy { volume } => self.free_volume_blocks(volume, Release::Replaying)?,
             Record::Namespace { dataset, ops } => self.replay_namespace(dataset, &ops),
             Record::Data { .. } | Record::Written { .. } => {}

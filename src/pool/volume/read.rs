@@ -3,6 +3,7 @@
 //! suspect).
 
 use super::*;
+use crate::pool::vdev::MirrorChild;
 
 impl EngineVolume {
     /// Checks the sectors of `data` read from `device` at `offset`. A mismatch
@@ -28,7 +29,8 @@ impl EngineVolume {
         let pool_device = self.pool.data_device(device).map_err(meta_error)?;
         if let Some(mirror) = pool_device.mirror() {
             // Another copy may hold what the checksums describe.
-            self.heal(mirror, offset, data, &stored, logical).await;
+            self.heal(mirror, device, offset, data, &stored, logical, holding_gate)
+                .await;
             actuals = sector_crcs(data);
             self.pool.tag_crcs(&mut actuals, logical);
         }
@@ -49,10 +51,14 @@ impl EngineVolume {
                 counters.repaired_after_crash.fetch_add(1, Ordering::Relaxed);
                 if pool_device.mirror().is_some() {
                     // No copy matched: the crash explains it, and every copy
-                    // is made the one the checksum now describes.
+                    // is made the one the checksum now describes, durably
+                    // (no pool flush covers this write: it is no client's).
                     let from = index * SECTOR_BYTES as usize;
                     let sector = IoBuf::copy_from(&data[from..from + SECTOR_BYTES as usize]);
                     if let (_, Err(e)) = pool_device.device.write(at, sector).await {
+                        return Err(io_error(e));
+                    }
+                    if let Err(e) = pool_device.device.flush_range(at, SECTOR_BYTES).await {
                         return Err(io_error(e));
                     }
                 }
@@ -73,15 +79,32 @@ impl EngineVolume {
         Ok(())
     }
 
-    /// Looks for the sectors of `data` (read from `mirror` at `offset`)
-    /// whose checksums do not match `stored` on every up-to-date child of
-    /// the mirror: a sector one child holds intact replaces the bad one in
-    /// `data` and is written over the copies that do not match (never over
-    /// one that does: a power cut mid-repair leaves a good copy). Counted
-    /// per child. Sectors no child holds intact stay as they were.
-    async fn heal(&self, mirror: &Mirror, offset: u64, data: &mut [u8], stored: &[u32], logical: u64) {
+    /// Looks for the sectors of `data` (read from member `device`, the
+    /// mirror `mirror`, at `offset`) whose checksums do not match `stored`
+    /// on every up-to-date child of the mirror: a sector one child holds
+    /// intact replaces the bad one in `data` and is written over the copies
+    /// that do not match (never over one that does). Counted per child.
+    /// Sectors no child holds intact stay as they were.
+    ///
+    /// A power cut during or after a repair must leave checksums that tell
+    /// the good copy from the bad, so where they may not be durable yet (see
+    /// [`Pool::sums_may_be_unlogged`]) a `Sums` record of them is committed
+    /// first. Under the write gate (`holding_gate`: the caller is a write
+    /// reading what it overwrites) no commit may wait, so the bad copies are
+    /// left for the write itself or a later read or scrub.
+    #[allow(clippy::too_many_arguments)]
+    async fn heal(
+        &self,
+        mirror: &Mirror,
+        device: u8,
+        offset: u64,
+        data: &mut [u8],
+        stored: &[u32],
+        logical: u64,
+        holding_gate: bool,
+    ) {
         let sector = SECTOR_BYTES as usize;
-        let mut copies: Vec<(Arc<crate::pool::vdev::MirrorChild>, IoBuf, Vec<u32>)> = Vec::new();
+        let mut copies: Vec<(Arc<MirrorChild>, IoBuf, Vec<u32>)> = Vec::new();
         for child in mirror.online() {
             let (buf, result) = mirror.read_child(&child, offset, IoBuf::new(data.len())).await;
             if result.is_ok() {
@@ -90,28 +113,69 @@ impl EngineVolume {
                 copies.push((child, buf, sums));
             }
         }
+        // The sectors one copy holds intact, with the children to rewrite.
+        let mut repairs: Vec<(usize, Vec<Arc<MirrorChild>>)> = Vec::new();
         for (at, &expected) in stored.iter().enumerate() {
             let Some(good) = copies.iter().position(|(_, _, sums)| sums[at] == expected) else {
                 continue;
             };
             let range = at * sector..(at + 1) * sector;
-            data[range.clone()].copy_from_slice(&copies[good].1.payload()[range.clone()]);
-            let bad: Vec<Arc<crate::pool::vdev::MirrorChild>> = copies
+            data[range.clone()].copy_from_slice(&copies[good].1.payload()[range]);
+            let bad: Vec<Arc<MirrorChild>> = copies
                 .iter()
                 .filter(|(_, _, sums)| sums[at] != expected)
                 .map(|(child, _, _)| child.clone())
                 .collect();
-            for child in bad {
+            if bad.is_empty() {
+                continue;
+            }
+            for child in &bad {
                 child.counters.checksum_errors.fetch_add(1, Ordering::Relaxed);
-                let place = offset + (at * sector) as u64;
-                tracing::warn!(
-                    "volume {}: checksum mismatch on {} at offset {place} (volume offset {}); rewritten from another copy",
+            }
+            repairs.push((at, bad));
+        }
+        if repairs.is_empty() {
+            return;
+        }
+        let place = |at: usize| offset + (at * sector) as u64;
+        let unlogged: Vec<usize> = repairs
+            .iter()
+            .map(|(at, _)| *at)
+            .filter(|&at| self.pool.sums_may_be_unlogged(device, place(at)))
+            .collect();
+        let rewrite = if unlogged.is_empty() {
+            Ok(())
+        } else if holding_gate {
+            Err("the write being made rewrites it".to_string())
+        } else {
+            let sums: Vec<(u64, u32)> = unlogged.iter().map(|&at| (place(at), stored[at])).collect();
+            self.pool
+                .commit_sums(device, &sums)
+                .await
+                .map_err(|e| format!("its checksums could not be made durable first: {e}"))
+        };
+        for (at, bad) in repairs {
+            let range = at * sector..(at + 1) * sector;
+            for child in bad {
+                let where_ = format!(
+                    "volume {}: checksum mismatch on {} at offset {} (volume offset {})",
                     self.id,
                     child.name,
+                    place(at),
                     logical + (at * sector) as u64
                 );
-                if mirror.write_child(&child, place, &data[range.clone()]).await.is_ok() {
-                    child.counters.repaired.fetch_add(1, Ordering::Relaxed);
+                match &rewrite {
+                    Ok(()) => {
+                        tracing::warn!("{where_}; rewritten from another copy");
+                        if mirror
+                            .write_child(&child, place(at), &data[range.clone()])
+                            .await
+                            .is_ok()
+                        {
+                            child.counters.repaired.fetch_add(1, Ordering::Relaxed);
+                        }
+                    }
+                    Err(why) => tracing::warn!("{where_}; read from another copy, not rewritten: {why}"),
                 }
             }
         }
