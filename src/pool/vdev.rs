@@ -349,7 +349,10 @@ impl Mirror {
     }
 
     /// The child of `children` a read goes to, skipping those in `tried`
-    /// (a bit each).
+    /// (a bit each). The caller that then reads from it moves the turn on
+    /// ([`Mirror::took_turn`]); a read that was not done (a fast path the
+    /// device cannot take, before the usual read) must not, or a reader
+    /// that tries both would land on the same child every time.
     fn pick(&self, children: &[Arc<MirrorChild>], tried: u64) -> Option<usize> {
         let candidates = || {
             children
@@ -362,7 +365,7 @@ impl Mirror {
         }
         // Ties (idle children) are broken in turn, so that one reader at a
         // time still spreads its reads over the copies.
-        let turn = self.turn.fetch_add(1, Ordering::Relaxed) as usize;
+        let turn = self.turn.load(Ordering::Relaxed) as usize;
         let count = children.len();
         let least_busy = |write_mostly: bool| {
             candidates()
@@ -371,6 +374,12 @@ impl Mirror {
                 .map(|(i, _)| i)
         };
         least_busy(false).or_else(|| least_busy(true))
+    }
+
+    /// A read went to the child [`Mirror::pick`] chose: the next tie goes
+    /// to the next child.
+    fn took_turn(&self) {
+        self.turn.fetch_add(1, Ordering::Relaxed);
     }
 
     /// Reads `buf.len()` bytes at `offset` from `child` alone, counting a
@@ -1140,6 +1149,7 @@ impl Device for Mirror {
             let mut last_error = None;
             while let Some(index) = self.pick(&children, tried) {
                 tried |= 1 << index;
+                self.took_turn();
                 let (back, result) = self.read_child(&children[index], offset, buf).await;
                 buf = back;
                 match result {
@@ -1266,7 +1276,10 @@ impl Device for Mirror {
         let index = self.pick(&children, 0)?;
         let device = children[index].device.as_ref()?;
         match device.read_now(offset, dst)? {
-            Ok(()) => Some(Ok(())),
+            Ok(()) => {
+                self.took_turn();
+                Some(Ok(()))
+            }
             // The usual read retries on another child.
             Err(_) => None,
         }
@@ -1277,10 +1290,14 @@ impl Device for Mirror {
         let Some(index) = self.pick(&children, 0) else {
             return false;
         };
-        children[index]
+        let done = children[index]
             .device
             .as_ref()
-            .is_some_and(|device| device.read_now_summed(offset, dst, sums))
+            .is_some_and(|device| device.read_now_summed(offset, dst, sums));
+        if done {
+            self.took_turn();
+        }
+        done
     }
 
     fn backing_space(&self) -> Option<BackingSpace> {
