@@ -435,8 +435,17 @@ impl Harness {
 
     /// Reads all of `volume` (faults off) and compares it with `image`.
     async fn check_image(&self, volume: &EngineVolume, image: &[u64], what: &str) {
+        self.check_image_times(volume, image, what, 1).await
+    }
+
+    /// [`Harness::check_image`], each piece read `times` times in a row
+    /// (a mirror's reads go to each copy in turn).
+    async fn check_image_times(&self, volume: &EngineVolume, image: &[u64], what: &str, times: usize) {
         let step = 256usize;
-        for first in (0..image.len()).step_by(step) {
+        for first in (0..image.len())
+            .step_by(step)
+            .flat_map(|first| std::iter::repeat_n(first, times))
+        {
             let count = step.min(image.len() - first);
             let (buf, result) = volume
                 .read(first as u64 * SECTOR, IoBuf::new(count * SECTOR as usize))
@@ -766,12 +775,11 @@ impl Harness {
             rotten.insert((child, at / 4096));
         }
         let (repaired_before, errors_before) = self.repair_counters();
-        // Reads go to each copy in turn: read it all once per copy.
+        // Reads go to each copy in turn: each piece is read once per copy.
         let copies = self.members.iter().map(Vec::len).max().unwrap_or(1);
         let image = self.image();
-        for _ in 0..copies {
-            self.check_image(&volume, &image, "the volume after bit rot").await;
-        }
+        self.check_image_times(&volume, &image, "the volume after bit rot", copies)
+            .await;
         let scrubbed = self.scrub("the scrub after rot").await;
         let (repaired, errors) = self.repair_counters();
         self.log.push(format!(
@@ -1169,7 +1177,7 @@ fn simulated_mirrors_seeds_that_failed_once() {
 }
 
 /// Seeds of the mirror simulation per run (`STRATA_SIM_MIRROR_SEEDS`).
-const MIRROR_SEEDS: u64 = 8;
+const MIRROR_SEEDS: u64 = 24;
 
 #[test]
 fn simulated_crashes_faults_and_rot_on_mirrors_never_lose_or_garble_data() {
