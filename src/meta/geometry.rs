@@ -128,7 +128,10 @@ impl Geometry {
         let end = count
             .checked_mul(self.sector_bytes)
             .and_then(|bytes| offset.checked_add(bytes));
-        if offset % self.sector_bytes != 0 || offset < extent.first_data || end.is_none_or(|end| end > extent.end) {
+        if !offset.is_multiple_of(self.sector_bytes)
+            || offset < extent.first_data
+            || end.is_none_or(|end| end > extent.end)
+        {
             return Err(format!(
                 "{count} sectors at {offset} do not lie on sectors of device {device}'s data area [{}, {})",
                 extent.first_data, extent.end
