@@ -148,45 +148,56 @@ fn the_api_answers_as_its_openapi_document_says() {
         r#"{"name":"snap1"}"#,
     );
 
-    let started = Instant::now();
-    let mut run = Command::new("python3")
-        .current_dir(dir.path())
-        .args(["-m", "schemathesis.cli", "--config-file"])
-        .arg(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/api_contract.toml"))
-        .arg("run")
-        .arg(format!("http://{}/openapi.json", daemon.api))
-        .args(["--checks", "all", "--max-examples", MAX_EXAMPLES, "--seed", SEED])
-        .args(["--workers", "2", "--no-color", "--request-timeout", "60"])
-        .arg("--header")
-        .arg(format!("Authorization: Bearer {token}"))
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("run python3 -m schemathesis.cli");
-    let mut stdout = run.stdout.take().unwrap();
-    let mut stderr = run.stderr.take().unwrap();
-    let out = std::thread::spawn(move || {
-        let mut text = String::new();
-        let _ = stdout.read_to_string(&mut text);
-        text
-    });
-    let err = std::thread::spawn(move || {
-        let mut text = String::new();
-        let _ = stderr.read_to_string(&mut text);
-        text
-    });
-    let status = loop {
-        if let Some(status) = run.try_wait().unwrap() {
-            break Some(status);
-        }
-        if started.elapsed() > LIMIT {
-            let _ = run.kill();
-            let _ = run.wait();
-            break None;
-        }
-        std::thread::sleep(Duration::from_millis(200));
+    let begun = Instant::now();
+    let schemathesis = || {
+        let started = Instant::now();
+        let mut run = Command::new("python3")
+            .current_dir(dir.path())
+            .args(["-m", "schemathesis.cli", "--config-file"])
+            .arg(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/api_contract.toml"))
+            .arg("run")
+            .arg(format!("http://{}/openapi.json", daemon.api))
+            .args(["--checks", "all", "--max-examples", MAX_EXAMPLES, "--seed", SEED])
+            .args(["--workers", "2", "--no-color", "--request-timeout", "60"])
+            .arg("--header")
+            .arg(format!("Authorization: Bearer {token}"))
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("run python3 -m schemathesis.cli");
+        let mut stdout = run.stdout.take().unwrap();
+        let mut stderr = run.stderr.take().unwrap();
+        let out = std::thread::spawn(move || {
+            let mut text = String::new();
+            let _ = stdout.read_to_string(&mut text);
+            text
+        });
+        let err = std::thread::spawn(move || {
+            let mut text = String::new();
+            let _ = stderr.read_to_string(&mut text);
+            text
+        });
+        let status = loop {
+            if let Some(status) = run.try_wait().unwrap() {
+                break Some(status);
+            }
+            if started.elapsed() > LIMIT {
+                let _ = run.kill();
+                let _ = run.wait();
+                break None;
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        };
+        (status, format!("{}{}", out.join().unwrap(), err.join().unwrap()))
     };
-    let output = format!("{}{}", out.join().unwrap(), err.join().unwrap());
+    let (mut status, mut output) = schemathesis();
+    // CPython 3.11 before 3.11.8 can raise this SystemError at random while
+    // building an AST (python/cpython#106905): the tool's own crash, not an
+    // answer of the API. One more run; a second failure of any kind fails.
+    if !status.is_some_and(|s| s.success()) && output.contains("AST constructor recursion depth mismatch") {
+        eprintln!("schemathesis hit CPython's AST recursion depth bug (cpython#106905); running it again");
+        (status, output) = schemathesis();
+    }
     let log = std::fs::read_to_string(dir.path().join("daemon.log")).unwrap_or_default();
     let log_tail: Vec<&str> = log
         .lines()
@@ -212,5 +223,5 @@ fn the_api_answers_as_its_openapi_document_says() {
         output.contains("passed") && !output.contains("No operations"),
         "schemathesis ran no test:\n{output}"
     );
-    eprintln!("schemathesis passed in {:?}:\n{output}", started.elapsed());
+    eprintln!("schemathesis passed in {:?}:\n{output}", begun.elapsed());
 }
