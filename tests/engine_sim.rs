@@ -1167,6 +1167,10 @@ const MIRROR_REGRESSIONS: &[(u64, usize)] = &[
     // checksum that told the copies apart (of an overwrite in place) was
     // not durable, and the rotten copy was taken as the data.
     (13, 90),
+    // An unflushed write torn by a power loss on one child only, its
+    // staged mapping checked against the other: accepted, and the torn
+    // copy was left for a read once the good child was faulted.
+    (43, 103),
 ];
 
 #[test]

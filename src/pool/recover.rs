@@ -805,10 +805,11 @@ impl Pool {
             pool.check_replayed(&record)
                 .map_err(|e| corrupt(format!("log record at LSN {lsn}: {e}")))?;
             // A staged record (never committed) counts only if the data it
-            // maps made it to the device intact: staging has no data flush
-            // before it, so after a power loss the mapping may have landed
-            // without its data. (After a kill -9 it always matches: no write
-            // overwrites a block in place while its mapping is uncommitted.)
+            // maps made it to the device intact (on a mirror, to some copy
+            // of each sector; the others are rewritten from it): staging has no data flush before it, so after a
+            // power loss the mapping may have landed without its data.
+            // (After a kill -9 it always matches: no write overwrites a
+            // block in place while its mapping is uncommitted.)
             if !committed && !pool.staged_data_present(&record).await {
                 staged_dropped += 1;
                 continue;
@@ -972,13 +973,66 @@ impl Pool {
             return false;
         };
         let length = crcs.len() * SECTOR_BYTES as usize;
-        let (buf, result) = pool_device.device.read(offset, IoBuf::new(length)).await;
-        result.is_ok()
-            && buf
-                .payload()
-                .chunks(SECTOR_BYTES as usize)
-                .zip(crcs)
-                .all(|(sector, crc)| crate::checksum::crc32c(sector) == *crc)
+        let sector = SECTOR_BYTES as usize;
+        let Some(mirror) = pool_device.mirror() else {
+            let (buf, result) = pool_device.device.read(offset, IoBuf::new(length)).await;
+            return result.is_ok()
+                && buf
+                    .payload()
+                    .chunks(sector)
+                    .zip(crcs)
+                    .all(|(data, crc)| crate::checksum::crc32c(data) == *crc);
+        };
+        // The write went to each child unflushed: a power loss may tear it
+        // on one copy and not another, and a child that failed it may not
+        // have been marked faulted before the process died. A read through
+        // the mirror sees one child only; accepting the mapping on its word
+        // would leave a copy whose checksum is wrong that no later read
+        // looks for (new blocks are not suspect) until the good copy is
+        // gone. So every copy is read: the mapping counts if each sector is
+        // intact on some child, and the copies that differ are rewritten
+        // from those sectors before the pool serves the block. (No later
+        // record can have put other data in the slot: a slot freed after
+        // this record is free for reuse only once a commit covers both.)
+        let children = mirror.written();
+        let mut copies = Vec::with_capacity(children.len());
+        for child in &children {
+            let (buf, result) = mirror.read_child(child, offset, IoBuf::new(length)).await;
+            copies.push(result.ok().map(|()| buf));
+        }
+        let mut good = vec![0u8; length];
+        for (index, crc) in crcs.iter().enumerate() {
+            let range = index * sector..(index + 1) * sector;
+            let intact = copies
+                .iter()
+                .flatten()
+                .map(|buf| &buf.payload()[range.clone()])
+                .find(|data| crate::checksum::crc32c(data) == *crc);
+            match intact {
+                Some(data) => good[range].copy_from_slice(data),
+                None => return false,
+            }
+        }
+        for (child, copy) in children.iter().zip(&copies) {
+            if copy.as_ref().is_some_and(|buf| buf.payload() == good.as_slice()) {
+                continue;
+            }
+            // A child that fails the rewrite is faulted; the block stands
+            // on the others.
+            if mirror.write_child(child, offset, &good).await.is_ok() {
+                let differing = match copy {
+                    Some(buf) => buf
+                        .payload()
+                        .chunks(sector)
+                        .zip(good.chunks(sector))
+                        .filter(|(a, b)| a != b)
+                        .count(),
+                    None => crcs.len(),
+                };
+                child.counters.repaired.fetch_add(differing as u64, Ordering::Relaxed);
+            }
+        }
+        true
     }
 
     /// The slots of a replayed mapping change: `freed` (unmapped: none) is
