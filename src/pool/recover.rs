@@ -531,7 +531,8 @@ impl Pool {
         options: PoolOptions,
     ) -> Result<Arc<Pool>, PoolError> {
         let chunk = superblock.chunk_bytes as u64;
-        let meta_dev = devices[superblock.meta_device as usize].device.clone();
+        let devices = grow::DeviceList::from(devices);
+        let meta_dev = devices.at(superblock.meta_device).map_err(PoolError::Meta)?.device.clone();
         let (meta_offset, meta_bytes) = (superblock.meta_offset, superblock.meta_bytes);
         let store_bytes = Arc::new(AtomicU64::new(0));
         let written = store_bytes.clone();
@@ -662,7 +663,7 @@ impl Pool {
         })?;
         allocator.take_dirty();
 
-        let log_device = devices[superblock.log_device as usize].device.clone();
+        let log_device = devices.at(superblock.log_device).map_err(PoolError::Meta)?.device.clone();
         let pool_tag = pool_tag(&superblock.pool_uuid);
         let (records, end_lsn, valid_end) = Log::replay(
             &log_device,
@@ -730,7 +731,7 @@ impl Pool {
             uuid: superblock.pool_uuid,
             chunk_bytes: superblock.chunk_bytes,
             meta_device: superblock.meta_device,
-            devices: devices.into(),
+            devices,
             db,
             log,
             map_pages: PageCache::new(meta_cache_pages(options.meta_cache_bytes).0)
