@@ -640,12 +640,12 @@ def mirrors(ctx):
 
 def scrub(ctx):
     out = ctx.tmp / "scrub.json"
-    runtime, size = ctx.pick((15, 1024), (3, 128))
-    shown = f"python3 bench/scrub_bench.py --runtime {runtime} --size-mib {size}"
+    runtime, size, disk = ctx.pick((15, 1024, 512), (3, 128, 64))
+    shown = f"python3 bench/scrub_bench.py --runtime {runtime} --size-mib {size} --disk-mib {disk}"
     sh(["python3", "bench/scrub_bench.py", "--binary", ctx.binary, "--runtime", str(runtime), "--size-mib",
-        str(size), "--json", str(out)])
+        str(size), "--disk-mib", str(disk), "--json", str(out)])
     got = json.loads(out.read_text())
-    idle, slow, resilver = got["idle"], got["slow"], got["resilver"]
+    idle, slow, resilver, on_disks = got["idle"], got["slow"], got["resilver"], got["disk"]
     alone, beside = slow["alone"], slow["beside"]
     return [
         row("scrub of a mirror of two files, idle, against a client's sequential read of the volume", shown,
@@ -659,6 +659,11 @@ def scrub(ctx):
             resilver["full_mib_s"], "MiB/s", peer_name="fio 1M read QD4", peer=idle["read_mib_s"],
             note=f"{resilver['full_bytes'] / (1 << 20):.0f} MiB copied, server CPU "
                  f"{resilver['full_cpu_s_per_gib']:.2f} s per GiB"),
+        row("resilver of a new third copy (files), idle, against dd copying a child's file to a new file", shown,
+            resilver["full_mib_s"], "MiB/s", peer_name="dd bs=1M", peer=resilver["dd_copy_mib_s"]),
+        row("resilver on delay:4ms+throttle:bw=100M devices, against one such device's sequential read", shown,
+            on_disks["resilver_mib_s"], "MiB/s", peer_name="fio 1M read QD4", peer=on_disks["read_mib_s"],
+            note=f"{on_disks['copied_bytes'] / (1 << 20):.0f} MiB copied"),
         row("resilver of a device back after an absence, against the bytes written meanwhile", shown,
             resilver["back_bytes"] / (1 << 20), f"MiB copied ({LOWER})", peer_name="written meanwhile",
             peer=resilver["changed_bytes"] / (1 << 20), note=f"copied in {resilver['back_s']:.1f} s"),

@@ -10,7 +10,10 @@ One strata daemon, a pool on a mirror of two device files and a volume of
   (fio, 1 MiB reads, QD4): the pace the same devices give a reader.
 - Resilver: a third device attached to the mirror is copied (every chunk
   in use: a new device has no dirty record) at the resilver's own pace,
-  against the same sequential read; then that device is taken away, the
+  against the same sequential read and against dd copying a child's file
+  to a new file (the page cache's own pace for that copy: writing pages of
+  a new file costs far more than reading cached ones); then that device is
+  taken away, the
   client writes --changed-mib (1 MiB writes from a quarter of the volume
   on), and the device comes back:
   the bytes the resilver copies against the bytes written meanwhile.
@@ -18,8 +21,13 @@ One strata daemon, a pool on a mirror of two device files and a volume of
   FILE=delay:4ms+throttle:iops=200`): a client's 4K random reads at QD1
   (fio over NBD, --runtime s) alone, then with a scrub running the whole
   time; the client's IOPS and p99, and how far the scrub got meanwhile.
+- Resilver on disk-like devices (another daemon; every device behind
+  `delay:4ms+throttle:bw=100M`): a mirror of two whose second device was
+  away while the client rewrote the whole volume of --disk-mib; the
+  resilver's pace when it is back, against fio's sequential read (1 MiB,
+  QD4) of a pool on one such device.
 
-Usage: bench/scrub_bench.py [--runtime S] [--size-mib N] [--binary PATH] [--json FILE]
+Usage: bench/scrub_bench.py [--runtime S] [--size-mib N] [--disk-mib N] [--binary PATH] [--json FILE]
 Prints a Markdown table and writes JSON to --json.
 """
 import argparse, json, os, re, shutil, subprocess, sys, tempfile, time
@@ -30,6 +38,8 @@ import mirror_bench  # noqa: E402
 from nbd_bench import cpu_seconds, run_fio  # noqa: E402
 
 SLOW = "delay:4ms+throttle:iops=200"
+# A disk that streams: a seek's worth of latency per request, 100 MiB/s.
+DISK = "delay:4ms+throttle:bw=100M"
 
 
 def scrub_status(daemon):
@@ -76,11 +86,54 @@ def client(daemon, args, runtime, size_mib):
             "p99_us": side["clat_ns"]["percentile"].get("99.000000", 0) / 1000}
 
 
+def disk_resilver(work, size_mib):
+    """The resilver on disk-like devices: a mirror of two, one away while
+    the client rewrites the whole volume, then back with every device behind
+    DISK; its pace against a sequential read of one such device (a pool
+    "one" on a single device, its volume filled the same way)."""
+    files = {n: os.path.join(work, f"disk-{n}.img") for n in ("x", "y", "one")}
+    for path in files.values():
+        with open(path, "wb") as f:
+            f.truncate((size_mib << 20) + (256 << 20))
+    seed = os.path.join(work, "disk-seed.img")
+    with open(seed, "wb") as f:
+        for _ in range(size_mib):
+            f.write(os.urandom(1 << 20))
+    data = os.path.join(work, "disk")
+    daemon = mirror_bench.Daemon(data, [])
+    try:
+        mirror = [{"path": files[n], "role": "fast", "mirror": 0} for n in ("x", "y")]
+        daemon.call("POST", "/v1/pools", {"name": "m", "devices": mirror, "ram_bytes": 64 << 20})
+        daemon.call("POST", "/v1/pools", {"name": "one", "devices": [{"path": files["one"], "role": "fast"}],
+                                          "ram_bytes": 64 << 20})
+        for pool in ("m", "one"):
+            daemon.call("POST", "/v1/volumes", {"name": f"{pool}/bench", "size": size_mib << 20})
+            subprocess.run(["nbdcopy", "--flush", seed, f"nbd://127.0.0.1:{daemon.nbd}/{pool}/bench"], check=True)
+            daemon.call("POST", f"/v1/pools/{pool}/sync")
+        daemon.stop()
+        os.rename(files["y"], files["y"] + ".away")
+        daemon = mirror_bench.Daemon(data, [])
+        subprocess.run(["nbdcopy", "--flush", seed, f"nbd://127.0.0.1:{daemon.nbd}/m/bench"], check=True)
+        daemon.call("POST", "/v1/pools/m/sync")
+        daemon.stop()
+        os.rename(files["y"] + ".away", files["y"])
+        log = os.path.join(work, "disk.log")
+        daemon = mirror_bench.Daemon(data, [(p, DISK) for p in files.values()], log=log)
+        copied, seconds = wait_resilvers(log, 1)
+        job = run_fio(f"nbd://127.0.0.1:{daemon.nbd}/one/bench", ["--rw=read", "--bs=1M", "--iodepth=4"], 10,
+                      size_mib)
+        return {"resilver_mib_s": copied / (1 << 20) / max(seconds, 1e-9), "copied_bytes": copied,
+                "read_mib_s": job["read"]["bw_bytes"] / (1 << 20)}
+    finally:
+        daemon.stop()
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--runtime", type=int, default=20)
     parser.add_argument("--size-mib", type=int, default=1024)
     parser.add_argument("--changed-mib", type=int, default=64)
+    parser.add_argument("--disk-mib", type=int, default=512)
     parser.add_argument("--json", default=os.path.join(ROOT, "bench", "last-scrub-results.json"))
     parser.add_argument("--binary", default="")
     options = parser.parse_args()
@@ -139,6 +192,16 @@ def main():
         full_bytes, full_s = wait_resilvers(log, 1)
         full_cpu = cpu_seconds(daemon.proc.pid) - before
         daemon.stop()
+        # The same copy without strata: a child's file to a new sparse file
+        # with dd (1 MiB reads and writes), the page cache's own pace for it.
+        copy = os.path.join(work, "copy.img")
+        with open(copy, "wb") as f:
+            f.truncate(os.path.getsize(files[0]))
+        began = time.time()
+        subprocess.run(["dd", f"if={files[0]}", f"of={copy}", "bs=1M", "conv=notrunc",
+                        f"count={int(full_bytes) >> 20}", "status=none"], check=True)
+        copy_mib_s = (int(full_bytes) >> 20) / (time.time() - began)
+        os.unlink(copy)
         os.rename(third, third + ".away")
         daemon = mirror_bench.Daemon(data, [], log=log)
         run_fio(f"nbd://127.0.0.1:{daemon.nbd}/m/bench", ["--rw=write", "--bs=1M", "--iodepth=4",
@@ -149,6 +212,7 @@ def main():
         daemon = mirror_bench.Daemon(data, [], log=log)
         back_bytes, back_s = wait_resilvers(log, 2)
         results["resilver"] = {"full_mib_s": full_bytes / (1 << 20) / max(full_s, 1e-9), "full_bytes": full_bytes,
+                               "dd_copy_mib_s": copy_mib_s,
                                "full_cpu_s_per_gib": full_cpu / max(full_bytes / (1 << 30), 1e-9),
                                "changed_bytes": options.changed_mib << 20, "back_bytes": back_bytes,
                                "back_s": back_s}
@@ -171,6 +235,10 @@ def main():
         results["slow"] = {"alone": alone, "beside": beside,
                            "scrub_mib_s": during["issued_bytes"] / (1 << 20) / options.runtime,
                            "scrub_state": during["state"]}
+        daemon.stop()
+        daemon = None
+        results["disk"] = disk_resilver(work, options.disk_mib)
+        print(f"disk-like resilver: {results['disk']}", file=sys.stderr)
     finally:
         if daemon:
             daemon.stop()
@@ -188,6 +256,12 @@ def main():
     r = results["resilver"]
     print(f"| resilver of a new copy (files) | {r['full_mib_s']:.0f} MiB/s, {r['full_cpu_s_per_gib']:.2f} s CPU/GiB | "
           f"client sequential read {idle['read_mib_s']:.0f} MiB/s | {r['full_mib_s'] / max(idle['read_mib_s'], 1e-9):.2f}x |")
+    print(f"| resilver of a new copy against dd's copy of a child's file | {r['full_mib_s']:.0f} MiB/s | "
+          f"dd {r['dd_copy_mib_s']:.0f} MiB/s | {r['full_mib_s'] / max(r['dd_copy_mib_s'], 1e-9):.2f}x |")
+    k = results["disk"]
+    print(f"| resilver on {DISK} devices | {k['resilver_mib_s']:.0f} MiB/s | "
+          f"one device's sequential read {k['read_mib_s']:.0f} MiB/s | "
+          f"{k['resilver_mib_s'] / max(k['read_mib_s'], 1e-9):.2f}x |")
     print(f"| resilver after an absence | {r['back_bytes'] / (1 << 20):.1f} MiB copied | "
           f"{r['changed_bytes'] >> 20} MiB written meanwhile | {r['back_bytes'] / r['changed_bytes']:.2f}x |")
     with open(options.json, "w") as f:
