@@ -1306,6 +1306,55 @@ impl Log {
         Ok(())
     }
 
+    /// Checks one copy of the committed blocks a recovery would replay now
+    /// (from the tail to the next commit position), as `device` (the log's
+    /// device, or one child of its mirror) holds them: every record block
+    /// must decode and every payload match its checksum, as replay wants.
+    /// Returns the bytes that do not, counting everything after a record
+    /// block that does not decode (its payloads cannot be told apart from
+    /// the blocks after them), and only what is still needed when the check
+    /// ends: the blocks a checkpoint moved the tail past meanwhile may have
+    /// been written again.
+    ///
+    /// No lock is held while reading: a committed block is never rewritten
+    /// until the tail has passed it (the head only takes room past the
+    /// tail), and the end is read under the commit lock, so no commit is
+    /// halfway through the blocks before it.
+    pub async fn check_copy(&self, device: &Arc<dyn Device>) -> Result<u64, DeviceError> {
+        let end = {
+            let _guard = self.commit_lock.lock().await;
+            self.next_lsn()
+        };
+        let mut reader = UnitReader {
+            device,
+            offset: self.offset,
+            len: self.len,
+            window_lsn: 0,
+            window: Vec::new(),
+        };
+        let mut bad: Vec<(u64, u64)> = Vec::new();
+        let mut lsn = self.tail_lsn();
+        while lsn < end {
+            let block = reader.unit(lsn).await?;
+            let Some((records, _, payloads)) = decode_block(&block, lsn, self.pool_tag) else {
+                bad.push((lsn, end));
+                break;
+            };
+            let mut at = lsn + LOG_BLOCK_BYTES;
+            for record in &records {
+                if let Record::Data { crc, .. } = record {
+                    if at < end && crate::checksum::crc32c(&reader.unit(at).await?) != *crc {
+                        bad.push((at, at + LOG_BLOCK_BYTES));
+                    }
+                    at += LOG_BLOCK_BYTES;
+                }
+            }
+            lsn += (1 + payloads as u64) * LOG_BLOCK_BYTES;
+        }
+        let tail = self.tail_lsn();
+        Ok(bad.iter().map(|&(from, to)| to.saturating_sub(from.max(tail))).sum())
+    }
+
     /// Reads the valid records from `tail_lsn` on. Returns them (each with
     /// whether a commit wrote it, as opposed to staging, and the LSN of its
     /// block), the LSN where the next block should go (after the last

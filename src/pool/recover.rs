@@ -532,7 +532,11 @@ impl Pool {
     ) -> Result<Arc<Pool>, PoolError> {
         let chunk = superblock.chunk_bytes as u64;
         let devices = grow::DeviceList::from(devices);
-        let meta_dev = devices.at(superblock.meta_device).map_err(PoolError::Meta)?.device.clone();
+        let meta_dev = devices
+            .at(superblock.meta_device)
+            .map_err(PoolError::Meta)?
+            .device
+            .clone();
         let (meta_offset, meta_bytes) = (superblock.meta_offset, superblock.meta_bytes);
         let store_bytes = Arc::new(AtomicU64::new(0));
         let written = store_bytes.clone();
@@ -663,7 +667,11 @@ impl Pool {
         })?;
         allocator.take_dirty();
 
-        let log_device = devices.at(superblock.log_device).map_err(PoolError::Meta)?.device.clone();
+        let log_device = devices
+            .at(superblock.log_device)
+            .map_err(PoolError::Meta)?
+            .device
+            .clone();
         let pool_tag = pool_tag(&superblock.pool_uuid);
         let (records, end_lsn, valid_end) = Log::replay(
             &log_device,

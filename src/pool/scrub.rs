@@ -95,7 +95,9 @@ impl Pool {
 // dataset, snapshot or clone maps is read back from every copy that holds
 // it and verified against its stored checksums; a bad copy on a mirror is
 // rewritten from a good one, a block no copy holds intact is listed by
-// volume and offset.
+// volume and offset. Last, every copy of the log's committed blocks that
+// a recovery would replay is checked, and a checkpoint retires them if
+// one fails (`Pool::scrub_log`).
 //
 // Order: the maps are walked once, volume by volume (by id), each
 // volume's own view and then its snapshots' own pages, in block order; a
@@ -397,6 +399,75 @@ impl Pool {
             .sum()
     }
 
+    /// The last step of a scrub: every copy of the log's committed blocks
+    /// that a recovery would replay now ([`Log::check_copy`]). A copy that
+    /// fails its checks is not rewritten: a checkpoint retires those
+    /// blocks instead (everything their records say is in the metadata
+    /// store after it, and replay starts past them), on a single device as
+    /// on a mirror. Returns the bytes of bad copies so retired (a scrub's
+    /// `repaired_bytes`; its `issued_bytes` count blocks of data only);
+    /// each bad copy of a mirror counts as checksum errors on its child
+    /// (4 KiB each).
+    async fn scrub_log(&self) -> Result<u64, PoolError> {
+        let pool_device = self.data_device(self.regions.log_device).map_err(PoolError::Meta)?;
+        let live = self.log.next_lsn().saturating_sub(self.log.tail_lsn());
+        let mut bad_bytes = 0;
+        match pool_device.mirror() {
+            Some(mirror) => {
+                for child in mirror.online() {
+                    let Some(device) = &child.device else {
+                        continue;
+                    };
+                    let bad = match self.log.check_copy(device).await {
+                        Ok(bad) => bad,
+                        Err(e) => {
+                            child.counters.read_errors.fetch_add(1, Ordering::Relaxed);
+                            tracing::warn!("pool {}: scrub: reading the log on {}: {e}", self.name, child.name);
+                            live
+                        }
+                    };
+                    if bad > 0 {
+                        child
+                            .counters
+                            .checksum_errors
+                            .fetch_add(bad.div_ceil(crate::meta::log::LOG_BLOCK_BYTES), Ordering::Relaxed);
+                        tracing::warn!(
+                            "pool {}: scrub: {} of the log on {} failed its checks",
+                            self.name,
+                            crate::units::format_size(bad),
+                            child.name
+                        );
+                    }
+                    bad_bytes += bad;
+                }
+            }
+            None => {
+                let device: Arc<dyn Device> = pool_device.device.clone();
+                let bad = match self.log.check_copy(&device).await {
+                    Ok(bad) => bad,
+                    Err(e) => {
+                        pool_device.counters.read_errors.fetch_add(1, Ordering::Relaxed);
+                        tracing::warn!("pool {}: scrub: reading the log: {e}", self.name);
+                        live
+                    }
+                };
+                if bad > 0 {
+                    tracing::warn!(
+                        "pool {}: scrub: {} of the log failed its checks",
+                        self.name,
+                        crate::units::format_size(bad)
+                    );
+                }
+                bad_bytes += bad;
+            }
+        }
+        if bad_bytes > 0 {
+            self.checkpoint().await?;
+            tracing::warn!("pool {}: scrub: a checkpoint retired the damaged log blocks", self.name);
+        }
+        Ok(bad_bytes)
+    }
+
     /// Runs `job` (the pool's scrub, [`Pool::set_scrub_job`]) from its
     /// cursor until every block is checked or it is told to pause or
     /// stop; `save` is called with its status every `save_every` and when
@@ -476,6 +547,8 @@ impl Pool {
                     at = end;
                 }
                 let Some(next) = next else {
+                    let retired = self.scrub_log().await?;
+                    job.update(|s| s.repaired_bytes += retired);
                     return Ok(ScrubState::Finished);
                 };
                 job.update(|s| s.cursor = next);
