@@ -667,20 +667,11 @@ impl Pool {
         })?;
         allocator.take_dirty();
 
-        let log_device = devices
-            .at(superblock.log_device)
-            .map_err(PoolError::Meta)?
-            .device
-            .clone();
+        let log_member = devices.at(superblock.log_device).map_err(PoolError::Meta)?;
+        let log_device = log_member.device.clone();
         let pool_tag = pool_tag(&superblock.pool_uuid);
-        let (records, end_lsn, valid_end) = Log::replay(
-            &log_device,
-            superblock.log_offset,
-            superblock.log_bytes,
-            pool_tag,
-            data_tail,
-        )
-        .await?;
+        let (records, end_lsn, valid_end, log_source) =
+            replay_longest(log_member, &superblock, pool_tag, data_tail).await?;
         let log = Log::new(
             log_device,
             superblock.log_offset,
@@ -865,7 +856,7 @@ impl Pool {
         // Persist what replay rebuilt and start the log afresh; blocks staged
         // before the crash must not be replayed again by a later recovery.
         pool.checkpoint().await?;
-        pool.sync_mirrored_log(&superblock).await?;
+        pool.sync_mirrored_log(&superblock, log_source).await?;
         pool.log.seal(valid_end).await?;
         if options.background {
             pool.start_destager();
@@ -876,17 +867,23 @@ impl Pool {
         Ok(pool)
     }
 
-    /// Mirrors read from one child while the pool opens: the log was
-    /// replayed from it. A write in flight when the pool stopped may have
-    /// reached one child's log and not another's, so the log region is
+    /// Mirrors read from one child while the pool opens. The log was
+    /// replayed from `log_source` ([`replay_longest`]); a write in flight
+    /// when the pool stopped may have reached one child's log and not
+    /// another's, and rot may have cut one short, so the log region is
     /// copied from that child to the others before new records follow the
     /// replayed ones; from then on reads go to the least busy child.
-    async fn sync_mirrored_log(&self, superblock: &Superblock) -> Result<(), PoolError> {
+    async fn sync_mirrored_log(&self, superblock: &Superblock, log_source: Option<[u8; 16]>) -> Result<(), PoolError> {
         for device in &self.devices {
             let Some(mirror) = device.mirror() else {
                 continue;
             };
-            let source = mirror.online().into_iter().next();
+            let online = mirror.online();
+            let source = online
+                .iter()
+                .find(|c| Some(c.uuid) == log_source)
+                .or(online.first())
+                .cloned();
             if let (Some(source), true) = (source, device.member.index == superblock.log_device) {
                 let targets: Vec<_> = mirror
                     .written()
@@ -1168,6 +1165,64 @@ impl Pool {
 
 /// The tag every log block of the pool carries: the first 8 bytes of its
 /// UUID.
+/// Replays the log of `member` from `tail`: on a mirror, from every
+/// up-to-date child, keeping the one whose committed blocks go furthest
+/// (then whose valid blocks do), with that child's uuid. The copies differ
+/// only where a commit that was never acknowledged reached one child and
+/// not another, or where rot cut one short: the longest holds every
+/// acknowledged record either way. A child that cannot be read is passed
+/// over (the error is returned only if none can).
+async fn replay_longest(
+    member: &PoolDevice,
+    superblock: &Superblock,
+    pool_tag: u64,
+    tail: u64,
+) -> Result<(Vec<(Record, bool, u64)>, u64, u64, Option<[u8; 16]>), PoolError> {
+    let replay = |device: Arc<dyn Device>| async move {
+        Log::replay(&device, superblock.log_offset, superblock.log_bytes, pool_tag, tail).await
+    };
+    let Some(mirror) = member.mirror() else {
+        let (records, next, end) = replay(member.device.clone()).await?;
+        return Ok((records, next, end, None));
+    };
+    let mut best: Option<(Vec<(Record, bool, u64)>, u64, u64, Option<[u8; 16]>)> = None;
+    let mut first_error = None;
+    for child in mirror.online() {
+        let Some(device) = child.device.clone() else {
+            continue;
+        };
+        match replay(device).await {
+            Ok((records, next, end)) => {
+                if let Some((_, best_next, best_end, _)) = &best {
+                    if (next, end) != (*best_next, *best_end) {
+                        tracing::warn!(
+                            "{}: its copy of the log ends at {next} (valid to {end}), another's at \
+                             {best_next} (valid to {best_end}); replaying the longer",
+                            child.name
+                        );
+                    }
+                }
+                if best.as_ref().is_none_or(|(_, n, e, _)| (next, end) > (*n, *e)) {
+                    best = Some((records, next, end, Some(child.uuid)));
+                }
+            }
+            Err(e) => {
+                child.counters.read_errors.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!("{}: reading its copy of the log: {e}", child.name);
+                first_error.get_or_insert(e);
+            }
+        }
+    }
+    match (best, first_error) {
+        (Some(best), _) => Ok(best),
+        (None, Some(e)) => Err(e.into()),
+        (None, None) => Err(PoolError::Invalid(format!(
+            "no up-to-date device of {} holds the log",
+            mirror.info().name
+        ))),
+    }
+}
+
 fn pool_tag(uuid: &[u8; 16]) -> u64 {
     let mut tag = [0u8; 8];
     tag.copy_from_slice(&uuid[..8]);

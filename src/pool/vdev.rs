@@ -28,9 +28,10 @@
 //!   durable on every written child waits until it is, so a returning child
 //!   is resilvered only where the member changed.
 //! - while the pool opens, reads from one child only ([`Mirror::pin_reads`]):
-//!   the log is replayed and the metadata store opened from one copy, and
-//!   the log's live part is then copied to the others, so a write that was
-//!   in flight on one child only when the pool stopped cannot make the
+//!   the metadata store is opened from one copy, the log replayed from the
+//!   copy that goes furthest (every child's is read), and the log region
+//!   then copied to the others, so a write that was in flight on one child
+//!   only when the pool stopped, or rot in one copy, cannot make the
 //!   copies tell two stories.
 
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicU8, Ordering};
