@@ -1165,6 +1165,11 @@ impl Pool {
 
 /// The tag every log block of the pool carries: the first 8 bytes of its
 /// UUID.
+/// What [`replay_longest`] found: the records (each with whether a commit
+/// wrote it and its block's LSN), where the next commit goes, where the
+/// valid blocks end, and the mirror child it read them from.
+type Replayed = (Vec<(Record, bool, u64)>, u64, u64, Option<[u8; 16]>);
+
 /// Replays the log of `member` from `tail`: on a mirror, from every
 /// up-to-date child, keeping the one whose committed blocks go furthest
 /// (then whose valid blocks do), with that child's uuid. The copies differ
@@ -1177,7 +1182,7 @@ async fn replay_longest(
     superblock: &Superblock,
     pool_tag: u64,
     tail: u64,
-) -> Result<(Vec<(Record, bool, u64)>, u64, u64, Option<[u8; 16]>), PoolError> {
+) -> Result<Replayed, PoolError> {
     let replay = |device: Arc<dyn Device>| async move {
         Log::replay(&device, superblock.log_offset, superblock.log_bytes, pool_tag, tail).await
     };
@@ -1185,7 +1190,7 @@ async fn replay_longest(
         let (records, next, end) = replay(member.device.clone()).await?;
         return Ok((records, next, end, None));
     };
-    let mut best: Option<(Vec<(Record, bool, u64)>, u64, u64, Option<[u8; 16]>)> = None;
+    let mut best: Option<Replayed> = None;
     let mut first_error = None;
     for child in mirror.online() {
         let Some(device) = child.device.clone() else {
