@@ -797,19 +797,30 @@ fn a_stale_device_without_a_whole_dirty_record_is_resilvered_in_full() {
     }
 }
 
+/// A new pool with round 1 placed and checkpointed, and round 2
+/// acknowledged and flushed but not checkpointed: a recovery replays the
+/// log for it.
+async fn round_two_in_the_log(mirror: &Mirrored) -> (Arc<Pool>, Arc<EngineVolume>) {
+    let pool = mirror.create().await;
+    let volume = volume_of(&pool);
+    write_placed(&pool, &volume, 1).await;
+    pool.checkpoint().await.unwrap();
+    write_all(&volume, 2).await;
+    (pool, volume)
+}
+
+/// Bit rot over device `which`'s whole log region.
+fn rot_log(mirror: &Mirrored, which: usize) {
+    let superblock = mirror.superblock(which);
+    mirror.sims[which].corrupt(superblock.log_offset, superblock.log_bytes);
+}
+
 #[test]
 fn rot_in_one_copy_of_the_log_is_found_by_the_scrub_and_retired_by_a_checkpoint() {
     runtime().block_on(async {
         let mirror = Mirrored::new();
-        let pool = mirror.create().await;
-        let volume = volume_of(&pool);
-        write_placed(&pool, &volume, 1).await;
-        pool.checkpoint().await.unwrap();
-        // Round 2 acknowledged and flushed, not checkpointed: a recovery
-        // replays the log for it.
-        write_all(&volume, 2).await;
-        let superblock = mirror.superblock(1);
-        mirror.sims[1].corrupt(superblock.log_offset, superblock.log_bytes);
+        let (pool, volume) = round_two_in_the_log(&mirror).await;
+        rot_log(&mirror, 1);
         let checkpoints = pool.meta_counters().checkpoints;
         let job = ScrubJob::new(ScrubStatus::new(0));
         pool.set_scrub_job(job.clone()).unwrap();
@@ -851,15 +862,10 @@ fn rot_in_one_copy_of_the_log_is_found_by_the_scrub_and_retired_by_a_checkpoint(
 fn a_copy_of_the_log_cut_short_by_rot_is_not_the_one_replayed() {
     runtime().block_on(async {
         let mirror = Mirrored::new();
-        let pool = mirror.create().await;
-        let volume = volume_of(&pool);
-        write_placed(&pool, &volume, 1).await;
-        pool.checkpoint().await.unwrap();
-        write_all(&volume, 2).await;
-        // Rot over the first device's whole log region (the one the pool
-        // would read first while it opens), then a power cut.
-        let superblock = mirror.superblock(0);
-        mirror.sims[0].corrupt(superblock.log_offset, superblock.log_bytes);
+        let (pool, volume) = round_two_in_the_log(&mirror).await;
+        // Rot in the first device's log (the one the pool would read first
+        // while it opens), then a power cut.
+        rot_log(&mirror, 0);
         for sim in &mirror.sims {
             sim.crash();
         }
